@@ -1,0 +1,269 @@
+//! The single typed configuration of `kvepp serve`.
+//!
+//! Precedence, lowest to highest: built-in defaults → the `--config` file (YAML or JSON, unknown
+//! fields rejected) → environment variables → command-line flags. Every field is validated at
+//! startup and each bad field gets its own message; the effective configuration is logged once.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// What to do with a request whose model matches no InferenceModel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum UnknownModels {
+    /// 404, as the EPP protocol requires.
+    Reject,
+    /// Route it with Standard criticality and no rewrite (newer reference EPPs).
+    PassThrough,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// ext_proc gRPC port.
+    pub grpc_port: u16,
+    /// gRPC health port (services `liveness`, `readiness`, `envoy.service.ext_proc.v3.ExternalProcessor`).
+    pub grpc_health_port: u16,
+    /// Prometheus `/metrics` (and HTTP `/health`, `/ready`) port.
+    pub metrics_port: u16,
+    /// Address every server binds.
+    pub bind_address: String,
+    /// InferencePool this EPP serves.
+    pub pool_name: String,
+    pub pool_namespace: String,
+    /// Service whose EndpointSlices list the pool's endpoints; defaults to the pool name.
+    pub endpoint_service: Option<String>,
+    /// Directory of Kubernetes manifests used instead of a cluster.
+    pub manifests_dir: Option<PathBuf>,
+    /// How often the manifests directory is re-read, in milliseconds.
+    pub manifests_poll_ms: u64,
+    pub unknown_models: UnknownModels,
+    /// Send `primary,fallback` in the destination header and metadata (ordered-list form).
+    pub destination_endpoint_list: bool,
+    /// In-flight requests at which an endpoint is saturated (Sheddable requests get 429 when every
+    /// eligible endpoint is); 0 disables shedding.
+    pub max_in_flight_per_endpoint: u32,
+    /// Largest request body kvepp accepts (413 above it).
+    pub max_body_bytes: usize,
+    /// Grace period for open streams on SIGTERM, in seconds.
+    pub shutdown_grace_seconds: u64,
+    pub log_format: LogFormat,
+    /// tracing filter, e.g. `info` or `kvepp=debug`.
+    pub log_level: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            grpc_port: 9002,
+            grpc_health_port: 9003,
+            metrics_port: 9090,
+            bind_address: "0.0.0.0".into(),
+            pool_name: String::new(),
+            pool_namespace: "default".into(),
+            endpoint_service: None,
+            manifests_dir: None,
+            manifests_poll_ms: 250,
+            unknown_models: UnknownModels::Reject,
+            destination_endpoint_list: false,
+            max_in_flight_per_endpoint: 128,
+            max_body_bytes: 8 << 20,
+            shutdown_grace_seconds: 25,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+        }
+    }
+}
+
+/// One bad field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {source}")]
+    Parse { path: PathBuf, source: serde_yaml::Error },
+    #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<FieldError>),
+}
+
+/// Flags (and their environment variables) of `kvepp serve`. Every flag overrides the file.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Configuration file (YAML or JSON); flags and environment variables override it.
+    #[arg(long, env = "KVEPP_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[arg(long, env = "KVEPP_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
+    #[arg(long, env = "KVEPP_GRPC_HEALTH_PORT")]
+    pub grpc_health_port: Option<u16>,
+    #[arg(long, env = "KVEPP_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
+    #[arg(long, env = "KVEPP_BIND_ADDRESS")]
+    pub bind_address: Option<String>,
+    #[arg(long, env = "KVEPP_POOL_NAME")]
+    pub pool_name: Option<String>,
+    #[arg(long, env = "KVEPP_POOL_NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// Service whose EndpointSlices belong to the pool (default: the pool name).
+    #[arg(long, env = "KVEPP_ENDPOINT_SERVICE")]
+    pub endpoint_service: Option<String>,
+    /// Read InferencePool/InferenceModel/EndpointSlice objects from this directory.
+    #[arg(long, env = "KVEPP_MANIFESTS_DIR")]
+    pub manifests_dir: Option<PathBuf>,
+    #[arg(long, env = "KVEPP_MANIFESTS_POLL_MS")]
+    pub manifests_poll_ms: Option<u64>,
+    #[arg(long, env = "KVEPP_UNKNOWN_MODELS", value_enum)]
+    pub unknown_models: Option<UnknownModels>,
+    /// Ordered-list form `primary,fallback` in the destination header and metadata.
+    #[arg(long, env = "KVEPP_DESTINATION_ENDPOINT_LIST")]
+    pub destination_endpoint_list: Option<bool>,
+    #[arg(long, env = "KVEPP_MAX_IN_FLIGHT_PER_ENDPOINT")]
+    pub max_in_flight_per_endpoint: Option<u32>,
+    #[arg(long, env = "KVEPP_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    #[arg(long, env = "KVEPP_SHUTDOWN_GRACE_SECONDS")]
+    pub shutdown_grace_seconds: Option<u64>,
+    #[arg(long, env = "KVEPP_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+    #[arg(long, env = "KVEPP_LOG_LEVEL")]
+    pub log_level: Option<String>,
+}
+
+macro_rules! overlay {
+    ($cfg:ident, $args:ident, $($field:ident),+ $(,)?) => {
+        $( if let Some(v) = $args.$field.clone() { $cfg.$field = v; } )+
+    };
+}
+
+impl Config {
+    /// Builds and validates the configuration from the file and the flags.
+    pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let mut cfg = match &args.config {
+            Some(path) => Self::from_file(path)?,
+            None => Config::default(),
+        };
+        overlay!(cfg, args, grpc_port, grpc_health_port, metrics_port, bind_address, pool_name,
+            pool_namespace, manifests_poll_ms, unknown_models, destination_endpoint_list,
+            max_in_flight_per_endpoint, max_body_bytes, shutdown_grace_seconds, log_format, log_level);
+        if args.endpoint_service.is_some() {
+            cfg.endpoint_service = args.endpoint_service.clone();
+        }
+        if args.manifests_dir.is_some() {
+            cfg.manifests_dir = args.manifests_dir.clone();
+        }
+        cfg.validate().map_err(ConfigError::Invalid)?;
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        serde_yaml::from_slice(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
+    }
+
+    /// Checks every field; returns one error per bad field.
+    pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut errs = Vec::new();
+        let mut bad = |field: &'static str, message: String| errs.push(FieldError { field, message });
+        if self.bind_address.parse::<IpAddr>().is_err() {
+            bad("bind_address", format!("{:?} is not an IP address", self.bind_address));
+        }
+        if !is_dns_label(&self.pool_name) {
+            bad("pool_name", format!("{:?} must be a Kubernetes object name (lowercase letters, digits, '-', '.'; required)", self.pool_name));
+        }
+        if !is_dns_label(&self.pool_namespace) {
+            bad("pool_namespace", format!("{:?} is not a Kubernetes namespace name", self.pool_namespace));
+        }
+        if let Some(svc) = &self.endpoint_service {
+            if !is_dns_label(svc) {
+                bad("endpoint_service", format!("{svc:?} is not a Kubernetes Service name"));
+            }
+        }
+        match &self.manifests_dir {
+            None => bad("manifests_dir", "required: this build discovers endpoints from a manifests directory (Kubernetes API discovery is not built yet)".into()),
+            Some(d) if !d.is_dir() => bad("manifests_dir", format!("{} is not a directory", d.display())),
+            Some(_) => {}
+        }
+        if !(10..=60_000).contains(&self.manifests_poll_ms) {
+            bad("manifests_poll_ms", format!("{} must be between 10 and 60000", self.manifests_poll_ms));
+        }
+        if self.max_body_bytes < 1024 || self.max_body_bytes > 256 << 20 {
+            bad("max_body_bytes", format!("{} must be between 1 KiB and 256 MiB", self.max_body_bytes));
+        }
+        let ports = [("grpc_port", self.grpc_port), ("grpc_health_port", self.grpc_health_port), ("metrics_port", self.metrics_port)];
+        for (i, (name, port)) in ports.iter().enumerate() {
+            if *port != 0 && ports[..i].iter().any(|(_, p)| p == port) {
+                bad(name, format!("port {port} is already used by another server"));
+            }
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
+            bad("log_level", format!("{:?} is not a valid log filter", self.log_level));
+        }
+        if errs.is_empty() { Ok(()) } else { Err(errs) }
+    }
+
+    pub fn endpoint_service(&self) -> &str {
+        self.endpoint_service.as_deref().unwrap_or(&self.pool_name)
+    }
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && s.as_bytes()[0].is_ascii_alphanumeric()
+        && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_then_flags() {
+        let dir = crate::testing::TempDir::new("config");
+        let file = dir.path().join("kvepp.yaml");
+        std::fs::write(&file, format!("pool_name: from-file\ngrpc_port: 7000\nmanifests_dir: {}\nunknown_models: pass-through\n", dir.path().display())).unwrap();
+        let args = ServeArgs { config: Some(file.clone()), grpc_port: Some(7001), ..Default::default() };
+        let cfg = Config::load(&args).unwrap();
+        assert_eq!((cfg.pool_name.as_str(), cfg.grpc_port, cfg.metrics_port), ("from-file", 7001, 9090));
+        assert_eq!(cfg.unknown_models, UnknownModels::PassThrough);
+        assert_eq!(cfg.endpoint_service(), "from-file");
+
+        std::fs::write(&file, "pool_name: x\nno_such_field: 1\n").unwrap();
+        let err = Config::load(&ServeArgs { config: Some(file), ..Default::default() }).unwrap_err();
+        assert!(err.to_string().contains("no_such_field"), "{err}");
+    }
+
+    #[test]
+    fn every_bad_field_is_reported() {
+        let cfg = Config {
+            bind_address: "localhost:1".into(),
+            pool_name: "Bad_Name".into(),
+            metrics_port: 9002,
+            max_body_bytes: 10,
+            log_level: "[[[".into(),
+            ..Config::default()
+        };
+        let errs = cfg.validate().unwrap_err();
+        let fields: Vec<&str> = errs.iter().map(|e| e.field).collect();
+        assert_eq!(fields, vec!["bind_address", "pool_name", "manifests_dir", "max_body_bytes", "metrics_port", "log_level"]);
+        let text = ConfigError::Invalid(errs).to_string();
+        assert!(text.contains("pool_name: \"Bad_Name\""), "{text}");
+    }
+}

@@ -1,0 +1,104 @@
+//! The Envoy ext_proc server: one gRPC stream per HTTP request.
+//!
+//! Each stream is driven by a [`stream::StreamState`] that owns the request's body chunks, its
+//! booking on the picked endpoint and its metric labels. Responses leave through a small bounded
+//! channel, so a slow proxy applies backpressure instead of growing a queue.
+
+pub mod metadata;
+pub mod response;
+mod stream;
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessor, ExternalProcessorServer};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::discovery::Datastore;
+use crate::metrics::Metrics;
+use crate::selector::Selector;
+
+/// Protocol choices that come from the configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Route models with no InferenceModel as Standard instead of answering 404.
+    pub pass_through_unknown: bool,
+    /// Send `primary,fallback` in the destination header and metadata.
+    pub destination_list: bool,
+    /// Largest body accepted (413 above it).
+    pub max_body_bytes: usize,
+}
+
+/// What every stream shares.
+#[derive(Debug)]
+pub struct Shared {
+    pub store: Arc<Datastore>,
+    pub selector: Selector,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    no_model: Arc<str>,
+    no_endpoint: Arc<str>,
+}
+
+impl Shared {
+    pub fn new(store: Arc<Datastore>, selector: Selector, metrics: Arc<Metrics>, settings: Settings) -> Self {
+        Shared { store, selector, metrics, settings, no_model: "none".into(), no_endpoint: "".into() }
+    }
+}
+
+/// The ext_proc gRPC service.
+#[derive(Debug, Clone)]
+pub struct ExtProcService {
+    shared: Arc<Shared>,
+}
+
+impl ExtProcService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        ExtProcService { shared }
+    }
+
+    /// The tonic server with message limits that fit the largest accepted body.
+    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        let limit = self.shared.settings.max_body_bytes + 64 * 1024;
+        ExternalProcessorServer::new(self).max_decoding_message_size(limit).max_encoding_message_size(limit)
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(&self, request: Request<Streaming<ProcessingRequest>>) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(8);
+        let mut state = stream::StreamState::new(self.shared.clone());
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(4);
+            loop {
+                match inbound.message().await {
+                    Ok(Some(msg)) => {
+                        let observe_only = msg.observability_mode;
+                        state.handle(msg, &mut out);
+                        if observe_only {
+                            out.clear();
+                        }
+                        for r in out.drain(..) {
+                            if tx.send(Ok(r)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Ok(None) => return,
+                    // Envoy ends every stream with a reset: a normal end, not a failure.
+                    Err(status) => {
+                        tracing::trace!(%status, "ext_proc stream closed by the proxy");
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

@@ -1,0 +1,404 @@
+//! The state machine of one ext_proc stream (= one HTTP request).
+//!
+//! Request side, by Envoy's `request_body_mode` (announced in `protocol_config`):
+//! - no body (headers with end_of_stream) or `NONE`: pick at the headers, without a model;
+//! - `BUFFERED`: continue the headers, pick when the whole body arrives, answer in the body
+//!   response (Envoy applies header mutations there because the headers are still held);
+//! - `FULL_DUPLEX_STREAMED`: hold the headers answer, collect chunks until end_of_stream (or
+//!   trailers), then send the headers answer followed by the body as streamed chunks.
+//!
+//! Response side: the first response byte ends the prefill phase of the booking; end of stream,
+//! trailers or the stream going away (abort) release it. The booking is released by `Drop`, so
+//! every path releases it exactly once.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::service::ext_proc::v3::{processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
+
+use super::metadata::{served_endpoint, subset_hint, Subset};
+use super::response as resp;
+use super::Shared;
+use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
+use crate::request::{parse_body, resolve_model, BodyError, ModelError, Rewrite};
+use crate::selector::{Booking, Criticality, Pick, PickError, PickRequest};
+
+/// Envoy's BodySendMode values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    None,
+    Buffered,
+    /// BUFFERED_PARTIAL: like BUFFERED while the body fits the proxy's buffer.
+    BufferedPartial,
+    Duplex,
+    Unsupported(i32),
+}
+
+impl Mode {
+    fn from_i32(v: i32) -> Mode {
+        match v {
+            0 => Mode::None,
+            2 => Mode::Buffered,
+            3 => Mode::BufferedPartial,
+            4 => Mode::Duplex,
+            other => Mode::Unsupported(other),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the request headers.
+    Start,
+    /// Headers answered; the buffered body comes next.
+    BufferedBody,
+    /// Collecting streamed chunks; the headers answer is held until the body is complete.
+    DuplexBody,
+    /// Forwarded to the picked endpoint; watching the response.
+    Routed,
+    /// An immediate response was sent; nothing more is forwarded.
+    Rejected,
+}
+
+/// Why the EPP answers the request itself.
+#[derive(Debug)]
+struct Rejection {
+    status: u16,
+    kind: &'static str,
+    reason: &'static str,
+    message: String,
+}
+
+impl Rejection {
+    fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        let kind = match status {
+            429 => "rate_limit_error",
+            500 => "internal_error",
+            503 => "service_unavailable",
+            _ => "invalid_request_error",
+        };
+        Rejection { status, kind, reason, message: message.into() }
+    }
+}
+
+impl From<BodyError> for Rejection {
+    fn from(e: BodyError) -> Self {
+        let reason = match e {
+            BodyError::Malformed(_) | BodyError::NotAnObject => "malformed_body",
+            BodyError::MissingModel | BodyError::ModelNotString => "missing_model",
+        };
+        Rejection::new(400, reason, e.to_string())
+    }
+}
+
+impl From<PickError> for Rejection {
+    fn from(e: PickError) -> Self {
+        match e {
+            PickError::Saturated(_) => Rejection::new(429, "saturated", e.to_string()),
+            PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
+            PickError::EmptySubset | PickError::NoEligibleInSubset(_) => Rejection::new(503, "subset_no_match", e.to_string()),
+        }
+    }
+}
+
+/// A routing decision for a request.
+struct Decision {
+    pick: Pick,
+    /// Where the `model` value is and what it becomes, when the body must be rewritten.
+    rewrite: Option<(Range<usize>, Arc<str>)>,
+}
+
+pub(super) struct StreamState {
+    shared: Arc<Shared>,
+    request_mode: Mode,
+    response_mode: Mode,
+    phase: Phase,
+    subset: Subset,
+    chunks: Vec<Vec<u8>>,
+    body_len: usize,
+    booking: Option<Booking>,
+    labels: Option<RequestLabels>,
+    primary: Option<std::net::SocketAddr>,
+}
+
+impl StreamState {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        StreamState {
+            shared,
+            request_mode: Mode::Buffered,
+            response_mode: Mode::None,
+            phase: Phase::Start,
+            subset: Subset::Unset,
+            chunks: Vec::new(),
+            body_len: 0,
+            booking: None,
+            labels: None,
+            primary: None,
+        }
+    }
+
+    pub(super) fn handle(&mut self, msg: ProcessingRequest, out: &mut Vec<ProcessingResponse>) {
+        if let Some(pc) = &msg.protocol_config {
+            self.request_mode = Mode::from_i32(pc.request_body_mode);
+            self.response_mode = Mode::from_i32(pc.response_body_mode);
+        }
+        let Some(request) = msg.request else { return };
+        match request {
+            Msg::RequestHeaders(h) => {
+                self.subset = subset_hint(msg.metadata_context.as_ref());
+                self.on_request_headers(h, out)
+            }
+            Msg::RequestBody(b) => self.on_request_body(b, out),
+            Msg::RequestTrailers(_) => {
+                if self.phase == Phase::DuplexBody {
+                    self.finish_duplex(true, out);
+                } else if self.phase != Phase::Rejected {
+                    out.push(resp::trailers_continue(true));
+                }
+            }
+            Msg::ResponseHeaders(h) => {
+                self.on_response_headers(&h, served_endpoint(msg.metadata_context.as_ref()));
+                out.push(resp::response_headers_continue());
+                if h.end_of_stream {
+                    self.booking = None;
+                }
+            }
+            Msg::ResponseBody(b) => {
+                self.first_byte();
+                let eos = b.end_of_stream;
+                out.push(match self.response_mode {
+                    Mode::Duplex => resp::response_body_chunk(b.body, eos),
+                    _ => resp::response_body_continue(),
+                });
+                if eos {
+                    self.booking = None;
+                }
+            }
+            Msg::ResponseTrailers(_) => {
+                self.booking = None;
+                out.push(resp::trailers_continue(false));
+            }
+        }
+    }
+
+    fn on_request_headers(&mut self, h: HttpHeaders, out: &mut Vec<ProcessingResponse>) {
+        if self.phase != Phase::Start {
+            return;
+        }
+        if let Mode::Unsupported(m) = self.request_mode {
+            let msg = format!("ext_proc request_body_mode {m} is not supported; use BUFFERED or FULL_DUPLEX_STREAMED");
+            return self.reject(Rejection::new(500, "unsupported_mode", msg), out);
+        }
+        if h.end_of_stream || self.request_mode == Mode::None {
+            return match self.decide(None) {
+                Ok(d) => {
+                    let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
+                    out.push(resp::request_headers(Some(resp::routing_mutation(&dest, None)), Some(resp::lb_metadata(&dest, &d.pick))));
+                    self.phase = Phase::Routed;
+                }
+                Err(r) => self.reject(r, out),
+            };
+        }
+        match self.request_mode {
+            Mode::Duplex => self.phase = Phase::DuplexBody,
+            _ => {
+                out.push(resp::request_headers(None, None));
+                self.phase = Phase::BufferedBody;
+            }
+        }
+    }
+
+    fn on_request_body(&mut self, b: HttpBody, out: &mut Vec<ProcessingResponse>) {
+        match self.phase {
+            Phase::BufferedBody => {
+                if !b.end_of_stream {
+                    let msg = "request body exceeds the proxy's buffer (BUFFERED_PARTIAL sent a partial body)";
+                    return self.reject(Rejection::new(413, "body_too_large", msg), out);
+                }
+                if b.body.len() > self.shared.settings.max_body_bytes {
+                    return self.reject(self.too_large(b.body.len()), out);
+                }
+                match self.decide(Some(&b.body)) {
+                    Ok(d) => {
+                        let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
+                        let (body, len) = match &d.rewrite {
+                            Some((span, model)) => {
+                                let new = Rewrite::new(&b.body, span.clone(), model).to_vec();
+                                let len = new.len();
+                                (Some(new), Some(len))
+                            }
+                            None => (None, None),
+                        };
+                        let metadata = resp::lb_metadata(&dest, &d.pick);
+                        out.push(resp::request_body_buffered(resp::routing_mutation(&dest, len), body, metadata));
+                        self.phase = Phase::Routed;
+                    }
+                    Err(r) => self.reject(r, out),
+                }
+            }
+            Phase::DuplexBody => {
+                self.body_len += b.body.len();
+                if self.body_len > self.shared.settings.max_body_bytes {
+                    self.chunks = Vec::new();
+                    return self.reject(self.too_large(self.body_len), out);
+                }
+                if !b.body.is_empty() {
+                    self.chunks.push(b.body);
+                }
+                if b.end_of_stream {
+                    self.finish_duplex(false, out);
+                }
+            }
+            // Unexpected here (e.g. a proxy that sends a body after a header-time pick): let it pass.
+            Phase::Routed => out.push(resp::request_body_continue()),
+            Phase::Start | Phase::Rejected => {}
+        }
+    }
+
+    fn too_large(&self, len: usize) -> Rejection {
+        let max = self.shared.settings.max_body_bytes;
+        Rejection::new(413, "body_too_large", format!("request body of {len}+ bytes exceeds the limit of {max} bytes"))
+    }
+
+    /// The streamed body is complete: pick, then send the held headers answer and the body back.
+    fn finish_duplex(&mut self, trailers: bool, out: &mut Vec<ProcessingResponse>) {
+        let chunks = std::mem::take(&mut self.chunks);
+        // One contiguous view of the body: the chunk itself, or a single copy of many chunks.
+        let joined;
+        let body: &[u8] = match chunks.as_slice() {
+            [] => &[],
+            [one] => one,
+            many => {
+                joined = many.concat();
+                &joined
+            }
+        };
+        let d = match self.decide(Some(body)) {
+            Ok(d) => d,
+            Err(r) => return self.reject(r, out),
+        };
+        let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
+        let max = resp::MAX_STREAMED_CHUNK;
+        let out_chunks = match &d.rewrite {
+            Some((span, model)) => Rewrite::new(body, span.clone(), model).chunks(max),
+            None if chunks.iter().all(|c| c.len() <= max) => chunks,
+            None => crate::request::chunk_parts(&[body], max),
+        };
+        let len = out_chunks.iter().map(Vec::len).sum::<usize>();
+        out.push(resp::request_headers(Some(resp::routing_mutation(&dest, Some(len))), Some(resp::lb_metadata(&dest, &d.pick))));
+        let n = out_chunks.len();
+        if n == 0 {
+            out.push(resp::request_body_chunk(Vec::new(), !trailers));
+        }
+        for (i, c) in out_chunks.into_iter().enumerate() {
+            out.push(resp::request_body_chunk(c, i + 1 == n && !trailers));
+        }
+        if trailers {
+            out.push(resp::trailers_continue(true));
+        }
+        self.phase = Phase::Routed;
+    }
+
+    /// Model, InferenceModel, eligibility, shedding and the pick; books the primary on success.
+    fn decide(&mut self, body: Option<&[u8]>) -> Result<Decision, Rejection> {
+        let started = Instant::now();
+        let shared = self.shared.clone();
+        let snap = shared.store.snapshot();
+        let Some(_pool) = &snap.pool else {
+            let t = shared.store.target();
+            return Err(Rejection::new(503, "pool_not_found", format!("InferencePool {}/{} is not known yet", t.namespace, t.name)));
+        };
+        let (criticality, model_label, target_label, rewrite) = match body {
+            None => (Criticality::Standard, shared.no_model.clone(), shared.no_model.clone(), None),
+            Some(body) => {
+                let parsed = parse_body(body)?;
+                let m = match resolve_model(&snap, &parsed.model, shared.settings.pass_through_unknown) {
+                    Ok(m) => m,
+                    Err(e @ ModelError::Unknown(_)) => {
+                        self.labels = Some(self.labels_for(snap.unlisted_label.clone(), snap.unlisted_label.clone()));
+                        return Err(Rejection::new(404, "unknown_model", e.to_string()));
+                    }
+                };
+                let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
+                (m.criticality, m.model_label, m.target_label, rewrite)
+            }
+        };
+        self.labels = Some(self.labels_for(model_label, target_label));
+        let subset = match &self.subset {
+            Subset::Unset => None,
+            Subset::Only(list) => Some(list.as_slice()),
+        };
+        let pick = shared.selector.pick(&snap.endpoints, &PickRequest { criticality, subset })?;
+        self.booking = Some(pick.primary.load.book());
+        self.primary = Some(pick.primary.addr);
+        if let Some(l) = &mut self.labels {
+            l.endpoint = pick.primary.addr_str.clone();
+        }
+        shared.metrics.pick_duration.observe(started.elapsed().as_secs_f64());
+        Ok(Decision { pick, rewrite })
+    }
+
+    fn labels_for(&self, model: Arc<str>, target_model: Arc<str>) -> RequestLabels {
+        RequestLabels { model, target_model, endpoint: self.shared.no_endpoint.clone(), code: Outcome::NoResponse }
+    }
+
+    fn reject(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
+        tracing::info!(status = r.status, reason = r.reason, message = %r.message, "request answered by the EPP");
+        self.shared.metrics.rejected.get_or_create(&ReasonLabels { reason: r.reason }).inc();
+        let labels = self.labels.get_or_insert_with(|| RequestLabels {
+            model: self.shared.no_model.clone(),
+            target_model: self.shared.no_model.clone(),
+            endpoint: self.shared.no_endpoint.clone(),
+            code: Outcome::NoResponse,
+        });
+        labels.code = Outcome::Status(r.status);
+        out.push(resp::immediate(r.status, r.kind, &r.message));
+        self.phase = Phase::Rejected;
+        self.booking = None;
+    }
+
+    fn first_byte(&mut self) {
+        if let Some(b) = &mut self.booking {
+            b.first_byte();
+        }
+    }
+
+    fn on_response_headers(&mut self, h: &HttpHeaders, served: Option<std::net::SocketAddr>) {
+        self.first_byte();
+        if let (Some(labels), Some(code)) = (&mut self.labels, status_of(h.headers.as_ref())) {
+            labels.code = Outcome::Status(code);
+        }
+        let Some(served) = served else { return };
+        if Some(served) == self.primary {
+            return;
+        }
+        // The proxy used another endpoint (e.g. the fallback): move the booking and the label there.
+        self.shared.metrics.served_elsewhere.inc();
+        let snap = self.shared.store.snapshot();
+        if let Some(ep) = snap.endpoints.iter().find(|e| e.addr == served) {
+            if let Some(b) = &mut self.booking {
+                b.move_to(&ep.load);
+            }
+            if let Some(l) = &mut self.labels {
+                l.endpoint = ep.addr_str.clone();
+            }
+            self.primary = Some(served);
+        }
+    }
+}
+
+fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
+    let h = headers?.headers.iter().find(|h| h.key == ":status")?;
+    let raw: &[u8] = if h.raw_value.is_empty() { h.value.as_bytes() } else { &h.raw_value };
+    std::str::from_utf8(raw).ok()?.parse().ok()
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        if let Some(labels) = self.labels.take() {
+            self.shared.metrics.requests.get_or_create(&labels).inc();
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Prometheus metrics (text exposition served by [`crate::api`]).
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// The outcome of a request: the HTTP status the client got, or that no response was seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Status(u16),
+    /// The stream ended before a response status was observed (client abort, proxy reset, or the
+    /// proxy does not send response headers to the EPP).
+    NoResponse,
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        match self {
+            Outcome::Status(code) => write!(encoder, "{code}"),
+            Outcome::NoResponse => encoder.write_str("no_response"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: Arc<str>,
+    pub target_model: Arc<str>,
+    pub endpoint: Arc<str>,
+    pub code: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub pick_duration: Histogram,
+    pub ready_endpoints: Gauge,
+    pub in_flight: Gauge,
+    pub rejected: Family<ReasonLabels, Counter>,
+    pub manifest_errors: Counter,
+    pub served_elsewhere: Counter,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("kvepp");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "Requests by model, target model, endpoint and status code", requests.clone());
+        let pick_duration = Histogram::new(exponential_buckets(1e-6, 2.0, 22));
+        registry.register("pick_duration_seconds", "Time from complete request (headers or body) to the pick", pick_duration.clone());
+        let ready_endpoints = Gauge::default();
+        registry.register("ready_endpoints", "Ready endpoints in the pool", ready_endpoints.clone());
+        let in_flight = Gauge::default();
+        registry.register("in_flight_requests", "Requests routed and not yet finished", in_flight.clone());
+        let rejected = Family::<ReasonLabels, Counter>::default();
+        registry.register("rejected_requests", "Requests answered by the EPP itself, by reason", rejected.clone());
+        let manifest_errors = Counter::default();
+        registry.register("manifest_errors", "Manifest file versions that failed to parse", manifest_errors.clone());
+        let served_elsewhere = Counter::default();
+        registry.register("served_elsewhere", "Requests the proxy reports served by another endpoint than the primary pick", served_elsewhere.clone());
+        let info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
+        registry.register("build_info", "kvepp version", info.clone());
+        info.get_or_create(&[("version", env!("CARGO_PKG_VERSION"))]).set(1);
+        Arc::new(Metrics { registry, requests, pick_duration, ready_endpoints, in_flight, rejected, manifest_errors, served_elsewhere })
+    }
+
+    /// Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

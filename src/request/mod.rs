@@ -1,0 +1,11 @@
+//! From a request body to what the selector needs: the model name, its InferenceModel (criticality,
+//! weighted target models) and, when a target model differs, the byte-level rewrite of `model`.
+//!
+//! Invariants: the body is parsed in place (no copy, no re-serialisation); a rewrite replaces
+//! exactly the bytes of the `model` value and nothing else.
+
+mod body;
+mod model;
+
+pub use body::{chunk_parts, parse_body, BodyError, ParsedBody, Rewrite};
+pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};

@@ -1,0 +1,113 @@
+//! Per-endpoint in-flight accounting: admitted → first response byte → end of stream or abort.
+//!
+//! A [`Booking`] is taken when a request is routed and released when it is dropped, so every exit
+//! path (normal end, client abort, proxy reset, EPP error) gives the slot back exactly once.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+#[derive(Debug, Default)]
+pub struct EndpointLoad {
+    in_flight: AtomicU32,
+    /// Requests admitted that have not produced a response byte yet.
+    waiting_first_byte: AtomicU32,
+    routed_total: AtomicU64,
+}
+
+impl EndpointLoad {
+    /// Requests routed here and not yet finished.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests routed here still waiting for their first response byte.
+    pub fn waiting_first_byte(&self) -> u32 {
+        self.waiting_first_byte.load(Ordering::Relaxed)
+    }
+
+    pub fn routed_total(&self) -> u64 {
+        self.routed_total.load(Ordering::Relaxed)
+    }
+
+    /// Books one request on this endpoint.
+    pub fn book(self: &Arc<Self>) -> Booking {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.waiting_first_byte.fetch_add(1, Ordering::Relaxed);
+        self.routed_total.fetch_add(1, Ordering::Relaxed);
+        Booking { load: self.clone(), first_byte_seen: false }
+    }
+}
+
+/// One request's slot on an endpoint. Dropping it ends the request.
+#[derive(Debug)]
+pub struct Booking {
+    load: Arc<EndpointLoad>,
+    first_byte_seen: bool,
+}
+
+impl Booking {
+    /// The response has started (prefill is over, in engine terms). Idempotent.
+    pub fn first_byte(&mut self) {
+        if !self.first_byte_seen {
+            self.first_byte_seen = true;
+            self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn load(&self) -> &Arc<EndpointLoad> {
+        &self.load
+    }
+
+    /// Moves the booking to another endpoint (the proxy reported it served the request elsewhere).
+    pub fn move_to(&mut self, other: &Arc<EndpointLoad>) {
+        if Arc::ptr_eq(&self.load, other) {
+            return;
+        }
+        let seen = self.first_byte_seen;
+        let mut moved = other.book();
+        if seen {
+            moved.first_byte();
+        }
+        *self = moved;
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        if !self.first_byte_seen {
+            self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_counts_once() {
+        let a = Arc::new(EndpointLoad::default());
+        let mut b = a.book();
+        let c = a.book();
+        assert_eq!((a.in_flight(), a.waiting_first_byte()), (2, 2));
+        b.first_byte();
+        b.first_byte();
+        assert_eq!((a.in_flight(), a.waiting_first_byte()), (2, 1));
+        drop(b);
+        drop(c);
+        assert_eq!((a.in_flight(), a.waiting_first_byte(), a.routed_total()), (0, 0, 2));
+    }
+
+    #[test]
+    fn move_keeps_phase() {
+        let a = Arc::new(EndpointLoad::default());
+        let other = Arc::new(EndpointLoad::default());
+        let mut b = a.book();
+        b.first_byte();
+        b.move_to(&other);
+        assert_eq!((a.in_flight(), other.in_flight(), other.waiting_first_byte()), (0, 1, 0));
+        drop(b);
+        assert_eq!(other.in_flight(), 0);
+    }
+}

@@ -1,0 +1,175 @@
+//! Wiring of `kvepp serve`: discovery → datastore → selector → ext_proc server, plus the gRPC health
+//! and HTTP metrics servers, with graceful shutdown.
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::StreamExt;
+use tonic_health::ServingStatus;
+
+use crate::api::{self, ApiState};
+use crate::config::{Config, UnknownModels};
+use crate::discovery::{Datastore, DiscoverySource, ManifestDir, PoolRef};
+use crate::extproc::{ExtProcService, Settings, Shared};
+use crate::metrics::Metrics;
+use crate::selector::{LeastLoaded, Saturation, Selector};
+
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
+    #[error("{what} server failed: {message}")]
+    Serve { what: &'static str, message: String },
+}
+
+/// The three listening sockets; bound before serving so callers (and tests) can use port 0.
+#[derive(Debug)]
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub health: TcpListener,
+    pub metrics: TcpListener,
+}
+
+impl Listeners {
+    pub async fn bind(cfg: &Config) -> Result<Self, ServerError> {
+        let ip: IpAddr = cfg.bind_address.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        async fn one(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
+            TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { what, addr, source })
+        }
+        Ok(Listeners {
+            grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
+            health: one("gRPC health", (ip, cfg.grpc_health_port).into()).await?,
+            metrics: one("metrics", (ip, cfg.metrics_port).into()).await?,
+        })
+    }
+
+    pub fn addrs(&self) -> [Option<SocketAddr>; 3] {
+        [self.grpc.local_addr().ok(), self.health.local_addr().ok(), self.metrics.local_addr().ok()]
+    }
+}
+
+fn incoming(l: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    TcpListenerStream::new(l).map(|s| {
+        let s = s?;
+        // Small ext_proc messages must not wait for Nagle + delayed ACK.
+        s.set_nodelay(true)?;
+        Ok(s)
+    })
+}
+
+/// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
+/// `shutdown_grace_seconds`).
+pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+    let metrics = Metrics::new();
+    let pool = PoolRef {
+        name: cfg.pool_name.clone(),
+        namespace: cfg.pool_namespace.clone(),
+        service: cfg.endpoint_service().to_owned(),
+    };
+    let gauge = metrics.ready_endpoints.clone();
+    let store = Arc::new(Datastore::new(pool, move |snap| {
+        gauge.set(snap.endpoints.len() as i64);
+    }));
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let mut tasks = Vec::new();
+    if let Some(dir) = &cfg.manifests_dir {
+        let errors = metrics.manifest_errors.clone();
+        let source = ManifestDir::new(dir, Duration::from_millis(cfg.manifests_poll_ms), move |_| {
+            errors.inc();
+        });
+        tasks.push(Box::new(source).spawn(store.clone(), stop_rx.clone()));
+    }
+
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    reporter.set_service_status("liveness", ServingStatus::Serving).await;
+    {
+        let reporter = reporter.clone();
+        let mut ready = store.ready();
+        let mut stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let status = if *ready.borrow_and_update() && !*stop.borrow() { ServingStatus::Serving } else { ServingStatus::NotServing };
+                for svc in ["readiness", EXT_PROC_SERVICE, ""] {
+                    reporter.set_service_status(svc, status).await;
+                }
+                tokio::select! {
+                    r = ready.changed() => if r.is_err() { return },
+                    _ = stop.changed() => {}
+                }
+            }
+        }));
+    }
+
+    let selector = Selector::new(Box::new(LeastLoaded), Saturation { max_in_flight: cfg.max_in_flight_per_endpoint });
+    let settings = Settings {
+        pass_through_unknown: cfg.unknown_models == UnknownModels::PassThrough,
+        destination_list: cfg.destination_endpoint_list,
+        max_body_bytes: cfg.max_body_bytes,
+    };
+    let shared = Arc::new(Shared::new(store.clone(), selector, metrics.clone(), settings));
+    let extproc = ExtProcService::new(shared).into_server();
+
+    let [g, h, m] = listeners.addrs();
+    tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
+
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let window = (cfg.max_body_bytes as u32).clamp(1 << 20, 16 << 20);
+    let grpc = tonic::transport::Server::builder()
+        .initial_stream_window_size(window)
+        .initial_connection_window_size(window.saturating_mul(4))
+        .add_service(extproc)
+        .serve_with_incoming_shutdown(incoming(listeners.grpc), stopped(stop_rx.clone()));
+    let health = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .serve_with_incoming_shutdown(incoming(listeners.health), stopped(stop_rx.clone()));
+    let http = axum::serve(listeners.metrics, api::router(ApiState { metrics, store }))
+        .with_graceful_shutdown(stopped(stop_rx.clone()));
+
+    let grpc = tokio::spawn(grpc);
+    let health = tokio::spawn(health);
+    let http = tokio::spawn(async move { http.await });
+
+    shutdown.await;
+    tracing::info!(grace_seconds = cfg.shutdown_grace_seconds, "shutting down: not ready, no new connections, finishing open streams");
+    let _ = stop_tx.send(true);
+    let grace = Duration::from_secs(cfg.shutdown_grace_seconds);
+    let drained = tokio::time::timeout(grace, async {
+        let (a, b, c) = tokio::join!(grpc, health, http);
+        (a, b, c)
+    })
+    .await;
+    for t in tasks {
+        t.abort();
+    }
+    match drained {
+        Err(_) => {
+            tracing::warn!("grace period over; closing remaining streams");
+            Ok(())
+        }
+        Ok((a, b, c)) => {
+            flatten("ext_proc", a.map(|r| r.map_err(|e| e.to_string())))?;
+            flatten("health", b.map(|r| r.map_err(|e| e.to_string())))?;
+            flatten("metrics", c.map(|r| r.map_err(|e| e.to_string())))?;
+            tracing::info!("shutdown complete");
+            Ok(())
+        }
+    }
+}
+
+fn flatten(what: &'static str, r: Result<Result<(), String>, tokio::task::JoinError>) -> Result<(), ServerError> {
+    match r {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(message)) => Err(ServerError::Serve { what, message }),
+        Err(e) => Err(ServerError::Serve { what, message: e.to_string() }),
+    }
+}

@@ -1,0 +1,74 @@
+//! Helpers shared by the test suite, the benchmarks and the local demo. Not part of the API.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, Method, Uri};
+use axum::response::IntoResponse;
+use tokio::net::TcpListener;
+
+/// A directory removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!("kvepp-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
+        TempDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// FNV-1a 64 of a body: lets a test check bytes arrived unchanged without echoing them.
+pub fn fnv64(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100000001b3))
+}
+
+/// Serves an HTTP backend that answers every request with a JSON description of what it received
+/// and who it is (the stand-in for a model server in tests and the demo).
+pub async fn serve_echo_backend(listener: TcpListener, name: String) -> std::io::Result<()> {
+    let app = axum::Router::new().fallback(move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+        let name = name.clone();
+        async move { echo(&name, method, uri, headers, body) }
+    });
+    axum::serve(listener, app).await
+}
+
+/// Starts an echo backend on 127.0.0.1 with an ephemeral port.
+pub async fn spawn_echo_backend(name: &str) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(serve_echo_backend(listener, name.to_owned()));
+    Ok(addr)
+}
+
+fn echo(name: &str, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+    let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let model = crate::request::parse_body(&body).ok().map(|p| p.model.into_owned());
+    let reply = serde_json::json!({
+        "backend": name,
+        "method": method.as_str(),
+        "path": uri.path(),
+        "model": model,
+        "body_len": body.len(),
+        "body_fnv": format!("{:016x}", fnv64(&body)),
+        "content_length": header("content-length"),
+        "transfer_encoding": header("transfer-encoding"),
+        "destination": header("x-gateway-destination-endpoint"),
+    });
+    ([("content-type", "application/json".to_owned()), ("x-backend", name.to_owned())], reply.to_string())
+}
