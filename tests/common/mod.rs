@@ -1,0 +1,306 @@
+//! Test harness: kvepp in-process on ephemeral ports, a real Envoy process, echo backends, an HTTP
+//! client, and waiting on conditions with a deadline (never sleeping "long enough").
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use kvepp::config::Config;
+use kvepp::testing::TempDir;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+pub const DEADLINE: Duration = Duration::from_secs(20);
+
+/// Polls `cond` until it returns `Some`, panicking with `what` after the deadline.
+pub async fn wait_for<T, F, Fut>(what: &str, mut cond: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = cond().await {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------- HTTP client
+
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+impl HttpResponse {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn header(&self, k: &str) -> Option<&str> {
+        self.headers.get(k).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+pub async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> HttpResponse {
+    let stream = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.expect("handshake");
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder().method(method).uri(path).header("host", "test");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).expect("request");
+    let resp = tokio::time::timeout(DEADLINE, sender.send_request(req)).await.expect("response in time").expect("response");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    HttpResponse { status, headers, body }
+}
+
+pub async fn post_json(addr: SocketAddr, body: impl Into<Bytes>) -> HttpResponse {
+    http(addr, "POST", "/v1/completions", &[("content-type", "application/json")], body).await
+}
+
+// ---------------------------------------------------------------- manifests
+
+pub fn pool_yaml(name: &str) -> String {
+    format!("apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\nmetadata: {{name: {name}}}\nspec: {{targetPortNumber: 8000, selector: {{app: test}}}}\n")
+}
+
+pub fn model_yaml(name: &str, criticality: &str, targets: &[(&str, u32)]) -> String {
+    let targets: Vec<String> = targets.iter().map(|(n, w)| format!("{{name: {n}, weight: {w}}}")).collect();
+    format!(
+        "---\napiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\nmetadata: {{name: {obj}}}\nspec: {{modelName: {name}, criticality: {criticality}, poolRef: {{name: pool}}, targetModels: [{t}]}}\n",
+        obj = name.replace(['/', '.', '_'], "-").to_lowercase(),
+        t = targets.join(", ")
+    )
+}
+
+/// One EndpointSlice with one endpoint at `addr`.
+pub fn slice_yaml(slice: &str, addr: SocketAddr, ready: bool) -> String {
+    format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {slice}, labels: {{kubernetes.io/service-name: pool}}}}\naddressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: {ready}}}\n  targetRef: {{kind: Pod, name: {slice}}}\nports: [{{name: http, port: {port}}}]\n",
+        ip = addr.ip(),
+        port = addr.port()
+    )
+}
+
+/// The standard test models: `m` (Standard), `crit` (Critical), `shed` (Sheddable), `rw` (always
+/// rewritten to `rw-target`).
+pub fn standard_models() -> String {
+    [
+        model_yaml("m", "Standard", &[]),
+        model_yaml("crit", "Critical", &[]),
+        model_yaml("shed", "Sheddable", &[]),
+        model_yaml("rw", "Standard", &[("rw-target", 1)]),
+    ]
+    .concat()
+}
+
+// ---------------------------------------------------------------- kvepp in-process
+
+pub struct Epp {
+    pub grpc: SocketAddr,
+    pub health: SocketAddr,
+    pub metrics: SocketAddr,
+    pub dir: TempDir,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Epp {
+    /// Starts kvepp serving pool `pool` from a fresh manifests directory holding `manifests`.
+    pub async fn start(manifests: &str, tweak: impl FnOnce(&mut Config)) -> Epp {
+        let dir = TempDir::new("epp");
+        std::fs::write(dir.path().join("pool.yaml"), manifests).expect("write manifests");
+        let mut cfg = Config {
+            bind_address: "127.0.0.1".into(),
+            grpc_port: 0,
+            grpc_health_port: 0,
+            metrics_port: 0,
+            pool_name: "pool".into(),
+            manifests_dir: Some(dir.path().to_owned()),
+            manifests_poll_ms: 20,
+            shutdown_grace_seconds: 5,
+            ..Config::default()
+        };
+        tweak(&mut cfg);
+        cfg.validate().expect("valid test config");
+        let listeners = kvepp::server::Listeners::bind(&cfg).await.expect("bind");
+        let [grpc, health, metrics] = listeners.addrs().map(|a| a.expect("bound"));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            kvepp::server::run(cfg, listeners, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("kvepp run");
+        });
+        let epp = Epp { grpc, health, metrics, dir, stop: Some(stop), task: Some(task) };
+        epp.wait_ready().await;
+        epp
+    }
+
+    pub async fn wait_ready(&self) {
+        let addr = self.metrics;
+        wait_for("kvepp /ready", || async move { (http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(()) }).await;
+    }
+
+    pub fn write_manifest(&self, file: &str, text: &str) {
+        // Write then rename, so the poller never sees a half-written file.
+        let tmp = self.dir.path().join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, self.dir.path().join(file)).expect("rename");
+    }
+
+    pub async fn metrics_text(&self) -> String {
+        String::from_utf8(http(self.metrics, "GET", "/metrics", &[], "").await.body.to_vec()).expect("utf8")
+    }
+
+    /// The value of one metric line (exact series text before the value), if present.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.metrics_text().await;
+        text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(DEADLINE, t).await.expect("kvepp stops in time").expect("kvepp task");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- backends
+
+pub async fn echo_backends(names: &[&str]) -> Vec<SocketAddr> {
+    let mut out = Vec::new();
+    for n in names {
+        out.push(kvepp::testing::spawn_echo_backend(n).await.expect("backend"));
+    }
+    out
+}
+
+// ---------------------------------------------------------------- Envoy
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        return p.into();
+    }
+    let p = repo_root().join(".venv/bin/envoy");
+    assert!(p.exists(), "Envoy not found at {}: run scripts/install-envoy.sh (scripts/test.sh does) or set ENVOY_BIN", p.display());
+    p
+}
+
+/// The shipped local bootstrap, as a YAML value to adapt.
+pub fn bootstrap() -> serde_yaml::Value {
+    let text = std::fs::read_to_string(repo_root().join("manifests/envoy/envoy-local.yaml")).expect("bootstrap");
+    serde_yaml::from_str(&text).expect("bootstrap yaml")
+}
+
+fn http_filters(b: &mut serde_yaml::Value) -> &mut Vec<serde_yaml::Value> {
+    b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        .as_sequence_mut()
+        .expect("http_filters")
+}
+
+pub fn ext_proc_config(b: &mut serde_yaml::Value) -> &mut serde_yaml::Value {
+    let filters = http_filters(b);
+    let f = filters.iter_mut().find(|f| f["name"] == "envoy.filters.http.ext_proc").expect("ext_proc filter");
+    &mut f["typed_config"]
+}
+
+pub fn set_request_body_mode(b: &mut serde_yaml::Value, mode: &str) {
+    ext_proc_config(b)["processing_mode"]["request_body_mode"] = mode.into();
+}
+
+/// Puts a `set_metadata` filter before ext_proc that sets the subset hint to `subset`.
+pub fn set_subset_hint(b: &mut serde_yaml::Value, subset: &[String]) {
+    let filter: serde_yaml::Value = serde_yaml::from_str(&format!(
+        "name: envoy.filters.http.set_metadata\ntyped_config:\n  \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n  metadata:\n  - metadata_namespace: envoy.lb.subset_hint\n    value:\n      x-gateway-destination-endpoint-subset: {}\n",
+        serde_json::to_string(subset).expect("json")
+    ))
+    .expect("filter yaml");
+    http_filters(b).insert(0, filter);
+}
+
+pub struct Envoy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Envoy {
+    /// Starts Envoy with `bootstrap`, its ext_proc cluster pointed at `epp`, on ephemeral ports.
+    pub async fn start(mut bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
+        let dir = TempDir::new("envoy");
+        bootstrap["admin"]["address"]["socket_address"]["port_value"] = 0.into();
+        bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 0.into();
+        let clusters = bootstrap["static_resources"]["clusters"].as_sequence_mut().expect("clusters");
+        let kvepp = clusters.iter_mut().find(|c| c["name"] == "kvepp").expect("kvepp cluster");
+        let sa = &mut kvepp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        sa["address"] = epp.ip().to_string().into();
+        sa["port_value"] = epp.port().into();
+        let config = dir.path().join("envoy.yaml");
+        std::fs::write(&config, serde_yaml::to_string(&bootstrap).expect("yaml")).expect("write bootstrap");
+        let admin_file = dir.path().join("admin.txt");
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_bin())
+            .arg("-c").arg(&config)
+            .args(["--concurrency", "1", "--use-dynamic-base-id", "--disable-hot-restart", "-l", "warning"])
+            .arg("--admin-address-path").arg(&admin_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn envoy");
+        let mut envoy = Envoy { addr: ([127, 0, 0, 1], 0).into(), admin: ([127, 0, 0, 1], 0).into(), child, _dir: dir };
+        let admin_path = admin_file.clone();
+        envoy.admin = wait_for("envoy admin address", || {
+            let p = admin_path.clone();
+            async move { std::fs::read_to_string(&p).ok().and_then(|s| s.trim().parse().ok()) }
+        })
+        .await;
+        let admin = envoy.admin;
+        wait_for("envoy ready", || async move { (http(admin, "GET", "/ready", &[], "").await.status == 200).then_some(()) }).await;
+        envoy.addr = wait_for("envoy listener", || async move {
+            let r = http(admin, "GET", "/listeners?format=json", &[], "").await;
+            let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+            let sa = &v["listener_statuses"][0]["local_address"]["socket_address"];
+            let port = sa["port_value"].as_u64()?;
+            (port != 0).then(|| SocketAddr::from(([127, 0, 0, 1], port as u16)))
+        })
+        .await;
+        envoy
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
