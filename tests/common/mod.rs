@@ -133,7 +133,7 @@ impl Epp {
             pool_name: "pool".into(),
             manifests_dir: Some(dir.path().to_owned()),
             manifests_poll_ms: 20,
-            shutdown_grace_seconds: 5,
+            shutdown_grace_seconds: 2,
             ..Config::default()
         };
         tweak(&mut cfg);

@@ -1,0 +1,214 @@
+//! End to end: real HTTP requests through a real Envoy 1.40 process, kvepp as its ext_proc EPP, and
+//! real HTTP backends on 127.0.0.1 that report which one answered.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use kvepp::testing::fnv64;
+use tokio::sync::watch;
+
+fn manifests(backends: &[(&str, SocketAddr)]) -> String {
+    let mut m = pool_yaml("pool") + &standard_models();
+    for (name, addr) in backends {
+        m += &slice_yaml(name, *addr, true);
+    }
+    m
+}
+
+fn mode(mode: &str) -> serde_yaml::Value {
+    let mut b = bootstrap();
+    set_request_body_mode(&mut b, mode);
+    b
+}
+
+/// Sends `n` requests for model `m` and returns how many each backend served, checking that every
+/// response came from the endpoint kvepp named (Envoy connected where the header said).
+async fn spread(envoy: &Envoy, backends: &HashMap<String, SocketAddr>, n: usize) -> HashMap<String, usize> {
+    let mut seen = HashMap::new();
+    for i in 0..n {
+        let body = format!("{{\"model\":\"m\",\"prompt\":\"request {i}\"}}");
+        // A client-supplied destination must be overwritten by kvepp.
+        let r = http(envoy.addr, "POST", "/v1/completions", &[("content-type", "application/json"), ("x-gateway-destination-endpoint", "127.0.0.1:1")], body.clone()).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let j = r.json();
+        let name = j["backend"].as_str().expect("backend").to_owned();
+        assert_eq!(j["destination"].as_str(), Some(backends[&name].to_string().as_str()), "served by the picked endpoint");
+        assert_eq!(j["body_len"].as_u64(), Some(body.len() as u64));
+        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()));
+        *seen.entry(name).or_insert(0) += 1;
+    }
+    seen
+}
+
+#[tokio::test]
+async fn routes_real_traffic_in_both_body_modes_on_one_server() {
+    let addrs = echo_backends(&["a", "b"]).await;
+    let backends: HashMap<String, SocketAddr> = [("a".to_string(), addrs[0]), ("b".to_string(), addrs[1])].into();
+    let epp = Epp::start(&manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
+    let duplex = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
+    let buffered = Envoy::start(mode("BUFFERED"), epp.grpc).await;
+    for envoy in [&duplex, &buffered] {
+        let seen = spread(envoy, &backends, 24).await;
+        assert_eq!(seen.len(), 2, "least-loaded with random tie-break uses both endpoints: {seen:?}");
+
+        // Weighted target model: the body reaches the backend with only `model` changed.
+        let r = post_json(envoy.addr, r#"{"model":"rw","prompt":"hi"}"#).await;
+        let j = r.json();
+        assert_eq!(j["model"], "rw-target");
+        let expected = r#"{"model":"rw-target","prompt":"hi"}"#;
+        assert_eq!(j["body_len"].as_u64(), Some(expected.len() as u64));
+        assert_eq!(j["content_length"].as_str(), Some(expected.len().to_string().as_str()), "Content-Length fixed");
+        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(expected.as_bytes())).as_str()));
+
+        // A request without a body is routed too.
+        let r = http(envoy.addr, "GET", "/v1/models", &[], "").await;
+        assert_eq!(r.status, 200);
+        assert!(backends.contains_key(r.json()["backend"].as_str().unwrap()));
+    }
+    let text = epp.metrics_text().await;
+    for needle in ["kvepp_requests_total{model=\"m\",target_model=\"m\"", "kvepp_requests_total{model=\"rw\",target_model=\"rw-target\"", "kvepp_pick_duration_seconds_count", "kvepp_ready_endpoints 2"] {
+        assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
+    }
+    epp.stop().await;
+}
+
+#[tokio::test]
+async fn one_mib_body_passes_byte_identical_in_both_modes() {
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let mut prompt = String::new();
+    while prompt.len() < 1 << 20 {
+        prompt.push_str("Ünïcödé ☃ 𝄞 text, ");
+    }
+    let body = format!("{{\"model\":\"m\",\"prompt\":\"{prompt}\",\"max_tokens\":1}}");
+    assert!(body.len() >= 1 << 20, "{}", body.len());
+    for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+        let envoy = Envoy::start(mode(m), epp.grpc).await;
+        let r = post_json(envoy.addr, body.clone()).await;
+        assert_eq!(r.status, 200, "{m}: {}", String::from_utf8_lossy(&r.body));
+        let j = r.json();
+        assert_eq!(j["body_len"].as_u64(), Some(body.len() as u64), "{m}");
+        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()), "{m}");
+        assert_eq!(j["content_length"].as_str(), Some(body.len().to_string().as_str()), "{m}");
+    }
+    epp.stop().await;
+}
+
+#[tokio::test]
+async fn errors_reach_the_client_as_json() {
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+        let envoy = Envoy::start(mode(m), epp.grpc).await;
+        for (body, code) in [("{\"model\":", 400), ("{\"prompt\":\"no model\"}", 400), ("{\"model\":\"nobody-serves-this\"}", 404)] {
+            let r = post_json(envoy.addr, body).await;
+            assert_eq!(r.status, code, "{m} {body}");
+            assert_eq!(r.header("content-type"), Some("application/json"));
+            assert_eq!(r.json()["error"]["code"], code);
+        }
+    }
+    // No ready endpoint → 503.
+    epp.write_manifest("pool.yaml", &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)));
+    let envoy = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
+    let r = wait_for("503 once the endpoint is not ready", || async {
+        let r = post_json(envoy.addr, r#"{"model":"m"}"#).await;
+        (r.status == 503).then_some(r)
+    })
+    .await;
+    assert_eq!(r.json()["error"]["type"], "service_unavailable");
+    epp.stop().await;
+}
+
+/// A backend that holds every request until released, counting arrivals.
+async fn hold_backend(name: &'static str, arrived: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(move || {
+        let arrived = arrived.clone();
+        let mut release = release.clone();
+        async move {
+            arrived.fetch_add(1, Ordering::SeqCst);
+            let _ = release.wait_for(|r| *r).await;
+            format!("{{\"backend\":\"{name}\"}}")
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let (release, rx) = watch::channel(false);
+    let a = hold_backend("a", arrived.clone(), rx.clone()).await;
+    let b = hold_backend("b", arrived.clone(), rx).await;
+    let epp = Epp::start(&manifests(&[("a", a), ("b", b)]), |c| c.max_in_flight_per_endpoint = 1).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let gw = envoy.addr;
+    let held: Vec<_> = (0..2).map(|_| tokio::spawn(async move { post_json(gw, r#"{"model":"crit"}"#).await })).collect();
+    wait_for("both endpoints busy", || async { (arrived.load(Ordering::SeqCst) == 2).then_some(()) }).await;
+    let r = post_json(gw, r#"{"model":"shed"}"#).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.json()["error"]["code"], 429);
+    release.send_replace(true);
+    let mut served = Vec::new();
+    for h in held {
+        let r = h.await.unwrap();
+        assert_eq!(r.status, 200);
+        served.push(r.json()["backend"].as_str().unwrap().to_owned());
+    }
+    served.sort();
+    assert_eq!(served, ["a", "b"], "the second Critical request went to the less loaded endpoint");
+    wait_for("Sheddable admitted once the responses ended", || async {
+        (post_json(gw, r#"{"model":"shed"}"#).await.status == 200).then_some(())
+    })
+    .await;
+    epp.stop().await;
+}
+
+#[tokio::test]
+async fn subset_hint_set_by_envoy_is_honoured() {
+    let addrs = echo_backends(&["a", "b"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
+    let mut b = bootstrap();
+    set_subset_hint(&mut b, &[addrs[1].to_string(), "10.255.0.1:8000".into()]);
+    let envoy = Envoy::start(b, epp.grpc).await;
+    for _ in 0..10 {
+        let r = post_json(envoy.addr, r#"{"model":"m"}"#).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["backend"], "b");
+    }
+    let mut b = bootstrap();
+    set_subset_hint(&mut b, &["10.255.0.1:8000".into()]);
+    let envoy = Envoy::start(b, epp.grpc).await;
+    let r = post_json(envoy.addr, r#"{"model":"m"}"#).await;
+    assert_eq!(r.status, 503);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("subset"));
+    epp.stop().await;
+}
+
+#[tokio::test]
+async fn endpoints_coming_and_going_follow_the_manifests() {
+    let addrs = echo_backends(&["a", "b"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    for _ in 0..5 {
+        assert_eq!(post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"], "a");
+    }
+    // b becomes ready and a goes away, in a second file and an edit of the first.
+    epp.write_manifest("b.yaml", &slice_yaml("b", addrs[1], true));
+    epp.write_manifest("pool.yaml", &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)));
+    wait_for("traffic moves to b", || async {
+        (post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"] == "b").then_some(())
+    })
+    .await;
+    for _ in 0..5 {
+        assert_eq!(post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"], "b");
+    }
+    epp.stop().await;
+}
