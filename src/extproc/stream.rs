@@ -331,6 +331,17 @@ impl StreamState {
             Subset::Only(list) => Some(list.as_slice()),
         };
         let pick = shared.selector.pick(&snap.endpoints, &PickRequest { criticality, subset })?;
+        tracing::debug!(
+            model = self.labels.as_ref().map(|l| &*l.model),
+            target = self.labels.as_ref().map(|l| &*l.target_model),
+            endpoint = %pick.primary.name,
+            addr = %pick.primary.addr_str,
+            in_flight = pick.primary.load.in_flight(),
+            fallback = pick.fallback.as_ref().map(|f| &*f.name),
+            candidates = subset.map_or(snap.endpoints.len(), |s| s.len()),
+            ?criticality,
+            "picked: least in-flight requests among ready endpoints"
+        );
         self.booking = Some(pick.primary.load.book());
         self.primary = Some(pick.primary.addr);
         if let Some(l) = &mut self.labels {

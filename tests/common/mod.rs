@@ -12,7 +12,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use kvepp::config::Config;
 use kvepp::testing::TempDir;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
