@@ -18,7 +18,7 @@ pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
-/// Largest body chunk sent back in streamed mode (Envoy handles ≤ 64 KiB chunks best).
+/// Chunk size for a rewritten streamed body (Envoy recommends ≤ 64 KiB, or its gRPC message limit).
 pub const MAX_STREAMED_CHUNK: usize = 64 * 1024;
 
 /// The destination value: `primary`, or `primary,fallback` in the ordered-list form.

@@ -280,11 +280,15 @@ impl StreamState {
             Err(r) => return self.reject(r, out),
         };
         let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
-        let max = resp::MAX_STREAMED_CHUNK;
+        // The body goes back in the chunks Envoy sent (moved, not copied): a chunk no larger than
+        // one Envoy sent fits Envoy's own gRPC message limit. A rewritten body is cut at the same
+        // size, and never above 64 KiB unless Envoy itself sent larger chunks.
         let out_chunks = match &d.rewrite {
-            Some((span, model)) => Rewrite::new(body, span.clone(), model).chunks(max),
-            None if chunks.iter().all(|c| c.len() <= max) => chunks,
-            None => crate::request::chunk_parts(&[body], max),
+            None => chunks,
+            Some((span, model)) => {
+                let max = chunks.iter().map(Vec::len).max().unwrap_or(0).max(resp::MAX_STREAMED_CHUNK);
+                Rewrite::new(body, span.clone(), model).chunks(max)
+            }
         };
         let len = out_chunks.iter().map(Vec::len).sum::<usize>();
         out.push(resp::request_headers(Some(resp::routing_mutation(&dest, Some(len))), Some(resp::lb_metadata(&dest, &d.pick))));

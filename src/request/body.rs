@@ -152,7 +152,7 @@ impl<'a> Rewrite<'a> {
 }
 
 /// Concatenates `parts` into chunks of at most `max` bytes (at least 1), copying each byte once.
-pub fn chunk_parts(parts: &[&[u8]], max: usize) -> Vec<Vec<u8>> {
+fn chunk_parts(parts: &[&[u8]], max: usize) -> Vec<Vec<u8>> {
     let max = max.max(1);
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(total.div_ceil(max));

@@ -7,5 +7,5 @@
 mod body;
 mod model;
 
-pub use body::{chunk_parts, parse_body, BodyError, ParsedBody, Rewrite};
+pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};

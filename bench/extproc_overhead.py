@@ -1,0 +1,224 @@
+"""Driver for bench/extproc_overhead.sh (see there). Runs every variant against the same Envoy
+bootstrap (manifests/envoy/envoy-local.yaml), the same backend and the same wrk load, interleaving
+variants on each repeat, and reports medians."""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KVEPP = os.path.join(ROOT, "target/release/kvepp")
+FLOOR = os.path.join(ROOT, "target/release/examples/floor_epp")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(what, cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    sys.exit(f"bench: timed out waiting for {what}")
+
+
+def http_ok(url):
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def bootstrap(variant, mode, listen, admin, epp_port):
+    with open(os.path.join(ROOT, "manifests/envoy/envoy-local.yaml")) as f:
+        b = yaml.safe_load(f)
+    b["admin"]["address"]["socket_address"]["port_value"] = admin
+    lst = b["static_resources"]["listeners"][0]
+    lst["address"]["socket_address"]["port_value"] = listen
+    hcm = lst["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    if variant == "none":
+        hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    else:
+        ext = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
+        ext["typed_config"]["processing_mode"]["request_body_mode"] = mode
+        for c in b["static_resources"]["clusters"]:
+            if c["name"] == "kvepp":
+                sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+                sa["port_value"] = epp_port
+    return b
+
+
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def parse_wrk(out):
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = {}
+    for pct, val, unit in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M):
+        lat[pct] = float(val) * UNITS[unit]
+    errors = 0
+    m = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    if m:
+        errors += int(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if m:
+        errors += sum(int(x) for x in m.groups())
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return rps, lat["50"], lat["99"], errors, total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--envoy", required=True)
+    ap.add_argument("--duration", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+    ap.add_argument("--sizes", default="4096,409600")
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="kvepp-bench-")
+    procs = []
+
+    def spawn(cmd, log):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, log), "w"), stdin=subprocess.DEVNULL)
+        procs.append(p)
+        return p
+
+    try:
+        backend_port = free_port()
+        backend = f"127.0.0.1:{backend_port}"
+        backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
+        floor_port = free_port()
+        floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
+        mdir = os.path.join(tmp, "manifests")
+        os.makedirs(mdir)
+        with open(os.path.join(mdir, "pool.yaml"), "w") as f:
+            f.write(f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: bench}}
+spec: {{targetPortNumber: {backend_port}, selector: {{app: bench}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: bench-model}}
+spec: {{modelName: bench-model, criticality: Standard, poolRef: {{name: bench}}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: bench, labels: {{kubernetes.io/service-name: bench}}}}
+endpoints: [{{addresses: ["127.0.0.1"], targetRef: {{name: backend}}}}]
+ports: [{{name: http, port: {backend_port}}}]
+""")
+        kp = [free_port() for _ in range(3)]
+        kvepp = spawn([KVEPP, "serve", "--pool-name", "bench", "--manifests-dir", mdir, "--bind-address", "127.0.0.1",
+                       "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]),
+                       "--log-level", "warn"], "kvepp.log")
+        wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
+        wait("backend", lambda: http_ok(f"http://{backend}/"))
+        epps = {"none": (None, None), "floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+
+        results = {}  # (size, variant) -> list of (rps, p50, p99, cpu_us_per_req)
+        for size in [int(s) for s in args.sizes.split(",")]:
+            prompt = "x" * max(0, size - 40)
+            body = json.dumps({"model": "bench-model", "prompt": prompt})
+            script = os.path.join(tmp, f"post-{size}.lua")
+            with open(script, "w") as f:
+                f.write('wrk.method = "POST"\n')
+                f.write(f"wrk.body = {json.dumps(body)}\n")
+                f.write('wrk.headers["content-type"] = "application/json"\n')
+                # Without ext_proc the client names the endpoint; with it, the EPP overwrites this.
+                f.write(f'wrk.headers["x-gateway-destination-endpoint"] = "{backend}"\n')
+            for rep in range(args.repeat):
+                for variant in ["none", "floor", "kvepp"]:
+                    proc, port = epps[variant]
+                    listen, admin = free_port(), free_port()
+                    cfg = os.path.join(tmp, f"envoy-{variant}.yaml")
+                    with open(cfg, "w") as f:
+                        yaml.safe_dump(bootstrap(variant, args.mode, listen, admin, port), f)
+                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "error"],
+                                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
+                    try:
+                        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
+                        url = f"http://127.0.0.1:{listen}/v1/completions"
+                        wrk = ["wrk", "-t1", f"-c{args.concurrency}", "--latency", "-s", script, url]
+                        subprocess.run(wrk[:2] + [f"-d{args.warmup}s"] + wrk[2:], check=True, capture_output=True)
+                        cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+                        env0, be0 = cpu_seconds(envoy.pid), cpu_seconds(backend_proc.pid)
+                        out = subprocess.run(wrk[:2] + [f"-d{args.duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
+                        cpu1 = cpu_seconds(proc.pid) if proc else 0.0
+                        env1, be1 = cpu_seconds(envoy.pid), cpu_seconds(backend_proc.pid)
+                    finally:
+                        envoy.terminate()
+                        envoy.wait()
+                    rps, p50, p99, errors, total = parse_wrk(out)
+                    if errors:
+                        sys.exit(f"bench: {variant} size {size}: {errors} errors\n{out}")
+                    cpu_us = (cpu1 - cpu0) * 1e6 / total if proc else 0.0
+                    env_us = (env1 - env0) * 1e6 / total
+                    be_us = (be1 - be0) * 1e6 / total
+                    results.setdefault((size, variant), []).append((rps, p50, p99, cpu_us, env_us, be_us))
+                    print(f"  size={size} rep={rep} {variant:<6} rps={rps:9.0f} p50={p50:7.3f}ms p99={p99:7.3f}ms "
+                          f"cpu/req: epp={cpu_us:6.1f}us envoy={env_us:6.1f}us backend={be_us:6.1f}us", file=sys.stderr)
+
+        med = {k: tuple(statistics.median(x[i] for x in v) for i in range(6)) for k, v in results.items()}
+        lines = [
+            f"ext_proc hop, Envoy 1.40 --concurrency 1, request_body_mode {args.mode}, wrk -t1 -c{args.concurrency} "
+            f"-d{args.duration}s, median of {args.repeat} interleaved runs, {os.cpu_count()} cores",
+            "",
+            "| body | variant | req/s | p50 ms | p99 ms | EPP CPU µs/req | Envoy CPU µs/req | rps vs floor | p99 vs floor | EPP CPU vs floor |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for size in [int(s) for s in args.sizes.split(",")]:
+            f_rps, _, f_p99, f_cpu, _, _ = med[(size, "floor")]
+            for variant in ["none", "floor", "kvepp"]:
+                rps, p50, p99, cpu, env, _ = med[(size, variant)]
+                none = variant == "none"
+                ratio = "—" if none else f"{rps / f_rps:.3f}×"
+                pr = "—" if none else f"{p99 / f_p99:.3f}×"
+                cr = "—" if none else f"{cpu / f_cpu:.3f}×"
+                cpu_s = "—" if none else f"{cpu:.0f}"
+                lines.append(f"| {size // 1024} KiB | {variant} | {rps:.0f} | {p50:.3f} | {p99:.3f} | {cpu_s} | {env:.0f} | {ratio} | {pr} | {cr} |")
+        report = "\n".join(lines)
+        print(report)
+        os.makedirs(os.path.join(ROOT, "bench/out"), exist_ok=True)
+        with open(os.path.join(ROOT, f"bench/out/extproc_overhead_{args.mode.lower()}.md"), "w") as f:
+            f.write(report + "\n")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

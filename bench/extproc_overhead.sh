@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The ext_proc hop benchmark: the same Envoy and backend at fixed concurrency, three ways in one
+# run (no ext_proc, the minimal fixed-endpoint ext_proc "floor", kvepp), for 4 KiB and 400 KiB
+# bodies. Prints requests/s, p50/p99 latency, EPP CPU per request and the kvepp/floor ratios.
+# Usage: bench/extproc_overhead.sh [--duration S] [--concurrency N] [--repeat R] [--mode MODE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+envoy=$(scripts/install-envoy.sh)
+if ! command -v wrk >/dev/null; then
+  echo "bench: installing wrk (Debian package)" >&2
+  if [ "$(id -u)" = 0 ]; then apt-get install -y -q wrk >&2 || { apt-get update -q >&2 && apt-get install -y -q wrk >&2; }
+  else sudo apt-get install -y -q wrk >&2; fi
+fi
+.venv/bin/python -c "import yaml" 2>/dev/null || .venv/bin/pip install --quiet --disable-pip-version-check pyyaml >&2
+cargo build --locked --release --quiet --bin kvepp --example floor_epp
+exec .venv/bin/python bench/extproc_overhead.py --envoy "$envoy" "$@"
