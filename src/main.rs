@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use kvepp::config::{Config, LogFormat, ServeArgs};
 
 #[derive(Debug, Parser)]
-#[command(name = "kvepp", version, about = "KV-cache-aware Endpoint Picker for LLM inference behind Envoy (ext_proc)")]
+#[command(name = "kvepp", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("KVEPP_GIT_SHA"), ")"), about = "KV-cache-aware Endpoint Picker for LLM inference behind Envoy (ext_proc)")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -63,7 +63,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve(args) => {
             let cfg = Config::load(&args)?;
             init_logging(cfg.log_format, &cfg.log_level);
-            tracing::info!(config = %serde_json::to_string(&cfg)?, "configuration");
+            tracing::info!(version = env!("CARGO_PKG_VERSION"), commit = env!("KVEPP_GIT_SHA"), config = %serde_json::to_string(&cfg)?, "configuration");
             let listeners = kvepp::server::Listeners::bind(&cfg).await?;
             kvepp::server::run(cfg, listeners, shutdown_signal()).await?;
         }

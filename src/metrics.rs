@@ -70,9 +70,9 @@ impl Metrics {
         registry.register("manifest_errors", "Manifest file versions that failed to parse", manifest_errors.clone());
         let served_elsewhere = Counter::default();
         registry.register("served_elsewhere", "Requests the proxy reports served by another endpoint than the primary pick", served_elsewhere.clone());
-        let info = Family::<[(&'static str, &'static str); 1], Gauge>::default();
-        registry.register("build_info", "kvepp version", info.clone());
-        info.get_or_create(&[("version", env!("CARGO_PKG_VERSION"))]).set(1);
+        let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
+        registry.register("build_info", "kvepp version and commit", info.clone());
+        info.get_or_create(&[("version", env!("CARGO_PKG_VERSION")), ("commit", env!("KVEPP_GIT_SHA"))]).set(1);
         Arc::new(Metrics { registry, requests, pick_duration, ready_endpoints, in_flight, rejected, manifest_errors, served_elsewhere })
     }
 

@@ -212,3 +212,30 @@ async fn endpoints_coming_and_going_follow_the_manifests() {
     }
     epp.stop().await;
 }
+
+/// Envoy keeps the client's framing of an unchanged streamed body: Content-Length stays, chunked
+/// stays chunked. A rewritten body gets its exact new length either way.
+#[tokio::test]
+async fn client_framing_is_kept_in_both_modes() {
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let body = r#"{"model":"m","prompt":"same bytes"}"#;
+    let chunked = [("content-type", "application/json"), ("transfer-encoding", "chunked")];
+    for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+        let envoy = Envoy::start(mode(m), epp.grpc).await;
+        for n in [10usize, 300_000] {
+            let b = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(n));
+            let j = post_json(envoy.addr, b.clone()).await.json();
+            assert_eq!(j["content_length"].as_str(), Some(b.len().to_string().as_str()), "{m} {n}");
+        }
+        let j = http(envoy.addr, "POST", "/v1/completions", &chunked, body).await.json();
+        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()), "{m}");
+        if m == "FULL_DUPLEX_STREAMED" {
+            assert_eq!((j["transfer_encoding"].as_str(), &j["content_length"]), (Some("chunked"), &serde_json::Value::Null), "{m}");
+        }
+        let j = http(envoy.addr, "POST", "/v1/completions", &chunked, r#"{"model":"rw"}"#).await.json();
+        assert_eq!(j["content_length"].as_str(), Some(r#"{"model":"rw-target"}"#.len().to_string().as_str()), "{m}");
+        assert_eq!(j["model"], "rw-target");
+    }
+    epp.stop().await;
+}

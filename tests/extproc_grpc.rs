@@ -81,14 +81,22 @@ fn subset(list: &[&str]) -> Metadata {
 }
 
 fn headers(mode: i32, end_of_stream: bool, md: Option<Metadata>) -> ProcessingRequest {
+    headers_framed(mode, end_of_stream, md, true)
+}
+
+/// Request headers as Envoy sends them; `content_length` says whether the client framed the body
+/// with Content-Length (else it is chunked).
+fn headers_framed(mode: i32, end_of_stream: bool, md: Option<Metadata>, content_length: bool) -> ProcessingRequest {
+    let mut list = vec![
+        HeaderValue { key: ":method".into(), raw_value: b"POST".to_vec(), ..Default::default() },
+        HeaderValue { key: ":path".into(), raw_value: b"/v1/completions".to_vec(), ..Default::default() },
+        HeaderValue { key: "x-gateway-destination-endpoint".into(), raw_value: b"6.6.6.6:1".to_vec(), ..Default::default() },
+    ];
+    if content_length {
+        list.push(HeaderValue { key: "content-length".into(), raw_value: b"123".to_vec(), ..Default::default() });
+    }
     let h = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: vec![
-                HeaderValue { key: ":method".into(), raw_value: b"POST".to_vec(), ..Default::default() },
-                HeaderValue { key: ":path".into(), raw_value: b"/v1/completions".to_vec(), ..Default::default() },
-                HeaderValue { key: "x-gateway-destination-endpoint".into(), raw_value: b"6.6.6.6:1".to_vec(), ..Default::default() },
-            ],
-        }),
+        headers: Some(HeaderMap { headers: list }),
         end_of_stream,
         ..Default::default()
     };
@@ -262,7 +270,7 @@ async fn duplex_split_at_awkward_points_is_returned_unchanged() {
     }
     let r = routed(&s.recv().await);
     assert_eq!(r.header, r.meta_primary);
-    assert_eq!(r.content_length, Some(payload.len().to_string()));
+    assert_eq!(r.content_length, None, "unchanged body: the client's framing stays");
     let mut got = Vec::new();
     loop {
         let (bytes, eos) = chunk(&s.recv().await);
@@ -512,5 +520,25 @@ async fn manifest_edits_apply_and_broken_files_keep_last_good_state() {
     .await;
     let r = routed(&buffered_request(&epp, None, br#"{"model":"other"}"#).await);
     assert_eq!(r.header, "10.0.0.3:8000");
+    epp.stop().await;
+}
+
+/// Streamed mode: an unchanged body keeps the client's framing (Envoy preserves it), so kvepp sends
+/// no Content-Length; a rewritten body gets its new length whatever the client sent.
+#[tokio::test]
+async fn streamed_content_length_only_for_rewrites() {
+    async fn cl(epp: &Epp, client_cl: bool, payload: &[u8]) -> Option<String> {
+        let mut s = Session::open(epp).await;
+        s.send(headers_framed(DUPLEX, false, None, client_cl)).await;
+        s.send(body(payload, true)).await;
+        routed(&s.recv().await).content_length
+    }
+    let epp = Epp::start(&manifests(), |_| {}).await;
+    let plain = br#"{"model":"m"}"#;
+    let new_len = Some(br#"{"model":"rw-target"}"#.len().to_string());
+    for client_cl in [true, false] {
+        assert_eq!(cl(&epp, client_cl, plain).await, None);
+        assert_eq!(cl(&epp, client_cl, br#"{"model":"rw"}"#).await, new_len);
+    }
     epp.stop().await;
 }

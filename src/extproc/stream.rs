@@ -290,8 +290,10 @@ impl StreamState {
                 Rewrite::new(body, span.clone(), model).chunks(max)
             }
         };
-        let len = out_chunks.iter().map(Vec::len).sum::<usize>();
-        out.push(resp::request_headers(Some(resp::routing_mutation(&dest, Some(len))), Some(resp::lb_metadata(&dest, &d.pick))));
+        // Envoy keeps the client's framing (Content-Length or chunked) when the body length is
+        // unchanged; only a rewritten body needs its new length.
+        let len = d.rewrite.is_some().then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
+        out.push(resp::request_headers(Some(resp::routing_mutation(&dest, len)), Some(resp::lb_metadata(&dest, &d.pick))));
         let n = out_chunks.len();
         if n == 0 {
             out.push(resp::request_body_chunk(Vec::new(), !trailers));
