@@ -190,6 +190,10 @@ ports: [{{name: http, port: {backend_port}}}]
                           f"cpu/req: epp={cpu_us:6.1f}us envoy={env_us:6.1f}us backend={be_us:6.1f}us", file=sys.stderr)
 
         med = {k: tuple(statistics.median(x[i] for x in v) for i in range(6)) for k, v in results.items()}
+
+        def paired(size, i):
+            """Median over repeats of kvepp/floor measured back to back (cancels machine drift)."""
+            return statistics.median(k[i] / f[i] for k, f in zip(results[(size, "kvepp")], results[(size, "floor")]))
         lines = [
             f"ext_proc hop, Envoy 1.40 --concurrency 1, request_body_mode {args.mode}, wrk -t1 -c{args.concurrency} "
             f"-d{args.duration}s, median of {args.repeat} interleaved runs, {os.cpu_count()} cores",
@@ -207,6 +211,10 @@ ports: [{{name: http, port: {backend_port}}}]
                 cr = "—" if none else f"{cpu / f_cpu:.3f}×"
                 cpu_s = "—" if none else f"{cpu:.0f}"
                 lines.append(f"| {size // 1024} KiB | {variant} | {rps:.0f} | {p50:.3f} | {p99:.3f} | {cpu_s} | {env:.0f} | {ratio} | {pr} | {cr} |")
+        lines += ["", "Paired (kvepp ÷ the floor run just before it, median over repeats; the machine drifts between repeats):", "",
+                  "| body | rps | p50 | p99 | EPP CPU/req |", "|---:|---:|---:|---:|---:|"]
+        for size in [int(s) for s in args.sizes.split(",")]:
+            lines.append(f"| {size // 1024} KiB | {paired(size, 0):.3f}× | {paired(size, 1):.3f}× | {paired(size, 2):.3f}× | {paired(size, 3):.3f}× |")
         report = "\n".join(lines)
         print(report)
         os.makedirs(os.path.join(ROOT, "bench/out"), exist_ok=True)

@@ -55,6 +55,18 @@ impl Session {
         tokio::time::timeout(DEADLINE, self.rx.message()).await.expect("answer in time").expect("stream ok").expect("an answer")
     }
 
+    /// The request body streamed back, chunk by chunk, up to the chunk with end_of_stream.
+    async fn streamed_body(&mut self) -> Vec<Vec<u8>> {
+        let mut got = Vec::new();
+        loop {
+            let (bytes, eos) = chunk(&self.recv().await);
+            got.push(bytes);
+            if eos {
+                return got;
+            }
+        }
+    }
+
     /// Asserts nothing arrives for a short while (used only to check a held answer stays held;
     /// a late answer would make the next `recv` see the wrong message anyway).
     async fn nothing_yet(&mut self) {
@@ -271,14 +283,7 @@ async fn duplex_split_at_awkward_points_is_returned_unchanged() {
     let r = routed(&s.recv().await);
     assert_eq!(r.header, r.meta_primary);
     assert_eq!(r.content_length, None, "unchanged body: the client's framing stays");
-    let mut got = Vec::new();
-    loop {
-        let (bytes, eos) = chunk(&s.recv().await);
-        got.push(bytes);
-        if eos {
-            break;
-        }
-    }
+    let got = s.streamed_body().await;
     assert_eq!(got.concat(), payload, "streamed body comes back byte-identical");
     // … in the very chunks the proxy sent (moved back, not re-cut or copied).
     let mut sent = Vec::new();
@@ -305,16 +310,9 @@ async fn duplex_rewrite_and_large_body_chunked_back() {
     s.send(body(b"", true)).await; // Envoy may end with an empty chunk.
     let r = routed(&s.recv().await);
     assert_eq!(r.content_length, Some(expected.len().to_string()));
-    let mut got = Vec::new();
-    loop {
-        let (bytes, eos) = chunk(&s.recv().await);
-        assert!(bytes.len() <= 64 * 1024, "rewritten chunks stay within 64 KiB when the proxy sent smaller ones");
-        got.extend(bytes);
-        if eos {
-            break;
-        }
-    }
-    assert_eq!(got, expected.as_bytes());
+    let got = s.streamed_body().await;
+    assert!(got.iter().all(|c| c.len() <= 64 * 1024), "rewritten chunks stay within 64 KiB when the proxy sent smaller ones");
+    assert_eq!(got.concat(), expected.as_bytes());
     epp.stop().await;
 }
 
