@@ -17,17 +17,60 @@ fn parse(c: &mut Criterion) {
     for size in [4 << 10, 400 << 10] {
         let b = body(size);
         g.throughput(Throughput::Bytes(b.len() as u64));
-        g.bench_with_input(BenchmarkId::new("kvepp_parse_body", size), &b, |bench, b| {
-            bench.iter(|| kvepp::request::parse_body(black_box(b)).map(|p| p.model_span.len()))
-        });
-        g.bench_with_input(BenchmarkId::new("baseline_serde_value", size), &b, |bench, b| {
-            bench.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(b)).map(|v| v["model"].as_str().map(str::len)))
-        });
+        g.bench_with_input(
+            BenchmarkId::new("kvepp_parse_body", size),
+            &b,
+            |bench, b| {
+                bench.iter(|| kvepp::request::parse_body(black_box(b)).map(|p| p.model_span.len()))
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("baseline_serde_value", size),
+            &b,
+            |bench, b| {
+                bench.iter(|| {
+                    serde_json::from_slice::<serde_json::Value>(black_box(b))
+                        .map(|v| v["model"].as_str().map(str::len))
+                })
+            },
+        );
         let chunks: Vec<Vec<u8>> = b.chunks(16 << 10).map(<[u8]>::to_vec).collect();
-        g.bench_with_input(BenchmarkId::new("join_16k_chunks", size), &chunks, |bench, c| bench.iter(|| black_box(c).concat().len()));
+        g.bench_with_input(
+            BenchmarkId::new("join_16k_chunks", size),
+            &chunks,
+            |bench, c| bench.iter(|| black_box(c).concat().len()),
+        );
     }
     g.finish();
 }
 
-criterion_group!(benches, parse);
+/// Prints kvepp's cost as a ratio of the baseline, both timed here in the same run.
+fn ratios(_: &mut Criterion) {
+    fn time(iters: u32, f: impl Fn() -> usize) -> f64 {
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            black_box(f());
+        }
+        start.elapsed().as_secs_f64() / f64::from(iters)
+    }
+    for size in [4 << 10, 400 << 10] {
+        let b = body(size);
+        let iters = if size < 100_000 { 20_000 } else { 300 };
+        let ours = time(iters, || {
+            kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
+        });
+        let base = time(iters, || {
+            serde_json::from_slice::<serde_json::Value>(black_box(&b))
+                .map_or(0, |v| v["model"].as_str().map_or(0, str::len))
+        });
+        println!(
+            "ratio body_to_model/{size}: kvepp {:.2} µs vs serde_json::Value {:.2} µs = {:.2}×",
+            ours * 1e6,
+            base * 1e6,
+            ours / base
+        );
+    }
+}
+
+criterion_group!(benches, parse, ratios);
 criterion_main!(benches);

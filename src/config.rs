@@ -95,9 +95,15 @@ pub struct FieldError {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path}: {source}")]
-    Parse { path: PathBuf, source: serde_yaml::Error },
+    Parse {
+        path: PathBuf,
+        source: serde_yaml::Error,
+    },
     #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<FieldError>),
 }
@@ -158,9 +164,24 @@ impl Config {
             Some(path) => Self::from_file(path)?,
             None => Config::default(),
         };
-        overlay!(cfg, args, grpc_port, grpc_health_port, metrics_port, bind_address, pool_name,
-            pool_namespace, manifests_poll_ms, unknown_models, destination_endpoint_list,
-            max_in_flight_per_endpoint, max_body_bytes, shutdown_grace_seconds, log_format, log_level);
+        overlay!(
+            cfg,
+            args,
+            grpc_port,
+            grpc_health_port,
+            metrics_port,
+            bind_address,
+            pool_name,
+            pool_namespace,
+            manifests_poll_ms,
+            unknown_models,
+            destination_endpoint_list,
+            max_in_flight_per_endpoint,
+            max_body_bytes,
+            shutdown_grace_seconds,
+            log_format,
+            log_level
+        );
         if args.endpoint_service.is_some() {
             cfg.endpoint_service = args.endpoint_service.clone();
         }
@@ -172,26 +193,45 @@ impl Config {
     }
 
     pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        serde_yaml::from_slice(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
+        let text = std::fs::read(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        serde_yaml::from_slice(&text).map_err(|source| ConfigError::Parse {
+            path: path.into(),
+            source,
+        })
     }
 
     /// Checks every field; returns one error per bad field.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errs = Vec::new();
-        let mut bad = |field: &'static str, message: String| errs.push(FieldError { field, message });
+        let mut bad =
+            |field: &'static str, message: String| errs.push(FieldError { field, message });
         if self.bind_address.parse::<IpAddr>().is_err() {
-            bad("bind_address", format!("{:?} is not an IP address", self.bind_address));
+            bad(
+                "bind_address",
+                format!("{:?} is not an IP address", self.bind_address),
+            );
         }
         if !is_dns_label(&self.pool_name) {
             bad("pool_name", format!("{:?} must be a Kubernetes object name (lowercase letters, digits, '-', '.'; required)", self.pool_name));
         }
         if !is_dns_label(&self.pool_namespace) {
-            bad("pool_namespace", format!("{:?} is not a Kubernetes namespace name", self.pool_namespace));
+            bad(
+                "pool_namespace",
+                format!(
+                    "{:?} is not a Kubernetes namespace name",
+                    self.pool_namespace
+                ),
+            );
         }
         if let Some(svc) = &self.endpoint_service {
             if !is_dns_label(svc) {
-                bad("endpoint_service", format!("{svc:?} is not a Kubernetes Service name"));
+                bad(
+                    "endpoint_service",
+                    format!("{svc:?} is not a Kubernetes Service name"),
+                );
             }
         }
         match &self.manifests_dir {
@@ -200,21 +240,41 @@ impl Config {
             Some(_) => {}
         }
         if !(10..=60_000).contains(&self.manifests_poll_ms) {
-            bad("manifests_poll_ms", format!("{} must be between 10 and 60000", self.manifests_poll_ms));
+            bad(
+                "manifests_poll_ms",
+                format!("{} must be between 10 and 60000", self.manifests_poll_ms),
+            );
         }
         if self.max_body_bytes < 1024 || self.max_body_bytes > 256 << 20 {
-            bad("max_body_bytes", format!("{} must be between 1 KiB and 256 MiB", self.max_body_bytes));
+            bad(
+                "max_body_bytes",
+                format!("{} must be between 1 KiB and 256 MiB", self.max_body_bytes),
+            );
         }
-        let ports = [("grpc_port", self.grpc_port), ("grpc_health_port", self.grpc_health_port), ("metrics_port", self.metrics_port)];
+        let ports = [
+            ("grpc_port", self.grpc_port),
+            ("grpc_health_port", self.grpc_health_port),
+            ("metrics_port", self.metrics_port),
+        ];
         for (i, (name, port)) in ports.iter().enumerate() {
             if *port != 0 && ports[..i].iter().any(|(_, p)| p == port) {
-                bad(name, format!("port {port} is already used by another server"));
+                bad(
+                    name,
+                    format!("port {port} is already used by another server"),
+                );
             }
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
-            bad("log_level", format!("{:?} is not a valid log filter", self.log_level));
+            bad(
+                "log_level",
+                format!("{:?} is not a valid log filter", self.log_level),
+            );
         }
-        if errs.is_empty() { Ok(()) } else { Err(errs) }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs)
+        }
     }
 
     pub fn endpoint_service(&self) -> &str {
@@ -225,7 +285,8 @@ impl Config {
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
         && s.as_bytes()[0].is_ascii_alphanumeric()
         && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
 }
@@ -239,14 +300,25 @@ mod tests {
         let dir = crate::testing::TempDir::new("config");
         let file = dir.path().join("kvepp.yaml");
         std::fs::write(&file, format!("pool_name: from-file\ngrpc_port: 7000\nmanifests_dir: {}\nunknown_models: pass-through\n", dir.path().display())).unwrap();
-        let args = ServeArgs { config: Some(file.clone()), grpc_port: Some(7001), ..Default::default() };
+        let args = ServeArgs {
+            config: Some(file.clone()),
+            grpc_port: Some(7001),
+            ..Default::default()
+        };
         let cfg = Config::load(&args).unwrap();
-        assert_eq!((cfg.pool_name.as_str(), cfg.grpc_port, cfg.metrics_port), ("from-file", 7001, 9090));
+        assert_eq!(
+            (cfg.pool_name.as_str(), cfg.grpc_port, cfg.metrics_port),
+            ("from-file", 7001, 9090)
+        );
         assert_eq!(cfg.unknown_models, UnknownModels::PassThrough);
         assert_eq!(cfg.endpoint_service(), "from-file");
 
         std::fs::write(&file, "pool_name: x\nno_such_field: 1\n").unwrap();
-        let err = Config::load(&ServeArgs { config: Some(file), ..Default::default() }).unwrap_err();
+        let err = Config::load(&ServeArgs {
+            config: Some(file),
+            ..Default::default()
+        })
+        .unwrap_err();
         assert!(err.to_string().contains("no_such_field"), "{err}");
     }
 
@@ -262,7 +334,17 @@ mod tests {
         };
         let errs = cfg.validate().unwrap_err();
         let fields: Vec<&str> = errs.iter().map(|e| e.field).collect();
-        assert_eq!(fields, vec!["bind_address", "pool_name", "manifests_dir", "max_body_bytes", "metrics_port", "log_level"]);
+        assert_eq!(
+            fields,
+            vec![
+                "bind_address",
+                "pool_name",
+                "manifests_dir",
+                "max_body_bytes",
+                "metrics_port",
+                "log_level"
+            ]
+        );
         let text = ConfigError::Invalid(errs).to_string();
         assert!(text.contains("pool_name: \"Bad_Name\""), "{text}");
     }

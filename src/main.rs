@@ -30,8 +30,11 @@ enum Command {
 }
 
 fn init_logging(format: LogFormat, level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
@@ -73,7 +76,9 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::EchoBackend { listen, name } => {
             init_logging(LogFormat::Text, "warn");
-            let l = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("bind {listen}"))?;
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("bind {listen}"))?;
             kvepp::testing::serve_echo_backend(l, name).await?;
         }
     }

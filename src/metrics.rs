@@ -57,23 +57,64 @@ impl Metrics {
     pub fn new() -> Arc<Self> {
         let mut registry = Registry::with_prefix("kvepp");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests by model, target model, endpoint and status code", requests.clone());
+        registry.register(
+            "requests",
+            "Requests by model, target model, endpoint and status code",
+            requests.clone(),
+        );
         let pick_duration = Histogram::new(exponential_buckets(1e-6, 2.0, 22));
-        registry.register("pick_duration_seconds", "Time from complete request (headers or body) to the pick", pick_duration.clone());
+        registry.register(
+            "pick_duration_seconds",
+            "Time from complete request (headers or body) to the pick",
+            pick_duration.clone(),
+        );
         let ready_endpoints = Gauge::default();
-        registry.register("ready_endpoints", "Ready endpoints in the pool", ready_endpoints.clone());
+        registry.register(
+            "ready_endpoints",
+            "Ready endpoints in the pool",
+            ready_endpoints.clone(),
+        );
         let in_flight = Gauge::default();
-        registry.register("in_flight_requests", "Requests routed and not yet finished", in_flight.clone());
+        registry.register(
+            "in_flight_requests",
+            "Requests routed and not yet finished",
+            in_flight.clone(),
+        );
         let rejected = Family::<ReasonLabels, Counter>::default();
-        registry.register("rejected_requests", "Requests answered by the EPP itself, by reason", rejected.clone());
+        registry.register(
+            "rejected_requests",
+            "Requests answered by the EPP itself, by reason",
+            rejected.clone(),
+        );
         let manifest_errors = Counter::default();
-        registry.register("manifest_errors", "Manifest file versions that failed to parse", manifest_errors.clone());
+        registry.register(
+            "manifest_errors",
+            "Manifest file versions that failed to parse",
+            manifest_errors.clone(),
+        );
         let served_elsewhere = Counter::default();
-        registry.register("served_elsewhere", "Requests the proxy reports served by another endpoint than the primary pick", served_elsewhere.clone());
+        registry.register(
+            "served_elsewhere",
+            "Requests the proxy reports served by another endpoint than the primary pick",
+            served_elsewhere.clone(),
+        );
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
-        info.get_or_create(&[("version", env!("CARGO_PKG_VERSION")), ("commit", env!("KVEPP_GIT_SHA"))]).set(1);
-        Arc::new(Metrics { registry, requests, pick_duration, ready_endpoints, in_flight, rejected, manifest_errors, served_elsewhere })
+        info.get_or_create(&[
+            ("version", env!("CARGO_PKG_VERSION")),
+            ("commit", env!("KVEPP_GIT_SHA")),
+        ])
+        .set(1);
+        Arc::new(Metrics {
+            registry,
+            requests,
+            pick_duration,
+            ready_endpoints,
+            in_flight,
+            rejected,
+            manifest_errors,
+            served_elsewhere,
+        })
     }
 
     /// Prometheus text format.

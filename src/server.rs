@@ -24,7 +24,11 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("cannot bind {what} on {addr}: {source}")]
-    Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("{what} server failed: {message}")]
     Serve { what: &'static str, message: String },
 }
@@ -39,9 +43,14 @@ pub struct Listeners {
 
 impl Listeners {
     pub async fn bind(cfg: &Config) -> Result<Self, ServerError> {
-        let ip: IpAddr = cfg.bind_address.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        let ip: IpAddr = cfg
+            .bind_address
+            .parse()
+            .unwrap_or(IpAddr::from([0, 0, 0, 0]));
         async fn one(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
-            TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { what, addr, source })
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind { what, addr, source })
         }
         Ok(Listeners {
             grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
@@ -51,11 +60,17 @@ impl Listeners {
     }
 
     pub fn addrs(&self) -> [Option<SocketAddr>; 3] {
-        [self.grpc.local_addr().ok(), self.health.local_addr().ok(), self.metrics.local_addr().ok()]
+        [
+            self.grpc.local_addr().ok(),
+            self.health.local_addr().ok(),
+            self.metrics.local_addr().ok(),
+        ]
     }
 }
 
-fn incoming(l: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+fn incoming(
+    l: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     TcpListenerStream::new(l).map(|s| {
         let s = s?;
         // Small ext_proc messages must not wait for Nagle + delayed ACK.
@@ -66,7 +81,11 @@ fn incoming(l: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<
 
 /// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
 /// `shutdown_grace_seconds`).
-pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+pub async fn run(
+    cfg: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
     let metrics = Metrics::new();
     let pool = PoolRef {
         name: cfg.pool_name.clone(),
@@ -82,21 +101,31 @@ pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output
     let mut tasks = Vec::new();
     if let Some(dir) = &cfg.manifests_dir {
         let errors = metrics.manifest_errors.clone();
-        let source = ManifestDir::new(dir, Duration::from_millis(cfg.manifests_poll_ms), move |_| {
-            errors.inc();
-        });
+        let source = ManifestDir::new(
+            dir,
+            Duration::from_millis(cfg.manifests_poll_ms),
+            move |_| {
+                errors.inc();
+            },
+        );
         tasks.push(Box::new(source).spawn(store.clone(), stop_rx.clone()));
     }
 
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    reporter.set_service_status("liveness", ServingStatus::Serving).await;
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
     {
         let reporter = reporter.clone();
         let mut ready = store.ready();
         let mut stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             loop {
-                let status = if *ready.borrow_and_update() && !*stop.borrow() { ServingStatus::Serving } else { ServingStatus::NotServing };
+                let status = if *ready.borrow_and_update() && !*stop.borrow() {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
                 for svc in ["readiness", EXT_PROC_SERVICE, ""] {
                     reporter.set_service_status(svc, status).await;
                 }
@@ -108,13 +137,23 @@ pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output
         }));
     }
 
-    let selector = Selector::new(Box::new(LeastLoaded), Saturation { max_in_flight: cfg.max_in_flight_per_endpoint });
+    let selector = Selector::new(
+        Box::new(LeastLoaded),
+        Saturation {
+            max_in_flight: cfg.max_in_flight_per_endpoint,
+        },
+    );
     let settings = Settings {
         pass_through_unknown: cfg.unknown_models == UnknownModels::PassThrough,
         destination_list: cfg.destination_endpoint_list,
         max_body_bytes: cfg.max_body_bytes,
     };
-    let shared = Arc::new(Shared::new(store.clone(), selector, metrics.clone(), settings));
+    let shared = Arc::new(Shared::new(
+        store.clone(),
+        selector,
+        metrics.clone(),
+        settings,
+    ));
     let extproc = ExtProcService::new(shared).into_server();
 
     let [g, h, m] = listeners.addrs();
@@ -140,7 +179,10 @@ pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output
     let http = tokio::spawn(async move { http.await });
 
     shutdown.await;
-    tracing::info!(grace_seconds = cfg.shutdown_grace_seconds, "shutting down: not ready, no new connections, finishing open streams");
+    tracing::info!(
+        grace_seconds = cfg.shutdown_grace_seconds,
+        "shutting down: not ready, no new connections, finishing open streams"
+    );
     let _ = stop_tx.send(true);
     let grace = Duration::from_secs(cfg.shutdown_grace_seconds);
     let drained = tokio::time::timeout(grace, async {
@@ -166,10 +208,16 @@ pub async fn run(cfg: Config, listeners: Listeners, shutdown: impl Future<Output
     }
 }
 
-fn flatten(what: &'static str, r: Result<Result<(), String>, tokio::task::JoinError>) -> Result<(), ServerError> {
+fn flatten(
+    what: &'static str,
+    r: Result<Result<(), String>, tokio::task::JoinError>,
+) -> Result<(), ServerError> {
     match r {
         Ok(Ok(())) => Ok(()),
         Ok(Err(message)) => Err(ServerError::Serve { what, message }),
-        Err(e) => Err(ServerError::Serve { what, message: e.to_string() }),
+        Err(e) => Err(ServerError::Serve {
+            what,
+            message: e.to_string(),
+        }),
     }
 }

@@ -16,7 +16,11 @@ pub struct TempDir(PathBuf);
 impl TempDir {
     pub fn new(tag: &str) -> Self {
         static N: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!("kvepp-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+        let p = std::env::temp_dir().join(format!(
+            "kvepp-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
         TempDir(p)
@@ -35,16 +39,20 @@ impl Drop for TempDir {
 
 /// FNV-1a 64 of a body: lets a test check bytes arrived unchanged without echoing them.
 pub fn fnv64(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100000001b3))
+    data.iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+    })
 }
 
 /// Serves an HTTP backend that answers every request with a JSON description of what it received
 /// and who it is (the stand-in for a model server in tests and the demo).
 pub async fn serve_echo_backend(listener: TcpListener, name: String) -> std::io::Result<()> {
-    let app = axum::Router::new().fallback(move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
-        let name = name.clone();
-        async move { echo(&name, method, uri, headers, body) }
-    });
+    let app = axum::Router::new().fallback(
+        move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+            let name = name.clone();
+            async move { echo(&name, method, uri, headers, body) }
+        },
+    );
     axum::serve(listener, app).await
 }
 
@@ -56,9 +64,22 @@ pub async fn spawn_echo_backend(name: &str) -> std::io::Result<SocketAddr> {
     Ok(addr)
 }
 
-fn echo(name: &str, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
-    let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let model = crate::request::parse_body(&body).ok().map(|p| p.model.into_owned());
+fn echo(
+    name: &str,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> impl IntoResponse {
+    let header = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let model = crate::request::parse_body(&body)
+        .ok()
+        .map(|p| p.model.into_owned());
     let reply = serde_json::json!({
         "backend": name,
         "method": method.as_str(),
@@ -70,5 +91,11 @@ fn echo(name: &str, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -
         "transfer_encoding": header("transfer-encoding"),
         "destination": header("x-gateway-destination-endpoint"),
     });
-    ([("content-type", "application/json".to_owned()), ("x-backend", name.to_owned())], reply.to_string())
+    (
+        [
+            ("content-type", "application/json".to_owned()),
+            ("x-backend", name.to_owned()),
+        ],
+        reply.to_string(),
+    )
 }

@@ -9,7 +9,10 @@ use std::process::{Command, Stdio};
 
 use common::*;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{processing_request::Request as Req, processing_response::Response as Resp, HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request::Request as Req, processing_response::Response as Resp, HttpBody,
+    HttpHeaders, ProcessingRequest, ProtocolConfiguration,
+};
 use kvepp::testing::TempDir;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -19,19 +22,41 @@ use tonic_health::pb::HealthCheckRequest;
 const BIN: &str = env!("CARGO_BIN_EXE_kvepp");
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[test]
 fn invalid_configuration_names_every_bad_field() {
     let out = Command::new(BIN)
-        .args(["serve", "--pool-name", "Bad_Name", "--manifests-dir", "/nonexistent/dir", "--bind-address", "not-an-ip", "--max-body-bytes", "5"])
+        .args([
+            "serve",
+            "--pool-name",
+            "Bad_Name",
+            "--manifests-dir",
+            "/nonexistent/dir",
+            "--bind-address",
+            "not-an-ip",
+            "--max-body-bytes",
+            "5",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    for field in ["bind_address", "pool_name", "manifests_dir", "max_body_bytes"] {
-        assert!(err.contains(&format!("{field}: ")), "{field} missing from:\n{err}");
+    for field in [
+        "bind_address",
+        "pool_name",
+        "manifests_dir",
+        "max_body_bytes",
+    ] {
+        assert!(
+            err.contains(&format!("{field}: ")),
+            "{field} missing from:\n{err}"
+        );
     }
 }
 
@@ -48,7 +73,11 @@ fn config_precedence_file_env_flag() {
         .env("KVEPP_GRPC_PORT", "5555")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let cfg: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
     assert_eq!(cfg["pool_name"], "from-file");
     assert_eq!(cfg["grpc_port"], 3333, "flag beats env and file");
@@ -57,21 +86,51 @@ fn config_precedence_file_env_flag() {
     assert_eq!(cfg["grpc_health_port"], 9003, "default");
 }
 
-async fn status(client: &mut HealthClient<tonic::transport::Channel>, service: &str) -> ServingStatus {
-    let r = client.check(HealthCheckRequest { service: service.into() }).await.expect("health check").into_inner();
+async fn status(
+    client: &mut HealthClient<tonic::transport::Channel>,
+    service: &str,
+) -> ServingStatus {
+    let r = client
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .expect("health check")
+        .into_inner();
     ServingStatus::try_from(r.status).expect("status")
 }
 
 #[tokio::test]
 async fn serves_health_and_metrics_and_drains_on_sigterm() {
     let dir = TempDir::new("bin");
-    std::fs::write(dir.path().join("pool.yaml"), pool_yaml("pool") + &standard_models() + &slice_yaml("s", "10.0.0.1:8000".parse().unwrap(), true)).unwrap();
+    std::fs::write(
+        dir.path().join("pool.yaml"),
+        pool_yaml("pool")
+            + &standard_models()
+            + &slice_yaml("s", "10.0.0.1:8000".parse().unwrap(), true),
+    )
+    .unwrap();
     let (grpc, health, metrics) = (free_port(), free_port(), free_port());
     let mut child = Command::new(BIN)
-        .args(["serve", "--pool-name", "pool", "--bind-address", "127.0.0.1", "--log-format", "json"])
+        .args([
+            "serve",
+            "--pool-name",
+            "pool",
+            "--bind-address",
+            "127.0.0.1",
+            "--log-format",
+            "json",
+        ])
         .arg("--manifests-dir")
         .arg(dir.path())
-        .args(["--grpc-port", &grpc.to_string(), "--grpc-health-port", &health.to_string(), "--metrics-port", &metrics.to_string()])
+        .args([
+            "--grpc-port",
+            &grpc.to_string(),
+            "--grpc-health-port",
+            &health.to_string(),
+            "--metrics-port",
+            &metrics.to_string(),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -80,10 +139,22 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
     let health_addr = format!("http://127.0.0.1:{health}");
     let hc = wait_for("gRPC health up", || {
         let a = health_addr.clone();
-        async move { Some(HealthClient::new(tonic::transport::Endpoint::from_shared(a).ok()?.connect().await.ok()?)) }
+        async move {
+            Some(HealthClient::new(
+                tonic::transport::Endpoint::from_shared(a)
+                    .ok()?
+                    .connect()
+                    .await
+                    .ok()?,
+            ))
+        }
     })
     .await;
-    for svc in ["liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+    for svc in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
         wait_for(svc, || {
             let mut hc = hc.clone();
             async move { (status(&mut hc, svc).await == ServingStatus::Serving).then_some(()) }
@@ -91,31 +162,84 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
         .await;
     }
     let metrics_addr: SocketAddr = ([127, 0, 0, 1], metrics).into();
-    let text = String::from_utf8(http(metrics_addr, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
-    for name in ["kvepp_ready_endpoints 1", "# TYPE kvepp_pick_duration_seconds histogram", "kvepp_build_info{version=", "kvepp_in_flight_requests 0"] {
+    let text = String::from_utf8(
+        http(metrics_addr, "GET", "/metrics", &[], "")
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    for name in [
+        "kvepp_ready_endpoints 1",
+        "# TYPE kvepp_pick_duration_seconds histogram",
+        "kvepp_build_info{version=",
+        "kvepp_in_flight_requests 0",
+    ] {
         assert!(text.contains(name), "{name} not in\n{text}");
     }
 
     // A request is mid-body when SIGTERM arrives: it must still be answered.
-    let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{grpc}")).await.unwrap();
+    let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(8);
-    let mut inbound = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut inbound = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     tx.send(ProcessingRequest {
         request: Some(Req::RequestHeaders(HttpHeaders::default())),
-        protocol_config: Some(ProtocolConfiguration { request_body_mode: 4, ..Default::default() }),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: 4,
+            ..Default::default()
+        }),
         ..Default::default()
     })
     .await
     .unwrap();
-    tx.send(ProcessingRequest { request: Some(Req::RequestBody(HttpBody { body: br#"{"model":"#.to_vec(), ..Default::default() })), ..Default::default() }).await.unwrap();
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    tx.send(ProcessingRequest {
+        request: Some(Req::RequestBody(HttpBody {
+            body: br#"{"model":"#.to_vec(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(killed.success());
     // New connections are refused once the listeners close …
-    wait_for("ext_proc listener closed", || async move { tokio::net::TcpStream::connect(("127.0.0.1", grpc)).await.is_err().then_some(()) }).await;
+    wait_for("ext_proc listener closed", || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", grpc))
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
     // … while the open stream finishes.
-    tx.send(ProcessingRequest { request: Some(Req::RequestBody(HttpBody { body: br#""m"}"#.to_vec(), end_of_stream: true, ..Default::default() })), ..Default::default() }).await.unwrap();
-    let answer = tokio::time::timeout(DEADLINE, inbound.message()).await.expect("in time").expect("ok").expect("answer");
-    assert!(matches!(answer.response, Some(Resp::RequestHeaders(_))), "{answer:?}");
+    tx.send(ProcessingRequest {
+        request: Some(Req::RequestBody(HttpBody {
+            body: br#""m"}"#.to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let answer = tokio::time::timeout(DEADLINE, inbound.message())
+        .await
+        .expect("in time")
+        .expect("ok")
+        .expect("answer");
+    assert!(
+        matches!(answer.response, Some(Resp::RequestHeaders(_))),
+        "{answer:?}"
+    );
     drop(tx);
     drop(inbound);
     drop(client);
@@ -125,8 +249,19 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
     })
     .await;
     let mut log = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
     assert!(exit.success(), "exit {exit:?}\n{log}");
-    assert!(log.contains("SIGTERM received") && log.contains("shutdown complete"), "{log}");
-    assert!(log.contains("\"configuration\""), "configuration logged once at startup:\n{log}");
+    assert!(
+        log.contains("SIGTERM received") && log.contains("shutdown complete"),
+        "{log}"
+    );
+    assert!(
+        log.contains("\"configuration\""),
+        "configuration logged once at startup:\n{log}"
+    );
 }

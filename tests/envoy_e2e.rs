@@ -28,18 +28,39 @@ fn mode(mode: &str) -> serde_yaml::Value {
 
 /// Sends `n` requests for model `m` and returns how many each backend served, checking that every
 /// response came from the endpoint kvepp named (Envoy connected where the header said).
-async fn spread(envoy: &Envoy, backends: &HashMap<String, SocketAddr>, n: usize) -> HashMap<String, usize> {
+async fn spread(
+    envoy: &Envoy,
+    backends: &HashMap<String, SocketAddr>,
+    n: usize,
+) -> HashMap<String, usize> {
     let mut seen = HashMap::new();
     for i in 0..n {
         let body = format!("{{\"model\":\"m\",\"prompt\":\"request {i}\"}}");
         // A client-supplied destination must be overwritten by kvepp.
-        let r = http(envoy.addr, "POST", "/v1/completions", &[("content-type", "application/json"), ("x-gateway-destination-endpoint", "127.0.0.1:1")], body.clone()).await;
+        let r = http(
+            envoy.addr,
+            "POST",
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-gateway-destination-endpoint", "127.0.0.1:1"),
+            ],
+            body.clone(),
+        )
+        .await;
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         let j = r.json();
         let name = j["backend"].as_str().expect("backend").to_owned();
-        assert_eq!(j["destination"].as_str(), Some(backends[&name].to_string().as_str()), "served by the picked endpoint");
+        assert_eq!(
+            j["destination"].as_str(),
+            Some(backends[&name].to_string().as_str()),
+            "served by the picked endpoint"
+        );
         assert_eq!(j["body_len"].as_u64(), Some(body.len() as u64));
-        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()));
+        assert_eq!(
+            j["body_fnv"].as_str(),
+            Some(format!("{:016x}", fnv64(body.as_bytes())).as_str())
+        );
         *seen.entry(name).or_insert(0) += 1;
     }
     seen
@@ -48,13 +69,18 @@ async fn spread(envoy: &Envoy, backends: &HashMap<String, SocketAddr>, n: usize)
 #[tokio::test]
 async fn routes_real_traffic_in_both_body_modes_on_one_server() {
     let addrs = echo_backends(&["a", "b"]).await;
-    let backends: HashMap<String, SocketAddr> = [("a".to_string(), addrs[0]), ("b".to_string(), addrs[1])].into();
+    let backends: HashMap<String, SocketAddr> =
+        [("a".to_string(), addrs[0]), ("b".to_string(), addrs[1])].into();
     let epp = Epp::start(&manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
     let duplex = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
     let buffered = Envoy::start(mode("BUFFERED"), epp.grpc).await;
     for envoy in [&duplex, &buffered] {
         let seen = spread(envoy, &backends, 24).await;
-        assert_eq!(seen.len(), 2, "least-loaded with random tie-break uses both endpoints: {seen:?}");
+        assert_eq!(
+            seen.len(),
+            2,
+            "least-loaded with random tie-break uses both endpoints: {seen:?}"
+        );
 
         // Weighted target model: the body reaches the backend with only `model` changed.
         let r = post_json(envoy.addr, r#"{"model":"rw","prompt":"hi"}"#).await;
@@ -62,8 +88,15 @@ async fn routes_real_traffic_in_both_body_modes_on_one_server() {
         assert_eq!(j["model"], "rw-target");
         let expected = r#"{"model":"rw-target","prompt":"hi"}"#;
         assert_eq!(j["body_len"].as_u64(), Some(expected.len() as u64));
-        assert_eq!(j["content_length"].as_str(), Some(expected.len().to_string().as_str()), "Content-Length fixed");
-        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(expected.as_bytes())).as_str()));
+        assert_eq!(
+            j["content_length"].as_str(),
+            Some(expected.len().to_string().as_str()),
+            "Content-Length fixed"
+        );
+        assert_eq!(
+            j["body_fnv"].as_str(),
+            Some(format!("{:016x}", fnv64(expected.as_bytes())).as_str())
+        );
 
         // A request without a body is routed too.
         let r = http(envoy.addr, "GET", "/v1/models", &[], "").await;
@@ -71,7 +104,12 @@ async fn routes_real_traffic_in_both_body_modes_on_one_server() {
         assert!(backends.contains_key(r.json()["backend"].as_str().unwrap()));
     }
     let text = epp.metrics_text().await;
-    for needle in ["kvepp_requests_total{model=\"m\",target_model=\"m\"", "kvepp_requests_total{model=\"rw\",target_model=\"rw-target\"", "kvepp_pick_duration_seconds_count", "kvepp_ready_endpoints 2"] {
+    for needle in [
+        "kvepp_requests_total{model=\"m\",target_model=\"m\"",
+        "kvepp_requests_total{model=\"rw\",target_model=\"rw-target\"",
+        "kvepp_pick_duration_seconds_count",
+        "kvepp_ready_endpoints 2",
+    ] {
         assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
     }
     epp.stop().await;
@@ -93,8 +131,16 @@ async fn one_mib_body_passes_byte_identical_in_both_modes() {
         assert_eq!(r.status, 200, "{m}: {}", String::from_utf8_lossy(&r.body));
         let j = r.json();
         assert_eq!(j["body_len"].as_u64(), Some(body.len() as u64), "{m}");
-        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()), "{m}");
-        assert_eq!(j["content_length"].as_str(), Some(body.len().to_string().as_str()), "{m}");
+        assert_eq!(
+            j["body_fnv"].as_str(),
+            Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()),
+            "{m}"
+        );
+        assert_eq!(
+            j["content_length"].as_str(),
+            Some(body.len().to_string().as_str()),
+            "{m}"
+        );
     }
     epp.stop().await;
 }
@@ -105,7 +151,11 @@ async fn errors_reach_the_client_as_json() {
     let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
     for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
         let envoy = Envoy::start(mode(m), epp.grpc).await;
-        for (body, code) in [("{\"model\":", 400), ("{\"prompt\":\"no model\"}", 400), ("{\"model\":\"nobody-serves-this\"}", 404)] {
+        for (body, code) in [
+            ("{\"model\":", 400),
+            ("{\"prompt\":\"no model\"}", 400),
+            ("{\"model\":\"nobody-serves-this\"}", 404),
+        ] {
             let r = post_json(envoy.addr, body).await;
             assert_eq!(r.status, code, "{m} {body}");
             assert_eq!(r.header("content-type"), Some("application/json"));
@@ -113,7 +163,10 @@ async fn errors_reach_the_client_as_json() {
         }
     }
     // No ready endpoint → 503.
-    epp.write_manifest("pool.yaml", &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)));
+    epp.write_manifest(
+        "pool.yaml",
+        &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)),
+    );
     let envoy = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
     let r = wait_for("503 once the endpoint is not ready", || async {
         let r = post_json(envoy.addr, r#"{"model":"m"}"#).await;
@@ -125,7 +178,11 @@ async fn errors_reach_the_client_as_json() {
 }
 
 /// A backend that holds every request until released, counting arrivals.
-async fn hold_backend(name: &'static str, arrived: Arc<AtomicUsize>, release: watch::Receiver<bool>) -> SocketAddr {
+async fn hold_backend(
+    name: &'static str,
+    arrived: Arc<AtomicUsize>,
+    release: watch::Receiver<bool>,
+) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = axum::Router::new().fallback(move || {
@@ -147,11 +204,19 @@ async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
     let (release, rx) = watch::channel(false);
     let a = hold_backend("a", arrived.clone(), rx.clone()).await;
     let b = hold_backend("b", arrived.clone(), rx).await;
-    let epp = Epp::start(&manifests(&[("a", a), ("b", b)]), |c| c.max_in_flight_per_endpoint = 1).await;
+    let epp = Epp::start(&manifests(&[("a", a), ("b", b)]), |c| {
+        c.max_in_flight_per_endpoint = 1
+    })
+    .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let gw = envoy.addr;
-    let held: Vec<_> = (0..2).map(|_| tokio::spawn(async move { post_json(gw, r#"{"model":"crit"}"#).await })).collect();
-    wait_for("both endpoints busy", || async { (arrived.load(Ordering::SeqCst) == 2).then_some(()) }).await;
+    let held: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { post_json(gw, r#"{"model":"crit"}"#).await }))
+        .collect();
+    wait_for("both endpoints busy", || async {
+        (arrived.load(Ordering::SeqCst) == 2).then_some(())
+    })
+    .await;
     let r = post_json(gw, r#"{"model":"shed"}"#).await;
     assert_eq!(r.status, 429);
     assert_eq!(r.json()["error"]["code"], 429);
@@ -163,7 +228,11 @@ async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
         served.push(r.json()["backend"].as_str().unwrap().to_owned());
     }
     served.sort();
-    assert_eq!(served, ["a", "b"], "the second Critical request went to the less loaded endpoint");
+    assert_eq!(
+        served,
+        ["a", "b"],
+        "the second Critical request went to the less loaded endpoint"
+    );
     wait_for("Sheddable admitted once the responses ended", || async {
         (post_json(gw, r#"{"model":"shed"}"#).await.status == 200).then_some(())
     })
@@ -188,7 +257,10 @@ async fn subset_hint_set_by_envoy_is_honoured() {
     let envoy = Envoy::start(b, epp.grpc).await;
     let r = post_json(envoy.addr, r#"{"model":"m"}"#).await;
     assert_eq!(r.status, 503);
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("subset"));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("subset"));
     epp.stop().await;
 }
 
@@ -198,17 +270,26 @@ async fn endpoints_coming_and_going_follow_the_manifests() {
     let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     for _ in 0..5 {
-        assert_eq!(post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"], "a");
+        assert_eq!(
+            post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"],
+            "a"
+        );
     }
     // b becomes ready and a goes away, in a second file and an edit of the first.
     epp.write_manifest("b.yaml", &slice_yaml("b", addrs[1], true));
-    epp.write_manifest("pool.yaml", &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)));
+    epp.write_manifest(
+        "pool.yaml",
+        &(pool_yaml("pool") + &standard_models() + &slice_yaml("a", addrs[0], false)),
+    );
     wait_for("traffic moves to b", || async {
         (post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"] == "b").then_some(())
     })
     .await;
     for _ in 0..5 {
-        assert_eq!(post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"], "b");
+        assert_eq!(
+            post_json(envoy.addr, r#"{"model":"m"}"#).await.json()["backend"],
+            "b"
+        );
     }
     epp.stop().await;
 }
@@ -220,21 +301,50 @@ async fn client_framing_is_kept_in_both_modes() {
     let addrs = echo_backends(&["a"]).await;
     let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
     let body = r#"{"model":"m","prompt":"same bytes"}"#;
-    let chunked = [("content-type", "application/json"), ("transfer-encoding", "chunked")];
+    let chunked = [
+        ("content-type", "application/json"),
+        ("transfer-encoding", "chunked"),
+    ];
     for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
         let envoy = Envoy::start(mode(m), epp.grpc).await;
         for n in [10usize, 300_000] {
             let b = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(n));
             let j = post_json(envoy.addr, b.clone()).await.json();
-            assert_eq!(j["content_length"].as_str(), Some(b.len().to_string().as_str()), "{m} {n}");
+            assert_eq!(
+                j["content_length"].as_str(),
+                Some(b.len().to_string().as_str()),
+                "{m} {n}"
+            );
         }
-        let j = http(envoy.addr, "POST", "/v1/completions", &chunked, body).await.json();
-        assert_eq!(j["body_fnv"].as_str(), Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()), "{m}");
+        let j = http(envoy.addr, "POST", "/v1/completions", &chunked, body)
+            .await
+            .json();
+        assert_eq!(
+            j["body_fnv"].as_str(),
+            Some(format!("{:016x}", fnv64(body.as_bytes())).as_str()),
+            "{m}"
+        );
         if m == "FULL_DUPLEX_STREAMED" {
-            assert_eq!((j["transfer_encoding"].as_str(), &j["content_length"]), (Some("chunked"), &serde_json::Value::Null), "{m}");
+            assert_eq!(
+                (j["transfer_encoding"].as_str(), &j["content_length"]),
+                (Some("chunked"), &serde_json::Value::Null),
+                "{m}"
+            );
         }
-        let j = http(envoy.addr, "POST", "/v1/completions", &chunked, r#"{"model":"rw"}"#).await.json();
-        assert_eq!(j["content_length"].as_str(), Some(r#"{"model":"rw-target"}"#.len().to_string().as_str()), "{m}");
+        let j = http(
+            envoy.addr,
+            "POST",
+            "/v1/completions",
+            &chunked,
+            r#"{"model":"rw"}"#,
+        )
+        .await
+        .json();
+        assert_eq!(
+            j["content_length"].as_str(),
+            Some(r#"{"model":"rw-target"}"#.len().to_string().as_str()),
+            "{m}"
+        );
         assert_eq!(j["model"], "rw-target");
     }
     epp.stop().await;

@@ -9,8 +9,9 @@ use common::*;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation::Mutation, processing_request::Request as Req, processing_response::Response as Resp, HttpBody, HttpHeaders,
-    HttpTrailers, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation::Mutation, processing_request::Request as Req,
+    processing_response::Response as Resp, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tokio::sync::mpsc;
@@ -28,7 +29,10 @@ fn addr(s: &str) -> SocketAddr {
 fn manifests() -> String {
     let mut m = pool_yaml("pool");
     m += &standard_models();
-    for (i, a) in ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"].iter().enumerate() {
+    for (i, a) in ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        .iter()
+        .enumerate()
+    {
         m += &slice_yaml(&format!("s{i}"), addr(a), true);
     }
     m
@@ -41,9 +45,16 @@ struct Session {
 
 impl Session {
     async fn open(epp: &Epp) -> Session {
-        let mut client = ExternalProcessorClient::<Channel>::connect(format!("http://{}", epp.grpc)).await.expect("connect");
+        let mut client =
+            ExternalProcessorClient::<Channel>::connect(format!("http://{}", epp.grpc))
+                .await
+                .expect("connect");
         let (tx, rx) = mpsc::channel(64);
-        let rx = client.process(ReceiverStream::new(rx)).await.expect("process").into_inner();
+        let rx = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .expect("process")
+            .into_inner();
         Session { tx, rx }
     }
 
@@ -52,7 +63,11 @@ impl Session {
     }
 
     async fn recv(&mut self) -> ProcessingResponse {
-        tokio::time::timeout(DEADLINE, self.rx.message()).await.expect("answer in time").expect("stream ok").expect("an answer")
+        tokio::time::timeout(DEADLINE, self.rx.message())
+            .await
+            .expect("answer in time")
+            .expect("stream ok")
+            .expect("an answer")
     }
 
     /// The request body streamed back, chunk by chunk, up to the chunk with end_of_stream.
@@ -84,12 +99,20 @@ fn metadata_with(ns: &str, key: &str, v: Value) -> Metadata {
 }
 
 fn string(s: &str) -> Value {
-    Value { kind: Some(Kind::StringValue(s.into())) }
+    Value {
+        kind: Some(Kind::StringValue(s.into())),
+    }
 }
 
 fn subset(list: &[&str]) -> Metadata {
     let values = list.iter().map(|s| string(s)).collect();
-    metadata_with("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", Value { kind: Some(Kind::ListValue(ListValue { values })) })
+    metadata_with(
+        "envoy.lb.subset_hint",
+        "x-gateway-destination-endpoint-subset",
+        Value {
+            kind: Some(Kind::ListValue(ListValue { values })),
+        },
+    )
 }
 
 fn headers(mode: i32, end_of_stream: bool, md: Option<Metadata>) -> ProcessingRequest {
@@ -98,14 +121,35 @@ fn headers(mode: i32, end_of_stream: bool, md: Option<Metadata>) -> ProcessingRe
 
 /// Request headers as Envoy sends them; `content_length` says whether the client framed the body
 /// with Content-Length (else it is chunked).
-fn headers_framed(mode: i32, end_of_stream: bool, md: Option<Metadata>, content_length: bool) -> ProcessingRequest {
+fn headers_framed(
+    mode: i32,
+    end_of_stream: bool,
+    md: Option<Metadata>,
+    content_length: bool,
+) -> ProcessingRequest {
     let mut list = vec![
-        HeaderValue { key: ":method".into(), raw_value: b"POST".to_vec(), ..Default::default() },
-        HeaderValue { key: ":path".into(), raw_value: b"/v1/completions".to_vec(), ..Default::default() },
-        HeaderValue { key: "x-gateway-destination-endpoint".into(), raw_value: b"6.6.6.6:1".to_vec(), ..Default::default() },
+        HeaderValue {
+            key: ":method".into(),
+            raw_value: b"POST".to_vec(),
+            ..Default::default()
+        },
+        HeaderValue {
+            key: ":path".into(),
+            raw_value: b"/v1/completions".to_vec(),
+            ..Default::default()
+        },
+        HeaderValue {
+            key: "x-gateway-destination-endpoint".into(),
+            raw_value: b"6.6.6.6:1".to_vec(),
+            ..Default::default()
+        },
     ];
     if content_length {
-        list.push(HeaderValue { key: "content-length".into(), raw_value: b"123".to_vec(), ..Default::default() });
+        list.push(HeaderValue {
+            key: "content-length".into(),
+            raw_value: b"123".to_vec(),
+            ..Default::default()
+        });
     }
     let h = HttpHeaders {
         headers: Some(HeaderMap { headers: list }),
@@ -115,29 +159,59 @@ fn headers_framed(mode: i32, end_of_stream: bool, md: Option<Metadata>, content_
     ProcessingRequest {
         request: Some(Req::RequestHeaders(h)),
         metadata_context: md,
-        protocol_config: Some(ProtocolConfiguration { request_body_mode: mode, response_body_mode: DUPLEX, ..Default::default() }),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode,
+            response_body_mode: DUPLEX,
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
 
 fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest { request: Some(Req::RequestBody(HttpBody { body: bytes.to_vec(), end_of_stream, ..Default::default() })), ..Default::default() }
+    ProcessingRequest {
+        request: Some(Req::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
 }
 
 fn response_headers(status: &str, served: Option<&str>) -> ProcessingRequest {
     let h = HttpHeaders {
-        headers: Some(HeaderMap { headers: vec![HeaderValue { key: ":status".into(), raw_value: status.as_bytes().to_vec(), ..Default::default() }] }),
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":status".into(),
+                raw_value: status.as_bytes().to_vec(),
+                ..Default::default()
+            }],
+        }),
         ..Default::default()
     };
     ProcessingRequest {
         request: Some(Req::ResponseHeaders(h)),
-        metadata_context: served.map(|s| metadata_with("envoy.lb", "x-gateway-destination-endpoint-served", string(s))),
+        metadata_context: served.map(|s| {
+            metadata_with(
+                "envoy.lb",
+                "x-gateway-destination-endpoint-served",
+                string(s),
+            )
+        }),
         ..Default::default()
     }
 }
 
 fn response_body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest { request: Some(Req::ResponseBody(HttpBody { body: bytes.to_vec(), end_of_stream, ..Default::default() })), ..Default::default() }
+    ProcessingRequest {
+        request: Some(Req::ResponseBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
 }
 
 /// What a routing answer says.
@@ -159,14 +233,25 @@ fn routed(r: &ProcessingResponse) -> Routed {
     .expect("common response");
     let set = common.header_mutation.expect("header mutation").set_headers;
     let get = |k: &str| {
-        set.iter().find(|h| h.header.as_ref().unwrap().key == k).map(|h| {
-            let hv = h.header.as_ref().unwrap();
-            assert!(hv.value.is_empty(), "values travel in raw_value");
-            assert_eq!(h.append_action, 2, "OVERWRITE_IF_EXISTS_OR_ADD: the client's own header is replaced");
-            String::from_utf8(hv.raw_value.clone()).unwrap()
-        })
+        set.iter()
+            .find(|h| h.header.as_ref().unwrap().key == k)
+            .map(|h| {
+                let hv = h.header.as_ref().unwrap();
+                assert!(hv.value.is_empty(), "values travel in raw_value");
+                assert_eq!(
+                    h.append_action, 2,
+                    "OVERWRITE_IF_EXISTS_OR_ADD: the client's own header is replaced"
+                );
+                String::from_utf8(hv.raw_value.clone()).unwrap()
+            })
     };
-    let lb = match &r.dynamic_metadata.as_ref().expect("dynamic metadata").fields["envoy.lb"].kind {
+    let lb = match &r
+        .dynamic_metadata
+        .as_ref()
+        .expect("dynamic metadata")
+        .fields["envoy.lb"]
+        .kind
+    {
         Some(Kind::StructValue(s)) => s.clone(),
         other => panic!("envoy.lb not a struct: {other:?}"),
     };
@@ -192,8 +277,14 @@ fn routed(r: &ProcessingResponse) -> Routed {
 fn immediate_status(r: &ProcessingResponse) -> (u16, serde_json::Value) {
     match r.response.as_ref() {
         Some(Resp::ImmediateResponse(i)) => {
-            let ct = &i.headers.as_ref().unwrap().set_headers[0].header.as_ref().unwrap();
-            assert_eq!((ct.key.as_str(), ct.raw_value.as_slice()), ("content-type", &b"application/json"[..]));
+            let ct = &i.headers.as_ref().unwrap().set_headers[0]
+                .header
+                .as_ref()
+                .unwrap();
+            assert_eq!(
+                (ct.key.as_str(), ct.raw_value.as_slice()),
+                ("content-type", &b"application/json"[..])
+            );
             let json: serde_json::Value = serde_json::from_slice(&i.body).expect("JSON error body");
             (i.status.as_ref().unwrap().code as u16, json)
         }
@@ -204,7 +295,12 @@ fn immediate_status(r: &ProcessingResponse) -> (u16, serde_json::Value) {
 /// Streamed chunk sent back: (bytes, end_of_stream).
 fn chunk(r: &ProcessingResponse) -> (Vec<u8>, bool) {
     match r.response.as_ref() {
-        Some(Resp::RequestBody(b)) => match b.response.clone().and_then(|c| c.body_mutation).and_then(|m| m.mutation) {
+        Some(Resp::RequestBody(b)) => match b
+            .response
+            .clone()
+            .and_then(|c| c.body_mutation)
+            .and_then(|m| m.mutation)
+        {
             Some(Mutation::StreamedResponse(s)) => (s.body, s.end_of_stream),
             other => panic!("not a streamed chunk: {other:?}"),
         },
@@ -216,7 +312,10 @@ async fn buffered_request(epp: &Epp, md: Option<Metadata>, payload: &[u8]) -> Pr
     let mut s = Session::open(epp).await;
     s.send(headers(BUFFERED, false, md)).await;
     let first = s.recv().await;
-    assert!(matches!(first.response, Some(Resp::RequestHeaders(_))), "headers continue first: {first:?}");
+    assert!(
+        matches!(first.response, Some(Resp::RequestHeaders(_))),
+        "headers continue first: {first:?}"
+    );
     s.send(body(payload, true)).await;
     s.recv().await
 }
@@ -229,9 +328,15 @@ async fn buffered_pick_header_equals_metadata_and_fallback_differs() {
         let r = routed(&buffered_request(&epp, None, br#"{"model":"m","prompt":"hello"}"#).await);
         assert_eq!(r.header, r.meta_primary, "header and metadata must agree");
         assert!(pool.contains(&r.header.as_str()), "{r:?}");
-        let fb = r.meta_fallback.clone().expect("fallback with three endpoints");
+        let fb = r
+            .meta_fallback
+            .clone()
+            .expect("fallback with three endpoints");
         assert!(pool.contains(&fb.as_str()) && fb != r.header, "{r:?}");
-        assert!(r.replaced_body.is_none() && r.content_length.is_none(), "no rewrite, body untouched");
+        assert!(
+            r.replaced_body.is_none() && r.content_length.is_none(),
+            "no rewrite, body untouched"
+        );
     }
     epp.stop().await;
 }
@@ -282,9 +387,16 @@ async fn duplex_split_at_awkward_points_is_returned_unchanged() {
     }
     let r = routed(&s.recv().await);
     assert_eq!(r.header, r.meta_primary);
-    assert_eq!(r.content_length, None, "unchanged body: the client's framing stays");
+    assert_eq!(
+        r.content_length, None,
+        "unchanged body: the client's framing stays"
+    );
     let got = s.streamed_body().await;
-    assert_eq!(got.concat(), payload, "streamed body comes back byte-identical");
+    assert_eq!(
+        got.concat(),
+        payload,
+        "streamed body comes back byte-identical"
+    );
     // … in the very chunks the proxy sent (moved back, not re-cut or copied).
     let mut sent = Vec::new();
     let mut prev = 0;
@@ -311,7 +423,10 @@ async fn duplex_rewrite_and_large_body_chunked_back() {
     let r = routed(&s.recv().await);
     assert_eq!(r.content_length, Some(expected.len().to_string()));
     let got = s.streamed_body().await;
-    assert!(got.iter().all(|c| c.len() <= 64 * 1024), "rewritten chunks stay within 64 KiB when the proxy sent smaller ones");
+    assert!(
+        got.iter().all(|c| c.len() <= 64 * 1024),
+        "rewritten chunks stay within 64 KiB when the proxy sent smaller ones"
+    );
     assert_eq!(got.concat(), expected.as_bytes());
     epp.stop().await;
 }
@@ -322,11 +437,22 @@ async fn duplex_with_trailers_ends_the_body() {
     let mut s = Session::open(&epp).await;
     s.send(headers(DUPLEX, false, None)).await;
     s.send(body(br#"{"model":"m"}"#, false)).await;
-    s.send(ProcessingRequest { request: Some(Req::RequestTrailers(HttpTrailers::default())), ..Default::default() }).await;
+    s.send(ProcessingRequest {
+        request: Some(Req::RequestTrailers(HttpTrailers::default())),
+        ..Default::default()
+    })
+    .await;
     routed(&s.recv().await);
     let (bytes, eos) = chunk(&s.recv().await);
-    assert_eq!((bytes.as_slice(), eos), (&br#"{"model":"m"}"#[..], false), "trailers follow, so no end_of_stream on the body");
-    assert!(matches!(s.recv().await.response, Some(Resp::RequestTrailers(_))));
+    assert_eq!(
+        (bytes.as_slice(), eos),
+        (&br#"{"model":"m"}"#[..], false),
+        "trailers follow, so no end_of_stream on the body"
+    );
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Resp::RequestTrailers(_))
+    ));
     epp.stop().await;
 }
 
@@ -359,7 +485,9 @@ async fn status_codes() {
     }
     // Subset: none of the hinted endpoints is in the pool, or the hint is empty → 503.
     for hint in [&["10.9.9.9:8000"][..], &[]] {
-        let (status, _) = immediate_status(&buffered_request(&epp, Some(subset(hint)), br#"{"model":"m"}"#).await);
+        let (status, _) = immediate_status(
+            &buffered_request(&epp, Some(subset(hint)), br#"{"model":"m"}"#).await,
+        );
         assert_eq!(status, 503, "subset {hint:?}");
     }
     // Oversized streamed body → 413 before the end of the body.
@@ -371,8 +499,16 @@ async fn status_codes() {
     assert_eq!(status, 413);
     assert!(json["error"]["message"].as_str().unwrap().contains("4096"));
     // The rejections are counted by reason.
-    assert_eq!(epp.metric("kvepp_rejected_requests_total{reason=\"unknown_model\"}").await, Some(1.0));
-    assert_eq!(epp.metric("kvepp_rejected_requests_total{reason=\"subset_no_match\"}").await, Some(2.0));
+    assert_eq!(
+        epp.metric("kvepp_rejected_requests_total{reason=\"unknown_model\"}")
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        epp.metric("kvepp_rejected_requests_total{reason=\"subset_no_match\"}")
+            .await,
+        Some(2.0)
+    );
     epp.stop().await;
 }
 
@@ -383,22 +519,36 @@ async fn subset_partial_match_picks_only_from_it() {
         let hint = subset(&["10.0.0.2:8000", "10.9.9.9:1", "not-an-address"]);
         let r = routed(&buffered_request(&epp, Some(hint), br#"{"model":"m"}"#).await);
         assert_eq!(r.header, "10.0.0.2:8000");
-        assert_eq!(r.meta_fallback, None, "the only eligible endpoint has no fallback");
+        assert_eq!(
+            r.meta_fallback, None,
+            "the only eligible endpoint has no fallback"
+        );
     }
     epp.stop().await;
 }
 
 #[tokio::test]
 async fn pass_through_and_pool_without_endpoints() {
-    let epp = Epp::start(&manifests(), |c| c.unknown_models = kvepp::config::UnknownModels::PassThrough).await;
+    let epp = Epp::start(&manifests(), |c| {
+        c.unknown_models = kvepp::config::UnknownModels::PassThrough
+    })
+    .await;
     routed(&buffered_request(&epp, None, br#"{"model":"anything"}"#).await);
     epp.stop().await;
 
-    let no_ready = format!("{}{}{}", pool_yaml("pool"), standard_models(), slice_yaml("s", addr("10.0.0.1:8000"), false));
+    let no_ready = format!(
+        "{}{}{}",
+        pool_yaml("pool"),
+        standard_models(),
+        slice_yaml("s", addr("10.0.0.1:8000"), false)
+    );
     let epp = Epp::start(&no_ready, |_| {}).await;
     let (status, json) = immediate_status(&buffered_request(&epp, None, br#"{"model":"m"}"#).await);
     assert_eq!(status, 503);
-    assert!(json["error"]["message"].as_str().unwrap().contains("no ready endpoints"));
+    assert!(json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no ready endpoints"));
     assert_eq!(epp.metric("kvepp_ready_endpoints").await, Some(0.0));
     epp.stop().await;
 }
@@ -407,7 +557,12 @@ async fn pass_through_and_pool_without_endpoints() {
 /// observed through what it drives (shedding of Sheddable requests).
 #[tokio::test]
 async fn sheddable_429_follows_in_flight_accounting() {
-    let one = format!("{}{}{}", pool_yaml("pool"), standard_models(), slice_yaml("s", addr("10.0.0.1:8000"), true));
+    let one = format!(
+        "{}{}{}",
+        pool_yaml("pool"),
+        standard_models(),
+        slice_yaml("s", addr("10.0.0.1:8000"), true)
+    );
     let epp = Epp::start(&one, |c| c.max_in_flight_per_endpoint = 1).await;
     let shed = br#"{"model":"shed"}"#;
     // A Critical request in flight saturates the single endpoint.
@@ -418,30 +573,52 @@ async fn sheddable_429_follows_in_flight_accounting() {
     routed(&s.recv().await);
     assert_eq!(epp.metric("kvepp_in_flight_requests").await, Some(1.0));
     let (status, json) = immediate_status(&buffered_request(&epp, None, shed).await);
-    assert_eq!((status, json["error"]["type"].as_str()), (429, Some("rate_limit_error")));
+    assert_eq!(
+        (status, json["error"]["type"].as_str()),
+        (429, Some("rate_limit_error"))
+    );
     // Standard and Critical requests are still routed.
     routed(&buffered_request(&epp, None, br#"{"model":"m"}"#).await);
     // Response starts: still in flight.
     s.send(response_headers("200", None)).await;
-    assert!(matches!(s.recv().await.response, Some(Resp::ResponseHeaders(_))));
+    assert!(matches!(
+        s.recv().await.response,
+        Some(Resp::ResponseHeaders(_))
+    ));
     s.send(response_body(b"data: {}\n\n", false)).await;
     s.recv().await;
-    assert_eq!(immediate_status(&buffered_request(&epp, None, shed).await).0, 429);
+    assert_eq!(
+        immediate_status(&buffered_request(&epp, None, shed).await).0,
+        429
+    );
     // End of stream releases the slot.
     s.send(response_body(b"data: [DONE]\n\n", true)).await;
     let echoed = s.recv().await;
     match echoed.response {
-        Some(Resp::ResponseBody(b)) => match b.response.and_then(|c| c.body_mutation).and_then(|m| m.mutation) {
-            Some(Mutation::StreamedResponse(sb)) => assert_eq!((sb.body.as_slice(), sb.end_of_stream), (&b"data: [DONE]\n\n"[..], true)),
+        Some(Resp::ResponseBody(b)) => match b
+            .response
+            .and_then(|c| c.body_mutation)
+            .and_then(|m| m.mutation)
+        {
+            Some(Mutation::StreamedResponse(sb)) => assert_eq!(
+                (sb.body.as_slice(), sb.end_of_stream),
+                (&b"data: [DONE]\n\n"[..], true)
+            ),
             other => panic!("response chunk not echoed: {other:?}"),
         },
         other => panic!("{other:?}"),
     }
-    wait_for("slot released at end of stream", || async { (epp.metric("kvepp_in_flight_requests").await == Some(0.0)).then_some(()) }).await;
+    wait_for("slot released at end of stream", || async {
+        (epp.metric("kvepp_in_flight_requests").await == Some(0.0)).then_some(())
+    })
+    .await;
     routed(&buffered_request(&epp, None, shed).await);
     drop(s);
     let crit_ok = "kvepp_requests_total{model=\"crit\",target_model=\"crit\",endpoint=\"10.0.0.1:8000\",code=\"200\"}";
-    wait_for("completed request counted with its status", || async { (epp.metric(crit_ok).await == Some(1.0)).then_some(()) }).await;
+    wait_for("completed request counted with its status", || async {
+        (epp.metric(crit_ok).await == Some(1.0)).then_some(())
+    })
+    .await;
 
     // Abort: the proxy drops the stream mid-request; the slot comes back too.
     let mut s = Session::open(&epp).await;
@@ -449,9 +626,15 @@ async fn sheddable_429_follows_in_flight_accounting() {
     s.recv().await;
     s.send(body(br#"{"model":"crit"}"#, true)).await;
     routed(&s.recv().await);
-    assert_eq!(immediate_status(&buffered_request(&epp, None, shed).await).0, 429);
+    assert_eq!(
+        immediate_status(&buffered_request(&epp, None, shed).await).0,
+        429
+    );
     drop(s);
-    wait_for("slot released on abort", || async { (epp.metric("kvepp_in_flight_requests").await == Some(0.0)).then_some(()) }).await;
+    wait_for("slot released on abort", || async {
+        (epp.metric("kvepp_in_flight_requests").await == Some(0.0)).then_some(())
+    })
+    .await;
     routed(&buffered_request(&epp, None, shed).await);
     let text = epp.metrics_text().await;
     assert!(text.contains("kvepp_requests_total{model=\"crit\",target_model=\"crit\",endpoint=\"10.0.0.1:8000\",code=\"no_response\"} 1"), "{text}");
@@ -497,7 +680,10 @@ async fn unsupported_streamed_mode_is_refused_clearly() {
     s.send(headers(1, false, None)).await;
     let (status, json) = immediate_status(&s.recv().await);
     assert_eq!(status, 500);
-    assert!(json["error"]["message"].as_str().unwrap().contains("FULL_DUPLEX_STREAMED"));
+    assert!(json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("FULL_DUPLEX_STREAMED"));
     epp.stop().await;
 }
 
@@ -507,9 +693,17 @@ async fn manifest_edits_apply_and_broken_files_keep_last_good_state() {
     epp.write_manifest("pool.yaml", "this: is: not: yaml: [");
     // Still routing with the last good state.
     routed(&buffered_request(&epp, None, br#"{"model":"m"}"#).await);
-    wait_for("parse error counted", || async { (epp.metric("kvepp_manifest_errors_total").await == Some(1.0)).then_some(()) }).await;
+    wait_for("parse error counted", || async {
+        (epp.metric("kvepp_manifest_errors_total").await == Some(1.0)).then_some(())
+    })
+    .await;
     // A fixed file with only one endpoint and the model removed.
-    let one = format!("{}{}{}", pool_yaml("pool"), model_yaml("other", "Standard", &[]), slice_yaml("s", addr("10.0.0.3:8000"), true));
+    let one = format!(
+        "{}{}{}",
+        pool_yaml("pool"),
+        model_yaml("other", "Standard", &[]),
+        slice_yaml("s", addr("10.0.0.3:8000"), true)
+    );
     epp.write_manifest("pool.yaml", &one);
     wait_for("model m removed", || async {
         let r = buffered_request(&epp, None, br#"{"model":"m"}"#).await;

@@ -27,9 +27,19 @@ pub fn router(state: ApiState) -> Router {
 
 async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
     let snap = st.store.snapshot();
-    let in_flight: i64 = snap.endpoints.iter().map(|e| i64::from(e.load.in_flight())).sum();
+    let in_flight: i64 = snap
+        .endpoints
+        .iter()
+        .map(|e| i64::from(e.load.in_flight()))
+        .sum();
     st.metrics.in_flight.set(in_flight);
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], st.metrics.encode())
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        st.metrics.encode(),
+    )
 }
 
 async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
@@ -37,6 +47,12 @@ async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
         (StatusCode::OK, "ready\n".to_string())
     } else {
         let t = st.store.target();
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: InferencePool {}/{} not found yet\n", t.namespace, t.name))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: InferencePool {}/{} not found yet\n",
+                t.namespace, t.name
+            ),
+        )
     }
 }

@@ -35,14 +35,27 @@ pub struct ManifestDir {
 
 impl std::fmt::Debug for ManifestDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ManifestDir").field("dir", &self.dir).field("poll", &self.poll).finish_non_exhaustive()
+        f.debug_struct("ManifestDir")
+            .field("dir", &self.dir)
+            .field("poll", &self.poll)
+            .finish_non_exhaustive()
     }
 }
 
 impl ManifestDir {
     /// `on_error` is called for every file version that fails to parse (metrics hook).
-    pub fn new(dir: impl Into<PathBuf>, poll: Duration, on_error: impl Fn(&Path) + Send + Sync + 'static) -> Self {
-        ManifestDir { dir: dir.into(), poll, files: BTreeMap::new(), dir_error_logged: false, on_error: Arc::new(on_error) }
+    pub fn new(
+        dir: impl Into<PathBuf>,
+        poll: Duration,
+        on_error: impl Fn(&Path) + Send + Sync + 'static,
+    ) -> Self {
+        ManifestDir {
+            dir: dir.into(),
+            poll,
+            files: BTreeMap::new(),
+            dir_error_logged: false,
+            on_error: Arc::new(on_error),
+        }
     }
 
     /// Re-reads the directory. Returns the inventory when anything changed.
@@ -62,8 +75,17 @@ impl ManifestDir {
         };
         let mut seen: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json")))
-            .filter(|p| !p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')))
+            .filter(|p| {
+                matches!(
+                    p.extension().and_then(|e| e.to_str()),
+                    Some("yaml" | "yml" | "json")
+                )
+            })
+            .filter(|p| {
+                !p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with('.'))
+            })
             .collect();
         seen.sort();
         let mut changed = false;
@@ -73,17 +95,29 @@ impl ManifestDir {
             changed = true;
         }
         for path in seen {
-            let Ok(bytes) = std::fs::read(&path) else { continue };
+            let Ok(bytes) = std::fs::read(&path) else {
+                continue;
+            };
             let mut h = std::collections::hash_map::DefaultHasher::new();
             bytes.hash(&mut h);
             let content_hash = h.finish();
-            if self.files.get(&path).is_some_and(|f| f.content_hash == content_hash) {
+            if self
+                .files
+                .get(&path)
+                .is_some_and(|f| f.content_hash == content_hash)
+            {
                 continue;
             }
             match parse_documents(&bytes) {
                 Ok(objects) => {
                     tracing::info!(file = %path.display(), objects = objects.len(), "manifest loaded");
-                    self.files.insert(path, FileState { content_hash, good: objects });
+                    self.files.insert(
+                        path,
+                        FileState {
+                            content_hash,
+                            good: objects,
+                        },
+                    );
                     changed = true;
                 }
                 Err(err) => {
@@ -94,12 +128,22 @@ impl ManifestDir {
                 }
             }
         }
-        changed.then(|| Inventory { objects: self.files.values().flat_map(|f| f.good.iter().cloned()).collect() })
+        changed.then(|| Inventory {
+            objects: self
+                .files
+                .values()
+                .flat_map(|f| f.good.iter().cloned())
+                .collect(),
+        })
     }
 }
 
 impl DiscoverySource for ManifestDir {
-    fn spawn(mut self: Box<Self>, store: Arc<Datastore>, mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    fn spawn(
+        mut self: Box<Self>,
+        store: Arc<Datastore>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> JoinHandle<()> {
         // The first read happens before spawning returns, so the pool is known as soon as possible.
         store.apply(&self.poll_once().unwrap_or_default());
         tokio::spawn(async move {
@@ -134,7 +178,10 @@ mod tests {
         let mut md = ManifestDir::new(dir.path(), Duration::from_millis(10), move |_| {
             e.fetch_add(1, Ordering::SeqCst);
         });
-        assert!(md.poll_once().is_none(), "an empty directory is the empty state");
+        assert!(
+            md.poll_once().is_none(),
+            "an empty directory is the empty state"
+        );
         std::fs::write(dir.path().join("pool.yaml"), POOL).unwrap();
         std::fs::write(dir.path().join("notes.txt"), "ignored").unwrap();
         assert_eq!(md.poll_once().unwrap().objects.len(), 1);
@@ -147,6 +194,9 @@ mod tests {
         let inv = md.poll_once().unwrap();
         assert!(matches!(&inv.objects[0], Object::Pool(p) if p.name == "q"));
         std::fs::remove_file(dir.path().join("pool.yaml")).unwrap();
-        assert!(md.poll_once().unwrap().objects.is_empty(), "deleting the file removes its objects");
+        assert!(
+            md.poll_once().unwrap().objects.is_empty(),
+            "deleting the file removes its objects"
+        );
     }
 }

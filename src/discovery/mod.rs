@@ -43,7 +43,12 @@ pub struct ModelSpec {
 impl ModelSpec {
     pub fn new(name: &str, criticality: Criticality, targets: Vec<(Arc<str>, u64)>) -> Self {
         let total_weight = targets.iter().map(|(_, w)| *w).sum();
-        ModelSpec { name: name.into(), criticality, targets, total_weight }
+        ModelSpec {
+            name: name.into(),
+            criticality,
+            targets,
+            total_weight,
+        }
     }
 }
 
@@ -87,7 +92,9 @@ pub struct Datastore {
 
 impl std::fmt::Debug for Datastore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Datastore").field("target", &self.target).finish_non_exhaustive()
+        f.debug_struct("Datastore")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
     }
 }
 
@@ -143,15 +150,20 @@ impl Datastore {
         let mut models: BTreeMap<(String, String), &InferenceModel> = BTreeMap::new();
         for obj in &inv.objects {
             match obj {
-                Object::Pool(p) if p.name == self.target.name && self.in_namespace(&p.namespace) => {
+                Object::Pool(p)
+                    if p.name == self.target.name && self.in_namespace(&p.namespace) =>
+                {
                     snap.pool = Some(p.clone());
                 }
-                Object::Model(m) if m.pool_ref == self.target.name && self.in_namespace(&m.namespace) => {
+                Object::Model(m)
+                    if m.pool_ref == self.target.name && self.in_namespace(&m.namespace) =>
+                {
                     models.insert((m.model_name.clone(), m.name.clone()), m);
                 }
                 Object::Slice(s)
                     if self.in_namespace(&s.metadata.namespace)
-                        && s.metadata.labels.get(objects::SERVICE_NAME_LABEL) == Some(&self.target.service) =>
+                        && s.metadata.labels.get(objects::SERVICE_NAME_LABEL)
+                            == Some(&self.target.service) =>
                 {
                     slices.push(s);
                 }
@@ -164,8 +176,15 @@ impl Datastore {
                     "two InferenceModels claim the same modelName; keeping the first by object name");
                 continue;
             }
-            let targets = m.target_models.iter().map(|(n, w)| (Arc::from(n.as_str()), *w)).collect();
-            snap.models.insert(model_name.clone(), Arc::new(ModelSpec::new(&model_name, m.criticality, targets)));
+            let targets = m
+                .target_models
+                .iter()
+                .map(|(n, w)| (Arc::from(n.as_str()), *w))
+                .collect();
+            snap.models.insert(
+                model_name.clone(),
+                Arc::new(ModelSpec::new(&model_name, m.criticality, targets)),
+            );
         }
         let target_port = snap.pool.as_ref().map(|p| p.target_port);
         let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
@@ -173,11 +192,17 @@ impl Datastore {
         for slice in slices {
             let port = slice_port(slice).or(target_port);
             for ep in slice.endpoints.iter().filter(|e| e.conditions.is_ready()) {
-                let Some(addr) = serving_addr(ep, port, &slice.metadata.name) else { continue };
+                let Some(addr) = serving_addr(ep, port, &slice.metadata.name) else {
+                    continue;
+                };
                 endpoints.entry(addr).or_insert_with(|| {
                     let load = loads.entry(addr).or_default().clone();
                     let addr_str: Arc<str> = addr.to_string().into();
-                    let name = ep.target_ref.as_ref().and_then(|r| r.name.as_deref()).map(Arc::from);
+                    let name = ep
+                        .target_ref
+                        .as_ref()
+                        .and_then(|r| r.name.as_deref())
+                        .map(Arc::from);
                     Arc::new(Endpoint {
                         addr,
                         name: name.unwrap_or_else(|| addr_str.clone()),
@@ -200,11 +225,16 @@ impl Datastore {
 /// The slice port named `http`, else the slice's only port.
 fn slice_port(slice: &EndpointSlice) -> Option<u16> {
     let ports = slice.ports.as_deref().unwrap_or_default();
-    let pick = ports.iter().find(|p| p.name.as_deref() == Some("http")).or(match ports {
-        [only] => Some(only),
-        _ => None,
-    });
-    pick.and_then(|p| p.port).and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0)
+    let pick = ports
+        .iter()
+        .find(|p| p.name.as_deref() == Some("http"))
+        .or(match ports {
+            [only] => Some(only),
+            _ => None,
+        });
+    pick.and_then(|p| p.port)
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0)
 }
 
 fn serving_addr(ep: &objects::SliceEndpoint, port: Option<u16>, slice: &str) -> Option<SocketAddr> {
@@ -223,7 +253,11 @@ fn serving_addr(ep: &objects::SliceEndpoint, port: Option<u16>, slice: &str) -> 
 /// A source of pool state (manifests directory, Kubernetes API, …).
 pub trait DiscoverySource: Send + 'static {
     /// Starts feeding `store` until `shutdown` turns true.
-    fn spawn(self: Box<Self>, store: Arc<Datastore>, shutdown: watch::Receiver<bool>) -> JoinHandle<()>;
+    fn spawn(
+        self: Box<Self>,
+        store: Arc<Datastore>,
+        shutdown: watch::Receiver<bool>,
+    ) -> JoinHandle<()>;
 }
 
 #[cfg(test)]
@@ -233,7 +267,11 @@ mod tests {
 
     fn store() -> Datastore {
         Datastore::new(
-            PoolRef { name: "pool".into(), namespace: "default".into(), service: "pool".into() },
+            PoolRef {
+                name: "pool".into(),
+                namespace: "default".into(),
+                service: "pool".into(),
+            },
             |_| {},
         )
     }
@@ -297,7 +335,9 @@ ports: [{name: grpc, port: 7001}]
     fn builds_pool_models_and_ready_endpoints() {
         let st = store();
         assert!(!*st.ready().borrow());
-        st.apply(&Inventory { objects: parse_documents(OBJECTS.as_bytes()).unwrap() });
+        st.apply(&Inventory {
+            objects: parse_documents(OBJECTS.as_bytes()).unwrap(),
+        });
         assert!(*st.ready().borrow());
         let snap = st.snapshot();
         assert_eq!(snap.pool.as_ref().unwrap().target_port, 8000);
@@ -305,7 +345,15 @@ ports: [{name: grpc, port: 7001}]
         let addrs: Vec<&str> = snap.endpoints.iter().map(|e| &*e.addr_str).collect();
         // s1: named `http` port; s2: no ports, pool target port, first address; s4: only port.
         // A pod listed in two slices (s2, s5) appears once.
-        assert_eq!(addrs, vec!["10.0.0.1:8001", "10.0.0.3:8000", "10.0.0.5:8000", "[::1]:7001"]);
+        assert_eq!(
+            addrs,
+            vec![
+                "10.0.0.1:8001",
+                "10.0.0.3:8000",
+                "10.0.0.5:8000",
+                "[::1]:7001"
+            ]
+        );
         assert_eq!(&*snap.endpoints[0].name, "pod-a");
         assert_eq!(snap.endpoints[0].zone.as_deref(), Some("z"));
         assert_eq!(&*snap.endpoints[1].name, "10.0.0.3:8000");
@@ -316,14 +364,20 @@ ports: [{name: grpc, port: 7001}]
     fn load_survives_updates_and_is_forgotten_when_idle() {
         let st = store();
         let objs = parse_documents(OBJECTS.as_bytes()).unwrap();
-        st.apply(&Inventory { objects: objs.clone() });
+        st.apply(&Inventory {
+            objects: objs.clone(),
+        });
         let booking = st.snapshot().endpoints[0].load.book();
-        st.apply(&Inventory { objects: objs.clone() });
+        st.apply(&Inventory {
+            objects: objs.clone(),
+        });
         assert_eq!(st.snapshot().endpoints[0].load.in_flight(), 1);
         // Endpoint disappears while a request is in flight, then comes back: count kept.
         st.apply(&Inventory::default());
         assert!(!*st.ready().borrow(), "no pool, not ready");
-        st.apply(&Inventory { objects: objs.clone() });
+        st.apply(&Inventory {
+            objects: objs.clone(),
+        });
         assert_eq!(st.snapshot().endpoints[0].load.in_flight(), 1);
         drop(booking);
         // Pruned once no snapshot or booking refers to the counters (the update after removal).

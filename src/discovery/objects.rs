@@ -15,9 +15,17 @@ pub enum ObjectError {
     #[error("YAML: {0}")]
     Yaml(#[from] serde_yaml::Error),
     #[error("{kind} {name:?}: {message}")]
-    Invalid { kind: &'static str, name: String, message: String },
+    Invalid {
+        kind: &'static str,
+        name: String,
+        message: String,
+    },
     #[error("{kind} has unsupported apiVersion {api_version:?} (expected {expected})")]
-    ApiVersion { kind: &'static str, api_version: String, expected: &'static str },
+    ApiVersion {
+        kind: &'static str,
+        api_version: String,
+        expected: &'static str,
+    },
 }
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
@@ -180,7 +188,11 @@ struct TargetModelWire {
 }
 
 fn invalid(kind: &'static str, name: &str, message: impl Into<String>) -> ObjectError {
-    ObjectError::Invalid { kind, name: name.to_owned(), message: message.into() }
+    ObjectError::Invalid {
+        kind,
+        name: name.to_owned(),
+        message: message.into(),
+    }
 }
 
 fn port(kind: &'static str, name: &str, n: i64) -> Result<u16, ObjectError> {
@@ -192,19 +204,35 @@ fn port(kind: &'static str, name: &str, n: i64) -> Result<u16, ObjectError> {
 
 /// Converts one YAML document. `Ok(None)` for kinds kvepp does not use (Service, Deployment, …).
 pub fn from_value(value: serde_yaml::Value) -> Result<Option<Object>, ObjectError> {
-    let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or_default().to_owned();
-    let api = value.get("apiVersion").and_then(|k| k.as_str()).unwrap_or_default().to_owned();
+    let kind = value
+        .get("kind")
+        .and_then(|k| k.as_str())
+        .unwrap_or_default()
+        .to_owned();
+    let api = value
+        .get("apiVersion")
+        .and_then(|k| k.as_str())
+        .unwrap_or_default()
+        .to_owned();
     match kind.as_str() {
         "InferencePool" => pool(api, value).map(|p| Some(Object::Pool(p))),
         "InferenceModel" => {
             if api != GROUP_V1ALPHA2 {
-                return Err(ObjectError::ApiVersion { kind: "InferenceModel", api_version: api, expected: GROUP_V1ALPHA2 });
+                return Err(ObjectError::ApiVersion {
+                    kind: "InferenceModel",
+                    api_version: api,
+                    expected: GROUP_V1ALPHA2,
+                });
             }
             model(value).map(|m| Some(Object::Model(m)))
         }
         "EndpointSlice" => {
             if api != DISCOVERY_V1 {
-                return Err(ObjectError::ApiVersion { kind: "EndpointSlice", api_version: api, expected: DISCOVERY_V1 });
+                return Err(ObjectError::ApiVersion {
+                    kind: "EndpointSlice",
+                    api_version: api,
+                    expected: DISCOVERY_V1,
+                });
             }
             Ok(Some(Object::Slice(serde_yaml::from_value(value)?)))
         }
@@ -218,11 +246,20 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
         GROUP_V1ALPHA2 => {
             let w: Wire<PoolSpecV1Alpha2> = serde_yaml::from_value(value)?;
             let target_port = port(K, &w.metadata.name, w.spec.target_port_number)?;
-            Ok(InferencePool { name: w.metadata.name, namespace: w.metadata.namespace, selector: w.spec.selector, target_port })
+            Ok(InferencePool {
+                name: w.metadata.name,
+                namespace: w.metadata.namespace,
+                selector: w.spec.selector,
+                target_port,
+            })
         }
         GROUP_V1 => {
             let w: Wire<PoolSpecV1> = serde_yaml::from_value(value)?;
-            let first = w.spec.target_ports.first().ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
+            let first = w
+                .spec
+                .target_ports
+                .first()
+                .ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
             let target_port = port(K, &w.metadata.name, first.number)?;
             Ok(InferencePool {
                 name: w.metadata.name,
@@ -231,7 +268,11 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 target_port,
             })
         }
-        _ => Err(ObjectError::ApiVersion { kind: K, api_version: api, expected: "inference.networking.x-k8s.io/v1alpha2 or inference.networking.k8s.io/v1" }),
+        _ => Err(ObjectError::ApiVersion {
+            kind: K,
+            api_version: api,
+            expected: "inference.networking.x-k8s.io/v1alpha2 or inference.networking.k8s.io/v1",
+        }),
     }
 }
 
@@ -244,12 +285,26 @@ fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
     }
     let criticality = match w.spec.criticality.as_deref() {
         None => crate::selector::Criticality::Standard,
-        Some(c) => crate::selector::Criticality::parse(c)
-            .ok_or_else(|| invalid(K, name, format!("spec.criticality {c:?} is not Critical, Standard or Sheddable")))?,
+        Some(c) => crate::selector::Criticality::parse(c).ok_or_else(|| {
+            invalid(
+                K,
+                name,
+                format!("spec.criticality {c:?} is not Critical, Standard or Sheddable"),
+            )
+        })?,
     };
-    let weighted = w.spec.target_models.iter().filter(|t| t.weight.is_some()).count();
+    let weighted = w
+        .spec
+        .target_models
+        .iter()
+        .filter(|t| t.weight.is_some())
+        .count();
     if weighted != 0 && weighted != w.spec.target_models.len() {
-        return Err(invalid(K, name, "spec.targetModels: set weight on all entries or on none"));
+        return Err(invalid(
+            K,
+            name,
+            "spec.targetModels: set weight on all entries or on none",
+        ));
     }
     let mut target_models = Vec::with_capacity(w.spec.target_models.len());
     for t in w.spec.target_models {
@@ -257,7 +312,16 @@ fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
         let weight = u64::try_from(weight)
             .ok()
             .filter(|w| *w <= 1_000_000)
-            .ok_or_else(|| invalid(K, name, format!("targetModels[{}].weight {weight} is not in 0..=1000000", t.name)))?;
+            .ok_or_else(|| {
+                invalid(
+                    K,
+                    name,
+                    format!(
+                        "targetModels[{}].weight {weight} is not in 0..=1000000",
+                        t.name
+                    ),
+                )
+            })?;
         if t.name.is_empty() {
             return Err(invalid(K, name, "targetModels entry with an empty name"));
         }
@@ -331,9 +395,19 @@ metadata: {name: ignored}
         .unwrap();
         assert_eq!(objs.len(), 2);
         let Object::Pool(a) = &objs[0] else { panic!() };
-        assert_eq!((a.name.as_str(), a.target_port, a.selector["app"].as_str()), ("a", 8000, "vllm"));
+        assert_eq!(
+            (a.name.as_str(), a.target_port, a.selector["app"].as_str()),
+            ("a", 8000, "vllm")
+        );
         let Object::Pool(b) = &objs[1] else { panic!() };
-        assert_eq!((b.namespace.as_deref(), b.target_port, b.selector["app"].as_str()), (Some("ns"), 30000, "sglang"));
+        assert_eq!(
+            (
+                b.namespace.as_deref(),
+                b.target_port,
+                b.selector["app"].as_str()
+            ),
+            (Some("ns"), 30000, "sglang")
+        );
     }
 
     #[test]
@@ -358,7 +432,10 @@ spec: {modelName: base, poolRef: {name: pool}, targetModels: [{name: x}, {name: 
         .unwrap();
         let Object::Model(m) = &objs[0] else { panic!() };
         assert_eq!(m.criticality, Criticality::Sheddable);
-        assert_eq!(m.target_models, vec![("food-review-1".into(), 90), ("food-review-2".into(), 10)]);
+        assert_eq!(
+            m.target_models,
+            vec![("food-review-1".into(), 90), ("food-review-2".into(), 10)]
+        );
         let Object::Model(p) = &objs[1] else { panic!() };
         assert_eq!(p.criticality, Criticality::Standard);
         assert_eq!(p.target_models, vec![("x".into(), 1), ("y".into(), 1)]);
@@ -375,7 +452,11 @@ spec: {modelName: base, poolRef: {name: pool}, targetModels: [{name: x}, {name: 
             b"kind: [unclosed",
         ];
         for b in bad {
-            assert!(parse_documents(b).is_err(), "{}", String::from_utf8_lossy(b));
+            assert!(
+                parse_documents(b).is_err(),
+                "{}",
+                String::from_utf8_lossy(b)
+            );
         }
     }
 
@@ -401,7 +482,11 @@ ports: [{name: http, port: 8000, protocol: TCP}]
         )
         .unwrap();
         let Object::Slice(s) = &objs[0] else { panic!() };
-        let ready: Vec<bool> = s.endpoints.iter().map(|e| e.conditions.is_ready()).collect();
+        let ready: Vec<bool> = s
+            .endpoints
+            .iter()
+            .map(|e| e.conditions.is_ready())
+            .collect();
         assert_eq!(ready, vec![true, true, false]);
         assert_eq!(s.endpoints[0].zone.as_deref(), Some("z1"));
         assert_eq!(s.metadata.labels[SERVICE_NAME_LABEL], "pool");

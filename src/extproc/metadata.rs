@@ -25,7 +25,10 @@ fn lookup<'a>(md: &'a Metadata, namespace: &str, key: &str) -> Option<&'a Value>
 fn addresses(v: &Value, out: &mut Vec<SocketAddr>) {
     match &v.kind {
         Some(Kind::StringValue(s)) => {
-            out.extend(s.split(',').filter_map(|p| p.trim().parse::<SocketAddr>().ok()));
+            out.extend(
+                s.split(',')
+                    .filter_map(|p| p.trim().parse::<SocketAddr>().ok()),
+            );
         }
         Some(Kind::ListValue(list)) => {
             for item in &list.values {
@@ -67,31 +70,66 @@ mod tests {
     }
 
     fn s(x: &str) -> Value {
-        Value { kind: Some(Kind::StringValue(x.into())) }
+        Value {
+            kind: Some(Kind::StringValue(x.into())),
+        }
     }
 
     #[test]
     fn subset_forms() {
         assert_eq!(subset_hint(None), Subset::Unset);
-        assert_eq!(subset_hint(Some(&md("other", SUBSET_KEY, s("1.2.3.4:5")))), Subset::Unset);
-        let list = Value { kind: Some(Kind::ListValue(ListValue { values: vec![s("10.0.0.1:80"), s("garbage"), s("[::1]:9")] })) };
+        assert_eq!(
+            subset_hint(Some(&md("other", SUBSET_KEY, s("1.2.3.4:5")))),
+            Subset::Unset
+        );
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![s("10.0.0.1:80"), s("garbage"), s("[::1]:9")],
+            })),
+        };
         assert_eq!(
             subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, list))),
-            Subset::Only(vec!["10.0.0.1:80".parse().unwrap(), "[::1]:9".parse().unwrap()])
+            Subset::Only(vec![
+                "10.0.0.1:80".parse().unwrap(),
+                "[::1]:9".parse().unwrap()
+            ])
         );
-        let empty = Value { kind: Some(Kind::ListValue(ListValue::default())) };
-        assert_eq!(subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, empty))), Subset::Only(vec![]));
+        let empty = Value {
+            kind: Some(Kind::ListValue(ListValue::default())),
+        };
         assert_eq!(
-            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, s("10.0.0.1:80, 10.0.0.2:80")))),
-            Subset::Only(vec!["10.0.0.1:80".parse().unwrap(), "10.0.0.2:80".parse().unwrap()])
+            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, empty))),
+            Subset::Only(vec![])
         );
-        let num = Value { kind: Some(Kind::NumberValue(1.0)) };
-        assert_eq!(subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, num))), Subset::Only(vec![]));
+        assert_eq!(
+            subset_hint(Some(&md(
+                SUBSET_NAMESPACE,
+                SUBSET_KEY,
+                s("10.0.0.1:80, 10.0.0.2:80")
+            ))),
+            Subset::Only(vec![
+                "10.0.0.1:80".parse().unwrap(),
+                "10.0.0.2:80".parse().unwrap()
+            ])
+        );
+        let num = Value {
+            kind: Some(Kind::NumberValue(1.0)),
+        };
+        assert_eq!(
+            subset_hint(Some(&md(SUBSET_NAMESPACE, SUBSET_KEY, num))),
+            Subset::Only(vec![])
+        );
     }
 
     #[test]
     fn served() {
-        assert_eq!(served_endpoint(Some(&md(LB_NAMESPACE, SERVED_KEY, s("10.0.0.2:8000")))), Some("10.0.0.2:8000".parse().unwrap()));
-        assert_eq!(served_endpoint(Some(&md(LB_NAMESPACE, "other", s("10.0.0.2:8000")))), None);
+        assert_eq!(
+            served_endpoint(Some(&md(LB_NAMESPACE, SERVED_KEY, s("10.0.0.2:8000")))),
+            Some("10.0.0.2:8000".parse().unwrap())
+        );
+        assert_eq!(
+            served_endpoint(Some(&md(LB_NAMESPACE, "other", s("10.0.0.2:8000")))),
+            None
+        );
     }
 }

@@ -10,7 +10,9 @@ mod stream;
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessor, ExternalProcessorServer};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -43,8 +45,20 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(store: Arc<Datastore>, selector: Selector, metrics: Arc<Metrics>, settings: Settings) -> Self {
-        Shared { store, selector, metrics, settings, no_model: "none".into(), no_endpoint: "".into() }
+    pub fn new(
+        store: Arc<Datastore>,
+        selector: Selector,
+        metrics: Arc<Metrics>,
+        settings: Settings,
+    ) -> Self {
+        Shared {
+            store,
+            selector,
+            metrics,
+            settings,
+            no_model: "none".into(),
+            no_endpoint: "".into(),
+        }
     }
 }
 
@@ -62,7 +76,9 @@ impl ExtProcService {
     /// The tonic server with message limits that fit the largest accepted body.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
         let limit = self.shared.settings.max_body_bytes + 64 * 1024;
-        ExternalProcessorServer::new(self).max_decoding_message_size(limit).max_encoding_message_size(limit)
+        ExternalProcessorServer::new(self)
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(limit)
     }
 }
 
@@ -70,7 +86,10 @@ impl ExtProcService {
 impl ExternalProcessor for ExtProcService {
     type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
 
-    async fn process(&self, request: Request<Streaming<ProcessingRequest>>) -> Result<Response<Self::ProcessStream>, Status> {
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
         let mut state = stream::StreamState::new(self.shared.clone());

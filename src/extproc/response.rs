@@ -1,10 +1,13 @@
 //! Builders for the ext_proc messages kvepp sends back to the proxy.
 
-use envoy_types::pb::envoy::config::core::v3::{header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::config::core::v3::{
+    header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption,
+};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, ImmediateResponse, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    body_mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse,
+    HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
@@ -31,7 +34,11 @@ pub fn destination_value(pick: &Pick, list_form: bool) -> String {
 
 fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
     HeaderValueOption {
-        header: Some(HeaderValue { key: key.to_owned(), raw_value: value, ..Default::default() }),
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value,
+            ..Default::default()
+        }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()
     }
@@ -40,67 +47,117 @@ fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
 /// Header mutation that routes the request: the destination header (overwriting anything the
 /// client sent) and, when the body changed length or the proxy strips it, `content-length`.
 pub fn routing_mutation(destination: &str, content_length: Option<usize>) -> HeaderMutation {
-    let mut set_headers = vec![set_header(DESTINATION_HEADER, destination.as_bytes().to_vec())];
+    let mut set_headers = vec![set_header(
+        DESTINATION_HEADER,
+        destination.as_bytes().to_vec(),
+    )];
     if let Some(len) = content_length {
         set_headers.push(set_header("content-length", len.to_string().into_bytes()));
     }
-    HeaderMutation { set_headers, remove_headers: Vec::new() }
+    HeaderMutation {
+        set_headers,
+        remove_headers: Vec::new(),
+    }
 }
 
 fn string_value(s: &str) -> Value {
-    Value { kind: Some(Kind::StringValue(s.to_owned())) }
+    Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    }
 }
 
 /// `envoy.lb` dynamic metadata carrying the same destination as the header, plus the fallback.
 pub fn lb_metadata(destination: &str, pick: &Pick) -> Struct {
     let mut inner = Struct::default();
-    inner.fields.insert(DESTINATION_KEY.to_owned(), string_value(destination));
+    inner
+        .fields
+        .insert(DESTINATION_KEY.to_owned(), string_value(destination));
     if let Some(fb) = &pick.fallback {
-        inner.fields.insert(FALLBACK_KEY.to_owned(), string_value(&fb.addr_str));
+        inner
+            .fields
+            .insert(FALLBACK_KEY.to_owned(), string_value(&fb.addr_str));
     }
     let mut outer = Struct::default();
-    outer.fields.insert(LB_NAMESPACE.to_owned(), Value { kind: Some(Kind::StructValue(inner)) });
+    outer.fields.insert(
+        LB_NAMESPACE.to_owned(),
+        Value {
+            kind: Some(Kind::StructValue(inner)),
+        },
+    );
     outer
 }
 
-fn common(header_mutation: Option<HeaderMutation>, body_mutation: Option<BodyMutation>) -> Option<CommonResponse> {
-    Some(CommonResponse { header_mutation, body_mutation, ..Default::default() })
+fn common(
+    header_mutation: Option<HeaderMutation>,
+    body_mutation: Option<BodyMutation>,
+) -> Option<CommonResponse> {
+    Some(CommonResponse {
+        header_mutation,
+        body_mutation,
+        ..Default::default()
+    })
 }
 
-pub fn request_headers(mutation: Option<HeaderMutation>, metadata: Option<Struct>) -> ProcessingResponse {
+pub fn request_headers(
+    mutation: Option<HeaderMutation>,
+    metadata: Option<Struct>,
+) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse { response: common(mutation, None) })),
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: common(mutation, None),
+        })),
         dynamic_metadata: metadata,
         ..Default::default()
     }
 }
 
 /// BUFFERED-mode answer to the request body: routing headers, optional replaced body, metadata.
-pub fn request_body_buffered(mutation: HeaderMutation, body: Option<Vec<u8>>, metadata: Struct) -> ProcessingResponse {
-    let body_mutation = body.map(|b| BodyMutation { mutation: Some(body_mutation::Mutation::Body(b)) });
+pub fn request_body_buffered(
+    mutation: HeaderMutation,
+    body: Option<Vec<u8>>,
+    metadata: Struct,
+) -> ProcessingResponse {
+    let body_mutation = body.map(|b| BodyMutation {
+        mutation: Some(body_mutation::Mutation::Body(b)),
+    });
     ProcessingResponse {
-        response: Some(Response::RequestBody(BodyResponse { response: common(Some(mutation), body_mutation) })),
+        response: Some(Response::RequestBody(BodyResponse {
+            response: common(Some(mutation), body_mutation),
+        })),
         dynamic_metadata: Some(metadata),
         ..Default::default()
     }
 }
 
 fn streamed(body: Vec<u8>, end_of_stream: bool) -> Option<CommonResponse> {
-    let mutation = body_mutation::Mutation::StreamedResponse(StreamedBodyResponse { body, end_of_stream, ..Default::default() });
-    common(None, Some(BodyMutation { mutation: Some(mutation) }))
+    let mutation = body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
+        body,
+        end_of_stream,
+        ..Default::default()
+    });
+    common(
+        None,
+        Some(BodyMutation {
+            mutation: Some(mutation),
+        }),
+    )
 }
 
 /// A body chunk sent back in FULL_DUPLEX_STREAMED mode.
 pub fn request_body_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(Response::RequestBody(BodyResponse { response: streamed(body, end_of_stream) })),
+        response: Some(Response::RequestBody(BodyResponse {
+            response: streamed(body, end_of_stream),
+        })),
         ..Default::default()
     }
 }
 
 pub fn response_body_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(Response::ResponseBody(BodyResponse { response: streamed(body, end_of_stream) })),
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: streamed(body, end_of_stream),
+        })),
         ..Default::default()
     }
 }
@@ -113,17 +170,30 @@ pub fn response_headers_continue() -> ProcessingResponse {
 }
 
 pub fn response_body_continue() -> ProcessingResponse {
-    ProcessingResponse { response: Some(Response::ResponseBody(BodyResponse::default())), ..Default::default() }
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse::default())),
+        ..Default::default()
+    }
 }
 
 pub fn request_body_continue() -> ProcessingResponse {
-    ProcessingResponse { response: Some(Response::RequestBody(BodyResponse::default())), ..Default::default() }
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse::default())),
+        ..Default::default()
+    }
 }
 
 pub fn trailers_continue(request: bool) -> ProcessingResponse {
     let t = TrailersResponse::default();
-    let response = if request { Response::RequestTrailers(t) } else { Response::ResponseTrailers(t) };
-    ProcessingResponse { response: Some(response), ..Default::default() }
+    let response = if request {
+        Response::RequestTrailers(t)
+    } else {
+        Response::ResponseTrailers(t)
+    };
+    ProcessingResponse {
+        response: Some(response),
+        ..Default::default()
+    }
 }
 
 /// OpenAI-style error body.
@@ -142,7 +212,9 @@ pub fn immediate(status: u16, kind: &str, message: &str) -> ProcessingResponse {
     };
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus { code: i32::from(status) }),
+            status: Some(HttpStatus {
+                code: i32::from(status),
+            }),
             headers: Some(headers),
             body: error_body(status, kind, message),
             details: format!("kvepp_{kind}"),

@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
-use envoy_types::pb::envoy::service::ext_proc::v3::{processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse,
+};
 
 use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
@@ -79,7 +82,12 @@ impl Rejection {
             503 => "service_unavailable",
             _ => "invalid_request_error",
         };
-        Rejection { status, kind, reason, message: message.into() }
+        Rejection {
+            status,
+            kind,
+            reason,
+            message: message.into(),
+        }
     }
 }
 
@@ -98,7 +106,9 @@ impl From<PickError> for Rejection {
         match e {
             PickError::Saturated(_) => Rejection::new(429, "saturated", e.to_string()),
             PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
-            PickError::EmptySubset | PickError::NoEligibleInSubset(_) => Rejection::new(503, "subset_no_match", e.to_string()),
+            PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
+                Rejection::new(503, "subset_no_match", e.to_string())
+            }
         }
     }
 }
@@ -194,8 +204,12 @@ impl StreamState {
         if h.end_of_stream || self.request_mode == Mode::None {
             return match self.decide(None) {
                 Ok(d) => {
-                    let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
-                    out.push(resp::request_headers(Some(resp::routing_mutation(&dest, None)), Some(resp::lb_metadata(&dest, &d.pick))));
+                    let dest =
+                        resp::destination_value(&d.pick, self.shared.settings.destination_list);
+                    out.push(resp::request_headers(
+                        Some(resp::routing_mutation(&dest, None)),
+                        Some(resp::lb_metadata(&dest, &d.pick)),
+                    ));
                     self.phase = Phase::Routed;
                 }
                 Err(r) => self.reject(r, out),
@@ -222,7 +236,8 @@ impl StreamState {
                 }
                 match self.decide(Some(&b.body)) {
                     Ok(d) => {
-                        let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
+                        let dest =
+                            resp::destination_value(&d.pick, self.shared.settings.destination_list);
                         let (body, len) = match &d.rewrite {
                             Some((span, model)) => {
                                 let new = Rewrite::new(&b.body, span.clone(), model).to_vec();
@@ -232,7 +247,11 @@ impl StreamState {
                             None => (None, None),
                         };
                         let metadata = resp::lb_metadata(&dest, &d.pick);
-                        out.push(resp::request_body_buffered(resp::routing_mutation(&dest, len), body, metadata));
+                        out.push(resp::request_body_buffered(
+                            resp::routing_mutation(&dest, len),
+                            body,
+                            metadata,
+                        ));
                         self.phase = Phase::Routed;
                     }
                     Err(r) => self.reject(r, out),
@@ -259,7 +278,11 @@ impl StreamState {
 
     fn too_large(&self, len: usize) -> Rejection {
         let max = self.shared.settings.max_body_bytes;
-        Rejection::new(413, "body_too_large", format!("request body of {len}+ bytes exceeds the limit of {max} bytes"))
+        Rejection::new(
+            413,
+            "body_too_large",
+            format!("request body of {len}+ bytes exceeds the limit of {max} bytes"),
+        )
     }
 
     /// The streamed body is complete: pick, then send the held headers answer and the body back.
@@ -286,14 +309,25 @@ impl StreamState {
         let out_chunks = match &d.rewrite {
             None => chunks,
             Some((span, model)) => {
-                let max = chunks.iter().map(Vec::len).max().unwrap_or(0).max(resp::MAX_STREAMED_CHUNK);
+                let max = chunks
+                    .iter()
+                    .map(Vec::len)
+                    .max()
+                    .unwrap_or(0)
+                    .max(resp::MAX_STREAMED_CHUNK);
                 Rewrite::new(body, span.clone(), model).chunks(max)
             }
         };
         // Envoy keeps the client's framing (Content-Length or chunked) when the body length is
         // unchanged; only a rewritten body needs its new length.
-        let len = d.rewrite.is_some().then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
-        out.push(resp::request_headers(Some(resp::routing_mutation(&dest, len)), Some(resp::lb_metadata(&dest, &d.pick))));
+        let len = d
+            .rewrite
+            .is_some()
+            .then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
+        out.push(resp::request_headers(
+            Some(resp::routing_mutation(&dest, len)),
+            Some(resp::lb_metadata(&dest, &d.pick)),
+        ));
         let n = out_chunks.len();
         if n == 0 {
             out.push(resp::request_body_chunk(Vec::new(), !trailers));
@@ -314,19 +348,33 @@ impl StreamState {
         let snap = shared.store.snapshot();
         let Some(_pool) = &snap.pool else {
             let t = shared.store.target();
-            return Err(Rejection::new(503, "pool_not_found", format!("InferencePool {}/{} is not known yet", t.namespace, t.name)));
+            return Err(Rejection::new(
+                503,
+                "pool_not_found",
+                format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
+            ));
         };
         let (criticality, model_label, target_label, rewrite) = match body {
-            None => (Criticality::Standard, shared.no_model.clone(), shared.no_model.clone(), None),
+            None => (
+                Criticality::Standard,
+                shared.no_model.clone(),
+                shared.no_model.clone(),
+                None,
+            ),
             Some(body) => {
                 let parsed = parse_body(body)?;
-                let m = match resolve_model(&snap, &parsed.model, shared.settings.pass_through_unknown) {
-                    Ok(m) => m,
-                    Err(e @ ModelError::Unknown(_)) => {
-                        self.labels = Some(self.labels_for(snap.unlisted_label.clone(), snap.unlisted_label.clone()));
-                        return Err(Rejection::new(404, "unknown_model", e.to_string()));
-                    }
-                };
+                let m =
+                    match resolve_model(&snap, &parsed.model, shared.settings.pass_through_unknown)
+                    {
+                        Ok(m) => m,
+                        Err(e @ ModelError::Unknown(_)) => {
+                            self.labels = Some(self.labels_for(
+                                snap.unlisted_label.clone(),
+                                snap.unlisted_label.clone(),
+                            ));
+                            return Err(Rejection::new(404, "unknown_model", e.to_string()));
+                        }
+                    };
                 let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
                 (m.criticality, m.model_label, m.target_label, rewrite)
             }
@@ -336,7 +384,13 @@ impl StreamState {
             Subset::Unset => None,
             Subset::Only(list) => Some(list.as_slice()),
         };
-        let pick = shared.selector.pick(&snap.endpoints, &PickRequest { criticality, subset })?;
+        let pick = shared.selector.pick(
+            &snap.endpoints,
+            &PickRequest {
+                criticality,
+                subset,
+            },
+        )?;
         tracing::debug!(
             model = self.labels.as_ref().map(|l| &*l.model),
             target = self.labels.as_ref().map(|l| &*l.target_model),
@@ -353,17 +407,29 @@ impl StreamState {
         if let Some(l) = &mut self.labels {
             l.endpoint = pick.primary.addr_str.clone();
         }
-        shared.metrics.pick_duration.observe(started.elapsed().as_secs_f64());
+        shared
+            .metrics
+            .pick_duration
+            .observe(started.elapsed().as_secs_f64());
         Ok(Decision { pick, rewrite })
     }
 
     fn labels_for(&self, model: Arc<str>, target_model: Arc<str>) -> RequestLabels {
-        RequestLabels { model, target_model, endpoint: self.shared.no_endpoint.clone(), code: Outcome::NoResponse }
+        RequestLabels {
+            model,
+            target_model,
+            endpoint: self.shared.no_endpoint.clone(),
+            code: Outcome::NoResponse,
+        }
     }
 
     fn reject(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
         tracing::info!(status = r.status, reason = r.reason, message = %r.message, "request answered by the EPP");
-        self.shared.metrics.rejected.get_or_create(&ReasonLabels { reason: r.reason }).inc();
+        self.shared
+            .metrics
+            .rejected
+            .get_or_create(&ReasonLabels { reason: r.reason })
+            .inc();
         let labels = self.labels.get_or_insert_with(|| RequestLabels {
             model: self.shared.no_model.clone(),
             target_model: self.shared.no_model.clone(),
@@ -408,7 +474,11 @@ impl StreamState {
 
 fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
     let h = headers?.headers.iter().find(|h| h.key == ":status")?;
-    let raw: &[u8] = if h.raw_value.is_empty() { h.value.as_bytes() } else { &h.raw_value };
+    let raw: &[u8] = if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    };
     std::str::from_utf8(raw).ok()?.parse().ok()
 }
 

@@ -48,7 +48,9 @@ pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
     let model_span = start..start + text.len();
     let model: Cow<'_, str> = match serde_json::from_str::<&str>(text) {
         Ok(s) => Cow::Borrowed(s),
-        Err(_) => Cow::Owned(serde_json::from_str::<String>(text).map_err(|_| BodyError::ModelNotString)?),
+        Err(_) => {
+            Cow::Owned(serde_json::from_str::<String>(text).map_err(|_| BodyError::ModelNotString)?)
+        }
     };
     if model.is_empty() {
         return Err(BodyError::ModelNotString);
@@ -211,22 +213,62 @@ mod tests {
 
     #[test]
     fn errors() {
-        assert_eq!(parse_body(b"{\"prompt\":1}").unwrap_err(), BodyError::MissingModel);
-        assert_eq!(parse_body(b"{\"model\":7}").unwrap_err(), BodyError::ModelNotString);
-        assert_eq!(parse_body(b"{\"model\":\"\"}").unwrap_err(), BodyError::ModelNotString);
-        assert_eq!(parse_body(b"{\"model\":null}").unwrap_err(), BodyError::ModelNotString);
+        assert_eq!(
+            parse_body(b"{\"prompt\":1}").unwrap_err(),
+            BodyError::MissingModel
+        );
+        assert_eq!(
+            parse_body(b"{\"model\":7}").unwrap_err(),
+            BodyError::ModelNotString
+        );
+        assert_eq!(
+            parse_body(b"{\"model\":\"\"}").unwrap_err(),
+            BodyError::ModelNotString
+        );
+        assert_eq!(
+            parse_body(b"{\"model\":null}").unwrap_err(),
+            BodyError::ModelNotString
+        );
         assert_eq!(parse_body(b"[1,2]").unwrap_err(), BodyError::NotAnObject);
-        assert_eq!(parse_body(b"\"model\"").unwrap_err(), BodyError::NotAnObject);
-        for bad in [&b""[..], b"{", b"{\"model\":\"a\"", b"{\"model\":\"a\"} x", b"{\"model\":\"a\",}", b"\xff\xfe"] {
-            assert!(matches!(parse_body(bad), Err(BodyError::Malformed(_))), "{:?}", String::from_utf8_lossy(bad));
+        assert_eq!(
+            parse_body(b"\"model\"").unwrap_err(),
+            BodyError::NotAnObject
+        );
+        for bad in [
+            &b""[..],
+            b"{",
+            b"{\"model\":\"a\"",
+            b"{\"model\":\"a\"} x",
+            b"{\"model\":\"a\",}",
+            b"\xff\xfe",
+        ] {
+            assert!(
+                matches!(parse_body(bad), Err(BodyError::Malformed(_))),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
         // Invalid JSON after the model is still rejected: the whole body is validated.
-        assert!(matches!(parse_body(b"{\"model\":\"a\",\"x\":[1,}"), Err(BodyError::Malformed(_))));
+        assert!(matches!(
+            parse_body(b"{\"model\":\"a\",\"x\":[1,}"),
+            Err(BodyError::Malformed(_))
+        ));
         // Deep nesting is skipped iteratively: no stack overflow, and unbalanced nesting is an error.
-        let deep = format!("{{\"model\":\"a\",\"x\":{}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        let deep = format!(
+            "{{\"model\":\"a\",\"x\":{}{}}}",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
         assert_eq!(parse_body(deep.as_bytes()).unwrap().model, "a");
-        let unbalanced = format!("{{\"model\":\"a\",\"x\":{}{}}}", "[".repeat(100_000), "]".repeat(99_999));
-        assert!(matches!(parse_body(unbalanced.as_bytes()), Err(BodyError::Malformed(_))));
+        let unbalanced = format!(
+            "{{\"model\":\"a\",\"x\":{}{}}}",
+            "[".repeat(100_000),
+            "]".repeat(99_999)
+        );
+        assert!(matches!(
+            parse_body(unbalanced.as_bytes()),
+            Err(BodyError::Malformed(_))
+        ));
     }
 
     #[test]
@@ -253,7 +295,10 @@ mod tests {
     #[test]
     fn chunking() {
         assert!(chunk_parts(&[b"", b""], 3).is_empty());
-        assert_eq!(chunk_parts(&[b"ab", b"cde", b"f"], 3), vec![b"abc".to_vec(), b"def".to_vec()]);
+        assert_eq!(
+            chunk_parts(&[b"ab", b"cde", b"f"], 3),
+            vec![b"abc".to_vec(), b"def".to_vec()]
+        );
         assert_eq!(chunk_parts(&[b"abcdefg"], 3).len(), 3);
     }
 }

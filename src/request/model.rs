@@ -79,7 +79,11 @@ mod tests {
     use super::*;
 
     fn spec(targets: &[(&str, u64)]) -> ModelSpec {
-        ModelSpec::new("base", Criticality::Standard, targets.iter().map(|(n, w)| (Arc::from(*n), *w)).collect())
+        ModelSpec::new(
+            "base",
+            Criticality::Standard,
+            targets.iter().map(|(n, w)| (Arc::from(*n), *w)).collect(),
+        )
     }
 
     #[test]
@@ -105,15 +109,29 @@ mod tests {
     #[test]
     fn resolve_known_unknown_and_pass_through() {
         let mut snap = PoolSnapshot::empty();
-        snap.models.insert("base".into(), Arc::new(spec(&[("base", 1)])));
-        snap.models.insert("lora".into(), Arc::new(ModelSpec::new("lora", Criticality::Sheddable, vec![(Arc::from("lora-v2"), 5)])));
+        snap.models
+            .insert("base".into(), Arc::new(spec(&[("base", 1)])));
+        snap.models.insert(
+            "lora".into(),
+            Arc::new(ModelSpec::new(
+                "lora",
+                Criticality::Sheddable,
+                vec![(Arc::from("lora-v2"), 5)],
+            )),
+        );
         let d = resolve_model(&snap, "base", false).unwrap();
-        assert!(d.rewrite_to.is_none(), "a target equal to the model is no rewrite");
+        assert!(
+            d.rewrite_to.is_none(),
+            "a target equal to the model is no rewrite"
+        );
         let d = resolve_model(&snap, "lora", false).unwrap();
         assert_eq!(d.rewrite_to.as_deref(), Some("lora-v2"));
         assert_eq!(&*d.target_label, "lora-v2");
         assert_eq!(d.criticality, Criticality::Sheddable);
-        assert_eq!(resolve_model(&snap, "nope", false).unwrap_err(), ModelError::Unknown("nope".into()));
+        assert_eq!(
+            resolve_model(&snap, "nope", false).unwrap_err(),
+            ModelError::Unknown("nope".into())
+        );
         let d = resolve_model(&snap, "nope", true).unwrap();
         assert_eq!(&*d.model_label, UNLISTED_MODEL_LABEL);
         assert_eq!(d.criticality, Criticality::Standard);

@@ -34,7 +34,10 @@ impl EndpointLoad {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.waiting_first_byte.fetch_add(1, Ordering::Relaxed);
         self.routed_total.fetch_add(1, Ordering::Relaxed);
-        Booking { load: self.clone(), first_byte_seen: false }
+        Booking {
+            load: self.clone(),
+            first_byte_seen: false,
+        }
     }
 }
 
@@ -96,7 +99,10 @@ mod tests {
         assert_eq!((a.in_flight(), a.waiting_first_byte()), (2, 1));
         drop(b);
         drop(c);
-        assert_eq!((a.in_flight(), a.waiting_first_byte(), a.routed_total()), (0, 0, 2));
+        assert_eq!(
+            (a.in_flight(), a.waiting_first_byte(), a.routed_total()),
+            (0, 0, 2)
+        );
     }
 
     #[test]
@@ -106,7 +112,10 @@ mod tests {
         let mut b = a.book();
         b.first_byte();
         b.move_to(&other);
-        assert_eq!((a.in_flight(), other.in_flight(), other.waiting_first_byte()), (0, 1, 0));
+        assert_eq!(
+            (a.in_flight(), other.in_flight(), other.waiting_first_byte()),
+            (0, 1, 0)
+        );
         drop(b);
         assert_eq!(other.in_flight(), 0);
     }

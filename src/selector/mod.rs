@@ -111,7 +111,11 @@ impl Selector {
         Selector { picker, saturation }
     }
 
-    pub fn pick(&self, endpoints: &[Arc<Endpoint>], req: &PickRequest<'_>) -> Result<Pick, PickError> {
+    pub fn pick(
+        &self,
+        endpoints: &[Arc<Endpoint>],
+        req: &PickRequest<'_>,
+    ) -> Result<Pick, PickError> {
         if endpoints.is_empty() {
             return Err(PickError::NoReadyEndpoints);
         }
@@ -119,7 +123,10 @@ impl Selector {
             None => endpoints.iter().collect(),
             Some([]) => return Err(PickError::EmptySubset),
             Some(subset) => {
-                let c: Vec<_> = endpoints.iter().filter(|e| subset.contains(&e.addr)).collect();
+                let c: Vec<_> = endpoints
+                    .iter()
+                    .filter(|e| subset.contains(&e.addr))
+                    .collect();
                 if c.is_empty() {
                     return Err(PickError::NoEligibleInSubset(subset.len()));
                 }
@@ -164,7 +171,10 @@ pub(crate) mod tests {
 
     #[test]
     fn empty_pool_is_503_material() {
-        assert_eq!(selector(0).pick(&[], &PickRequest::default()).unwrap_err(), PickError::NoReadyEndpoints);
+        assert_eq!(
+            selector(0).pick(&[], &PickRequest::default()).unwrap_err(),
+            PickError::NoReadyEndpoints
+        );
     }
 
     #[test]
@@ -172,17 +182,34 @@ pub(crate) mod tests {
         let eps = vec![ep(1, 0), ep(2, 5), ep(3, 9)];
         let s = selector(0);
         let only: Vec<SocketAddr> = vec![eps[2].addr, ([10, 0, 0, 1], 3).into()];
-        let req = PickRequest { subset: Some(&only), ..Default::default() };
+        let req = PickRequest {
+            subset: Some(&only),
+            ..Default::default()
+        };
         let p = s.pick(&eps, &req).unwrap();
         assert_eq!(p.primary.addr, eps[2].addr);
         assert!(p.fallback.is_none(), "one candidate, no fallback");
         let none: Vec<SocketAddr> = vec![([10, 0, 0, 1], 3).into()];
         assert_eq!(
-            s.pick(&eps, &PickRequest { subset: Some(&none), ..Default::default() }).unwrap_err(),
+            s.pick(
+                &eps,
+                &PickRequest {
+                    subset: Some(&none),
+                    ..Default::default()
+                }
+            )
+            .unwrap_err(),
             PickError::NoEligibleInSubset(1)
         );
         assert_eq!(
-            s.pick(&eps, &PickRequest { subset: Some(&[]), ..Default::default() }).unwrap_err(),
+            s.pick(
+                &eps,
+                &PickRequest {
+                    subset: Some(&[]),
+                    ..Default::default()
+                }
+            )
+            .unwrap_err(),
             PickError::EmptySubset
         );
     }
@@ -191,10 +218,21 @@ pub(crate) mod tests {
     fn sheddable_dropped_only_when_all_saturated() {
         let eps = vec![ep(1, 4), ep(2, 4)];
         let s = selector(4);
-        let shed = PickRequest { criticality: Criticality::Sheddable, subset: None };
+        let shed = PickRequest {
+            criticality: Criticality::Sheddable,
+            subset: None,
+        };
         assert_eq!(s.pick(&eps, &shed).unwrap_err(), PickError::Saturated(2));
         for c in [Criticality::Standard, Criticality::Critical] {
-            assert!(s.pick(&eps, &PickRequest { criticality: c, subset: None }).is_ok());
+            assert!(s
+                .pick(
+                    &eps,
+                    &PickRequest {
+                        criticality: c,
+                        subset: None
+                    }
+                )
+                .is_ok());
         }
         let eps = vec![ep(1, 4), ep(2, 3)];
         assert_eq!(s.pick(&eps, &shed).unwrap().primary.addr, eps[1].addr);

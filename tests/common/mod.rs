@@ -44,7 +44,8 @@ pub struct HttpResponse {
 
 impl HttpResponse {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
     pub fn header(&self, k: &str) -> Option<&str> {
         self.headers.get(k).and_then(|v| v.to_str().ok())
@@ -52,25 +53,52 @@ impl HttpResponse {
 }
 
 /// One HTTP/1.1 request on a fresh connection.
-pub async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> HttpResponse {
-    let stream = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+pub async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> HttpResponse {
+    let stream = TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     let io = hyper_util::rt::TokioIo::new(stream);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.expect("handshake");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+        .await
+        .expect("handshake");
     tokio::spawn(conn);
-    let mut req = hyper::Request::builder().method(method).uri(path).header("host", "test");
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "test");
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
     let req = req.body(Full::new(body.into())).expect("request");
-    let resp = tokio::time::timeout(DEADLINE, sender.send_request(req)).await.expect("response in time").expect("response");
+    let resp = tokio::time::timeout(DEADLINE, sender.send_request(req))
+        .await
+        .expect("response in time")
+        .expect("response");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.into_body().collect().await.expect("body").to_bytes();
-    HttpResponse { status, headers, body }
+    HttpResponse {
+        status,
+        headers,
+        body,
+    }
 }
 
 pub async fn post_json(addr: SocketAddr, body: impl Into<Bytes>) -> HttpResponse {
-    http(addr, "POST", "/v1/completions", &[("content-type", "application/json")], body).await
+    http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await
 }
 
 // ---------------------------------------------------------------- manifests
@@ -80,7 +108,10 @@ pub fn pool_yaml(name: &str) -> String {
 }
 
 pub fn model_yaml(name: &str, criticality: &str, targets: &[(&str, u32)]) -> String {
-    let targets: Vec<String> = targets.iter().map(|(n, w)| format!("{{name: {n}, weight: {w}}}")).collect();
+    let targets: Vec<String> = targets
+        .iter()
+        .map(|(n, w)| format!("{{name: {n}, weight: {w}}}"))
+        .collect();
     format!(
         "---\napiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\nmetadata: {{name: {obj}}}\nspec: {{modelName: {name}, criticality: {criticality}, poolRef: {{name: pool}}, targetModels: [{t}]}}\n",
         obj = name.replace(['/', '.', '_'], "-").to_lowercase(),
@@ -148,14 +179,24 @@ impl Epp {
             .await
             .expect("kvepp run");
         });
-        let epp = Epp { grpc, health, metrics, dir, stop: Some(stop), task: Some(task) };
+        let epp = Epp {
+            grpc,
+            health,
+            metrics,
+            dir,
+            stop: Some(stop),
+            task: Some(task),
+        };
         epp.wait_ready().await;
         epp
     }
 
     pub async fn wait_ready(&self) {
         let addr = self.metrics;
-        wait_for("kvepp /ready", || async move { (http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(()) }).await;
+        wait_for("kvepp /ready", || async move {
+            (http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(())
+        })
+        .await;
     }
 
     pub fn write_manifest(&self, file: &str, text: &str) {
@@ -166,13 +207,22 @@ impl Epp {
     }
 
     pub async fn metrics_text(&self) -> String {
-        String::from_utf8(http(self.metrics, "GET", "/metrics", &[], "").await.body.to_vec()).expect("utf8")
+        String::from_utf8(
+            http(self.metrics, "GET", "/metrics", &[], "")
+                .await
+                .body
+                .to_vec(),
+        )
+        .expect("utf8")
     }
 
     /// The value of one metric line (exact series text before the value), if present.
     pub async fn metric(&self, series: &str) -> Option<f64> {
         let text = self.metrics_text().await;
-        text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+        text.lines().find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
     }
 
     pub async fn stop(mut self) {
@@ -180,7 +230,10 @@ impl Epp {
             let _ = s.send(());
         }
         if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t).await.expect("kvepp stops in time").expect("kvepp task");
+            tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("kvepp stops in time")
+                .expect("kvepp task");
         }
     }
 }
@@ -190,7 +243,11 @@ impl Epp {
 pub async fn echo_backends(names: &[&str]) -> Vec<SocketAddr> {
     let mut out = Vec::new();
     for n in names {
-        out.push(kvepp::testing::spawn_echo_backend(n).await.expect("backend"));
+        out.push(
+            kvepp::testing::spawn_echo_backend(n)
+                .await
+                .expect("backend"),
+        );
     }
     out
 }
@@ -212,19 +269,24 @@ pub fn envoy_bin() -> PathBuf {
 
 /// The shipped local bootstrap, as a YAML value to adapt.
 pub fn bootstrap() -> serde_yaml::Value {
-    let text = std::fs::read_to_string(repo_root().join("manifests/envoy/envoy-local.yaml")).expect("bootstrap");
+    let text = std::fs::read_to_string(repo_root().join("manifests/envoy/envoy-local.yaml"))
+        .expect("bootstrap");
     serde_yaml::from_str(&text).expect("bootstrap yaml")
 }
 
 fn http_filters(b: &mut serde_yaml::Value) -> &mut Vec<serde_yaml::Value> {
-    b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"]
         .as_sequence_mut()
         .expect("http_filters")
 }
 
 pub fn ext_proc_config(b: &mut serde_yaml::Value) -> &mut serde_yaml::Value {
     let filters = http_filters(b);
-    let f = filters.iter_mut().find(|f| f["name"] == "envoy.filters.http.ext_proc").expect("ext_proc filter");
+    let f = filters
+        .iter_mut()
+        .find(|f| f["name"] == "envoy.filters.http.ext_proc")
+        .expect("ext_proc filter");
     &mut f["typed_config"]
 }
 
@@ -254,34 +316,63 @@ impl Envoy {
     pub async fn start(mut bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
         let dir = TempDir::new("envoy");
         bootstrap["admin"]["address"]["socket_address"]["port_value"] = 0.into();
-        bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 0.into();
-        let clusters = bootstrap["static_resources"]["clusters"].as_sequence_mut().expect("clusters");
-        let kvepp = clusters.iter_mut().find(|c| c["name"] == "kvepp").expect("kvepp cluster");
-        let sa = &mut kvepp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] =
+            0.into();
+        let clusters = bootstrap["static_resources"]["clusters"]
+            .as_sequence_mut()
+            .expect("clusters");
+        let kvepp = clusters
+            .iter_mut()
+            .find(|c| c["name"] == "kvepp")
+            .expect("kvepp cluster");
+        let sa = &mut kvepp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            ["address"]["socket_address"];
         sa["address"] = epp.ip().to_string().into();
         sa["port_value"] = epp.port().into();
         let config = dir.path().join("envoy.yaml");
-        std::fs::write(&config, serde_yaml::to_string(&bootstrap).expect("yaml")).expect("write bootstrap");
+        std::fs::write(&config, serde_yaml::to_string(&bootstrap).expect("yaml"))
+            .expect("write bootstrap");
         let admin_file = dir.path().join("admin.txt");
         let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
         let child = Command::new(envoy_bin())
-            .arg("-c").arg(&config)
-            .args(["--concurrency", "1", "--use-dynamic-base-id", "--disable-hot-restart", "-l", "warning"])
-            .arg("--admin-address-path").arg(&admin_file)
+            .arg("-c")
+            .arg(&config)
+            .args([
+                "--concurrency",
+                "1",
+                "--use-dynamic-base-id",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
+            .arg("--admin-address-path")
+            .arg(&admin_file)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("spawn envoy");
-        let mut envoy = Envoy { addr: ([127, 0, 0, 1], 0).into(), admin: ([127, 0, 0, 1], 0).into(), child, _dir: dir };
+        let mut envoy = Envoy {
+            addr: ([127, 0, 0, 1], 0).into(),
+            admin: ([127, 0, 0, 1], 0).into(),
+            child,
+            _dir: dir,
+        };
         let admin_path = admin_file.clone();
         envoy.admin = wait_for("envoy admin address", || {
             let p = admin_path.clone();
-            async move { std::fs::read_to_string(&p).ok().and_then(|s| s.trim().parse().ok()) }
+            async move {
+                std::fs::read_to_string(&p)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+            }
         })
         .await;
         let admin = envoy.admin;
-        wait_for("envoy ready", || async move { (http(admin, "GET", "/ready", &[], "").await.status == 200).then_some(()) }).await;
+        wait_for("envoy ready", || async move {
+            (http(admin, "GET", "/ready", &[], "").await.status == 200).then_some(())
+        })
+        .await;
         envoy.addr = wait_for("envoy listener", || async move {
             let r = http(admin, "GET", "/listeners?format=json", &[], "").await;
             let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
