@@ -57,10 +57,6 @@ impl Booking {
         }
     }
 
-    pub fn load(&self) -> &Arc<EndpointLoad> {
-        &self.load
-    }
-
     /// Moves the booking to another endpoint (the proxy reported it served the request elsewhere).
     pub fn move_to(&mut self, other: &Arc<EndpointLoad>) {
         if Arc::ptr_eq(&self.load, other) {
