@@ -1,9 +1,11 @@
 //! From a request body to what the selector needs: the model name, its InferenceModel (criticality,
-//! weighted target models) and, when a target model differs, the byte-level rewrite of `model`.
+//! weighted target models), when a target model differs the byte-level rewrite of `model`, and the
+//! Dynamo-compatible block hashes of a token sequence ([`blocks`]).
 //!
 //! Invariants: the body is parsed in place (no copy, no re-serialisation); a rewrite replaces
 //! exactly the bytes of the `model` value and nothing else.
 
+pub mod blocks;
 mod body;
 mod model;
 
