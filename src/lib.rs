@@ -7,7 +7,8 @@
 //! 3. [`selector`]: eligible endpoints, saturation/shedding and the pick itself. Plain library, no
 //!    gRPC or HTTP types, so every front end calls the same code.
 //!
-//! Beside them: [`discovery`] keeps the pool's endpoints and models up to date, [`config`] is the
+//! Beside them: [`discovery`] keeps the pool's endpoints and models up to date, [`kv_events`] decodes
+//! the engines' KV-cache events, [`config`] is the
 //! single typed configuration, [`api`] serves the HTTP endpoints (metrics, health), [`metrics`]
 //! holds the Prometheus registry and [`server`] wires everything together.
 
@@ -15,6 +16,7 @@ pub mod api;
 pub mod config;
 pub mod discovery;
 pub mod extproc;
+pub mod kv_events;
 pub mod metrics;
 pub mod request;
 pub mod selector;

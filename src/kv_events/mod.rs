@@ -1,0 +1,12 @@
+//! vLLM KV-cache events: what engines publish about the blocks they store and evict.
+//!
+//! [`decode`] turns one ZMQ payload frame (a msgpack batch) into typed events. It accepts every
+//! encoding vLLM and SGLang use: array batches with or without the data-parallel rank and map
+//! batches; legacy tagged-array events with trailing defaults omitted and newer `{"type": ...}` map
+//! events in any key order; block hashes as u64, negative i64, or 32-byte binaries. Unknown fields,
+//! trailing elements and event types are ignored; anything else malformed rejects the whole batch,
+//! so a bad message never half-applies.
+
+pub mod decode;
+
+pub use decode::{decode_batch, DecodeError, EngineBlockHash, EventBatch, KvEvent, Tier};
