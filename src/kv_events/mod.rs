@@ -7,6 +7,13 @@
 //! trailing elements and event types are ignored; anything else malformed rejects the whole batch,
 //! so a bad message never half-applies.
 
+//!
+//! [`subscriber`] is the transport: one SUB socket per publisher rank, sequence tracking
+//! ([`sequence`]), replay of gaps over the publisher's ROUTER, reconnect with backoff.
+
 pub mod decode;
+pub mod sequence;
+pub mod subscriber;
 
 pub use decode::{decode_batch, DecodeError, EngineBlockHash, EventBatch, KvEvent, Tier};
+pub use subscriber::{Delivery, Source, SubscriberStats, Timing};

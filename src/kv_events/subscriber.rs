@@ -1,0 +1,274 @@
+//! One subscription to a KV-event publisher (a vLLM or SGLang data-parallel rank): a SUB socket for
+//! the live stream and, when configured, a DEALER to the publisher's replay ROUTER to fill gaps.
+//!
+//! Frames are `[topic, seq (u64 big-endian), payload]`; replay replies end with `seq, payload` (vLLM
+//! puts `b"", topic` before them, SGLang and older vLLM only `b""`), and the reply to a request ends
+//! with seq `u64::MAX` and an empty payload. Batches are delivered in publisher order, replayed ones
+//! included; what cannot be replayed is reported as [`Delivery::Lost`], a restarted publisher as
+//! [`Delivery::PublisherRestarted`]. Undecodable payloads are counted, logged and dropped. Delivery
+//! waits for the consumer (bounded channel): if it falls behind, the publisher's high-water mark
+//! drops messages and the gap is replayed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::decode::{decode_batch, EventBatch};
+use super::sequence::{SeqAction, SeqTracker};
+
+/// Sequence number that ends a replay reply.
+pub const REPLAY_END: u64 = u64::MAX;
+
+/// Where one rank publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// e.g. `tcp://10.1.2.3:5557` (vLLM: base port + data-parallel rank).
+    pub endpoint: String,
+    /// The publisher's replay ROUTER, if it has one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (`""`: everything).
+    pub topic: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delivery {
+    Batch {
+        seq: u64,
+        batch: EventBatch,
+    },
+    /// The publisher restarted: everything it published before is void.
+    PublisherRestarted,
+    /// Batches `[from, to)` were missed and could not be replayed.
+    Lost {
+        from: u64,
+        to: u64,
+    },
+}
+
+/// Counters of one subscription (exported as metrics by the caller).
+#[derive(Debug, Default)]
+pub struct SubscriberStats {
+    pub batches: AtomicU64,
+    pub replayed: AtomicU64,
+    pub undecodable: AtomicU64,
+    pub malformed_frames: AtomicU64,
+    pub lost: AtomicU64,
+    pub restarts: AtomicU64,
+    pub connects: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    /// How long to wait for each replay reply message.
+    pub replay_timeout: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+            replay_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// `(seq, payload)` from the last two frames of a message.
+fn seq_and_payload(msg: &ZmqMessage) -> Option<(u64, &[u8])> {
+    let n = msg.len();
+    let seq = msg.get(n.checked_sub(2)?)?;
+    let payload = msg.get(n - 1)?;
+    Some((
+        u64::from_be_bytes(seq.as_ref().try_into().ok()?),
+        payload.as_ref(),
+    ))
+}
+
+struct Subscription {
+    source: Source,
+    out: mpsc::Sender<Delivery>,
+    stats: Arc<SubscriberStats>,
+    timing: Timing,
+    dealer: Option<DealerSocket>,
+}
+
+/// Runs until `shutdown` turns true or the consumer goes away.
+pub async fn run(
+    source: Source,
+    out: mpsc::Sender<Delivery>,
+    stats: Arc<SubscriberStats>,
+    timing: Timing,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut s = Subscription {
+        source,
+        out,
+        stats,
+        timing,
+        dealer: None,
+    };
+    let mut tracker = SeqTracker::default();
+    loop {
+        let Some(mut sub) = s.connect(&mut shutdown).await else {
+            return;
+        };
+        loop {
+            let msg = tokio::select! {
+                m = sub.recv() => m,
+                _ = shutdown.changed() => return,
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(err) => {
+                    tracing::warn!(endpoint = %s.source.endpoint, %err, "KV event subscription failed; reconnecting");
+                    break;
+                }
+            };
+            let Some((seq, payload)) = seq_and_payload(&msg) else {
+                s.stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(endpoint = %s.source.endpoint, frames = msg.len(), "KV event message without seq and payload frames; dropped");
+                continue;
+            };
+            let ok = match tracker.observe(seq) {
+                SeqAction::Deliver => true,
+                SeqAction::Replay { from, to } => s.replay(from, to).await,
+                SeqAction::Restarted { seq } => {
+                    s.stats.restarts.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(endpoint = %s.source.endpoint, seq, "KV event publisher restarted");
+                    // Its replay socket is new too: do not ask the old connection.
+                    s.dealer = None;
+                    s.send(Delivery::PublisherRestarted).await
+                        && (seq == 0 || s.replay(0, seq).await)
+                }
+            };
+            if !ok || !s.deliver(seq, payload).await {
+                return;
+            }
+        }
+    }
+}
+
+impl Subscription {
+    /// Connects the SUB socket, retrying with exponential backoff; `None` on shutdown.
+    async fn connect(&mut self, shutdown: &mut watch::Receiver<bool>) -> Option<SubSocket> {
+        let mut delay = self.timing.reconnect_min;
+        loop {
+            let mut sub = SubSocket::new();
+            let attempt = async {
+                sub.connect(&self.source.endpoint).await?;
+                sub.subscribe(&self.source.topic).await
+            };
+            match attempt.await {
+                Ok(()) => {
+                    self.stats.connects.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(endpoint = %self.source.endpoint, "subscribed to KV events");
+                    return Some(sub);
+                }
+                Err(err) => {
+                    tracing::debug!(endpoint = %self.source.endpoint, %err, retry_in = ?delay, "KV event publisher not reachable")
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.changed() => return None,
+            }
+            delay = (delay * 2).min(self.timing.reconnect_max);
+        }
+    }
+
+    /// Sends to the consumer; false when it is gone.
+    async fn send(&self, d: Delivery) -> bool {
+        self.out.send(d).await.is_ok()
+    }
+
+    async fn deliver(&self, seq: u64, payload: &[u8]) -> bool {
+        match decode_batch(payload) {
+            Ok(batch) => {
+                self.stats.batches.fetch_add(1, Ordering::Relaxed);
+                self.send(Delivery::Batch { seq, batch }).await
+            }
+            Err(err) => {
+                self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(endpoint = %self.source.endpoint, seq, %err, "KV event batch dropped");
+                true
+            }
+        }
+    }
+
+    async fn lost(&self, from: u64, to: u64) -> bool {
+        self.stats.lost.fetch_add(to - from, Ordering::Relaxed);
+        tracing::warn!(endpoint = %self.source.endpoint, from, to, "KV event batches lost");
+        self.send(Delivery::Lost { from, to }).await
+    }
+
+    /// Fetches `[from, to)` from the replay socket and delivers it in order; what the publisher no
+    /// longer has is reported lost. False when the consumer is gone.
+    async fn replay(&mut self, from: u64, to: u64) -> bool {
+        let got = match self.fetch(from, to).await {
+            Ok(got) => got,
+            Err(err) => {
+                if self.source.replay_endpoint.is_some() {
+                    tracing::warn!(endpoint = ?self.source.replay_endpoint, %err, "KV event replay failed");
+                }
+                // A late reply must not be mistaken for the next request's: start a new connection.
+                self.dealer = None;
+                Vec::new()
+            }
+        };
+        let mut expected = from;
+        for (seq, payload) in got {
+            if seq > expected && !self.lost(expected, seq).await {
+                return false;
+            }
+            self.stats.replayed.fetch_add(1, Ordering::Relaxed);
+            if !self.deliver(seq, &payload).await {
+                return false;
+            }
+            expected = seq + 1;
+        }
+        expected >= to || self.lost(expected, to).await
+    }
+
+    /// The replayed batches with `from <= seq < to`, sorted, without duplicates.
+    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let Some(endpoint) = self.source.replay_endpoint.clone() else {
+            return Err("no replay endpoint".into());
+        };
+        if self.dealer.is_none() {
+            let mut d = DealerSocket::new();
+            d.connect(&endpoint).await.map_err(|e| e.to_string())?;
+            self.dealer = Some(d);
+        }
+        let Some(dealer) = self.dealer.as_mut() else {
+            return Err("no replay socket".into());
+        };
+        let mut request = ZmqMessage::from(Vec::<u8>::new());
+        request.push_back(from.to_be_bytes().to_vec().into());
+        dealer.send(request).await.map_err(|e| e.to_string())?;
+        let mut got = Vec::new();
+        loop {
+            let reply = tokio::time::timeout(self.timing.replay_timeout, dealer.recv())
+                .await
+                .map_err(|_| format!("no replay reply within {:?}", self.timing.replay_timeout))?
+                .map_err(|e| e.to_string())?;
+            let Some((seq, payload)) = seq_and_payload(&reply) else {
+                self.stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            if seq == REPLAY_END {
+                break;
+            }
+            if (from..to).contains(&seq) {
+                got.push((seq, payload.to_vec()));
+            }
+        }
+        got.sort_by_key(|(seq, _)| *seq);
+        got.dedup_by_key(|(seq, _)| *seq);
+        Ok(got)
+    }
+}

@@ -1,0 +1,264 @@
+//! KV events over real ZMQ: kvepp's subscriber against a pyzmq (libzmq) publisher that behaves like
+//! vLLM's, with gaps filled by replay, lost batches, garbage, a restart, and both replay framings.
+
+mod common;
+
+use std::process::Stdio;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{repo_root, DEADLINE};
+use kvepp::kv_events::subscriber::run;
+use kvepp::kv_events::{Delivery, KvEvent, Source, SubscriberStats, Timing};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::{mpsc, watch};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: Lines<BufReader<ChildStdout>>,
+}
+
+impl Publisher {
+    async fn start(port: u16, replay: u16, framing: &str) -> Publisher {
+        let python = repo_root().join(".venv/bin/python");
+        assert!(
+            python.exists(),
+            "{} missing: run scripts/test.sh (installs pyzmq)",
+            python.display()
+        );
+        let mut child = Command::new(python)
+            .arg(repo_root().join("tests/fixtures/kv_events/publisher.py"))
+            .args([port.to_string(), replay.to_string(), framing.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn publisher");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut p = Publisher {
+            child,
+            stdin,
+            stdout,
+        };
+        p.expect("ready").await;
+        p
+    }
+
+    async fn expect(&mut self, word: &str) {
+        let line = tokio::time::timeout(DEADLINE, self.stdout.next_line())
+            .await
+            .expect("publisher answers in time");
+        assert_eq!(
+            line.expect("read").as_deref(),
+            Some(word),
+            "publisher said something else"
+        );
+    }
+
+    async fn cmd(&mut self, line: &str) {
+        self.stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .expect("write");
+        self.stdin.flush().await.expect("flush");
+        self.expect("ok").await;
+    }
+
+    async fn quit(mut self) {
+        self.cmd("quit").await;
+        let _ = self.child.wait().await;
+    }
+}
+
+struct Subscriber {
+    rx: mpsc::Receiver<Delivery>,
+    stats: Arc<SubscriberStats>,
+    _stop: watch::Sender<bool>,
+}
+
+impl Subscriber {
+    fn start(port: u16, replay: Option<u16>) -> Subscriber {
+        let (tx, rx) = mpsc::channel(64);
+        let stats = Arc::new(SubscriberStats::default());
+        let (stop, stopped) = watch::channel(false);
+        let source = Source {
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            replay_endpoint: replay.map(|r| format!("tcp://127.0.0.1:{r}")),
+            topic: String::new(),
+        };
+        let timing = Timing {
+            reconnect_min: Duration::from_millis(20),
+            reconnect_max: Duration::from_millis(200),
+            replay_timeout: Duration::from_secs(5),
+        };
+        tokio::spawn(run(source, tx, stats.clone(), timing, stopped));
+        Subscriber {
+            rx,
+            stats,
+            _stop: stop,
+        }
+    }
+
+    async fn next(&mut self) -> Delivery {
+        tokio::time::timeout(DEADLINE, self.rx.recv())
+            .await
+            .expect("a delivery in time")
+            .expect("subscriber alive")
+    }
+
+    /// Publishes batches seq, seq+1, … until the subscriber has one (ZMQ's slow joiner drops the
+    /// first ones; the subscriber replays them), then returns every delivery up to the last one sent.
+    async fn join(&mut self, p: &mut Publisher, first: u64, fixture: &str) -> (u64, Vec<Delivery>) {
+        let mut seq = first;
+        let mut got = Vec::new();
+        loop {
+            p.cmd(&format!("pub {seq} {fixture}")).await;
+            if let Ok(Some(d)) =
+                tokio::time::timeout(Duration::from_millis(50), self.rx.recv()).await
+            {
+                got.push(d);
+                break;
+            }
+            seq += 1;
+            assert!(seq < first + 400, "the subscriber never received a batch");
+        }
+        while !matches!(got.last(), Some(Delivery::Batch { seq: s, .. }) if *s == seq) {
+            got.push(self.next().await);
+        }
+        (seq, got)
+    }
+}
+
+fn batch_seqs(ds: &[Delivery]) -> Vec<u64> {
+    ds.iter()
+        .filter_map(|d| {
+            if let Delivery::Batch { seq, .. } = d {
+                Some(*seq)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+async fn gap_replay_loss_garbage_restart(framing: &str) {
+    let (port, replay) = (free_port(), free_port());
+    let mut p = Publisher::start(port, replay, framing).await;
+    let mut s = Subscriber::start(port, Some(replay));
+
+    // Joining late: whatever the slow joiner missed is replayed, so delivery starts at 0.
+    let (last, joined) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    assert_eq!(
+        batch_seqs(&joined),
+        (0..=last).collect::<Vec<_>>(),
+        "{joined:?}"
+    );
+    let Delivery::Batch { batch, .. } = &joined[0] else {
+        panic!("{joined:?}")
+    };
+    assert_eq!(batch.events.len(), 3);
+    assert!(matches!(batch.events[2], KvEvent::AllCleared));
+
+    // A batch the subscriber never saw, still in the publisher's buffer: replayed, in order.
+    p.cmd(&format!("skip {} legacy_batch", last + 1)).await;
+    p.cmd(&format!("pub {} map_events", last + 2)).await;
+    let (a, b) = (s.next().await, s.next().await);
+    assert!(
+        matches!(&a, Delivery::Batch { seq, batch } if *seq == last + 1 && batch.data_parallel_rank == Some(1)),
+        "{a:?}"
+    );
+    assert!(
+        matches!(&b, Delivery::Batch { seq, batch } if *seq == last + 2 && batch.data_parallel_rank == Some(3)),
+        "{b:?}"
+    );
+
+    // A batch the publisher no longer has: reported lost, the stream goes on.
+    p.cmd(&format!("pub {} legacy_bytes_hashes", last + 4))
+        .await;
+    assert_eq!(
+        s.next().await,
+        Delivery::Lost {
+            from: last + 3,
+            to: last + 4
+        }
+    );
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 4));
+
+    // Garbage is counted and dropped; it still counts as received (no gap, no replay).
+    p.cmd(&format!("raw {} c1ffee", last + 5)).await;
+    p.cmd(&format!("pub {} map_batch", last + 6)).await;
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 6));
+    assert_eq!(s.stats.undecodable.load(Ordering::Relaxed), 1);
+    assert_eq!(s.stats.lost.load(Ordering::Relaxed), 1);
+
+    // The engine restarts on the same ports: its numbering starts over, the subscriber reconnects.
+    p.quit().await;
+    let mut p = Publisher::start(port, replay, framing).await;
+    let (last, after) = s.join(&mut p, 0, "legacy_two_element_batch").await;
+    assert_eq!(after[0], Delivery::PublisherRestarted, "{after:?}");
+    assert_eq!(
+        batch_seqs(&after),
+        (0..=last).collect::<Vec<_>>(),
+        "{after:?}"
+    );
+    assert_eq!(s.stats.restarts.load(Ordering::Relaxed), 1);
+    p.quit().await;
+}
+
+#[tokio::test]
+async fn vllm_framing_round_trip() {
+    gap_replay_loss_garbage_restart("vllm").await;
+}
+
+#[tokio::test]
+async fn sglang_framing_round_trip() {
+    gap_replay_loss_garbage_restart("sglang").await;
+}
+
+#[tokio::test]
+async fn without_replay_endpoint_gaps_are_reported_lost() {
+    let port = free_port();
+    let mut p = Publisher::start(port, free_port(), "vllm").await;
+    let mut s = Subscriber::start(port, None);
+    let (last, joined) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    // Whatever the slow joiner missed before `last` cannot be fetched.
+    if last > 0 {
+        assert_eq!(
+            joined[0],
+            Delivery::Lost { from: 0, to: last },
+            "{joined:?}"
+        );
+    }
+    p.cmd(&format!("pub {} legacy_batch", last + 3)).await;
+    assert_eq!(
+        s.next().await,
+        Delivery::Lost {
+            from: last + 1,
+            to: last + 3
+        }
+    );
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 3));
+    p.quit().await;
+}
+
+#[tokio::test]
+async fn subscriber_started_before_the_publisher_connects_when_it_appears() {
+    let (port, replay) = (free_port(), free_port());
+    let mut s = Subscriber::start(port, Some(replay));
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let (last, joined) = s.join(&mut p, 0, "map_reordered_keys").await;
+    assert_eq!(batch_seqs(&joined), (0..=last).collect::<Vec<_>>());
+    p.quit().await;
+}
