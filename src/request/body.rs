@@ -292,6 +292,65 @@ mod tests {
         assert!(rw.chunks(4).iter().all(|c| c.len() <= 4 && !c.is_empty()));
     }
 
+    /// Differential test against the simple reference (a full `serde_json::Value` parse): on many
+    /// mutated bodies the scanner accepts exactly what the reference accepts, finds the same model,
+    /// and a rewrite changes nothing else.
+    #[test]
+    fn agrees_with_a_full_parse_on_mutated_bodies() {
+        let seeds: [&[u8]; 4] = [
+            br#"{"model":"m","prompt":"hi \"there\" \u00e9","max_tokens":3,"stream":true}"#,
+            br#"{"messages":[{"role":"user","content":"a"}],"model":"meta-llama/Llama-3.1-8B","n":[1,2.5e3,null,false]}"#,
+            br#" { "model" : "x" , "model" : "y" , "nested" : { "model" : "z" } } "#,
+            br#"{"model":"\ud83d\ude00 emoji","temperature":0.7}"#,
+        ];
+        let mut rng = fastrand::Rng::with_seed(7);
+        let (mut accepted, mut rejected) = (0, 0);
+        for _ in 0..20_000 {
+            let mut b = seeds[rng.usize(..seeds.len())].to_vec();
+            for _ in 0..rng.usize(0..3) {
+                let i = rng.usize(..b.len());
+                match rng.u8(..3) {
+                    0 => b[i] = b"{}[]\",:0a \\"[rng.usize(..11)],
+                    1 => {
+                        b.remove(i);
+                    }
+                    _ => b.insert(i, b"\"m,}1"[rng.usize(..5)]),
+                }
+            }
+            let reference = serde_json::from_slice::<serde_json::Value>(&b)
+                .ok()
+                .filter(|v| v.is_object())
+                .and_then(|v| {
+                    v.get("model")
+                        .and_then(|m| m.as_str())
+                        .filter(|m| !m.is_empty())
+                        .map(str::to_owned)
+                });
+            match (parse_body(&b), reference) {
+                (Ok(p), Some(model)) => {
+                    assert_eq!(p.model, model, "{}", String::from_utf8_lossy(&b));
+                    let out = Rewrite::new(&b, p.model_span.clone(), "rewritten").to_vec();
+                    let mut before: serde_json::Value = serde_json::from_slice(&b).unwrap();
+                    let mut after: serde_json::Value = serde_json::from_slice(&out).unwrap();
+                    assert_eq!(after["model"], "rewritten");
+                    before.as_object_mut().unwrap().remove("model");
+                    after.as_object_mut().unwrap().remove("model");
+                    assert_eq!(before, after, "the rewrite changed more than the model");
+                    accepted += 1;
+                }
+                (Err(_), None) => rejected += 1,
+                (got, want) => panic!(
+                    "scanner {got:?} vs reference {want:?} on {}",
+                    String::from_utf8_lossy(&b)
+                ),
+            }
+        }
+        assert!(
+            accepted > 1000 && rejected > 1000,
+            "{accepted} accepted, {rejected} rejected"
+        );
+    }
+
     #[test]
     fn chunking() {
         assert!(chunk_parts(&[b"", b""], 3).is_empty());
