@@ -3,7 +3,8 @@
 //!
 //! This is a plain library: no gRPC, HTTP or discovery types. Callers pass the ready endpoints of the
 //! pool and a [`PickRequest`]; the [`Picker`] trait is the extension point that the KV-aware
-//! selector replaces.
+//! selector replaces. [`slots`] is the KV-aware load accounting (active requests, prefill tokens,
+//! decode blocks per worker rank) that the KV-aware picker will read.
 //!
 //! Invariants:
 //! - a pick only ever names an endpoint from the candidates (after the subset filter);
@@ -12,6 +13,7 @@
 
 mod least_loaded;
 mod load;
+pub mod slots;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
