@@ -4,13 +4,15 @@
 //! This is a plain library: no gRPC, HTTP or discovery types. Callers pass the ready endpoints of the
 //! pool and a [`PickRequest`]; the [`Picker`] trait is the extension point that the KV-aware
 //! selector replaces. [`slots`] is the KV-aware load accounting (active requests, prefill tokens,
-//! decode blocks per worker rank) that the KV-aware picker will read.
+//! decode blocks per worker rank) and [`cost`] the cost model and choice that the KV-aware picker
+//! will combine with the prefix index.
 //!
 //! Invariants:
 //! - a pick only ever names an endpoint from the candidates (after the subset filter);
 //! - the fallback, when present, differs from the primary;
 //! - a Sheddable request is refused only when every candidate is saturated.
 
+pub mod cost;
 mod least_loaded;
 mod load;
 pub mod slots;
