@@ -21,14 +21,6 @@ use tonic_health::pb::HealthCheckRequest;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvepp");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn invalid_configuration_names_every_bad_field() {
     let out = Command::new(BIN)

@@ -8,20 +8,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{repo_root, DEADLINE};
+use common::{free_port, repo_root, DEADLINE};
 use kvepp::kv_events::subscriber::run;
 use kvepp::kv_events::{Delivery, KvEvent, Source, SubscriberStats, Timing};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, watch};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Publisher {
     child: Child,

@@ -33,6 +33,15 @@ where
     }
 }
 
+/// A port that was free a moment ago (for a child process that must bind it itself).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
 // ---------------------------------------------------------------- HTTP client
 
 #[derive(Debug)]
