@@ -187,10 +187,10 @@ impl CostWeights {
         let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         if self.temperature <= 0.0 || max <= min {
-            // Cheapest, ties broken uniformly.
-            let ties: Vec<usize> = (0..costs.len()).filter(|&i| costs[i] <= min).collect();
-            let pick = ((roll() * ties.len() as f64) as usize).min(ties.len().saturating_sub(1));
-            return ties.get(pick).copied().unwrap_or(0);
+            // Cheapest, ties broken uniformly: pick the k-th tied index without collecting them.
+            let ties = costs.iter().filter(|c| **c <= min).count();
+            let k = ((roll() * ties as f64) as usize).min(ties.saturating_sub(1));
+            return (0..costs.len()).filter(|&i| costs[i] <= min).nth(k).unwrap_or(0);
         }
         // Softmax over -normalised cost; the cheapest has weight 1, the dearest exp(-1/T).
         let weights: Vec<f64> = costs
