@@ -60,8 +60,6 @@ pub struct PoolSnapshot {
     pub models: HashMap<String, Arc<ModelSpec>>,
     /// Ready endpoints, deduplicated by address, sorted by address.
     pub endpoints: Vec<Arc<Endpoint>>,
-    /// Metric label for requests whose model has no InferenceModel.
-    pub unlisted_label: Arc<str>,
 }
 
 impl PoolSnapshot {
@@ -70,7 +68,6 @@ impl PoolSnapshot {
             pool: None,
             models: HashMap::new(),
             endpoints: Vec::new(),
-            unlisted_label: crate::request::UNLISTED_MODEL_LABEL.into(),
         }
     }
 }

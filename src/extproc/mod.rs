@@ -40,7 +40,10 @@ pub struct Shared {
     pub selector: Selector,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
+    /// Metric labels, allocated once: requests without a body, models with no InferenceModel, and
+    /// requests answered before a pick.
     no_model: Arc<str>,
+    unlisted_model: Arc<str>,
     no_endpoint: Arc<str>,
 }
 
@@ -57,6 +60,7 @@ impl Shared {
             metrics,
             settings,
             no_model: "none".into(),
+            unlisted_model: crate::request::UNLISTED_MODEL_LABEL.into(),
             no_endpoint: "".into(),
         }
     }

@@ -363,18 +363,23 @@ impl StreamState {
             ),
             Some(body) => {
                 let parsed = parse_body(body)?;
-                let m =
-                    match resolve_model(&snap, &parsed.model, shared.settings.pass_through_unknown)
-                    {
-                        Ok(m) => m,
-                        Err(e @ ModelError::Unknown(_)) => {
-                            self.labels = Some(self.labels_for(
-                                snap.unlisted_label.clone(),
-                                snap.unlisted_label.clone(),
-                            ));
-                            return Err(Rejection::new(404, "unknown_model", e.to_string()));
-                        }
-                    };
+                let m = match resolve_model(
+                    &snap,
+                    &parsed.model,
+                    shared
+                        .settings
+                        .pass_through_unknown
+                        .then_some(&shared.unlisted_model),
+                ) {
+                    Ok(m) => m,
+                    Err(e @ ModelError::Unknown(_)) => {
+                        self.labels = Some(self.labels_for(
+                            shared.unlisted_model.clone(),
+                            shared.unlisted_model.clone(),
+                        ));
+                        return Err(Rejection::new(404, "unknown_model", e.to_string()));
+                    }
+                };
                 let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
                 (m.criticality, m.model_label, m.target_label, rewrite)
             }

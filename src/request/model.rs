@@ -27,12 +27,13 @@ pub struct ModelDecision {
     pub criticality: Criticality,
 }
 
-/// Resolves `name` against the pool's InferenceModels. With `pass_through_unknown`, a model with no
-/// InferenceModel is routed as Standard without rewrite (as newer reference EPPs do).
+/// Resolves `name` against the pool's InferenceModels. With `unlisted` (pass-through), a model with
+/// no InferenceModel is routed as Standard without rewrite (as newer reference EPPs do), under that
+/// metric label; without it, such a model is an error (404).
 pub fn resolve_model(
     snapshot: &PoolSnapshot,
     name: &str,
-    pass_through_unknown: bool,
+    unlisted: Option<&Arc<str>>,
 ) -> Result<ModelDecision, ModelError> {
     match snapshot.models.get(name) {
         Some(spec) => {
@@ -45,16 +46,15 @@ pub fn resolve_model(
                 criticality: spec.criticality,
             })
         }
-        None if pass_through_unknown => {
-            let label: Arc<str> = snapshot.unlisted_label.clone();
-            Ok(ModelDecision {
+        None => match unlisted {
+            Some(label) => Ok(ModelDecision {
                 model_label: label.clone(),
                 rewrite_to: None,
-                target_label: label,
+                target_label: label.clone(),
                 criticality: Criticality::Standard,
-            })
-        }
-        None => Err(ModelError::Unknown(name.to_owned())),
+            }),
+            None => Err(ModelError::Unknown(name.to_owned())),
+        },
     }
 }
 
@@ -119,20 +119,20 @@ mod tests {
                 vec![(Arc::from("lora-v2"), 5)],
             )),
         );
-        let d = resolve_model(&snap, "base", false).unwrap();
+        let d = resolve_model(&snap, "base", None).unwrap();
         assert!(
             d.rewrite_to.is_none(),
             "a target equal to the model is no rewrite"
         );
-        let d = resolve_model(&snap, "lora", false).unwrap();
+        let d = resolve_model(&snap, "lora", None).unwrap();
         assert_eq!(d.rewrite_to.as_deref(), Some("lora-v2"));
         assert_eq!(&*d.target_label, "lora-v2");
         assert_eq!(d.criticality, Criticality::Sheddable);
         assert_eq!(
-            resolve_model(&snap, "nope", false).unwrap_err(),
+            resolve_model(&snap, "nope", None).unwrap_err(),
             ModelError::Unknown("nope".into())
         );
-        let d = resolve_model(&snap, "nope", true).unwrap();
+        let d = resolve_model(&snap, "nope", Some(&Arc::from(UNLISTED_MODEL_LABEL))).unwrap();
         assert_eq!(&*d.model_label, UNLISTED_MODEL_LABEL);
         assert_eq!(d.criticality, Criticality::Standard);
     }

@@ -190,7 +190,10 @@ impl CostWeights {
             // Cheapest, ties broken uniformly: pick the k-th tied index without collecting them.
             let ties = costs.iter().filter(|c| **c <= min).count();
             let k = ((roll() * ties as f64) as usize).min(ties.saturating_sub(1));
-            return (0..costs.len()).filter(|&i| costs[i] <= min).nth(k).unwrap_or(0);
+            return (0..costs.len())
+                .filter(|&i| costs[i] <= min)
+                .nth(k)
+                .unwrap_or(0);
         }
         // Softmax over -normalised cost; the cheapest has weight 1, the dearest exp(-1/T).
         let weights: Vec<f64> = costs
