@@ -4,31 +4,18 @@ use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-/// The engine's own block hash: only an opaque key to resolve later removals (vLLM's hash cannot be
-/// recomputed outside the engine).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EngineBlockHash(pub u64);
+pub use crate::selector::index::{EngineBlockHash, Tier};
 
-/// Where a block lives: GPU memory, host memory, or anything slower (disk, remote, external).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Tier {
-    Device,
-    Host,
-    Disk,
-}
-
-impl Tier {
-    /// vLLM's `medium` (absent means GPU). Unknown media count as the slowest tier.
-    pub fn from_medium(medium: Option<&str>) -> Tier {
-        let Some(m) = medium else { return Tier::Device };
-        let is = |names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
-        if is(&["GPU", "DEVICE"]) {
-            Tier::Device
-        } else if is(&["CPU", "CPU_PINNED", "CPU_TIER1"]) {
-            Tier::Host
-        } else {
-            Tier::Disk
-        }
+/// The tier of vLLM's `medium` (absent means GPU). Unknown media count as the slowest tier.
+pub fn tier_from_medium(medium: Option<&str>) -> Tier {
+    let Some(m) = medium else { return Tier::Device };
+    let is = |names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
+    if is(&["GPU", "DEVICE"]) {
+        Tier::Device
+    } else if is(&["CPU", "CPU_PINNED", "CPU_TIER1"]) {
+        Tier::Host
+    } else {
+        Tier::Disk
     }
 }
 
@@ -201,7 +188,7 @@ struct Fields {
 
 impl Fields {
     fn build<E: de::Error>(self, tag: &str) -> Result<Option<KvEvent>, E> {
-        let tier = Tier::from_medium(self.medium.as_deref());
+        let tier = tier_from_medium(self.medium.as_deref());
         match tag {
             "BlockStored" => {
                 let block_hashes = self
@@ -362,7 +349,7 @@ mod tests {
 
     #[test]
     fn media_map_to_tiers() {
-        assert_eq!(Tier::from_medium(None), Tier::Device);
+        assert_eq!(tier_from_medium(None), Tier::Device);
         for (m, t) in [
             ("GPU", Tier::Device),
             ("gpu", Tier::Device),
@@ -373,7 +360,7 @@ mod tests {
             ("EXTERNAL", Tier::Disk),
             ("whatever", Tier::Disk),
         ] {
-            assert_eq!(Tier::from_medium(Some(m)), t, "{m}");
+            assert_eq!(tier_from_medium(Some(m)), t, "{m}");
         }
     }
 

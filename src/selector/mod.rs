@@ -15,6 +15,7 @@
 pub mod cost;
 mod least_loaded;
 mod load;
+pub mod index;
 pub mod slots;
 
 use std::net::SocketAddr;
