@@ -136,7 +136,12 @@ fn generate(trace: &[Vec<u64>], w: usize, c: usize, k: u64) -> Workload {
             let n = query.len();
             let overlaps: Vec<usize> = caches
                 .iter()
-                .map(|lru| query.iter().take_while(|h| lru.held.contains_key(h)).count())
+                .map(|lru| {
+                    query
+                        .iter()
+                        .take_while(|h| lru.held.contains_key(h))
+                        .count()
+                })
                 .collect();
             let expect = overlaps
                 .iter()
@@ -187,9 +192,8 @@ fn generate(trace: &[Vec<u64>], w: usize, c: usize, k: u64) -> Workload {
                 events += 1;
                 event_blocks += removed.len() as u64;
             }
-            let stored: Vec<(SequenceHash, LocalBlockHash)> = (m..keep)
-                .map(|i| (query[i], locals[i]))
-                .collect();
+            let stored: Vec<(SequenceHash, LocalBlockHash)> =
+                (m..keep).map(|i| (query[i], locals[i])).collect();
             if !stored.is_empty() {
                 events += 1;
                 event_blocks += stored.len() as u64;
@@ -289,13 +293,18 @@ fn replay_fast(wl: &Workload, distinct: bool, verify: bool) -> anyhow::Result<Fi
         let t = Instant::now();
         index.find_matches(&op.query, &mut scratch, &mut out);
         lat.push(t.elapsed().as_nanos() as u64);
+
         if verify {
             let mut got: Vec<(u32, u32)> = out
                 .iter()
                 .map(|o| (slot_of[&o.rank], o.overlap.disk as u32))
                 .collect();
             got.sort_unstable();
-            anyhow::ensure!(got == op.expect, "request {n}: index answered {got:?}, generator {:?}", op.expect);
+            anyhow::ensure!(
+                got == op.expect,
+                "request {n}: index answered {got:?}, generator {:?}",
+                op.expect
+            );
         }
         let rank = ranks[op.worker as usize];
         let t = Instant::now();
@@ -311,7 +320,9 @@ fn replay_fast(wl: &Workload, distinct: bool, verify: bool) -> anyhow::Result<Fi
                 rank,
                 Tier::Device,
                 op.parent.map(|p| engine_hash(distinct, p)),
-                op.stored.iter().map(|&(s, l)| (engine_hash(distinct, s), l)),
+                op.stored
+                    .iter()
+                    .map(|&(s, l)| (engine_hash(distinct, s), l)),
             )?;
         }
         ingest_ns += t.elapsed().as_nanos();
@@ -319,9 +330,33 @@ fn replay_fast(wl: &Workload, distinct: bool, verify: bool) -> anyhow::Result<Fi
     let rss = rss_bytes().saturating_sub(rss0);
     let pairs = index.pair_count();
     if verify {
-        anyhow::ensure!(pairs as usize == wl.pairs, "pairs {pairs} ≠ generator {}", wl.pairs);
+        anyhow::ensure!(
+            pairs as usize == wl.pairs,
+            "pairs {pairs} ≠ generator {}",
+            wl.pairs
+        );
         let stats = index.stats();
-        anyhow::ensure!(stats.unknown_parents == 0 && stats.unknown_removals == 0, "{stats:?}");
+        anyhow::ensure!(
+            stats.unknown_parents == 0 && stats.unknown_removals == 0,
+            "{stats:?}"
+        );
+    }
+    if std::env::var_os("KVEPP_REPLAY_PROFILE").is_some() {
+        let mut idx: Vec<usize> = (0..lat.len()).collect();
+        idx.sort_by_key(|&i| std::cmp::Reverse(lat[i]));
+        for (name, range) in [("slowest 1%", 0..lat.len() / 100), ("all", 0..lat.len())] {
+            let sel = &idx[range];
+            let avg = |f: &dyn Fn(&Op) -> usize| {
+                sel.iter().map(|&i| f(&wl.ops[i])).sum::<usize>() as f64 / sel.len() as f64
+            };
+            println!(
+                "{name}: {:.0} ns, query {:.1} blocks, max overlap {:.1}, holders of block 0 {:.1}",
+                sel.iter().map(|&i| lat[i]).sum::<u64>() as f64 / sel.len() as f64,
+                avg(&|o| o.query.len()),
+                avg(&|o| o.expect.iter().map(|e| e.1 as usize).max().unwrap_or(0)),
+                avg(&|o| o.expect.len()),
+            );
+        }
     }
     let query_ns: u64 = lat.iter().sum();
     lat.sort_unstable();
@@ -355,7 +390,11 @@ fn replay_reference(wl: &Workload) -> anyhow::Result<(f64, f64)> {
         query_ns += t.elapsed().as_nanos();
         let rank = ranks[op.worker as usize];
         let t = Instant::now();
-        index.remove(rank, Tier::Device, op.removed.iter().map(|s| EngineBlockHash(s.0)));
+        index.remove(
+            rank,
+            Tier::Device,
+            op.removed.iter().map(|s| EngineBlockHash(s.0)),
+        );
         if !op.stored.is_empty() {
             index.store(
                 rank,
@@ -382,7 +421,8 @@ fn trace_path(args: &Args) -> PathBuf {
         .clone()
         .or_else(|| std::env::var_os("KVEPP_TRACE").map(PathBuf::from))
         .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/conversation_trace.jsonl")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../shared/data/conversation_trace.jsonl")
         })
 }
 
@@ -412,7 +452,10 @@ fn main() -> anyhow::Result<()> {
         );
         replay_fast(&wl, false, true)?;
         replay_fast(&wl, true, true)?;
-        println!("index_replay: W=16 C=16384 K=1 hit {:.4} = oracle; every answer matched", wl.hit);
+        println!(
+            "index_replay: W=16 C=16384 K=1 hit {:.4} = oracle; every answer matched",
+            wl.hit
+        );
         return Ok(());
     }
     let trace = load_trace(&path)?;

@@ -13,9 +13,9 @@
 //! - a Sheddable request is refused only when every candidate is saturated.
 
 pub mod cost;
+pub mod index;
 mod least_loaded;
 mod load;
-pub mod index;
 pub mod slots;
 
 use std::net::SocketAddr;

@@ -23,11 +23,12 @@
 //! Clearing a rank scans the table (rare: engine restarts and departures).
 
 pub mod reference;
+mod table;
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 
+use self::table::BlockTable;
 use super::cost::Overlap;
 use super::slots::WorkerRank;
 use crate::request::blocks::{next_sequence_hash, LocalBlockHash, SequenceHash};
@@ -136,6 +137,9 @@ impl Hasher for KeyedHasher {
 
 type Map<K, V> = HashMap<K, V, KeyedBuild>;
 
+/// Most table probes `find_matches` has in flight at once.
+const MAX_BATCH: usize = 64;
+
 // ------------------------------------------------------------------------------------------ layout
 
 /// One rank's hold on one block: its slot and a reference count per tier.
@@ -161,6 +165,54 @@ enum Holders {
     One(Holder),
     /// Index into `spill`: two or more holders.
     Spill(u32),
+}
+
+/// The holders of one block, borrowed from the index.
+#[derive(Clone, Copy)]
+enum HolderList<'a> {
+    None,
+    One(Holder),
+    Many(&'a [Holder]),
+}
+
+impl HolderList<'_> {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            HolderList::None => &[],
+            HolderList::One(h) => std::slice::from_ref(h),
+            HolderList::Many(l) => l,
+        }
+    }
+}
+
+/// The rank slot that marks a spilled holder word (never a real slot).
+const SPILL: u16 = u16::MAX;
+
+impl Holders {
+    /// The table's value word: never 0 (a holder has a non-zero reference count).
+    fn pack(self) -> u64 {
+        match self {
+            Holders::One(h) => {
+                u64::from(h.rank)
+                    | u64::from(h.refs[0]) << 16
+                    | u64::from(h.refs[1]) << 32
+                    | u64::from(h.refs[2]) << 48
+            }
+            Holders::Spill(i) => u64::from(SPILL) | u64::from(i) << 16,
+        }
+    }
+
+    fn unpack(v: u64) -> Self {
+        let rank = v as u16;
+        if rank == SPILL {
+            Holders::Spill((v >> 16) as u32)
+        } else {
+            Holders::One(Holder {
+                rank,
+                refs: [(v >> 16) as u16, (v >> 32) as u16, (v >> 48) as u16],
+            })
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -196,7 +248,8 @@ struct Run {
 /// See the module documentation.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: Map<SequenceHash, Holders>,
+    blocks: BlockTable,
+    build: KeyedBuild,
     spill: Vec<Vec<Holder>>,
     spill_free: Vec<u32>,
     ranks: Vec<Option<RankSlot>>,
@@ -214,8 +267,10 @@ impl Default for PrefixIndex {
 
 impl PrefixIndex {
     pub fn new(max_blocks_per_rank: u64) -> Self {
+        let build = KeyedBuild::random();
         PrefixIndex {
-            blocks: HashMap::with_hasher(KeyedBuild::random()),
+            blocks: BlockTable::new(build),
+            build,
             spill: Vec::new(),
             spill_free: Vec::new(),
             ranks: Vec::new(),
@@ -254,10 +309,8 @@ impl PrefixIndex {
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
         let table = |cap: usize, entry: usize| cap * (entry + 1);
-        table(
-            self.blocks.capacity(),
-            size_of::<(SequenceHash, Holders)>(),
-        ) + self.spill.capacity() * size_of::<Vec<Holder>>()
+        self.blocks.bytes()
+            + self.spill.capacity() * size_of::<Vec<Holder>>()
             + self
                 .spill
                 .iter()
@@ -318,7 +371,7 @@ impl PrefixIndex {
         self.ranks[usize::from(s)] = Some(RankSlot {
             id: rank,
             blocks: 0,
-            engine: HashMap::with_hasher(*self.blocks.hasher()),
+            engine: HashMap::with_hasher(self.build),
         });
         self.rank_ids.insert(rank, s);
         Ok(s)
@@ -331,15 +384,20 @@ impl PrefixIndex {
         }
         let seq = SequenceHash(engine.0);
         self.holders(seq)
-            .is_some_and(|h| h.iter().any(|h| h.rank == s))
+            .is_some_and(|h| h.as_slice().iter().any(|h| h.rank == s))
             .then_some(seq)
     }
 
-    fn holders(&self, seq: SequenceHash) -> Option<&[Holder]> {
-        self.blocks.get(&seq).map(|h| match h {
-            Holders::One(h) => std::slice::from_ref(h),
-            Holders::Spill(i) => self.spill[*i as usize].as_slice(),
-        })
+    /// The holders behind a table value word.
+    fn holders_of(&self, word: u64) -> HolderList<'_> {
+        match Holders::unpack(word) {
+            Holders::One(h) => HolderList::One(h),
+            Holders::Spill(i) => HolderList::Many(&self.spill[i as usize]),
+        }
+    }
+
+    fn holders(&self, seq: SequenceHash) -> Option<HolderList<'_>> {
+        self.blocks.get(seq.0).map(|w| self.holders_of(w))
     }
 
     /// Applies a `BlockStored` event: consecutive blocks (engine hash, our local hash) following
@@ -375,7 +433,9 @@ impl PrefixIndex {
                 return Err(e);
             }
             if engine.0 != seq.0 {
-                Self::slot_mut(&mut self.ranks, s).engine.insert(engine, seq);
+                Self::slot_mut(&mut self.ranks, s)
+                    .engine
+                    .insert(engine, seq);
             }
             self.stats.stored += 1;
             n += 1;
@@ -392,17 +452,19 @@ impl PrefixIndex {
             limit,
         };
         let t = tier.idx();
-        match self.blocks.entry(seq) {
-            Entry::Vacant(v) => {
-                if full {
-                    return Err(refused);
-                }
-                v.insert(Holders::One(Holder::new(s, tier)));
+        let (word, new) = self
+            .blocks
+            .get_or_insert(seq.0, Holders::One(Holder::new(s, tier)).pack());
+        if new {
+            if full {
+                self.blocks.remove(seq.0);
+                return Err(refused);
             }
-            Entry::Occupied(mut o) => match *o.get() {
+        } else {
+            match Holders::unpack(*word) {
                 Holders::One(mut h) if h.rank == s => {
                     h.refs[t] = h.refs[t].saturating_add(1);
-                    *o.get_mut() = Holders::One(h);
+                    *word = Holders::One(h).pack();
                     return Ok(());
                 }
                 Holders::One(h) => {
@@ -420,7 +482,7 @@ impl PrefixIndex {
                             (self.spill.len() - 1) as u32
                         }
                     };
-                    *o.get_mut() = Holders::Spill(i);
+                    *word = Holders::Spill(i).pack();
                 }
                 Holders::Spill(i) => {
                     let list = &mut self.spill[i as usize];
@@ -433,27 +495,27 @@ impl PrefixIndex {
                     }
                     list.push(Holder::new(s, tier));
                 }
-            },
+            }
         }
         slot.blocks += 1;
         Ok(())
     }
 
     fn release(&mut self, s: u16, seq: SequenceHash, t: usize) -> Removal {
-        let Some(v) = self.blocks.get_mut(&seq) else {
+        let Some(word) = self.blocks.get_mut(seq.0) else {
             return Removal::NotHeld;
         };
-        match *v {
+        match Holders::unpack(*word) {
             Holders::One(mut h) => {
                 if h.rank != s || h.refs[t] == 0 {
                     return Removal::NotHeld;
                 }
                 h.refs[t] -= 1;
                 if h.is_empty() {
-                    self.blocks.remove(&seq);
+                    self.blocks.remove(seq.0);
                     return Removal::Dropped;
                 }
-                *v = Holders::One(h);
+                *word = Holders::One(h).pack();
                 Removal::Decremented
             }
             Holders::Spill(i) => {
@@ -467,7 +529,7 @@ impl PrefixIndex {
                 }
                 list.swap_remove(pos);
                 if let [only] = list.as_slice() {
-                    *v = Holders::One(*only);
+                    *word = Holders::One(*only).pack();
                     Self::free_spill(&mut self.spill, &mut self.spill_free, i);
                 }
                 Removal::Dropped
@@ -527,7 +589,7 @@ impl PrefixIndex {
         self.drop_slots(&[s]);
         let slot = Self::slot_mut(&mut self.ranks, s);
         slot.blocks = 0;
-        slot.engine = HashMap::with_hasher(*self.blocks.hasher());
+        slot.engine = HashMap::with_hasher(self.build);
     }
 
     /// Forgets every rank of `worker` and its blocks.
@@ -553,7 +615,7 @@ impl PrefixIndex {
     fn drop_slots(&mut self, slots: &[u16]) {
         let spill = &mut self.spill;
         let free = &mut self.spill_free;
-        self.blocks.retain(|_, v| match *v {
+        self.blocks.retain(|_, word| match Holders::unpack(*word) {
             Holders::One(h) => !slots.contains(&h.rank),
             Holders::Spill(i) => {
                 let list = &mut spill[i as usize];
@@ -564,7 +626,7 @@ impl PrefixIndex {
                         false
                     }
                     [only] => {
-                        *v = Holders::One(*only);
+                        *word = Holders::One(*only).pack();
                         Self::free_spill(spill, free, i);
                         true
                     }
@@ -592,36 +654,40 @@ impl PrefixIndex {
             scratch.runs.fill(Run::default());
             scratch.epoch = 1;
         }
-        let epoch = scratch.epoch;
-        for (i, &seq) in hashes.iter().enumerate() {
-            let Some(holders) = self.holders(seq) else {
-                break;
-            };
-            let i = i as u32;
-            let mut alive = false;
-            for h in holders {
-                let run = &mut scratch.runs[usize::from(h.rank)];
-                if i == 0 {
-                    *run = Run {
-                        epoch,
-                        ..Run::default()
-                    };
-                    scratch.touched.push(h.rank);
-                } else if run.epoch != epoch || run.any != i {
-                    continue;
+        // Lookups go in batches of independent probes (4 first: most requests stop early; then 64),
+        // so the table's cache misses overlap instead of queueing one behind another.
+        let mut start = 0;
+        let mut batch = 4;
+        'walk: while start < hashes.len() {
+            let end = (start + batch).min(hashes.len());
+            let mut keys = [0u64; MAX_BATCH];
+            for (k, seq) in keys.iter_mut().zip(&hashes[start..end]) {
+                *k = seq.0;
+            }
+            let mut words = [0u64; MAX_BATCH];
+            let n = end - start;
+            self.blocks.get_batch(&keys[..n], &mut words);
+            // Spilled holder lists are one more memory access each: start them all together too.
+            let mut lists: [HolderList<'_>; MAX_BATCH] = [HolderList::None; MAX_BATCH];
+            for (list, &word) in lists.iter_mut().zip(&words[..n]) {
+                if word == 0 {
+                    break;
                 }
-                alive = true;
-                run.any = i + 1;
-                if run.host == i && (h.refs[0] > 0 || h.refs[1] > 0) {
-                    run.host = i + 1;
-                }
-                if run.device == i && h.refs[0] > 0 {
-                    run.device = i + 1;
+                *list = self.holders_of(word);
+                if let HolderList::Many(l) = list {
+                    std::hint::black_box(l.first().map(|h| h.rank));
                 }
             }
-            if !alive {
-                break;
+            for (j, list) in lists[..n].iter().enumerate() {
+                if let HolderList::None = list {
+                    break 'walk;
+                }
+                if !Self::extend_runs(scratch, list.as_slice(), (start + j) as u32) {
+                    break 'walk;
+                }
             }
+            start = end;
+            batch = MAX_BATCH;
         }
         out.extend(scratch.touched.iter().map(|&s| {
             let run = scratch.runs[usize::from(s)];
@@ -634,6 +700,34 @@ impl PrefixIndex {
                 },
             }
         }));
+    }
+
+    /// Extends the runs of the ranks in `holders` that held every block before block `i`; false
+    /// when none did (the walk is over).
+    fn extend_runs(scratch: &mut MatchScratch, holders: &[Holder], i: u32) -> bool {
+        let epoch = scratch.epoch;
+        let mut alive = false;
+        for h in holders {
+            let run = &mut scratch.runs[usize::from(h.rank)];
+            if i == 0 {
+                *run = Run {
+                    epoch,
+                    ..Run::default()
+                };
+                scratch.touched.push(h.rank);
+            } else if run.epoch != epoch || run.any != i {
+                continue;
+            }
+            alive = true;
+            run.any = i + 1;
+            if run.host == i && (h.refs[0] > 0 || h.refs[1] > 0) {
+                run.host = i + 1;
+            }
+            if run.device == i && h.refs[0] > 0 {
+                run.device = i + 1;
+            }
+        }
+        alive
     }
 
     /// [`Self::find_matches`] with fresh scratch space (convenient, allocates).

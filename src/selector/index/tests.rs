@@ -74,9 +74,17 @@ fn refcounts_engine_hashes_and_clear() {
     let r = wr(7, 0);
     let s = seqs(&[10, 11]);
     let eng = [EngineBlockHash(0xE0), EngineBlockHash(0xE1)];
-    let blocks = || eng.iter().copied().zip([LocalBlockHash(10), LocalBlockHash(11)]);
+    let blocks = || {
+        eng.iter()
+            .copied()
+            .zip([LocalBlockHash(10), LocalBlockHash(11)])
+    };
     assert_eq!(ix.store(r, Tier::Device, None, blocks()), Ok(2));
-    assert_eq!(ix.store(r, Tier::Device, None, blocks()), Ok(2), "duplicate");
+    assert_eq!(
+        ix.store(r, Tier::Device, None, blocks()),
+        Ok(2),
+        "duplicate"
+    );
     // A child stored under the engine's parent hash chains from our hash of that parent.
     assert_eq!(
         ix.store(
@@ -194,9 +202,7 @@ fn differential(seed: u64, limit: u64, ops: usize) {
     let mut reference = ReferenceIndex::new(limit);
     let mut scratch = MatchScratch::default();
     let mut out = Vec::new();
-    let all_ranks: Vec<WorkerRank> = (1..4)
-        .flat_map(|w| (0..2).map(move |d| wr(w, d)))
-        .collect();
+    let all_ranks: Vec<WorkerRank> = (1..4).flat_map(|w| (0..2).map(move |d| wr(w, d))).collect();
     for op in 0..ops {
         let ctx = format!("seed {seed} op {op}");
         match g.rng.u8(0..100) {
@@ -258,7 +264,11 @@ fn differential(seed: u64, limit: u64, ops: usize) {
         if op % 50 == 0 {
             assert_eq!(fast.pair_count(), reference.pair_count(), "{ctx}: pairs");
             for &r in &all_ranks {
-                assert_eq!(fast.rank_blocks(r), reference.rank_blocks(r), "{ctx}: {r:?}");
+                assert_eq!(
+                    fast.rank_blocks(r),
+                    reference.rank_blocks(r),
+                    "{ctx}: {r:?}"
+                );
             }
         }
     }
