@@ -9,6 +9,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::selector::cost::CostWeights;
+
 /// What to do with a request whose model matches no InferenceModel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -24,6 +26,90 @@ pub enum UnknownModels {
 pub enum LogFormat {
     Text,
     Json,
+}
+
+/// Which picker ranks the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PickerKind {
+    /// KV-cache overlap and active load, Dynamo's cost (the default).
+    KvAware,
+    /// Least in-flight requests only.
+    LeastLoaded,
+}
+
+/// The KV-aware cost knobs (Dynamo's names without the `DYN_ROUTER_` prefix; the
+/// `DYN_ROUTER_*` environment variables override the file).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    pub kv_overlap_score_credit: f64,
+    pub host_cache_hit_weight: f64,
+    pub disk_cache_hit_weight: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+    pub temperature: f64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        let w = CostWeights::default();
+        RouterConfig {
+            kv_overlap_score_credit: w.overlap_score_credit,
+            host_cache_hit_weight: w.host_cache_hit_weight,
+            disk_cache_hit_weight: w.disk_cache_hit_weight,
+            prefill_load_scale: w.prefill_load_scale,
+            decode_active_request_weight: w.decode_active_request_weight,
+            temperature: w.temperature,
+        }
+    }
+}
+
+impl RouterConfig {
+    pub fn weights(&self) -> CostWeights {
+        CostWeights {
+            overlap_score_credit: self.kv_overlap_score_credit,
+            host_cache_hit_weight: self.host_cache_hit_weight,
+            disk_cache_hit_weight: self.disk_cache_hit_weight,
+            prefill_load_scale: self.prefill_load_scale,
+            decode_active_request_weight: self.decode_active_request_weight,
+            temperature: self.temperature,
+        }
+    }
+
+    fn set(&mut self, w: CostWeights) {
+        self.kv_overlap_score_credit = w.overlap_score_credit;
+        self.host_cache_hit_weight = w.host_cache_hit_weight;
+        self.disk_cache_hit_weight = w.disk_cache_hit_weight;
+        self.prefill_load_scale = w.prefill_load_scale;
+        self.decode_active_request_weight = w.decode_active_request_weight;
+        self.temperature = w.temperature;
+    }
+}
+
+/// Where the engines publish KV events when no per-endpoint metadata says otherwise (vLLM's
+/// `--kv-events-config` publisher: `tcp://<endpoint address>:<port>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Subscribe to every ready endpoint's publisher.
+    pub enabled: bool,
+    pub port: u16,
+    /// The publisher's replay ROUTER port, if it has one.
+    pub replay_port: Option<u16>,
+    /// Topic prefix to subscribe to (`""`: everything).
+    pub topic: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            enabled: false,
+            port: 5557,
+            replay_port: None,
+            topic: String::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +145,13 @@ pub struct Config {
     pub log_format: LogFormat,
     /// tracing filter, e.g. `info` or `kvepp=debug`.
     pub log_level: String,
+    pub picker: PickerKind,
+    /// Tokens per KV block, as the engines are configured (`--block-size`).
+    pub block_size: u32,
+    pub router: RouterConfig,
+    pub kv_events: KvEventsConfig,
+    /// Approximate prefix mode (no tokenizer): blocks remembered per endpoint.
+    pub approx_blocks_per_endpoint: usize,
 }
 
 impl Default for Config {
@@ -80,6 +173,11 @@ impl Default for Config {
             shutdown_grace_seconds: 25,
             log_format: LogFormat::Text,
             log_level: "info".into(),
+            picker: PickerKind::KvAware,
+            block_size: 16,
+            router: RouterConfig::default(),
+            kv_events: KvEventsConfig::default(),
+            approx_blocks_per_endpoint: 32_768,
         }
     }
 }
@@ -149,6 +247,17 @@ pub struct ServeArgs {
     pub log_format: Option<LogFormat>,
     #[arg(long, env = "KVEPP_LOG_LEVEL")]
     pub log_level: Option<String>,
+    #[arg(long, env = "KVEPP_PICKER", value_enum)]
+    pub picker: Option<PickerKind>,
+    #[arg(long, env = "KVEPP_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// Subscribe to the endpoints' KV events at `tcp://<address>:<kv-events-port>`.
+    #[arg(long, env = "KVEPP_KV_EVENTS_ENABLED")]
+    pub kv_events_enabled: Option<bool>,
+    #[arg(long, env = "KVEPP_KV_EVENTS_PORT")]
+    pub kv_events_port: Option<u16>,
+    #[arg(long, env = "KVEPP_KV_EVENTS_REPLAY_PORT")]
+    pub kv_events_replay_port: Option<u16>,
 }
 
 macro_rules! overlay {
@@ -180,8 +289,33 @@ impl Config {
             max_body_bytes,
             shutdown_grace_seconds,
             log_format,
-            log_level
+            log_level,
+            picker,
+            block_size
         );
+        if let Some(v) = args.kv_events_enabled {
+            cfg.kv_events.enabled = v;
+        }
+        if let Some(v) = args.kv_events_port {
+            cfg.kv_events.port = v;
+        }
+        if args.kv_events_replay_port.is_some() {
+            cfg.kv_events.replay_port = args.kv_events_replay_port;
+        }
+        // Dynamo's knobs from the environment override the file.
+        match cfg.router.weights().with_env(|k| std::env::var(k).ok()) {
+            Ok(w) => cfg.router.set(w),
+            Err(errs) => {
+                return Err(ConfigError::Invalid(
+                    errs.into_iter()
+                        .map(|e| FieldError {
+                            field: e.name,
+                            message: e.message,
+                        })
+                        .collect(),
+                ))
+            }
+        }
         if args.endpoint_service.is_some() {
             cfg.endpoint_service = args.endpoint_service.clone();
         }
@@ -263,6 +397,24 @@ impl Config {
                     format!("port {port} is already used by another server"),
                 );
             }
+        }
+        if !(1..=1024).contains(&self.block_size) {
+            bad(
+                "block_size",
+                format!("{} must be between 1 and 1024 tokens", self.block_size),
+            );
+        }
+        for e in self.router.weights().validate() {
+            bad("router", format!("{}: {}", e.name, e.message));
+        }
+        if self.kv_events.enabled && self.kv_events.port == 0 {
+            bad(
+                "kv_events.port",
+                "must not be 0 when KV events are enabled".into(),
+            );
+        }
+        if self.approx_blocks_per_endpoint == 0 {
+            bad("approx_blocks_per_endpoint", "must be at least 1".into());
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log_level).is_err() {
             bad(

@@ -41,6 +41,27 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ModeLabels {
+    pub mode: &'static str,
+}
+
+/// KV-event ingestion, summed over every subscription.
+#[derive(Debug, Default)]
+pub struct KvEventMetrics {
+    pub batches: Counter,
+    pub undecodable: Counter,
+    pub lost_batches: Counter,
+    pub publisher_restarts: Counter,
+    pub blocks_stored: Counter,
+    pub blocks_removed: Counter,
+    pub dropped: Family<ReasonLabels, Counter>,
+    pub index_blocks: Gauge,
+    pub index_pairs: Gauge,
+    pub index_memory_bytes: Gauge,
+    pub subscriptions: Gauge,
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -51,6 +72,8 @@ pub struct Metrics {
     pub rejected: Family<ReasonLabels, Counter>,
     pub manifest_errors: Counter,
     pub served_elsewhere: Counter,
+    pub prefix_mode: Family<ModeLabels, Counter>,
+    pub kv: KvEventMetrics,
 }
 
 impl Metrics {
@@ -98,6 +121,72 @@ impl Metrics {
             "Requests the proxy reports served by another endpoint than the primary pick",
             served_elsewhere.clone(),
         );
+        let prefix_mode = Family::<ModeLabels, Counter>::default();
+        registry.register(
+            "kv_prefix_mode",
+            "KV-aware picks by how the prompt prefix was found (token_ids, tokens, approximate, none)",
+            prefix_mode.clone(),
+        );
+        let kv = KvEventMetrics::default();
+        for (name, help, metric) in [
+            ("kv_event_batches", "KV-event batches applied", &kv.batches),
+            (
+                "kv_event_undecodable",
+                "KV-event messages that could not be decoded (dropped)",
+                &kv.undecodable,
+            ),
+            (
+                "kv_event_lost_batches",
+                "KV-event batches missed and not replayable",
+                &kv.lost_batches,
+            ),
+            (
+                "kv_event_publisher_restarts",
+                "KV-event publishers seen restarting (their blocks cleared)",
+                &kv.publisher_restarts,
+            ),
+            (
+                "kv_event_blocks_stored",
+                "Blocks stored by KV events",
+                &kv.blocks_stored,
+            ),
+            (
+                "kv_event_blocks_removed",
+                "Blocks removed by KV events",
+                &kv.blocks_removed,
+            ),
+        ] {
+            registry.register(name, help, metric.clone());
+        }
+        registry.register(
+            "kv_events_dropped",
+            "KV events not applied, by reason",
+            kv.dropped.clone(),
+        );
+        for (name, help, metric) in [
+            (
+                "kv_index_blocks",
+                "Distinct blocks in the KV prefix index",
+                &kv.index_blocks,
+            ),
+            (
+                "kv_index_pairs",
+                "(block, worker rank) pairs in the KV prefix index",
+                &kv.index_pairs,
+            ),
+            (
+                "kv_index_memory_bytes",
+                "Bytes held by the KV prefix index's tables",
+                &kv.index_memory_bytes,
+            ),
+            (
+                "kv_event_subscriptions",
+                "KV-event subscriptions running",
+                &kv.subscriptions,
+            ),
+        ] {
+            registry.register(name, help, metric.clone());
+        }
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
         info.get_or_create(&[
@@ -114,7 +203,14 @@ impl Metrics {
             rejected,
             manifest_errors,
             served_elsewhere,
+            prefix_mode,
+            kv,
         })
+    }
+
+    /// Counts one KV-aware pick in its prefix mode.
+    pub fn count_prefix_mode(&self, mode: &'static str) {
+        self.prefix_mode.get_or_create(&ModeLabels { mode }).inc();
     }
 
     /// Prometheus text format.

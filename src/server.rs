@@ -13,11 +13,11 @@ use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
 use crate::api::{self, ApiState};
-use crate::config::{Config, UnknownModels};
+use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::{Datastore, DiscoverySource, ManifestDir, PoolRef};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
-use crate::selector::{LeastLoaded, Saturation, Selector};
+use crate::selector::{KvPicker, KvSettings, KvState, LeastLoaded, Saturation, Selector};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -137,23 +137,42 @@ pub async fn run(
         }));
     }
 
-    let selector = Selector::new(
-        Box::new(LeastLoaded),
-        Saturation {
-            max_in_flight: cfg.max_in_flight_per_endpoint,
-        },
-    );
+    let saturation = Saturation {
+        max_in_flight: cfg.max_in_flight_per_endpoint,
+    };
+    let kv = match cfg.picker {
+        PickerKind::LeastLoaded => None,
+        PickerKind::KvAware => {
+            let kv = Arc::new(KvState::new(KvSettings {
+                block_size: cfg.block_size,
+                weights: cfg.router.weights(),
+                approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
+                ..KvSettings::default()
+            }));
+            tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
+                kv.clone(),
+                store.clone(),
+                cfg.kv_events.clone(),
+                metrics.clone(),
+                stop_rx.clone(),
+            )));
+            Some(kv)
+        }
+    };
+    let selector = match &kv {
+        None => Selector::new(Box::new(LeastLoaded), saturation),
+        Some(kv) => Selector::new(Box::new(KvPicker(kv.clone())), saturation),
+    };
     let settings = Settings {
         pass_through_unknown: cfg.unknown_models == UnknownModels::PassThrough,
         destination_list: cfg.destination_endpoint_list,
         max_body_bytes: cfg.max_body_bytes,
     };
-    let shared = Arc::new(Shared::new(
-        store.clone(),
-        selector,
-        metrics.clone(),
-        settings,
-    ));
+    let mut shared = Shared::new(store.clone(), selector, metrics.clone(), settings);
+    if let Some(kv) = kv {
+        shared = shared.with_kv(kv);
+    }
+    let shared = Arc::new(shared);
     let extproc = ExtProcService::new(shared).into_server();
 
     let [g, h, m] = listeners.addrs();

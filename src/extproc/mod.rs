@@ -40,6 +40,8 @@ pub struct Shared {
     pub selector: Selector,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
+    /// The KV-aware picker's state, when it is the picker (prompt hashing and booking).
+    pub kv: Option<Arc<crate::selector::KvState>>,
     /// Metric labels, allocated once: requests without a body, models with no InferenceModel, and
     /// requests answered before a pick.
     no_model: Arc<str>,
@@ -48,6 +50,12 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Uses the KV-aware picker's state for prompt hashing and slot booking.
+    pub fn with_kv(mut self, kv: Arc<crate::selector::KvState>) -> Self {
+        self.kv = Some(kv);
+        self
+    }
+
     pub fn new(
         store: Arc<Datastore>,
         selector: Selector,
@@ -59,6 +67,7 @@ impl Shared {
             selector,
             metrics,
             settings,
+            kv: None,
             no_model: "none".into(),
             unlisted_model: crate::request::UNLISTED_MODEL_LABEL.into(),
             no_endpoint: "".into(),

@@ -25,8 +25,12 @@ use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{parse_body, resolve_model, BodyError, ModelError, Rewrite};
-use crate::selector::{Booking, Criticality, Pick, PickError, PickRequest};
+use crate::request::{
+    parse_body, prompt_input, resolve_model, BodyError, ModelError, PromptInput, Rewrite,
+};
+use crate::selector::{
+    Booking, Criticality, Pick, PickError, PickRequest, PrefixMode, PromptBlocks,
+};
 
 /// Envoy's BodySendMode values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -354,6 +358,7 @@ impl StreamState {
                 format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
             ));
         };
+        let mut prompt: Option<PromptBlocks> = None;
         let (criticality, model_label, target_label, rewrite) = match body {
             None => (
                 Criticality::Standard,
@@ -381,6 +386,15 @@ impl StreamState {
                     }
                 };
                 let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
+                if let Some(kv) = &shared.kv {
+                    prompt = match prompt_input(&parsed) {
+                        PromptInput::TokenIds(ids) => {
+                            Some(kv.blocks_from_tokens(&ids, None, PrefixMode::TokenIds))
+                        }
+                        PromptInput::Text(text) => Some(kv.blocks_from_text(&m.target_label, text)),
+                        PromptInput::Absent => None,
+                    };
+                }
                 (m.criticality, m.model_label, m.target_label, rewrite)
             }
         };
@@ -394,8 +408,10 @@ impl StreamState {
             &PickRequest {
                 criticality,
                 subset,
+                prompt: prompt.as_ref(),
             },
         )?;
+        let mode = prompt.as_ref().map_or(PrefixMode::None, |p| p.mode);
         tracing::debug!(
             model = self.labels.as_ref().map(|l| &*l.model),
             target = self.labels.as_ref().map(|l| &*l.target_model),
@@ -405,9 +421,25 @@ impl StreamState {
             fallback = pick.fallback.as_ref().map(|f| &*f.name),
             candidates = subset.map_or(snap.endpoints.len(), |s| s.len()),
             ?criticality,
-            "picked: least in-flight requests among ready endpoints"
+            mode = mode.as_str(),
+            kv = ?pick.kv,
+            "{}",
+            if pick.kv.is_some() {
+                "picked: lowest KV-aware cost (prefix overlap, prefill and decode load)"
+            } else {
+                "picked: least in-flight requests among ready endpoints"
+            }
         );
-        self.booking = Some(pick.primary.load.book());
+        let mut booking = pick.primary.load.book();
+        if let (Some(kv), Some(d)) = (&shared.kv, &pick.kv) {
+            shared.metrics.count_prefix_mode(mode.as_str());
+            booking = booking.with_slot(kv.book(
+                &pick.primary,
+                prompt.as_ref(),
+                d.effective_prefill_tokens,
+            ));
+        }
+        self.booking = Some(booking);
         self.primary = Some(pick.primary.addr);
         if let Some(l) = &mut self.labels {
             l.endpoint = pick.primary.addr_str.clone();

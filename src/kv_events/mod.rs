@@ -11,6 +11,7 @@
 //! [`subscriber`] is the transport: one SUB socket per publisher rank, sequence tracking
 //! ([`sequence`]), replay of gaps over the publisher's ROUTER, reconnect with backoff.
 
+pub mod apply;
 pub mod decode;
 pub mod sequence;
 pub mod subscriber;

@@ -33,6 +33,9 @@ pub struct ParsedBody<'a> {
     pub model: Cow<'a, str>,
     /// Byte range of the `model` value (including its quotes) in the body.
     pub model_span: Range<usize>,
+    /// The raw JSON of `prompt` (completions) and `messages` (chat), borrowed from the body.
+    pub prompt: Option<&'a RawValue>,
+    pub messages: Option<&'a RawValue>,
 }
 
 /// Scans `body` and returns the model name and its location.
@@ -42,7 +45,12 @@ pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
         .deserialize_any(TopLevel)
         .map_err(|e| classify(e, body))?;
     de.end().map_err(|e| BodyError::Malformed(e.to_string()))?;
-    let raw = raw.ok_or(BodyError::MissingModel)?;
+    let Fields {
+        model,
+        prompt,
+        messages,
+    } = raw;
+    let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
     let model_span = start..start + text.len();
@@ -55,7 +63,12 @@ pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
     if model.is_empty() {
         return Err(BodyError::ModelNotString);
     }
-    Ok(ParsedBody { model, model_span })
+    Ok(ParsedBody {
+        model,
+        model_span,
+        prompt,
+        messages,
+    })
 }
 
 fn classify(e: serde_json::Error, body: &[u8]) -> BodyError {
@@ -66,47 +79,71 @@ fn classify(e: serde_json::Error, body: &[u8]) -> BodyError {
     }
 }
 
-/// The top level of the body: a map whose `model` value is captured raw. Last `model` wins, as in
-/// Python's `json` module that the engines use.
+/// The top-level values kvepp reads, captured raw (no copy). Last one wins, as in Python's `json`
+/// module that the engines use.
+#[derive(Default)]
+struct Fields<'de> {
+    model: Option<&'de RawValue>,
+    prompt: Option<&'de RawValue>,
+    messages: Option<&'de RawValue>,
+}
+
+/// The top level of the body: a map.
 struct TopLevel;
 
 impl<'de> Visitor<'de> for TopLevel {
-    type Value = Option<&'de RawValue>;
+    type Value = Fields<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut model = None;
-        while let Some(is_model) = map.next_key_seed(KeyIsModel)? {
-            if is_model {
-                model = Some(map.next_value::<&'de RawValue>()?);
-            } else {
-                map.next_value::<IgnoredAny>()?;
-            }
+        let mut fields = Fields::default();
+        while let Some(key) = map.next_key_seed(KeyKind::Other)? {
+            let slot = match key {
+                KeyKind::Model => &mut fields.model,
+                KeyKind::Prompt => &mut fields.prompt,
+                KeyKind::Messages => &mut fields.messages,
+                KeyKind::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+            };
+            *slot = Some(map.next_value::<&'de RawValue>()?);
         }
-        Ok(model)
+        Ok(fields)
     }
 }
 
-/// Deserialises an object key into "is it `model`?" without allocating.
-struct KeyIsModel;
+/// Which top-level key this is, read without allocating.
+#[derive(Clone, Copy)]
+enum KeyKind {
+    Model,
+    Prompt,
+    Messages,
+    Other,
+}
 
-impl<'de> DeserializeSeed<'de> for KeyIsModel {
-    type Value = bool;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+impl<'de> DeserializeSeed<'de> for KeyKind {
+    type Value = KeyKind;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<KeyKind, D::Error> {
         d.deserialize_str(self)
     }
 }
 
-impl<'de> Visitor<'de> for KeyIsModel {
-    type Value = bool;
+impl<'de> Visitor<'de> for KeyKind {
+    type Value = KeyKind;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an object key")
     }
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<bool, E> {
-        Ok(v == "model")
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyKind, E> {
+        Ok(match v {
+            "model" => KeyKind::Model,
+            "prompt" => KeyKind::Prompt,
+            "messages" => KeyKind::Messages,
+            _ => KeyKind::Other,
+        })
     }
 }
 

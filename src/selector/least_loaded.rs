@@ -2,17 +2,22 @@
 
 use std::sync::Arc;
 
-use super::{Endpoint, Picker};
+use super::kv::PromptBlocks;
+use super::{Endpoint, Picker, Ranked};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct LeastLoaded;
 
 impl Picker for LeastLoaded {
-    fn rank(&self, candidates: &[&Arc<Endpoint>]) -> (usize, Option<usize>) {
+    fn rank(&self, candidates: &[&Arc<Endpoint>], _: Option<&PromptBlocks>) -> Ranked {
         let load = |i: usize| candidates[i].load.in_flight();
         let best = argmin(candidates.len(), None, load);
         let second = (candidates.len() > 1).then(|| argmin(candidates.len(), Some(best), load));
-        (best, second)
+        Ranked {
+            best,
+            second,
+            kv: None,
+        }
     }
 }
 
@@ -49,7 +54,7 @@ mod tests {
         let refs: Vec<_> = eps.iter().collect();
         let mut seen = [0u32; 4];
         for _ in 0..3000 {
-            let (best, second) = LeastLoaded.rank(&refs);
+            let Ranked { best, second, .. } = LeastLoaded.rank(&refs, None);
             assert_ne!(Some(best), second);
             assert_ne!(second, Some(3));
             seen[best] += 1;
@@ -63,6 +68,7 @@ mod tests {
     #[test]
     fn single_candidate() {
         let eps = [ep(1, 0)];
-        assert_eq!(LeastLoaded.rank(&eps.iter().collect::<Vec<_>>()), (0, None));
+        let r = LeastLoaded.rank(&eps.iter().collect::<Vec<_>>(), None);
+        assert_eq!((r.best, r.second), (0, None));
     }
 }

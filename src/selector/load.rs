@@ -37,6 +37,7 @@ impl EndpointLoad {
         Booking {
             load: self.clone(),
             first_byte_seen: false,
+            slot: None,
         }
     }
 }
@@ -46,11 +47,22 @@ impl EndpointLoad {
 pub struct Booking {
     load: Arc<EndpointLoad>,
     first_byte_seen: bool,
+    /// The KV-aware picker's slot-tracker booking, when it picked.
+    slot: Option<super::kv::SlotGuard>,
 }
 
 impl Booking {
+    /// Adds the slot-tracker booking of a KV-aware pick (released with this booking).
+    pub fn with_slot(mut self, slot: super::kv::SlotGuard) -> Self {
+        self.slot = Some(slot);
+        self
+    }
+
     /// The response has started (prefill is over, in engine terms). Idempotent.
     pub fn first_byte(&mut self) {
+        if let Some(s) = &mut self.slot {
+            s.first_byte();
+        }
         if !self.first_byte_seen {
             self.first_byte_seen = true;
             self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
@@ -58,6 +70,7 @@ impl Booking {
     }
 
     /// Moves the booking to another endpoint (the proxy reported it served the request elsewhere).
+    /// A slot-tracker booking is released (it was computed for the endpoint the picker chose).
     pub fn move_to(&mut self, other: &Arc<EndpointLoad>) {
         if Arc::ptr_eq(&self.load, other) {
             return;

@@ -14,6 +14,7 @@
 
 pub mod cost;
 pub mod index;
+pub mod kv;
 mod least_loaded;
 mod load;
 pub mod slots;
@@ -21,6 +22,7 @@ pub mod slots;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;
 pub use load::{Booking, EndpointLoad};
 
@@ -64,6 +66,8 @@ pub struct PickRequest<'a> {
     pub criticality: Criticality,
     /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
+    /// The prompt as KV blocks, when the request has one.
+    pub prompt: Option<&'a PromptBlocks>,
 }
 
 /// The outcome of a successful pick.
@@ -71,6 +75,16 @@ pub struct PickRequest<'a> {
 pub struct Pick {
     pub primary: Arc<Endpoint>,
     pub fallback: Option<Arc<Endpoint>>,
+    /// The KV-aware picker's reasons (None for load-only pickers).
+    pub kv: Option<KvDecision>,
+}
+
+/// A picker's answer: best candidate, second best (if any), and its KV reasons.
+#[derive(Debug, Clone, Copy)]
+pub struct Ranked {
+    pub best: usize,
+    pub second: Option<usize>,
+    pub kv: Option<KvDecision>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -85,10 +99,10 @@ pub enum PickError {
     Saturated(usize),
 }
 
-/// Extension point: ranks candidates. Returns the index of the best candidate and, if there is more
-/// than one candidate, the index of the second best. `candidates` is never empty.
+/// Extension point: ranks candidates: the index of the best candidate and, if there is more than
+/// one candidate, the index of the second best. `candidates` is never empty.
 pub trait Picker: Send + Sync + std::fmt::Debug {
-    fn rank(&self, candidates: &[&Arc<Endpoint>]) -> (usize, Option<usize>);
+    fn rank(&self, candidates: &[&Arc<Endpoint>], prompt: Option<&PromptBlocks>) -> Ranked;
 }
 
 /// When an endpoint counts as saturated.
@@ -143,10 +157,17 @@ impl Selector {
         {
             return Err(PickError::Saturated(candidates.len()));
         }
-        let (best, second) = self.picker.rank(&candidates);
-        let primary = candidates[best].clone();
-        let fallback = second.filter(|&i| i != best).map(|i| candidates[i].clone());
-        Ok(Pick { primary, fallback })
+        let r = self.picker.rank(&candidates, req.prompt);
+        let primary = candidates[r.best].clone();
+        let fallback = r
+            .second
+            .filter(|&i| i != r.best)
+            .map(|i| candidates[i].clone());
+        Ok(Pick {
+            primary,
+            fallback,
+            kv: r.kv,
+        })
     }
 }
 
@@ -225,7 +246,7 @@ pub(crate) mod tests {
         let s = selector(4);
         let shed = PickRequest {
             criticality: Criticality::Sheddable,
-            subset: None,
+            ..Default::default()
         };
         assert_eq!(s.pick(&eps, &shed).unwrap_err(), PickError::Saturated(2));
         for c in [Criticality::Standard, Criticality::Critical] {
@@ -234,7 +255,7 @@ pub(crate) mod tests {
                     &eps,
                     &PickRequest {
                         criticality: c,
-                        subset: None
+                        ..Default::default()
                     }
                 )
                 .is_ok());

@@ -201,6 +201,31 @@ impl SlotTracker {
         })
     }
 
+    /// One rank's load if it took a request with these prompt blocks and prefill tokens (an
+    /// unknown rank counts as idle).
+    pub fn potential_load(
+        &self,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        new_isl_tokens: u64,
+    ) -> PotentialLoad {
+        let (prefill, blocks, active, new_blocks) = match self.ranks.get(&rank) {
+            Some(s) => (
+                s.prefill_tokens,
+                s.blocks.len() as u64,
+                s.active_requests,
+                hashes.iter().filter(|h| !s.blocks.contains_key(h)).count() as u64,
+            ),
+            None => (0, 0, 0, hashes.len() as u64),
+        };
+        PotentialLoad {
+            rank,
+            potential_prefill_tokens: prefill + new_isl_tokens,
+            potential_decode_blocks: blocks + new_blocks,
+            active_requests: active,
+        }
+    }
+
     /// Every rank's load if it took a request with these prompt blocks and prefill tokens. Blocks
     /// the rank already has active count once.
     pub fn potential_loads(

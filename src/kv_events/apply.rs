@@ -1,0 +1,221 @@
+//! Applies decoded KV-event batches of one worker to the prefix index, and the task that keeps one
+//! subscription per ready endpoint of the pool ([`run_manager`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use super::subscriber::{self, Delivery, Source, SubscriberStats, Timing};
+use super::{EventBatch, KvEvent};
+use crate::config::KvEventsConfig;
+use crate::discovery::Datastore;
+use crate::metrics::{Metrics, ReasonLabels};
+use crate::request::blocks::local_block_hashes;
+use crate::selector::index::{IndexError, PrefixIndex};
+use crate::selector::kv::{worker_id, KvState};
+use crate::selector::slots::WorkerRank;
+
+/// What applying one batch did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub stored: u64,
+    pub removed: u64,
+    /// Events not applied, by reason.
+    pub dropped: Vec<&'static str>,
+}
+
+/// Applies `batch` from `worker` (rank from the batch, else `default_rank`). Events whose block
+/// size differs from ours are dropped: their hashes could never match a request's.
+pub fn apply_batch(
+    index: &mut PrefixIndex,
+    worker: u64,
+    default_rank: u32,
+    block_size: u32,
+    batch: &EventBatch,
+) -> Applied {
+    let rank = WorkerRank {
+        worker,
+        dp_rank: batch.data_parallel_rank.unwrap_or(default_rank),
+    };
+    let mut out = Applied::default();
+    for event in &batch.events {
+        match event {
+            KvEvent::Stored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size: bs,
+                lora_name,
+                tier,
+            } => {
+                if *bs != block_size {
+                    out.dropped.push("block_size_mismatch");
+                    continue;
+                }
+                let locals = local_block_hashes(token_ids, *bs as usize, lora_name.as_deref());
+                let blocks = block_hashes.iter().copied().zip(locals);
+                match index.store(rank, *tier, *parent, blocks) {
+                    Ok(n) => out.stored += n as u64,
+                    Err(e) => {
+                        tracing::debug!(worker, dp_rank = rank.dp_rank, error = %e, "KV event not applied");
+                        out.dropped.push(match e {
+                            IndexError::UnknownParent { .. } => "unknown_parent",
+                            IndexError::RankFull { .. } => "rank_full",
+                            IndexError::TooManyRanks => "too_many_ranks",
+                        });
+                    }
+                }
+            }
+            KvEvent::Removed { block_hashes, tier } => {
+                out.removed += index.remove(rank, *tier, block_hashes.iter().copied()) as u64;
+            }
+            KvEvent::AllCleared => index.clear_rank(rank),
+        }
+    }
+    out
+}
+
+/// Keeps one subscription per ready endpoint while KV events are enabled, forgets endpoints that
+/// leave the pool (index, approximate index, load), and refreshes the index gauges.
+pub async fn run_manager(
+    kv: Arc<KvState>,
+    store: Arc<Datastore>,
+    cfg: KvEventsConfig,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut subs: HashMap<Arc<str>, watch::Sender<bool>> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut known: Vec<Arc<str>> = Vec::new();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+        let snap = store.snapshot();
+        let now: Vec<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
+        for gone in known.iter().filter(|a| !now.contains(a)) {
+            if let Some(stop) = subs.remove(gone) {
+                let _ = stop.send(true);
+            }
+            kv.forget(gone);
+            tracing::info!(endpoint = %gone, "endpoint left the pool: its KV state is forgotten");
+        }
+        if cfg.enabled {
+            for ep in &snap.endpoints {
+                if subs.contains_key(&ep.addr_str) {
+                    continue;
+                }
+                let ip = ep.addr.ip();
+                let host = if ip.is_ipv6() {
+                    format!("[{ip}]")
+                } else {
+                    ip.to_string()
+                };
+                let source = Source {
+                    endpoint: format!("tcp://{host}:{}", cfg.port),
+                    replay_endpoint: cfg.replay_port.map(|p| format!("tcp://{host}:{p}")),
+                    topic: cfg.topic.clone(),
+                };
+                let (stop_tx, stop_rx) = watch::channel(false);
+                tokio::spawn(subscription(
+                    kv.clone(),
+                    worker_id(&ep.addr_str),
+                    source,
+                    metrics.clone(),
+                    stop_rx,
+                ));
+                subs.insert(ep.addr_str.clone(), stop_tx);
+            }
+        }
+        known = now;
+        metrics.kv.subscriptions.set(subs.len() as i64);
+        let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
+        metrics.kv.index_blocks.set(index.block_count() as i64);
+        metrics.kv.index_pairs.set(index.pair_count() as i64);
+        metrics
+            .kv
+            .index_memory_bytes
+            .set(index.memory_bytes() as i64);
+    }
+    for stop in subs.values() {
+        let _ = stop.send(true);
+    }
+}
+
+/// One endpoint's subscription: deliveries into the index, subscriber counters into metrics.
+async fn subscription(
+    kv: Arc<KvState>,
+    worker: u64,
+    source: Source,
+    metrics: Arc<Metrics>,
+    stop: watch::Receiver<bool>,
+) {
+    tracing::info!(endpoint = %source.endpoint, "subscribing to KV events");
+    let (tx, mut rx) = mpsc::channel(64);
+    let stats = Arc::new(SubscriberStats::default());
+    let task = tokio::spawn(subscriber::run(
+        source,
+        tx,
+        stats.clone(),
+        Timing::default(),
+        stop,
+    ));
+    let block_size = kv.settings().block_size;
+    let mut seen_undecodable = 0;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let d = tokio::select! {
+            d = rx.recv() => match d {
+                Some(d) => Some(d),
+                None => break,
+            },
+            _ = tick.tick() => None,
+        };
+        match d {
+            None => {}
+            Some(d) => match d {
+                Delivery::Batch { batch, .. } => {
+                    let applied = {
+                        let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
+                        apply_batch(&mut index, worker, 0, block_size, &batch)
+                    };
+                    metrics.kv.batches.inc();
+                    metrics.kv.blocks_stored.inc_by(applied.stored);
+                    metrics.kv.blocks_removed.inc_by(applied.removed);
+                    for reason in applied.dropped {
+                        metrics
+                            .kv
+                            .dropped
+                            .get_or_create(&ReasonLabels { reason })
+                            .inc();
+                    }
+                }
+                Delivery::PublisherRestarted => {
+                    metrics.kv.publisher_restarts.inc();
+                    kv.index()
+                        .write()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove_worker(worker);
+                }
+                Delivery::Lost { from, to } => {
+                    metrics.kv.lost_batches.inc_by(to.saturating_sub(from));
+                }
+            },
+        }
+        let undecodable = stats.undecodable.load(Ordering::Relaxed);
+        metrics
+            .kv
+            .undecodable
+            .inc_by(undecodable - seen_undecodable);
+        seen_undecodable = undecodable;
+    }
+    let _ = task.await;
+}

@@ -1,0 +1,389 @@
+//! The KV-aware picker: for each candidate, the cached prefix of the request (from the engines' KV
+//! events, or approximately from our own past picks), its active load (slot tracker), and Dynamo's
+//! cost; the cheapest wins (see [`super::cost`]). What a pick books is held by a [`SlotGuard`].
+//!
+//! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
+//! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
+//! the prompt, matched against what we routed before, per endpoint, bounded FIFO of blocks) and
+//! `none` (no prompt: load only).
+//!
+//! Every endpoint is one worker (`worker_id` of its address) with rank 0 for load; its cached
+//! prefix is the best over the data-parallel ranks its events came from.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Instant;
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use super::cost::{CandidateLoad, CostWeights, Overlap};
+use super::index::{EngineBlockHash, MatchScratch, PrefixIndex, RankOverlap, Tier};
+use super::slots::{SlotTracker, WorkerRank};
+use super::Endpoint;
+use crate::request::blocks::{
+    block_seed, local_block_hashes, next_sequence_hash, sequence_hashes, LocalBlockHash,
+    SequenceHash, XXH3_SEED,
+};
+
+/// How the prefix of a request was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PrefixMode {
+    TokenIds,
+    Tokens,
+    Approximate,
+    None,
+}
+
+impl PrefixMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixMode::TokenIds => "token_ids",
+            PrefixMode::Tokens => "tokens",
+            PrefixMode::Approximate => "approximate",
+            PrefixMode::None => "none",
+        }
+    }
+}
+
+/// A request's prompt as blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptBlocks {
+    pub mode: PrefixMode,
+    pub locals: Vec<LocalBlockHash>,
+    pub hashes: Vec<SequenceHash>,
+    /// Prompt length in tokens (estimated in approximate mode).
+    pub isl_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvSettings {
+    /// Tokens per KV block (the engines' `block_size`).
+    pub block_size: u32,
+    pub weights: CostWeights,
+    /// Approximate mode: bytes of prompt counted as one token (a block is `block_size` of them).
+    pub approx_bytes_per_token: u32,
+    /// Approximate mode: blocks remembered per endpoint.
+    pub approx_blocks_per_endpoint: usize,
+    /// Upper bound of (block, rank) pairs per rank in the index.
+    pub max_blocks_per_rank: u64,
+}
+
+impl Default for KvSettings {
+    fn default() -> Self {
+        KvSettings {
+            block_size: 16,
+            weights: CostWeights::default(),
+            approx_bytes_per_token: 4,
+            approx_blocks_per_endpoint: 32_768,
+            max_blocks_per_rank: super::index::DEFAULT_MAX_BLOCKS_PER_RANK,
+        }
+    }
+}
+
+/// The worker id of an endpoint (stable across discovery updates).
+pub fn worker_id(addr: &str) -> u64 {
+    xxh3_64(addr.as_bytes())
+}
+
+/// What the picker decided for the chosen candidate (logged at debug level, booked).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvDecision {
+    pub mode: PrefixMode,
+    pub overlap: Overlap,
+    pub cost: f64,
+    pub effective_prefill_tokens: u64,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u32,
+}
+
+/// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
+/// prefix index (a block routed again gets a new reference, so recently used blocks live longer).
+#[derive(Debug)]
+struct Approx {
+    index: PrefixIndex,
+    fifo: HashMap<u64, VecDeque<SequenceHash>>,
+    cap: usize,
+}
+
+impl Approx {
+    fn record(&mut self, worker: u64, p: &PromptBlocks) {
+        let rank = WorkerRank { worker, dp_rank: 0 };
+        let blocks = p
+            .hashes
+            .iter()
+            .zip(&p.locals)
+            .map(|(s, l)| (EngineBlockHash(s.0), *l));
+        // A full rank refuses the rest; the FIFO below makes room for the next request.
+        let stored = self
+            .index
+            .store(rank, Tier::Device, None, blocks)
+            .unwrap_or(0);
+        let fifo = self.fifo.entry(worker).or_default();
+        fifo.extend(p.hashes.iter().take(stored));
+        while fifo.len() > self.cap {
+            if let Some(old) = fifo.pop_front() {
+                self.index
+                    .remove(rank, Tier::Device, [EngineBlockHash(old.0)]);
+            }
+        }
+    }
+
+    fn forget(&mut self, worker: u64) {
+        self.index.remove_worker(worker);
+        self.fifo.remove(&worker);
+    }
+}
+
+/// Shared state of the KV-aware picker: the index fed by KV events, the approximate index, and
+/// the slot tracker.
+#[derive(Debug)]
+pub struct KvState {
+    settings: KvSettings,
+    index: RwLock<PrefixIndex>,
+    approx: Mutex<Approx>,
+    slots: Mutex<SlotTracker>,
+    next_request: AtomicU64,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<(MatchScratch, Vec<RankOverlap>)> = Default::default();
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl KvState {
+    pub fn new(settings: KvSettings) -> Self {
+        KvState {
+            settings,
+            index: RwLock::new(PrefixIndex::new(settings.max_blocks_per_rank)),
+            approx: Mutex::new(Approx {
+                index: PrefixIndex::new(settings.approx_blocks_per_endpoint as u64),
+                fifo: HashMap::new(),
+                cap: settings.approx_blocks_per_endpoint,
+            }),
+            slots: Mutex::new(SlotTracker::default()),
+            next_request: AtomicU64::new(0),
+        }
+    }
+
+    pub fn settings(&self) -> &KvSettings {
+        &self.settings
+    }
+
+    /// The index the KV events feed (write lock for events, read lock for picks).
+    pub fn index(&self) -> &RwLock<PrefixIndex> {
+        &self.index
+    }
+
+    /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded).
+    pub fn blocks_from_tokens(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        mode: PrefixMode,
+    ) -> PromptBlocks {
+        let locals = local_block_hashes(tokens, self.settings.block_size as usize, lora);
+        let hashes = sequence_hashes(&locals);
+        PromptBlocks {
+            mode,
+            locals,
+            hashes,
+            isl_tokens: tokens.len() as u64,
+        }
+    }
+
+    /// Approximate blocks of a prompt's bytes: chained xxh3 over blocks of
+    /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model).
+    pub fn blocks_from_text(&self, scope: &str, text: &[u8]) -> PromptBlocks {
+        let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
+        let chunk = (self.settings.block_size.max(1) as usize) * per_token;
+        let seed = block_seed(Some(scope)) ^ XXH3_SEED;
+        let n = text.len() / chunk;
+        let mut locals = Vec::with_capacity(n);
+        let mut hashes = Vec::with_capacity(n);
+        for block in text.chunks_exact(chunk) {
+            let local = LocalBlockHash(xxh3_64_with_seed(block, seed));
+            let seq = match hashes.last() {
+                None => SequenceHash(local.0),
+                Some(&p) => next_sequence_hash(p, local),
+            };
+            locals.push(local);
+            hashes.push(seq);
+        }
+        PromptBlocks {
+            mode: PrefixMode::Approximate,
+            locals,
+            hashes,
+            isl_tokens: (text.len() / per_token) as u64,
+        }
+    }
+
+    /// Per-candidate cached prefix (blocks), best over each worker's ranks.
+    fn overlaps(&self, workers: &[u64], prompt: Option<&PromptBlocks>) -> Vec<Overlap> {
+        let mut per = vec![Overlap::default(); workers.len()];
+        let Some(p) = prompt.filter(|p| !p.hashes.is_empty()) else {
+            return per;
+        };
+        SCRATCH.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let (scratch, out) = &mut *cell;
+            match p.mode {
+                PrefixMode::Approximate => {
+                    lock(&self.approx)
+                        .index
+                        .find_matches(&p.hashes, scratch, out);
+                }
+                _ => self
+                    .index
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .find_matches(&p.hashes, scratch, out),
+            }
+            for o in out.iter() {
+                if let Some(i) = workers.iter().position(|&w| w == o.rank.worker) {
+                    let cur = &mut per[i];
+                    cur.device = cur.device.max(o.overlap.device);
+                    cur.host = cur.host.max(o.overlap.host);
+                    cur.disk = cur.disk.max(o.overlap.disk);
+                }
+            }
+        });
+        per
+    }
+
+    /// Ranks candidates: the chosen one, the next cheapest, and the decision for the chosen one.
+    pub fn rank(
+        &self,
+        candidates: &[&Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+    ) -> (usize, Option<usize>, KvDecision) {
+        let workers: Vec<u64> = candidates.iter().map(|e| worker_id(&e.addr_str)).collect();
+        let overlaps = self.overlaps(&workers, prompt);
+        let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
+        let w = &self.settings.weights;
+        let bs = self.settings.block_size;
+        let mut loads = Vec::with_capacity(candidates.len());
+        {
+            let mut slots = lock(&self.slots);
+            for (&worker, &overlap) in workers.iter().zip(&overlaps) {
+                let rank = WorkerRank { worker, dp_rank: 0 };
+                slots.register(rank);
+                let l = slots.potential_load(rank, hashes, isl);
+                loads.push(CandidateLoad {
+                    overlap,
+                    potential_prefill_tokens: l.potential_prefill_tokens,
+                    potential_decode_blocks: l.potential_decode_blocks,
+                    active_requests: l.active_requests,
+                });
+            }
+        }
+        let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
+        let best = w.choose(&costs, fastrand::f64);
+        let second = (0..costs.len())
+            .filter(|&i| i != best)
+            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        let c = loads[best];
+        let decision = KvDecision {
+            mode: prompt.map_or(PrefixMode::None, |p| p.mode),
+            overlap: c.overlap,
+            cost: costs[best],
+            effective_prefill_tokens: w.effective_prefill_tokens(isl, bs, c.overlap),
+            potential_prefill_tokens: c.potential_prefill_tokens,
+            potential_decode_blocks: c.potential_decode_blocks,
+            active_requests: c.active_requests,
+        };
+        (best, second, decision)
+    }
+
+    /// Books the request on the endpoint: slot-tracker load until the guard drops, and in
+    /// approximate mode the prompt's blocks as routed there.
+    pub fn book(
+        self: &Arc<Self>,
+        endpoint: &Endpoint,
+        prompt: Option<&PromptBlocks>,
+        effective_prefill_tokens: u64,
+    ) -> SlotGuard {
+        let worker = worker_id(&endpoint.addr_str);
+        let rank = WorkerRank { worker, dp_rank: 0 };
+        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
+            lock(&self.approx).record(worker, p);
+        }
+        let id = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
+        let mut slots = lock(&self.slots);
+        slots.register(rank);
+        let now = Instant::now();
+        slots.expire(now);
+        let booked = slots
+            .add(&id.to_string(), rank, hashes, effective_prefill_tokens, now)
+            .is_ok();
+        SlotGuard {
+            state: self.clone(),
+            id: booked.then_some(id),
+            prefill_done: false,
+        }
+    }
+
+    /// Forgets an endpoint that left the pool (index, approximate index, load).
+    pub fn forget(&self, addr: &str) {
+        let worker = worker_id(addr);
+        self.index
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove_worker(worker);
+        lock(&self.approx).forget(worker);
+        lock(&self.slots).unregister_worker(worker);
+    }
+
+    /// Active load of an endpoint (rank 0).
+    pub fn load(&self, addr: &str) -> Option<super::slots::RankLoad> {
+        lock(&self.slots).load(WorkerRank {
+            worker: worker_id(addr),
+            dp_rank: 0,
+        })
+    }
+}
+
+/// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.
+#[derive(Debug)]
+pub struct SlotGuard {
+    state: Arc<KvState>,
+    id: Option<u64>,
+    prefill_done: bool,
+}
+
+impl SlotGuard {
+    pub fn first_byte(&mut self) {
+        if let (Some(id), false) = (self.id, self.prefill_done) {
+            self.prefill_done = true;
+            let _ = lock(&self.state.slots).prefill_complete(&id.to_string());
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            lock(&self.state.slots).free(&id.to_string());
+        }
+    }
+}
+
+/// [`super::Picker`] over [`KvState`].
+#[derive(Debug, Clone)]
+pub struct KvPicker(pub Arc<KvState>);
+
+impl super::Picker for KvPicker {
+    fn rank(&self, candidates: &[&Arc<Endpoint>], prompt: Option<&PromptBlocks>) -> super::Ranked {
+        let (best, second, kv) = self.0.rank(candidates, prompt);
+        super::Ranked {
+            best,
+            second,
+            kv: Some(kv),
+        }
+    }
+}
