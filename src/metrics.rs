@@ -42,6 +42,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct EndpointLabels {
+    pub endpoint: Arc<str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ModeLabels {
     pub mode: &'static str,
 }
@@ -49,7 +54,7 @@ pub struct ModeLabels {
 /// KV-event ingestion, summed over every subscription.
 #[derive(Debug, Default)]
 pub struct KvEventMetrics {
-    pub batches: Counter,
+    pub batches: Family<EndpointLabels, Counter>,
     pub undecodable: Counter,
     pub lost_batches: Counter,
     pub publisher_restarts: Counter,
@@ -129,7 +134,6 @@ impl Metrics {
         );
         let kv = KvEventMetrics::default();
         for (name, help, metric) in [
-            ("kv_event_batches", "KV-event batches applied", &kv.batches),
             (
                 "kv_event_undecodable",
                 "KV-event messages that could not be decoded (dropped)",
@@ -158,6 +162,11 @@ impl Metrics {
         ] {
             registry.register(name, help, metric.clone());
         }
+        registry.register(
+            "kv_event_batches",
+            "KV-event batches applied, by endpoint",
+            kv.batches.clone(),
+        );
         registry.register(
             "kv_events_dropped",
             "KV events not applied, by reason",

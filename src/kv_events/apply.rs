@@ -12,7 +12,7 @@ use super::subscriber::{self, Delivery, Source, SubscriberStats, Timing};
 use super::{EventBatch, KvEvent};
 use crate::config::KvEventsConfig;
 use crate::discovery::Datastore;
-use crate::metrics::{Metrics, ReasonLabels};
+use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
 use crate::request::blocks::local_block_hashes;
 use crate::selector::index::{IndexError, PrefixIndex};
 use crate::selector::kv::{worker_id, KvState};
@@ -127,7 +127,7 @@ pub async fn run_manager(
                 let (stop_tx, stop_rx) = watch::channel(false);
                 tokio::spawn(subscription(
                     kv.clone(),
-                    worker_id(&ep.addr_str),
+                    ep.addr_str.clone(),
                     source,
                     metrics.clone(),
                     stop_rx,
@@ -153,12 +153,14 @@ pub async fn run_manager(
 /// One endpoint's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(
     kv: Arc<KvState>,
-    worker: u64,
+    endpoint: Arc<str>,
     source: Source,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
 ) {
-    tracing::info!(endpoint = %source.endpoint, "subscribing to KV events");
+    tracing::info!(endpoint = %endpoint, events = %source.endpoint, "subscribing to KV events");
+    let worker = worker_id(&endpoint);
+    let labels = EndpointLabels { endpoint };
     let (tx, mut rx) = mpsc::channel(64);
     let stats = Arc::new(SubscriberStats::default());
     let task = tokio::spawn(subscriber::run(
@@ -187,7 +189,7 @@ async fn subscription(
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
                         apply_batch(&mut index, worker, 0, block_size, &batch)
                     };
-                    metrics.kv.batches.inc();
+                    metrics.kv.batches.get_or_create(&labels).inc();
                     metrics.kv.blocks_stored.inc_by(applied.stored);
                     metrics.kv.blocks_removed.inc_by(applied.removed);
                     for reason in applied.dropped {

@@ -1,0 +1,271 @@
+//! End to end KV-aware routing: real Envoy, kvepp, and two simulated engines that serve HTTP on
+//! their own loopback addresses and publish vLLM KV events (msgpack over a ZMQ PUB socket) for
+//! every prompt they take. Prompts are token ids, so no tokenizer is involved.
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::routing::post;
+use common::*;
+use http_body_util::BodyExt;
+use kvepp::testing::fnv64;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+const BLOCK: usize = 16;
+
+struct EngineState {
+    name: String,
+    events: mpsc::UnboundedSender<Vec<u8>>,
+    release: Notify,
+}
+
+struct Engine {
+    http: SocketAddr,
+    state: Arc<EngineState>,
+}
+
+/// One `BlockStored` for the prompt's full blocks, with engine hashes of the engine's own (as
+/// vLLM's), in the legacy tagged-array encoding.
+fn stored_batch(name: &str, tokens: &[u32]) -> Vec<u8> {
+    let n = tokens.len() / BLOCK;
+    let hashes: Vec<u64> = (1..=n)
+        .map(|i| {
+            let bytes: Vec<u8> = tokens[..i * BLOCK]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            fnv64(&[name.as_bytes(), &bytes].concat())
+        })
+        .collect();
+    let event = (
+        "BlockStored",
+        hashes,
+        None::<u64>,
+        tokens[..n * BLOCK].to_vec(),
+        BLOCK as u32,
+        None::<u32>,
+        None::<String>,
+    );
+    rmp_serde::to_vec(&(1.0f64, vec![event])).expect("msgpack")
+}
+
+async fn completions(State(st): State<Arc<EngineState>>, body: Bytes) -> axum::response::Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json body");
+    let tokens: Vec<u32> = serde_json::from_value(v["prompt"].clone()).expect("token ids");
+    st.events
+        .send(stored_batch(&st.name, &tokens))
+        .expect("publisher alive");
+    let first = format!("{{\"engine\":\"{}\"}}\n", st.name);
+    if v["hold"].as_bool() != Some(true) {
+        return axum::response::Response::new(Body::from(first));
+    }
+    // A long-running stream: first chunk now, the rest when the test releases it.
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(2);
+    let st2 = st.clone();
+    tokio::spawn(async move {
+        let _ = tx.send(Ok(Bytes::from(first))).await;
+        st2.release.notified().await;
+        let _ = tx.send(Ok(Bytes::from_static(b"done\n"))).await;
+    });
+    axum::response::Response::new(Body::from_stream(
+        tokio_stream::wrappers::ReceiverStream::new(rx),
+    ))
+}
+
+impl Engine {
+    /// HTTP on `ip`:ephemeral, KV events on `ip`:`events_port`; an empty batch every 20 ms keeps
+    /// the subscription visible before any prompt arrives.
+    async fn start(name: &str, ip: IpAddr, events_port: u16) -> Engine {
+        let mut publisher = PubSocket::new();
+        publisher
+            .bind(&format!("tcp://{ip}:{events_port}"))
+            .await
+            .expect("bind PUB");
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(async move {
+            let seq = AtomicU64::new(0);
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            loop {
+                let payload = tokio::select! {
+                    p = rx.recv() => match p { Some(p) => p, None => return },
+                    _ = tick.tick() => rmp_serde::to_vec(&(1.0f64, Vec::<()>::new())).expect("msgpack"),
+                };
+                let mut m = ZmqMessage::from(Bytes::from_static(b"kv-events"));
+                m.push_back(Bytes::copy_from_slice(
+                    &seq.fetch_add(1, Ordering::Relaxed).to_be_bytes(),
+                ));
+                m.push_back(Bytes::from(payload));
+                let _ = publisher.send(m).await;
+            }
+        });
+        let state = Arc::new(EngineState {
+            name: name.into(),
+            events: tx,
+            release: Notify::new(),
+        });
+        let app = axum::Router::new()
+            .route("/v1/completions", post(completions))
+            .with_state(state.clone());
+        let listener = TcpListener::bind((ip, 0)).await.expect("bind engine");
+        let http = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Engine { http, state }
+    }
+}
+
+fn prompt(tokens: &[u32], hold: bool) -> String {
+    serde_json::json!({"model": "m", "prompt": tokens, "max_tokens": 8, "hold": hold}).to_string()
+}
+
+async fn served_by(envoy: &Envoy, tokens: &[u32]) -> String {
+    let r = http(
+        envoy.addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        prompt(tokens, false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["engine"].as_str().expect("engine").to_owned()
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
+    // Both engines publish on the same port number, each on its own loopback address (kvepp
+    // subscribes to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods).
+    let events_port = free_port();
+    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
+    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    let epp = Epp::start(&m, |c| {
+        c.kv_events.enabled = true;
+        c.kv_events.port = events_port;
+        c.block_size = BLOCK as u32;
+    })
+    .await;
+    for e in [&a, &b] {
+        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
+        wait_for("events from both engines", || {
+            let s = series.clone();
+            let epp = &epp;
+            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
+        })
+        .await;
+    }
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let engines = [("a", &a), ("b", &b)];
+    let other = |n: &str| if n == "a" { "b" } else { "a" };
+
+    // A first prompt of 4 blocks goes somewhere; its engine publishes the blocks.
+    let shared = tokens(1, 4 * BLOCK);
+    let holder = served_by(&envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+
+    // Longer prompts sharing the prefix all go to the engine holding it.
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(10 + k, 2 * BLOCK));
+        assert_eq!(served_by(&envoy, &t).await, holder, "prompt {k} sharing the prefix");
+    }
+
+    // A long-running stream on the holder keeps its load booked while it runs...
+    let mut held = shared.clone();
+    held.extend(tokens(20, BLOCK));
+    let mut stream = TcpStreamRequest::start(envoy.addr, prompt(&held, true)).await;
+    let first = stream.first_chunk().await;
+    assert!(first.contains(&format!("\"engine\":\"{holder}\"")), "{first}");
+    assert_eq!(epp.metric("kvepp_in_flight_requests").await, Some(1.0));
+    // ...so cold prompts (no cached prefix anywhere) go to the other, less loaded engine.
+    for k in 0..3 {
+        assert_eq!(
+            served_by(&envoy, &tokens(30 + k, 4 * BLOCK)).await,
+            other(&holder),
+            "cold prompt {k} while the holder streams"
+        );
+    }
+    // The stream ends: its booking is released.
+    let holder_engine = engines.iter().find(|(n, _)| *n == holder).expect("holder").1;
+    holder_engine.state.release.notify_one();
+    let rest = stream.rest().await;
+    assert_eq!(rest, "done\n");
+    wait_for("booking released", || async {
+        (epp.metric("kvepp_in_flight_requests").await? == 0.0).then_some(())
+    })
+    .await;
+    let mode = epp
+        .metric("kvepp_kv_prefix_mode_total{mode=\"token_ids\"}")
+        .await
+        .expect("mode metric");
+    assert_eq!(mode, 9.0, "every pick counted in token-id mode");
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// A request whose response body is read in two steps.
+struct TcpStreamRequest {
+    body: hyper::body::Incoming,
+}
+
+impl TcpStreamRequest {
+    async fn start(addr: SocketAddr, body: String) -> Self {
+        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .expect("handshake");
+        tokio::spawn(conn);
+        let req = hyper::Request::post("/v1/completions")
+            .header("host", "test")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from(body)))
+            .expect("request");
+        let resp = tokio::time::timeout(DEADLINE, sender.send_request(req))
+            .await
+            .expect("headers in time")
+            .expect("response");
+        assert_eq!(resp.status(), 200);
+        TcpStreamRequest {
+            body: resp.into_body(),
+        }
+    }
+
+    async fn first_chunk(&mut self) -> String {
+        loop {
+            let frame = tokio::time::timeout(DEADLINE, self.body.frame())
+                .await
+                .expect("first chunk in time")
+                .expect("a frame")
+                .expect("frame ok");
+            if let Ok(data) = frame.into_data() {
+                return String::from_utf8_lossy(&data).into_owned();
+            }
+        }
+    }
+
+    async fn rest(self) -> String {
+        let body = tokio::time::timeout(DEADLINE, self.body.collect())
+            .await
+            .expect("end of stream in time")
+            .expect("body")
+            .to_bytes();
+        String::from_utf8_lossy(&body).into_owned()
+    }
+}
