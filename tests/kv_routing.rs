@@ -183,7 +183,11 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
     for k in 0..4u32 {
         let mut t = shared.clone();
         t.extend(tokens(10 + k, 2 * BLOCK));
-        assert_eq!(served_by(&envoy, &t).await, holder, "prompt {k} sharing the prefix");
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            holder,
+            "prompt {k} sharing the prefix"
+        );
     }
 
     // A long-running stream on the holder keeps its load booked while it runs...
@@ -191,7 +195,10 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
     held.extend(tokens(20, BLOCK));
     let mut stream = TcpStreamRequest::start(envoy.addr, prompt(&held, true)).await;
     let first = stream.first_chunk().await;
-    assert!(first.contains(&format!("\"engine\":\"{holder}\"")), "{first}");
+    assert!(
+        first.contains(&format!("\"engine\":\"{holder}\"")),
+        "{first}"
+    );
     assert_eq!(epp.metric("kvepp_in_flight_requests").await, Some(1.0));
     // ...so cold prompts (no cached prefix anywhere) go to the other, less loaded engine.
     for k in 0..3 {
@@ -202,7 +209,11 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
         );
     }
     // The stream ends: its booking is released.
-    let holder_engine = engines.iter().find(|(n, _)| *n == holder).expect("holder").1;
+    let holder_engine = engines
+        .iter()
+        .find(|(n, _)| *n == holder)
+        .expect("holder")
+        .1;
     holder_engine.state.release.notify_one();
     let rest = stream.rest().await;
     assert_eq!(rest, "done\n");

@@ -282,10 +282,30 @@ impl KvState {
             }
         }
         let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
-        let best = w.choose(&costs, fastrand::f64);
-        let second = (0..costs.len())
-            .filter(|&i| i != best)
-            .min_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
+        // fewer requests in flight, then at random: load must still spread when the cost is blind.
+        let in_flight = |i: usize| candidates[i].load.in_flight();
+        let best = if w.temperature <= 0.0 {
+            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            let least = (0..costs.len())
+                .filter(|&i| costs[i] <= min)
+                .map(in_flight)
+                .min()
+                .unwrap_or(0);
+            let tied = |i: &usize| costs[*i] <= min && in_flight(*i) == least;
+            let n = (0..costs.len()).filter(tied).count();
+            (0..costs.len())
+                .filter(tied)
+                .nth(fastrand::usize(..n.max(1)))
+                .unwrap_or(0)
+        } else {
+            w.choose(&costs, fastrand::f64)
+        };
+        let second = (0..costs.len()).filter(|&i| i != best).min_by(|&a, &b| {
+            costs[a]
+                .total_cmp(&costs[b])
+                .then(in_flight(a).cmp(&in_flight(b)))
+        });
         let c = loads[best];
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),

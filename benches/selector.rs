@@ -1,0 +1,182 @@
+//! KV-aware selection costs, each against a baseline measured in the same run:
+//! - index apply (store + remove of 64-block chains) and find-matches, vs the reference index;
+//! - a KV-aware pick over 10/100/1000 endpoints for 1k/32k/128k-token prompts, vs the load-only
+//!   picker on the same candidates;
+//! - approximate (byte-block) hashing of a 400 KiB prompt, vs one xxh3 pass over the same bytes.
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvepp::request::blocks::{local_block_hashes, sequence_hashes, LocalBlockHash};
+use kvepp::selector::index::reference::ReferenceIndex;
+use kvepp::selector::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
+use kvepp::selector::kv::worker_id;
+use kvepp::selector::slots::WorkerRank;
+use kvepp::selector::{
+    Endpoint, EndpointLoad, KvSettings, KvState, LeastLoaded, Picker, PrefixMode,
+};
+
+fn chain(seed: u64, n: usize) -> (Vec<LocalBlockHash>, Vec<EngineBlockHash>) {
+    let locals: Vec<LocalBlockHash> = (0..n as u64)
+        .map(|i| LocalBlockHash(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i))
+        .collect();
+    let engine = sequence_hashes(&locals)
+        .into_iter()
+        .map(|s| EngineBlockHash(s.0))
+        .collect();
+    (locals, engine)
+}
+
+fn index(c: &mut Criterion) {
+    let mut g = c.benchmark_group("index");
+    let ranks: Vec<WorkerRank> = (0..128)
+        .map(|w| WorkerRank {
+            worker: w,
+            dp_rank: 0,
+        })
+        .collect();
+    let chains: Vec<_> = (0..1024).map(|s| chain(s, 64)).collect();
+    g.throughput(Throughput::Elements(64 * 2));
+    g.bench_function("apply_store_remove_64_blocks/kvepp", |b| {
+        let mut ix = PrefixIndex::default();
+        let mut i = 0usize;
+        b.iter(|| {
+            let (l, e) = &chains[i % chains.len()];
+            let r = ranks[i % ranks.len()];
+            let _ = ix.store(
+                r,
+                Tier::Device,
+                None,
+                e.iter().copied().zip(l.iter().copied()),
+            );
+            ix.remove(r, Tier::Device, e.iter().rev().copied());
+            i += 1;
+        })
+    });
+    g.bench_function("apply_store_remove_64_blocks/reference", |b| {
+        let mut ix = ReferenceIndex::new(u64::MAX);
+        let mut i = 0usize;
+        b.iter(|| {
+            let (l, e) = &chains[i % chains.len()];
+            let r = ranks[i % ranks.len()];
+            let _ = ix.store(
+                r,
+                Tier::Device,
+                None,
+                e.iter().copied().zip(l.iter().copied()),
+            );
+            ix.remove(r, Tier::Device, e.iter().rev().copied());
+            i += 1;
+        })
+    });
+    // Every rank holds 1024 chains; half of the ranks also the queried one.
+    let mut fast = PrefixIndex::default();
+    let mut reference = ReferenceIndex::new(u64::MAX);
+    for (k, r) in ranks.iter().enumerate() {
+        for s in 0..8 {
+            let (l, e) = &chains[(k * 8 + s) % chains.len()];
+            let blocks = || e.iter().copied().zip(l.iter().copied());
+            let _ = fast.store(*r, Tier::Device, None, blocks());
+            let _ = reference.store(*r, Tier::Device, None, blocks());
+        }
+        if k % 2 == 0 {
+            let (l, e) = chain(99_999, 64);
+            let _ = fast.store(*r, Tier::Device, None, e.into_iter().zip(l));
+            let (l, e) = chain(99_999, 64);
+            let _ = reference.store(*r, Tier::Device, None, e.into_iter().zip(l));
+        }
+    }
+    let (l, _) = chain(99_999, 64);
+    let query = sequence_hashes(&l);
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("find_matches_64_blocks_64_holders/kvepp", |b| {
+        let mut scratch = MatchScratch::default();
+        let mut out = Vec::new();
+        b.iter(|| {
+            fast.find_matches(black_box(&query), &mut scratch, &mut out);
+            out.len()
+        })
+    });
+    g.bench_function("find_matches_64_blocks_64_holders/reference", |b| {
+        b.iter(|| reference.overlaps(black_box(&query)).len())
+    });
+    g.finish();
+}
+
+fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
+    (0..n)
+        .map(|i| {
+            let addr: SocketAddr = ([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000).into();
+            Arc::new(Endpoint {
+                addr,
+                addr_str: addr.to_string().into(),
+                name: format!("pod-{i}").into(),
+                zone: None,
+                node: None,
+                load: Arc::new(EndpointLoad::default()),
+            })
+        })
+        .collect()
+}
+
+fn selection(c: &mut Criterion) {
+    let mut g = c.benchmark_group("select");
+    g.sample_size(20);
+    for n in [10usize, 100, 1000] {
+        let eps = endpoints(n);
+        let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+        for tokens in [1usize << 10, 32 << 10, 128 << 10] {
+            let kv = Arc::new(KvState::new(KvSettings::default()));
+            let prompt_tokens: Vec<u32> = (0..tokens as u32).collect();
+            let prompt = kv.blocks_from_tokens(&prompt_tokens, None, PrefixMode::TokenIds);
+            {
+                // Every tenth endpoint holds a quarter of the prompt.
+                let mut ix = kv.index().write().expect("lock");
+                let quarter = prompt_tokens.len() / 4;
+                let locals = local_block_hashes(&prompt_tokens[..quarter], 16, None);
+                let seqs = sequence_hashes(&locals);
+                for e in eps.iter().step_by(10) {
+                    let rank = WorkerRank {
+                        worker: worker_id(&e.addr_str),
+                        dp_rank: 0,
+                    };
+                    let blocks = seqs
+                        .iter()
+                        .map(|s| EngineBlockHash(s.0))
+                        .zip(locals.iter().copied());
+                    let _ = ix.store(rank, Tier::Device, None, blocks);
+                }
+            }
+            let id = format!("{n}_endpoints/{}k_tokens", tokens >> 10);
+            g.bench_with_input(BenchmarkId::new("kv_aware", &id), &(), |b, _| {
+                b.iter(|| kv.rank(black_box(&refs), Some(&prompt)).0)
+            });
+            g.bench_with_input(
+                BenchmarkId::new("baseline_least_loaded", &id),
+                &(),
+                |b, _| b.iter(|| LeastLoaded.rank(black_box(&refs), None).best),
+            );
+        }
+    }
+    g.finish();
+}
+
+fn approximate(c: &mut Criterion) {
+    let mut g = c.benchmark_group("approx_hash");
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(400 * 1024 / 45 + 1);
+    let bytes = &text.as_bytes()[..400 * 1024];
+    let kv = KvState::new(KvSettings::default());
+    g.throughput(Throughput::Bytes(bytes.len() as u64));
+    g.bench_function("400KiB/kvepp_blocks_from_text", |b| {
+        b.iter(|| kv.blocks_from_text("model", black_box(bytes)).hashes.len())
+    });
+    g.bench_function("400KiB/baseline_one_xxh3_pass", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(bytes)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, index, selection, approximate);
+criterion_main!(benches);
