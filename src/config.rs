@@ -87,6 +87,33 @@ impl RouterConfig {
     }
 }
 
+/// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineMetricsConfig {
+    pub enabled: bool,
+    pub interval_ms: u64,
+    /// Metrics older than this make an engine count as saturated (Sheddable requests get 429
+    /// when every candidate is).
+    pub stale_after_ms: u64,
+    /// `vllm:num_requests_waiting` at which an engine is saturated; 0 disables.
+    pub queue_threshold: u32,
+    /// `vllm:kv_cache_usage_perc` at which an engine is saturated.
+    pub kv_cache_threshold: f64,
+}
+
+impl Default for EngineMetricsConfig {
+    fn default() -> Self {
+        EngineMetricsConfig {
+            enabled: true,
+            interval_ms: 200,
+            stale_after_ms: 2000,
+            queue_threshold: 5,
+            kv_cache_threshold: 0.8,
+        }
+    }
+}
+
 /// Where the engines publish KV events when no per-endpoint metadata says otherwise (vLLM's
 /// `--kv-events-config` publisher: `tcp://<endpoint address>:<port>`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,8 +173,10 @@ pub struct Config {
     /// tracing filter, e.g. `info` or `kvepp=debug`.
     pub log_level: String,
     pub picker: PickerKind,
-    /// Tokens per KV block, as the engines are configured (`--block-size`).
-    pub block_size: u32,
+    /// Tokens per KV block, as the engines are configured (`--block-size`); unset: learned from the
+    /// engines' `vllm:cache_config_info` (16 until then).
+    pub block_size: Option<u32>,
+    pub engine_metrics: EngineMetricsConfig,
     pub router: RouterConfig,
     pub kv_events: KvEventsConfig,
     /// Approximate prefix mode (no tokenizer): blocks remembered per endpoint.
@@ -174,7 +203,8 @@ impl Default for Config {
             log_format: LogFormat::Text,
             log_level: "info".into(),
             picker: PickerKind::KvAware,
-            block_size: 16,
+            block_size: None,
+            engine_metrics: EngineMetricsConfig::default(),
             router: RouterConfig::default(),
             kv_events: KvEventsConfig::default(),
             approx_blocks_per_endpoint: 32_768,
@@ -290,9 +320,11 @@ impl Config {
             shutdown_grace_seconds,
             log_format,
             log_level,
-            picker,
-            block_size
+            picker
         );
+        if args.block_size.is_some() {
+            cfg.block_size = args.block_size;
+        }
         if let Some(v) = args.kv_events_enabled {
             cfg.kv_events.enabled = v;
         }
@@ -398,10 +430,32 @@ impl Config {
                 );
             }
         }
-        if !(1..=1024).contains(&self.block_size) {
+        if let Some(bs) = self.block_size.filter(|bs| !(1..=1024).contains(bs)) {
             bad(
                 "block_size",
-                format!("{} must be between 1 and 1024 tokens", self.block_size),
+                format!("{bs} must be between 1 and 1024 tokens"),
+            );
+        }
+        let em = &self.engine_metrics;
+        if !(10..=60_000).contains(&em.interval_ms) {
+            bad(
+                "engine_metrics.interval_ms",
+                format!("{} must be between 10 and 60000", em.interval_ms),
+            );
+        }
+        if em.stale_after_ms < 2 * em.interval_ms {
+            bad(
+                "engine_metrics.stale_after_ms",
+                format!(
+                    "{} must be at least twice interval_ms ({})",
+                    em.stale_after_ms, em.interval_ms
+                ),
+            );
+        }
+        if !(em.kv_cache_threshold > 0.0) {
+            bad(
+                "engine_metrics.kv_cache_threshold",
+                format!("{} must be > 0 (≥ 1 disables)", em.kv_cache_threshold),
             );
         }
         for e in self.router.weights().validate() {

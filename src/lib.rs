@@ -8,13 +8,14 @@
 //!    gRPC or HTTP types, so every front end calls the same code.
 //!
 //! Beside them: [`discovery`] keeps the pool's endpoints and models up to date, [`kv_events`] decodes
-//! the engines' KV-cache events, [`config`] is the
+//! the engines' KV-cache events, [`engine`] scrapes the load signals engines publish, [`config`] is the
 //! single typed configuration, [`api`] serves the HTTP endpoints (metrics, health), [`metrics`]
 //! holds the Prometheus registry and [`server`] wires everything together.
 
 pub mod api;
 pub mod config;
 pub mod discovery;
+pub mod engine;
 pub mod extproc;
 pub mod kv_events;
 pub mod metrics;

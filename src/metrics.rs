@@ -65,6 +65,7 @@ pub struct KvEventMetrics {
     pub index_pairs: Gauge,
     pub index_memory_bytes: Gauge,
     pub subscriptions: Gauge,
+    pub block_size: Gauge,
 }
 
 #[derive(Debug)]
@@ -79,6 +80,7 @@ pub struct Metrics {
     pub served_elsewhere: Counter,
     pub prefix_mode: Family<ModeLabels, Counter>,
     pub kv: KvEventMetrics,
+    pub engine_scrape_errors: Counter,
 }
 
 impl Metrics {
@@ -193,9 +195,20 @@ impl Metrics {
                 "KV-event subscriptions running",
                 &kv.subscriptions,
             ),
+            (
+                "kv_block_size",
+                "Tokens per KV block in use (configured, or learned from the engines)",
+                &kv.block_size,
+            ),
         ] {
             registry.register(name, help, metric.clone());
         }
+        let engine_scrape_errors = Counter::default();
+        registry.register(
+            "engine_metrics_scrape_errors",
+            "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
+            engine_scrape_errors.clone(),
+        );
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
         info.get_or_create(&[
@@ -214,6 +227,7 @@ impl Metrics {
             served_elsewhere,
             prefix_mode,
             kv,
+            engine_scrape_errors,
         })
     }
 

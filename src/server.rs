@@ -137,14 +137,19 @@ pub async fn run(
         }));
     }
 
+    let em = &cfg.engine_metrics;
     let saturation = Saturation {
         max_in_flight: cfg.max_in_flight_per_endpoint,
+        queue_threshold: em.queue_threshold,
+        kv_cache_threshold: em.kv_cache_threshold,
+        stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
     };
     let kv = match cfg.picker {
         PickerKind::LeastLoaded => None,
         PickerKind::KvAware => {
             let kv = Arc::new(KvState::new(KvSettings {
-                block_size: cfg.block_size,
+                block_size: cfg.block_size.unwrap_or(16),
+                learn_block_size: cfg.block_size.is_none(),
                 weights: cfg.router.weights(),
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
                 ..KvSettings::default()
@@ -159,6 +164,24 @@ pub async fn run(
             Some(kv)
         }
     };
+    if em.enabled {
+        let learn = kv.clone();
+        tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
+            store.clone(),
+            crate::engine::metrics::ScrapeSettings {
+                interval: Duration::from_millis(em.interval_ms),
+                timeout: Duration::from_millis(em.interval_ms.max(100)),
+                max_bytes: 1 << 20,
+            },
+            metrics.engine_scrape_errors.clone(),
+            move |bs| {
+                if let Some(kv) = &learn {
+                    kv.learn_block_size(bs);
+                }
+            },
+            stop_rx.clone(),
+        )));
+    }
     let selector = match &kv {
         None => Selector::new(Box::new(LeastLoaded), saturation),
         Some(kv) => Selector::new(Box::new(KvPicker(kv.clone())), saturation),

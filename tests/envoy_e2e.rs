@@ -204,8 +204,10 @@ async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
     let (release, rx) = watch::channel(false);
     let a = hold_backend("a", arrived.clone(), rx.clone()).await;
     let b = hold_backend("b", arrived.clone(), rx).await;
+    // In-flight saturation only: these backends hold every request, /metrics scrapes included.
     let epp = Epp::start(&manifests(&[("a", a), ("b", b)]), |c| {
-        c.max_in_flight_per_endpoint = 1
+        c.max_in_flight_per_endpoint = 1;
+        c.engine_metrics.enabled = false;
     })
     .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;

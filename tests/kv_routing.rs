@@ -155,7 +155,7 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
     let epp = Epp::start(&m, |c| {
         c.kv_events.enabled = true;
         c.kv_events.port = events_port;
-        c.block_size = BLOCK as u32;
+        c.block_size = Some(BLOCK as u32);
     })
     .await;
     for e in [&a, &b] {

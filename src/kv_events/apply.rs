@@ -137,6 +137,7 @@ pub async fn run_manager(
         }
         known = now;
         metrics.kv.subscriptions.set(subs.len() as i64);
+        metrics.kv.block_size.set(i64::from(kv.block_size()));
         let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
         metrics.kv.index_blocks.set(index.block_count() as i64);
         metrics.kv.index_pairs.set(index.pair_count() as i64);
@@ -170,7 +171,6 @@ async fn subscription(
         Timing::default(),
         stop,
     ));
-    let block_size = kv.settings().block_size;
     let mut seen_undecodable = 0;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -187,7 +187,7 @@ async fn subscription(
                 Delivery::Batch { batch, .. } => {
                     let applied = {
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
-                        apply_batch(&mut index, worker, 0, block_size, &batch)
+                        apply_batch(&mut index, worker, 0, kv.block_size(), &batch)
                     };
                     metrics.kv.batches.get_or_create(&labels).inc();
                     metrics.kv.blocks_stored.inc_by(applied.stored);

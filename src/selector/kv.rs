@@ -11,7 +11,7 @@
 //! prefix is the best over the data-parallel ranks its events came from.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Instant;
 
@@ -58,8 +58,10 @@ pub struct PromptBlocks {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvSettings {
-    /// Tokens per KV block (the engines' `block_size`).
+    /// Tokens per KV block (the engines' `block_size`): the starting value when learned.
     pub block_size: u32,
+    /// Take the block size from the engines' `cache_config_info` ([`KvState::learn_block_size`]).
+    pub learn_block_size: bool,
     pub weights: CostWeights,
     /// Approximate mode: bytes of prompt counted as one token (a block is `block_size` of them).
     pub approx_bytes_per_token: u32,
@@ -73,6 +75,7 @@ impl Default for KvSettings {
     fn default() -> Self {
         KvSettings {
             block_size: 16,
+            learn_block_size: false,
             weights: CostWeights::default(),
             approx_bytes_per_token: 4,
             approx_blocks_per_endpoint: 32_768,
@@ -145,6 +148,7 @@ pub struct KvState {
     approx: Mutex<Approx>,
     slots: Mutex<SlotTracker>,
     next_request: AtomicU64,
+    block_size: AtomicU32,
 }
 
 thread_local! {
@@ -167,11 +171,32 @@ impl KvState {
             }),
             slots: Mutex::new(SlotTracker::default()),
             next_request: AtomicU64::new(0),
+            block_size: AtomicU32::new(settings.block_size.max(1)),
         }
     }
 
     pub fn settings(&self) -> &KvSettings {
         &self.settings
+    }
+
+    /// Tokens per block used for hashing and cost (configured, or learned from the engines).
+    pub fn block_size(&self) -> u32 {
+        self.block_size.load(Ordering::Relaxed)
+    }
+
+    /// An engine reported its block size; adopted when the block size is learned, not configured.
+    pub fn learn_block_size(&self, bs: u32) {
+        if !self.settings.learn_block_size || bs == 0 {
+            return;
+        }
+        let old = self.block_size.swap(bs, Ordering::Relaxed);
+        if old != bs {
+            tracing::info!(
+                block_size = bs,
+                previous = old,
+                "block size learned from the engines' cache_config_info"
+            );
+        }
     }
 
     /// The index the KV events feed (write lock for events, read lock for picks).
@@ -186,7 +211,7 @@ impl KvState {
         lora: Option<&str>,
         mode: PrefixMode,
     ) -> PromptBlocks {
-        let locals = local_block_hashes(tokens, self.settings.block_size as usize, lora);
+        let locals = local_block_hashes(tokens, self.block_size() as usize, lora);
         let hashes = sequence_hashes(&locals);
         PromptBlocks {
             mode,
@@ -200,7 +225,7 @@ impl KvState {
     /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model).
     pub fn blocks_from_text(&self, scope: &str, text: &[u8]) -> PromptBlocks {
         let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
-        let chunk = (self.settings.block_size.max(1) as usize) * per_token;
+        let chunk = (self.block_size() as usize) * per_token;
         let seed = block_seed(Some(scope)) ^ XXH3_SEED;
         let n = text.len() / chunk;
         let mut locals = Vec::with_capacity(n);
@@ -265,7 +290,7 @@ impl KvState {
         let overlaps = self.overlaps(&workers, prompt);
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let w = &self.settings.weights;
-        let bs = self.settings.block_size;
+        let bs = self.block_size();
         let mut loads = Vec::with_capacity(candidates.len());
         {
             let mut slots = lock(&self.slots);

@@ -4,7 +4,19 @@
 //! path (normal end, client abort, proxy reset, EPP error) gives the slot back exactly once.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Load signals an engine publishes about itself (its Prometheus `/metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineMetrics {
+    pub waiting: f64,
+    pub running: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_cache_usage: f64,
+    pub block_size: Option<u32>,
+    pub num_gpu_blocks: Option<u64>,
+}
 
 #[derive(Debug, Default)]
 pub struct EndpointLoad {
@@ -12,6 +24,8 @@ pub struct EndpointLoad {
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
+    /// The engine's last scraped metrics and when they were read (None: never).
+    engine: Mutex<Option<(EngineMetrics, Instant)>>,
 }
 
 impl EndpointLoad {
@@ -27,6 +41,19 @@ impl EndpointLoad {
 
     pub fn routed_total(&self) -> u64 {
         self.routed_total.load(Ordering::Relaxed)
+    }
+
+    /// Records a successful scrape of the engine's metrics.
+    pub fn engine_update(&self, m: EngineMetrics, at: Instant) {
+        *self.engine.lock().unwrap_or_else(PoisonError::into_inner) = Some((m, at));
+    }
+
+    /// The engine's last metrics and their age at `now` (None: never scraped successfully).
+    pub fn engine(&self, now: Instant) -> Option<(EngineMetrics, Duration)> {
+        self.engine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .map(|(m, at)| (m, now.saturating_duration_since(at)))
     }
 
     /// Books one request on this endpoint.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;
-pub use load::{Booking, EndpointLoad};
+pub use load::{Booking, EndpointLoad, EngineMetrics};
 
 /// How important a request is (InferenceModel `spec.criticality`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -105,16 +105,41 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
     fn rank(&self, candidates: &[&Arc<Endpoint>], prompt: Option<&PromptBlocks>) -> Ranked;
 }
 
-/// When an endpoint counts as saturated.
-#[derive(Debug, Clone, Copy)]
+/// When an endpoint counts as saturated: too many requests in flight through us, or, once its
+/// engine metrics have been scraped, a long queue, a full KV cache, or metrics gone stale.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Saturation {
     /// In-flight requests at which an endpoint is saturated; 0 disables the check.
     pub max_in_flight: u32,
+    /// `vllm:num_requests_waiting` at which an engine is saturated; 0 disables the check.
+    pub queue_threshold: u32,
+    /// `vllm:kv_cache_usage_perc` at which an engine is saturated; ≥ 1 never triggers below 100%.
+    pub kv_cache_threshold: f64,
+    /// Scraped metrics older than this make the engine count as saturated; None disables.
+    pub stale_after: Option<std::time::Duration>,
 }
 
 impl Saturation {
+    /// Only the in-flight rule.
+    pub fn in_flight(max_in_flight: u32) -> Self {
+        Saturation {
+            max_in_flight,
+            kv_cache_threshold: f64::INFINITY,
+            ..Saturation::default()
+        }
+    }
+
     pub fn is_saturated(&self, ep: &Endpoint) -> bool {
-        self.max_in_flight > 0 && ep.load.in_flight() >= self.max_in_flight
+        if self.max_in_flight > 0 && ep.load.in_flight() >= self.max_in_flight {
+            return true;
+        }
+        // An engine never scraped (or not a vLLM engine) is judged by the in-flight rule alone.
+        let Some((m, age)) = ep.load.engine(std::time::Instant::now()) else {
+            return false;
+        };
+        self.stale_after.is_some_and(|s| age > s)
+            || (self.queue_threshold > 0 && m.waiting >= f64::from(self.queue_threshold))
+            || m.kv_cache_usage >= self.kv_cache_threshold
     }
 }
 
@@ -192,7 +217,7 @@ pub(crate) mod tests {
     }
 
     fn selector(max: u32) -> Selector {
-        Selector::new(Box::new(LeastLoaded), Saturation { max_in_flight: max })
+        Selector::new(Box::new(LeastLoaded), Saturation::in_flight(max))
     }
 
     #[test]

@@ -1,0 +1,192 @@
+//! The load signals a vLLM engine publishes on its Prometheus `/metrics`, scraped per endpoint at
+//! an interval ([`run_scraper`]) into [`EngineSignals`] beside our own in-flight counters.
+//!
+//! Read: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
+//! (older vLLM: `vllm:gpu_cache_usage_perc`), and the labels `block_size` / `num_gpu_blocks` of
+//! `vllm:cache_config_info`. Several series of one metric (e.g. per model name) are summed (usage:
+//! the largest). A page without any of them is an error (the endpoint is not a vLLM engine).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::discovery::Datastore;
+use crate::selector::EngineMetrics;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("no vLLM metrics on the page (vllm:num_requests_waiting / _running / kv_cache_usage_perc)")]
+pub struct NotAnEngine;
+
+/// Splits one exposition line into (name, labels text, value).
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (series, rest) = match line.find('{') {
+        Some(open) => {
+            let close = open + line[open..].find('}')?;
+            (&line[..close + 1], &line[close + 1..])
+        }
+        None => line.split_at(line.find(char::is_whitespace)?),
+    };
+    let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+    let (name, labels) = match series.find('{') {
+        Some(open) => (&series[..open], &series[open + 1..series.len() - 1]),
+        None => (series, ""),
+    };
+    Some((name, labels, value))
+}
+
+/// The value of label `key` in a `k="v",k2="v2"` list (no escapes in the values we read).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// Parses a Prometheus text page.
+pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
+    let mut m = EngineMetrics::default();
+    let mut seen = false;
+    for (name, labels, value) in page.lines().filter_map(sample) {
+        if !value.is_finite() {
+            continue;
+        }
+        match name {
+            "vllm:num_requests_waiting" => m.waiting += value,
+            "vllm:num_requests_running" => m.running += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                m.kv_cache_usage = m.kv_cache_usage.max(value)
+            }
+            "vllm:cache_config_info" => {
+                m.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
+                m.num_gpu_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+                continue;
+            }
+            _ => continue,
+        }
+        seen = true;
+    }
+    if seen {
+        Ok(m)
+    } else {
+        Err(NotAnEngine)
+    }
+}
+
+/// How the scraper runs.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrapeSettings {
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Largest page read.
+    pub max_bytes: usize,
+}
+
+/// Scrapes every ready endpoint each `interval` (concurrently, each bounded by `timeout`) and
+/// records the result on the endpoint's load. `on_block_size` gets each `cache_config_info`
+/// block size (to learn it when it is not configured).
+pub async fn run_scraper(
+    store: Arc<Datastore>,
+    settings: ScrapeSettings,
+    errors: prometheus_client::metrics::counter::Counter,
+    on_block_size: impl Fn(u32) + Send + Sync + 'static,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let on_block_size = Arc::new(on_block_size);
+    let mut tick = tokio::time::interval(settings.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut warned = std::collections::HashSet::new();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let snap = store.snapshot();
+        let mut scrapes = tokio::task::JoinSet::new();
+        for ep in snap.endpoints.iter().cloned() {
+            scrapes.spawn(async move {
+                let page =
+                    super::get(ep.addr, "/metrics", settings.timeout, settings.max_bytes).await;
+                (ep, page)
+            });
+        }
+        while let Some(done) = scrapes.join_next().await {
+            let Ok((ep, page)) = done else { continue };
+            let result = page
+                .map_err(|e| e.to_string())
+                .and_then(|b| parse(&String::from_utf8_lossy(&b)).map_err(|e| e.to_string()));
+            match result {
+                Ok(m) => {
+                    if let Some(bs) = m.block_size {
+                        on_block_size(bs);
+                    }
+                    ep.load.engine_update(m, Instant::now());
+                }
+                Err(e) => {
+                    errors.inc();
+                    if warned.insert(ep.addr) {
+                        tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine metrics scrape failed (repeats logged at debug)");
+                    } else {
+                        tracing::debug!(endpoint = %ep.addr_str, error = %e, "engine metrics scrape failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: &str = r#"# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="24064",prefix_caching_hash_algo="sha256"} 1.0
+vllm:other_total 99
+"#;
+
+    #[test]
+    fn reads_the_vllm_series() {
+        let m = parse(PAGE).unwrap();
+        assert_eq!(
+            m,
+            EngineMetrics {
+                waiting: 5.0,
+                running: 7.0,
+                kv_cache_usage: 0.42,
+                block_size: Some(16),
+                num_gpu_blocks: Some(24064),
+            }
+        );
+        // Older name, no labels at all.
+        let m = parse("vllm:gpu_cache_usage_perc 0.9\nvllm:num_requests_running 1\n").unwrap();
+        assert_eq!(
+            (m.kv_cache_usage, m.running, m.block_size),
+            (0.9, 1.0, None)
+        );
+    }
+
+    #[test]
+    fn pages_without_engine_series_are_errors() {
+        assert_eq!(parse("{\"backend\":\"a\"}"), Err(NotAnEngine));
+        assert_eq!(
+            parse("process_cpu_seconds_total 1\n# vllm:num_requests_waiting 3\n"),
+            Err(NotAnEngine)
+        );
+        assert_eq!(
+            parse("vllm:num_requests_waiting{a=\"b\"} NaN\n"),
+            Err(NotAnEngine)
+        );
+    }
+}

@@ -1,0 +1,111 @@
+//! Engine metrics: kvepp scrapes each endpoint's Prometheus `/metrics` (vLLM series) and sheds
+//! Sheddable requests when every engine is saturated by queue, KV-cache usage, or stale metrics;
+//! the block size is learned from `vllm:cache_config_info`. Through a real Envoy, with engines
+//! that serve both completions and a `/metrics` page the test controls.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use common::*;
+use tokio::net::TcpListener;
+
+/// The `/metrics` answer: status and body.
+type Page = Arc<Mutex<(StatusCode, String)>>;
+
+fn page(waiting: u32, usage: f64) -> (StatusCode, String) {
+    (
+        StatusCode::OK,
+        format!(
+            "# TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n\
+             vllm:num_requests_running{{model_name=\"m\"}} 1\n\
+             vllm:kv_cache_usage_perc{{model_name=\"m\"}} {usage}\n\
+             vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"1000\"}} 1\n"
+        ),
+    )
+}
+
+async fn engine(name: &'static str) -> (SocketAddr, Page) {
+    let state: Page = Arc::new(Mutex::new(page(0, 0.1)));
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(|State(p): State<Page>| async move { p.lock().expect("lock").clone() }),
+        )
+        .route(
+            "/v1/completions",
+            post(move || async move { format!("{{\"backend\":\"{name}\"}}") }),
+        )
+        .with_state(state.clone());
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (addr, state)
+}
+
+async fn shed_status(envoy: &Envoy) -> u16 {
+    post_json(envoy.addr, r#"{"model":"shed","prompt":"hello"}"#)
+        .await
+        .status
+}
+
+async fn until_shed_status(envoy: &Envoy, want: u16) {
+    wait_for(&format!("Sheddable answered {want}"), || async move {
+        (shed_status(envoy).await == want).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturation_from_engine_metrics_and_learned_block_size() {
+    let (a, page_a) = engine("a").await;
+    let (b, page_b) = engine("b").await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a, true);
+    m += &slice_yaml("b", b, true);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.interval_ms = 20;
+        c.engine_metrics.stale_after_ms = 300;
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    wait_for("block size learned from cache_config_info", || async {
+        (epp.metric("kvepp_kv_block_size").await? == 32.0).then_some(())
+    })
+    .await;
+    assert_eq!(shed_status(&envoy).await, 200);
+
+    // One engine with a long queue is not enough to shed...
+    *page_a.lock().expect("lock") = page(10, 0.1);
+    until_shed_status(&envoy, 200).await;
+    // ...both are: queue on a, KV cache nearly full on b.
+    *page_b.lock().expect("lock") = page(0, 0.95);
+    until_shed_status(&envoy, 429).await;
+    // Critical traffic is never shed.
+    assert_eq!(
+        post_json(envoy.addr, r#"{"model":"crit","prompt":"x"}"#)
+            .await
+            .status,
+        200
+    );
+    *page_b.lock().expect("lock") = page(1, 0.5);
+    until_shed_status(&envoy, 200).await;
+    // b's metrics go away: once stale, b counts as saturated too.
+    *page_b.lock().expect("lock") = (StatusCode::INTERNAL_SERVER_ERROR, String::new());
+    until_shed_status(&envoy, 429).await;
+    assert!(
+        epp.metric("kvepp_engine_metrics_scrape_errors_total")
+            .await
+            .expect("error counter")
+            > 0.0
+    );
+    *page_a.lock().expect("lock") = page(0, 0.1);
+    until_shed_status(&envoy, 200).await;
+    drop(envoy);
+    epp.stop().await;
+}
