@@ -115,6 +115,7 @@ fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
                 name: format!("pod-{i}").into(),
                 zone: None,
                 node: None,
+                metadata_port: None,
                 load: Arc::new(EndpointLoad::default()),
             })
         })

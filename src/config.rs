@@ -452,7 +452,7 @@ impl Config {
                 ),
             );
         }
-        if !(em.kv_cache_threshold > 0.0) {
+        if em.kv_cache_threshold.is_nan() || em.kv_cache_threshold <= 0.0 {
             bad(
                 "engine_metrics.kv_cache_threshold",
                 format!("{} must be > 0 (≥ 1 disables)", em.kv_cache_threshold),

@@ -15,6 +15,7 @@ use tonic_health::ServingStatus;
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::{Datastore, DiscoverySource, ManifestDir, PoolRef};
+use crate::engine::metadata::{FetchSettings, MetadataStore};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::selector::{KvPicker, KvSettings, KvState, LeastLoaded, Saturation, Selector};
@@ -154,9 +155,26 @@ pub async fn run(
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
                 ..KvSettings::default()
             }));
+            let md = Arc::new(MetadataStore::default());
+            let learn = kv.clone();
+            tasks.push(tokio::spawn(crate::engine::metadata::run_fetcher(
+                store.clone(),
+                md.clone(),
+                FetchSettings::default(),
+                move |doc| {
+                    if let Some(bs) = doc.block_size() {
+                        learn.learn_block_size(bs);
+                    }
+                    if let Some(name) = doc.model_name() {
+                        learn.learn_base_model(name);
+                    }
+                },
+                stop_rx.clone(),
+            )));
             tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
                 kv.clone(),
                 store.clone(),
+                md,
                 cfg.kv_events.clone(),
                 metrics.clone(),
                 stop_rx.clone(),

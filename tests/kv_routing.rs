@@ -23,6 +23,9 @@ const BLOCK: usize = 16;
 
 struct EngineState {
     name: String,
+    block: usize,
+    /// What `/metadata` answers.
+    metadata: serde_json::Value,
     events: mpsc::UnboundedSender<Vec<u8>>,
     release: Notify,
 }
@@ -34,11 +37,11 @@ struct Engine {
 
 /// One `BlockStored` for the prompt's full blocks, with engine hashes of the engine's own (as
 /// vLLM's), in the legacy tagged-array encoding.
-fn stored_batch(name: &str, tokens: &[u32]) -> Vec<u8> {
-    let n = tokens.len() / BLOCK;
+fn stored_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
+    let n = tokens.len() / block;
     let hashes: Vec<u64> = (1..=n)
         .map(|i| {
-            let bytes: Vec<u8> = tokens[..i * BLOCK]
+            let bytes: Vec<u8> = tokens[..i * block]
                 .iter()
                 .flat_map(|t| t.to_le_bytes())
                 .collect();
@@ -49,8 +52,8 @@ fn stored_batch(name: &str, tokens: &[u32]) -> Vec<u8> {
         "BlockStored",
         hashes,
         None::<u64>,
-        tokens[..n * BLOCK].to_vec(),
-        BLOCK as u32,
+        tokens[..n * block].to_vec(),
+        block as u32,
         None::<u32>,
         None::<String>,
     );
@@ -61,7 +64,7 @@ async fn completions(State(st): State<Arc<EngineState>>, body: Bytes) -> axum::r
     let v: serde_json::Value = serde_json::from_slice(&body).expect("json body");
     let tokens: Vec<u32> = serde_json::from_value(v["prompt"].clone()).expect("token ids");
     st.events
-        .send(stored_batch(&st.name, &tokens))
+        .send(stored_batch(&st.name, st.block, &tokens))
         .expect("publisher alive");
     let first = format!("{{\"engine\":\"{}\"}}\n", st.name);
     if v["hold"].as_bool() != Some(true) {
@@ -84,6 +87,10 @@ impl Engine {
     /// HTTP on `ip`:ephemeral, KV events on `ip`:`events_port`; an empty batch every 20 ms keeps
     /// the subscription visible before any prompt arrives.
     async fn start(name: &str, ip: IpAddr, events_port: u16) -> Engine {
+        Self::start_with(name, ip, events_port, BLOCK).await
+    }
+
+    async fn start_with(name: &str, ip: IpAddr, events_port: u16, block: usize) -> Engine {
         let mut publisher = PubSocket::new();
         publisher
             .bind(&format!("tcp://{ip}:{events_port}"))
@@ -106,13 +113,29 @@ impl Engine {
                 let _ = publisher.send(m).await;
             }
         });
+        let metadata = serde_json::json!({
+            "model": {"name": "m", "type": "Completions",
+                      "runtime_config": {"block_size": block, "data_parallel_size": 1}},
+            "kv_events": {"endpoints": {"0": format!("tcp://{ip}:{events_port}")}},
+            "topology_domains": {"zone": "test-a"},
+            "role": "both",
+            "extra": "ignored"
+        });
         let state = Arc::new(EngineState {
             name: name.into(),
+            block,
+            metadata,
             events: tx,
             release: Notify::new(),
         });
         let app = axum::Router::new()
             .route("/v1/completions", post(completions))
+            .route(
+                "/metadata",
+                axum::routing::get(|State(st): State<Arc<EngineState>>| async move {
+                    st.metadata.to_string()
+                }),
+            )
             .with_state(state.clone());
         let listener = TcpListener::bind((ip, 0)).await.expect("bind engine");
         let http = listener.local_addr().expect("addr");
@@ -226,6 +249,62 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
         .await
         .expect("mode metric");
     assert_eq!(mode, 9.0, "every pick counted in token-id mode");
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// An EndpointSlice whose endpoint serves `/metadata` on the same port (named `metadata`).
+fn slice_with_metadata(slice: &str, addr: SocketAddr) -> String {
+    format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {slice}, labels: {{kubernetes.io/service-name: pool}}}}\naddressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\nports: [{{name: http, port: {port}}}, {{name: metadata, port: {port}}}]\n",
+        ip = addr.ip(),
+        port = addr.port()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_names_the_publishers_and_the_block_size() {
+    // KV events are off in the configuration and the block size unset: both come from each
+    // engine's /metadata (publishers on different ports of 127.0.0.1, blocks of 32 tokens).
+    let block = 32;
+    let a = Engine::start_with("a", [127, 0, 0, 1].into(), free_port(), block).await;
+    let b = Engine::start_with("b", [127, 0, 0, 1].into(), free_port(), block).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_with_metadata("a", a.http);
+    m += &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+    })
+    .await;
+    wait_for("block size from metadata", || async {
+        (epp.metric("kvepp_kv_block_size").await? == block as f64).then_some(())
+    })
+    .await;
+    for e in [&a, &b] {
+        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
+        wait_for("events from both engines", || {
+            let s = series.clone();
+            let epp = &epp;
+            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
+        })
+        .await;
+    }
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let shared = tokens(2, 3 * block);
+    let holder = served_by(&envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 3.0).then_some(())
+    })
+    .await;
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(40 + k, block));
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            holder,
+            "prompt {k} sharing the prefix"
+        );
+    }
     drop(envoy);
     epp.stop().await;
 }

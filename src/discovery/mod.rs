@@ -188,6 +188,7 @@ impl Datastore {
         let mut endpoints: BTreeMap<SocketAddr, Arc<Endpoint>> = BTreeMap::new();
         for slice in slices {
             let port = slice_port(slice).or(target_port);
+            let metadata_port = named_port(slice, "metadata");
             for ep in slice.endpoints.iter().filter(|e| e.conditions.is_ready()) {
                 let Some(addr) = serving_addr(ep, port, &slice.metadata.name) else {
                     continue;
@@ -206,6 +207,7 @@ impl Datastore {
                         addr_str,
                         zone: ep.zone.as_deref().map(Arc::from),
                         node: ep.node_name.as_deref().map(Arc::from),
+                        metadata_port,
                         load,
                     })
                 });
@@ -230,6 +232,19 @@ fn slice_port(slice: &EndpointSlice) -> Option<u16> {
             _ => None,
         });
     pick.and_then(|p| p.port)
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0)
+}
+
+/// The slice port with this name.
+fn named_port(slice: &EndpointSlice, name: &str) -> Option<u16> {
+    slice
+        .ports
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|p| p.name.as_deref() == Some(name))
+        .and_then(|p| p.port)
         .and_then(|p| u16::try_from(p).ok())
         .filter(|p| *p != 0)
 }

@@ -1,6 +1,8 @@
 //! What kvepp learns from the model servers themselves: the load signals they publish on their
-//! Prometheus `/metrics` ([`metrics`]), and a small HTTP GET client shared by the fetchers.
+//! Prometheus `/metrics` ([`metrics`]), their `/metadata` documents ([`metadata`]), and a small HTTP
+//! GET client shared by both.
 
+pub mod metadata;
 pub mod metrics;
 
 use std::net::SocketAddr;

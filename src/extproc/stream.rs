@@ -389,7 +389,9 @@ impl StreamState {
                 if let Some(kv) = &shared.kv {
                     prompt = match prompt_input(&parsed) {
                         PromptInput::TokenIds(ids) => {
-                            Some(kv.blocks_from_tokens(&ids, None, PrefixMode::TokenIds))
+                            let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
+                            let lora = kv.lora_for(served);
+                            Some(kv.blocks_from_tokens(&ids, lora.as_deref(), PrefixMode::TokenIds))
                         }
                         PromptInput::Text(text) => Some(kv.blocks_from_text(&m.target_label, text)),
                         PromptInput::Absent => None,

@@ -12,11 +12,13 @@ use super::subscriber::{self, Delivery, Source, SubscriberStats, Timing};
 use super::{EventBatch, KvEvent};
 use crate::config::KvEventsConfig;
 use crate::discovery::Datastore;
+use crate::engine::metadata::{EngineMetadata, MetadataStore};
 use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
 use crate::request::blocks::local_block_hashes;
 use crate::selector::index::{IndexError, PrefixIndex};
 use crate::selector::kv::{worker_id, KvState};
 use crate::selector::slots::WorkerRank;
+use crate::selector::Endpoint;
 
 /// What applying one batch did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -78,16 +80,73 @@ pub fn apply_batch(
     out
 }
 
-/// Keeps one subscription per ready endpoint while KV events are enabled, forgets endpoints that
-/// leave the pool (index, approximate index, load), and refreshes the index gauges.
+/// Where one endpoint's ranks publish: its `/metadata` `kv_events` when it has them, else
+/// `tcp://<address>:<port>` (rank 0) when KV events are enabled in the configuration.
+fn sources_of(
+    ep: &Endpoint,
+    md: Option<&EngineMetadata>,
+    cfg: &KvEventsConfig,
+) -> Vec<(u32, Source)> {
+    let from_md: Vec<(u32, Source)> = md
+        .map(|m| m.kv_event_sources())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(rank, endpoint, replay_endpoint)| {
+            (
+                rank,
+                Source {
+                    endpoint,
+                    replay_endpoint,
+                    topic: cfg.topic.clone(),
+                },
+            )
+        })
+        .collect();
+    if !from_md.is_empty() || !cfg.enabled {
+        return from_md;
+    }
+    let ip = ep.addr.ip();
+    let host = if ip.is_ipv6() {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    };
+    vec![(
+        0,
+        Source {
+            endpoint: format!("tcp://{host}:{}", cfg.port),
+            replay_endpoint: cfg.replay_port.map(|p| format!("tcp://{host}:{p}")),
+            topic: cfg.topic.clone(),
+        },
+    )]
+}
+
+/// One endpoint's running subscriptions and what they were started for.
+struct Running {
+    sources: Vec<(u32, Source)>,
+    stops: Vec<watch::Sender<bool>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        for s in &self.stops {
+            let _ = s.send(true);
+        }
+    }
+}
+
+/// Keeps one subscription per publishing rank of every ready endpoint (re-subscribing when its
+/// metadata changes), forgets endpoints that leave the pool (index, approximate index, load), and
+/// refreshes the index gauges.
 pub async fn run_manager(
     kv: Arc<KvState>,
     store: Arc<Datastore>,
+    md: Arc<MetadataStore>,
     cfg: KvEventsConfig,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut subs: HashMap<Arc<str>, watch::Sender<bool>> = HashMap::new();
+    let mut subs: HashMap<Arc<str>, Running> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(200));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut known: Vec<Arc<str>> = Vec::new();
@@ -102,41 +161,37 @@ pub async fn run_manager(
         let snap = store.snapshot();
         let now: Vec<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
         for gone in known.iter().filter(|a| !now.contains(a)) {
-            if let Some(stop) = subs.remove(gone) {
-                let _ = stop.send(true);
-            }
+            subs.remove(gone);
             kv.forget(gone);
             tracing::info!(endpoint = %gone, "endpoint left the pool: its KV state is forgotten");
         }
-        if cfg.enabled {
-            for ep in &snap.endpoints {
-                if subs.contains_key(&ep.addr_str) {
-                    continue;
-                }
-                let ip = ep.addr.ip();
-                let host = if ip.is_ipv6() {
-                    format!("[{ip}]")
-                } else {
-                    ip.to_string()
-                };
-                let source = Source {
-                    endpoint: format!("tcp://{host}:{}", cfg.port),
-                    replay_endpoint: cfg.replay_port.map(|p| format!("tcp://{host}:{p}")),
-                    topic: cfg.topic.clone(),
-                };
-                let (stop_tx, stop_rx) = watch::channel(false);
-                tokio::spawn(subscription(
-                    kv.clone(),
-                    ep.addr_str.clone(),
-                    source,
-                    metrics.clone(),
-                    stop_rx,
-                ));
-                subs.insert(ep.addr_str.clone(), stop_tx);
+        for ep in &snap.endpoints {
+            let sources = sources_of(ep, md.get(&ep.addr).as_deref(), &cfg);
+            if subs.get(&ep.addr_str).map(|r| &r.sources) == Some(&sources) {
+                continue;
             }
+            let stops = sources
+                .iter()
+                .map(|(rank, source)| {
+                    let (stop_tx, stop_rx) = watch::channel(false);
+                    tokio::spawn(subscription(
+                        kv.clone(),
+                        ep.addr_str.clone(),
+                        *rank,
+                        source.clone(),
+                        metrics.clone(),
+                        stop_rx,
+                    ));
+                    stop_tx
+                })
+                .collect();
+            subs.insert(ep.addr_str.clone(), Running { sources, stops });
         }
         known = now;
-        metrics.kv.subscriptions.set(subs.len() as i64);
+        metrics
+            .kv
+            .subscriptions
+            .set(subs.values().map(|r| r.stops.len() as i64).sum());
         metrics.kv.block_size.set(i64::from(kv.block_size()));
         let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
         metrics.kv.index_blocks.set(index.block_count() as i64);
@@ -146,20 +201,18 @@ pub async fn run_manager(
             .index_memory_bytes
             .set(index.memory_bytes() as i64);
     }
-    for stop in subs.values() {
-        let _ = stop.send(true);
-    }
 }
 
 /// One endpoint's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(
     kv: Arc<KvState>,
     endpoint: Arc<str>,
+    rank: u32,
     source: Source,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
 ) {
-    tracing::info!(endpoint = %endpoint, events = %source.endpoint, "subscribing to KV events");
+    tracing::info!(endpoint = %endpoint, dp_rank = rank, events = %source.endpoint, "subscribing to KV events");
     let worker = worker_id(&endpoint);
     let labels = EndpointLabels { endpoint };
     let (tx, mut rx) = mpsc::channel(64);
@@ -187,7 +240,7 @@ async fn subscription(
                 Delivery::Batch { batch, .. } => {
                     let applied = {
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
-                        apply_batch(&mut index, worker, 0, kv.block_size(), &batch)
+                        apply_batch(&mut index, worker, rank, kv.block_size(), &batch)
                     };
                     metrics.kv.batches.get_or_create(&labels).inc();
                     metrics.kv.blocks_stored.inc_by(applied.stored);

@@ -149,6 +149,8 @@ pub struct KvState {
     slots: Mutex<SlotTracker>,
     next_request: AtomicU64,
     block_size: AtomicU32,
+    /// The engines' base model (from their metadata): any other model name is a LoRA adapter.
+    base_model: RwLock<Option<Arc<str>>>,
 }
 
 thread_local! {
@@ -172,6 +174,7 @@ impl KvState {
             slots: Mutex::new(SlotTracker::default()),
             next_request: AtomicU64::new(0),
             block_size: AtomicU32::new(settings.block_size.max(1)),
+            base_model: RwLock::new(None),
         }
     }
 
@@ -202,6 +205,31 @@ impl KvState {
     /// The index the KV events feed (write lock for events, read lock for picks).
     pub fn index(&self) -> &RwLock<PrefixIndex> {
         &self.index
+    }
+
+    /// An engine reported its base model name.
+    pub fn learn_base_model(&self, name: &str) {
+        let mut base = self
+            .base_model
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if base.as_deref() != Some(name) {
+            tracing::info!(model = name, "base model learned from engine metadata");
+            *base = Some(name.into());
+        }
+    }
+
+    /// The LoRA adapter a request for `model` runs with: the model itself when a base model is
+    /// known and differs from it (vLLM serves adapters under their own names), else none.
+    pub fn lora_for(&self, model: &str) -> Option<Arc<str>> {
+        let base = self
+            .base_model
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        match base.as_deref() {
+            Some(b) if b != model => Some(model.into()),
+            _ => None,
+        }
     }
 
     /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded).

@@ -56,6 +56,8 @@ pub struct Endpoint {
     pub name: Arc<str>,
     pub zone: Option<Arc<str>>,
     pub node: Option<Arc<str>>,
+    /// The port named `metadata` in its EndpointSlice: where the engine serves `/metadata`.
+    pub metadata_port: Option<u16>,
     /// Live load counters; shared across discovery updates for the same address.
     pub load: Arc<EndpointLoad>,
 }
@@ -212,6 +214,7 @@ pub(crate) mod tests {
             name: format!("pod-{port}").into(),
             zone: None,
             node: None,
+            metadata_port: None,
             load,
         })
     }

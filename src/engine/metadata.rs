@@ -1,0 +1,307 @@
+//! Per-endpoint metadata (seed 000's `Instance.metadata()`): when an endpoint's EndpointSlice lists a
+//! port named `metadata`, the engine's worker agent serves `GET /metadata` there:
+//!
+//! ```json
+//! {"model": {"name": "m", "type": "Completions",
+//!            "runtime_config": {"block_size": 16, "total_kv_blocks": 24064, "max_num_seqs": 256,
+//!                               "max_num_batched_tokens": 2048, "data_parallel_size": 1}},
+//!  "kv_events": {"endpoints": {"0": "tcp://10.1.2.3:5557"},
+//!                "replay_endpoints": {"0": "tcp://10.1.2.3:5558"}},
+//!  "topology_domains": {"zone": "us-east-1a"},
+//!  "role": "both"}
+//! ```
+//!
+//! Every field is optional and unknown fields are ignored. [`run_fetcher`] fetches it when an
+//! endpoint appears (or its metadata port changes), retries failures with exponential backoff, and
+//! refreshes it periodically; [`MetadataStore`] holds the latest per endpoint, with a version that
+//! changes whenever any entry does.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use tokio::sync::watch;
+
+use crate::discovery::Datastore;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct EngineMetadata {
+    #[serde(default)]
+    pub model: Option<ModelInfo>,
+    #[serde(default)]
+    pub kv_events: Option<KvEventsInfo>,
+    #[serde(default)]
+    pub topology_domains: BTreeMap<String, String>,
+    #[serde(default)]
+    pub role: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct ModelInfo {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub runtime_config: Option<RuntimeConfig>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct RuntimeConfig {
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    #[serde(default)]
+    pub total_kv_blocks: Option<u64>,
+    #[serde(default)]
+    pub max_num_seqs: Option<u64>,
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct KvEventsInfo {
+    /// Data-parallel rank (as a string key) → publisher endpoint.
+    #[serde(default)]
+    pub endpoints: BTreeMap<String, String>,
+    #[serde(default)]
+    pub replay_endpoints: BTreeMap<String, String>,
+}
+
+impl EngineMetadata {
+    pub fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+
+    pub fn block_size(&self) -> Option<u32> {
+        self.model.as_ref()?.runtime_config.as_ref()?.block_size
+    }
+
+    pub fn model_name(&self) -> Option<&str> {
+        self.model.as_ref()?.name.as_deref()
+    }
+
+    /// (rank, publisher, replay) for every rank with a valid number; others are skipped.
+    pub fn kv_event_sources(&self) -> Vec<(u32, String, Option<String>)> {
+        let Some(kv) = &self.kv_events else {
+            return Vec::new();
+        };
+        kv.endpoints
+            .iter()
+            .filter_map(|(rank, ep)| {
+                let r = rank.parse::<u32>().ok()?;
+                Some((r, ep.clone(), kv.replay_endpoints.get(rank).cloned()))
+            })
+            .collect()
+    }
+}
+
+/// The latest metadata of every endpoint that serves it.
+#[derive(Debug)]
+pub struct MetadataStore {
+    map: Mutex<HashMap<SocketAddr, Arc<EngineMetadata>>>,
+    version: watch::Sender<u64>,
+}
+
+impl Default for MetadataStore {
+    fn default() -> Self {
+        MetadataStore {
+            map: Mutex::new(HashMap::new()),
+            version: watch::channel(0).0,
+        }
+    }
+}
+
+impl MetadataStore {
+    pub fn get(&self, addr: &SocketAddr) -> Option<Arc<EngineMetadata>> {
+        self.lock().get(addr).cloned()
+    }
+
+    /// Bumped on every change.
+    pub fn version(&self) -> u64 {
+        *self.version.borrow()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<EngineMetadata>>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set(&self, addr: SocketAddr, md: EngineMetadata) -> bool {
+        let mut map = self.lock();
+        if map.get(&addr).is_some_and(|old| **old == md) {
+            return false;
+        }
+        map.insert(addr, Arc::new(md));
+        drop(map);
+        self.version.send_modify(|v| *v += 1);
+        true
+    }
+
+    fn remove(&self, addr: &SocketAddr) {
+        if self.lock().remove(addr).is_some() {
+            self.version.send_modify(|v| *v += 1);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct FetchSettings {
+    pub refresh: Duration,
+    pub timeout: Duration,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+impl Default for FetchSettings {
+    fn default() -> Self {
+        FetchSettings {
+            refresh: Duration::from_secs(30),
+            timeout: Duration::from_secs(2),
+            backoff_min: Duration::from_millis(250),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Due {
+    port: u16,
+    at: Instant,
+    backoff: Duration,
+    warned: bool,
+}
+
+/// Keeps `md` up to date for every ready endpoint with a `metadata` port; `on_update` sees each new
+/// or changed document.
+pub async fn run_fetcher(
+    store: Arc<Datastore>,
+    md: Arc<MetadataStore>,
+    settings: FetchSettings,
+    on_update: impl Fn(&EngineMetadata) + Send + Sync + 'static,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut due: HashMap<SocketAddr, Due> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let now = Instant::now();
+        let snap = store.snapshot();
+        let wanted: HashMap<SocketAddr, u16> = snap
+            .endpoints
+            .iter()
+            .filter_map(|e| Some((e.addr, e.metadata_port?)))
+            .collect();
+        due.retain(|addr, d| {
+            let keep = wanted.get(addr) == Some(&d.port);
+            if !keep {
+                md.remove(addr);
+            }
+            keep
+        });
+        for (&addr, &port) in &wanted {
+            due.entry(addr).or_insert(Due {
+                port,
+                at: now,
+                backoff: settings.backoff_min,
+                warned: false,
+            });
+        }
+        let mut fetches = tokio::task::JoinSet::new();
+        for (&addr, d) in due.iter().filter(|(_, d)| d.at <= now) {
+            let target = SocketAddr::new(addr.ip(), d.port);
+            fetches.spawn(async move {
+                let r = super::get(target, "/metadata", settings.timeout, 1 << 20)
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| EngineMetadata::parse(&b).map_err(|e| format!("/metadata: {e}")));
+                (addr, r)
+            });
+        }
+        while let Some(done) = fetches.join_next().await {
+            let Ok((addr, result)) = done else { continue };
+            let Some(d) = due.get_mut(&addr) else {
+                continue;
+            };
+            let now = Instant::now();
+            match result {
+                Ok(doc) => {
+                    d.at = now + settings.refresh;
+                    d.backoff = settings.backoff_min;
+                    d.warned = false;
+                    if md.set(addr, doc.clone()) {
+                        tracing::info!(endpoint = %addr, model = doc.model_name(), block_size = doc.block_size(),
+                            kv_event_ranks = doc.kv_event_sources().len(), "engine metadata updated");
+                        on_update(&doc);
+                    }
+                }
+                Err(e) => {
+                    if !d.warned {
+                        tracing::warn!(endpoint = %addr, error = %e, retry_in = ?d.backoff, "engine metadata fetch failed");
+                        d.warned = true;
+                    }
+                    d.at = now + d.backoff;
+                    d.backoff = (d.backoff * 2).min(settings.backoff_max);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_document_and_defaults() {
+        let doc = br#"{"model": {"name": "m", "type": "Completions",
+            "runtime_config": {"block_size": 16, "total_kv_blocks": 24064, "max_num_seqs": 256,
+                               "max_num_batched_tokens": 2048, "data_parallel_size": 2, "new": 1}},
+          "kv_events": {"endpoints": {"0": "tcp://10.1.2.3:5557", "1": "tcp://10.1.2.3:5558", "x": "tcp://bad"},
+                        "replay_endpoints": {"0": "tcp://10.1.2.3:5560"}},
+          "topology_domains": {"zone": "us-east-1a"},
+          "role": "both", "unknown": {"a": [1]}}"#;
+        let md = EngineMetadata::parse(doc).unwrap();
+        assert_eq!(md.block_size(), Some(16));
+        assert_eq!(md.model_name(), Some("m"));
+        assert_eq!(md.role.as_deref(), Some("both"));
+        assert_eq!(md.topology_domains["zone"], "us-east-1a");
+        assert_eq!(
+            md.kv_event_sources(),
+            vec![
+                (
+                    0,
+                    "tcp://10.1.2.3:5557".into(),
+                    Some("tcp://10.1.2.3:5560".into())
+                ),
+                (1, "tcp://10.1.2.3:5558".into(), None),
+            ]
+        );
+        let empty = EngineMetadata::parse(b"{}").unwrap();
+        assert_eq!(empty, EngineMetadata::default());
+        assert!(empty.kv_event_sources().is_empty());
+        assert!(EngineMetadata::parse(b"[1]").is_err());
+        assert!(
+            EngineMetadata::parse(br#"{"model": {"runtime_config": {"block_size": -1}}}"#).is_err()
+        );
+    }
+
+    #[test]
+    fn store_versions_only_on_change() {
+        let s = MetadataStore::default();
+        let a: SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert!(s.set(a, EngineMetadata::default()));
+        assert!(!s.set(a, EngineMetadata::default()));
+        assert_eq!(s.version(), 1);
+        s.remove(&a);
+        assert_eq!((s.version(), s.get(&a)), (2, None));
+    }
+}
