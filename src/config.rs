@@ -181,6 +181,10 @@ pub struct Config {
     pub kv_events: KvEventsConfig,
     /// Approximate prefix mode (no tokenizer): blocks remembered per endpoint.
     pub approx_blocks_per_endpoint: usize,
+    /// Served model name → directory with its HuggingFace `tokenizer.json` (and
+    /// `tokenizer_config.json` for the chat template). Models without one use approximate
+    /// prefix matching.
+    pub tokenizers: std::collections::BTreeMap<String, PathBuf>,
 }
 
 impl Default for Config {
@@ -208,6 +212,7 @@ impl Default for Config {
             router: RouterConfig::default(),
             kv_events: KvEventsConfig::default(),
             approx_blocks_per_endpoint: 32_768,
+            tokenizers: Default::default(),
         }
     }
 }
@@ -466,6 +471,14 @@ impl Config {
                 "kv_events.port",
                 "must not be 0 when KV events are enabled".into(),
             );
+        }
+        for (model, dir) in &self.tokenizers {
+            if !dir.join("tokenizer.json").is_file() {
+                bad(
+                    "tokenizers",
+                    format!("{model}: {} has no tokenizer.json", dir.display()),
+                );
+            }
         }
         if self.approx_blocks_per_endpoint == 0 {
             bad("approx_blocks_per_endpoint", "must be at least 1".into());

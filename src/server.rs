@@ -18,6 +18,7 @@ use crate::discovery::{Datastore, DiscoverySource, ManifestDir, PoolRef};
 use crate::engine::metadata::{FetchSettings, MetadataStore};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
+use crate::request::tokenize::ModelTokenizer;
 use crate::selector::{KvPicker, KvSettings, KvState, LeastLoaded, Saturation, Selector};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -32,6 +33,11 @@ pub enum ServerError {
     },
     #[error("{what} server failed: {message}")]
     Serve { what: &'static str, message: String },
+    #[error("tokenizer of model {model}: {source}")]
+    Tokenizer {
+        model: String,
+        source: crate::request::tokenize::TokenizeError,
+    },
 }
 
 /// The three listening sockets; bound before serving so callers (and tests) can use port 0.
@@ -210,6 +216,14 @@ pub async fn run(
         max_body_bytes: cfg.max_body_bytes,
     };
     let mut shared = Shared::new(store.clone(), selector, metrics.clone(), settings);
+    for (model, dir) in &cfg.tokenizers {
+        let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
+            model: model.clone(),
+            source,
+        })?;
+        tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
+        shared.tokenizers.insert(model.clone(), Arc::new(t));
+    }
     if let Some(kv) = kv {
         shared = shared.with_kv(kv);
     }

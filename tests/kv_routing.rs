@@ -14,6 +14,7 @@ use axum::extract::State;
 use axum::routing::post;
 use common::*;
 use http_body_util::BodyExt;
+use kvepp::request::tokenize::ModelTokenizer;
 use kvepp::testing::fnv64;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify};
@@ -26,6 +27,8 @@ struct EngineState {
     block: usize,
     /// What `/metadata` answers.
     metadata: serde_json::Value,
+    /// Chat requests are tokenized with it (the fixture tokenizer, as the engine would).
+    tokenizer: ModelTokenizer,
     events: mpsc::UnboundedSender<Vec<u8>>,
     release: Notify,
 }
@@ -62,7 +65,13 @@ fn stored_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
 
 async fn completions(State(st): State<Arc<EngineState>>, body: Bytes) -> axum::response::Response {
     let v: serde_json::Value = serde_json::from_slice(&body).expect("json body");
-    let tokens: Vec<u32> = serde_json::from_value(v["prompt"].clone()).expect("token ids");
+    let tokens: Vec<u32> = match v.get("messages") {
+        Some(m) => {
+            let raw = serde_json::value::RawValue::from_string(m.to_string()).expect("raw");
+            st.tokenizer.chat_ids(&raw).expect("chat template")
+        }
+        None => serde_json::from_value(v["prompt"].clone()).expect("token ids"),
+    };
     st.events
         .send(stored_batch(&st.name, st.block, &tokens))
         .expect("publisher alive");
@@ -125,11 +134,13 @@ impl Engine {
             name: name.into(),
             block,
             metadata,
+            tokenizer: ModelTokenizer::load(&fixture_tokenizer()).expect("fixture tokenizer"),
             events: tx,
             release: Notify::new(),
         });
         let app = axum::Router::new()
             .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(completions))
             .route(
                 "/metadata",
                 axum::routing::get(|State(st): State<Arc<EngineState>>| async move {
@@ -249,6 +260,83 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
         .await
         .expect("mode metric");
     assert_eq!(mode, 9.0, "every pick counted in token-id mode");
+    drop(envoy);
+    epp.stop().await;
+}
+
+fn fixture_tokenizer() -> std::path::PathBuf {
+    repo_root().join("tests/fixtures/tokenizer")
+}
+
+async fn chat_served_by(envoy: &Envoy, messages: &serde_json::Value) -> String {
+    let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+    let r = http(
+        envoy.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["engine"].as_str().expect("engine").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompts_are_tokenized_with_the_model_template() {
+    // kvepp has the model's tokenizer and chat template; the engines tokenize the same way, so
+    // a conversation's later turns find the blocks its first turn left on one engine.
+    let events_port = free_port();
+    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
+    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    let epp = Epp::start(&m, |c| {
+        c.kv_events.enabled = true;
+        c.kv_events.port = events_port;
+        c.block_size = Some(BLOCK as u32);
+        c.engine_metrics.enabled = false;
+        c.tokenizers.insert("m".into(), fixture_tokenizer());
+    })
+    .await;
+    for e in [&a, &b] {
+        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
+        wait_for("events from both engines", || {
+            let s = series.clone();
+            let epp = &epp;
+            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
+        })
+        .await;
+    }
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let system = "You are a helpful assistant. Answer briefly and precisely. ".repeat(8);
+    let mut conversation = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is KV cache aware routing?"}
+    ]);
+    let holder = chat_served_by(&envoy, &conversation).await;
+    wait_for("the conversation in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    for turn in 0..3 {
+        let turns = conversation.as_array_mut().expect("array");
+        turns.push(serde_json::json!({"role": "assistant", "content": "It sends a request to the pod holding its prefix."}));
+        turns.push(
+            serde_json::json!({"role": "user", "content": format!("Follow-up question {turn}?")}),
+        );
+        assert_eq!(
+            chat_served_by(&envoy, &conversation).await,
+            holder,
+            "turn {turn}"
+        );
+    }
+    let tokens_mode = epp
+        .metric("kvepp_kv_prefix_mode_total{mode=\"tokens\"}")
+        .await
+        .expect("mode metric");
+    assert_eq!(tokens_mode, 4.0);
     drop(envoy);
     epp.stop().await;
 }

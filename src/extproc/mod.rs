@@ -42,6 +42,9 @@ pub struct Shared {
     pub settings: Settings,
     /// The KV-aware picker's state, when it is the picker (prompt hashing and booking).
     pub kv: Option<Arc<crate::selector::KvState>>,
+    /// Tokenizers by served model name (the KV-aware picker's `tokens` mode).
+    pub tokenizers:
+        std::collections::HashMap<String, Arc<crate::request::tokenize::ModelTokenizer>>,
     /// Metric labels, allocated once: requests without a body, models with no InferenceModel, and
     /// requests answered before a pick.
     no_model: Arc<str>,
@@ -68,6 +71,7 @@ impl Shared {
             metrics,
             settings,
             kv: None,
+            tokenizers: Default::default(),
             no_model: "none".into(),
             unlisted_model: crate::request::UNLISTED_MODEL_LABEL.into(),
             no_endpoint: "".into(),

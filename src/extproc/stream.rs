@@ -26,7 +26,7 @@ use super::response as resp;
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
 use crate::request::{
-    parse_body, prompt_input, resolve_model, BodyError, ModelError, PromptInput, Rewrite,
+    parse_body, prompt_blocks, prompt_input, resolve_model, BodyError, ModelError, Rewrite,
 };
 use crate::selector::{
     Booking, Criticality, Pick, PickError, PickRequest, PrefixMode, PromptBlocks,
@@ -387,15 +387,14 @@ impl StreamState {
                 };
                 let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
                 if let Some(kv) = &shared.kv {
-                    prompt = match prompt_input(&parsed) {
-                        PromptInput::TokenIds(ids) => {
-                            let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
-                            let lora = kv.lora_for(served);
-                            Some(kv.blocks_from_tokens(&ids, lora.as_deref(), PrefixMode::TokenIds))
-                        }
-                        PromptInput::Text(text) => Some(kv.blocks_from_text(&m.target_label, text)),
-                        PromptInput::Absent => None,
-                    };
+                    let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
+                    prompt = prompt_blocks(
+                        kv,
+                        shared.tokenizers.get(served).map(|t| &**t),
+                        prompt_input(&parsed),
+                        served,
+                        &m.target_label,
+                    );
                 }
                 (m.criticality, m.model_label, m.target_label, rewrite)
             }

@@ -9,7 +9,8 @@ pub mod blocks;
 mod body;
 mod model;
 mod prompt;
+pub mod tokenize;
 
 pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
-pub use prompt::{prompt_input, PromptInput};
+pub use prompt::{prompt_blocks, prompt_input, PromptInput};

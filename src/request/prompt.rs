@@ -2,34 +2,92 @@
 
 use serde_json::value::RawValue;
 
+use super::tokenize::ModelTokenizer;
 use super::ParsedBody;
+use crate::selector::{KvState, PrefixMode, PromptBlocks};
 
-#[derive(Debug, PartialEq, Eq)]
+/// Prompts at least this large are tokenized off the async worker (`block_in_place`), so one big
+/// prompt does not stall the other streams on that thread.
+pub const OFFLOAD_TOKENIZE_BYTES: usize = 32 << 10;
+
+#[derive(Debug)]
 pub enum PromptInput<'a> {
     /// A completions `prompt` given as token ids (used as is, no tokenizer).
     TokenIds(Vec<u32>),
-    /// The raw JSON of `messages` (chat) or `prompt` (completions text).
-    Text(&'a [u8]),
+    /// The raw JSON of a chat request's `messages`.
+    Messages(&'a RawValue),
+    /// The raw JSON of a completions `prompt` that is not token ids (a string, or a batch).
+    Prompt(&'a RawValue),
     /// No prompt in the body.
     Absent,
 }
 
-/// Token ids when `prompt` is a flat list of integers, else the raw bytes of `messages` or
-/// `prompt` (messages win: a chat request's prompt is its conversation).
-pub fn prompt_input<'a>(body: &ParsedBody<'a>) -> PromptInput<'a> {
-    fn raw(v: &RawValue) -> &[u8] {
-        v.get().as_bytes()
+impl<'a> PromptInput<'a> {
+    /// The raw JSON text (what approximate prefix hashing reads).
+    pub fn raw_bytes(&self) -> Option<&'a [u8]> {
+        match self {
+            PromptInput::Messages(r) | PromptInput::Prompt(r) => Some(r.get().as_bytes()),
+            _ => None,
+        }
     }
+}
+
+/// Token ids when `prompt` is a flat list of integers, else the raw `messages` or `prompt`
+/// (messages win: a chat request's prompt is its conversation).
+pub fn prompt_input<'a>(body: &ParsedBody<'a>) -> PromptInput<'a> {
     if let Some(m) = body.messages {
-        return PromptInput::Text(raw(m));
+        return PromptInput::Messages(m);
     }
     match body.prompt {
         None => PromptInput::Absent,
         Some(p) if p.get().starts_with('[') => match serde_json::from_str::<Vec<u32>>(p.get()) {
             Ok(ids) => PromptInput::TokenIds(ids),
-            Err(_) => PromptInput::Text(raw(p)),
+            Err(_) => PromptInput::Prompt(p),
         },
-        Some(p) => PromptInput::Text(raw(p)),
+        Some(p) => PromptInput::Prompt(p),
+    }
+}
+
+/// The prompt as KV blocks: token ids as given; tokenized when the served model has a tokenizer;
+/// else (or when tokenizing fails) approximate byte blocks scoped by `scope`. None without a
+/// prompt.
+pub fn prompt_blocks(
+    kv: &KvState,
+    tokenizer: Option<&ModelTokenizer>,
+    input: PromptInput<'_>,
+    served_model: &str,
+    scope: &str,
+) -> Option<PromptBlocks> {
+    let lora = kv.lora_for(served_model);
+    let tokens = match (&input, tokenizer) {
+        (PromptInput::TokenIds(ids), _) => {
+            return Some(kv.blocks_from_tokens(ids, lora.as_deref(), PrefixMode::TokenIds))
+        }
+        (PromptInput::Absent, _) => return None,
+        (PromptInput::Messages(raw), Some(t)) => Some(offload(raw.get().len(), || t.chat_ids(raw))),
+        (PromptInput::Prompt(raw), Some(t)) => {
+            Some(offload(raw.get().len(), || t.completion_ids(raw)))
+        }
+        (_, None) => None,
+    };
+    match tokens {
+        Some(Ok(ids)) => Some(kv.blocks_from_tokens(&ids, lora.as_deref(), PrefixMode::Tokens)),
+        Some(Err(e)) => {
+            tracing::debug!(model = served_model, error = %e, "tokenization failed; approximate prefix used");
+            input.raw_bytes().map(|b| kv.blocks_from_text(scope, b))
+        }
+        None => input.raw_bytes().map(|b| kv.blocks_from_text(scope, b)),
+    }
+}
+
+fn offload<T>(len: usize, f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    let multi =
+        Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+    if len >= OFFLOAD_TOKENIZE_BYTES && multi {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 
@@ -38,33 +96,43 @@ mod tests {
     use super::*;
     use crate::request::parse_body;
 
-    fn input(body: &str) -> PromptInput<'_> {
-        prompt_input(&parse_body(body.as_bytes()).unwrap())
+    /// (kind, raw text) of the prompt input.
+    fn input(body: &str) -> (&'static str, Option<String>) {
+        match prompt_input(&parse_body(body.as_bytes()).unwrap()) {
+            PromptInput::TokenIds(ids) => ("ids", Some(format!("{ids:?}"))),
+            PromptInput::Messages(r) => ("messages", Some(r.get().to_owned())),
+            PromptInput::Prompt(r) => ("prompt", Some(r.get().to_owned())),
+            PromptInput::Absent => ("absent", None),
+        }
+    }
+
+    fn some(kind: &'static str, text: &str) -> (&'static str, Option<String>) {
+        (kind, Some(text.to_owned()))
     }
 
     #[test]
     fn token_ids_text_and_absent() {
         assert_eq!(
             input(r#"{"model":"m","prompt":[1, 2,3]}"#),
-            PromptInput::TokenIds(vec![1, 2, 3])
+            some("ids", "[1, 2, 3]")
         );
         assert_eq!(
             input(r#"{"model":"m","prompt":"hi \"x\""}"#),
-            PromptInput::Text(br#""hi \"x\"""#)
+            some("prompt", r#""hi \"x\"""#)
         );
         // A batch of prompts or negative numbers are not one token-id prompt.
         assert_eq!(
             input(r#"{"model":"m","prompt":[[1],[2]]}"#),
-            PromptInput::Text(b"[[1],[2]]")
+            some("prompt", "[[1],[2]]")
         );
         assert_eq!(
             input(r#"{"model":"m","prompt":[-1]}"#),
-            PromptInput::Text(b"[-1]")
+            some("prompt", "[-1]")
         );
         assert_eq!(
             input(r#"{"messages":[{"role":"user","content":"a"}],"model":"m","prompt":[1]}"#),
-            PromptInput::Text(br#"[{"role":"user","content":"a"}]"#)
+            some("messages", r#"[{"role":"user","content":"a"}]"#)
         );
-        assert_eq!(input(r#"{"model":"m"}"#), PromptInput::Absent);
+        assert_eq!(input(r#"{"model":"m"}"#), ("absent", None));
     }
 }
