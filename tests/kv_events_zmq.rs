@@ -254,3 +254,235 @@ async fn subscriber_started_before_the_publisher_connects_when_it_appears() {
     assert_eq!(batch_seqs(&joined), (0..=last).collect::<Vec<_>>());
     p.quit().await;
 }
+
+// ------------------------------------------------------------------ into the index
+
+use kvepp::kv_events::apply::apply_batch;
+use kvepp::request::blocks::{local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash};
+use kvepp::selector::index::reference::ReferenceIndex;
+use kvepp::selector::index::{EngineBlockHash, PrefixIndex, Tier};
+use kvepp::selector::slots::WorkerRank;
+
+const BS: usize = 4;
+const WORKER: u64 = 7;
+
+/// A random event stream of one engine, kept as the engine would know it: stored chains (engine
+/// hashes of its own), their removal, and clears. Also applied to the reference index.
+struct Engine {
+    rng: fastrand::Rng,
+    /// Chains stored so far: (tokens, engine hashes).
+    chains: Vec<(Vec<u32>, Vec<u64>)>,
+    reference: ReferenceIndex,
+}
+
+type WireEvent = (
+    &'static str,
+    Vec<u64>,
+    Option<u64>,
+    Vec<u32>,
+    u32,
+    Option<u32>,
+    Option<String>,
+);
+
+impl Engine {
+    fn rank() -> WorkerRank {
+        WorkerRank {
+            worker: WORKER,
+            dp_rank: 0,
+        }
+    }
+
+    fn engine_hashes(tokens: &[u32]) -> Vec<u64> {
+        let locals = local_block_hashes(tokens, BS, None);
+        sequence_hashes(&locals)
+            .iter()
+            .map(|s| s.0 ^ 0xE16E_0000_0000_0001)
+            .collect()
+    }
+
+    /// One msgpack batch (legacy arrays) of 1–3 random events, applied to the reference too.
+    fn batch(&mut self) -> Vec<u8> {
+        let mut events: Vec<WireEvent> = Vec::new();
+        for _ in 0..self.rng.usize(1..=3) {
+            let r = self.rng.u8(0..20);
+            if r < 12 || self.chains.is_empty() {
+                let n = self.rng.usize(1..=4) * BS;
+                let tokens: Vec<u32> = (0..n).map(|_| self.rng.u32(0..3)).collect();
+                let hashes = Self::engine_hashes(&tokens);
+                let locals: Vec<LocalBlockHash> = local_block_hashes(&tokens, BS, None);
+                let _ = self.reference.store(
+                    Self::rank(),
+                    Tier::Device,
+                    None,
+                    hashes.iter().map(|&h| EngineBlockHash(h)).zip(locals),
+                );
+                events.push((
+                    "BlockStored",
+                    hashes.clone(),
+                    None,
+                    tokens.clone(),
+                    BS as u32,
+                    None,
+                    None,
+                ));
+                self.chains.push((tokens, hashes));
+            } else if r < 19 {
+                let i = self.rng.usize(..self.chains.len());
+                let (_, hashes) = self.chains.swap_remove(i);
+                let tail: Vec<u64> = hashes
+                    .iter()
+                    .rev()
+                    .take(self.rng.usize(1..=hashes.len()))
+                    .copied()
+                    .collect();
+                self.reference.remove(
+                    Self::rank(),
+                    Tier::Device,
+                    tail.iter().map(|&h| EngineBlockHash(h)),
+                );
+                // Removal events carry only hashes; the rest of the tuple is padding for the type.
+                events.push(("BlockRemoved", tail, None, Vec::new(), 0, None, None));
+            } else {
+                self.reference.clear_rank(Self::rank());
+                self.chains.clear();
+                events.push((
+                    "AllBlocksCleared",
+                    Vec::new(),
+                    None,
+                    Vec::new(),
+                    0,
+                    None,
+                    None,
+                ));
+            }
+        }
+        encode(&events)
+    }
+}
+
+/// Legacy tagged arrays, trimmed to each event type's own fields: `[ts, [events...]]`.
+fn encode(events: &[WireEvent]) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    #[serde(untagged)]
+    enum Wire<'a> {
+        Stored(&'a WireEvent),
+        Removed((&'a str, &'a [u64])),
+        Cleared((&'a str,)),
+    }
+    let wire: Vec<Wire<'_>> = events
+        .iter()
+        .map(|e| match e.0 {
+            "BlockStored" => Wire::Stored(e),
+            "BlockRemoved" => Wire::Removed((e.0, &e.1)),
+            _ => Wire::Cleared((e.0,)),
+        })
+        .collect();
+    rmp_serde::to_vec(&(1.5f64, wire)).expect("msgpack")
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Applies deliveries as kvepp does until batch `last` has been applied.
+async fn drain_into(s: &mut Subscriber, index: &mut PrefixIndex, last: u64) {
+    loop {
+        match s.next().await {
+            Delivery::Batch { seq, batch } => {
+                apply_batch(index, WORKER, 0, BS as u32, &batch);
+                if seq == last {
+                    return;
+                }
+            }
+            Delivery::PublisherRestarted => index.remove_worker(WORKER),
+            Delivery::Lost { from, to } => {
+                panic!("lost {from}..{to}: replay should have filled it")
+            }
+        }
+    }
+}
+
+fn assert_converged(fast: &PrefixIndex, e: &Engine, rng: &mut fastrand::Rng) {
+    let rank = Engine::rank();
+    assert_eq!(
+        fast.rank_blocks(rank),
+        e.reference.rank_blocks(rank),
+        "pairs"
+    );
+    for _ in 0..300 {
+        let n = rng.usize(1..=5) * BS;
+        let tokens: Vec<u32> = (0..n).map(|_| rng.u32(0..3)).collect();
+        let q: Vec<SequenceHash> = sequence_hashes(&local_block_hashes(&tokens, BS, None));
+        let mut got = fast.overlaps(&q);
+        got.sort_by_key(|o| o.rank);
+        assert_eq!(got, e.reference.overlaps(&q), "query {tokens:?}");
+    }
+}
+
+#[tokio::test]
+async fn index_fed_over_zmq_converges_to_the_reference() {
+    let (port, replay) = (free_port(), free_port());
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let mut s = Subscriber::start(port, Some(replay));
+    let mut fast = PrefixIndex::default();
+    let mut rng = fastrand::Rng::with_seed(0x6b76_6570);
+
+    // Join with empty batches (the slow joiner's losses are replayed).
+    let empty = hex(&encode(&[]));
+    let mut seq = 0;
+    loop {
+        p.cmd(&format!("pubhex {seq} {empty}")).await;
+        if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(50), s.rx.recv()).await {
+            break;
+        }
+        seq += 1;
+    }
+    drain_into(&mut s, &mut fast, seq).await;
+
+    let mut engine = Engine {
+        rng: fastrand::Rng::with_seed(7),
+        chains: Vec::new(),
+        reference: ReferenceIndex::new(u64::MAX),
+    };
+    // 150 batches; every 7th never reaches the subscriber live and must be replayed.
+    for _ in 0..150 {
+        seq += 1;
+        let cmd = if seq % 7 == 0 { "skiphex" } else { "pubhex" };
+        p.cmd(&format!("{cmd} {seq} {}", hex(&engine.batch())))
+            .await;
+    }
+    seq += 1;
+    p.cmd(&format!("pubhex {seq} {empty}")).await;
+    drain_into(&mut s, &mut fast, seq).await;
+    assert!(
+        engine.reference.rank_blocks(Engine::rank()) > 0,
+        "the stream left blocks"
+    );
+    assert_converged(&fast, &engine, &mut rng);
+
+    // The engine restarts: everything it held is gone, and its new stream starts at 0.
+    p.quit().await;
+    engine.reference.remove_worker(WORKER);
+    engine.chains.clear();
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let mut seq = 0;
+    loop {
+        p.cmd(&format!("pubhex {seq} {}", hex(&engine.batch())))
+            .await;
+        if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(50), s.rx.recv()).await {
+            assert_eq!(d, Delivery::PublisherRestarted);
+            fast.remove_worker(WORKER);
+            break;
+        }
+        seq += 1;
+    }
+    for _ in 0..40 {
+        seq += 1;
+        p.cmd(&format!("pubhex {seq} {}", hex(&engine.batch())))
+            .await;
+    }
+    drain_into(&mut s, &mut fast, seq).await;
+    assert_converged(&fast, &engine, &mut rng);
+    p.quit().await;
+}

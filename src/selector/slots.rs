@@ -58,6 +58,15 @@ struct RankState {
     active_requests: u32,
     prefill_tokens: u64,
     blocks: HashMap<SequenceHash, u32>,
+    /// Output blocks of active requests, each weighted by its decay fraction.
+    output_blocks: f64,
+}
+
+impl RankState {
+    /// Prompt blocks (distinct) plus weighted output blocks, rounded.
+    fn decode_blocks(&self) -> u64 {
+        self.blocks.len() as u64 + self.output_blocks.max(0.0).round() as u64
+    }
 }
 
 #[derive(Debug)]
@@ -66,6 +75,8 @@ struct Active {
     hashes: Vec<SequenceHash>,
     /// Tokens still in prefill (0 once prefill completed).
     prefill_tokens: u64,
+    /// Sum of this request's output-block weights.
+    output_blocks: f64,
     added: Instant,
 }
 
@@ -131,6 +142,7 @@ impl SlotTracker {
             rank,
             hashes: hashes.to_vec(),
             prefill_tokens: new_isl_tokens,
+            output_blocks: 0.0,
             added: now,
         };
         self.requests.insert(request_id.to_owned(), active);
@@ -151,6 +163,30 @@ impl SlotTracker {
         Ok(())
     }
 
+    /// The request produced another block of output: it adds `decay_fraction` (default 1, clamped
+    /// to [0, 1]) of a block to its rank's decode load until the request ends.
+    pub fn add_output_block(
+        &mut self,
+        request_id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), SlotError> {
+        let active = self
+            .requests
+            .get_mut(request_id)
+            .ok_or_else(|| SlotError::UnknownRequest(request_id.to_owned()))?;
+        let w = decay_fraction.unwrap_or(1.0);
+        let w = if w.is_finite() {
+            w.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        active.output_blocks += w;
+        if let Some(state) = self.ranks.get_mut(&active.rank) {
+            state.output_blocks += w;
+        }
+        Ok(())
+    }
+
     /// Releases everything the request holds. Idempotent; returns whether it was active.
     pub fn free(&mut self, request_id: &str) -> bool {
         let Some(active) = self.requests.remove(request_id) else {
@@ -166,6 +202,10 @@ impl SlotTracker {
         };
         state.active_requests -= 1;
         state.prefill_tokens -= active.prefill_tokens;
+        state.output_blocks -= active.output_blocks;
+        if state.active_requests == 0 {
+            state.output_blocks = 0.0; // no float drift once idle
+        }
         for h in &active.hashes {
             if let Some(n) = state.blocks.get_mut(h) {
                 *n -= 1;
@@ -197,7 +237,7 @@ impl SlotTracker {
         self.ranks.get(&rank).map(|s| RankLoad {
             active_requests: s.active_requests,
             active_prefill_tokens: s.prefill_tokens,
-            active_decode_blocks: s.blocks.len() as u64,
+            active_decode_blocks: s.decode_blocks(),
         })
     }
 
@@ -212,7 +252,7 @@ impl SlotTracker {
         let (prefill, blocks, active, new_blocks) = match self.ranks.get(&rank) {
             Some(s) => (
                 s.prefill_tokens,
-                s.blocks.len() as u64,
+                s.decode_blocks(),
                 s.active_requests,
                 hashes.iter().filter(|h| !s.blocks.contains_key(h)).count() as u64,
             ),
@@ -238,7 +278,7 @@ impl SlotTracker {
             .map(|(rank, s)| PotentialLoad {
                 rank: *rank,
                 potential_prefill_tokens: s.prefill_tokens + new_isl_tokens,
-                potential_decode_blocks: s.blocks.len() as u64
+                potential_decode_blocks: s.decode_blocks()
                     + hashes.iter().filter(|h| !s.blocks.contains_key(h)).count() as u64,
                 active_requests: s.active_requests,
             })
@@ -268,6 +308,24 @@ mod tests {
         t.register(A);
         t.register(B);
         t
+    }
+
+    #[test]
+    fn output_blocks_weigh_by_decay_and_leave_with_the_request() {
+        let mut t = tracker();
+        let now = Instant::now();
+        t.add("a", A, &h(&[1, 2]), 32, now).unwrap();
+        t.add_output_block("a", None).unwrap();
+        t.add_output_block("a", Some(0.5)).unwrap();
+        t.add_output_block("a", Some(7.0)).unwrap(); // clamped to 1
+                                                     // 2 prompt blocks + (1 + 0.5 + 1) output blocks, rounded.
+        assert_eq!(t.load(A).unwrap().active_decode_blocks, 2 + 3);
+        assert_eq!(
+            t.add_output_block("nope", None),
+            Err(SlotError::UnknownRequest("nope".into()))
+        );
+        assert!(t.free("a"));
+        assert_eq!(t.load(A).unwrap().active_decode_blocks, 0);
     }
 
     #[test]
