@@ -61,7 +61,12 @@ except Exception:
 log = re.sub(r'\x1b\[[0-9;]*m', '', log)
 why = ""
 m = re.search(r'picked: (.*?) model=(\S*) target=(\S*) endpoint=(\S+) addr=(\S+) in_flight=(\d+)(?: fallback=(\S+))? candidates=(\d+) criticality=(\S+)', log)
-if m:
+kv = re.search(r'mode=(\S+) kv=Some\(KvDecision \{.*?device: (\d+).*?cost: ([0-9.e+-]+)', log)
+if m and kv:
+    why = f"KV-aware ({kv.group(1)} prefix: {kv.group(2)} cached blocks, cost {float(kv.group(3)):.1f}) of {m.group(8)} ready, {m.group(9)}"
+    if m.group(7):
+        why += f", fallback {m.group(7)}"
+elif m:
     why = f"least loaded of {m.group(8)} ready ({m.group(4)} had {m.group(6)} in flight), {m.group(9)}"
     if m.group(7):
         why += f", fallback {m.group(7)}"
@@ -78,6 +83,10 @@ for i in 1 2 3 4; do
   send "food-review #$i (90/10 LoRA split)" '{"model":"food-review","prompt":"Rate this taco"}'
 done
 send "batch-summaries (Sheddable)"       '{"model":"batch-summaries","prompt":"summarise"}'
+SYS="You are a meticulous assistant for a food delivery company. Answer in two sentences, cite the menu, never invent prices. "
+SYS="$SYS$SYS$SYS$SYS"
+send "long conversation, turn 1"         "{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"messages\":[{\"role\":\"system\",\"content\":\"$SYS\"},{\"role\":\"user\",\"content\":\"What is vegan?\"}]}" POST /v1/chat/completions
+send "same conversation, turn 2"         "{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"messages\":[{\"role\":\"system\",\"content\":\"$SYS\"},{\"role\":\"user\",\"content\":\"What is vegan?\"},{\"role\":\"assistant\",\"content\":\"Plants only.\"},{\"role\":\"user\",\"content\":\"And vegetarian?\"}]}" POST /v1/chat/completions
 send "GET /v1/models (no body)"          '' GET /v1/models
 send "unknown model"                     '{"model":"gpt-5","prompt":"x"}'
 send "malformed JSON"                    '{"model": "food-review", "prompt": '
