@@ -19,6 +19,7 @@ pub mod engine;
 pub mod extproc;
 pub mod kv_events;
 pub mod metrics;
+pub mod pace;
 pub mod request;
 pub mod selector;
 pub mod server;

@@ -155,6 +155,18 @@ impl Engine {
     }
 }
 
+/// Waits until kvepp has applied a batch from each engine (its subscriptions are live).
+async fn until_engines_publish(epp: &Epp, engines: &[&Engine]) {
+    for e in engines {
+        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
+        wait_for("events from every engine", || {
+            let s = series.clone();
+            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
+        })
+        .await;
+    }
+}
+
 fn prompt(tokens: &[u32], hold: bool) -> String {
     serde_json::json!({"model": "m", "prompt": tokens, "max_tokens": 8, "hold": hold}).to_string()
 }
@@ -172,14 +184,9 @@ async fn served_by(envoy: &Envoy, tokens: &[u32]) -> String {
     r.json()["engine"].as_str().expect("engine").to_owned()
 }
 
-fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| seed * 100_000 + i).collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
-    // Both engines publish on the same port number, each on its own loopback address (kvepp
-    // subscribes to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods).
+/// Engines a (127.0.0.2) and b (127.0.0.3) publishing on the same port number (kvepp subscribes
+/// to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods), and kvepp subscribed to both.
+async fn two_engines(tweak: impl FnOnce(&mut kvepp::config::Config)) -> (Engine, Engine, Epp) {
     let events_port = free_port();
     let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
     let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
@@ -190,17 +197,20 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
         c.kv_events.enabled = true;
         c.kv_events.port = events_port;
         c.block_size = Some(BLOCK as u32);
+        tweak(c);
     })
     .await;
-    for e in [&a, &b] {
-        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
-        wait_for("events from both engines", || {
-            let s = series.clone();
-            let epp = &epp;
-            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
-        })
-        .await;
-    }
+    until_engines_publish(&epp, &[&a, &b]).await;
+    (a, b, epp)
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
+    let (a, b, epp) = two_engines(|_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let engines = [("a", &a), ("b", &b)];
     let other = |n: &str| if n == "a" { "b" } else { "a" };
@@ -286,29 +296,11 @@ async fn chat_served_by(envoy: &Envoy, messages: &serde_json::Value) -> String {
 async fn chat_prompts_are_tokenized_with_the_model_template() {
     // kvepp has the model's tokenizer and chat template; the engines tokenize the same way, so
     // a conversation's later turns find the blocks its first turn left on one engine.
-    let events_port = free_port();
-    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
-    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
-    let mut m = pool_yaml("pool") + &standard_models();
-    m += &slice_yaml("a", a.http, true);
-    m += &slice_yaml("b", b.http, true);
-    let epp = Epp::start(&m, |c| {
-        c.kv_events.enabled = true;
-        c.kv_events.port = events_port;
-        c.block_size = Some(BLOCK as u32);
+    let (a, b, epp) = two_engines(|c| {
         c.engine_metrics.enabled = false;
         c.tokenizers.insert("m".into(), fixture_tokenizer());
     })
     .await;
-    for e in [&a, &b] {
-        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
-        wait_for("events from both engines", || {
-            let s = series.clone();
-            let epp = &epp;
-            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
-        })
-        .await;
-    }
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let system = "You are a helpful assistant. Answer briefly and precisely. ".repeat(8);
     let mut conversation = serde_json::json!([
@@ -368,15 +360,7 @@ async fn metadata_names_the_publishers_and_the_block_size() {
         (epp.metric("kvepp_kv_block_size").await? == block as f64).then_some(())
     })
     .await;
-    for e in [&a, &b] {
-        let series = format!("kvepp_kv_event_batches_total{{endpoint=\"{}\"}}", e.http);
-        wait_for("events from both engines", || {
-            let s = series.clone();
-            let epp = &epp;
-            async move { (epp.metric(&s).await? > 0.0).then_some(()) }
-        })
-        .await;
-    }
+    until_engines_publish(&epp, &[&a, &b]).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let shared = tokens(2, 3 * block);
     let holder = served_by(&envoy, &shared).await;

@@ -180,19 +180,11 @@ pub async fn run_fetcher(
     md: Arc<MetadataStore>,
     settings: FetchSettings,
     on_update: impl Fn(&EngineMetadata) + Send + Sync + 'static,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
     let mut due: HashMap<SocketAddr, Due> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => {}
-        }
-        if *shutdown.borrow() {
-            return;
-        }
+    let mut pace = crate::pace::Pace::new(Duration::from_millis(100), shutdown);
+    while pace.next().await {
         let now = Instant::now();
         let snap = store.snapshot();
         let wanted: HashMap<SocketAddr, u16> = snap

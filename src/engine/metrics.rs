@@ -94,20 +94,12 @@ pub async fn run_scraper(
     settings: ScrapeSettings,
     errors: prometheus_client::metrics::counter::Counter,
     on_block_size: impl Fn(u32) + Send + Sync + 'static,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
     let on_block_size = Arc::new(on_block_size);
-    let mut tick = tokio::time::interval(settings.interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
     let mut warned = std::collections::HashSet::new();
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => {}
-        }
-        if *shutdown.borrow() {
-            return;
-        }
+    while pace.next().await {
         let snap = store.snapshot();
         let mut scrapes = tokio::task::JoinSet::new();
         for ep in snap.endpoints.iter().cloned() {

@@ -144,20 +144,12 @@ pub async fn run_manager(
     md: Arc<MetadataStore>,
     cfg: KvEventsConfig,
     metrics: Arc<Metrics>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
     let mut subs: HashMap<Arc<str>, Running> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pace = crate::pace::Pace::new(Duration::from_millis(200), shutdown);
     let mut known: Vec<Arc<str>> = Vec::new();
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => {}
-        }
-        if *shutdown.borrow() {
-            break;
-        }
+    while pace.next().await {
         let snap = store.snapshot();
         let now: Vec<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
         for gone in known.iter().filter(|a| !now.contains(a)) {

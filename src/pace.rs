@@ -1,0 +1,29 @@
+//! Pacing of kvepp's background loops (discovery-driven fetchers, scrapers, subscription managers):
+//! a fixed period that never bursts to catch up, and a prompt stop on shutdown.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::{Interval, MissedTickBehavior};
+
+pub struct Pace {
+    tick: Interval,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Pace {
+    pub fn new(period: Duration, shutdown: watch::Receiver<bool>) -> Self {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Pace { tick, shutdown }
+    }
+
+    /// Waits for the next period; false once shutdown has been requested.
+    pub async fn next(&mut self) -> bool {
+        tokio::select! {
+            _ = self.tick.tick() => {}
+            _ = self.shutdown.changed() => {}
+        }
+        !*self.shutdown.borrow()
+    }
+}
