@@ -38,55 +38,6 @@ pub enum PickerKind {
     LeastLoaded,
 }
 
-/// The KV-aware cost knobs (Dynamo's names without the `DYN_ROUTER_` prefix; the
-/// `DYN_ROUTER_*` environment variables override the file).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RouterConfig {
-    pub kv_overlap_score_credit: f64,
-    pub host_cache_hit_weight: f64,
-    pub disk_cache_hit_weight: f64,
-    pub prefill_load_scale: f64,
-    pub decode_active_request_weight: f64,
-    pub temperature: f64,
-}
-
-impl Default for RouterConfig {
-    fn default() -> Self {
-        let w = CostWeights::default();
-        RouterConfig {
-            kv_overlap_score_credit: w.overlap_score_credit,
-            host_cache_hit_weight: w.host_cache_hit_weight,
-            disk_cache_hit_weight: w.disk_cache_hit_weight,
-            prefill_load_scale: w.prefill_load_scale,
-            decode_active_request_weight: w.decode_active_request_weight,
-            temperature: w.temperature,
-        }
-    }
-}
-
-impl RouterConfig {
-    pub fn weights(&self) -> CostWeights {
-        CostWeights {
-            overlap_score_credit: self.kv_overlap_score_credit,
-            host_cache_hit_weight: self.host_cache_hit_weight,
-            disk_cache_hit_weight: self.disk_cache_hit_weight,
-            prefill_load_scale: self.prefill_load_scale,
-            decode_active_request_weight: self.decode_active_request_weight,
-            temperature: self.temperature,
-        }
-    }
-
-    fn set(&mut self, w: CostWeights) {
-        self.kv_overlap_score_credit = w.overlap_score_credit;
-        self.host_cache_hit_weight = w.host_cache_hit_weight;
-        self.disk_cache_hit_weight = w.disk_cache_hit_weight;
-        self.prefill_load_scale = w.prefill_load_scale;
-        self.decode_active_request_weight = w.decode_active_request_weight;
-        self.temperature = w.temperature;
-    }
-}
-
 /// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -177,7 +128,8 @@ pub struct Config {
     /// engines' `vllm:cache_config_info` (16 until then).
     pub block_size: Option<u32>,
     pub engine_metrics: EngineMetricsConfig,
-    pub router: RouterConfig,
+    /// The KV-aware cost knobs; the `DYN_ROUTER_*` environment variables override the file.
+    pub router: CostWeights,
     pub kv_events: KvEventsConfig,
     /// Approximate prefix mode (no tokenizer): blocks remembered per endpoint.
     pub approx_blocks_per_endpoint: usize,
@@ -209,7 +161,7 @@ impl Default for Config {
             picker: PickerKind::KvAware,
             block_size: None,
             engine_metrics: EngineMetricsConfig::default(),
-            router: RouterConfig::default(),
+            router: CostWeights::default(),
             kv_events: KvEventsConfig::default(),
             approx_blocks_per_endpoint: 32_768,
             tokenizers: Default::default(),
@@ -340,8 +292,8 @@ impl Config {
             cfg.kv_events.replay_port = args.kv_events_replay_port;
         }
         // Dynamo's knobs from the environment override the file.
-        match cfg.router.weights().with_env(|k| std::env::var(k).ok()) {
-            Ok(w) => cfg.router.set(w),
+        match cfg.router.with_env(|k| std::env::var(k).ok()) {
+            Ok(w) => cfg.router = w,
             Err(errs) => {
                 return Err(ConfigError::Invalid(
                     errs.into_iter()
@@ -463,7 +415,7 @@ impl Config {
                 format!("{} must be > 0 (≥ 1 disables)", em.kv_cache_threshold),
             );
         }
-        for e in self.router.weights().validate() {
+        for e in self.router.validate() {
             bad("router", format!("{}: {}", e.name, e.message));
         }
         if self.kv_events.enabled && self.kv_events.port == 0 {

@@ -157,7 +157,7 @@ pub async fn run(
             let kv = Arc::new(KvState::new(KvSettings {
                 block_size: cfg.block_size.unwrap_or(16),
                 learn_block_size: cfg.block_size.is_none(),
-                weights: cfg.router.weights(),
+                weights: cfg.router,
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
                 ..KvSettings::default()
             }));

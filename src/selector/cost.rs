@@ -30,10 +30,13 @@ pub struct CandidateLoad {
     pub active_requests: u32,
 }
 
-/// The knobs, with Dynamo's names and defaults.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The knobs, with Dynamo's names and defaults (in the config file: the `DYN_ROUTER_*` names in
+/// lower case without the prefix, every field optional, unknown fields rejected).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct CostWeights {
     /// `DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT` (1.0): credit per device-cached block.
+    #[serde(rename = "kv_overlap_score_credit")]
     pub overlap_score_credit: f64,
     /// `DYN_ROUTER_HOST_CACHE_HIT_WEIGHT` (0.75).
     pub host_cache_hit_weight: f64,
