@@ -105,17 +105,13 @@ fn sources_of(
     if !from_md.is_empty() || !cfg.enabled {
         return from_md;
     }
-    let ip = ep.addr.ip();
-    let host = if ip.is_ipv6() {
-        format!("[{ip}]")
-    } else {
-        ip.to_string()
-    };
+    // SocketAddr's Display brackets IPv6 addresses, as ZMQ endpoints need.
+    let at = |port| format!("tcp://{}", std::net::SocketAddr::new(ep.addr.ip(), port));
     vec![(
         0,
         Source {
-            endpoint: format!("tcp://{host}:{}", cfg.port),
-            replay_endpoint: cfg.replay_port.map(|p| format!("tcp://{host}:{p}")),
+            endpoint: at(cfg.port),
+            replay_endpoint: cfg.replay_port.map(at),
             topic: cfg.topic.clone(),
         },
     )]
@@ -217,18 +213,18 @@ async fn subscription(
         stop,
     ));
     let mut seen_undecodable = 0;
+    // The tick only refreshes the undecodable counter while nothing decodable arrives.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
-        let d = tokio::select! {
+        let delivery = tokio::select! {
             d = rx.recv() => match d {
                 Some(d) => Some(d),
                 None => break,
             },
             _ = tick.tick() => None,
         };
-        match d {
-            None => {}
-            Some(d) => match d {
+        if let Some(d) = delivery {
+            match d {
                 Delivery::Batch { batch, .. } => {
                     let applied = {
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
@@ -255,7 +251,7 @@ async fn subscription(
                 Delivery::Lost { from, to } => {
                     metrics.kv.lost_batches.inc_by(to.saturating_sub(from));
                 }
-            },
+            }
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
         metrics
@@ -265,4 +261,56 @@ async fn subscription(
         seen_undecodable = undecodable;
     }
     let _ = task.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(addr: &str) -> Endpoint {
+        let addr: std::net::SocketAddr = addr.parse().expect("addr");
+        Endpoint {
+            addr,
+            addr_str: addr.to_string().into(),
+            name: "pod".into(),
+            zone: None,
+            node: None,
+            metadata_port: None,
+            load: Default::default(),
+        }
+    }
+
+    #[test]
+    fn configured_sources_per_address_family_and_metadata_first() {
+        let cfg = KvEventsConfig {
+            enabled: true,
+            port: 5557,
+            replay_port: Some(5558),
+            topic: "kv".into(),
+        };
+        let v6 = sources_of(&endpoint("[fd00::1]:8000"), None, &cfg);
+        assert_eq!(v6[0].1.endpoint, "tcp://[fd00::1]:5557");
+        assert_eq!(
+            v6[0].1.replay_endpoint.as_deref(),
+            Some("tcp://[fd00::1]:5558")
+        );
+        let v4 = sources_of(&endpoint("10.0.0.7:8000"), None, &cfg);
+        assert_eq!(
+            (v4[0].0, v4[0].1.endpoint.as_str()),
+            (0, "tcp://10.0.0.7:5557")
+        );
+        let md =
+            EngineMetadata::parse(br#"{"kv_events": {"endpoints": {"1": "tcp://10.0.0.7:6001"}}}"#)
+                .expect("metadata");
+        let from_md = sources_of(&endpoint("10.0.0.7:8000"), Some(&md), &cfg);
+        assert_eq!(
+            (from_md[0].0, from_md[0].1.endpoint.as_str()),
+            (1, "tcp://10.0.0.7:6001")
+        );
+        let off = KvEventsConfig {
+            enabled: false,
+            ..cfg
+        };
+        assert!(sources_of(&endpoint("10.0.0.7:8000"), None, &off).is_empty());
+    }
 }
