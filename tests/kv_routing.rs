@@ -296,7 +296,7 @@ async fn chat_served_by(envoy: &Envoy, messages: &serde_json::Value) -> String {
 async fn chat_prompts_are_tokenized_with_the_model_template() {
     // kvepp has the model's tokenizer and chat template; the engines tokenize the same way, so
     // a conversation's later turns find the blocks its first turn left on one engine.
-    let (a, b, epp) = two_engines(|c| {
+    let (_a, _b, epp) = two_engines(|c| {
         c.engine_metrics.enabled = false;
         c.tokenizers.insert("m".into(), fixture_tokenizer());
     })

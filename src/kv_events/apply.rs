@@ -132,8 +132,8 @@ impl Drop for Running {
 }
 
 /// Keeps one subscription per publishing rank of every ready endpoint (re-subscribing when its
-/// metadata changes), forgets endpoints that leave the pool (index, approximate index, load), and
-/// refreshes the index gauges.
+/// metadata changes), forgets endpoints that leave the pool (index, approximate index, load),
+/// expires stale load bookings, and refreshes the index gauges.
 pub async fn run_manager(
     kv: Arc<KvState>,
     store: Arc<Datastore>,
@@ -176,6 +176,7 @@ pub async fn run_manager(
             subs.insert(ep.addr_str.clone(), Running { sources, stops });
         }
         known = now;
+        kv.expire_stale();
         metrics
             .kv
             .subscriptions

@@ -321,11 +321,10 @@ impl KvState {
         let bs = self.block_size();
         let mut loads = Vec::with_capacity(candidates.len());
         {
-            let mut slots = lock(&self.slots);
+            let slots = lock(&self.slots);
             for (&worker, &overlap) in workers.iter().zip(&overlaps) {
-                let rank = WorkerRank { worker, dp_rank: 0 };
-                slots.register(rank);
-                let l = slots.potential_load(rank, hashes, isl);
+                // An unregistered rank counts as idle; booking registers it.
+                let l = slots.potential_load(WorkerRank { worker, dp_rank: 0 }, hashes, isl);
                 loads.push(CandidateLoad {
                     overlap,
                     potential_prefill_tokens: l.potential_prefill_tokens,
@@ -385,20 +384,27 @@ impl KvState {
         if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
             lock(&self.approx).record(worker, p);
         }
-        let id = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let id = self
+            .next_request
+            .fetch_add(1, Ordering::Relaxed)
+            .to_string();
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
         let mut slots = lock(&self.slots);
         slots.register(rank);
-        let now = Instant::now();
-        slots.expire(now);
         let booked = slots
-            .add(&id.to_string(), rank, hashes, effective_prefill_tokens, now)
+            .add(&id, rank, hashes, effective_prefill_tokens, Instant::now())
             .is_ok();
         SlotGuard {
             state: self.clone(),
             id: booked.then_some(id),
             prefill_done: false,
         }
+    }
+
+    /// Drops bookings older than the stale-request limit (requests whose end was never seen).
+    /// Called periodically, off the pick path; returns how many.
+    pub fn expire_stale(&self) -> usize {
+        lock(&self.slots).expire(Instant::now())
     }
 
     /// Forgets an endpoint that left the pool (index, approximate index, load).
@@ -425,23 +431,24 @@ impl KvState {
 #[derive(Debug)]
 pub struct SlotGuard {
     state: Arc<KvState>,
-    id: Option<u64>,
+    /// The slot tracker's request id (None when booking failed).
+    id: Option<String>,
     prefill_done: bool,
 }
 
 impl SlotGuard {
     pub fn first_byte(&mut self) {
-        if let (Some(id), false) = (self.id, self.prefill_done) {
+        if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
-            let _ = lock(&self.state.slots).prefill_complete(&id.to_string());
+            let _ = lock(&self.state.slots).prefill_complete(id);
         }
     }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        if let Some(id) = self.id {
-            lock(&self.state.slots).free(&id.to_string());
+        if let Some(id) = &self.id {
+            lock(&self.state.slots).free(id);
         }
     }
 }
