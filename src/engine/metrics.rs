@@ -1,5 +1,6 @@
 //! The load signals a vLLM engine publishes on its Prometheus `/metrics`, scraped per endpoint at
-//! an interval ([`run_scraper`]) into [`EngineSignals`] beside our own in-flight counters.
+//! an interval ([`run_scraper`]) into each endpoint's load ([`crate::selector::EndpointLoad`]),
+//! beside our own in-flight counters.
 //!
 //! Read: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
 //! (older vLLM: `vllm:gpu_cache_usage_perc`), and the labels `block_size` / `num_gpu_blocks` of
@@ -93,14 +94,15 @@ pub async fn run_scraper(
     store: Arc<Datastore>,
     settings: ScrapeSettings,
     errors: prometheus_client::metrics::counter::Counter,
-    on_block_size: impl Fn(u32) + Send + Sync + 'static,
+    on_block_size: impl Fn(u32) + Send + 'static,
     shutdown: watch::Receiver<bool>,
 ) {
-    let on_block_size = Arc::new(on_block_size);
     let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
+    // Endpoints whose current run of failures was already logged at warn level.
     let mut warned = std::collections::HashSet::new();
     while pace.next().await {
         let snap = store.snapshot();
+        warned.retain(|a| snap.endpoints.iter().any(|e| e.addr == *a));
         let mut scrapes = tokio::task::JoinSet::new();
         for ep in snap.endpoints.iter().cloned() {
             scrapes.spawn(async move {
@@ -120,6 +122,7 @@ pub async fn run_scraper(
                         on_block_size(bs);
                     }
                     ep.load.engine_update(m, Instant::now());
+                    warned.remove(&ep.addr);
                 }
                 Err(e) => {
                     errors.inc();
