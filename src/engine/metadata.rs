@@ -13,8 +13,7 @@
 //!
 //! Every field is optional and unknown fields are ignored. [`run_fetcher`] fetches it when an
 //! endpoint appears (or its metadata port changes), retries failures with exponential backoff, and
-//! refreshes it periodically; [`MetadataStore`] holds the latest per endpoint, with a version that
-//! changes whenever any entry does.
+//! refreshes it periodically; [`MetadataStore`] holds the latest per endpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -27,47 +26,38 @@ use tokio::sync::watch;
 use crate::discovery::Datastore;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
 pub struct EngineMetadata {
-    #[serde(default)]
     pub model: Option<ModelInfo>,
-    #[serde(default)]
     pub kv_events: Option<KvEventsInfo>,
-    #[serde(default)]
     pub topology_domains: BTreeMap<String, String>,
-    #[serde(default)]
     pub role: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
 pub struct ModelInfo {
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default, rename = "type")]
+    #[serde(rename = "type")]
     pub kind: Option<String>,
-    #[serde(default)]
     pub runtime_config: Option<RuntimeConfig>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
 pub struct RuntimeConfig {
-    #[serde(default)]
     pub block_size: Option<u32>,
-    #[serde(default)]
     pub total_kv_blocks: Option<u64>,
-    #[serde(default)]
     pub max_num_seqs: Option<u64>,
-    #[serde(default)]
     pub max_num_batched_tokens: Option<u64>,
-    #[serde(default)]
     pub data_parallel_size: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
 pub struct KvEventsInfo {
     /// Data-parallel rank (as a string key) → publisher endpoint.
-    #[serde(default)]
     pub endpoints: BTreeMap<String, String>,
-    #[serde(default)]
     pub replay_endpoints: BTreeMap<String, String>,
 }
 
@@ -100,19 +90,9 @@ impl EngineMetadata {
 }
 
 /// The latest metadata of every endpoint that serves it.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct MetadataStore {
     map: Mutex<HashMap<SocketAddr, Arc<EngineMetadata>>>,
-    version: watch::Sender<u64>,
-}
-
-impl Default for MetadataStore {
-    fn default() -> Self {
-        MetadataStore {
-            map: Mutex::new(HashMap::new()),
-            version: watch::channel(0).0,
-        }
-    }
 }
 
 impl MetadataStore {
@@ -120,30 +100,22 @@ impl MetadataStore {
         self.lock().get(addr).cloned()
     }
 
-    /// Bumped on every change.
-    pub fn version(&self) -> u64 {
-        *self.version.borrow()
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<EngineMetadata>>> {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Stores `md`; false when it equals what was there.
     fn set(&self, addr: SocketAddr, md: EngineMetadata) -> bool {
         let mut map = self.lock();
         if map.get(&addr).is_some_and(|old| **old == md) {
             return false;
         }
         map.insert(addr, Arc::new(md));
-        drop(map);
-        self.version.send_modify(|v| *v += 1);
         true
     }
 
     fn remove(&self, addr: &SocketAddr) {
-        if self.lock().remove(addr).is_some() {
-            self.version.send_modify(|v| *v += 1);
-        }
+        self.lock().remove(addr);
     }
 }
 
@@ -287,13 +259,17 @@ mod tests {
     }
 
     #[test]
-    fn store_versions_only_on_change() {
+    fn store_reports_changes_only() {
         let s = MetadataStore::default();
         let a: SocketAddr = "10.0.0.1:8000".parse().unwrap();
         assert!(s.set(a, EngineMetadata::default()));
         assert!(!s.set(a, EngineMetadata::default()));
-        assert_eq!(s.version(), 1);
+        assert_eq!(s.get(&a).as_deref(), Some(&EngineMetadata::default()));
         s.remove(&a);
-        assert_eq!((s.version(), s.get(&a)), (2, None));
+        assert_eq!(s.get(&a), None);
+        assert!(
+            s.set(a, EngineMetadata::default()),
+            "new again after removal"
+        );
     }
 }
