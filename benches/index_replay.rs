@@ -8,7 +8,8 @@
 //! (block, worker) pair, with the same figures for the simple reference index measured in the same
 //! run. `--oracle` checks the generator against the note's oracle hit ratios. Under `cargo test`
 //! (no `--bench`) it replays W=16, C=16384, K=1 once and fails unless the hit ratio is the oracle's
-//! and every answer matches.
+//! and every answer matches. With `KVEPP_REPLAY_PROFILE=1` it also prints what the slowest 1% of
+//! queries look like (blocks, longest cached prefix, holders of the first block).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -199,12 +200,13 @@ fn generate(trace: &[Vec<u64>], w: usize, c: usize, k: u64) -> Workload {
                 event_blocks += stored.len() as u64;
             }
             unique.extend(stored.iter().map(|(s, _)| s.0));
+            let parent = m.checked_sub(1).map(|i| query[i]);
             ops.push(Op {
                 query,
                 expect,
                 worker: best as u32,
                 removed,
-                parent: m.checked_sub(1).map(|i| ops_query_hash(&locals, i)),
+                parent,
                 stored,
             });
         }
@@ -220,15 +222,6 @@ fn generate(trace: &[Vec<u64>], w: usize, c: usize, k: u64) -> Workload {
         unique_blocks: unique.len(),
         pairs,
     }
-}
-
-/// The sequence hash of block `i` of a request (recomputed; only used for the parent).
-fn ops_query_hash(locals: &[LocalBlockHash], i: usize) -> SequenceHash {
-    let mut s = SequenceHash(locals[0].0);
-    for &l in &locals[1..=i] {
-        s = next_sequence_hash(s, l);
-    }
-    s
 }
 
 fn engine_hash(distinct: bool, s: SequenceHash) -> EngineBlockHash {
