@@ -39,38 +39,32 @@ fn index(c: &mut Criterion) {
         .collect();
     let chains: Vec<_> = (0..1024).map(|s| chain(s, 64)).collect();
     g.throughput(Throughput::Elements(64 * 2));
-    g.bench_function("apply_store_remove_64_blocks/kvepp", |b| {
-        let mut ix = PrefixIndex::default();
-        let mut i = 0usize;
-        b.iter(|| {
-            let (l, e) = &chains[i % chains.len()];
-            let r = ranks[i % ranks.len()];
-            let _ = ix.store(
-                r,
-                Tier::Device,
-                None,
-                e.iter().copied().zip(l.iter().copied()),
-            );
-            ix.remove(r, Tier::Device, e.iter().rev().copied());
-            i += 1;
-        })
-    });
-    g.bench_function("apply_store_remove_64_blocks/reference", |b| {
-        let mut ix = ReferenceIndex::new(u64::MAX);
-        let mut i = 0usize;
-        b.iter(|| {
-            let (l, e) = &chains[i % chains.len()];
-            let r = ranks[i % ranks.len()];
-            let _ = ix.store(
-                r,
-                Tier::Device,
-                None,
-                e.iter().copied().zip(l.iter().copied()),
-            );
-            ix.remove(r, Tier::Device, e.iter().rev().copied());
-            i += 1;
-        })
-    });
+    // The same store-then-remove loop for both indexes (they share the method signatures).
+    macro_rules! apply_bench {
+        ($name:literal, $index:expr) => {
+            g.bench_function($name, |b| {
+                let mut ix = $index;
+                let mut i = 0usize;
+                b.iter(|| {
+                    let (l, e) = &chains[i % chains.len()];
+                    let r = ranks[i % ranks.len()];
+                    let _ = ix.store(
+                        r,
+                        Tier::Device,
+                        None,
+                        e.iter().copied().zip(l.iter().copied()),
+                    );
+                    ix.remove(r, Tier::Device, e.iter().rev().copied());
+                    i += 1;
+                })
+            });
+        };
+    }
+    apply_bench!("apply_store_remove_64_blocks/kvepp", PrefixIndex::default());
+    apply_bench!(
+        "apply_store_remove_64_blocks/reference",
+        ReferenceIndex::new(u64::MAX)
+    );
     // Every rank holds 1024 chains; half of the ranks also the queried one.
     let mut fast = PrefixIndex::default();
     let mut reference = ReferenceIndex::new(u64::MAX);
