@@ -106,8 +106,11 @@ pub struct Config {
     pub pool_namespace: String,
     /// Service whose EndpointSlices list the pool's endpoints; defaults to the pool name.
     pub endpoint_service: Option<String>,
-    /// Directory of Kubernetes manifests used instead of a cluster.
+    /// Directory of Kubernetes manifests used instead of a cluster. Unset: the Kubernetes API.
     pub manifests_dir: Option<PathBuf>,
+    /// Kubeconfig file for the Kubernetes API. Unset: `KUBECONFIG`, `~/.kube/config`, then the
+    /// in-cluster service account, as every Kubernetes tool does.
+    pub kubeconfig: Option<PathBuf>,
     /// How often the manifests directory is re-read, in milliseconds.
     pub manifests_poll_ms: u64,
     pub unknown_models: UnknownModels,
@@ -150,6 +153,7 @@ impl Default for Config {
             pool_namespace: "default".into(),
             endpoint_service: None,
             manifests_dir: None,
+            kubeconfig: None,
             manifests_poll_ms: 250,
             unknown_models: UnknownModels::Reject,
             destination_endpoint_list: false,
@@ -214,9 +218,13 @@ pub struct ServeArgs {
     /// Service whose EndpointSlices belong to the pool (default: the pool name).
     #[arg(long, env = "KVEPP_ENDPOINT_SERVICE")]
     pub endpoint_service: Option<String>,
-    /// Read InferencePool/InferenceModel/EndpointSlice objects from this directory.
+    /// Read InferencePool/InferenceModel/EndpointSlice objects from this directory instead of the
+    /// Kubernetes API.
     #[arg(long, env = "KVEPP_MANIFESTS_DIR")]
     pub manifests_dir: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API (default: KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, env = "KVEPP_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
     #[arg(long, env = "KVEPP_MANIFESTS_POLL_MS")]
     pub manifests_poll_ms: Option<u64>,
     #[arg(long, env = "KVEPP_UNKNOWN_MODELS", value_enum)]
@@ -311,6 +319,9 @@ impl Config {
         if args.manifests_dir.is_some() {
             cfg.manifests_dir = args.manifests_dir.clone();
         }
+        if args.kubeconfig.is_some() {
+            cfg.kubeconfig = args.kubeconfig.clone();
+        }
         cfg.validate().map_err(ConfigError::Invalid)?;
         Ok(cfg)
     }
@@ -357,10 +368,14 @@ impl Config {
                 );
             }
         }
-        match &self.manifests_dir {
-            None => bad("manifests_dir", "required: this build discovers endpoints from a manifests directory (Kubernetes API discovery is not built yet)".into()),
-            Some(d) if !d.is_dir() => bad("manifests_dir", format!("{} is not a directory", d.display())),
-            Some(_) => {}
+        if let Some(d) = self.manifests_dir.as_ref().filter(|d| !d.is_dir()) {
+            bad(
+                "manifests_dir",
+                format!("{} is not a directory", d.display()),
+            );
+        }
+        if let Some(k) = self.kubeconfig.as_ref().filter(|k| !k.is_file()) {
+            bad("kubeconfig", format!("{} is not a file", k.display()));
         }
         if !(10..=60_000).contains(&self.manifests_poll_ms) {
             bad(
@@ -501,6 +516,7 @@ mod tests {
             metrics_port: 9002,
             max_body_bytes: 10,
             log_level: "[[[".into(),
+            manifests_dir: Some("/nonexistent/kvepp".into()),
             ..Config::default()
         };
         let errs = cfg.validate().unwrap_err();

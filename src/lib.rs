@@ -20,6 +20,7 @@ pub mod extproc;
 pub mod kv_events;
 pub mod metrics;
 pub mod pace;
+pub mod replica;
 pub mod request;
 pub mod selector;
 pub mod server;

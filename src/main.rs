@@ -19,6 +19,9 @@ enum Command {
     Serve(ServeArgs),
     /// Print the effective configuration (defaults ← file ← env ← flags) as YAML and exit.
     Config(ServeArgs),
+    /// Sidecar beside a model server: registers the pod, serves `/metadata` and the readiness
+    /// probe `/health`.
+    WorkerAgent(kvepp::replica::AgentArgs),
     /// A tiny HTTP backend that answers with what it received (for the local demo).
     #[command(hide = true)]
     EchoBackend {
@@ -69,6 +72,13 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!(version = env!("CARGO_PKG_VERSION"), commit = env!("KVEPP_GIT_SHA"), config = %serde_json::to_string(&cfg)?, "configuration");
             let listeners = kvepp::server::Listeners::bind(&cfg).await?;
             kvepp::server::run(cfg, listeners, shutdown_signal()).await?;
+        }
+        Command::WorkerAgent(args) => {
+            init_logging(LogFormat::Text, "info");
+            let l = tokio::net::TcpListener::bind(args.listen)
+                .await
+                .with_context(|| format!("bind {}", args.listen))?;
+            kvepp::replica::run(args, l, shutdown_signal()).await?;
         }
         Command::Config(args) => {
             let cfg = Config::load(&args)?;

@@ -47,6 +47,31 @@ pub struct EndpointLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ResourceLabels {
+    pub resource: &'static str,
+}
+
+/// Kubernetes watches: errors and (re)lists, by watched resource.
+#[derive(Debug, Clone, Default)]
+pub struct WatchMetrics {
+    pub errors: Family<ResourceLabels, Counter>,
+    pub relists: Family<ResourceLabels, Counter>,
+}
+
+impl WatchMetrics {
+    pub fn error(&self, resource: &'static str) {
+        self.errors
+            .get_or_create(&ResourceLabels { resource })
+            .inc();
+    }
+    pub fn relist(&self, resource: &'static str) {
+        self.relists
+            .get_or_create(&ResourceLabels { resource })
+            .inc();
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ModeLabels {
     pub mode: &'static str,
 }
@@ -81,6 +106,10 @@ pub struct Metrics {
     pub prefix_mode: Family<ModeLabels, Counter>,
     pub kv: KvEventMetrics,
     pub engine_scrape_errors: Counter,
+    pub watch: WatchMetrics,
+    pub catalog_invalid: Counter,
+    /// 1 while an endpoint's `/metadata` cannot be fetched (it is routed with defaults).
+    pub metadata_missing: Family<EndpointLabels, Gauge>,
 }
 
 impl Metrics {
@@ -209,6 +238,29 @@ impl Metrics {
             "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
             engine_scrape_errors.clone(),
         );
+        let watch = WatchMetrics::default();
+        registry.register(
+            "discovery_watch_errors",
+            "Kubernetes list/watch errors, by resource (each is retried with backoff)",
+            watch.errors.clone(),
+        );
+        registry.register(
+            "discovery_relists",
+            "Kubernetes full lists, by resource (start, 410 Gone, or failed watch)",
+            watch.relists.clone(),
+        );
+        let catalog_invalid = Counter::default();
+        registry.register(
+            "catalog_invalid_objects",
+            "InferencePool/InferenceModel objects from the API server that kvepp could not use",
+            catalog_invalid.clone(),
+        );
+        let metadata_missing = Family::<EndpointLabels, Gauge>::default();
+        registry.register(
+            "endpoint_metadata_missing",
+            "1 while an endpoint's /metadata cannot be fetched (routed with defaults)",
+            metadata_missing.clone(),
+        );
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
         info.get_or_create(&[
@@ -228,6 +280,9 @@ impl Metrics {
             prefix_mode,
             kv,
             engine_scrape_errors,
+            watch,
+            catalog_invalid,
+            metadata_missing,
         })
     }
 

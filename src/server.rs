@@ -14,7 +14,8 @@ use tonic_health::ServingStatus;
 
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
-use crate::discovery::{Datastore, DiscoverySource, ManifestDir, PoolRef};
+use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
+use crate::discovery::{feed_instances, Datastore, ManifestDir, PoolRef, ServiceDiscovery};
 use crate::engine::metadata::{FetchSettings, MetadataStore};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
@@ -33,6 +34,8 @@ pub enum ServerError {
     },
     #[error("{what} server failed: {message}")]
     Serve { what: &'static str, message: String },
+    #[error("discovery: {0}")]
+    Discovery(#[from] crate::discovery::service::DiscoveryError),
     #[error("tokenizer of model {model}: {source}")]
     Tokenizer {
         model: String,
@@ -106,17 +109,44 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let mut tasks = Vec::new();
-    if let Some(dir) = &cfg.manifests_dir {
-        let errors = metrics.manifest_errors.clone();
-        let source = ManifestDir::new(
-            dir,
-            Duration::from_millis(cfg.manifests_poll_ms),
-            move |_| {
-                errors.inc();
-            },
-        );
-        tasks.push(Box::new(source).spawn(store.clone(), stop_rx.clone()));
-    }
+    // The catalog (pools, models) goes straight to the store; endpoints only through the
+    // ServiceDiscovery interface.
+    let discovery: Arc<dyn ServiceDiscovery> = match &cfg.manifests_dir {
+        Some(dir) => {
+            let errors = metrics.manifest_errors.clone();
+            let source = ManifestDir::new(
+                dir,
+                Duration::from_millis(cfg.manifests_poll_ms),
+                move |_| {
+                    errors.inc();
+                },
+            );
+            let discovery = source.discovery();
+            tasks.push(source.spawn(store.clone(), stop_rx.clone()));
+            Arc::new(discovery)
+        }
+        None => {
+            let client = crate::discovery::kubernetes::client(cfg.kubeconfig.as_deref()).await?;
+            tracing::info!(namespace = %cfg.pool_namespace, pool = %cfg.pool_name,
+                service = %cfg.endpoint_service(), "discovering from the Kubernetes API");
+            let invalid = metrics.catalog_invalid.clone();
+            let catalog = KubeCatalog {
+                client: client.clone(),
+                namespace: cfg.pool_namespace.clone(),
+                metrics: metrics.watch.clone(),
+                on_invalid: Box::new(move || {
+                    invalid.inc();
+                }),
+            };
+            tasks.push(tokio::spawn(catalog.run(store.clone(), stop_rx.clone())));
+            Arc::new(KubeDiscovery::new(client, metrics.watch.clone()))
+        }
+    };
+    tasks.push(tokio::spawn(feed_instances(
+        store.clone(),
+        discovery,
+        stop_rx.clone(),
+    )));
 
     let (reporter, health_service) = tonic_health::server::health_reporter();
     reporter
@@ -175,6 +205,7 @@ pub async fn run(
                         learn.learn_base_model(name);
                     }
                 },
+                metrics.metadata_missing.clone(),
                 stop_rx.clone(),
             )));
             tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(

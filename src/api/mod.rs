@@ -50,7 +50,7 @@ async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
-                "not ready: InferencePool {}/{} not found yet\n",
+                "not ready: InferencePool {}/{} not found or endpoints not synced yet\n",
                 t.namespace, t.name
             ),
         )

@@ -11,11 +11,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_stream::wrappers::WatchStream;
 
-use super::objects::{parse_documents, Object};
-use super::{Datastore, DiscoverySource, Inventory};
+use super::objects::{parse_documents, Object, SERVICE_NAME_LABEL};
+use super::service::{
+    events_from_views, instances_from_slices, slice_matches, DiscoveryError, Instance,
+    InstanceHandle, InstanceStream, Published, RegistryError, ServiceDiscovery, ServiceRegistry,
+};
+use super::{Datastore, Inventory};
 
 #[derive(Debug)]
 struct FileState {
@@ -31,6 +38,8 @@ pub struct ManifestDir {
     files: BTreeMap<PathBuf, FileState>,
     dir_error_logged: bool,
     on_error: Arc<dyn Fn(&Path) + Send + Sync>,
+    /// The last inventory, for [`ManifestDiscovery`] watchers (`None` before the first read).
+    published: watch::Sender<Option<Arc<Inventory>>>,
 }
 
 impl std::fmt::Debug for ManifestDir {
@@ -55,6 +64,14 @@ impl ManifestDir {
             files: BTreeMap::new(),
             dir_error_logged: false,
             on_error: Arc::new(on_error),
+            published: watch::channel(None).0,
+        }
+    }
+
+    /// The [`ServiceDiscovery`] view of this directory's EndpointSlices (fed once spawned).
+    pub fn discovery(&self) -> ManifestDiscovery {
+        ManifestDiscovery {
+            inventory: self.published.subscribe(),
         }
     }
 
@@ -138,14 +155,18 @@ impl ManifestDir {
     }
 }
 
-impl DiscoverySource for ManifestDir {
-    fn spawn(
-        mut self: Box<Self>,
+impl ManifestDir {
+    /// Reads the directory now, then every poll interval until `shutdown`: the catalog goes to
+    /// `store`, the slices to [`ManifestDir::discovery`] watchers.
+    pub fn spawn(
+        mut self,
         store: Arc<Datastore>,
         mut shutdown: watch::Receiver<bool>,
     ) -> JoinHandle<()> {
         // The first read happens before spawning returns, so the pool is known as soon as possible.
-        store.apply(&self.poll_once().unwrap_or_default());
+        let first = self.poll_once().unwrap_or_default();
+        store.apply_catalog(&first.objects);
+        self.published.send_replace(Some(Arc::new(first)));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(self.poll);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -156,10 +177,131 @@ impl DiscoverySource for ManifestDir {
                 }
                 // File reads are small and rare; a blocking read on the runtime is acceptable here.
                 if let Some(inv) = self.poll_once() {
-                    store.apply(&inv);
+                    store.apply_catalog(&inv.objects);
+                    self.published.send_replace(Some(Arc::new(inv)));
                 }
             }
         })
+    }
+}
+
+/// [`ServiceDiscovery`] over the EndpointSlices of a [`ManifestDir`].
+#[derive(Debug, Clone)]
+pub struct ManifestDiscovery {
+    inventory: watch::Receiver<Option<Arc<Inventory>>>,
+}
+
+fn ready_in(
+    inv: &Inventory,
+    namespace: &str,
+    component: &str,
+) -> std::collections::BTreeMap<Arc<str>, Instance> {
+    instances_from_slices(inv.objects.iter().filter_map(|o| match o {
+        Object::Slice(s) if slice_matches(s, namespace, component) => Some(s),
+        _ => None,
+    }))
+}
+
+impl ServiceDiscovery for ManifestDiscovery {
+    fn list_instances<'a>(
+        &'a self,
+        namespace: &'a str,
+        component: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Instance>, DiscoveryError>> {
+        let inv = self.inventory.borrow().clone();
+        Box::pin(async move {
+            let inv = inv.ok_or_else(|| {
+                DiscoveryError::Unavailable("manifests directory not read yet".into())
+            })?;
+            Ok(ready_in(&inv, namespace, component).into_values().collect())
+        })
+    }
+
+    fn watch(&self, namespace: &str, component: &str) -> InstanceStream {
+        let (ns, comp) = (namespace.to_owned(), component.to_owned());
+        events_from_views(
+            WatchStream::new(self.inventory.clone())
+                .filter_map(|inv| std::future::ready(inv))
+                .map(move |inv| ready_in(&inv, &ns, &comp)),
+        )
+    }
+}
+
+/// The local [`ServiceRegistry`]: an instance is an EndpointSlice file in the manifests directory
+/// (`endpointslice-<component>-<id>.yaml`), rewritten atomically on every change, as the
+/// endpoints controller would on a readiness change.
+#[derive(Debug, Clone)]
+pub struct ManifestRegistry {
+    pub dir: PathBuf,
+    /// Id, address and ports of the instance this process is.
+    pub instance: Instance,
+}
+
+impl ManifestRegistry {
+    fn write(
+        dir: &Path,
+        namespace: &str,
+        component: &str,
+        inst: &Instance,
+        ready: bool,
+    ) -> std::io::Result<()> {
+        let mut ports = Vec::new();
+        if let Some(p) = inst.port {
+            ports.push(serde_json::json!({"name": "http", "port": p, "protocol": "TCP"}));
+        }
+        if let Some(p) = inst.metadata_port {
+            ports.push(serde_json::json!({"name": super::service::METADATA_PORT_NAME, "port": p, "protocol": "TCP"}));
+        }
+        let slice = serde_json::json!({
+            "apiVersion": super::objects::DISCOVERY_V1,
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": format!("{component}-{}", inst.id),
+                "namespace": namespace,
+                "labels": {SERVICE_NAME_LABEL: component},
+            },
+            "addressType": if inst.ip.is_ipv4() { "IPv4" } else { "IPv6" },
+            "endpoints": [{
+                "addresses": [inst.ip.to_string()],
+                "conditions": {"ready": ready},
+                "targetRef": {"kind": "Pod", "name": &*inst.id, "namespace": namespace},
+                "zone": inst.zone.as_deref(),
+                "nodeName": inst.node.as_deref(),
+            }],
+            "ports": ports,
+        });
+        let file = dir.join(format!("endpointslice-{component}-{}.yaml", inst.id));
+        let tmp = dir.join(format!(".endpointslice-{component}-{}.tmp", inst.id));
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(&slice).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, &file)
+    }
+}
+
+impl ServiceRegistry for ManifestRegistry {
+    fn register_instance(
+        &self,
+        namespace: &str,
+        component: &str,
+    ) -> Result<InstanceHandle, RegistryError> {
+        let io = |e: std::io::Error| RegistryError::Io(format!("{}: {e}", self.dir.display()));
+        Self::write(&self.dir, namespace, component, &self.instance, false).map_err(io)?;
+        let (dir, ns, comp, inst) = (
+            self.dir.clone(),
+            namespace.to_owned(),
+            component.to_owned(),
+            self.instance.clone(),
+        );
+        Ok(InstanceHandle::new(
+            self.instance.id.clone(),
+            move |p: &Published| {
+                if let Err(e) = Self::write(&dir, &ns, &comp, &inst, p.ready) {
+                    tracing::error!(dir = %dir.display(), error = %e, "cannot write the instance's EndpointSlice");
+                }
+            },
+        ))
     }
 }
 
@@ -198,5 +340,49 @@ mod tests {
             md.poll_once().unwrap().objects.is_empty(),
             "deleting the file removes its objects"
         );
+    }
+
+    #[tokio::test]
+    async fn registry_files_are_discovered() {
+        use crate::discovery::service::InstanceEvent;
+        let dir = crate::testing::TempDir::new("manifest-registry");
+        std::fs::write(dir.path().join("pool.yaml"), POOL).unwrap();
+        let inst = Instance {
+            id: "pod-1".into(),
+            ip: [127, 0, 0, 9].into(),
+            port: Some(8000),
+            metadata_port: Some(8090),
+            zone: Some("z".into()),
+            node: None,
+        };
+        let reg = ManifestRegistry {
+            dir: dir.path().into(),
+            instance: inst.clone(),
+        };
+        let handle = reg.register_instance("default", "p").unwrap();
+        let md = ManifestDir::new(dir.path(), Duration::from_millis(10), |_| {});
+        let disc = md.discovery();
+        let store = Arc::new(Datastore::new(
+            super::super::PoolRef {
+                name: "p".into(),
+                namespace: "default".into(),
+                service: "p".into(),
+            },
+            |_| {},
+        ));
+        let (_stop_tx, stop) = watch::channel(false);
+        let _task = md.spawn(store.clone(), stop);
+        let mut w = disc.watch("default", "p");
+        use crate::discovery::service::next_event as next;
+        assert_eq!(
+            next(&mut w).await,
+            InstanceEvent::Synced,
+            "registered, not ready"
+        );
+        handle.set_ready(true);
+        assert_eq!(next(&mut w).await, InstanceEvent::Added(inst.clone()));
+        assert_eq!(disc.list_instances("default", "p").await.unwrap(), [inst]);
+        handle.set_ready(false);
+        assert_eq!(next(&mut w).await, InstanceEvent::Removed("pod-1".into()));
     }
 }

@@ -1,24 +1,34 @@
 //! Service discovery: what the pool is, which models it serves and which endpoints are ready.
 //!
-//! Sources (the manifests directory now, the Kubernetes API later) produce an [`Inventory`] of
-//! Kubernetes-shaped objects and hand it to the [`Datastore`], which keeps only what belongs to the
-//! configured pool and publishes an immutable [`PoolSnapshot`]. The request path reads the snapshot
-//! lock-free; load counters of an endpoint survive snapshot changes because they are keyed by
-//! address.
+//! Two feeds fill the [`Datastore`]:
+//! - the *catalog*: InferencePool and InferenceModel objects (from the manifests directory or the
+//!   Kubernetes API), kept only when they belong to the configured pool;
+//! - the *instances*: the ready endpoints, fed only through the [`ServiceDiscovery`] interface of
+//!   seed 000 ([`service`]), whatever the backend ([`ManifestDir`], [`kubernetes`], [`memory`]).
+//!
+//! The datastore publishes an immutable [`PoolSnapshot`] after every change; the request path reads
+//! it lock-free. Load counters of an endpoint survive snapshot changes because they are keyed by
+//! address. The store is ready once the pool has been seen and the instances have synced.
 
+pub mod kubernetes;
 mod manifests;
+pub mod memory;
 pub mod objects;
+pub mod service;
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use arc_swap::ArcSwap;
+use futures::StreamExt;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
-pub use manifests::ManifestDir;
+pub use manifests::{ManifestDir, ManifestRegistry};
 pub use objects::{EndpointSlice, InferenceModel, InferencePool, Object};
+pub use service::{
+    Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,
+};
 
 use crate::selector::{Criticality, Endpoint, EndpointLoad};
 
@@ -27,7 +37,8 @@ use crate::selector::{Criticality, Endpoint, EndpointLoad};
 pub struct PoolRef {
     pub name: String,
     pub namespace: String,
-    /// Service whose EndpointSlices hold the pool's endpoints (label `kubernetes.io/service-name`).
+    /// Service whose EndpointSlices hold the pool's endpoints (label `kubernetes.io/service-name`):
+    /// the discovery `component`.
     pub service: String,
 }
 
@@ -78,10 +89,18 @@ pub struct Inventory {
     pub objects: Vec<Object>,
 }
 
-/// Receives the pool's state from a source and serves snapshots to the request path.
+#[derive(Debug, Default)]
+struct State {
+    catalog: Vec<Object>,
+    instances: BTreeMap<Arc<str>, Instance>,
+    instances_synced: bool,
+}
+
+/// Receives the pool's state from its feeds and serves snapshots to the request path.
 pub struct Datastore {
     target: PoolRef,
     snapshot: ArcSwap<PoolSnapshot>,
+    state: Mutex<State>,
     loads: Mutex<HashMap<SocketAddr, Arc<EndpointLoad>>>,
     ready: watch::Sender<bool>,
     on_change: Box<dyn Fn(&PoolSnapshot) + Send + Sync>,
@@ -96,11 +115,12 @@ impl std::fmt::Debug for Datastore {
 }
 
 impl Datastore {
-    /// `on_change` is called after every applied inventory (metrics hook).
+    /// `on_change` is called after every applied change (metrics hook).
     pub fn new(target: PoolRef, on_change: impl Fn(&PoolSnapshot) + Send + Sync + 'static) -> Self {
         Datastore {
             target,
             snapshot: ArcSwap::from_pointee(PoolSnapshot::empty()),
+            state: Mutex::default(),
             loads: Mutex::new(HashMap::new()),
             ready: watch::channel(false).0,
             on_change: Box::new(on_change),
@@ -116,36 +136,98 @@ impl Datastore {
         self.snapshot.load_full()
     }
 
-    /// Becomes true once the configured InferencePool has been seen (readiness).
+    /// True once the configured InferencePool has been seen and the instances have synced.
     pub fn ready(&self) -> watch::Receiver<bool> {
         self.ready.subscribe()
     }
 
-    /// Replaces the pool's state with what `inventory` says.
+    /// Replaces the catalog (pools and models; other objects are ignored).
+    pub fn apply_catalog(&self, objects: &[Object]) {
+        self.change(|st| {
+            st.catalog = objects
+                .iter()
+                .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_)))
+                .cloned()
+                .collect();
+        });
+    }
+
+    /// Applies instance events from a [`ServiceDiscovery`] watch, in order.
+    pub fn apply_instances(&self, events: &[InstanceEvent]) {
+        self.change(|st| {
+            for ev in events {
+                match ev {
+                    InstanceEvent::Added(i) => {
+                        st.instances.insert(i.id.clone(), i.clone());
+                    }
+                    InstanceEvent::Removed(id) => {
+                        st.instances.remove(id);
+                    }
+                    InstanceEvent::Synced => st.instances_synced = true,
+                }
+            }
+        });
+    }
+
+    /// Replaces everything with what `inventory` says: its pools and models, and the ready
+    /// endpoints of its slices that belong to the pool's Service (a complete, synced view).
     pub fn apply(&self, inventory: &Inventory) {
-        let snap = self.build(inventory);
-        tracing::info!(
+        let slices = inventory.objects.iter().filter_map(|o| match o {
+            Object::Slice(s)
+                if service::slice_matches(s, &self.target.namespace, &self.target.service) =>
+            {
+                Some(s)
+            }
+            _ => None,
+        });
+        let instances = service::instances_from_slices(slices);
+        self.change(|st| {
+            st.catalog = inventory
+                .objects
+                .iter()
+                .filter(|o| !matches!(o, Object::Slice(_)))
+                .cloned()
+                .collect();
+            st.instances = instances;
+            st.instances_synced = true;
+        });
+    }
+
+    fn change(&self, f: impl FnOnce(&mut State)) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut st);
+        let snap = self.build(&st);
+        let synced = snap.pool.is_some() && st.instances_synced;
+        drop(st);
+        tracing::debug!(
             pool = %self.target.name,
             found = snap.pool.is_some(),
             models = snap.models.len(),
             ready_endpoints = snap.endpoints.len(),
             "pool state updated"
         );
-        let synced = snap.pool.is_some();
         (self.on_change)(&snap);
-        self.snapshot.store(Arc::new(snap));
-        self.ready.send_replace(synced);
+        let old = self.snapshot.swap(Arc::new(snap));
+        let new = self.snapshot.load();
+        if old.endpoints.len() != new.endpoints.len()
+            || old.models.len() != new.models.len()
+            || old.pool != new.pool
+        {
+            tracing::info!(pool = %self.target.name, found = new.pool.is_some(),
+                models = new.models.len(), ready_endpoints = new.endpoints.len(), "pool state changed");
+        }
+        self.ready
+            .send_if_modified(|r| std::mem::replace(r, synced) != synced);
     }
 
     fn in_namespace(&self, ns: &Option<String>) -> bool {
         ns.as_deref().unwrap_or(&self.target.namespace) == self.target.namespace
     }
 
-    fn build(&self, inv: &Inventory) -> PoolSnapshot {
+    fn build(&self, st: &State) -> PoolSnapshot {
         let mut snap = PoolSnapshot::empty();
-        let mut slices = Vec::new();
         let mut models: BTreeMap<(String, String), &InferenceModel> = BTreeMap::new();
-        for obj in &inv.objects {
+        for obj in &st.catalog {
             match obj {
                 Object::Pool(p)
                     if p.name == self.target.name && self.in_namespace(&p.namespace) =>
@@ -156,13 +238,6 @@ impl Datastore {
                     if m.pool_ref == self.target.name && self.in_namespace(&m.namespace) =>
                 {
                     models.insert((m.model_name.clone(), m.name.clone()), m);
-                }
-                Object::Slice(s)
-                    if self.in_namespace(&s.metadata.namespace)
-                        && s.metadata.labels.get(objects::SERVICE_NAME_LABEL)
-                            == Some(&self.target.service) =>
-                {
-                    slices.push(s);
                 }
                 _ => {}
             }
@@ -184,34 +259,32 @@ impl Datastore {
             );
         }
         let target_port = snap.pool.as_ref().map(|p| p.target_port);
-        let mut loads = self.loads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut loads = self.loads.lock().unwrap_or_else(PoisonError::into_inner);
         let mut endpoints: BTreeMap<SocketAddr, Arc<Endpoint>> = BTreeMap::new();
-        for slice in slices {
-            let port = slice_port(slice).or(target_port);
-            let metadata_port = named_port(slice, "metadata");
-            for ep in slice.endpoints.iter().filter(|e| e.conditions.is_ready()) {
-                let Some(addr) = serving_addr(ep, port, &slice.metadata.name) else {
-                    continue;
+        for inst in st.instances.values() {
+            let Some(port) = inst.port.or(target_port) else {
+                tracing::debug!(instance = %inst.id, "no port: slice has no `http` or single port and the pool has no target port yet; skipped");
+                continue;
+            };
+            let addr = SocketAddr::new(inst.ip, port);
+            endpoints.entry(addr).or_insert_with(|| {
+                let load = loads.entry(addr).or_default().clone();
+                let addr_str: Arc<str> = addr.to_string().into();
+                let name = if *inst.id == *inst.ip.to_string() {
+                    addr_str.clone()
+                } else {
+                    inst.id.clone()
                 };
-                endpoints.entry(addr).or_insert_with(|| {
-                    let load = loads.entry(addr).or_default().clone();
-                    let addr_str: Arc<str> = addr.to_string().into();
-                    let name = ep
-                        .target_ref
-                        .as_ref()
-                        .and_then(|r| r.name.as_deref())
-                        .map(Arc::from);
-                    Arc::new(Endpoint {
-                        addr,
-                        name: name.unwrap_or_else(|| addr_str.clone()),
-                        addr_str,
-                        zone: ep.zone.as_deref().map(Arc::from),
-                        node: ep.node_name.as_deref().map(Arc::from),
-                        metadata_port,
-                        load,
-                    })
-                });
-            }
+                Arc::new(Endpoint {
+                    addr,
+                    name,
+                    addr_str,
+                    zone: inst.zone.clone(),
+                    node: inst.node.clone(),
+                    metadata_port: inst.metadata_port,
+                    load,
+                })
+            });
         }
         // Forget counters of endpoints that are gone and that nothing refers to any more (no booking,
         // no older snapshot still in use).
@@ -221,55 +294,32 @@ impl Datastore {
     }
 }
 
-/// The slice port named `http`, else the slice's only port.
-fn slice_port(slice: &EndpointSlice) -> Option<u16> {
-    let ports = slice.ports.as_deref().unwrap_or_default();
-    let pick = ports
-        .iter()
-        .find(|p| p.name.as_deref() == Some("http"))
-        .or(match ports {
-            [only] => Some(only),
-            _ => None,
-        });
-    pick.and_then(|p| p.port)
-        .and_then(|p| u16::try_from(p).ok())
-        .filter(|p| *p != 0)
-}
-
-/// The slice port with this name.
-fn named_port(slice: &EndpointSlice, name: &str) -> Option<u16> {
-    slice
-        .ports
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .find(|p| p.name.as_deref() == Some(name))
-        .and_then(|p| p.port)
-        .and_then(|p| u16::try_from(p).ok())
-        .filter(|p| *p != 0)
-}
-
-fn serving_addr(ep: &objects::SliceEndpoint, port: Option<u16>, slice: &str) -> Option<SocketAddr> {
-    let first = ep.addresses.first()?;
-    let Ok(ip) = first.parse::<IpAddr>() else {
-        tracing::warn!(slice, address = %first, "endpoint address is not an IP; skipped");
-        return None;
-    };
-    let Some(port) = port else {
-        tracing::warn!(slice, address = %first, "no port: slice has no `http` or single port and the pool has no target port; skipped");
-        return None;
-    };
-    Some(SocketAddr::new(ip, port))
-}
-
-/// A source of pool state (manifests directory, Kubernetes API, …).
-pub trait DiscoverySource: Send + 'static {
-    /// Starts feeding `store` until `shutdown` turns true.
-    fn spawn(
-        self: Box<Self>,
-        store: Arc<Datastore>,
-        shutdown: watch::Receiver<bool>,
-    ) -> JoinHandle<()>;
+/// Feeds `store` from `discovery.watch(pool namespace, pool service)` until `shutdown`. Events that
+/// are already waiting are applied together (one snapshot per batch).
+pub async fn feed_instances(
+    store: Arc<Datastore>,
+    discovery: Arc<dyn ServiceDiscovery>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let target = store.target().clone();
+    let mut events = discovery.watch(&target.namespace, &target.service);
+    let mut batch = Vec::new();
+    loop {
+        let first = tokio::select! {
+            e = events.next() => e,
+            _ = shutdown.changed() => return,
+        };
+        let Some(first) = first else {
+            tracing::warn!("discovery watch ended");
+            return;
+        };
+        batch.push(first);
+        while let Some(Some(more)) = futures::FutureExt::now_or_never(events.next()) {
+            batch.push(more);
+        }
+        store.apply_instances(&batch);
+        batch.clear();
+    }
 }
 
 #[cfg(test)]
@@ -396,5 +446,36 @@ ports: [{name: grpc, port: 7001}]
         st.apply(&Inventory::default());
         st.apply(&Inventory::default());
         assert!(st.loads.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn instances_feed_endpoints_and_readiness_waits_for_sync() {
+        let st = store();
+        let objs = parse_documents(OBJECTS.as_bytes()).unwrap();
+        st.apply_catalog(&objs);
+        assert!(!*st.ready().borrow(), "pool seen, instances not synced");
+        assert!(
+            st.snapshot().endpoints.is_empty(),
+            "slices in the catalog are ignored"
+        );
+        let inst = Instance {
+            id: "pod-a".into(),
+            ip: [10, 0, 0, 7].into(),
+            port: None,
+            metadata_port: Some(9),
+            zone: None,
+            node: None,
+        };
+        st.apply_instances(&[InstanceEvent::Added(inst.clone()), InstanceEvent::Synced]);
+        assert!(*st.ready().borrow());
+        let snap = st.snapshot();
+        assert_eq!(
+            &*snap.endpoints[0].addr_str, "10.0.0.7:8000",
+            "pool target port"
+        );
+        assert_eq!(snap.endpoints[0].metadata_port, Some(9));
+        st.apply_instances(&[InstanceEvent::Removed("pod-a".into())]);
+        assert!(st.snapshot().endpoints.is_empty());
+        assert!(*st.ready().borrow(), "an empty pool is still a synced pool");
     }
 }

@@ -20,44 +20,63 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::discovery::Datastore;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+use crate::discovery::service::fetch_metadata;
+use crate::discovery::Datastore;
+use crate::metrics::EndpointLabels;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct EngineMetadata {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsInfo>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub topology_domains: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct ModelInfo {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[serde(rename = "type")]
     pub kind: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub runtime_config: Option<RuntimeConfig>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct RuntimeConfig {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub total_kv_blocks: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_batched_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub data_parallel_size: Option<u32>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct KvEventsInfo {
     /// Data-parallel rank (as a string key) → publisher endpoint.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub endpoints: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub replay_endpoints: BTreeMap<String, String>,
 }
 
@@ -146,14 +165,19 @@ struct Due {
 }
 
 /// Keeps `md` up to date for every ready endpoint with a `metadata` port; `on_update` sees each new
-/// or changed document.
+/// or changed document. An endpoint whose document cannot be fetched stays routable with defaults
+/// and is marked in `missing` (1) until a fetch succeeds.
 pub async fn run_fetcher(
     store: Arc<Datastore>,
     md: Arc<MetadataStore>,
     settings: FetchSettings,
     on_update: impl Fn(&EngineMetadata) + Send + Sync + 'static,
+    missing: Family<EndpointLabels, Gauge>,
     shutdown: watch::Receiver<bool>,
 ) {
+    let label = |addr: &SocketAddr| EndpointLabels {
+        endpoint: addr.to_string().into(),
+    };
     let mut due: HashMap<SocketAddr, Due> = HashMap::new();
     let mut pace = crate::pace::Pace::new(Duration::from_millis(100), shutdown);
     while pace.next().await {
@@ -168,6 +192,7 @@ pub async fn run_fetcher(
             let keep = wanted.get(addr) == Some(&d.port);
             if !keep {
                 md.remove(addr);
+                missing.remove(&label(addr));
             }
             keep
         });
@@ -183,10 +208,9 @@ pub async fn run_fetcher(
         for (&addr, d) in due.iter().filter(|(_, d)| d.at <= now) {
             let target = SocketAddr::new(addr.ip(), d.port);
             fetches.spawn(async move {
-                let r = super::get(target, "/metadata", settings.timeout, 1 << 20)
+                let r = fetch_metadata(target, settings.timeout)
                     .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| EngineMetadata::parse(&b).map_err(|e| format!("/metadata: {e}")));
+                    .map_err(|e| e.to_string());
                 (addr, r)
             });
         }
@@ -198,6 +222,7 @@ pub async fn run_fetcher(
             let now = Instant::now();
             match result {
                 Ok(doc) => {
+                    missing.get_or_create(&label(&addr)).set(0);
                     d.at = now + settings.refresh;
                     d.backoff = settings.backoff_min;
                     d.warned = false;
@@ -208,6 +233,7 @@ pub async fn run_fetcher(
                     }
                 }
                 Err(e) => {
+                    missing.get_or_create(&label(&addr)).set(1);
                     if !d.warned {
                         tracing::warn!(endpoint = %addr, error = %e, retry_in = ?d.backoff, "engine metadata fetch failed");
                         d.warned = true;
