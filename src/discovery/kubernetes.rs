@@ -62,10 +62,12 @@ enum Step<T> {
 }
 
 /// Folds a kube watcher stream into complete views keyed by object name. `convert` drops objects
-/// it cannot use (returns `None`).
+/// it cannot use (returns `None`). With `absent_is_empty` (CRDs), a 404 on the list is an empty,
+/// synced view; otherwise it is an error like any other.
 fn views<K, T>(
     stream: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send + 'static,
     resource: &'static str,
+    absent_is_empty: bool,
     metrics: WatchMetrics,
     convert: impl Fn(K) -> Option<(String, T)> + Send + 'static,
 ) -> impl Stream<Item = BTreeMap<String, T>> + Send
@@ -112,7 +114,7 @@ where
                     }
                     None => Step::Nothing,
                 },
-                Err(e) if is_not_found(&e) => {
+                Err(e) if absent_is_empty && is_not_found(&e) => {
                     // The CRD (or API version) is not installed: synced and empty until it is.
                     if !warned {
                         tracing::info!(
@@ -196,7 +198,7 @@ impl ServiceDiscovery for KubeDiscovery {
     fn watch(&self, namespace: &str, component: &str) -> InstanceStream {
         let cfg = watcher::Config::default().labels(&selector(component));
         let stream = watcher::watcher(self.api(namespace), cfg).default_backoff();
-        let slices = views(stream, "endpointslices", self.metrics.clone(), |s| {
+        let slices = views(stream, "endpointslices", false, self.metrics.clone(), |s| {
             let s = from_k8s(s);
             Some((s.metadata.name.clone(), s))
         });
@@ -297,6 +299,7 @@ impl KubeCatalog {
             let view = views(
                 stream,
                 metric,
+                true,
                 self.metrics.clone(),
                 move |obj: DynamicObject| {
                     let name = obj.metadata.name.clone().unwrap_or_default();

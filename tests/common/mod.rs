@@ -2,6 +2,8 @@
 //! client, and waiting on conditions with a deadline (never sleeping "long enough").
 #![allow(dead_code)]
 
+pub mod kube_api;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,0 +1,388 @@
+//! A wire-level fake Kubernetes API server (HTTP/1.1 on 127.0.0.1) that speaks the list/watch
+//! protocol the real one does, for driving the real `kube::Client`:
+//! - `GET /apis/<group>/<version>/namespaces/<ns>/<plural>`: a JSON list with the collection's
+//!   `resourceVersion`, filtered by `labelSelector` (equality terms);
+//! - the same with `watch=true&resourceVersion=N`: a chunked stream of `ADDED`/`MODIFIED`/
+//!   `DELETED` events after N, a `BOOKMARK` once caught up, then live events;
+//! - a resourceVersion older than the compaction point gets a 200 with one `ERROR` event carrying a
+//!   410 `Expired` Status, as the real server does;
+//! - collections marked missing answer 404 (CRD not installed).
+//!
+//! The test drives it: put/delete objects, drop every open watch abruptly, compact the history,
+//! and count lists and watches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, watch};
+
+pub const SLICES: &str = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices";
+pub const POOLS_V1ALPHA2: &str =
+    "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencepools";
+pub const POOLS_V1: &str = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools";
+pub const MODELS: &str =
+    "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencemodels";
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    objects: BTreeMap<String, BTreeMap<String, Value>>,
+    /// (rv, collection, event type, object)
+    log: Vec<(u64, String, &'static str, Value)>,
+    compacted_before: u64,
+    missing: BTreeSet<String>,
+    lists: BTreeMap<String, usize>,
+    watches: BTreeMap<String, usize>,
+}
+
+#[derive(Clone)]
+pub struct FakeApi {
+    pub addr: SocketAddr,
+    store: Arc<Mutex<Store>>,
+    events: broadcast::Sender<(String, &'static str, Value)>,
+    drop_watches: watch::Sender<u64>,
+}
+
+fn kind_of(collection: &str) -> (&'static str, String) {
+    let plural = collection.rsplit('/').next().unwrap_or_default();
+    let kind = match plural {
+        "endpointslices" => "EndpointSlice",
+        "inferencepools" => "InferencePool",
+        "inferencemodels" => "InferenceModel",
+        _ => "Unknown",
+    };
+    let parts: Vec<&str> = collection.split('/').collect();
+    (kind, format!("{}/{}", parts[2], parts[3]))
+}
+
+fn selector_matches(obj: &Value, selector: &[(String, String)]) -> bool {
+    selector
+        .iter()
+        .all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v))
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+fn line(v: &Value) -> axum::body::Bytes {
+    let mut b = serde_json::to_vec(v).expect("json");
+    b.push(b'\n');
+    b.into()
+}
+
+impl FakeApi {
+    pub async fn start() -> FakeApi {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let api = FakeApi {
+            addr: listener.local_addr().expect("addr"),
+            store: Arc::default(),
+            events: broadcast::channel(4096).0,
+            drop_watches: watch::channel(0).0,
+        };
+        let served = api.clone();
+        let app = axum::Router::new().fallback(move |uri: Uri| {
+            let api = served.clone();
+            async move { api.handle(uri) }
+        });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        api
+    }
+
+    /// A kubeconfig that points at this server.
+    pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
+        let path = dir.join("kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"http://{}\"}}\nusers:\n- name: test\n  user: {{token: test-token}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: test, namespace: default}}\ncurrent-context: fake\n",
+            self.addr
+        );
+        std::fs::write(&path, text).expect("write kubeconfig");
+        path
+    }
+
+    /// Creates or replaces an object (by `metadata.name`) in `collection`.
+    pub fn put(&self, collection: &str, mut obj: Value) {
+        let (kind, api_version) = kind_of(collection);
+        let mut st = self.store.lock().expect("lock");
+        st.rv += 1;
+        let rv = st.rv;
+        let name = obj["metadata"]["name"]
+            .as_str()
+            .expect("metadata.name")
+            .to_owned();
+        obj["apiVersion"] = api_version.into();
+        obj["kind"] = kind.into();
+        obj["metadata"]["namespace"] = "default".into();
+        obj["metadata"]["resourceVersion"] = rv.to_string().into();
+        obj["metadata"]["uid"] = format!("uid-{name}").into();
+        let existed = st
+            .objects
+            .entry(collection.to_owned())
+            .or_default()
+            .insert(name, obj.clone())
+            .is_some();
+        let ty = if existed { "MODIFIED" } else { "ADDED" };
+        st.log.push((rv, collection.to_owned(), ty, obj.clone()));
+        let _ = self.events.send((collection.to_owned(), ty, obj));
+    }
+
+    pub fn delete(&self, collection: &str, name: &str) {
+        let mut st = self.store.lock().expect("lock");
+        let Some(mut obj) = st.objects.get_mut(collection).and_then(|m| m.remove(name)) else {
+            panic!("delete of a missing object {collection}/{name}");
+        };
+        st.rv += 1;
+        let rv = st.rv;
+        obj["metadata"]["resourceVersion"] = rv.to_string().into();
+        st.log
+            .push((rv, collection.to_owned(), "DELETED", obj.clone()));
+        let _ = self.events.send((collection.to_owned(), "DELETED", obj));
+    }
+
+    /// Every open watch connection is cut abruptly (no final chunk), as when an apiserver or a
+    /// load balancer in between goes away.
+    pub fn drop_watches(&self) {
+        self.drop_watches.send_modify(|n| *n += 1);
+    }
+
+    /// Forgets history up to now: a watch resuming from an older resourceVersion gets 410 Gone.
+    pub fn compact(&self) {
+        let mut st = self.store.lock().expect("lock");
+        st.compacted_before = st.rv + 1;
+        st.log.clear();
+    }
+
+    /// The collection answers 404 (its CRD is not installed) until `false`.
+    pub fn set_missing(&self, collection: &str, missing: bool) {
+        let mut st = self.store.lock().expect("lock");
+        if missing {
+            st.missing.insert(collection.to_owned());
+        } else {
+            st.missing.remove(collection);
+        }
+    }
+
+    pub fn lists(&self, collection: &str) -> usize {
+        self.store
+            .lock()
+            .expect("lock")
+            .lists
+            .get(collection)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn watches(&self, collection: &str) -> usize {
+        self.store
+            .lock()
+            .expect("lock")
+            .watches
+            .get(collection)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn handle(&self, uri: Uri) -> Response {
+        let path = uri.path().to_owned();
+        let query: BTreeMap<String, String> = uri
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_owned(), percent_decode(v)))
+            .collect();
+        let selector: Vec<(String, String)> = query
+            .get("labelSelector")
+            .map(|s| {
+                s.split(',')
+                    .filter_map(|t| t.split_once('='))
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut st = self.store.lock().expect("lock");
+        if !path.starts_with("/apis/") || path.split('/').count() != 7 {
+            return (
+                StatusCode::NOT_FOUND,
+                json_body(status(404, "NotFound", "no such path")),
+            )
+                .into_response();
+        }
+        if st.missing.contains(&path) {
+            return (
+                StatusCode::NOT_FOUND,
+                json_body(status(
+                    404,
+                    "NotFound",
+                    "the server could not find the requested resource",
+                )),
+            )
+                .into_response();
+        }
+        let (kind, api_version) = kind_of(&path);
+        if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) {
+            *st.watches.entry(path.clone()).or_default() += 1;
+            let from: u64 = query
+                .get("resourceVersion")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            if from + 1 < st.compacted_before {
+                let ev = json!({"type": "ERROR", "object": status(410, "Expired",
+                    &format!("too old resource version: {from} ({})", st.compacted_before - 1))});
+                return Response::new(Body::from(line(&ev)));
+            }
+            // Replay and subscription under one lock: nothing is missed or sent twice.
+            let mut live = self.events.subscribe();
+            let mut backlog: Vec<axum::body::Bytes> = st
+                .log
+                .iter()
+                .filter(|(rv, c, _, o)| *rv > from && *c == path && selector_matches(o, &selector))
+                .map(|(_, _, ty, o)| line(&json!({"type": ty, "object": o})))
+                .collect();
+            backlog.push(line(&json!({"type": "BOOKMARK", "object": {
+                "kind": kind, "apiVersion": api_version,
+                "metadata": {"resourceVersion": st.rv.to_string()}}})));
+            drop(st);
+            let mut cut = self.drop_watches.subscribe();
+            cut.borrow_and_update();
+            let stream = async_stream(backlog, move |tx| async move {
+                loop {
+                    tokio::select! {
+                        ev = live.recv() => match ev {
+                            Ok((c, ty, o)) if c == path && selector_matches(&o, &selector) => {
+                                if tx.send(Ok(line(&json!({"type": ty, "object": o})))).await.is_err() {
+                                    return;
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(_) => return,
+                        },
+                        _ = cut.changed() => {
+                            let _ = tx.send(Err(std::io::Error::other("connection dropped"))).await;
+                            return;
+                        }
+                    }
+                }
+            });
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(stream))
+                .expect("response");
+        }
+        *st.lists.entry(path.clone()).or_default() += 1;
+        let items: Vec<Value> = st
+            .objects
+            .get(&path)
+            .into_iter()
+            .flat_map(|m| m.values())
+            .filter(|o| selector_matches(o, &selector))
+            .cloned()
+            .collect();
+        json_body(json!({
+            "kind": format!("{kind}List"), "apiVersion": api_version,
+            "metadata": {"resourceVersion": st.rv.to_string()},
+            "items": items,
+        }))
+        .into_response()
+    }
+}
+
+fn json_body(v: Value) -> Response {
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from(line(&v)))
+        .expect("response")
+}
+
+type Chunk = Result<axum::body::Bytes, std::io::Error>;
+
+/// A body stream: `first` chunks, then whatever `produce` sends.
+fn async_stream<F, Fut>(
+    first: Vec<axum::body::Bytes>,
+    produce: F,
+) -> impl futures::Stream<Item = Chunk> + Send
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Chunk>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(produce(tx));
+    futures::StreamExt::chain(
+        futures::stream::iter(first.into_iter().map(Ok)),
+        tokio_stream::wrappers::ReceiverStream::new(rx),
+    )
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+// ---------------------------------------------------------------- objects
+
+/// An EndpointSlice of Service `service` with (ip, pod, ready) endpoints and an `http` port (and
+/// a `metadata` port when given).
+pub fn slice(
+    name: &str,
+    service: &str,
+    port: u16,
+    metadata_port: Option<u16>,
+    eps: &[(&str, &str, bool)],
+) -> Value {
+    let mut ports = vec![json!({"name": "http", "port": port, "protocol": "TCP"})];
+    if let Some(m) = metadata_port {
+        ports.push(json!({"name": "metadata", "port": m, "protocol": "TCP"}));
+    }
+    json!({
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": eps.iter().map(|(ip, pod, ready)| json!({
+            "addresses": [ip],
+            "conditions": {"ready": ready, "serving": ready, "terminating": false},
+            "targetRef": {"kind": "Pod", "name": pod, "namespace": "default"},
+            "zone": "zone-a", "nodeName": "node-1",
+        })).collect::<Vec<_>>(),
+        "ports": ports,
+    })
+}
+
+pub fn pool_v1(name: &str, port: u16) -> Value {
+    json!({"metadata": {"name": name}, "spec": {
+        "selector": {"matchLabels": {"kvepp.io/component": name}},
+        "targetPorts": [{"number": port}],
+        "endpointPickerRef": {"name": "kvepp", "port": {"number": 9002}}}})
+}
+
+pub fn model(name: &str, model_name: &str, pool: &str, targets: &[(&str, u32)]) -> Value {
+    json!({"metadata": {"name": name}, "spec": {
+        "modelName": model_name, "criticality": "Standard", "poolRef": {"name": pool},
+        "targetModels": targets.iter().map(|(n, w)| json!({"name": n, "weight": w})).collect::<Vec<_>>()}})
+}
