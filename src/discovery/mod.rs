@@ -270,7 +270,10 @@ impl Datastore {
             endpoints.entry(addr).or_insert_with(|| {
                 let load = loads.entry(addr).or_default().clone();
                 let addr_str: Arc<str> = addr.to_string().into();
-                let name = if *inst.id == *inst.ip.to_string() {
+                // Instances without a Pod name are known by their address.
+                let unnamed = inst.id.parse::<SocketAddr>().is_ok()
+                    || inst.id.parse::<std::net::IpAddr>().is_ok();
+                let name = if unnamed {
                     addr_str.clone()
                 } else {
                     inst.id.clone()

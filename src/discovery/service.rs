@@ -6,7 +6,8 @@
 //! - `namespace` is the Kubernetes namespace of the pool;
 //! - `component` is the Service that selects the instances' pods. Its EndpointSlices carry the label
 //!   `kubernetes.io/service-name: <component>`, and its pods carry [`COMPONENT_LABEL`].
-//! - An instance's id is its Pod's name (`targetRef.name`), or its IP when the slice names no Pod.
+//! - An instance's id is its Pod's name (`targetRef.name`); when the slice names no Pod, its
+//!   `ip:port` (or IP when the slice has no port).
 //!
 //! Invariants of a [`ServiceDiscovery::watch`] stream:
 //! - after the first [`InstanceEvent::Synced`], the events applied in order give exactly the set
@@ -262,9 +263,10 @@ fn instance(
         tracing::warn!(slice, address = %first, "endpoint address is not an IP; skipped");
         return None;
     };
-    let id: Arc<str> = match ep.target_ref.as_ref().and_then(|r| r.name.as_deref()) {
-        Some(name) if !name.is_empty() => name.into(),
-        _ => first.as_str().into(),
+    let id: Arc<str> = match (ep.target_ref.as_ref().and_then(|r| r.name.as_deref()), port) {
+        (Some(name), _) if !name.is_empty() => name.into(),
+        (_, Some(p)) => SocketAddr::new(ip, p).to_string().into(),
+        (_, None) => first.as_str().into(),
     };
     Some(Instance {
         id,
@@ -406,8 +408,8 @@ endpoints:
         let set = instances_from_slices(&s);
         let ids: Vec<&str> = set.keys().map(|k| &**k).collect();
         // unready (pod-2) and terminating (pod-3) are out; pod-1 is listed twice but is one
-        // instance; no targetRef: the IP is the id.
-        assert_eq!(ids, ["10.0.0.4", "pod-1", "pod-5"]);
+        // instance; no targetRef: the address is the id.
+        assert_eq!(ids, ["10.0.0.4:8000", "pod-1", "pod-5"]);
         let p1 = &set["pod-1"];
         assert_eq!(
             (
@@ -421,6 +423,26 @@ endpoints:
         assert_eq!(set["pod-5"].port, None, "slice b has no port");
         assert!(slice_matches(&s[0], "default", "svc"));
         assert!(!slice_matches(&s[0], "default", "other"));
+    }
+
+    #[test]
+    fn unnamed_endpoints_on_one_ip_are_distinct() {
+        let two = r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: a, labels: {kubernetes.io/service-name: svc}}
+endpoints: [{addresses: [127.0.0.1]}]
+ports: [{name: http, port: 8001}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: b, labels: {kubernetes.io/service-name: svc}}
+endpoints: [{addresses: [127.0.0.1]}]
+ports: [{name: http, port: 8002}]
+"#;
+        let set = instances_from_slices(&slices(two));
+        let ids: Vec<&str> = set.keys().map(|k| &**k).collect();
+        assert_eq!(ids, ["127.0.0.1:8001", "127.0.0.1:8002"]);
     }
 
     #[test]
