@@ -119,9 +119,8 @@ fn kubernetes_manifests_are_consistent() {
         .into_iter()
         .find(|m| m["metadata"]["name"] == "kvepp-config")
         .unwrap();
-    let mut cfg: kvepp::config::Config =
+    let cfg: kvepp::config::Config =
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
-    cfg.manifests_dir = Some(std::env::temp_dir());
     cfg.validate().unwrap();
     // The pool's extensionRef is the kvepp Service, and its headless Service is named like it.
     let pool = find(&d, "InferencePool")[0];
@@ -139,6 +138,244 @@ fn kubernetes_manifests_are_consistent() {
         route["spec"]["rules"][0]["backendRefs"][0]["name"],
         pool["metadata"]["name"]
     );
+}
+
+/// Parses `v` as the k8s-openapi type `T` and back: a misspelled or misplaced field (which the
+/// typed object drops) makes the round trip differ from the file.
+fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
+    name: &str,
+    v: &serde_yaml::Value,
+) {
+    let json: serde_json::Value = serde_json::to_value(v).expect("YAML as JSON");
+    let typed: T = serde_json::from_value(json.clone()).unwrap_or_else(|e| {
+        panic!(
+            "{name}: {} {}: {e}",
+            v["kind"].as_str().unwrap_or(""),
+            v["metadata"]["name"].as_str().unwrap_or("")
+        )
+    });
+    let back = serde_json::to_value(&typed).expect("serialize");
+    assert_eq!(
+        numbers_as_floats(back),
+        numbers_as_floats(json),
+        "{name}: {} {} has fields its type does not know",
+        v["kind"].as_str().unwrap_or(""),
+        v["metadata"]["name"].as_str().unwrap_or("")
+    );
+}
+
+/// Schema bounds are floats in the typed form (`minimum: 1` comes back as `1.0`).
+fn numbers_as_floats(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) => n.as_f64().map_or(Value::Number(n), Value::from),
+        Value::Object(m) => Value::Object(
+            m.into_iter()
+                .map(|(k, v)| (k, numbers_as_floats(v)))
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.into_iter().map(numbers_as_floats).collect()),
+        other => other,
+    }
+}
+
+#[test]
+fn every_kubernetes_manifest_is_a_valid_typed_object() {
+    use k8s_openapi::api::{
+        apps::v1 as apps, core::v1 as core, discovery::v1 as disc, rbac::v1 as rbac,
+    };
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as ext;
+    let mut all = docs("manifests/kubernetes");
+    all.extend(docs("examples/local"));
+    let mut crds = Vec::new();
+    let mut untyped = Vec::new();
+    for (name, v) in &all {
+        match v["kind"].as_str().unwrap_or_default() {
+            "Deployment" => round_trip::<apps::Deployment>(name, v),
+            "Service" => round_trip::<core::Service>(name, v),
+            "ServiceAccount" => round_trip::<core::ServiceAccount>(name, v),
+            "ConfigMap" => round_trip::<core::ConfigMap>(name, v),
+            "Role" => round_trip::<rbac::Role>(name, v),
+            "RoleBinding" => round_trip::<rbac::RoleBinding>(name, v),
+            "EndpointSlice" => round_trip::<disc::EndpointSlice>(name, v),
+            "CustomResourceDefinition" => {
+                round_trip::<ext::CustomResourceDefinition>(name, v);
+                let crd: ext::CustomResourceDefinition =
+                    serde_json::from_value(serde_json::to_value(v).unwrap()).unwrap();
+                for ver in &crd.spec.versions {
+                    crds.push((
+                        format!("{}/{}", crd.spec.group, ver.name),
+                        crd.spec.names.kind.clone(),
+                        ver.clone(),
+                    ));
+                }
+            }
+            _ => untyped.push((name, v)),
+        }
+    }
+    // Custom resources: a shipped CRD serves their apiVersion and kind, and every field their
+    // schema requires in `spec` is there.
+    for (name, v) in untyped {
+        let (api, kind) = (
+            v["apiVersion"].as_str().unwrap(),
+            v["kind"].as_str().unwrap(),
+        );
+        if !api.starts_with("inference.networking.") {
+            // Gateway API and Envoy Gateway kinds: their CRDs come with those projects.
+            assert!(
+                [
+                    "gateway.networking.k8s.io/v1",
+                    "gateway.envoyproxy.io/v1alpha1"
+                ]
+                .contains(&api),
+                "{name}: unexpected {api} {kind}"
+            );
+            continue;
+        }
+        let (_, _, ver) = crds
+            .iter()
+            .find(|(a, k, _)| a == api && k == kind)
+            .unwrap_or_else(|| panic!("{name}: no shipped CRD serves {api} {kind}"));
+        assert!(ver.served);
+        let schema = ver
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .expect("schema");
+        let spec = &schema.properties.as_ref().expect("properties")["spec"];
+        for field in spec.required.iter().flatten() {
+            assert!(
+                !v["spec"][field.as_str()].is_null(),
+                "{name}: {kind} misses spec.{field}"
+            );
+        }
+        for key in v["spec"].as_mapping().expect("spec").keys() {
+            let key = key.as_str().unwrap();
+            assert!(
+                spec.properties
+                    .as_ref()
+                    .is_some_and(|p| p.contains_key(key)),
+                "{name}: {kind} spec.{key} is not in the CRD schema"
+            );
+        }
+    }
+    assert_eq!(
+        crds.len(),
+        3,
+        "InferencePool v1alpha2 and v1, InferenceModel v1alpha2"
+    );
+}
+
+#[test]
+fn vllm_example_wires_the_worker_agent_to_the_pool() {
+    let d = docs("manifests/kubernetes");
+    let dep = find(&d, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "vllm-llama3-8b")
+        .expect("vLLM Deployment");
+    let pod = &dep["spec"]["template"];
+    let component = pod["metadata"]["labels"]["kvepp.io/component"]
+        .as_str()
+        .expect("component label");
+    let containers = pod["spec"]["containers"].as_sequence().unwrap();
+    let vllm = &containers[0];
+    let args: Vec<&str> = vllm["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let kv = args[args
+        .iter()
+        .position(|a| *a == "--kv-events-config")
+        .unwrap()
+        + 1];
+    let kv: serde_json::Value = serde_json::from_str(kv).expect("--kv-events-config is JSON");
+    assert_eq!(kv["publisher"], "zmq");
+    assert_eq!(kv["endpoint"], "tcp://*:5557");
+    assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
+    assert_eq!(kv["enable_kv_cache_events"], true);
+    let agent = containers
+        .iter()
+        .find(|c| c["name"] == "worker-agent")
+        .expect("sidecar");
+    let aargs: Vec<&str> = agent["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(aargs[0], "worker-agent");
+    let help = String::from_utf8(
+        Command::new(env!("CARGO_BIN_EXE_kvepp"))
+            .args(["worker-agent", "--help"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for a in aargs.iter().filter(|a| a.starts_with("--")) {
+        assert!(
+            help.contains(a),
+            "{a} is not a flag of `kvepp worker-agent`"
+        );
+    }
+    let arg = |flag: &str| aargs[aargs.iter().position(|a| *a == flag).unwrap() + 1];
+    assert_eq!(arg("--component"), component);
+    assert_eq!(arg("--kv-events-port"), "5557");
+    assert_eq!(
+        arg("--block-size"),
+        args[args.iter().position(|a| *a == "--block-size").unwrap() + 1]
+    );
+    let listen: std::net::SocketAddr = arg("--listen").parse().unwrap();
+    assert_eq!(agent["readinessProbe"]["httpGet"]["path"], "/health");
+    assert_eq!(
+        agent["readinessProbe"]["httpGet"]["port"].as_u64(),
+        Some(u64::from(listen.port()))
+    );
+    // The Downward API gives the agent the labels it checks and the pod's identity.
+    let vol = &pod["spec"]["volumes"][0]["downwardAPI"]["items"][0];
+    assert_eq!(vol["fieldRef"]["fieldPath"], "metadata.labels");
+    assert!(arg("--labels-file").ends_with(vol["path"].as_str().unwrap()));
+    let env: Vec<&str> = agent["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(env, ["POD_NAME", "POD_NAMESPACE", "POD_IP"]);
+    // The pool's headless Service selects the pods and publishes the http and metadata ports.
+    let svc = find(&d, "Service")
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == component)
+        .expect("the component's Service");
+    assert_eq!(svc["spec"]["clusterIP"], "None");
+    assert_eq!(svc["spec"]["selector"]["kvepp.io/component"], component);
+    let ports: Vec<(&str, u64)> = svc["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                p["targetPort"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ports,
+        [("http", 8000), ("metadata", u64::from(listen.port()))]
+    );
+    // kvepp's config names this Service and needs no manifests directory.
+    let cm = find(&d, "ConfigMap")
+        .into_iter()
+        .find(|m| m["metadata"]["name"] == "kvepp-config")
+        .unwrap();
+    let cfg: kvepp::config::Config =
+        serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(cfg.endpoint_service(), component);
+    assert!(cfg.manifests_dir.is_none());
+    cfg.validate().unwrap();
 }
 
 #[test]
