@@ -581,9 +581,9 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
         c.engine_metrics.enabled = false;
     })
     .await;
-    let endpoint = format!("kvepp_ready_endpoints");
+    let endpoint = "kvepp_ready_endpoints";
     wait_for("the agent's pod is routable", || async {
-        (epp.metric(&endpoint).await == Some(1.0)).then_some(())
+        (epp.metric(endpoint).await == Some(1.0)).then_some(())
     })
     .await;
     // /metadata is the selector's schema, and the EPP fetched it through the metadata port.
@@ -604,7 +604,7 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     // The engine's health fails → the probe fails → the slice says unready → not routed.
     healthy.store(false, Ordering::SeqCst);
     wait_for("pod out of the pool", || async {
-        (epp.metric(&endpoint).await == Some(0.0)).then_some(())
+        (epp.metric(endpoint).await == Some(0.0)).then_some(())
     })
     .await;
     assert_eq!(
@@ -613,7 +613,7 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     );
     healthy.store(true, Ordering::SeqCst);
     wait_for("pod back", || async {
-        (epp.metric(&endpoint).await == Some(1.0)).then_some(())
+        (epp.metric(endpoint).await == Some(1.0)).then_some(())
     })
     .await;
 

@@ -249,7 +249,7 @@ pub fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
 }
 
 /// The inference CRDs kvepp watches: (group/version, kind, plural, metric name).
-const CRDS: [(&str, &str, &str, &str, &'static str); 3] = [
+const CRDS: [(&str, &str, &str, &str, &str); 3] = [
     (
         "inference.networking.x-k8s.io",
         "v1alpha2",

@@ -221,7 +221,7 @@ impl ServiceDiscovery for ManifestDiscovery {
         let (ns, comp) = (namespace.to_owned(), component.to_owned());
         events_from_views(
             WatchStream::new(self.inventory.clone())
-                .filter_map(|inv| std::future::ready(inv))
+                .filter_map(std::future::ready)
                 .map(move |inv| ready_in(&inv, &ns, &comp)),
         )
     }
