@@ -55,19 +55,19 @@ fn ids(events: &[InstanceEvent]) -> Vec<String> {
         .collect()
 }
 
+/// A slice of Service `pool` (ports http 8000, metadata 8090).
+fn put_pool(api: &FakeApi, name: &str, eps: &[(&str, &str, bool)]) {
+    api.put(SLICES, slice(name, "pool", 8000, Some(8090), eps));
+}
+
 #[tokio::test]
 async fn endpointslice_watch_follows_readiness_reconnects_and_410() {
     let api = FakeApi::start().await;
     let dir = TempDir::new("kube");
-    api.put(
-        SLICES,
-        slice(
-            "pool-a",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.1", "pod-1", true), ("10.0.0.2", "pod-2", false)],
-        ),
+    put_pool(
+        &api,
+        "pool-a",
+        &[("10.0.0.1", "pod-1", true), ("10.0.0.2", "pod-2", false)],
     );
     api.put(
         SLICES,
@@ -109,53 +109,29 @@ async fn endpointslice_watch_follows_readiness_reconnects_and_410() {
     assert_eq!(listed.iter().map(|i| &*i.id).collect::<Vec<_>>(), ["pod-1"]);
 
     // Readiness flips are Added / Removed.
-    api.put(
-        SLICES,
-        slice(
-            "pool-a",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.1", "pod-1", true), ("10.0.0.2", "pod-2", true)],
-        ),
+    put_pool(
+        &api,
+        "pool-a",
+        &[("10.0.0.1", "pod-1", true), ("10.0.0.2", "pod-2", true)],
     );
     assert_eq!(added(&next(&mut w).await), Some("pod-2"));
-    api.put(
-        SLICES,
-        slice(
-            "pool-a",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.1", "pod-1", false), ("10.0.0.2", "pod-2", true)],
-        ),
+    put_pool(
+        &api,
+        "pool-a",
+        &[("10.0.0.1", "pod-1", false), ("10.0.0.2", "pod-2", true)],
     );
     assert_eq!(next(&mut w).await, InstanceEvent::Removed("pod-1".into()));
 
     // A pod in two slices is one instance: a second listing adds nothing, deleting one slice
     // removes nothing.
-    api.put(
-        SLICES,
-        slice(
-            "pool-b",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.2", "pod-2", true), ("10.0.0.3", "pod-3", true)],
-        ),
+    put_pool(
+        &api,
+        "pool-b",
+        &[("10.0.0.2", "pod-2", true), ("10.0.0.3", "pod-3", true)],
     );
     assert_eq!(added(&next(&mut w).await), Some("pod-3"));
     api.delete(SLICES, "pool-a");
-    api.put(
-        SLICES,
-        slice(
-            "pool-c",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.4", "pod-4", true)],
-        ),
-    );
+    put_pool(&api, "pool-c", &[("10.0.0.4", "pod-4", true)]);
     assert!(
         until_added(&mut w, "pod-4").await.is_empty(),
         "slice deletion kept pod-2 (still in pool-b)"
@@ -176,15 +152,10 @@ async fn endpointslice_watch_follows_readiness_reconnects_and_410() {
     // watcher resumes from its resourceVersion, without a relist.
     let (lists, watches) = (api.lists(SLICES), api.watches(SLICES));
     api.drop_watches();
-    api.put(
-        SLICES,
-        slice(
-            "pool-c",
-            "pool",
-            8000,
-            Some(8090),
-            &[("10.0.0.4", "pod-4", true), ("10.0.0.5", "pod-5", true)],
-        ),
+    put_pool(
+        &api,
+        "pool-c",
+        &[("10.0.0.4", "pod-4", true), ("10.0.0.5", "pod-5", true)],
     );
     let before = until_added(&mut w, "pod-5").await;
     assert_eq!(
@@ -203,19 +174,14 @@ async fn endpointslice_watch_follows_readiness_reconnects_and_410() {
     // differences come out (no duplicate of pod-2/3/4, no lost pod-6, pod-3 removed once).
     api.drop_watches();
     api.compact();
-    api.put(
-        SLICES,
-        slice(
-            "pool-b",
-            "pool",
-            8000,
-            Some(8090),
-            &[
-                ("10.0.0.2", "pod-2", true),
-                ("10.0.0.3", "pod-3", false),
-                ("10.0.0.6", "pod-6", true),
-            ],
-        ),
+    put_pool(
+        &api,
+        "pool-b",
+        &[
+            ("10.0.0.2", "pod-2", true),
+            ("10.0.0.3", "pod-3", false),
+            ("10.0.0.6", "pod-6", true),
+        ],
     );
     api.compact();
     let relists = metrics

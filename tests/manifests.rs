@@ -46,6 +46,15 @@ fn docs(dir: &str) -> Vec<(String, serde_yaml::Value)> {
     out
 }
 
+/// `kvepp <subcommand> --help`.
+fn help(subcommand: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvepp"))
+        .args([subcommand, "--help"])
+        .output()
+        .expect("run kvepp");
+    String::from_utf8(out.stdout).expect("utf8")
+}
+
 fn find<'a>(docs: &'a [(String, serde_yaml::Value)], kind: &str) -> Vec<&'a serde_yaml::Value> {
     docs.iter()
         .filter(|(_, v)| v["kind"] == kind)
@@ -88,14 +97,7 @@ fn kubernetes_manifests_are_consistent() {
     // The Deployment's flags exist, its ports and probes match the server.
     let dep = find(&d, "Deployment")[0];
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
-    let help = String::from_utf8(
-        Command::new(env!("CARGO_BIN_EXE_kvepp"))
-            .args(["serve", "--help"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap();
+    let help = help("serve");
     for arg in c["args"]
         .as_sequence()
         .unwrap()
@@ -306,14 +308,7 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .map(|a| a.as_str().unwrap())
         .collect();
     assert_eq!(aargs[0], "worker-agent");
-    let help = String::from_utf8(
-        Command::new(env!("CARGO_BIN_EXE_kvepp"))
-            .args(["worker-agent", "--help"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap();
+    let help = help("worker-agent");
     for a in aargs.iter().filter(|a| a.starts_with("--")) {
         assert!(
             help.contains(a),
