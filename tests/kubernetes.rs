@@ -219,6 +219,8 @@ async fn endpointslice_watch_follows_readiness_reconnects_and_410() {
 /// controller would write for them.
 struct Pods {
     addrs: Vec<(String, SocketAddr)>,
+    /// Where the slices say `/metadata` is; nothing listens there.
+    dead_metadata_port: u16,
 }
 
 impl Pods {
@@ -230,7 +232,7 @@ impl Pods {
                     &format!("pool-{pod}"),
                     "pool",
                     addr.port(),
-                    None,
+                    Some(self.dead_metadata_port),
                     &[("127.0.0.1", pod, *r)],
                 ),
             );
@@ -271,7 +273,12 @@ async fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
     let names = ["pod-a", "pod-b", "pod-c"];
     let addrs = echo_backends(&names).await;
     let pods = Pods {
-        addrs: names.iter().map(|n| n.to_string()).zip(addrs).collect(),
+        addrs: names
+            .iter()
+            .map(|n| n.to_string())
+            .zip(addrs.clone())
+            .collect(),
+        dead_metadata_port: free_port(),
     };
     api.put(POOLS_V1, pool_v1("pool", 8000));
     api.set_missing(POOLS_V1ALPHA2, true); // only the v1 CRD is installed
@@ -297,6 +304,15 @@ async fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
     );
     let (_, codes, _) = served_by(&envoy, "foreign", 1).await;
     assert_eq!(codes, [404], "models of other pools are ignored");
+    // Their /metadata cannot be fetched: routed with defaults (above), and marked.
+    let series = format!(
+        "kvepp_endpoint_metadata_missing{{endpoint=\"{}\"}}",
+        addrs[0]
+    );
+    wait_for("metadata marked missing", || async {
+        (epp.metric(&series).await == Some(1.0)).then_some(())
+    })
+    .await;
 
     // Pods come and go.
     let t = Instant::now();
@@ -495,6 +511,8 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     );
 
     std::fs::write(&labels, "app=\"vllm\"\nkvepp.io/component=\"pool\"\n").unwrap();
+    let md_file = dir.path().join("metadata.yaml");
+    std::fs::write(&md_file, "role: prefill\nmodel: {type: Completions}\n").unwrap();
     let l = tokio::net::TcpListener::bind(agent_addr).await.unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let agent = tokio::spawn(kvepp::replica::run(
@@ -507,6 +525,8 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
             "5557",
             "--topology",
             "zone=z9",
+            "--metadata-file",
+            md_file.to_str().unwrap(),
         ]),
         l,
         async {
@@ -558,6 +578,31 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     assert_eq!(md["model"]["runtime_config"]["block_size"], 16);
     assert_eq!(md["kv_events"]["endpoints"]["0"], "tcp://127.0.0.1:5557");
     assert_eq!(md["topology_domains"]["zone"], "z9");
+    assert_eq!(
+        (md["role"].as_str(), md["model"]["type"].as_str()),
+        (Some("prefill"), Some("Completions")),
+        "the file, under the flags"
+    );
+    // The file is re-read when it changes (atomically replaced, as a ConfigMap volume does).
+    std::fs::write(
+        dir.path().join(".md.tmp"),
+        "role: decode\ntopology_domains: {rack: r1}\n",
+    )
+    .unwrap();
+    std::fs::rename(dir.path().join(".md.tmp"), &md_file).unwrap();
+    let md = wait_for("metadata updated live", || async {
+        let md = http(agent_addr, "GET", "/metadata", &[], "").await.json();
+        (md["role"] == "decode").then_some(md)
+    })
+    .await;
+    assert_eq!(
+        (
+            md["topology_domains"]["rack"].as_str(),
+            md["topology_domains"]["zone"].as_str()
+        ),
+        (Some("r1"), Some("z9"))
+    );
+    assert_eq!(md["model"]["name"], "m", "flags still apply");
     let series = format!(
         "kvepp_endpoint_metadata_missing{{endpoint=\"127.0.0.1:{}\"}}",
         backend.port()
