@@ -72,7 +72,7 @@ fn views<K, T>(
     convert: impl Fn(K) -> Option<(String, T)> + Send + 'static,
 ) -> impl Stream<Item = BTreeMap<String, T>> + Send
 where
-    K: Send + 'static,
+    K: kube::Resource + Send + 'static,
     T: Clone + Send + 'static,
 {
     let mut current: BTreeMap<String, T> = BTreeMap::new();
@@ -107,13 +107,11 @@ where
                     }
                     None => Step::Nothing,
                 },
-                Ok(Event::Delete(obj)) => match convert(obj) {
-                    Some((k, _)) => {
-                        current.remove(&k);
-                        Step::View(current.clone())
-                    }
-                    None => Step::Nothing,
-                },
+                Ok(Event::Delete(obj)) => {
+                    // Only the name matters; a deleted invalid object is not reported again.
+                    current.remove(obj.meta().name.as_deref().unwrap_or_default());
+                    Step::View(current.clone())
+                }
                 Err(e) if absent_is_empty && is_not_found(&e) => {
                     // The CRD (or API version) is not installed: synced and empty until it is.
                     if !warned {
