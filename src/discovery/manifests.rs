@@ -19,8 +19,8 @@ use tokio_stream::wrappers::WatchStream;
 
 use super::objects::{parse_documents, Object, SERVICE_NAME_LABEL};
 use super::service::{
-    events_from_views, instances_from_slices, slice_matches, DiscoveryError, Instance,
-    InstanceHandle, InstanceStream, Published, RegistryError, ServiceDiscovery, ServiceRegistry,
+    events_from_views, ready_in_objects, DiscoveryError, Instance, InstanceHandle, InstanceStream,
+    Published, RegistryError, ServiceDiscovery, ServiceRegistry,
 };
 use super::{Datastore, Inventory};
 
@@ -191,17 +191,6 @@ pub struct ManifestDiscovery {
     inventory: watch::Receiver<Option<Arc<Inventory>>>,
 }
 
-fn ready_in(
-    inv: &Inventory,
-    namespace: &str,
-    component: &str,
-) -> std::collections::BTreeMap<Arc<str>, Instance> {
-    instances_from_slices(inv.objects.iter().filter_map(|o| match o {
-        Object::Slice(s) if slice_matches(s, namespace, component) => Some(s),
-        _ => None,
-    }))
-}
-
 impl ServiceDiscovery for ManifestDiscovery {
     fn list_instances<'a>(
         &'a self,
@@ -213,7 +202,9 @@ impl ServiceDiscovery for ManifestDiscovery {
             let inv = inv.ok_or_else(|| {
                 DiscoveryError::Unavailable("manifests directory not read yet".into())
             })?;
-            Ok(ready_in(&inv, namespace, component).into_values().collect())
+            Ok(ready_in_objects(&inv.objects, namespace, component)
+                .into_values()
+                .collect())
         })
     }
 
@@ -222,7 +213,7 @@ impl ServiceDiscovery for ManifestDiscovery {
         events_from_views(
             WatchStream::new(self.inventory.clone())
                 .filter_map(std::future::ready)
-                .map(move |inv| ready_in(&inv, &ns, &comp)),
+                .map(move |inv| ready_in_objects(&inv.objects, &ns, &comp)),
         )
     }
 }

@@ -143,13 +143,7 @@ impl Datastore {
 
     /// Replaces the catalog (pools and models; other objects are ignored).
     pub fn apply_catalog(&self, objects: &[Object]) {
-        self.change(|st| {
-            st.catalog = objects
-                .iter()
-                .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_)))
-                .cloned()
-                .collect();
-        });
+        self.change(|st| st.catalog = catalog_of(objects));
     }
 
     /// Applies instance events from a [`ServiceDiscovery`] watch, in order.
@@ -172,22 +166,10 @@ impl Datastore {
     /// Replaces everything with what `inventory` says: its pools and models, and the ready
     /// endpoints of its slices that belong to the pool's Service (a complete, synced view).
     pub fn apply(&self, inventory: &Inventory) {
-        let slices = inventory.objects.iter().filter_map(|o| match o {
-            Object::Slice(s)
-                if service::slice_matches(s, &self.target.namespace, &self.target.service) =>
-            {
-                Some(s)
-            }
-            _ => None,
-        });
-        let instances = service::instances_from_slices(slices);
+        let t = &self.target;
+        let instances = service::ready_in_objects(&inventory.objects, &t.namespace, &t.service);
         self.change(|st| {
-            st.catalog = inventory
-                .objects
-                .iter()
-                .filter(|o| !matches!(o, Object::Slice(_)))
-                .cloned()
-                .collect();
+            st.catalog = catalog_of(&inventory.objects);
             st.instances = instances;
             st.instances_synced = true;
         });
@@ -207,15 +189,15 @@ impl Datastore {
             "pool state updated"
         );
         (self.on_change)(&snap);
-        let old = self.snapshot.swap(Arc::new(snap));
-        let new = self.snapshot.load();
-        if old.endpoints.len() != new.endpoints.len()
-            || old.models.len() != new.models.len()
-            || old.pool != new.pool
+        let old = self.snapshot.load();
+        if old.endpoints.len() != snap.endpoints.len()
+            || old.models.len() != snap.models.len()
+            || old.pool != snap.pool
         {
-            tracing::info!(pool = %self.target.name, found = new.pool.is_some(),
-                models = new.models.len(), ready_endpoints = new.endpoints.len(), "pool state changed");
+            tracing::info!(pool = %self.target.name, found = snap.pool.is_some(),
+                models = snap.models.len(), ready_endpoints = snap.endpoints.len(), "pool state changed");
         }
+        self.snapshot.store(Arc::new(snap));
         self.ready
             .send_if_modified(|r| std::mem::replace(r, synced) != synced);
     }
@@ -295,6 +277,15 @@ impl Datastore {
         snap.endpoints = endpoints.into_values().collect();
         snap
     }
+}
+
+/// The objects of a source that form the catalog: pools and models.
+fn catalog_of(objects: &[Object]) -> Vec<Object> {
+    objects
+        .iter()
+        .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_)))
+        .cloned()
+        .collect()
 }
 
 /// Feeds `store` from `discovery.watch(pool namespace, pool service)` until `shutdown`. Events that

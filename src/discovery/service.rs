@@ -25,7 +25,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::Stream;
 
-use super::objects::{EndpointSlice, SliceEndpoint, SERVICE_NAME_LABEL};
+use super::objects::{EndpointSlice, Object, SliceEndpoint, SERVICE_NAME_LABEL};
 use crate::engine::metadata::EngineMetadata;
 use crate::engine::FetchError;
 
@@ -53,9 +53,9 @@ pub enum MetadataError {
     NoPort(Arc<str>),
     #[error(transparent)]
     Fetch(#[from] FetchError),
-    #[error("/metadata of {id}: {source}")]
+    #[error("/metadata of {addr}: {source}")]
     Parse {
-        id: Arc<str>,
+        addr: SocketAddr,
         source: serde_json::Error,
     },
 }
@@ -66,15 +66,7 @@ impl Instance {
         let port = self
             .metadata_port
             .ok_or_else(|| MetadataError::NoPort(self.id.clone()))?;
-        fetch_metadata(SocketAddr::new(self.ip, port), timeout)
-            .await
-            .map_err(|e| match e {
-                MetadataError::Parse { source, .. } => MetadataError::Parse {
-                    id: self.id.clone(),
-                    source,
-                },
-                other => other,
-            })
+        fetch_metadata(SocketAddr::new(self.ip, port), timeout).await
     }
 }
 
@@ -84,10 +76,7 @@ pub async fn fetch_metadata(
     timeout: Duration,
 ) -> Result<EngineMetadata, MetadataError> {
     let body = crate::engine::get(addr, "/metadata", timeout, 1 << 20).await?;
-    EngineMetadata::parse(&body).map_err(|source| MetadataError::Parse {
-        id: addr.to_string().into(),
-        source,
-    })
+    EngineMetadata::parse(&body).map_err(|source| MetadataError::Parse { addr, source })
 }
 
 /// A change in the set of ready instances.
@@ -239,6 +228,18 @@ pub fn instances_from_slices<'a>(
         }
     }
     out
+}
+
+/// The ready instances of `(namespace, component)` among a source's objects (its slices).
+pub fn ready_in_objects<'a>(
+    objects: impl IntoIterator<Item = &'a Object>,
+    namespace: &str,
+    component: &str,
+) -> BTreeMap<Arc<str>, Instance> {
+    instances_from_slices(objects.into_iter().filter_map(|o| match o {
+        Object::Slice(s) if slice_matches(s, namespace, component) => Some(s),
+        _ => None,
+    }))
 }
 
 /// Slices in `namespace` that belong to `component` (label `kubernetes.io/service-name`).

@@ -169,26 +169,15 @@ impl AgentArgs {
     pub fn metadata(&self, file: Option<EngineMetadata>) -> EngineMetadata {
         let mut md = file.unwrap_or_default();
         let model = md.model.get_or_insert_with(ModelInfo::default);
-        if let Some(n) = &self.model_name {
-            model.name = Some(n.clone());
-        }
+        overlay(&mut model.name, &self.model_name);
         let rc = model
             .runtime_config
             .get_or_insert_with(RuntimeConfig::default);
-        let set = |dst: &mut Option<u64>, v: Option<u64>| {
-            if v.is_some() {
-                *dst = v;
-            }
-        };
-        if self.block_size.is_some() {
-            rc.block_size = self.block_size;
-        }
-        set(&mut rc.total_kv_blocks, self.total_kv_blocks);
-        set(&mut rc.max_num_seqs, self.max_num_seqs);
-        set(&mut rc.max_num_batched_tokens, self.max_num_batched_tokens);
-        if self.data_parallel_size.is_some() {
-            rc.data_parallel_size = self.data_parallel_size;
-        }
+        overlay(&mut rc.block_size, &self.block_size);
+        overlay(&mut rc.total_kv_blocks, &self.total_kv_blocks);
+        overlay(&mut rc.max_num_seqs, &self.max_num_seqs);
+        overlay(&mut rc.max_num_batched_tokens, &self.max_num_batched_tokens);
+        overlay(&mut rc.data_parallel_size, &self.data_parallel_size);
         if *rc == RuntimeConfig::default() {
             model.runtime_config = None;
         }
@@ -219,10 +208,15 @@ impl AgentArgs {
         for (k, v) in &self.topology {
             md.topology_domains.insert(k.clone(), v.clone());
         }
-        if self.role.is_some() {
-            md.role = self.role.clone();
-        }
+        overlay(&mut md.role, &self.role);
         md
+    }
+}
+
+/// A flag that was given replaces the file's value.
+fn overlay<T: Clone>(dst: &mut Option<T>, flag: &Option<T>) {
+    if flag.is_some() {
+        dst.clone_from(flag);
     }
 }
 
