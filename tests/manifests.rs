@@ -46,6 +46,24 @@ fn docs(dir: &str) -> Vec<(String, serde_yaml::Value)> {
     out
 }
 
+/// A YAML sequence of strings.
+fn strings(v: &serde_yaml::Value) -> Vec<&str> {
+    v.as_sequence()
+        .expect("a sequence")
+        .iter()
+        .map(|a| a.as_str().expect("a string"))
+        .collect()
+}
+
+/// The value after `flag` in an argument list.
+fn flag_value<'a>(args: &[&'a str], flag: &str) -> &'a str {
+    let i = args
+        .iter()
+        .position(|a| *a == flag)
+        .unwrap_or_else(|| panic!("{flag} missing"));
+    args[i + 1]
+}
+
 /// `kvepp <subcommand> --help`.
 fn help(subcommand: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvepp"))
@@ -69,12 +87,7 @@ fn kubernetes_manifests_are_consistent() {
     let role = find(&d, "Role")[0];
     let mut resources = Vec::new();
     for rule in role["rules"].as_sequence().unwrap() {
-        let verbs: Vec<&str> = rule["verbs"]
-            .as_sequence()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_str().unwrap())
-            .collect();
+        let verbs = strings(&rule["verbs"]);
         assert_eq!(verbs, ["get", "list", "watch"], "least privilege");
         for r in rule["resources"].as_sequence().unwrap() {
             resources.push(format!(
@@ -281,17 +294,8 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .expect("component label");
     let containers = pod["spec"]["containers"].as_sequence().unwrap();
     let vllm = &containers[0];
-    let args: Vec<&str> = vllm["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
-    let kv = args[args
-        .iter()
-        .position(|a| *a == "--kv-events-config")
-        .unwrap()
-        + 1];
+    let args = strings(&vllm["args"]);
+    let kv = flag_value(&args, "--kv-events-config");
     let kv: serde_json::Value = serde_json::from_str(kv).expect("--kv-events-config is JSON");
     assert_eq!(kv["publisher"], "zmq");
     assert_eq!(kv["endpoint"], "tcp://*:5557");
@@ -301,12 +305,7 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .iter()
         .find(|c| c["name"] == "worker-agent")
         .expect("sidecar");
-    let aargs: Vec<&str> = agent["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
+    let aargs = strings(&agent["args"]);
     assert_eq!(aargs[0], "worker-agent");
     let help = help("worker-agent");
     for a in aargs.iter().filter(|a| a.starts_with("--")) {
@@ -315,13 +314,10 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
             "{a} is not a flag of `kvepp worker-agent`"
         );
     }
-    let arg = |flag: &str| aargs[aargs.iter().position(|a| *a == flag).unwrap() + 1];
+    let arg = |flag: &str| flag_value(&aargs, flag);
     assert_eq!(arg("--component"), component);
     assert_eq!(arg("--kv-events-port"), "5557");
-    assert_eq!(
-        arg("--block-size"),
-        args[args.iter().position(|a| *a == "--block-size").unwrap() + 1]
-    );
+    assert_eq!(arg("--block-size"), flag_value(&args, "--block-size"));
     let listen: std::net::SocketAddr = arg("--listen").parse().unwrap();
     assert_eq!(agent["readinessProbe"]["httpGet"]["path"], "/health");
     assert_eq!(
