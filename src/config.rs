@@ -34,8 +34,13 @@ pub enum LogFormat {
 pub enum PickerKind {
     /// KV-cache overlap and active load, Dynamo's cost (the default).
     KvAware,
+    /// KV-aware cost, but the prefix is only what kvepp itself routed to each endpoint (no KV
+    /// events; what the reference EPP's prefix-cache scorer does).
+    ApproximatePrefix,
     /// Least in-flight requests only.
     LeastLoaded,
+    /// Each request to the next endpoint in turn (a plain Kubernetes Service).
+    RoundRobin,
 }
 
 /// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.

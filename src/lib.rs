@@ -24,5 +24,6 @@ pub mod replica;
 pub mod request;
 pub mod selector;
 pub mod server;
+pub mod sim;
 #[doc(hidden)]
 pub mod testing;

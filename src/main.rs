@@ -22,6 +22,9 @@ enum Command {
     /// Sidecar beside a model server: registers the pod, serves `/metadata` and the readiness
     /// probe `/health`.
     WorkerAgent(kvepp::replica::AgentArgs),
+    /// Simulated inference engines (OpenAI API, prefix cache, time model, vLLM KV events and
+    /// metrics) on 127.0.0.1, listed in a manifests directory `kvepp serve` reads.
+    Sim(kvepp::sim::SimArgs),
     /// A tiny HTTP backend that answers with what it received (for the local demo).
     #[command(hide = true)]
     EchoBackend {
@@ -79,6 +82,17 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("bind {}", args.listen))?;
             kvepp::replica::run(args, l, shutdown_signal()).await?;
+        }
+        Command::Sim(args) => {
+            if args.print_params {
+                print!(
+                    "{}",
+                    serde_yaml::to_string(&kvepp::sim::SimParams::default())?
+                );
+                return Ok(());
+            }
+            init_logging(LogFormat::Text, "warn");
+            kvepp::sim::run(args, shutdown_signal()).await?;
         }
         Command::Config(args) => {
             let cfg = Config::load(&args)?;

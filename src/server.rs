@@ -20,7 +20,9 @@ use crate::engine::metadata::{FetchSettings, MetadataStore};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
-use crate::selector::{KvPicker, KvSettings, KvState, LeastLoaded, Saturation, Selector};
+use crate::selector::{
+    KvPicker, KvSettings, KvState, LeastLoaded, RoundRobin, Saturation, Selector,
+};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -182,13 +184,15 @@ pub async fn run(
         stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
     };
     let kv = match cfg.picker {
-        PickerKind::LeastLoaded => None,
-        PickerKind::KvAware => {
+        PickerKind::LeastLoaded | PickerKind::RoundRobin => None,
+        PickerKind::KvAware | PickerKind::ApproximatePrefix => {
+            let approximate_only = cfg.picker == PickerKind::ApproximatePrefix;
             let kv = Arc::new(KvState::new(KvSettings {
                 block_size: cfg.block_size.unwrap_or(16),
                 learn_block_size: cfg.block_size.is_none(),
                 weights: cfg.router,
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
+                approximate_only,
                 ..KvSettings::default()
             }));
             let md = Arc::new(MetadataStore::default());
@@ -208,14 +212,17 @@ pub async fn run(
                 metrics.metadata_missing.clone(),
                 stop_rx.clone(),
             )));
-            tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
-                kv.clone(),
-                store.clone(),
-                md,
-                cfg.kv_events.clone(),
-                metrics.clone(),
-                stop_rx.clone(),
-            )));
+            // Approximate prefix routing never reads the engines' KV events.
+            if !approximate_only {
+                tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
+                    kv.clone(),
+                    store.clone(),
+                    md,
+                    cfg.kv_events.clone(),
+                    metrics.clone(),
+                    stop_rx.clone(),
+                )));
+            }
             Some(kv)
         }
     };
@@ -237,10 +244,12 @@ pub async fn run(
             stop_rx.clone(),
         )));
     }
-    let selector = match &kv {
-        None => Selector::new(Box::new(LeastLoaded), saturation),
-        Some(kv) => Selector::new(Box::new(KvPicker(kv.clone())), saturation),
+    let picker: Box<dyn crate::selector::Picker> = match (&kv, cfg.picker) {
+        (Some(kv), _) => Box::new(KvPicker(kv.clone())),
+        (None, PickerKind::RoundRobin) => Box::new(RoundRobin::default()),
+        (None, _) => Box::new(LeastLoaded),
     };
+    let selector = Selector::new(picker, saturation);
     let settings = Settings {
         pass_through_unknown: cfg.unknown_models == UnknownModels::PassThrough,
         destination_list: cfg.destination_endpoint_list,

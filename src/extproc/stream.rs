@@ -428,7 +428,7 @@ impl StreamState {
             if pick.kv.is_some() {
                 "picked: lowest KV-aware cost (prefix overlap, prefill and decode load)"
             } else {
-                "picked: least in-flight requests among ready endpoints"
+                "picked by the load-only picker (least in-flight requests, or round robin)"
             }
         );
         let mut booking = pick.primary.load.book();

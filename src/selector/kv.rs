@@ -69,6 +69,9 @@ pub struct KvSettings {
     pub approx_blocks_per_endpoint: usize,
     /// Upper bound of (block, rank) pairs per rank in the index.
     pub max_blocks_per_rank: u64,
+    /// Match every prompt (token ids and tokenized ones too) against what was routed, never
+    /// against the KV-event index: approximate prefix routing.
+    pub approximate_only: bool,
 }
 
 impl Default for KvSettings {
@@ -80,6 +83,7 @@ impl Default for KvSettings {
             approx_bytes_per_token: 4,
             approx_blocks_per_endpoint: 32_768,
             max_blocks_per_rank: super::index::DEFAULT_MAX_BLOCKS_PER_RANK,
+            approximate_only: false,
         }
     }
 }
@@ -232,7 +236,8 @@ impl KvState {
         }
     }
 
-    /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded).
+    /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded); in approximate-only mode they
+    /// are matched against what was routed.
     pub fn blocks_from_tokens(
         &self,
         tokens: &[u32],
@@ -242,7 +247,11 @@ impl KvState {
         let locals = local_block_hashes(tokens, self.block_size() as usize, lora);
         let hashes = sequence_hashes(&locals);
         PromptBlocks {
-            mode,
+            mode: if self.settings.approximate_only {
+                PrefixMode::Approximate
+            } else {
+                mode
+            },
             locals,
             hashes,
             isl_tokens: tokens.len() as u64,

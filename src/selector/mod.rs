@@ -17,6 +17,7 @@ pub mod index;
 pub mod kv;
 mod least_loaded;
 mod load;
+mod round_robin;
 pub mod slots;
 
 use std::net::SocketAddr;
@@ -25,6 +26,7 @@ use std::sync::Arc;
 pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;
 pub use load::{Booking, EndpointLoad, EngineMetrics};
+pub use round_robin::RoundRobin;
 
 /// How important a request is (InferenceModel `spec.criticality`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
