@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod pace;
 pub mod replica;
 pub mod request;
+pub mod routing_bench;
 pub mod selector;
 pub mod server;
 pub mod sim;

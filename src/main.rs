@@ -25,6 +25,9 @@ enum Command {
     /// Simulated inference engines (OpenAI API, prefix cache, time model, vLLM KV events and
     /// metrics) on 127.0.0.1, listed in a manifests directory `kvepp serve` reads.
     Sim(kvepp::sim::SimArgs),
+    /// Replay a workload through Envoy and kvepp to a simulated fleet under each routing policy
+    /// and report TTFT, latency, throughput, prefix-cache hit ratio and load imbalance.
+    BenchRouting(kvepp::routing_bench::BenchArgs),
     /// A tiny HTTP backend that answers with what it received (for the local demo).
     #[command(hide = true)]
     EchoBackend {
@@ -93,6 +96,10 @@ async fn main() -> anyhow::Result<()> {
             }
             init_logging(LogFormat::Text, "warn");
             kvepp::sim::run(args, shutdown_signal()).await?;
+        }
+        Command::BenchRouting(args) => {
+            init_logging(LogFormat::Text, "warn");
+            kvepp::routing_bench::run(args).await?;
         }
         Command::Config(args) => {
             let cfg = Config::load(&args)?;

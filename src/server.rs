@@ -264,7 +264,7 @@ pub async fn run(
         tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
         shared.tokenizers.insert(model.clone(), Arc::new(t));
     }
-    if let Some(kv) = kv {
+    if let Some(kv) = kv.clone() {
         shared = shared.with_kv(kv);
     }
     let shared = Arc::new(shared);
@@ -285,8 +285,11 @@ pub async fn run(
     let health = tonic::transport::Server::builder()
         .add_service(health_service)
         .serve_with_incoming_shutdown(incoming(listeners.health), stopped(stop_rx.clone()));
-    let http = axum::serve(listeners.metrics, api::router(ApiState { metrics, store }))
-        .with_graceful_shutdown(stopped(stop_rx.clone()));
+    let http = axum::serve(
+        listeners.metrics,
+        api::router(ApiState { metrics, store, kv }),
+    )
+    .with_graceful_shutdown(stopped(stop_rx.clone()));
 
     let grpc = tokio::spawn(grpc);
     let health = tokio::spawn(health);

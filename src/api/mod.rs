@@ -1,4 +1,5 @@
-//! HTTP services beside the gRPC ones: Prometheus `/metrics`, liveness `/health`, readiness `/ready`.
+//! HTTP services beside the gRPC ones: Prometheus `/metrics`, liveness `/health`, readiness `/ready`,
+//! and `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint).
 
 use std::sync::Arc;
 
@@ -10,11 +11,16 @@ use axum::Router;
 
 use crate::discovery::Datastore;
 use crate::metrics::Metrics;
+use crate::selector::kv::worker_id;
+use crate::selector::slots::WorkerRank;
+use crate::selector::KvState;
 
 #[derive(Debug, Clone)]
 pub struct ApiState {
     pub metrics: Arc<Metrics>,
     pub store: Arc<Datastore>,
+    /// The KV-aware picker's state, when that picker runs.
+    pub kv: Option<Arc<KvState>>,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -22,6 +28,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
+        .route("/debug/kv-index", get(kv_index))
         .with_state(state)
 }
 
@@ -55,4 +62,36 @@ async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
             ),
         )
     }
+}
+
+/// `{"endpoints": {"<ip:port>": {"name": .., "blocks": [sequence hashes, sorted]}}}`: what the
+/// KV-event index believes each ready endpoint caches (rank 0), in the EPP's block hashes.
+async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
+    let Some(kv) = &st.kv else {
+        return (
+            StatusCode::NOT_FOUND,
+            "the KV-aware picker is not running (picker: kv-aware)\n".to_string(),
+        );
+    };
+    let snap = st.store.snapshot();
+    let index = kv
+        .index()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut out = serde_json::Map::new();
+    for e in &snap.endpoints {
+        let rank = WorkerRank {
+            worker: worker_id(&e.addr_str),
+            dp_rank: 0,
+        };
+        let blocks: Vec<u64> = index.rank_sequences(rank).iter().map(|h| h.0).collect();
+        out.insert(
+            e.addr_str.to_string(),
+            serde_json::json!({"name": &*e.name, "blocks": blocks}),
+        );
+    }
+    (
+        StatusCode::OK,
+        serde_json::json!({"block_size": kv.block_size(), "endpoints": out}).to_string(),
+    )
 }

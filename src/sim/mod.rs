@@ -17,6 +17,8 @@ pub mod engine;
 pub mod events;
 mod http;
 
+pub use http::ENGINE_HEADER;
+
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

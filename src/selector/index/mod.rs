@@ -300,6 +300,26 @@ impl PrefixIndex {
         self.slot_of(rank).map_or(0, |s| self.slot(s).blocks)
     }
 
+    /// The blocks `rank` holds in any tier, sorted (for inspection: a full scan of the table).
+    pub fn rank_sequences(&self, rank: WorkerRank) -> Vec<SequenceHash> {
+        let Some(slot) = self.slot_of(rank) else {
+            return Vec::new();
+        };
+        let mut v: Vec<SequenceHash> = self
+            .blocks
+            .iter()
+            .filter(|&(_, word)| {
+                self.holders_of(word)
+                    .as_slice()
+                    .iter()
+                    .any(|h| h.rank == slot)
+            })
+            .map(|(key, _)| SequenceHash(key))
+            .collect();
+        v.sort_unstable_by_key(|h| h.0);
+        v
+    }
+
     /// Ranks the index knows (registered explicitly or by an event).
     pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
         self.ranks.iter().flatten().map(|r| r.id)

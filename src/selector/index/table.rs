@@ -186,6 +186,14 @@ impl BlockTable {
         self.rebuild(cap, |_, _| true);
     }
 
+    /// Every (key, value) pair, in table order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.slots
+            .iter()
+            .filter(|s| s.val != 0)
+            .map(|s| (s.key, s.val))
+    }
+
     /// Keeps the entries for which `keep` returns true (it may rewrite the value; 0 drops it).
     pub(super) fn retain(&mut self, mut keep: impl FnMut(u64, &mut u64) -> bool) {
         let cap = self.slots.len();

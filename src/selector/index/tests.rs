@@ -287,3 +287,18 @@ fn agrees_with_reference_under_capacity_pressure() {
         differential(seed, 12, 3000);
     }
 }
+
+#[test]
+fn rank_sequences_lists_each_ranks_blocks() {
+    let mut ix = PrefixIndex::default();
+    let (a, b) = (wr(1, 0), wr(2, 0));
+    store_chain(&mut ix, a, Tier::Device, &[1, 2, 3]);
+    store_chain(&mut ix, b, Tier::Host, &[1, 2]);
+    let mut want = seqs(&[1, 2, 3]);
+    want.sort_unstable_by_key(|h| h.0);
+    assert_eq!(ix.rank_sequences(a), want);
+    let mut want = seqs(&[1, 2]);
+    want.sort_unstable_by_key(|h| h.0);
+    assert_eq!(ix.rank_sequences(b), want);
+    assert!(ix.rank_sequences(wr(3, 0)).is_empty());
+}

@@ -1,0 +1,314 @@
+//! Per-policy statistics of a replay, the Markdown table and the PNG chart.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::client::Outcome;
+
+/// One replayed request: when it was sent (from the replay start) and what happened.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub sent: Duration,
+    pub outcome: Outcome,
+}
+
+/// What one policy achieved on one workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    pub policy: String,
+    pub requests: usize,
+    pub failed: usize,
+    pub ttft_ms: [f64; 3],
+    pub e2e_ms: [f64; 3],
+    pub output_tokens_per_s: f64,
+    pub hit_ratio: f64,
+    pub imbalance: f64,
+    /// One failure message, if any failed.
+    pub first_error: Option<String>,
+}
+
+/// Nearest-rank percentile of sorted values (0 when empty).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn p50_90_99(mut v: Vec<f64>) -> [f64; 3] {
+    v.sort_by(f64::total_cmp);
+    [
+        percentile(&v, 50.0),
+        percentile(&v, 90.0),
+        percentile(&v, 99.0),
+    ]
+}
+
+/// Time-averaged max/mean of requests active per engine (sent, not yet finished), sampled every
+/// 50 ms over the replay, counting only instants with at least one request active.
+pub fn imbalance(records: &[Record], engines: &[String]) -> f64 {
+    let spans: Vec<(f64, f64, usize)> = records
+        .iter()
+        .filter_map(|r| {
+            let e = engines
+                .iter()
+                .position(|n| Some(n) == r.outcome.engine.as_ref())?;
+            let s = r.sent.as_secs_f64();
+            Some((s, s + r.outcome.e2e?.as_secs_f64(), e))
+        })
+        .collect();
+    let end = spans.iter().map(|s| s.1).fold(0.0, f64::max);
+    let (mut sum, mut n) = (0.0, 0usize);
+    let mut active = vec![0u32; engines.len()];
+    let mut t = 0.0;
+    while t <= end && !engines.is_empty() {
+        active.iter_mut().for_each(|a| *a = 0);
+        for &(s, e, i) in &spans {
+            if s <= t && t < e {
+                active[i] += 1;
+            }
+        }
+        let total: u32 = active.iter().sum();
+        if total > 0 {
+            let mean = f64::from(total) / engines.len() as f64;
+            let max = active.iter().copied().max().unwrap_or(0);
+            sum += f64::from(max) / mean;
+            n += 1;
+        }
+        t += 0.05;
+    }
+    if n == 0 {
+        1.0
+    } else {
+        sum / n as f64
+    }
+}
+
+pub fn summarize(policy: &str, records: &[Record], engines: &[String]) -> PolicyResult {
+    let ok: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.outcome.error.is_none())
+        .collect();
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
+    let ttft = p50_90_99(ok.iter().filter_map(|r| ms(r.outcome.ttft)).collect());
+    let e2e = p50_90_99(ok.iter().filter_map(|r| ms(r.outcome.e2e)).collect());
+    let first = ok.iter().map(|r| r.sent).min().unwrap_or_default();
+    let last = ok
+        .iter()
+        .filter_map(|r| Some(r.sent + r.outcome.e2e?))
+        .max()
+        .unwrap_or_default();
+    let span = last.saturating_sub(first).as_secs_f64();
+    let out_tokens: u64 = ok.iter().map(|r| r.outcome.completion_tokens).sum();
+    let prompt: u64 = ok.iter().map(|r| r.outcome.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|r| r.outcome.cached_tokens).sum();
+    PolicyResult {
+        policy: policy.to_owned(),
+        requests: records.len(),
+        failed: records.len() - ok.len(),
+        ttft_ms: ttft,
+        e2e_ms: e2e,
+        output_tokens_per_s: if span > 0.0 {
+            out_tokens as f64 / span
+        } else {
+            0.0
+        },
+        hit_ratio: if prompt > 0 {
+            cached as f64 / prompt as f64
+        } else {
+            0.0
+        },
+        imbalance: imbalance(records, engines),
+        first_error: records.iter().find_map(|r| r.outcome.error.clone()),
+    }
+}
+
+/// The Markdown table of one workload's results, with ratios against the first policy.
+pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
+    let mut s = format!(
+        "### {title}\n\nPrefix-cache hit ceiling of the workload: {:.1}%\n\n\
+         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling) | imbalance | p90 TTFT vs {} |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        ceiling * 100.0,
+        results.first().map_or("-", |r| r.policy.as_str()),
+    );
+    let base = results.first().map_or(0.0, |r| r.ttft_ms[1]);
+    for r in results {
+        let vs = if r.ttft_ms[1] > 0.0 {
+            format!("{:.1}× lower", base / r.ttft_ms[1])
+        } else {
+            "-".into()
+        };
+        let of = if ceiling > 0.0 {
+            format!(" ({:.0}%)", 100.0 * r.hit_ratio / ceiling)
+        } else {
+            String::new()
+        };
+        s += &format!(
+            "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {} |\n",
+            r.policy,
+            r.requests,
+            r.failed,
+            r.ttft_ms[0],
+            r.ttft_ms[1],
+            r.ttft_ms[2],
+            r.e2e_ms[0],
+            r.e2e_ms[1],
+            r.e2e_ms[2],
+            r.output_tokens_per_s,
+            r.hit_ratio * 100.0,
+            of,
+            r.imbalance,
+            vs
+        );
+    }
+    s
+}
+
+/// A PNG with, per workload, p90 TTFT (log scale) and hit ratio per policy.
+pub fn chart(path: &Path, workloads: &[(String, Vec<PolicyResult>)]) -> Result<(), String> {
+    use plotters::prelude::*;
+    let rows = workloads.len().max(1) as u32;
+    let root = BitMapBackend::new(path, (1200, 420 * rows)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let colors = [
+        RGBColor(160, 160, 160),
+        RGBColor(90, 140, 200),
+        RGBColor(240, 160, 60),
+        RGBColor(60, 170, 90),
+    ];
+    for ((title, results), row) in workloads.iter().zip(root.split_evenly((rows as usize, 1))) {
+        let halves = row.split_evenly((1, 2));
+        let n = results.len();
+        let max_ttft = results.iter().map(|r| r.ttft_ms[1]).fold(1.0, f64::max) * 2.0;
+        let min_ttft = results
+            .iter()
+            .map(|r| r.ttft_ms[1])
+            .filter(|v| *v > 0.0)
+            .fold(max_ttft, f64::min)
+            / 2.0;
+        let mut left = ChartBuilder::on(&halves[0])
+            .caption(format!("{title}: p90 TTFT (ms, log)"), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(
+                (0..n).into_segmented(),
+                (min_ttft.max(0.1)..max_ttft).log_scale(),
+            )
+            .map_err(|e| e.to_string())?;
+        let label = |i: &SegmentValue<usize>| match i {
+            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => results
+                .get(*i)
+                .map(|r| r.policy.clone())
+                .unwrap_or_default(),
+            SegmentValue::Last => String::new(),
+        };
+        left.configure_mesh()
+            .disable_x_mesh()
+            .x_label_formatter(&label)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        left.draw_series(results.iter().enumerate().map(|(i, r)| {
+            let c = colors[i % colors.len()];
+            Rectangle::new(
+                [
+                    (SegmentValue::Exact(i), min_ttft.max(0.1)),
+                    (
+                        SegmentValue::Exact(i + 1),
+                        r.ttft_ms[1].max(min_ttft.max(0.1)),
+                    ),
+                ],
+                c.filled(),
+            )
+        }))
+        .map_err(|e| e.to_string())?;
+        let mut right = ChartBuilder::on(&halves[1])
+            .caption(
+                format!("{title}: prefix-cache hit ratio (%)"),
+                ("sans-serif", 20),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((0..n).into_segmented(), 0.0..100.0)
+            .map_err(|e| e.to_string())?;
+        right
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_label_formatter(&label)
+            .draw()
+            .map_err(|e| e.to_string())?;
+        right
+            .draw_series(results.iter().enumerate().map(|(i, r)| {
+                let c = colors[i % colors.len()];
+                Rectangle::new(
+                    [
+                        (SegmentValue::Exact(i), 0.0),
+                        (SegmentValue::Exact(i + 1), r.hit_ratio * 100.0),
+                    ],
+                    c.filled(),
+                )
+            }))
+            .map_err(|e| e.to_string())?;
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(sent_ms: u64, e2e_ms: u64, engine: &str) -> Record {
+        Record {
+            sent: Duration::from_millis(sent_ms),
+            outcome: Outcome {
+                status: 200,
+                engine: Some(engine.into()),
+                ttft: Some(Duration::from_millis(e2e_ms / 2)),
+                e2e: Some(Duration::from_millis(e2e_ms)),
+                prompt_tokens: 100,
+                cached_tokens: 50,
+                completion_tokens: 10,
+                ..Outcome::default()
+            },
+        }
+    }
+
+    #[test]
+    fn percentiles_hit_ratio_and_imbalance() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            (
+                percentile(&v, 50.0),
+                percentile(&v, 90.0),
+                percentile(&v, 99.0)
+            ),
+            (50.0, 90.0, 99.0)
+        );
+        let engines = vec!["a".to_string(), "b".to_string()];
+        // Balanced: one request on each engine at all times.
+        let even = [rec(0, 1000, "a"), rec(0, 1000, "b")];
+        assert!((imbalance(&even, &engines) - 1.0).abs() < 1e-9);
+        // Everything on one engine: max/mean = 2.
+        let skewed = [rec(0, 1000, "a"), rec(0, 1000, "a")];
+        assert!((imbalance(&skewed, &engines) - 2.0).abs() < 1e-9);
+        let mut failed = rec(0, 10, "a");
+        failed.outcome.error = Some("HTTP 503".into());
+        let r = summarize(
+            "x",
+            &[rec(0, 1000, "a"), rec(0, 3000, "b"), failed],
+            &engines,
+        );
+        assert_eq!((r.requests, r.failed), (3, 1));
+        assert_eq!(r.e2e_ms[2], 3000.0);
+        assert!((r.hit_ratio - 0.5).abs() < 1e-9);
+        assert!((r.output_tokens_per_s - 20.0 / 3.0).abs() < 1e-6);
+        let table = markdown("w", 0.5, &[r.clone(), r]);
+        assert!(table.contains("| x | 3 (1) |"), "{table}");
+        assert!(table.contains("50.0% (100%)"), "{table}");
+    }
+}
