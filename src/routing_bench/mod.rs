@@ -109,6 +109,8 @@ pub struct BenchSpec {
     pub speed: f64,
     /// How long to wait for the last responses after the last request left.
     pub drain: Duration,
+    /// kvepp's configuration; the picker, ports, pool and manifests are set per run.
+    pub kvepp: Config,
 }
 
 /// kvepp serving from a manifests directory, in this process.
@@ -121,6 +123,7 @@ struct Kvepp {
 
 impl Kvepp {
     async fn start(
+        base: &Config,
         manifests: &std::path::Path,
         pool: &str,
         policy: Policy,
@@ -138,7 +141,7 @@ impl Kvepp {
             log_level: "warn".into(),
             picker: policy.picker(),
             block_size: Some(block_size),
-            ..Config::default()
+            ..base.clone()
         };
         cfg.validate().map_err(|e| {
             BenchError::Kvepp(
@@ -205,6 +208,7 @@ pub async fn run_policy(
     let dir = TempDir::new("bench-manifests");
     fleet.write_manifests(dir.path())?;
     let kvepp = Kvepp::start(
+        &spec.kvepp,
         dir.path(),
         &fleet.spec.pool_name,
         policy,
@@ -326,6 +330,10 @@ pub struct BenchArgs {
     /// Seconds to wait for the last responses.
     #[arg(long, default_value_t = 120.0)]
     pub drain: f64,
+    /// kvepp configuration file (e.g. `router` cost weights); the picker, ports, pool and
+    /// manifests directory are set for each policy.
+    #[arg(long)]
+    pub kvepp_config: Option<PathBuf>,
     /// Where to write results.json, results.md and routing.png.
     #[arg(long, default_value = "bench/results")]
     pub out: PathBuf,
@@ -346,6 +354,10 @@ pub fn shared_prefix_params() -> SimParams {
 pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, BenchError> {
     let io = |e: std::io::Error| BenchError::Io(e.to_string());
     std::fs::create_dir_all(&args.out).map_err(io)?;
+    let kvepp = match &args.kvepp_config {
+        Some(p) => Config::from_file(p).map_err(|e| BenchError::Kvepp(e.to_string()))?,
+        None => Config::default(),
+    };
     let mut all = Vec::new();
     let mut md = String::new();
     for kind in &args.workload {
@@ -398,6 +410,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             envoy: args.envoy.clone(),
             speed,
             drain: Duration::from_secs_f64(args.drain),
+            kvepp: kvepp.clone(),
         };
         let mut results = Vec::new();
         for &policy in &args.policy {
