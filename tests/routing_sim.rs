@@ -157,6 +157,7 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
     }
     let ceiling = workload::hit_ceiling(&requests, 16);
     let (rr, precise) = (hits[0], hits[1]);
+    eprintln!("hit ratio: round robin {rr:.3}, precise {precise:.3}, ceiling {ceiling:.3}");
     assert!(
         precise > rr + 0.2,
         "precise {precise:.3} vs round robin {rr:.3} (ceiling {ceiling:.3})"

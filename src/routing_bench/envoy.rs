@@ -21,10 +21,23 @@ pub struct EnvoyProcess {
 }
 
 impl EnvoyProcess {
+    /// The local bootstrap, parsed.
+    pub fn bootstrap() -> Result<serde_yaml::Value, BenchError> {
+        serde_yaml::from_str(BOOTSTRAP).map_err(|e| BenchError::Envoy(e.to_string()))
+    }
+
     pub async fn start(bin: &Path, epp: SocketAddr) -> Result<Self, BenchError> {
+        Self::start_with(bin, Self::bootstrap()?, epp).await
+    }
+
+    /// Starts Envoy with `b` (the local bootstrap, possibly adapted), its listener and admin moved
+    /// to ephemeral ports and its `kvepp` cluster pointed at `epp`.
+    pub async fn start_with(
+        bin: &Path,
+        mut b: serde_yaml::Value,
+        epp: SocketAddr,
+    ) -> Result<Self, BenchError> {
         let dir = TempDir::new("bench-envoy");
-        let mut b: serde_yaml::Value =
-            serde_yaml::from_str(BOOTSTRAP).map_err(|e| BenchError::Envoy(e.to_string()))?;
         b["admin"]["address"]["socket_address"]["port_value"] = 0.into();
         b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 0.into();
         let clusters = b["static_resources"]["clusters"]

@@ -7,7 +7,6 @@ pub mod kube_api;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Full};
@@ -280,9 +279,7 @@ pub fn envoy_bin() -> PathBuf {
 
 /// The shipped local bootstrap, as a YAML value to adapt.
 pub fn bootstrap() -> serde_yaml::Value {
-    let text = std::fs::read_to_string(repo_root().join("manifests/envoy/envoy-local.yaml"))
-        .expect("bootstrap");
-    serde_yaml::from_str(&text).expect("bootstrap yaml")
+    kvepp::routing_bench::envoy::EnvoyProcess::bootstrap().expect("bootstrap yaml")
 }
 
 fn http_filters(b: &mut serde_yaml::Value) -> &mut Vec<serde_yaml::Value> {
@@ -318,91 +315,24 @@ pub fn set_subset_hint(b: &mut serde_yaml::Value, subset: &[String]) {
 pub struct Envoy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
-    child: Child,
-    _dir: TempDir,
+    process: kvepp::routing_bench::envoy::EnvoyProcess,
 }
 
 impl Envoy {
     /// Starts Envoy with `bootstrap`, its ext_proc cluster pointed at `epp`, on ephemeral ports.
-    pub async fn start(mut bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
-        let dir = TempDir::new("envoy");
-        bootstrap["admin"]["address"]["socket_address"]["port_value"] = 0.into();
-        bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] =
-            0.into();
-        let clusters = bootstrap["static_resources"]["clusters"]
-            .as_sequence_mut()
-            .expect("clusters");
-        let kvepp = clusters
-            .iter_mut()
-            .find(|c| c["name"] == "kvepp")
-            .expect("kvepp cluster");
-        let sa = &mut kvepp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-            ["address"]["socket_address"];
-        sa["address"] = epp.ip().to_string().into();
-        sa["port_value"] = epp.port().into();
-        let config = dir.path().join("envoy.yaml");
-        std::fs::write(&config, serde_yaml::to_string(&bootstrap).expect("yaml"))
-            .expect("write bootstrap");
-        let admin_file = dir.path().join("admin.txt");
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
-        let child = Command::new(envoy_bin())
-            .arg("-c")
-            .arg(&config)
-            .args([
-                "--concurrency",
-                "1",
-                "--use-dynamic-base-id",
-                "--disable-hot-restart",
-                "-l",
-                "warning",
-            ])
-            .arg("--admin-address-path")
-            .arg(&admin_file)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn envoy");
-        let mut envoy = Envoy {
-            addr: ([127, 0, 0, 1], 0).into(),
-            admin: ([127, 0, 0, 1], 0).into(),
-            child,
-            _dir: dir,
-        };
-        let admin_path = admin_file.clone();
-        envoy.admin = wait_for("envoy admin address", || {
-            let p = admin_path.clone();
-            async move {
-                std::fs::read_to_string(&p)
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok())
-            }
-        })
-        .await;
-        let admin = envoy.admin;
-        wait_for("envoy ready", || async move {
-            (http(admin, "GET", "/ready", &[], "").await.status == 200).then_some(())
-        })
-        .await;
-        envoy.addr = wait_for("envoy listener", || async move {
-            let r = http(admin, "GET", "/listeners?format=json", &[], "").await;
-            let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
-            let sa = &v["listener_statuses"][0]["local_address"]["socket_address"];
-            let port = sa["port_value"].as_u64()?;
-            (port != 0).then(|| SocketAddr::from(([127, 0, 0, 1], port as u16)))
-        })
-        .await;
-        envoy
+    pub async fn start(bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
+        let process =
+            kvepp::routing_bench::envoy::EnvoyProcess::start_with(&envoy_bin(), bootstrap, epp)
+                .await
+                .expect("envoy");
+        Envoy {
+            addr: process.listener,
+            admin: process.admin,
+            process,
+        }
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.log()
     }
 }
