@@ -338,3 +338,47 @@ fn flatten(
         }),
     }
 }
+
+/// kvepp serving `cfg` on a task of the current runtime (the test harness and `kvepp
+/// bench-routing` run it this way); stops when [`InProcess::stop`] is called or it is dropped.
+#[derive(Debug)]
+pub struct InProcess {
+    pub grpc: SocketAddr,
+    pub health: SocketAddr,
+    pub metrics: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), ServerError>>,
+}
+
+impl InProcess {
+    /// Binds the listeners (port 0: ephemeral) and starts serving; `cfg` must be valid.
+    pub async fn start(cfg: Config) -> Result<Self, ServerError> {
+        let listeners = Listeners::bind(&cfg).await?;
+        let [Some(grpc), Some(health), Some(metrics)] = listeners.addrs() else {
+            return Err(ServerError::Serve {
+                what: "listeners",
+                message: "a bound listener has no local address".into(),
+            });
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(run(cfg, listeners, async {
+            let _ = stopped.await;
+        }));
+        Ok(InProcess {
+            grpc,
+            health,
+            metrics,
+            stop,
+            task,
+        })
+    }
+
+    /// Shuts down (grace period as configured) and returns how serving ended.
+    pub async fn stop(self) -> Result<(), ServerError> {
+        let _ = self.stop.send(());
+        self.task.await.map_err(|e| ServerError::Serve {
+            what: "kvepp",
+            message: e.to_string(),
+        })?
+    }
+}

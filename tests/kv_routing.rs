@@ -388,18 +388,15 @@ struct TcpStreamRequest {
 
 impl TcpStreamRequest {
     async fn start(addr: SocketAddr, body: String) -> Self {
-        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .expect("handshake");
-        tokio::spawn(conn);
-        let req = hyper::Request::post("/v1/completions")
-            .header("host", "test")
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(Bytes::from(body)))
-            .expect("request");
-        let resp = tokio::time::timeout(DEADLINE, sender.send_request(req))
+        let headers = [("host", "test"), ("content-type", "application/json")];
+        let send = kvepp::routing_bench::client::request(
+            addr,
+            "POST",
+            "/v1/completions",
+            &headers,
+            Bytes::from(body),
+        );
+        let resp = tokio::time::timeout(DEADLINE, send)
             .await
             .expect("headers in time")
             .expect("response");

@@ -23,10 +23,13 @@ pub struct Outcome {
     pub completion_tokens: u64,
 }
 
-async fn send(
+/// One HTTP/1.1 request on a fresh connection, with `headers` (a `host` header is added when
+/// they have none); the response body is left to the caller.
+pub async fn request(
     addr: SocketAddr,
     method: &str,
     path: &str,
+    headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
     let stream = tokio::net::TcpStream::connect(addr)
@@ -37,19 +40,20 @@ async fn send(
         .await
         .map_err(|e| format!("handshake: {e}"))?;
     tokio::spawn(conn);
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "kvepp-bench")
-        .header("content-type", "application/json")
-        .body(Full::new(body))
-        .map_err(|e| e.to_string())?;
+    let mut req = hyper::Request::builder().method(method).uri(path);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req = req.header("host", "kvepp");
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
     sender.send_request(req).await.map_err(|e| e.to_string())
 }
 
-/// A small GET/POST with the whole body read (for readiness and metrics).
+/// A GET with the whole body read (for readiness and metrics).
 pub async fn fetch(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
-    let resp = send(addr, "GET", path, Bytes::new()).await?;
+    let resp = request(addr, "GET", path, &[], Bytes::new()).await?;
     let status = resp.status().as_u16();
     let body = resp
         .into_body()
@@ -65,7 +69,8 @@ pub async fn fetch(addr: SocketAddr, path: &str) -> Result<(u16, String), String
 pub async fn completion(addr: SocketAddr, body: Bytes) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
-    let resp = match send(addr, "POST", "/v1/completions", body).await {
+    let json = [("content-type", "application/json")];
+    let resp = match request(addr, "POST", "/v1/completions", &json, body).await {
         Ok(r) => r,
         Err(e) => {
             out.error = Some(e);

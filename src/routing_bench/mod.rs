@@ -13,7 +13,6 @@ pub mod report;
 pub mod workload;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -114,12 +113,7 @@ pub struct BenchSpec {
 }
 
 /// kvepp serving from a manifests directory, in this process.
-struct Kvepp {
-    grpc: SocketAddr,
-    metrics: SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
+struct Kvepp(crate::server::InProcess);
 
 impl Kvepp {
     async fn start(
@@ -151,45 +145,22 @@ impl Kvepp {
                     .join("; "),
             )
         })?;
-        let listeners = crate::server::Listeners::bind(&cfg)
+        crate::server::InProcess::start(cfg)
             .await
-            .map_err(|e| BenchError::Kvepp(e.to_string()))?;
-        let [Some(grpc), _, Some(metrics)] = listeners.addrs() else {
-            return Err(BenchError::Kvepp("no listener address".into()));
-        };
-        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            if let Err(e) = crate::server::run(cfg, listeners, async {
-                let _ = rx.await;
-            })
-            .await
-            {
-                tracing::error!(%e, "kvepp stopped");
-            }
-        });
-        Ok(Kvepp {
-            grpc,
-            metrics,
-            stop,
-            task,
-        })
+            .map(Kvepp)
+            .map_err(|e| BenchError::Kvepp(e.to_string()))
     }
 
     /// The value of one metric series, when present.
     async fn metric(&self, series: &str) -> Option<f64> {
-        let (_, text) = client::fetch(self.metrics, "/metrics").await.ok()?;
-        text.lines().find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
-        })
+        let (_, text) = client::fetch(self.0.metrics, "/metrics").await.ok()?;
+        crate::metrics::find_sample(&text, series)
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
+        if let Err(e) = self.0.stop().await {
+            tracing::error!(%e, "kvepp stopped");
+        }
     }
 }
 
@@ -217,15 +188,12 @@ pub async fn run_policy(
     .await?;
     let n = spec.engines as f64;
     let deadline = Duration::from_secs(30);
-    let ready = wait_until("kvepp ready with every engine", deadline, || async {
+    wait_until("kvepp ready with every engine", deadline, || async {
         (kvepp.metric("kvepp_ready_endpoints").await? >= n).then_some(())
     })
-    .await;
+    .await
+    .map_err(BenchError::Kvepp)?;
     if policy == Policy::Precise {
-        if let Err(e) = ready {
-            kvepp.stop().await;
-            return Err(BenchError::Kvepp(e));
-        }
         wait_until(
             "KV event subscriptions to every engine",
             deadline,
@@ -233,10 +201,9 @@ pub async fn run_policy(
         )
         .await
         .map_err(BenchError::Kvepp)?;
-    } else {
-        ready.map_err(BenchError::Kvepp)?;
     }
-    let envoy = envoy::EnvoyProcess::start(&spec.envoy, kvepp.grpc).await?;
+    // On an early return, dropping `kvepp` shuts it down.
+    let envoy = envoy::EnvoyProcess::start(&spec.envoy, kvepp.0.grpc).await?;
     let model = fleet.spec.params.model.clone();
     let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| r.body(&model)).collect();
 

@@ -7,31 +7,24 @@ pub mod kube_api;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Bytes;
 use kvepp::config::Config;
 use kvepp::testing::TempDir;
-use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
 /// Polls `cond` until it returns `Some`, panicking with `what` after the deadline.
-pub async fn wait_for<T, F, Fut>(what: &str, mut cond: F) -> T
+pub async fn wait_for<T, F, Fut>(what: &str, cond: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = cond().await {
-            return v;
-        }
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kvepp::routing_bench::wait_until(what, DEADLINE, cond)
+        .await
+        .unwrap_or_else(|e| panic!("timed out waiting for {e}"))
 }
 
 /// A port that was free a moment ago (for a child process that must bind it itself).
@@ -70,26 +63,13 @@ pub async fn http(
     headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> HttpResponse {
-    let stream = TcpStream::connect(addr)
-        .await
-        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    let io = hyper_util::rt::TokioIo::new(stream);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "test");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req.body(Full::new(body.into())).expect("request");
-    let resp = tokio::time::timeout(DEADLINE, sender.send_request(req))
+    let mut with_host = vec![("host", "test")];
+    with_host.extend_from_slice(headers);
+    let send = kvepp::routing_bench::client::request(addr, method, path, &with_host, body.into());
+    let resp = tokio::time::timeout(DEADLINE, send)
         .await
         .expect("response in time")
-        .expect("response");
+        .unwrap_or_else(|e| panic!("{method} {path} to {addr}: {e}"));
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.into_body().collect().await.expect("body").to_bytes();
@@ -157,8 +137,7 @@ pub struct Epp {
     pub health: SocketAddr,
     pub metrics: SocketAddr,
     pub dir: TempDir,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    server: kvepp::server::InProcess,
 }
 
 impl Epp {
@@ -179,23 +158,13 @@ impl Epp {
         };
         tweak(&mut cfg);
         cfg.validate().expect("valid test config");
-        let listeners = kvepp::server::Listeners::bind(&cfg).await.expect("bind");
-        let [grpc, health, metrics] = listeners.addrs().map(|a| a.expect("bound"));
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            kvepp::server::run(cfg, listeners, async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("kvepp run");
-        });
+        let server = kvepp::server::InProcess::start(cfg).await.expect("bind");
         let epp = Epp {
-            grpc,
-            health,
-            metrics,
+            grpc: server.grpc,
+            health: server.health,
+            metrics: server.metrics,
             dir,
-            stop: Some(stop),
-            task: Some(task),
+            server,
         };
         epp.wait_ready().await;
         epp
@@ -228,23 +197,14 @@ impl Epp {
 
     /// The value of one metric line (exact series text before the value), if present.
     pub async fn metric(&self, series: &str) -> Option<f64> {
-        let text = self.metrics_text().await;
-        text.lines().find_map(|l| {
-            l.strip_prefix(series)
-                .and_then(|rest| rest.trim().parse().ok())
-        })
+        kvepp::metrics::find_sample(&self.metrics_text().await, series)
     }
 
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t)
-                .await
-                .expect("kvepp stops in time")
-                .expect("kvepp task");
-        }
+    pub async fn stop(self) {
+        tokio::time::timeout(DEADLINE, self.server.stop())
+            .await
+            .expect("kvepp stops in time")
+            .expect("kvepp run");
     }
 }
 
