@@ -6,10 +6,10 @@
 # (results.md, results.json, routing.png). About 10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet
+cargo build --locked --release --quiet --bin kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-kvepp=target/release/kvepp
-"$kvepp" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload shared-prefix \
+sim=target/release/kvepp-sim
+"$sim" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload shared-prefix \
   --engines 4 --duration 30 --out bench/results/shared-prefix
-"$kvepp" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload mooncake \
+"$sim" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload mooncake \
   --engines 8 --trace-requests 600 --speed 4 --out bench/results/mooncake

@@ -16,10 +16,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use kvepp::request::blocks::{next_sequence_hash, LocalBlockHash, SequenceHash};
-use kvepp::selector::index::reference::ReferenceIndex;
-use kvepp::selector::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
-use kvepp::selector::slots::WorkerRank;
+use kvepp_core::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use kvepp_core::index::reference::ReferenceIndex;
+use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
+use kvepp_core::slots::WorkerRank;
 
 #[derive(Parser, Debug)]
 struct Args {

@@ -9,12 +9,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvepp::request::blocks::{local_block_hashes, sequence_hashes, LocalBlockHash};
-use kvepp::selector::index::reference::ReferenceIndex;
-use kvepp::selector::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
-use kvepp::selector::kv::worker_id;
-use kvepp::selector::slots::WorkerRank;
-use kvepp::selector::{
+use kvepp_core::hash::{local_block_hashes, sequence_hashes, LocalBlockHash};
+use kvepp_core::index::reference::ReferenceIndex;
+use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
+use kvepp_core::kv::worker_id;
+use kvepp_core::slots::WorkerRank;
+use kvepp_core::{
+    PickContext,
     Endpoint, EndpointLoad, KvSettings, KvState, LeastLoaded, Picker, PrefixMode,
 };
 
@@ -145,13 +146,14 @@ fn selection(c: &mut Criterion) {
                 }
             }
             let id = format!("{n}_endpoints/{}k_tokens", tokens >> 10);
+            let mut ctx = PickContext::seeded(1);
             g.bench_with_input(BenchmarkId::new("kv_aware", &id), &(), |b, _| {
-                b.iter(|| kv.rank(black_box(&refs), Some(&prompt)).0)
+                b.iter(|| kv.rank(black_box(&refs), Some(&prompt), &mut ctx).0)
             });
             g.bench_with_input(
                 BenchmarkId::new("baseline_least_loaded", &id),
                 &(),
-                |b, _| b.iter(|| LeastLoaded.rank(black_box(&refs), None).best),
+                |b, _| b.iter(|| LeastLoaded.rank(black_box(&refs), None, &mut ctx).best),
             );
         }
     }

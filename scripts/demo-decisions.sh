@@ -17,12 +17,13 @@ for port in 8081 9901 9002 9003 9090 18001 18002; do
 done
 
 echo "== building kvepp and installing Envoy (first run takes a few minutes)"
-cargo build --locked --quiet
+cargo build --locked --quiet --bin kvepp --bin kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 kvepp="$root/target/debug/kvepp"
+sim="$root/target/debug/kvepp-sim"
 
-"$kvepp" echo-backend --listen 127.0.0.1:18001 --name model-server-a & pids+=($!)
-"$kvepp" echo-backend --listen 127.0.0.1:18002 --name model-server-b & pids+=($!)
+"$sim" echo-backend --listen 127.0.0.1:18001 --name model-server-a & pids+=($!)
+"$sim" echo-backend --listen 127.0.0.1:18002 --name model-server-b & pids+=($!)
 "$kvepp" serve --manifests-dir examples/local --pool-name demo-pool --bind-address 127.0.0.1 \
   --log-level kvepp=debug 2>"$work/kvepp.log" & pids+=($!)
 "$envoy" -c manifests/envoy/envoy-local.yaml --concurrency 1 -l warning 2>"$work/envoy.log" & pids+=($!)

@@ -4,11 +4,11 @@
 # Replays a short shared-prefix workload under each routing policy (round robin, least loaded,
 # approximate prefix, precise KV-aware) and prints TTFT, latency, throughput, cache hits and load
 # imbalance per policy. About 80 s once built; every port is ephemeral on 127.0.0.1.
-# Extra flags go to `kvepp bench-routing` (see --help), e.g. --duration 30.
+# Extra flags go to `kvepp-sim bench-routing` (see --help), e.g. --duration 30.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "== building kvepp and installing Envoy (first run takes a few minutes)" >&2
-cargo build --locked --quiet
+echo "== building kvepp-sim (kvepp runs inside it) and installing Envoy (first run takes a few minutes)" >&2
+cargo build --locked --quiet --bin kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-exec target/debug/kvepp bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --duration 12 \
+exec target/debug/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --duration 12 \
   --out target/demo "$@"

@@ -9,4 +9,4 @@ export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
 [ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
-cargo test --locked --all-targets "$@"
+cargo test --locked --workspace --all-targets "$@"

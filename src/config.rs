@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::selector::cost::CostWeights;
+use kvepp_core::cost::{CostWeights, KnobError};
 
 /// What to do with a request whose model matches no InferenceModel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -305,7 +305,7 @@ impl Config {
             cfg.kv_events.replay_port = args.kv_events_replay_port;
         }
         // Dynamo's knobs from the environment override the file.
-        match cfg.router.with_env(|k| std::env::var(k).ok()) {
+        match router_knobs_from_env(cfg.router, |k| std::env::var(k).ok()) {
             Ok(w) => cfg.router = w,
             Err(errs) => {
                 return Err(ConfigError::Invalid(
@@ -473,6 +473,70 @@ impl Config {
     }
 }
 
+/// Applies the `DYN_ROUTER_*` variables Dynamo users already set, read through `get` (e.g.
+/// `|k| std::env::var(k).ok()`). The deprecated overlap-score-weight names set the prefill load
+/// scale (and a 0 also zeroes the overlap credit), as in Dynamo. Every bad value is reported.
+pub fn router_knobs_from_env(
+    mut w: CostWeights,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<CostWeights, Vec<KnobError>> {
+    let mut errors = Vec::new();
+    let mut read = |name: &'static str, slot: &mut f64| {
+        if let Some(raw) = get(name) {
+            match raw.trim().parse::<f64>() {
+                Ok(v) => *slot = v,
+                Err(_) => errors.push(KnobError {
+                    name,
+                    message: format!("{raw:?} is not a number"),
+                }),
+            }
+        }
+    };
+    read(
+        "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT",
+        &mut w.overlap_score_credit,
+    );
+    read(
+        "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT",
+        &mut w.host_cache_hit_weight,
+    );
+    read(
+        "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",
+        &mut w.disk_cache_hit_weight,
+    );
+    read(
+        "DYN_ROUTER_PREFILL_LOAD_SCALE",
+        &mut w.prefill_load_scale,
+    );
+    read(
+        "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",
+        &mut w.decode_active_request_weight,
+    );
+    read("DYN_ROUTER_TEMPERATURE", &mut w.temperature);
+    for name in [
+        "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT",
+        "DYN_OVERLAP_SCORE_WEIGHT",
+    ] {
+        let mut legacy = f64::NAN;
+        read(name, &mut legacy);
+        if !legacy.is_nan() {
+            tracing::warn!("{name} is deprecated; use DYN_ROUTER_PREFILL_LOAD_SCALE");
+            w.prefill_load_scale = legacy;
+            if legacy == 0.0 {
+                w.overlap_score_credit = 0.0;
+            }
+            break;
+        }
+    }
+    errors.extend(w.validate());
+    if errors.is_empty() {
+        Ok(w)
+    } else {
+        Err(errors)
+    }
+}
+
+
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
@@ -488,7 +552,7 @@ mod tests {
 
     #[test]
     fn file_then_flags() {
-        let dir = crate::testing::TempDir::new("config");
+        let dir = kvepp_test_support::TempDir::new("config");
         let file = dir.path().join("kvepp.yaml");
         std::fs::write(&file, format!("pool_name: from-file\ngrpc_port: 7000\nmanifests_dir: {}\nunknown_models: pass-through\n", dir.path().display())).unwrap();
         let args = ServeArgs {
@@ -539,5 +603,53 @@ mod tests {
         );
         let text = ConfigError::Invalid(errs).to_string();
         assert!(text.contains("pool_name: \"Bad_Name\""), "{text}");
+    }
+
+    #[test]
+    fn env_knobs_like_dynamo() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let w = router_knobs_from_env(CostWeights::default(), env(&[
+                ("DYN_ROUTER_TEMPERATURE", "0.3"),
+                ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "0.5"),
+                ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", " 0.6 "),
+            ]))
+            .unwrap();
+        assert_eq!(
+            (
+                w.temperature,
+                w.overlap_score_credit,
+                w.host_cache_hit_weight,
+                w.prefill_load_scale
+            ),
+            (0.3, 0.5, 0.6, 1.0)
+        );
+        let w = router_knobs_from_env(CostWeights::default(), env(&[("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "2")]))
+            .unwrap();
+        assert_eq!((w.prefill_load_scale, w.overlap_score_credit), (2.0, 1.0));
+        let w = router_knobs_from_env(CostWeights::default(), env(&[("DYN_OVERLAP_SCORE_WEIGHT", "0")]))
+            .unwrap();
+        assert_eq!((w.prefill_load_scale, w.overlap_score_credit), (0.0, 0.0));
+        let errs = router_knobs_from_env(CostWeights::default(), env(&[
+                ("DYN_ROUTER_TEMPERATURE", "hot"),
+                ("DYN_ROUTER_PREFILL_LOAD_SCALE", "-1"),
+                ("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", "NaN"),
+            ]))
+            .unwrap_err();
+        let names: Vec<&str> = errs.iter().map(|e| e.name).collect();
+        assert_eq!(
+            names,
+            [
+                "DYN_ROUTER_TEMPERATURE",
+                "disk_cache_hit_weight",
+                "prefill_load_scale"
+            ]
+        );
     }
 }

@@ -12,6 +12,7 @@
 //! single typed configuration, [`api`] serves the HTTP endpoints (metrics, health), [`metrics`]
 //! holds the Prometheus registry and [`server`] wires everything together.
 
+pub mod agent;
 pub mod api;
 pub mod config;
 pub mod discovery;
@@ -20,11 +21,7 @@ pub mod extproc;
 pub mod kv_events;
 pub mod metrics;
 pub mod pace;
-pub mod replica;
+pub mod process;
 pub mod request;
-pub mod routing_bench;
-pub mod selector;
 pub mod server;
-pub mod sim;
-#[doc(hidden)]
-pub mod testing;
+pub mod upkeep;

@@ -300,14 +300,3 @@ impl Metrics {
     }
 }
 
-/// The value of the sample whose series text (name and labels, as exposed) is exactly `series`, in a
-/// Prometheus/OpenMetrics text page.
-pub fn find_sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}

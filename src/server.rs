@@ -20,9 +20,8 @@ use crate::engine::metadata::{FetchSettings, MetadataStore};
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
-use crate::selector::{
-    KvPicker, KvSettings, KvState, LeastLoaded, RoundRobin, Saturation, Selector,
-};
+use crate::request::RequestRouter;
+use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -193,6 +192,8 @@ pub async fn run(
                 weights: cfg.router,
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
                 approximate_only,
+                // Prompts are untrusted: key the index tables randomly per process.
+                table_seed: fastrand::u64(..),
                 ..KvSettings::default()
             }));
             let md = Arc::new(MetadataStore::default());
@@ -244,30 +245,36 @@ pub async fn run(
             stop_rx.clone(),
         )));
     }
-    let picker: Box<dyn crate::selector::Picker> = match (&kv, cfg.picker) {
-        (Some(kv), _) => Box::new(KvPicker(kv.clone())),
-        (None, PickerKind::RoundRobin) => Box::new(RoundRobin::default()),
-        (None, _) => Box::new(LeastLoaded),
-    };
-    let selector = Selector::new(picker, saturation);
-    let settings = Settings {
-        pass_through_unknown: cfg.unknown_models == UnknownModels::PassThrough,
-        destination_list: cfg.destination_endpoint_list,
-        max_body_bytes: cfg.max_body_bytes,
-    };
-    let mut shared = Shared::new(store.clone(), selector, metrics.clone(), settings);
+    let router = Arc::new(match (&kv, cfg.picker) {
+        (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
+        (None, PickerKind::RoundRobin) => {
+            Router::load_only(Box::new(RoundRobin::default()), saturation)
+        }
+        (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
+    });
+    tasks.push(tokio::spawn(crate::upkeep::run(
+        router.clone(),
+        store.watch(),
+        stop_rx.clone(),
+    )));
+    let mut routing = RequestRouter::new(
+        store.clone(),
+        router,
+        cfg.unknown_models == UnknownModels::PassThrough,
+    );
     for (model, dir) in &cfg.tokenizers {
         let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
             model: model.clone(),
             source,
         })?;
         tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
-        shared.tokenizers.insert(model.clone(), Arc::new(t));
+        routing = routing.with_tokenizer(model.clone(), Arc::new(t));
     }
-    if let Some(kv) = kv.clone() {
-        shared = shared.with_kv(kv);
-    }
-    let shared = Arc::new(shared);
+    let settings = Settings {
+        destination_list: cfg.destination_endpoint_list,
+        max_body_bytes: cfg.max_body_bytes,
+    };
+    let shared = Arc::new(Shared::new(Arc::new(routing), metrics.clone(), settings));
     let extproc = ExtProcService::new(shared).into_server();
 
     let [g, h, m] = listeners.addrs();

@@ -16,7 +16,7 @@ use common::*;
 use futures::StreamExt;
 use kvepp::discovery::kubernetes::{client, KubeDiscovery, WatchMetrics};
 use kvepp::discovery::{InstanceEvent, InstanceStream, ServiceDiscovery};
-use kvepp::testing::TempDir;
+use kvepp_test_support::TempDir;
 
 async fn next(w: &mut InstanceStream) -> InstanceEvent {
     tokio::time::timeout(DEADLINE, w.next())
@@ -463,7 +463,7 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        a: kvepp::replica::AgentArgs,
+        a: kvepp::agent::AgentArgs,
     }
     let api = FakeApi::start().await;
     let dir = TempDir::new("agent");
@@ -502,7 +502,7 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
         v.extend(extra.iter().map(|s| s.to_string()));
         Cli::parse_from(v).a
     };
-    let err = kvepp::replica::run(args(&[]), l, std::future::pending())
+    let err = kvepp::agent::run(args(&[]), l, std::future::pending())
         .await
         .unwrap_err();
     assert!(
@@ -515,7 +515,7 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     std::fs::write(&md_file, "role: prefill\nmodel: {type: Completions}\n").unwrap();
     let l = tokio::net::TcpListener::bind(agent_addr).await.unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let agent = tokio::spawn(kvepp::replica::run(
+    let agent = tokio::spawn(kvepp::agent::run(
         args(&[
             "--model-name",
             "m",

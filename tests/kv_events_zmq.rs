@@ -258,10 +258,10 @@ async fn subscriber_started_before_the_publisher_connects_when_it_appears() {
 // ------------------------------------------------------------------ into the index
 
 use kvepp::kv_events::apply::apply_batch;
-use kvepp::request::blocks::{local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash};
-use kvepp::selector::index::reference::ReferenceIndex;
-use kvepp::selector::index::{EngineBlockHash, PrefixIndex, Tier};
-use kvepp::selector::slots::WorkerRank;
+use kvepp_core::hash::{local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash};
+use kvepp_core::index::reference::ReferenceIndex;
+use kvepp_core::index::{EngineBlockHash, PrefixIndex, Tier};
+use kvepp_core::slots::WorkerRank;
 
 const BS: usize = 4;
 const WORKER: u64 = 7;

@@ -15,7 +15,7 @@ use axum::routing::post;
 use common::*;
 use http_body_util::BodyExt;
 use kvepp::request::tokenize::ModelTokenizer;
-use kvepp::testing::fnv64;
+use kvepp_test_support::fnv64;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
@@ -389,7 +389,7 @@ struct TcpStreamRequest {
 impl TcpStreamRequest {
     async fn start(addr: SocketAddr, body: String) -> Self {
         let headers = [("host", "test"), ("content-type", "application/json")];
-        let send = kvepp::routing_bench::client::request(
+        let send = kvepp_test_support::client::request(
             addr,
             "POST",
             "/v1/completions",

@@ -11,9 +11,9 @@ use axum::Router;
 
 use crate::discovery::Datastore;
 use crate::metrics::Metrics;
-use crate::selector::kv::worker_id;
-use crate::selector::slots::WorkerRank;
-use crate::selector::KvState;
+use kvepp_core::kv::worker_id;
+use kvepp_core::slots::WorkerRank;
+use kvepp_core::KvState;
 
 #[derive(Debug, Clone)]
 pub struct ApiState {

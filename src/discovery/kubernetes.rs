@@ -428,7 +428,7 @@ mod tests {
 
     #[test]
     fn registry_checks_labels() {
-        let dir = crate::testing::TempDir::new("downward");
+        let dir = kvepp_test_support::TempDir::new("downward");
         let f = dir.path().join("labels");
         let reg = KubeRegistry {
             labels_file: f.clone(),

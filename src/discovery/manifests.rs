@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn last_good_kept_per_file() {
-        let dir = crate::testing::TempDir::new("manifests");
+        let dir = kvepp_test_support::TempDir::new("manifests");
         let errors = Arc::new(AtomicUsize::new(0));
         let e = errors.clone();
         let mut md = ManifestDir::new(dir.path(), Duration::from_millis(10), move |_| {
@@ -336,7 +336,7 @@ mod tests {
     #[tokio::test]
     async fn registry_files_are_discovered() {
         use crate::discovery::service::InstanceEvent;
-        let dir = crate::testing::TempDir::new("manifest-registry");
+        let dir = kvepp_test_support::TempDir::new("manifest-registry");
         std::fs::write(dir.path().join("pool.yaml"), POOL).unwrap();
         let inst = Instance {
             id: "pod-1".into(),

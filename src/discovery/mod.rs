@@ -30,7 +30,7 @@ pub use service::{
     Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,
 };
 
-use crate::selector::{Criticality, Endpoint, EndpointLoad};
+use kvepp_core::{Criticality, Endpoint, EndpointLoad};
 
 /// Which pool this EPP serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +103,8 @@ pub struct Datastore {
     state: Mutex<State>,
     loads: Mutex<HashMap<SocketAddr, Arc<EndpointLoad>>>,
     ready: watch::Sender<bool>,
+    /// The latest snapshot, for background tasks that react to membership changes.
+    changes: watch::Sender<Arc<PoolSnapshot>>,
     on_change: Box<dyn Fn(&PoolSnapshot) + Send + Sync>,
 }
 
@@ -123,6 +125,7 @@ impl Datastore {
             state: Mutex::default(),
             loads: Mutex::new(HashMap::new()),
             ready: watch::channel(false).0,
+            changes: watch::channel(Arc::new(PoolSnapshot::empty())).0,
             on_change: Box::new(on_change),
         }
     }
@@ -134,6 +137,11 @@ impl Datastore {
     /// The current snapshot (lock-free).
     pub fn snapshot(&self) -> Arc<PoolSnapshot> {
         self.snapshot.load_full()
+    }
+
+    /// Every new snapshot, as it is stored (background tasks wait on this instead of polling).
+    pub fn watch(&self) -> watch::Receiver<Arc<PoolSnapshot>> {
+        self.changes.subscribe()
     }
 
     /// True once the configured InferencePool has been seen and the instances have synced.
@@ -197,7 +205,9 @@ impl Datastore {
             tracing::info!(pool = %self.target.name, found = snap.pool.is_some(),
                 models = snap.models.len(), ready_endpoints = snap.endpoints.len(), "pool state changed");
         }
-        self.snapshot.store(Arc::new(snap));
+        let snap = Arc::new(snap);
+        self.snapshot.store(snap.clone());
+        self.changes.send_replace(snap);
         self.ready
             .send_if_modified(|r| std::mem::replace(r, synced) != synced);
     }

@@ -53,7 +53,7 @@ pub struct InferenceModel {
     pub name: String,
     pub namespace: Option<String>,
     pub model_name: String,
-    pub criticality: crate::selector::Criticality,
+    pub criticality: kvepp_core::Criticality,
     pub pool_ref: String,
     /// (name, weight); weights default to 1 when none is given.
     pub target_models: Vec<(String, u64)>,
@@ -284,8 +284,8 @@ fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
         return Err(invalid(K, name, "spec.modelName is empty"));
     }
     let criticality = match w.spec.criticality.as_deref() {
-        None => crate::selector::Criticality::Standard,
-        Some(c) => crate::selector::Criticality::parse(c).ok_or_else(|| {
+        None => kvepp_core::Criticality::Standard,
+        Some(c) => kvepp_core::Criticality::parse(c).ok_or_else(|| {
             invalid(
                 K,
                 name,
@@ -369,7 +369,7 @@ fn collect(value: serde_yaml::Value, out: &mut Vec<Object>) -> Result<(), Object
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::selector::Criticality;
+    use kvepp_core::Criticality;
 
     #[test]
     fn both_pool_versions() {

@@ -1,5 +1,5 @@
 //! The load signals a vLLM engine publishes on its Prometheus `/metrics`, scraped per endpoint at
-//! an interval ([`run_scraper`]) into each endpoint's load ([`crate::selector::EndpointLoad`]),
+//! an interval ([`run_scraper`]) into each endpoint's load ([`kvepp_core::EndpointLoad`]),
 //! beside our own in-flight counters.
 //!
 //! Read: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::discovery::Datastore;
-use crate::selector::EngineMetrics;
+use kvepp_core::EngineMetrics;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("no vLLM metrics on the page (vllm:num_requests_waiting / _running / kv_cache_usage_perc)")]

@@ -1,8 +1,10 @@
-//! The Envoy ext_proc server: one gRPC stream per HTTP request.
+//! The Envoy ext_proc protocol: one gRPC stream per HTTP request. Protocol only: the decision
+//! comes from the routing service ([`crate::request::RouteRequest`]).
 //!
-//! Each stream is driven by a [`stream::StreamState`] that owns the request's body chunks, its
-//! booking on the picked endpoint and its metric labels. Responses leave through a small bounded
-//! channel, so a slow proxy applies backpressure instead of growing a queue.
+//! Each stream is driven by a [`stream::StreamState`], a sans-IO state machine (a message in,
+//! responses out) that owns the request's body chunks, its booking on the picked endpoint and its
+//! metric labels. Responses leave through a small bounded channel, so a slow proxy applies
+//! backpressure instead of growing a queue.
 
 pub mod metadata;
 pub mod response;
@@ -18,15 +20,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::discovery::Datastore;
 use crate::metrics::Metrics;
-use crate::selector::Selector;
+use crate::request::RouteRequest;
 
 /// Protocol choices that come from the configuration.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Route models with no InferenceModel as Standard instead of answering 404.
-    pub pass_through_unknown: bool,
     /// Send `primary,fallback` in the destination header and metadata.
     pub destination_list: bool,
     /// Largest body accepted (413 above it).
@@ -36,44 +35,23 @@ pub struct Settings {
 /// What every stream shares.
 #[derive(Debug)]
 pub struct Shared {
-    pub store: Arc<Datastore>,
-    pub selector: Selector,
+    /// The routing service: body → facts → the core's decision and booking.
+    pub routing: Arc<dyn RouteRequest>,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
-    /// The KV-aware picker's state, when it is the picker (prompt hashing and booking).
-    pub kv: Option<Arc<crate::selector::KvState>>,
-    /// Tokenizers by served model name (the KV-aware picker's `tokens` mode).
-    pub tokenizers:
-        std::collections::HashMap<String, Arc<crate::request::tokenize::ModelTokenizer>>,
-    /// Metric labels, allocated once: requests without a body, models with no InferenceModel, and
-    /// requests answered before a pick.
+    /// Metric labels, allocated once: requests answered before a model was known, and before a
+    /// pick.
     no_model: Arc<str>,
-    unlisted_model: Arc<str>,
     no_endpoint: Arc<str>,
 }
 
 impl Shared {
-    /// Uses the KV-aware picker's state for prompt hashing and slot booking.
-    pub fn with_kv(mut self, kv: Arc<crate::selector::KvState>) -> Self {
-        self.kv = Some(kv);
-        self
-    }
-
-    pub fn new(
-        store: Arc<Datastore>,
-        selector: Selector,
-        metrics: Arc<Metrics>,
-        settings: Settings,
-    ) -> Self {
+    pub fn new(routing: Arc<dyn RouteRequest>, metrics: Arc<Metrics>, settings: Settings) -> Self {
         Shared {
-            store,
-            selector,
+            routing,
             metrics,
             settings,
-            kv: None,
-            tokenizers: Default::default(),
             no_model: "none".into(),
-            unlisted_model: crate::request::UNLISTED_MODEL_LABEL.into(),
             no_endpoint: "".into(),
         }
     }

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
-use crate::selector::Pick;
+use kvepp_core::Pick;
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const LB_NAMESPACE: &str = "envoy.lb";

@@ -25,12 +25,8 @@ use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{
-    parse_body, prompt_blocks, prompt_input, resolve_model, BodyError, ModelError, Rewrite,
-};
-use crate::selector::{
-    Booking, Criticality, Pick, PickError, PickRequest, PrefixMode, PromptBlocks,
-};
+use crate::request::{Rejection, Rewrite};
+use kvepp_core::{Booking, Pick};
 
 /// Envoy's BodySendMode values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,54 +63,6 @@ enum Phase {
     Routed,
     /// An immediate response was sent; nothing more is forwarded.
     Rejected,
-}
-
-/// Why the EPP answers the request itself.
-#[derive(Debug)]
-struct Rejection {
-    status: u16,
-    kind: &'static str,
-    reason: &'static str,
-    message: String,
-}
-
-impl Rejection {
-    fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
-        let kind = match status {
-            429 => "rate_limit_error",
-            500 => "internal_error",
-            503 => "service_unavailable",
-            _ => "invalid_request_error",
-        };
-        Rejection {
-            status,
-            kind,
-            reason,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<BodyError> for Rejection {
-    fn from(e: BodyError) -> Self {
-        let reason = match e {
-            BodyError::Malformed(_) | BodyError::NotAnObject => "malformed_body",
-            BodyError::MissingModel | BodyError::ModelNotString => "missing_model",
-        };
-        Rejection::new(400, reason, e.to_string())
-    }
-}
-
-impl From<PickError> for Rejection {
-    fn from(e: PickError) -> Self {
-        match e {
-            PickError::Saturated(_) => Rejection::new(429, "saturated", e.to_string()),
-            PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
-            PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
-                Rejection::new(503, "subset_no_match", e.to_string())
-            }
-        }
-    }
 }
 
 /// A routing decision for a request.
@@ -345,84 +293,32 @@ impl StreamState {
         self.phase = Phase::Routed;
     }
 
-    /// Model, InferenceModel, eligibility, shedding and the pick; books the primary on success.
+    /// Asks the routing service for a decision; keeps its booking and labels on this stream.
     fn decide(&mut self, body: Option<&[u8]>) -> Result<Decision, Rejection> {
         let started = Instant::now();
         let shared = self.shared.clone();
-        let snap = shared.store.snapshot();
-        let Some(_pool) = &snap.pool else {
-            let t = shared.store.target();
-            return Err(Rejection::new(
-                503,
-                "pool_not_found",
-                format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
-            ));
-        };
-        let mut prompt: Option<PromptBlocks> = None;
-        let (criticality, model_label, target_label, rewrite) = match body {
-            None => (
-                Criticality::Standard,
-                shared.no_model.clone(),
-                shared.no_model.clone(),
-                None,
-            ),
-            Some(body) => {
-                let parsed = parse_body(body)?;
-                let m = match resolve_model(
-                    &snap,
-                    &parsed.model,
-                    shared
-                        .settings
-                        .pass_through_unknown
-                        .then_some(&shared.unlisted_model),
-                ) {
-                    Ok(m) => m,
-                    Err(e @ ModelError::Unknown(_)) => {
-                        self.labels = Some(self.labels_for(
-                            shared.unlisted_model.clone(),
-                            shared.unlisted_model.clone(),
-                        ));
-                        return Err(Rejection::new(404, "unknown_model", e.to_string()));
-                    }
-                };
-                let rewrite = m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t));
-                if let Some(kv) = &shared.kv {
-                    let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
-                    prompt = prompt_blocks(
-                        kv,
-                        shared.tokenizers.get(served).map(|t| &**t),
-                        prompt_input(&parsed),
-                        served,
-                        &m.target_label,
-                    );
-                }
-                (m.criticality, m.model_label, m.target_label, rewrite)
-            }
-        };
-        self.labels = Some(self.labels_for(model_label, target_label));
         let subset = match &self.subset {
             Subset::Unset => None,
             Subset::Only(list) => Some(list.as_slice()),
         };
-        let pick = shared.selector.pick(
-            &snap.endpoints,
-            &PickRequest {
-                criticality,
-                subset,
-                prompt: prompt.as_ref(),
-            },
-        )?;
-        let mode = prompt.as_ref().map_or(PrefixMode::None, |p| p.mode);
+        let routed = match shared.routing.route(body, subset) {
+            Ok(r) => r,
+            Err(r) => {
+                if let Some((model, target)) = &r.labels {
+                    self.labels = Some(self.labels_for(model.clone(), target.clone()));
+                }
+                return Err(r);
+            }
+        };
+        let pick = routed.pick;
         tracing::debug!(
-            model = self.labels.as_ref().map(|l| &*l.model),
-            target = self.labels.as_ref().map(|l| &*l.target_model),
+            model = &*routed.model_label,
+            target = &*routed.target_label,
             endpoint = %pick.primary.name,
             addr = %pick.primary.addr_str,
             in_flight = pick.primary.load.in_flight(),
             fallback = pick.fallback.as_ref().map(|f| &*f.name),
-            candidates = subset.map_or(snap.endpoints.len(), |s| s.len()),
-            ?criticality,
-            mode = mode.as_str(),
+            mode = routed.mode.as_str(),
             kv = ?pick.kv,
             "{}",
             if pick.kv.is_some() {
@@ -431,25 +327,22 @@ impl StreamState {
                 "picked by the load-only picker (least in-flight requests, or round robin)"
             }
         );
-        let mut booking = pick.primary.load.book();
-        if let (Some(kv), Some(d)) = (&shared.kv, &pick.kv) {
-            shared.metrics.count_prefix_mode(mode.as_str());
-            booking = booking.with_slot(kv.book(
-                &pick.primary,
-                prompt.as_ref(),
-                d.effective_prefill_tokens,
-            ));
+        if pick.kv.is_some() {
+            shared.metrics.count_prefix_mode(routed.mode.as_str());
         }
-        self.booking = Some(booking);
+        let mut labels = self.labels_for(routed.model_label, routed.target_label);
+        labels.endpoint = pick.primary.addr_str.clone();
+        self.labels = Some(labels);
+        self.booking = Some(routed.booking);
         self.primary = Some(pick.primary.addr);
-        if let Some(l) = &mut self.labels {
-            l.endpoint = pick.primary.addr_str.clone();
-        }
         shared
             .metrics
             .pick_duration
             .observe(started.elapsed().as_secs_f64());
-        Ok(Decision { pick, rewrite })
+        Ok(Decision {
+            pick,
+            rewrite: routed.rewrite,
+        })
     }
 
     fn labels_for(&self, model: Arc<str>, target_model: Arc<str>) -> RequestLabels {
@@ -497,8 +390,7 @@ impl StreamState {
         }
         // The proxy used another endpoint (e.g. the fallback): move the booking and the label there.
         self.shared.metrics.served_elsewhere.inc();
-        let snap = self.shared.store.snapshot();
-        if let Some(ep) = snap.endpoints.iter().find(|e| e.addr == served) {
+        if let Some(ep) = self.shared.routing.endpoint(served) {
             if let Some(b) = &mut self.booking {
                 b.move_to(&ep.load);
             }

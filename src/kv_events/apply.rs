@@ -14,11 +14,11 @@ use crate::config::KvEventsConfig;
 use crate::discovery::Datastore;
 use crate::engine::metadata::{EngineMetadata, MetadataStore};
 use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
-use crate::request::blocks::local_block_hashes;
-use crate::selector::index::{IndexError, PrefixIndex};
-use crate::selector::kv::{worker_id, KvState};
-use crate::selector::slots::WorkerRank;
-use crate::selector::Endpoint;
+use kvepp_core::hash::local_block_hashes;
+use kvepp_core::index::{IndexError, PrefixIndex};
+use kvepp_core::kv::{worker_id, KvState};
+use kvepp_core::slots::WorkerRank;
+use kvepp_core::Endpoint;
 
 /// What applying one batch did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -132,8 +132,7 @@ impl Drop for Running {
 }
 
 /// Keeps one subscription per publishing rank of every ready endpoint (re-subscribing when its
-/// metadata changes), forgets endpoints that leave the pool (index, approximate index, load),
-/// expires stale load bookings, and refreshes the index gauges.
+/// metadata changes, stopping when it leaves the pool) and refreshes the index gauges.
 pub async fn run_manager(
     kv: Arc<KvState>,
     store: Arc<Datastore>,
@@ -149,9 +148,8 @@ pub async fn run_manager(
         let snap = store.snapshot();
         let now: Vec<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
         for gone in known.iter().filter(|a| !now.contains(a)) {
+            // The routing state of a departed endpoint is forgotten by `crate::upkeep`.
             subs.remove(gone);
-            kv.forget(gone);
-            tracing::info!(endpoint = %gone, "endpoint left the pool: its KV state is forgotten");
         }
         for ep in &snap.endpoints {
             let sources = sources_of(ep, md.get(&ep.addr).as_deref(), &cfg);
@@ -176,7 +174,6 @@ pub async fn run_manager(
             subs.insert(ep.addr_str.clone(), Running { sources, stops });
         }
         known = now;
-        kv.expire_stale();
         metrics
             .kv
             .subscriptions

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-pub use crate::selector::index::{EngineBlockHash, Tier};
+pub use kvepp_core::index::{EngineBlockHash, Tier};
 
 /// The tier of vLLM's `medium` (absent means GPU). Unknown media count as the slowest tier.
 pub fn tier_from_medium(medium: Option<&str>) -> Tier {

@@ -1,16 +1,19 @@
-//! From a request body to what the selector needs: the model name, its InferenceModel (criticality,
-//! weighted target models), when a target model differs the byte-level rewrite of `model`, and the
-//! Dynamo-compatible block hashes of a token sequence ([`blocks`]).
+//! From a request body to the routing core's facts, and the routing service the front doors call
+//! ([`service`]): the model name, its InferenceModel (criticality, weighted target models), when a
+//! target model differs the byte-level rewrite of `model`, and the prompt (token ids, tokenized
+//! text, or raw bytes for approximate blocks).
 //!
 //! Invariants: the body is parsed in place (no copy, no re-serialisation); a rewrite replaces
-//! exactly the bytes of the `model` value and nothing else.
+//! exactly the bytes of the `model` value and nothing else; hashing, picking and booking are the
+//! core's (`kvepp_core::Router`), never done here.
 
-pub mod blocks;
 mod body;
 mod model;
 mod prompt;
+pub mod service;
 pub mod tokenize;
 
 pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
-pub use prompt::{prompt_blocks, prompt_input, PromptInput};
+pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
+pub use service::{Rejection, RequestRouter, RouteRequest, Routed};

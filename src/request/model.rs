@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::discovery::{ModelSpec, PoolSnapshot};
-use crate::selector::Criticality;
+use kvepp_core::Criticality;
 
 /// Label used in metrics for model names that match no InferenceModel (bounded cardinality).
 pub const UNLISTED_MODEL_LABEL: &str = "unlisted";

@@ -4,7 +4,7 @@ use serde_json::value::RawValue;
 
 use super::tokenize::ModelTokenizer;
 use super::ParsedBody;
-use crate::selector::{KvState, PrefixMode, PromptBlocks};
+use kvepp_core::Prompt;
 
 /// Prompts at least this large are tokenized off the async worker (`block_in_place`), so one big
 /// prompt does not stall the other streams on that thread.
@@ -48,35 +48,38 @@ pub fn prompt_input<'a>(body: &ParsedBody<'a>) -> PromptInput<'a> {
     }
 }
 
-/// The prompt as KV blocks: token ids as given; tokenized when the served model has a tokenizer;
-/// else (or when tokenizing fails) approximate byte blocks scoped by `scope`. None without a
-/// prompt.
-pub fn prompt_blocks(
-    kv: &KvState,
+/// The prompt as the router takes it: token ids as given; tokenized when the served model has a
+/// tokenizer; else (or when tokenizing fails) the raw bytes for approximate blocks, kept apart by
+/// `scope`. [`Prompt::None`] without a prompt.
+pub fn prompt_for_routing<'a>(
     tokenizer: Option<&ModelTokenizer>,
-    input: PromptInput<'_>,
+    input: PromptInput<'a>,
     served_model: &str,
-    scope: &str,
-) -> Option<PromptBlocks> {
-    let lora = kv.lora_for(served_model);
+    scope: &'a str,
+) -> Prompt<'a> {
     let tokens = match (&input, tokenizer) {
-        (PromptInput::TokenIds(ids), _) => {
-            return Some(kv.blocks_from_tokens(ids, lora.as_deref(), PrefixMode::TokenIds))
-        }
-        (PromptInput::Absent, _) => return None,
+        (PromptInput::Absent, _) => return Prompt::None,
         (PromptInput::Messages(raw), Some(t)) => Some(offload(raw.get().len(), || t.chat_ids(raw))),
         (PromptInput::Prompt(raw), Some(t)) => {
             Some(offload(raw.get().len(), || t.completion_ids(raw)))
         }
-        (_, None) => None,
+        (PromptInput::TokenIds(_), _) | (_, None) => None,
     };
-    match tokens {
-        Some(Ok(ids)) => Some(kv.blocks_from_tokens(&ids, lora.as_deref(), PrefixMode::Tokens)),
-        Some(Err(e)) => {
+    match (tokens, input) {
+        (_, PromptInput::TokenIds(ids)) => Prompt::TokenIds(ids),
+        (Some(Ok(ids)), _) => Prompt::Tokens(ids),
+        (Some(Err(e)), input) => {
             tracing::debug!(model = served_model, error = %e, "tokenization failed; approximate prefix used");
-            input.raw_bytes().map(|b| kv.blocks_from_text(scope, b))
+            text(scope, &input)
         }
-        None => input.raw_bytes().map(|b| kv.blocks_from_text(scope, b)),
+        (None, input) => text(scope, &input),
+    }
+}
+
+fn text<'a>(scope: &'a str, input: &PromptInput<'a>) -> Prompt<'a> {
+    match input.raw_bytes() {
+        Some(bytes) => Prompt::Text { scope, bytes },
+        None => Prompt::None,
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
 use kvepp::config::Config;
-use kvepp::testing::TempDir;
+use kvepp_test_support::TempDir;
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -22,7 +22,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    kvepp::routing_bench::wait_until(what, DEADLINE, cond)
+    kvepp_test_support::wait_until(what, DEADLINE, cond)
         .await
         .unwrap_or_else(|e| panic!("timed out waiting for {e}"))
 }
@@ -65,7 +65,7 @@ pub async fn http(
 ) -> HttpResponse {
     let mut with_host = vec![("host", "test")];
     with_host.extend_from_slice(headers);
-    let send = kvepp::routing_bench::client::request(addr, method, path, &with_host, body.into());
+    let send = kvepp_test_support::client::request(addr, method, path, &with_host, body.into());
     let resp = tokio::time::timeout(DEADLINE, send)
         .await
         .expect("response in time")
@@ -197,7 +197,7 @@ impl Epp {
 
     /// The value of one metric line (exact series text before the value), if present.
     pub async fn metric(&self, series: &str) -> Option<f64> {
-        kvepp::metrics::find_sample(&self.metrics_text().await, series)
+        kvepp_test_support::find_sample(&self.metrics_text().await, series)
     }
 
     pub async fn stop(self) {
@@ -214,7 +214,7 @@ pub async fn echo_backends(names: &[&str]) -> Vec<SocketAddr> {
     let mut out = Vec::new();
     for n in names {
         out.push(
-            kvepp::testing::spawn_echo_backend(n)
+            kvepp_test_support::spawn_echo_backend(n)
                 .await
                 .expect("backend"),
         );
@@ -239,7 +239,7 @@ pub fn envoy_bin() -> PathBuf {
 
 /// The shipped local bootstrap, as a YAML value to adapt.
 pub fn bootstrap() -> serde_yaml::Value {
-    kvepp::routing_bench::envoy::EnvoyProcess::bootstrap().expect("bootstrap yaml")
+    kvepp_test_support::envoy::EnvoyProcess::bootstrap().expect("bootstrap yaml")
 }
 
 fn http_filters(b: &mut serde_yaml::Value) -> &mut Vec<serde_yaml::Value> {
@@ -275,14 +275,14 @@ pub fn set_subset_hint(b: &mut serde_yaml::Value, subset: &[String]) {
 pub struct Envoy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
-    process: kvepp::routing_bench::envoy::EnvoyProcess,
+    process: kvepp_test_support::envoy::EnvoyProcess,
 }
 
 impl Envoy {
     /// Starts Envoy with `bootstrap`, its ext_proc cluster pointed at `epp`, on ephemeral ports.
     pub async fn start(bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
         let process =
-            kvepp::routing_bench::envoy::EnvoyProcess::start_with(&envoy_bin(), bootstrap, epp)
+            kvepp_test_support::envoy::EnvoyProcess::start_with(&envoy_bin(), bootstrap, epp)
                 .await
                 .expect("envoy");
         Envoy {

@@ -1,0 +1,251 @@
+//! The KV-aware cost of sending a request to a worker rank (Dynamo's current formula) and the
+//! choice among ranks.
+//!
+//! For each eligible rank, with `block_size` tokens per block:
+//! - `prefill_blocks = potential_prefill_tokens / block_size` (active prefill plus this prompt);
+//! - `overlap_credit = overlap_score_credit·device + host_w·(host − device) + disk_w·(disk − host)`,
+//!   where device ≤ host ≤ disk are the cumulative cached-prefix lengths in blocks per tier;
+//! - `cost = prefill_load_scale · max(0, prefill_blocks − overlap_credit) + potential_decode_blocks
+//!   + decode_active_request_weight · active_requests`.
+//!
+//! Temperature 0 picks the cheapest (ties at random); above 0 it samples a softmax over the
+//! normalised negative costs. What a pick books as prefill is `effective_prefill_tokens`.
+
+/// Cached prefix of a request on one rank, in blocks, cumulative over tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Overlap {
+    pub device: u64,
+    /// Blocks cached on device or host (≥ `device`).
+    pub host: u64,
+    /// Blocks cached anywhere (≥ `host`).
+    pub disk: u64,
+}
+
+/// What the cost model needs to know about one rank for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CandidateLoad {
+    pub overlap: Overlap,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u32,
+}
+
+/// The knobs, with Dynamo's names and defaults (in the config file: the `DYN_ROUTER_*` names in
+/// lower case without the prefix, every field optional, unknown fields rejected; the variables
+/// themselves are applied by kvepp's configuration loading).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostWeights {
+    /// `DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT` (1.0): credit per device-cached block.
+    #[serde(rename = "kv_overlap_score_credit")]
+    pub overlap_score_credit: f64,
+    /// `DYN_ROUTER_HOST_CACHE_HIT_WEIGHT` (0.75).
+    pub host_cache_hit_weight: f64,
+    /// `DYN_ROUTER_DISK_CACHE_HIT_WEIGHT` (0.25).
+    pub disk_cache_hit_weight: f64,
+    /// `DYN_ROUTER_PREFILL_LOAD_SCALE` (1.0).
+    pub prefill_load_scale: f64,
+    /// `DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT` (0.0).
+    pub decode_active_request_weight: f64,
+    /// `DYN_ROUTER_TEMPERATURE` (0.0).
+    pub temperature: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            overlap_score_credit: 1.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name}: {message}")]
+pub struct KnobError {
+    pub name: &'static str,
+    pub message: String,
+}
+
+impl CostWeights {
+    /// Every knob must be finite and non-negative.
+    pub fn validate(&self) -> Vec<KnobError> {
+        [
+            ("overlap_score_credit", self.overlap_score_credit),
+            ("host_cache_hit_weight", self.host_cache_hit_weight),
+            ("disk_cache_hit_weight", self.disk_cache_hit_weight),
+            ("prefill_load_scale", self.prefill_load_scale),
+            (
+                "decode_active_request_weight",
+                self.decode_active_request_weight,
+            ),
+            ("temperature", self.temperature),
+        ]
+        .into_iter()
+        .filter(|(_, v)| !(v.is_finite() && *v >= 0.0))
+        .map(|(name, v)| KnobError {
+            name,
+            message: format!("{v} must be a finite number ≥ 0"),
+        })
+        .collect()
+    }
+
+    /// The cached prefix, in blocks, weighted by tier.
+    pub fn overlap_credit(&self, o: Overlap) -> f64 {
+        let host_only = o.host.saturating_sub(o.device);
+        let disk_only = o.disk.saturating_sub(o.host.max(o.device));
+        self.overlap_score_credit * o.device as f64
+            + self.host_cache_hit_weight * host_only as f64
+            + self.disk_cache_hit_weight * disk_only as f64
+    }
+
+    pub fn cost(&self, block_size: u32, c: &CandidateLoad) -> f64 {
+        let prefill_blocks = c.potential_prefill_tokens as f64 / f64::from(block_size.max(1));
+        let adjusted = (prefill_blocks - self.overlap_credit(c.overlap)).max(0.0);
+        self.prefill_load_scale * adjusted
+            + c.potential_decode_blocks as f64
+            + self.decode_active_request_weight * f64::from(c.active_requests)
+    }
+
+    /// Prompt tokens the rank still has to prefill given its cache: what a pick books.
+    pub fn effective_prefill_tokens(&self, isl_tokens: u64, block_size: u32, o: Overlap) -> u64 {
+        let cached = (self.overlap_credit(o) * f64::from(block_size)).round();
+        let cached = if cached.is_finite() && cached > 0.0 {
+            cached as u64
+        } else {
+            0
+        };
+        isl_tokens - isl_tokens.min(cached)
+    }
+
+    /// Index of the chosen candidate (`costs` must not be empty). `roll` returns uniform numbers in
+    /// [0, 1) (for a fixed seed in tests).
+    pub fn choose(&self, costs: &[f64], mut roll: impl FnMut() -> f64) -> usize {
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if self.temperature <= 0.0 || max <= min {
+            // Cheapest, ties broken uniformly: pick the k-th tied index without collecting them.
+            let ties = costs.iter().filter(|c| **c <= min).count();
+            let k = ((roll() * ties as f64) as usize).min(ties.saturating_sub(1));
+            return (0..costs.len())
+                .filter(|&i| costs[i] <= min)
+                .nth(k)
+                .unwrap_or(0);
+        }
+        // Softmax over -normalised cost; the cheapest has weight 1, the dearest exp(-1/T).
+        let weights: Vec<f64> = costs
+            .iter()
+            .map(|c| (-(c - min) / (max - min) / self.temperature).exp())
+            .collect();
+        let mut point = roll() * weights.iter().sum::<f64>();
+        for (i, w) in weights.iter().enumerate() {
+            if point < *w {
+                return i;
+            }
+            point -= w;
+        }
+        costs.len() - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(
+        device: u64,
+        host: u64,
+        disk: u64,
+        prefill: u64,
+        decode: u64,
+        active: u32,
+    ) -> CandidateLoad {
+        CandidateLoad {
+            overlap: Overlap { device, host, disk },
+            potential_prefill_tokens: prefill,
+            potential_decode_blocks: decode,
+            active_requests: active,
+        }
+    }
+
+    #[test]
+    fn formula_by_hand() {
+        let w = CostWeights::default();
+        // 512 prompt tokens + 64 active prefill, block 16: 36 blocks; 10 on GPU, 4 more on host, 2 more on disk.
+        let c = load(10, 14, 16, 576, 40, 3);
+        let credit = 10.0 + 0.75 * 4.0 + 0.25 * 2.0;
+        assert_eq!(w.overlap_credit(c.overlap), credit);
+        assert_eq!(w.cost(16, &c), (36.0 - credit) + 40.0);
+        let w2 = CostWeights {
+            prefill_load_scale: 2.0,
+            decode_active_request_weight: 1.5,
+            ..w
+        };
+        assert_eq!(w2.cost(16, &c), 2.0 * (36.0 - credit) + 40.0 + 4.5);
+        // More credit than prefill: clamped at zero, only decode load remains.
+        assert_eq!(w.cost(16, &load(100, 100, 100, 32, 7, 0)), 7.0);
+        // effective = isl - round(credit * block_size)
+        assert_eq!(
+            w.effective_prefill_tokens(512, 16, c.overlap),
+            512 - (credit * 16.0) as u64
+        );
+        assert_eq!(
+            w.effective_prefill_tokens(
+                100,
+                16,
+                Overlap {
+                    device: 50,
+                    host: 50,
+                    disk: 50
+                }
+            ),
+            0
+        );
+    }
+
+    #[test]
+    fn choose_cheapest_with_random_ties() {
+        let w = CostWeights::default();
+        let mut rng = fastrand::Rng::with_seed(3);
+        let mut seen = [0; 4];
+        for _ in 0..4000 {
+            seen[w.choose(&[5.0, 2.0, 2.0, 9.0], || rng.f64())] += 1;
+        }
+        assert_eq!((seen[0], seen[3]), (0, 0));
+        assert!(seen[1] > 1700 && seen[2] > 1700, "{seen:?}");
+    }
+
+    #[test]
+    fn temperature_samples_a_softmax() {
+        let w = CostWeights {
+            temperature: 0.5,
+            ..CostWeights::default()
+        };
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut seen = [0u32; 3];
+        let n = 30_000;
+        for _ in 0..n {
+            seen[w.choose(&[0.0, 5.0, 10.0], || rng.f64())] += 1;
+        }
+        // Normalised costs 0, 0.5, 1 → weights 1, e^-1, e^-2.
+        let z = 1.0 + (-1.0f64).exp() + (-2.0f64).exp();
+        for (i, want) in [1.0 / z, (-1.0f64).exp() / z, (-2.0f64).exp() / z]
+            .iter()
+            .enumerate()
+        {
+            let got = f64::from(seen[i]) / f64::from(n);
+            assert!((got - want).abs() < 0.02, "candidate {i}: {got} vs {want}");
+        }
+        // Equal costs: uniform, whatever the temperature.
+        let mut rng = fastrand::Rng::with_seed(5);
+        let mut eq = [0; 2];
+        for _ in 0..2000 {
+            eq[w.choose(&[4.0, 4.0], || rng.f64())] += 1;
+        }
+        assert!(eq[0] > 800 && eq[1] > 800, "{eq:?}");
+    }
+}

@@ -1,0 +1,774 @@
+//! The prefix index: which worker rank holds which KV blocks, in which tier, and how long a prefix of
+//! a request each rank already holds.
+//!
+//! Blocks are keyed by our own [`SequenceHash`]es (Dynamo's chain, computed from the tokens the
+//! engines publish), so a request's hashes and an engine's blocks meet in one table. The engine's
+//! own block hash is kept per rank only to resolve later removals and parents, and only when it
+//! differs from ours (engines that publish Dynamo-compatible hashes cost nothing extra).
+//!
+//! Layout: one hash table from sequence hash to its holders. A block held by one rank (the common
+//! case) stores that holder inline; a block held by more spills into a side list. Ranks are dense
+//! `u16` slots, so a holder is 8 bytes: the slot and a reference count per tier.
+//!
+//! Invariants (checked against [`reference::ReferenceIndex`] by a differential test):
+//! - a (block, rank) pair exists iff one of its tier reference counts is non-zero; duplicate stores
+//!   add references, removals take them away, `AllBlocksCleared` drops the rank's pairs;
+//! - a spilled holder list has at least two holders, never the same rank twice;
+//! - `blocks` of a rank is its number of pairs, and never exceeds `max_blocks_per_rank` (stores
+//!   beyond it are refused and counted): memory is bounded by ranks × that limit;
+//! - [`PrefixIndex::find_matches`] reports, per rank, the number of leading request blocks held on
+//!   the device, on device or host, and anywhere (so device ≤ host ≤ disk), and only ranks with at
+//!   least one leading block.
+//!
+//! Clearing a rank scans the table (rare: engine restarts and departures).
+
+#[cfg(any(test, feature = "test-util"))]
+#[doc(hidden)]
+pub mod reference;
+mod table;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+
+use self::table::BlockTable;
+use super::cost::Overlap;
+use super::slots::WorkerRank;
+use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+
+/// The engine's own block hash: only an opaque key to resolve later removals (vLLM's hash cannot be
+/// recomputed outside the engine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineBlockHash(pub u64);
+
+/// Where a block lives: GPU memory, host memory, or anything slower (disk, remote, external).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    fn idx(self) -> usize {
+        match self {
+            Tier::Device => 0,
+            Tier::Host => 1,
+            Tier::Disk => 2,
+        }
+    }
+}
+
+/// Cached prefix of a request on one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOverlap {
+    pub rank: WorkerRank,
+    pub overlap: Overlap,
+}
+
+/// Per-rank pair limit by default (4 Mi blocks: 1 TiB of KV at 256 KiB per block).
+pub const DEFAULT_MAX_BLOCKS_PER_RANK: u64 = 1 << 22;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IndexError {
+    #[error("more than {} worker ranks in one index", u16::MAX)]
+    TooManyRanks,
+    #[error("worker {} rank {}: parent block {:#x} is unknown (events were lost)", .rank.worker, .rank.dp_rank, .parent.0)]
+    UnknownParent {
+        rank: WorkerRank,
+        parent: EngineBlockHash,
+    },
+    #[error("worker {} rank {} holds {limit} blocks, the limit; store refused", .rank.worker, .rank.dp_rank)]
+    RankFull { rank: WorkerRank, limit: u64 },
+}
+
+/// Counters since creation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Blocks stored (each block of each store event, duplicates included).
+    pub stored: u64,
+    /// Blocks removed (each block of each removal that held a reference).
+    pub removed: u64,
+    /// Removals of blocks the rank did not hold in that tier.
+    pub unknown_removals: u64,
+    /// Store events refused because their parent was unknown.
+    pub unknown_parents: u64,
+    /// Blocks refused because their rank was full.
+    pub over_capacity: u64,
+}
+
+// ------------------------------------------------------------------------------------------ hasher
+
+/// Table hasher for keys that are already hashes: one folded multiply with a per-index key (a
+/// random key, given by the caller, keeps crafted prompts from aiming at one bucket while costing
+/// ~1 ns).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedBuild(u64);
+
+impl KeyedBuild {
+    fn with_key(key: u64) -> Self {
+        KeyedBuild(key | 1)
+    }
+}
+
+/// The table key of [`PrefixIndex::new`]; servers pass a random one to [`PrefixIndex::with_seed`].
+pub const DEFAULT_TABLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedHasher {
+    key: u64,
+    h: u64,
+}
+
+impl BuildHasher for KeyedBuild {
+    type Hasher = KeyedHasher;
+    fn build_hasher(&self) -> KeyedHasher {
+        KeyedHasher { key: self.0, h: 0 }
+    }
+}
+
+impl Hasher for KeyedHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.h = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.key ^ self.h);
+    }
+    fn write_u64(&mut self, v: u64) {
+        let m = u128::from(v ^ self.key ^ self.h) * 0x9E37_79B9_7F4A_7C15_u128;
+        self.h = (m as u64) ^ ((m >> 64) as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.h
+    }
+}
+
+type Map<K, V> = HashMap<K, V, KeyedBuild>;
+
+/// Most table probes `find_matches` has in flight at once.
+const MAX_BATCH: usize = 64;
+
+// ------------------------------------------------------------------------------------------ layout
+
+/// One rank's hold on one block: its slot and a reference count per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    rank: u16,
+    refs: [u16; 3],
+}
+
+impl Holder {
+    fn new(rank: u16, tier: Tier) -> Self {
+        let mut refs = [0; 3];
+        refs[tier.idx()] = 1;
+        Holder { rank, refs }
+    }
+    fn is_empty(&self) -> bool {
+        self.refs == [0; 3]
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Holders {
+    One(Holder),
+    /// Index into `spill`: two or more holders.
+    Spill(u32),
+}
+
+/// The holders of one block, borrowed from the index.
+#[derive(Clone, Copy)]
+enum HolderList<'a> {
+    None,
+    One(Holder),
+    Many(&'a [Holder]),
+}
+
+impl HolderList<'_> {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            HolderList::None => &[],
+            HolderList::One(h) => std::slice::from_ref(h),
+            HolderList::Many(l) => l,
+        }
+    }
+}
+
+/// The rank slot that marks a spilled holder word (never a real slot).
+const SPILL: u16 = u16::MAX;
+
+impl Holders {
+    /// The table's value word: never 0 (a holder has a non-zero reference count).
+    fn pack(self) -> u64 {
+        match self {
+            Holders::One(h) => {
+                u64::from(h.rank)
+                    | u64::from(h.refs[0]) << 16
+                    | u64::from(h.refs[1]) << 32
+                    | u64::from(h.refs[2]) << 48
+            }
+            Holders::Spill(i) => u64::from(SPILL) | u64::from(i) << 16,
+        }
+    }
+
+    fn unpack(v: u64) -> Self {
+        let rank = v as u16;
+        if rank == SPILL {
+            Holders::Spill((v >> 16) as u32)
+        } else {
+            Holders::One(Holder {
+                rank,
+                refs: [(v >> 16) as u16, (v >> 32) as u16, (v >> 48) as u16],
+            })
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RankSlot {
+    id: WorkerRank,
+    blocks: u64,
+    /// Engine hash → our hash, for the rank's blocks whose engine hash differs from ours.
+    engine: Map<EngineBlockHash, SequenceHash>,
+}
+
+enum Removal {
+    NotHeld,
+    Decremented,
+    Dropped,
+}
+
+/// Reusable scratch space of [`PrefixIndex::find_matches`] (one per thread).
+#[derive(Debug, Default)]
+pub struct MatchScratch {
+    runs: Vec<Run>,
+    touched: Vec<u16>,
+    epoch: u32,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    epoch: u32,
+    device: u32,
+    host: u32,
+    any: u32,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    blocks: BlockTable,
+    build: KeyedBuild,
+    spill: Vec<Vec<Holder>>,
+    spill_free: Vec<u32>,
+    ranks: Vec<Option<RankSlot>>,
+    rank_ids: HashMap<WorkerRank, u16>,
+    free_ranks: Vec<u16>,
+    max_blocks_per_rank: u64,
+    stats: IndexStats,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex::new(DEFAULT_MAX_BLOCKS_PER_RANK)
+    }
+}
+
+impl PrefixIndex {
+    pub fn new(max_blocks_per_rank: u64) -> Self {
+        Self::with_seed(max_blocks_per_rank, DEFAULT_TABLE_SEED)
+    }
+
+    /// An empty index whose table hasher is keyed by `seed` (pass a random one where prompts or
+    /// events come from untrusted clients).
+    pub fn with_seed(max_blocks_per_rank: u64, seed: u64) -> Self {
+        let build = KeyedBuild::with_key(seed);
+        PrefixIndex {
+            blocks: BlockTable::new(build),
+            build,
+            spill: Vec::new(),
+            spill_free: Vec::new(),
+            ranks: Vec::new(),
+            rank_ids: HashMap::new(),
+            free_ranks: Vec::new(),
+            max_blocks_per_rank,
+            stats: IndexStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    /// Distinct blocks held by any rank.
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// (block, rank) pairs.
+    pub fn pair_count(&self) -> u64 {
+        self.ranks.iter().flatten().map(|r| r.blocks).sum()
+    }
+
+    /// Blocks held by `rank` (0 if unknown).
+    pub fn rank_blocks(&self, rank: WorkerRank) -> u64 {
+        self.slot_of(rank).map_or(0, |s| self.slot(s).blocks)
+    }
+
+    /// The blocks `rank` holds in any tier, sorted (for inspection: a full scan of the table).
+    pub fn rank_sequences(&self, rank: WorkerRank) -> Vec<SequenceHash> {
+        let Some(slot) = self.slot_of(rank) else {
+            return Vec::new();
+        };
+        let mut v: Vec<SequenceHash> = self
+            .blocks
+            .iter()
+            .filter(|&(_, word)| {
+                self.holders_of(word)
+                    .as_slice()
+                    .iter()
+                    .any(|h| h.rank == slot)
+            })
+            .map(|(key, _)| SequenceHash(key))
+            .collect();
+        v.sort_unstable_by_key(|h| h.0);
+        v
+    }
+
+    /// Ranks the index knows (registered explicitly or by an event).
+    pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
+        self.ranks.iter().flatten().map(|r| r.id)
+    }
+
+    /// Bytes held by the index's tables (capacity, excluding allocator overhead).
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let table = |cap: usize, entry: usize| cap * (entry + 1);
+        self.blocks.bytes()
+            + self.spill.capacity() * size_of::<Vec<Holder>>()
+            + self
+                .spill
+                .iter()
+                .map(|l| l.capacity() * size_of::<Holder>())
+                .sum::<usize>()
+            + self.ranks.capacity() * size_of::<Option<RankSlot>>()
+            + self
+                .ranks
+                .iter()
+                .flatten()
+                .map(|r| {
+                    table(
+                        r.engine.capacity(),
+                        size_of::<(EngineBlockHash, SequenceHash)>(),
+                    )
+                })
+                .sum::<usize>()
+            + table(self.rank_ids.capacity(), size_of::<(WorkerRank, u16)>())
+    }
+
+    /// Makes `rank` known (idempotent); its slot is kept until [`Self::remove_worker`].
+    pub fn register(&mut self, rank: WorkerRank) -> Result<(), IndexError> {
+        self.slot_or_insert(rank).map(|_| ())
+    }
+
+    fn slot_of(&self, rank: WorkerRank) -> Option<u16> {
+        self.rank_ids.get(&rank).copied()
+    }
+
+    fn slot(&self, s: u16) -> &RankSlot {
+        self.ranks[usize::from(s)]
+            .as_ref()
+            .expect("rank_ids only names live slots")
+    }
+
+    fn slot_mut(ranks: &mut [Option<RankSlot>], s: u16) -> &mut RankSlot {
+        ranks[usize::from(s)]
+            .as_mut()
+            .expect("rank_ids only names live slots")
+    }
+
+    fn slot_or_insert(&mut self, rank: WorkerRank) -> Result<u16, IndexError> {
+        if let Some(s) = self.slot_of(rank) {
+            return Ok(s);
+        }
+        let s = match self.free_ranks.pop() {
+            Some(s) => s,
+            None => {
+                // u16::MAX itself stays unused so the count fits the error message's bound.
+                let s = u16::try_from(self.ranks.len())
+                    .ok()
+                    .filter(|&s| s < u16::MAX)
+                    .ok_or(IndexError::TooManyRanks)?;
+                self.ranks.push(None);
+                s
+            }
+        };
+        self.ranks[usize::from(s)] = Some(RankSlot {
+            id: rank,
+            blocks: 0,
+            engine: HashMap::with_hasher(self.build),
+        });
+        self.rank_ids.insert(rank, s);
+        Ok(s)
+    }
+
+    /// Our hash of the block the rank knows by `engine` (its own hash or ours), if it holds it.
+    fn resolve(&self, s: u16, engine: EngineBlockHash) -> Option<SequenceHash> {
+        if let Some(&seq) = self.slot(s).engine.get(&engine) {
+            return Some(seq);
+        }
+        let seq = SequenceHash(engine.0);
+        self.holders(seq)
+            .is_some_and(|h| h.as_slice().iter().any(|h| h.rank == s))
+            .then_some(seq)
+    }
+
+    /// The holders behind a table value word.
+    fn holders_of(&self, word: u64) -> HolderList<'_> {
+        match Holders::unpack(word) {
+            Holders::One(h) => HolderList::One(h),
+            Holders::Spill(i) => HolderList::Many(&self.spill[i as usize]),
+        }
+    }
+
+    fn holders(&self, seq: SequenceHash) -> Option<HolderList<'_>> {
+        self.blocks.get(seq.0).map(|w| self.holders_of(w))
+    }
+
+    /// Applies a `BlockStored` event: consecutive blocks (engine hash, our local hash) following
+    /// `parent` (the engine hash of the block before the first, None at a sequence start). Returns
+    /// the number of blocks stored; on error, the blocks before the failing one stay stored.
+    pub fn store(
+        &mut self,
+        rank: WorkerRank,
+        tier: Tier,
+        parent: Option<EngineBlockHash>,
+        blocks: impl IntoIterator<Item = (EngineBlockHash, LocalBlockHash)>,
+    ) -> Result<usize, IndexError> {
+        let s = self.slot_or_insert(rank)?;
+        let mut prev = match parent {
+            None => None,
+            Some(p) => match self.resolve(s, p) {
+                Some(seq) => Some(seq),
+                None => {
+                    self.stats.unknown_parents += 1;
+                    return Err(IndexError::UnknownParent { rank, parent: p });
+                }
+            },
+        };
+        let mut n = 0;
+        for (engine, local) in blocks {
+            let seq = match prev {
+                None => SequenceHash(local.0),
+                Some(p) => next_sequence_hash(p, local),
+            };
+            prev = Some(seq);
+            if let Err(e) = self.add(s, seq, tier) {
+                self.stats.over_capacity += 1;
+                return Err(e);
+            }
+            if engine.0 != seq.0 {
+                Self::slot_mut(&mut self.ranks, s)
+                    .engine
+                    .insert(engine, seq);
+            }
+            self.stats.stored += 1;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn add(&mut self, s: u16, seq: SequenceHash, tier: Tier) -> Result<(), IndexError> {
+        let limit = self.max_blocks_per_rank;
+        let slot = Self::slot_mut(&mut self.ranks, s);
+        let full = slot.blocks >= limit;
+        let refused = IndexError::RankFull {
+            rank: slot.id,
+            limit,
+        };
+        let t = tier.idx();
+        let (word, new) = self
+            .blocks
+            .get_or_insert(seq.0, Holders::One(Holder::new(s, tier)).pack());
+        if new {
+            if full {
+                self.blocks.remove(seq.0);
+                return Err(refused);
+            }
+        } else {
+            match Holders::unpack(*word) {
+                Holders::One(mut h) if h.rank == s => {
+                    h.refs[t] = h.refs[t].saturating_add(1);
+                    *word = Holders::One(h).pack();
+                    return Ok(());
+                }
+                Holders::One(h) => {
+                    if full {
+                        return Err(refused);
+                    }
+                    let list = vec![h, Holder::new(s, tier)];
+                    let i = match self.spill_free.pop() {
+                        Some(i) => {
+                            self.spill[i as usize] = list;
+                            i
+                        }
+                        None => {
+                            self.spill.push(list);
+                            (self.spill.len() - 1) as u32
+                        }
+                    };
+                    *word = Holders::Spill(i).pack();
+                }
+                Holders::Spill(i) => {
+                    let list = &mut self.spill[i as usize];
+                    if let Some(h) = list.iter_mut().find(|h| h.rank == s) {
+                        h.refs[t] = h.refs[t].saturating_add(1);
+                        return Ok(());
+                    }
+                    if full {
+                        return Err(refused);
+                    }
+                    list.push(Holder::new(s, tier));
+                }
+            }
+        }
+        slot.blocks += 1;
+        Ok(())
+    }
+
+    fn release(&mut self, s: u16, seq: SequenceHash, t: usize) -> Removal {
+        let Some(word) = self.blocks.get_mut(seq.0) else {
+            return Removal::NotHeld;
+        };
+        match Holders::unpack(*word) {
+            Holders::One(mut h) => {
+                if h.rank != s || h.refs[t] == 0 {
+                    return Removal::NotHeld;
+                }
+                h.refs[t] -= 1;
+                if h.is_empty() {
+                    self.blocks.remove(seq.0);
+                    return Removal::Dropped;
+                }
+                *word = Holders::One(h).pack();
+                Removal::Decremented
+            }
+            Holders::Spill(i) => {
+                let list = &mut self.spill[i as usize];
+                let Some(pos) = list.iter().position(|h| h.rank == s && h.refs[t] > 0) else {
+                    return Removal::NotHeld;
+                };
+                list[pos].refs[t] -= 1;
+                if !list[pos].is_empty() {
+                    return Removal::Decremented;
+                }
+                list.swap_remove(pos);
+                if let [only] = list.as_slice() {
+                    *word = Holders::One(*only).pack();
+                    Self::free_spill(&mut self.spill, &mut self.spill_free, i);
+                }
+                Removal::Dropped
+            }
+        }
+    }
+
+    fn free_spill(spill: &mut [Vec<Holder>], free: &mut Vec<u32>, i: u32) {
+        let list = &mut spill[i as usize];
+        list.clear();
+        if list.capacity() > 8 {
+            list.shrink_to(4);
+        }
+        free.push(i);
+    }
+
+    /// Applies a `BlockRemoved` event (engine hashes, or ours). Returns the pairs that went away.
+    pub fn remove(
+        &mut self,
+        rank: WorkerRank,
+        tier: Tier,
+        engine_hashes: impl IntoIterator<Item = EngineBlockHash>,
+    ) -> usize {
+        let Some(s) = self.slot_of(rank) else {
+            self.stats.unknown_removals += engine_hashes.into_iter().count() as u64;
+            return 0;
+        };
+        let mut dropped = 0;
+        for e in engine_hashes {
+            let seq = self
+                .slot(s)
+                .engine
+                .get(&e)
+                .copied()
+                .unwrap_or(SequenceHash(e.0));
+            match self.release(s, seq, tier.idx()) {
+                Removal::NotHeld => {
+                    self.stats.unknown_removals += 1;
+                    continue;
+                }
+                Removal::Decremented => {}
+                Removal::Dropped => {
+                    let slot = Self::slot_mut(&mut self.ranks, s);
+                    slot.blocks -= 1;
+                    slot.engine.remove(&e);
+                    dropped += 1;
+                }
+            }
+            self.stats.removed += 1;
+        }
+        dropped
+    }
+
+    /// Applies `AllBlocksCleared`: the rank holds nothing (it stays registered).
+    pub fn clear_rank(&mut self, rank: WorkerRank) {
+        let Some(s) = self.slot_of(rank) else { return };
+        self.drop_slots(&[s]);
+        let slot = Self::slot_mut(&mut self.ranks, s);
+        slot.blocks = 0;
+        slot.engine = HashMap::with_hasher(self.build);
+    }
+
+    /// Forgets every rank of `worker` and its blocks.
+    pub fn remove_worker(&mut self, worker: u64) {
+        let gone: Vec<u16> = self
+            .rank_ids
+            .iter()
+            .filter(|(r, _)| r.worker == worker)
+            .map(|(_, &s)| s)
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        self.drop_slots(&gone);
+        for s in gone {
+            if let Some(slot) = self.ranks[usize::from(s)].take() {
+                self.rank_ids.remove(&slot.id);
+            }
+            self.free_ranks.push(s);
+        }
+    }
+
+    fn drop_slots(&mut self, slots: &[u16]) {
+        let spill = &mut self.spill;
+        let free = &mut self.spill_free;
+        self.blocks.retain(|_, word| match Holders::unpack(*word) {
+            Holders::One(h) => !slots.contains(&h.rank),
+            Holders::Spill(i) => {
+                let list = &mut spill[i as usize];
+                list.retain(|h| !slots.contains(&h.rank));
+                match list.as_slice() {
+                    [] => {
+                        Self::free_spill(spill, free, i);
+                        false
+                    }
+                    [only] => {
+                        *word = Holders::One(*only).pack();
+                        Self::free_spill(spill, free, i);
+                        true
+                    }
+                    _ => true,
+                }
+            }
+        });
+    }
+
+    /// The cached prefix of `hashes` on every rank that holds at least its first block, into `out`
+    /// (cleared first). Costs one table lookup per matched block plus one step per holder.
+    pub fn find_matches(
+        &self,
+        hashes: &[SequenceHash],
+        scratch: &mut MatchScratch,
+        out: &mut Vec<RankOverlap>,
+    ) {
+        out.clear();
+        scratch.touched.clear();
+        if scratch.runs.len() < self.ranks.len() {
+            scratch.runs.resize(self.ranks.len(), Run::default());
+        }
+        scratch.epoch = scratch.epoch.wrapping_add(1);
+        if scratch.epoch == 0 {
+            scratch.runs.fill(Run::default());
+            scratch.epoch = 1;
+        }
+        // Lookups go in batches of independent probes (4 first: most requests stop early; then 64),
+        // so the table's cache misses overlap instead of queueing one behind another.
+        let mut start = 0;
+        let mut batch = 4;
+        'walk: while start < hashes.len() {
+            let end = (start + batch).min(hashes.len());
+            let mut keys = [0u64; MAX_BATCH];
+            for (k, seq) in keys.iter_mut().zip(&hashes[start..end]) {
+                *k = seq.0;
+            }
+            let mut words = [0u64; MAX_BATCH];
+            let n = end - start;
+            self.blocks.get_batch(&keys[..n], &mut words);
+            // Spilled holder lists are one more memory access each: start them all together too.
+            let mut lists: [HolderList<'_>; MAX_BATCH] = [HolderList::None; MAX_BATCH];
+            for (list, &word) in lists.iter_mut().zip(&words[..n]) {
+                if word == 0 {
+                    break;
+                }
+                *list = self.holders_of(word);
+                if let HolderList::Many(l) = list {
+                    std::hint::black_box(l.first().map(|h| h.rank));
+                }
+            }
+            for (j, list) in lists[..n].iter().enumerate() {
+                if let HolderList::None = list {
+                    break 'walk;
+                }
+                if !Self::extend_runs(scratch, list.as_slice(), (start + j) as u32) {
+                    break 'walk;
+                }
+            }
+            start = end;
+            batch = MAX_BATCH;
+        }
+        out.extend(scratch.touched.iter().map(|&s| {
+            let run = scratch.runs[usize::from(s)];
+            RankOverlap {
+                rank: self.slot(s).id,
+                overlap: Overlap {
+                    device: u64::from(run.device),
+                    host: u64::from(run.host),
+                    disk: u64::from(run.any),
+                },
+            }
+        }));
+    }
+
+    /// Extends the runs of the ranks in `holders` that held every block before block `i`; false
+    /// when none did (the walk is over).
+    fn extend_runs(scratch: &mut MatchScratch, holders: &[Holder], i: u32) -> bool {
+        let epoch = scratch.epoch;
+        let mut alive = false;
+        for h in holders {
+            let run = &mut scratch.runs[usize::from(h.rank)];
+            if i == 0 {
+                *run = Run {
+                    epoch,
+                    ..Run::default()
+                };
+                scratch.touched.push(h.rank);
+            } else if run.epoch != epoch || run.any != i {
+                continue;
+            }
+            alive = true;
+            run.any = i + 1;
+            if run.host == i && (h.refs[0] > 0 || h.refs[1] > 0) {
+                run.host = i + 1;
+            }
+            if run.device == i && h.refs[0] > 0 {
+                run.device = i + 1;
+            }
+        }
+        alive
+    }
+
+    /// [`Self::find_matches`] with fresh scratch space (convenient, allocates).
+    pub fn overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
+        let mut out = Vec::new();
+        self.find_matches(hashes, &mut MatchScratch::default(), &mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

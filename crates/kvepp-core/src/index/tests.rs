@@ -1,0 +1,304 @@
+use super::reference::ReferenceIndex;
+use super::*;
+use crate::hash::sequence_hashes;
+
+fn wr(worker: u64, dp_rank: u32) -> WorkerRank {
+    WorkerRank { worker, dp_rank }
+}
+
+fn seqs(locals: &[u64]) -> Vec<SequenceHash> {
+    let l: Vec<LocalBlockHash> = locals.iter().map(|&h| LocalBlockHash(h)).collect();
+    sequence_hashes(&l)
+}
+
+fn od(device: u64, host: u64, disk: u64) -> Overlap {
+    Overlap { device, host, disk }
+}
+
+fn sorted(mut v: Vec<RankOverlap>) -> Vec<RankOverlap> {
+    v.sort_by_key(|o| o.rank);
+    v
+}
+
+/// Stores `locals` as one sequence from its start, engine hash = our hash.
+fn store_chain(ix: &mut PrefixIndex, rank: WorkerRank, tier: Tier, locals: &[u64]) -> usize {
+    let s = seqs(locals);
+    ix.store(
+        rank,
+        tier,
+        None,
+        s.iter()
+            .zip(locals)
+            .map(|(s, &l)| (EngineBlockHash(s.0), LocalBlockHash(l))),
+    )
+    .unwrap()
+}
+
+#[test]
+fn longest_prefix_per_rank_with_tiers() {
+    let mut ix = PrefixIndex::default();
+    let (a, b, c) = (wr(1, 0), wr(2, 0), wr(2, 1));
+    store_chain(&mut ix, a, Tier::Device, &[1, 2, 3, 4]);
+    store_chain(&mut ix, b, Tier::Device, &[1, 2]);
+    store_chain(&mut ix, b, Tier::Host, &[1, 2, 3]);
+    store_chain(&mut ix, c, Tier::Disk, &[1, 2, 3, 4, 5]);
+    // c also has a later block but misses the first: no prefix at all.
+    let q = seqs(&[1, 2, 3, 4, 5, 6]);
+    let got = sorted(ix.overlaps(&q));
+    assert_eq!(
+        got,
+        vec![
+            RankOverlap {
+                rank: a,
+                overlap: od(4, 4, 4)
+            },
+            RankOverlap {
+                rank: b,
+                overlap: od(2, 3, 3)
+            },
+            RankOverlap {
+                rank: c,
+                overlap: od(0, 0, 5)
+            },
+        ]
+    );
+    // A different first block matches nothing; a gap stops the run.
+    assert!(ix.overlaps(&seqs(&[9, 2, 3])).is_empty());
+    assert_eq!(ix.block_count(), 5);
+    assert_eq!(ix.pair_count(), 4 + 3 + 5);
+}
+
+#[test]
+fn refcounts_engine_hashes_and_clear() {
+    let mut ix = PrefixIndex::default();
+    let r = wr(7, 0);
+    let s = seqs(&[10, 11]);
+    let eng = [EngineBlockHash(0xE0), EngineBlockHash(0xE1)];
+    let blocks = || {
+        eng.iter()
+            .copied()
+            .zip([LocalBlockHash(10), LocalBlockHash(11)])
+    };
+    assert_eq!(ix.store(r, Tier::Device, None, blocks()), Ok(2));
+    assert_eq!(
+        ix.store(r, Tier::Device, None, blocks()),
+        Ok(2),
+        "duplicate"
+    );
+    // A child stored under the engine's parent hash chains from our hash of that parent.
+    assert_eq!(
+        ix.store(
+            r,
+            Tier::Device,
+            Some(EngineBlockHash(0xE1)),
+            [(EngineBlockHash(0xE2), LocalBlockHash(12))]
+        ),
+        Ok(1)
+    );
+    assert_eq!(ix.overlaps(&seqs(&[10, 11, 12]))[0].overlap.device, 3);
+    // Unknown parent: refused, counted, nothing stored.
+    assert_eq!(
+        ix.store(
+            r,
+            Tier::Device,
+            Some(EngineBlockHash(0xBAD)),
+            [(EngineBlockHash(0xE9), LocalBlockHash(1))]
+        ),
+        Err(IndexError::UnknownParent {
+            rank: r,
+            parent: EngineBlockHash(0xBAD)
+        })
+    );
+    assert_eq!(ix.stats().unknown_parents, 1);
+    // One removal of a doubly stored block keeps it.
+    assert_eq!(ix.remove(r, Tier::Device, [EngineBlockHash(0xE0)]), 0);
+    assert_eq!(ix.overlaps(&s)[0].overlap.device, 2);
+    assert_eq!(ix.remove(r, Tier::Device, [EngineBlockHash(0xE0)]), 1);
+    assert!(ix.overlaps(&s).is_empty());
+    assert_eq!(ix.remove(r, Tier::Device, [EngineBlockHash(0xE0)]), 0);
+    assert_eq!(ix.stats().unknown_removals, 1);
+    ix.clear_rank(r);
+    assert_eq!(ix.pair_count(), 0);
+    assert_eq!(ix.block_count(), 0);
+    assert_eq!(ix.ranks().count(), 1, "cleared ranks stay registered");
+}
+
+#[test]
+fn capacity_is_enforced_per_rank() {
+    let mut ix = PrefixIndex::new(3);
+    let r = wr(1, 0);
+    let locals = [1, 2, 3, 4, 5];
+    let s = seqs(&locals);
+    let res = ix.store(
+        r,
+        Tier::Device,
+        None,
+        s.iter()
+            .zip(locals)
+            .map(|(s, l)| (EngineBlockHash(s.0), LocalBlockHash(l))),
+    );
+    assert_eq!(res, Err(IndexError::RankFull { rank: r, limit: 3 }));
+    assert_eq!(ix.rank_blocks(r), 3);
+    assert_eq!(ix.stats().over_capacity, 1);
+    // Other ranks are not affected.
+    assert_eq!(store_chain(&mut ix, wr(2, 0), Tier::Device, &[1, 2, 3]), 3);
+    assert!(ix.memory_bytes() > 0);
+}
+
+#[test]
+fn remove_worker_frees_its_slots() {
+    let mut ix = PrefixIndex::default();
+    for w in 0..4 {
+        store_chain(&mut ix, wr(w, 0), Tier::Device, &[1, 2, 3]);
+        store_chain(&mut ix, wr(w, 1), Tier::Device, &[1, 2]);
+    }
+    ix.remove_worker(2);
+    assert_eq!(ix.pair_count(), 3 * 5);
+    assert!(ix
+        .overlaps(&seqs(&[1, 2, 3]))
+        .iter()
+        .all(|o| o.rank.worker != 2));
+    store_chain(&mut ix, wr(9, 0), Tier::Device, &[1]);
+    assert_eq!(ix.ranks().count(), 7, "slot reused");
+}
+
+// ------------------------------------------------------------------------ differential test
+
+struct Gen {
+    rng: fastrand::Rng,
+}
+
+impl Gen {
+    fn path(&mut self, max: usize) -> Vec<u64> {
+        let n = self.rng.usize(1..=max);
+        (0..n).map(|_| self.rng.u64(0..4)).collect()
+    }
+    fn tier(&mut self) -> Tier {
+        match self.rng.u8(0..10) {
+            0..=5 => Tier::Device,
+            6..=8 => Tier::Host,
+            _ => Tier::Disk,
+        }
+    }
+    fn rank(&mut self) -> WorkerRank {
+        wr(self.rng.u64(1..4), self.rng.u32(0..2))
+    }
+}
+
+/// Worker 1 publishes our hashes; the others their own (salted per rank).
+fn engine_of(rank: WorkerRank, seq: SequenceHash) -> EngineBlockHash {
+    if rank.worker == 1 {
+        EngineBlockHash(seq.0)
+    } else {
+        EngineBlockHash(seq.0 ^ (0x5A5A_0000 + rank.worker * 16 + u64::from(rank.dp_rank)))
+    }
+}
+
+fn differential(seed: u64, limit: u64, ops: usize) {
+    let mut g = Gen {
+        rng: fastrand::Rng::with_seed(seed),
+    };
+    let mut fast = PrefixIndex::new(limit);
+    let mut reference = ReferenceIndex::new(limit);
+    let mut scratch = MatchScratch::default();
+    let mut out = Vec::new();
+    let all_ranks: Vec<WorkerRank> = (1..4).flat_map(|w| (0..2).map(move |d| wr(w, d))).collect();
+    for op in 0..ops {
+        let ctx = format!("seed {seed} op {op}");
+        match g.rng.u8(0..100) {
+            0..=49 => {
+                let rank = g.rank();
+                let tier = g.tier();
+                let path = g.path(7);
+                let s = seqs(&path);
+                let k = g.rng.usize(0..path.len());
+                let parent = (k > 0).then(|| engine_of(rank, s[k - 1]));
+                let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = (k..path.len())
+                    .map(|j| (engine_of(rank, s[j]), LocalBlockHash(path[j])))
+                    .collect();
+                let a = fast.store(rank, tier, parent, blocks.iter().copied());
+                let b = reference.store(rank, tier, parent, blocks.iter().copied());
+                assert_eq!(a, b, "{ctx}: store");
+            }
+            50..=74 => {
+                let rank = g.rank();
+                let tier = g.tier();
+                let s = seqs(&g.path(7));
+                let mut hashes: Vec<EngineBlockHash> = s
+                    .iter()
+                    .filter(|_| g.rng.bool())
+                    .map(|&h| engine_of(rank, h))
+                    .collect();
+                if g.rng.u8(0..10) == 0 {
+                    hashes.push(EngineBlockHash(g.rng.u64(..)));
+                }
+                g.rng.shuffle(&mut hashes);
+                let a = fast.remove(rank, tier, hashes.iter().copied());
+                let b = reference.remove(rank, tier, hashes.iter().copied());
+                assert_eq!(a, b, "{ctx}: remove");
+            }
+            75..=76 => {
+                let rank = g.rank();
+                fast.clear_rank(rank);
+                reference.clear_rank(rank);
+            }
+            77 => {
+                let w = g.rng.u64(1..4);
+                fast.remove_worker(w);
+                reference.remove_worker(w);
+            }
+            _ => {
+                let q = seqs(&g.path(9));
+                fast.find_matches(&q, &mut scratch, &mut out);
+                assert_eq!(
+                    sorted(out.clone()),
+                    reference.overlaps(&q),
+                    "{ctx}: find_matches"
+                );
+                for o in &out {
+                    let ov = o.overlap;
+                    assert!(ov.device <= ov.host && ov.host <= ov.disk && ov.disk > 0);
+                }
+            }
+        }
+        if op % 50 == 0 {
+            assert_eq!(fast.pair_count(), reference.pair_count(), "{ctx}: pairs");
+            for &r in &all_ranks {
+                assert_eq!(
+                    fast.rank_blocks(r),
+                    reference.rank_blocks(r),
+                    "{ctx}: {r:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn agrees_with_reference_on_random_event_streams() {
+    for seed in 0..40 {
+        differential(seed, u64::MAX, 3000);
+    }
+}
+
+#[test]
+fn agrees_with_reference_under_capacity_pressure() {
+    for seed in 100..120 {
+        differential(seed, 12, 3000);
+    }
+}
+
+#[test]
+fn rank_sequences_lists_each_ranks_blocks() {
+    let mut ix = PrefixIndex::default();
+    let (a, b) = (wr(1, 0), wr(2, 0));
+    store_chain(&mut ix, a, Tier::Device, &[1, 2, 3]);
+    store_chain(&mut ix, b, Tier::Host, &[1, 2]);
+    let mut want = seqs(&[1, 2, 3]);
+    want.sort_unstable_by_key(|h| h.0);
+    assert_eq!(ix.rank_sequences(a), want);
+    let mut want = seqs(&[1, 2]);
+    want.sort_unstable_by_key(|h| h.0);
+    assert_eq!(ix.rank_sequences(b), want);
+    assert!(ix.rank_sequences(wr(3, 0)).is_empty());
+}

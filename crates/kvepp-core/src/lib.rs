@@ -1,0 +1,37 @@
+//! kvepp's routing core: everything that decides where a request goes, and nothing that moves
+//! bytes. No async runtime, no gRPC, HTTP, Kubernetes or ZMQ: callers (the ext_proc server, HTTP
+//! services, replica sync, benchmarks) hand it facts and get a decision back.
+//!
+//! - [`hash`]: the Dynamo-compatible block and sequence hashes (newtypes, one chaining step).
+//! - [`index`]: the prefix index fed by KV events: which worker ranks hold which blocks.
+//! - [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank.
+//! - [`cost`]: the cost model over overlap and load, and the choice among candidates.
+//! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
+//! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
+//! - [`pick`]: eligibility (subset), shedding and the [`Picker`]s.
+//! - [`router`]: the one entry point: request facts + pool → decision with its booking.
+//!
+//! Invariants kept here: a pick only names a candidate; a booking is released exactly once (on
+//! drop); randomness and time come from the caller, never from globals or thread-locals.
+
+pub mod cost;
+pub mod hash;
+pub mod index;
+pub mod kv;
+mod least_loaded;
+pub mod load;
+pub mod pick;
+mod round_robin;
+pub mod router;
+pub mod slots;
+
+pub use hash::{LocalBlockHash, SequenceHash};
+pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
+pub use least_loaded::LeastLoaded;
+pub use load::{Booking, EndpointLoad, EngineMetrics};
+pub use pick::{
+    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Ranked, Saturation,
+    Selector,
+};
+pub use round_robin::RoundRobin;
+pub use router::{Decision, Prompt, RequestFacts, Router};

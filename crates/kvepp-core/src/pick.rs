@@ -1,0 +1,335 @@
+//! Endpoint selection: which endpoints may serve a request, whether the pool must shed it, and which
+//! one serves it (with a second-best fallback).
+//!
+//! This is a plain library: no gRPC, HTTP or discovery types. Callers pass the ready endpoints of the
+//! pool and a [`PickRequest`]; the [`Picker`] trait is the extension point that the KV-aware
+//! selector replaces. [`slots`] is the KV-aware load accounting (active requests, prefill tokens,
+//! decode blocks per worker rank) and [`cost`] the cost model and choice that the KV-aware picker
+//! will combine with the prefix index.
+//!
+//! Invariants:
+//! - a pick only ever names an endpoint from the candidates (after the subset filter);
+//! - the fallback, when present, differs from the primary;
+//! - a Sheddable request is refused only when every candidate is saturated.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::kv::{KvDecision, PromptBlocks};
+use crate::load::EndpointLoad;
+
+/// How important a request is (InferenceModel `spec.criticality`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Criticality {
+    Critical,
+    #[default]
+    Standard,
+    Sheddable,
+}
+
+impl Criticality {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "Critical" => Some(Self::Critical),
+            "Standard" => Some(Self::Standard),
+            "Sheddable" => Some(Self::Sheddable),
+            _ => None,
+        }
+    }
+}
+
+/// A ready model-server endpoint as the selector sees it.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
+    pub addr_str: Arc<str>,
+    /// Instance id (the Pod name from `targetRef`, else the address).
+    pub name: Arc<str>,
+    pub zone: Option<Arc<str>>,
+    pub node: Option<Arc<str>>,
+    /// The port named `metadata` in its EndpointSlice: where the engine serves `/metadata`.
+    pub metadata_port: Option<u16>,
+    /// Live load counters; shared across discovery updates for the same address.
+    pub load: Arc<EndpointLoad>,
+}
+
+/// What the selector needs to know about one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PickRequest<'a> {
+    pub criticality: Criticality,
+    /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
+    pub subset: Option<&'a [SocketAddr]>,
+    /// The prompt as KV blocks, when the request has one.
+    pub prompt: Option<&'a PromptBlocks>,
+}
+
+/// The outcome of a successful pick.
+#[derive(Debug, Clone)]
+pub struct Pick {
+    pub primary: Arc<Endpoint>,
+    pub fallback: Option<Arc<Endpoint>>,
+    /// The KV-aware picker's reasons (None for load-only pickers).
+    pub kv: Option<KvDecision>,
+}
+
+/// A picker's answer: best candidate, second best (if any), and its KV reasons.
+#[derive(Debug, Clone, Copy)]
+pub struct Ranked {
+    pub best: usize,
+    pub second: Option<usize>,
+    pub kv: Option<KvDecision>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PickError {
+    #[error("no ready endpoints in the pool")]
+    NoReadyEndpoints,
+    #[error("the subset hint is empty")]
+    EmptySubset,
+    #[error("none of the {0} endpoints in the subset hint is ready in the pool")]
+    NoEligibleInSubset(usize),
+    #[error("all {0} eligible endpoints are saturated; Sheddable request dropped")]
+    Saturated(usize),
+}
+
+/// What a pick takes from the outside world: randomness (ties, temperature sampling) and the
+/// time. The caller provides both, so the core holds no global RNG or clock and tests are
+/// deterministic.
+#[derive(Debug, Clone)]
+pub struct PickContext {
+    pub rng: fastrand::Rng,
+    pub now: Instant,
+}
+
+impl PickContext {
+    /// `rng` for the random choices, `now` as the time of the pick.
+    pub fn new(rng: fastrand::Rng, now: Instant) -> Self {
+        PickContext { rng, now }
+    }
+
+    /// A reproducible context (tests, benchmarks): seeded RNG, the current instant.
+    pub fn seeded(seed: u64) -> Self {
+        PickContext::new(fastrand::Rng::with_seed(seed), Instant::now())
+    }
+}
+
+/// Extension point: ranks candidates: the index of the best candidate and, if there is more than
+/// one candidate, the index of the second best. `candidates` is never empty.
+pub trait Picker: Send + Sync + std::fmt::Debug {
+    fn rank(
+        &self,
+        candidates: &[&Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        ctx: &mut PickContext,
+    ) -> Ranked;
+}
+
+/// When an endpoint counts as saturated: too many requests in flight through us, or, once its
+/// engine metrics have been scraped, a long queue, a full KV cache, or metrics gone stale.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Saturation {
+    /// In-flight requests at which an endpoint is saturated; 0 disables the check.
+    pub max_in_flight: u32,
+    /// `vllm:num_requests_waiting` at which an engine is saturated; 0 disables the check.
+    pub queue_threshold: u32,
+    /// `vllm:kv_cache_usage_perc` at which an engine is saturated; ≥ 1 never triggers below 100%.
+    pub kv_cache_threshold: f64,
+    /// Scraped metrics older than this make the engine count as saturated; None disables.
+    pub stale_after: Option<std::time::Duration>,
+}
+
+impl Saturation {
+    /// Only the in-flight rule.
+    pub fn in_flight(max_in_flight: u32) -> Self {
+        Saturation {
+            max_in_flight,
+            kv_cache_threshold: f64::INFINITY,
+            ..Saturation::default()
+        }
+    }
+
+    /// Whether `ep` is saturated at `now`.
+    pub fn is_saturated(&self, ep: &Endpoint, now: Instant) -> bool {
+        if self.max_in_flight > 0 && ep.load.in_flight() >= self.max_in_flight {
+            return true;
+        }
+        // An engine never scraped (or not a vLLM engine) is judged by the in-flight rule alone.
+        let Some((m, age)) = ep.load.engine(now) else {
+            return false;
+        };
+        self.stale_after.is_some_and(|s| age > s)
+            || (self.queue_threshold > 0 && m.waiting >= f64::from(self.queue_threshold))
+            || m.kv_cache_usage >= self.kv_cache_threshold
+    }
+}
+
+/// Eligibility, shedding and picking, in that order.
+#[derive(Debug)]
+pub struct Selector {
+    picker: Box<dyn Picker>,
+    saturation: Saturation,
+}
+
+impl Selector {
+    pub fn new(picker: Box<dyn Picker>, saturation: Saturation) -> Self {
+        Selector { picker, saturation }
+    }
+
+    pub fn pick(
+        &self,
+        endpoints: &[Arc<Endpoint>],
+        req: &PickRequest<'_>,
+        ctx: &mut PickContext,
+    ) -> Result<Pick, PickError> {
+        if endpoints.is_empty() {
+            return Err(PickError::NoReadyEndpoints);
+        }
+        let candidates: Vec<&Arc<Endpoint>> = match req.subset {
+            None => endpoints.iter().collect(),
+            Some([]) => return Err(PickError::EmptySubset),
+            Some(subset) => {
+                let c: Vec<_> = endpoints
+                    .iter()
+                    .filter(|e| subset.contains(&e.addr))
+                    .collect();
+                if c.is_empty() {
+                    return Err(PickError::NoEligibleInSubset(subset.len()));
+                }
+                c
+            }
+        };
+        if req.criticality == Criticality::Sheddable
+            && candidates
+                .iter()
+                .all(|e| self.saturation.is_saturated(e, ctx.now))
+        {
+            return Err(PickError::Saturated(candidates.len()));
+        }
+        let r = self.picker.rank(&candidates, req.prompt, ctx);
+        let primary = candidates[r.best].clone();
+        let fallback = r
+            .second
+            .filter(|&i| i != r.best)
+            .map(|i| candidates[i].clone());
+        Ok(Pick {
+            primary,
+            fallback,
+            kv: r.kv,
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::LeastLoaded;
+
+    pub fn ep(port: u16, in_flight: u32) -> Arc<Endpoint> {
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let load = Arc::new(EndpointLoad::default());
+        for _ in 0..in_flight {
+            std::mem::forget(load.book());
+        }
+        Arc::new(Endpoint {
+            addr,
+            addr_str: addr.to_string().into(),
+            name: format!("pod-{port}").into(),
+            zone: None,
+            node: None,
+            metadata_port: None,
+            load,
+        })
+    }
+
+    /// `Selector::pick` with a seeded context.
+    trait PickT {
+        fn pick_t(&self, eps: &[Arc<Endpoint>], req: &PickRequest<'_>) -> Result<Pick, PickError>;
+    }
+
+    impl PickT for Selector {
+        fn pick_t(&self, eps: &[Arc<Endpoint>], req: &PickRequest<'_>) -> Result<Pick, PickError> {
+            self.pick(eps, req, &mut PickContext::seeded(1))
+        }
+    }
+
+    fn selector(max: u32) -> Selector {
+        Selector::new(Box::new(LeastLoaded), Saturation::in_flight(max))
+    }
+
+    #[test]
+    fn empty_pool_is_503_material() {
+        assert_eq!(
+            selector(0).pick_t(&[], &PickRequest::default()).unwrap_err(),
+            PickError::NoReadyEndpoints
+        );
+    }
+
+    #[test]
+    fn subset_filters_and_errors() {
+        let eps = vec![ep(1, 0), ep(2, 5), ep(3, 9)];
+        let s = selector(0);
+        let only: Vec<SocketAddr> = vec![eps[2].addr, ([10, 0, 0, 1], 3).into()];
+        let req = PickRequest {
+            subset: Some(&only),
+            ..Default::default()
+        };
+        let p = s.pick_t(&eps, &req).unwrap();
+        assert_eq!(p.primary.addr, eps[2].addr);
+        assert!(p.fallback.is_none(), "one candidate, no fallback");
+        let none: Vec<SocketAddr> = vec![([10, 0, 0, 1], 3).into()];
+        assert_eq!(
+            s.pick_t(&eps, &PickRequest {
+                    subset: Some(&none),
+                    ..Default::default()
+                }
+            )
+            .unwrap_err(),
+            PickError::NoEligibleInSubset(1)
+        );
+        assert_eq!(
+            s.pick_t(&eps, &PickRequest {
+                    subset: Some(&[]),
+                    ..Default::default()
+                }
+            )
+            .unwrap_err(),
+            PickError::EmptySubset
+        );
+    }
+
+    #[test]
+    fn sheddable_dropped_only_when_all_saturated() {
+        let eps = vec![ep(1, 4), ep(2, 4)];
+        let s = selector(4);
+        let shed = PickRequest {
+            criticality: Criticality::Sheddable,
+            ..Default::default()
+        };
+        assert_eq!(s.pick_t(&eps, &shed).unwrap_err(), PickError::Saturated(2));
+        for c in [Criticality::Standard, Criticality::Critical] {
+            assert!(s
+                .pick_t(&eps, &PickRequest {
+                        criticality: c,
+                        ..Default::default()
+                    }
+                )
+                .is_ok());
+        }
+        let eps = vec![ep(1, 4), ep(2, 3)];
+        assert_eq!(s.pick_t(&eps, &shed).unwrap().primary.addr, eps[1].addr);
+        // Disabled limit never sheds.
+        assert!(selector(0).pick_t(&[ep(1, 1000)], &shed).is_ok());
+    }
+
+    #[test]
+    fn fallback_differs_from_primary() {
+        let eps = vec![ep(1, 3), ep(2, 1), ep(3, 2)];
+        for _ in 0..50 {
+            let p = selector(0).pick_t(&eps, &PickRequest::default()).unwrap();
+            assert_eq!(p.primary.addr, eps[1].addr);
+            assert_eq!(p.fallback.unwrap().addr, eps[2].addr);
+        }
+    }
+}

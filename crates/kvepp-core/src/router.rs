@@ -1,0 +1,165 @@
+//! The one entry point of the routing core: a request's facts and the pool's ready endpoints in,
+//! a [`Decision`] out, already booked.
+//!
+//! Every front door (the ext_proc stream, HTTP selection services, replica sync) calls
+//! [`Router::route`]; none of them hashes prompts, ranks candidates or books load itself. What a
+//! decision holds:
+//! - the pick: primary, second-best fallback, and for the KV-aware picker its reasons (overlap per
+//!   tier, cost, effective prefill tokens, the load terms);
+//! - the booking: the endpoint's in-flight count and, for KV-aware picks, the slot-tracker entry.
+//!   Both are released exactly once, when the [`Booking`] is dropped (or moved with
+//!   [`Booking::move_to`]).
+//!
+//! Background upkeep goes through the same object: [`Router::forget`] when an endpoint leaves the
+//! pool and [`Router::maintain`] on a timer (stale bookings), whatever the picker, so no mode
+//! leaks state.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::kv::{KvPicker, KvState, PrefixMode, PromptBlocks};
+use crate::load::Booking;
+use crate::pick::{
+    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation,
+    Selector,
+};
+
+/// A request's prompt as the request path found it (not hashed yet: the block size is the
+/// router's).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum Prompt<'a> {
+    /// No prompt: load-only pick.
+    #[default]
+    None,
+    /// Token ids the client sent (a completions `prompt` of integers).
+    TokenIds(Vec<u32>),
+    /// Token ids from kvepp's tokenizer.
+    Tokens(Vec<u32>),
+    /// The prompt's raw bytes (no tokenizer): approximate blocks, kept apart per `scope`.
+    Text { scope: &'a str, bytes: &'a [u8] },
+}
+
+/// What the router needs to know about one request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestFacts<'a> {
+    /// The model the engine will serve (after any rewrite): a LoRA adapter when it differs from
+    /// the engines' base model, which seeds the block hashes.
+    pub model: Option<&'a str>,
+    pub criticality: Criticality,
+    /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
+    pub subset: Option<&'a [SocketAddr]>,
+    pub prompt: Prompt<'a>,
+}
+
+/// A routing decision and the load it booked.
+#[derive(Debug)]
+pub struct Decision {
+    pub pick: Pick,
+    /// How the prompt's cached prefix was looked up (`None` for load-only pickers or no prompt).
+    pub mode: PrefixMode,
+    /// Released (in-flight count, slot tracker) when dropped.
+    pub booking: Booking,
+}
+
+/// Eligibility, shedding, picking and booking over one picker.
+#[derive(Debug)]
+pub struct Router {
+    selector: Selector,
+    kv: Option<Arc<KvState>>,
+}
+
+impl Router {
+    /// The KV-aware picker over `kv` (precise, or approximate when its settings say so).
+    pub fn kv_aware(kv: Arc<KvState>, saturation: Saturation) -> Self {
+        Router {
+            selector: Selector::new(Box::new(KvPicker(kv.clone())), saturation),
+            kv: Some(kv),
+        }
+    }
+
+    /// A load-only picker (least loaded, round robin): no prompt hashing, no slot tracking.
+    pub fn load_only(picker: Box<dyn Picker>, saturation: Saturation) -> Self {
+        Router {
+            selector: Selector::new(picker, saturation),
+            kv: None,
+        }
+    }
+
+    /// The KV-aware state, when the picker is KV-aware (event ingestion feeds its index).
+    pub fn kv(&self) -> Option<&Arc<KvState>> {
+        self.kv.as_ref()
+    }
+
+    /// Whether the prompt matters to this router (callers skip tokenizing when it does not).
+    pub fn wants_prompt(&self) -> bool {
+        self.kv.is_some()
+    }
+
+    /// Hashes the prompt, picks among `endpoints` and books the primary.
+    pub fn route(
+        &self,
+        facts: &RequestFacts<'_>,
+        endpoints: &[Arc<Endpoint>],
+        ctx: &mut PickContext,
+    ) -> Result<Decision, PickError> {
+        let prompt = self
+            .kv
+            .as_ref()
+            .and_then(|kv| prompt_blocks(kv, facts.model, &facts.prompt));
+        let pick = self.selector.pick(
+            endpoints,
+            &PickRequest {
+                criticality: facts.criticality,
+                subset: facts.subset,
+                prompt: prompt.as_ref(),
+            },
+            ctx,
+        )?;
+        let mut booking = pick.primary.load.book();
+        let mut mode = PrefixMode::None;
+        if let (Some(kv), Some(d)) = (&self.kv, &pick.kv) {
+            mode = d.mode;
+            booking = booking.with_slot(kv.book(
+                &pick.primary,
+                prompt.as_ref(),
+                d.effective_prefill_tokens,
+                ctx.now,
+            ));
+        }
+        Ok(Decision {
+            pick,
+            mode,
+            booking,
+        })
+    }
+
+    /// An endpoint left the pool: its cached blocks (precise and approximate) and load go.
+    pub fn forget(&self, addr: &str) {
+        if let Some(kv) = &self.kv {
+            kv.forget(addr);
+        }
+    }
+
+    /// Periodic upkeep at `now`: drops bookings whose end was never seen. Returns how many.
+    pub fn maintain(&self, now: Instant) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.expire_stale(now))
+    }
+}
+
+/// The prompt as KV blocks in the router's block size: token ids seeded by the LoRA adapter (when
+/// `model` is one), or approximate blocks of the raw bytes.
+fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: &Prompt<'_>) -> Option<PromptBlocks> {
+    let lora = || model.and_then(|m| kv.lora_for(m));
+    match prompt {
+        Prompt::None => None,
+        Prompt::TokenIds(ids) => {
+            Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::TokenIds))
+        }
+        Prompt::Tokens(ids) => Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::Tokens)),
+        Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

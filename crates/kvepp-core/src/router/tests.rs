@@ -1,0 +1,192 @@
+//! The KV-aware picker through the router: cost ties, load tie-break, temperature, the approximate
+//! FIFO bound, forgetting an endpoint, booking release and upkeep.
+
+use std::time::Duration;
+
+use super::*;
+use crate::cost::CostWeights;
+use crate::kv::KvSettings;
+use crate::pick::tests::ep;
+use crate::slots::STALE_REQUEST_AFTER;
+
+fn approx_router(cap: usize, weights: CostWeights) -> Router {
+    let kv = Arc::new(KvState::new(KvSettings {
+        block_size: 4,
+        approx_bytes_per_token: 1,
+        approx_blocks_per_endpoint: cap,
+        approximate_only: true,
+        weights,
+        ..KvSettings::default()
+    }));
+    Router::kv_aware(kv, Saturation::in_flight(0))
+}
+
+fn text(bytes: &[u8]) -> RequestFacts<'_> {
+    RequestFacts {
+        model: Some("m"),
+        prompt: Prompt::Text { scope: "m", bytes },
+        ..RequestFacts::default()
+    }
+}
+
+/// Cached blocks of `bytes` on the primary of a fresh pick among `eps` (booking dropped at once).
+fn overlap_on(r: &Router, eps: &[Arc<Endpoint>], bytes: &[u8]) -> (SocketAddr, u64) {
+    let d = r
+        .route(&text(bytes), eps, &mut PickContext::seeded(9))
+        .unwrap();
+    let kv = d.pick.kv.unwrap();
+    (d.pick.primary.addr, kv.overlap.device)
+}
+
+#[test]
+fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
+    let r = approx_router(64, CostWeights::default());
+    // No prompt: every cost is 0; the endpoint with fewer requests in flight wins every time.
+    let eps = vec![ep(1, 3), ep(2, 0), ep(3, 5)];
+    let mut ctx = PickContext::seeded(1);
+    for _ in 0..50 {
+        let d = r.route(&RequestFacts::default(), &eps, &mut ctx).unwrap();
+        assert_eq!(d.pick.primary.addr, eps[1].addr);
+        assert_eq!(d.mode, PrefixMode::None);
+    }
+    // Equal costs and equal in-flight: both are chosen.
+    let eps = vec![ep(1, 2), ep(2, 2)];
+    let mut seen = [0u32; 2];
+    for _ in 0..200 {
+        let d = r.route(&RequestFacts::default(), &eps, &mut ctx).unwrap();
+        let i = usize::from(d.pick.primary.addr != eps[0].addr);
+        seen[i] += 1;
+        assert_ne!(d.pick.fallback.as_ref().map(|f| f.addr), Some(d.pick.primary.addr));
+        drop(d);
+    }
+    assert!(seen[0] > 40 && seen[1] > 40, "ties not spread: {seen:?}");
+}
+
+#[test]
+fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
+    let r = approx_router(64, CostWeights::default());
+    let eps = vec![ep(1, 0), ep(2, 0)];
+    let prompt = [7u8; 64]; // 16 blocks of 4 bytes
+    let first = r
+        .route(&text(&prompt), &eps, &mut PickContext::seeded(3))
+        .unwrap();
+    let home = first.pick.primary.addr;
+    drop(first);
+    for seed in 0..20 {
+        let (addr, overlap) = {
+            let d = r
+                .route(&text(&prompt), &eps, &mut PickContext::seeded(seed))
+                .unwrap();
+            (d.pick.primary.addr, d.pick.kv.unwrap().overlap.device)
+        };
+        assert_eq!(addr, home, "the endpoint holding the prefix is cheapest");
+        assert_eq!(overlap, 16);
+    }
+    // A high temperature samples: the other endpoint is chosen sometimes.
+    let hot = approx_router(
+        64,
+        CostWeights {
+            temperature: 5.0,
+            ..CostWeights::default()
+        },
+    );
+    let d = hot
+        .route(&text(&prompt), &eps, &mut PickContext::seeded(3))
+        .unwrap();
+    let home = d.pick.primary.addr;
+    drop(d);
+    let away = (0..200)
+        .filter(|&s| {
+            hot.route(&text(&prompt), &eps, &mut PickContext::seeded(s))
+                .unwrap()
+                .pick
+                .primary
+                .addr
+                != home
+        })
+        .count();
+    assert!(away > 0, "temperature 5 never left the cheapest endpoint");
+}
+
+#[test]
+fn approximate_memory_is_bounded_per_endpoint() {
+    let r = approx_router(4, CostWeights::default());
+    let eps = vec![ep(1, 0)];
+    let a = [1u8; 8]; // 2 blocks
+    drop(r.route(&text(&a), &eps, &mut PickContext::seeded(1)).unwrap());
+    assert_eq!(overlap_on(&r, &eps, &a).1, 2);
+    // Two other 2-block prompts push a's four references out of the 4-block FIFO.
+    for other in [[2u8; 8], [3u8; 8], [4u8; 8]] {
+        drop(r.route(&text(&other), &eps, &mut PickContext::seeded(1)).unwrap());
+    }
+    assert_eq!(overlap_on(&r, &eps, &a).1, 0, "oldest blocks evicted");
+    assert_eq!(overlap_on(&r, &eps, &[4u8; 8]).1, 2, "newest kept");
+}
+
+#[test]
+fn forgetting_an_endpoint_drops_its_prefixes_and_load() {
+    let r = approx_router(64, CostWeights::default());
+    let eps = vec![ep(1, 0)];
+    let p = [5u8; 16];
+    let held = r.route(&text(&p), &eps, &mut PickContext::seeded(1)).unwrap();
+    let kv = r.kv().unwrap().clone();
+    let addr = eps[0].addr_str.clone();
+    assert_eq!(kv.load(&addr).map(|l| l.active_requests), Some(1));
+    assert_eq!(overlap_on(&r, &eps, &p).1, 4);
+    r.forget(&addr);
+    assert_eq!(kv.load(&addr), None, "load forgotten");
+    assert_eq!(overlap_on(&r, &eps, &p).1, 0, "prefix forgotten");
+    drop(held);
+}
+
+#[test]
+fn booking_is_released_once_on_drop_and_stale_ones_expire() {
+    let r = approx_router(64, CostWeights::default());
+    let eps = vec![ep(1, 0)];
+    let kv = r.kv().unwrap().clone();
+    let addr = eps[0].addr_str.clone();
+    let now = Instant::now();
+    let mut ctx = PickContext::new(fastrand::Rng::with_seed(1), now);
+    let mut d = r.route(&text(&[9u8; 16]), &eps, &mut ctx).unwrap();
+    assert_eq!(eps[0].load.in_flight(), 1);
+    let l = kv.load(&addr).unwrap();
+    assert_eq!((l.active_requests, l.active_prefill_tokens), (1, 16));
+    d.booking.first_byte();
+    assert_eq!(kv.load(&addr).unwrap().active_prefill_tokens, 0);
+    drop(d);
+    assert_eq!(eps[0].load.in_flight(), 0);
+    assert_eq!(kv.load(&addr).unwrap().active_requests, 0);
+
+    // A request whose end is never seen is expired by upkeep, in approximate mode too.
+    let lost = r.route(&text(&[9u8; 16]), &eps, &mut ctx).unwrap();
+    std::mem::forget(lost);
+    assert_eq!(r.maintain(now + Duration::from_secs(1)), 0);
+    assert_eq!(
+        r.maintain(now + STALE_REQUEST_AFTER + Duration::from_secs(1)),
+        1
+    );
+    assert_eq!(kv.load(&addr).unwrap().active_requests, 0);
+}
+
+#[test]
+fn load_only_router_books_in_flight_without_prompt_work() {
+    let r = Router::load_only(Box::new(crate::LeastLoaded), Saturation::in_flight(2));
+    assert!(!r.wants_prompt());
+    let eps = vec![ep(1, 2), ep(2, 1)];
+    let mut ctx = PickContext::seeded(1);
+    let d = r.route(&text(&[1u8; 16]), &eps, &mut ctx).unwrap();
+    assert_eq!(d.pick.primary.addr, eps[1].addr);
+    assert!(d.pick.kv.is_none());
+    assert_eq!(eps[1].load.in_flight(), 2);
+    let shed = RequestFacts {
+        criticality: Criticality::Sheddable,
+        ..RequestFacts::default()
+    };
+    assert_eq!(
+        r.route(&shed, &eps, &mut ctx).unwrap_err(),
+        PickError::Saturated(2)
+    );
+    drop(d);
+    assert_eq!(eps[1].load.in_flight(), 1);
+    assert_eq!(r.maintain(Instant::now()), 0);
+}

