@@ -3,6 +3,8 @@
 //!   returns one fixed endpoint, speaking the same protocol modes as kvepp (the floor any EPP pays);
 //! - `floor_epp backend --listen ADDR`: a model-server stand-in that reads the body and answers a
 //!   fixed small JSON (cheap, so the benchmark measures the EPP hop, not the backend).
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 

@@ -10,6 +10,8 @@
 //! (no `--bench`) it replays W=16, C=16384, K=1 once and fails unless the hit ratio is the oracle's
 //! and every answer matches. With `KVEPP_REPLAY_PROFILE=1` it also prints what the slowest 1% of
 //! queries look like (blocks, longest cached prefix, holders of the first block).
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;

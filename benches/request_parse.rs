@@ -1,6 +1,8 @@
 //! Body → model cost on the hot path, against the naive baseline measured in the same run
 //! (a full `serde_json::Value` parse, which is what re-marshalling EPPs do), for 4 KiB and 400 KiB
 //! bodies. Also the cost of joining a body that arrived in 16 KiB chunks.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;

@@ -3,6 +3,8 @@
 //! - a KV-aware pick over 10/100/1000 endpoints for 1k/32k/128k-token prompts, vs the load-only
 //!   picker on the same candidates;
 //! - approximate (byte-block) hashing of a 400 KiB prompt, vs one xxh3 pass over the same bytes.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -15,8 +17,7 @@ use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
 use kvepp_core::kv::worker_id;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{
-    PickContext,
-    Endpoint, EndpointLoad, KvSettings, KvState, LeastLoaded, Picker, PrefixMode,
+    Endpoint, EndpointLoad, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode,
 };
 
 fn chain(seed: u64, n: usize) -> (Vec<LocalBlockHash>, Vec<EngineBlockHash>) {

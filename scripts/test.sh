@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, gRPC protocol, binary and end-to-end tests through a real Envoy 1.40
+# The whole test suite: formatting and lints (rustfmt, clippy with -D warnings), then unit, gRPC
+# protocol, binary and end-to-end tests of every workspace crate through a real Envoy 1.40
 # (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
 # (scripts/test-requirements.txt), plus one run of each benchmark in test mode.
 set -euo pipefail
@@ -9,4 +10,6 @@ export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
 [ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+cargo fmt --all --check
+cargo clippy --locked --workspace --all-targets --quiet -- -D warnings
 cargo test --locked --workspace --all-targets "$@"

@@ -504,10 +504,7 @@ pub fn router_knobs_from_env(
         "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT",
         &mut w.disk_cache_hit_weight,
     );
-    read(
-        "DYN_ROUTER_PREFILL_LOAD_SCALE",
-        &mut w.prefill_load_scale,
-    );
+    read("DYN_ROUTER_PREFILL_LOAD_SCALE", &mut w.prefill_load_scale);
     read(
         "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT",
         &mut w.decode_active_request_weight,
@@ -535,7 +532,6 @@ pub fn router_knobs_from_env(
         Err(errors)
     }
 }
-
 
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
@@ -615,12 +611,15 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        let w = router_knobs_from_env(CostWeights::default(), env(&[
+        let w = router_knobs_from_env(
+            CostWeights::default(),
+            env(&[
                 ("DYN_ROUTER_TEMPERATURE", "0.3"),
                 ("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "0.5"),
                 ("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", " 0.6 "),
-            ]))
-            .unwrap();
+            ]),
+        )
+        .unwrap();
         assert_eq!(
             (
                 w.temperature,
@@ -630,18 +629,27 @@ mod tests {
             ),
             (0.3, 0.5, 0.6, 1.0)
         );
-        let w = router_knobs_from_env(CostWeights::default(), env(&[("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "2")]))
-            .unwrap();
+        let w = router_knobs_from_env(
+            CostWeights::default(),
+            env(&[("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "2")]),
+        )
+        .unwrap();
         assert_eq!((w.prefill_load_scale, w.overlap_score_credit), (2.0, 1.0));
-        let w = router_knobs_from_env(CostWeights::default(), env(&[("DYN_OVERLAP_SCORE_WEIGHT", "0")]))
-            .unwrap();
+        let w = router_knobs_from_env(
+            CostWeights::default(),
+            env(&[("DYN_OVERLAP_SCORE_WEIGHT", "0")]),
+        )
+        .unwrap();
         assert_eq!((w.prefill_load_scale, w.overlap_score_credit), (0.0, 0.0));
-        let errs = router_knobs_from_env(CostWeights::default(), env(&[
+        let errs = router_knobs_from_env(
+            CostWeights::default(),
+            env(&[
                 ("DYN_ROUTER_TEMPERATURE", "hot"),
                 ("DYN_ROUTER_PREFILL_LOAD_SCALE", "-1"),
                 ("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", "NaN"),
-            ]))
-            .unwrap_err();
+            ]),
+        )
+        .unwrap_err();
         let names: Vec<&str> = errs.iter().map(|e| e.name).collect();
         assert_eq!(
             names,

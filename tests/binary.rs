@@ -1,5 +1,7 @@
 //! The `kvepp` binary as a user runs it: configuration precedence and validation, gRPC health,
 //! metrics, and graceful shutdown on SIGTERM with a stream still open.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
@@ -306,4 +308,29 @@ async fn kubeconfig_from_the_environment() {
     assert!(api.watches(SLICES) >= 1 && api.lists(MODELS) >= 1);
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The shipped binaries need only the C runtime: a minimal container image (no fontconfig,
+/// freetype, libpng, OpenSSL) runs them. `ldd` lists every shared library a binary loads.
+#[test]
+fn shipped_binaries_link_only_the_c_runtime() {
+    const C_RUNTIME: [&str; 5] = ["linux-vdso", "libc.so", "libm.so", "libgcc_s.so", "ld-linux"];
+    for bin in [BIN, env!("CARGO_BIN_EXE_kvepp-agent")] {
+        let out = std::process::Command::new("ldd")
+            .arg(bin)
+            .output()
+            .expect("ldd runs");
+        assert!(out.status.success(), "ldd {bin} failed");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let libs: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        assert!(libs.iter().any(|l| l.starts_with("libc.so")), "{text}");
+        let extra: Vec<&&str> = libs
+            .iter()
+            .filter(|l| !C_RUNTIME.iter().any(|c| l.contains(c)))
+            .collect();
+        assert!(extra.is_empty(), "{bin} links {extra:?} beyond the C runtime:\n{text}");
+    }
 }

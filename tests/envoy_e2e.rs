@@ -1,5 +1,7 @@
 //! End to end: real HTTP requests through a real Envoy 1.40 process, kvepp as its ext_proc EPP, and
 //! real HTTP backends on 127.0.0.1 that report which one answered.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

@@ -1,4 +1,6 @@
 //! The ext_proc protocol driven directly with a tonic client: every answer kvepp can give.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

@@ -2,6 +2,8 @@
 //! (`common::kube_api`): EndpointSlice watch semantics across dropped connections and 410 Gone,
 //! InferencePool/InferenceModel changes routing real requests through Envoy, and the worker-agent's
 //! readiness flipping a slice (the test plays the endpoints controller).
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 

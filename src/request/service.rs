@@ -194,11 +194,14 @@ impl RouteRequest for RequestRouter {
             prompt,
         };
         let labels = (m.model_label.clone(), m.target_label.clone());
-        let d = self.router.route(&facts, &snap.endpoints, &mut ctx).map_err(|e| {
-            let mut r = Rejection::from(e);
-            r.labels = Some(labels.clone());
-            r
-        })?;
+        let d = self
+            .router
+            .route(&facts, &snap.endpoints, &mut ctx)
+            .map_err(|e| {
+                let mut r = Rejection::from(e);
+                r.labels = Some(labels.clone());
+                r
+            })?;
         Ok(Routed {
             pick: d.pick,
             mode: d.mode,

@@ -261,7 +261,9 @@ pub(crate) mod tests {
     #[test]
     fn empty_pool_is_503_material() {
         assert_eq!(
-            selector(0).pick_t(&[], &PickRequest::default()).unwrap_err(),
+            selector(0)
+                .pick_t(&[], &PickRequest::default())
+                .unwrap_err(),
             PickError::NoReadyEndpoints
         );
     }
@@ -280,7 +282,9 @@ pub(crate) mod tests {
         assert!(p.fallback.is_none(), "one candidate, no fallback");
         let none: Vec<SocketAddr> = vec![([10, 0, 0, 1], 3).into()];
         assert_eq!(
-            s.pick_t(&eps, &PickRequest {
+            s.pick_t(
+                &eps,
+                &PickRequest {
                     subset: Some(&none),
                     ..Default::default()
                 }
@@ -289,7 +293,9 @@ pub(crate) mod tests {
             PickError::NoEligibleInSubset(1)
         );
         assert_eq!(
-            s.pick_t(&eps, &PickRequest {
+            s.pick_t(
+                &eps,
+                &PickRequest {
                     subset: Some(&[]),
                     ..Default::default()
                 }
@@ -310,7 +316,9 @@ pub(crate) mod tests {
         assert_eq!(s.pick_t(&eps, &shed).unwrap_err(), PickError::Saturated(2));
         for c in [Criticality::Standard, Criticality::Critical] {
             assert!(s
-                .pick_t(&eps, &PickRequest {
+                .pick_t(
+                    &eps,
+                    &PickRequest {
                         criticality: c,
                         ..Default::default()
                     }

@@ -21,8 +21,7 @@ use std::time::Instant;
 use crate::kv::{KvPicker, KvState, PrefixMode, PromptBlocks};
 use crate::load::Booking;
 use crate::pick::{
-    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation,
-    Selector,
+    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
 
 /// A request's prompt as the request path found it (not hashed yet: the block size is the
@@ -156,7 +155,9 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: &Prompt<'_>) -> Opti
         Prompt::TokenIds(ids) => {
             Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::TokenIds))
         }
-        Prompt::Tokens(ids) => Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::Tokens)),
+        Prompt::Tokens(ids) => {
+            Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::Tokens))
+        }
         Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
     }
 }

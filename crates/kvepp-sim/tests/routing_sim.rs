@@ -1,6 +1,8 @@
 //! The simulated fleet behind a real Envoy and kvepp: the engines' caches and kvepp's KV-event
 //! index agree after a run with evictions, and precise KV-aware routing finds more cached prefix
 //! than round robin on a shared-prefix workload.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // The EPP suite's harness (in-process kvepp, real Envoy, HTTP helpers).
 #[path = "../../../tests/common/mod.rs"]

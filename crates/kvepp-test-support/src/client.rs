@@ -47,4 +47,3 @@ pub async fn fetch(addr: SocketAddr, path: &str) -> Result<(u16, String), String
         .to_bytes();
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
-

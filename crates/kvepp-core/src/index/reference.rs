@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use super::{EngineBlockHash, IndexError, RankOverlap, Tier};
-use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use crate::cost::Overlap;
+use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use crate::slots::WorkerRank;
 
 #[derive(Debug, Default)]

@@ -56,7 +56,10 @@ fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
         let d = r.route(&RequestFacts::default(), &eps, &mut ctx).unwrap();
         let i = usize::from(d.pick.primary.addr != eps[0].addr);
         seen[i] += 1;
-        assert_ne!(d.pick.fallback.as_ref().map(|f| f.addr), Some(d.pick.primary.addr));
+        assert_ne!(
+            d.pick.fallback.as_ref().map(|f| f.addr),
+            Some(d.pick.primary.addr)
+        );
         drop(d);
     }
     assert!(seen[0] > 40 && seen[1] > 40, "ties not spread: {seen:?}");
@@ -113,11 +116,17 @@ fn approximate_memory_is_bounded_per_endpoint() {
     let r = approx_router(4, CostWeights::default());
     let eps = vec![ep(1, 0)];
     let a = [1u8; 8]; // 2 blocks
-    drop(r.route(&text(&a), &eps, &mut PickContext::seeded(1)).unwrap());
+    drop(
+        r.route(&text(&a), &eps, &mut PickContext::seeded(1))
+            .unwrap(),
+    );
     assert_eq!(overlap_on(&r, &eps, &a).1, 2);
     // Two other 2-block prompts push a's four references out of the 4-block FIFO.
     for other in [[2u8; 8], [3u8; 8], [4u8; 8]] {
-        drop(r.route(&text(&other), &eps, &mut PickContext::seeded(1)).unwrap());
+        drop(
+            r.route(&text(&other), &eps, &mut PickContext::seeded(1))
+                .unwrap(),
+        );
     }
     assert_eq!(overlap_on(&r, &eps, &a).1, 0, "oldest blocks evicted");
     assert_eq!(overlap_on(&r, &eps, &[4u8; 8]).1, 2, "newest kept");
@@ -128,7 +137,9 @@ fn forgetting_an_endpoint_drops_its_prefixes_and_load() {
     let r = approx_router(64, CostWeights::default());
     let eps = vec![ep(1, 0)];
     let p = [5u8; 16];
-    let held = r.route(&text(&p), &eps, &mut PickContext::seeded(1)).unwrap();
+    let held = r
+        .route(&text(&p), &eps, &mut PickContext::seeded(1))
+        .unwrap();
     let kv = r.kv().unwrap().clone();
     let addr = eps[0].addr_str.clone();
     assert_eq!(kv.load(&addr).map(|l| l.active_requests), Some(1));

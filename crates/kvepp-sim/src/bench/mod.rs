@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp::config::{Config, PickerKind};
 use kvepp_test_support::envoy::EnvoyProcess;
 pub use kvepp_test_support::wait_until;
-use crate::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp_test_support::TempDir;
 use report::{PolicyResult, Record};
 use workload::Request;
@@ -131,7 +131,9 @@ impl Kvepp {
 
     /// The value of one metric series, when present.
     async fn metric(&self, series: &str) -> Option<f64> {
-        let (_, text) = kvepp_test_support::client::fetch(self.0.metrics, "/metrics").await.ok()?;
+        let (_, text) = kvepp_test_support::client::fetch(self.0.metrics, "/metrics")
+            .await
+            .ok()?;
         kvepp_test_support::find_sample(&text, series)
     }
 
