@@ -419,3 +419,6 @@ impl Drop for StreamState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

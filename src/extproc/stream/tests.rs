@@ -1,0 +1,286 @@
+//! The stream state machine alone: messages in, responses out, with a fixed routing service (no
+//! gRPC, no datastore).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation::Mutation, processing_response::Response, HttpTrailers, ProtocolConfiguration,
+};
+use kvepp_core::{Endpoint, EndpointLoad, PrefixMode};
+
+use super::*;
+use crate::extproc::{Settings, Shared};
+use crate::metrics::Metrics;
+use crate::request::{RouteRequest, Routed};
+
+const BUFFERED: i32 = 2;
+const DUPLEX: i32 = 4;
+
+/// Routes every request to one endpoint, or rejects every request.
+#[derive(Debug)]
+struct Fixed {
+    ep: Arc<Endpoint>,
+    reject: Option<Rejection>,
+}
+
+impl RouteRequest for Fixed {
+    fn route(
+        &self,
+        body: Option<&[u8]>,
+        _: Option<&[SocketAddr]>,
+    ) -> Result<Routed, Rejection> {
+        if let Some(r) = &self.reject {
+            return Err(r.clone());
+        }
+        // `{"model":"rw12"}` gets its model value (bytes 9..15, quotes included) rewritten.
+        let rewrite = body
+            .filter(|b| b.starts_with(br#"{"model":"rw"#))
+            .map(|_| (9..15, Arc::from("target-model")));
+        Ok(Routed {
+            pick: Pick {
+                primary: self.ep.clone(),
+                fallback: None,
+                kv: None,
+            },
+            mode: PrefixMode::None,
+            booking: self.ep.load.book(),
+            rewrite,
+            model_label: "m".into(),
+            target_label: "m".into(),
+        })
+    }
+
+    fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>> {
+        (addr == self.ep.addr).then(|| self.ep.clone())
+    }
+}
+
+fn endpoint() -> Arc<Endpoint> {
+    let addr: SocketAddr = ([10, 0, 0, 7], 8000).into();
+    Arc::new(Endpoint {
+        addr,
+        addr_str: addr.to_string().into(),
+        name: "pod-7".into(),
+        zone: None,
+        node: None,
+        metadata_port: None,
+        load: Arc::new(EndpointLoad::default()),
+    })
+}
+
+fn stream(reject: Option<Rejection>, max_body_bytes: usize) -> (StreamState, Arc<Endpoint>) {
+    let ep = endpoint();
+    let routing: Arc<dyn RouteRequest> = Arc::new(Fixed {
+        ep: ep.clone(),
+        reject,
+    });
+    let shared = Shared::new(
+        routing,
+        Metrics::new(),
+        Settings {
+            destination_list: false,
+            max_body_bytes,
+        },
+    );
+    (StreamState::new(Arc::new(shared)), ep)
+}
+
+fn headers(mode: i32, end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode,
+            response_body_mode: 0,
+            ..Default::default()
+        }),
+        request: Some(Msg::RequestHeaders(HttpHeaders {
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Msg::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn response_body(end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Msg::ResponseBody(HttpBody {
+            body: b"data".to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn send(s: &mut StreamState, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
+    let mut out = Vec::new();
+    s.handle(msg, &mut out);
+    out
+}
+
+/// The destination header set by a response, if any.
+fn destination(r: &ProcessingResponse) -> Option<String> {
+    let common = match r.response.as_ref()? {
+        Response::RequestHeaders(h) => h.response.as_ref()?,
+        Response::RequestBody(b) => b.response.as_ref()?,
+        _ => return None,
+    };
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == resp::DESTINATION_HEADER)
+        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+}
+
+fn immediate_status(r: &ProcessingResponse) -> Option<i32> {
+    match r.response.as_ref()? {
+        Response::ImmediateResponse(i) => i.status.as_ref().map(|s| s.code),
+        _ => None,
+    }
+}
+
+fn streamed_chunks(out: &[ProcessingResponse]) -> Vec<(Vec<u8>, bool)> {
+    out.iter()
+        .filter_map(|r| match r.response.as_ref()? {
+            Response::RequestBody(b) => match b.response.as_ref()?.body_mutation.as_ref()?.mutation {
+                Some(Mutation::StreamedResponse(ref s)) => Some((s.body.clone(), s.end_of_stream)),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn buffered_body_is_routed_in_the_body_answer_and_booked_until_the_response_ends() {
+    let (mut s, ep) = stream(None, 1 << 20);
+    let out = send(&mut s, headers(BUFFERED, false));
+    assert_eq!(out.len(), 1);
+    assert_eq!(destination(&out[0]), None, "headers continue unrouted");
+    let out = send(&mut s, body(br#"{"model":"m","prompt":"hi"}"#, true));
+    assert_eq!(out.len(), 1);
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    assert_eq!((ep.load.in_flight(), ep.load.waiting_first_byte()), (1, 1));
+    assert_eq!(send(&mut s, response_body(false)).len(), 1);
+    assert_eq!((ep.load.in_flight(), ep.load.waiting_first_byte()), (1, 0));
+    send(&mut s, response_body(true));
+    assert_eq!(ep.load.in_flight(), 0, "released at the end of the response");
+}
+
+#[test]
+fn duplex_holds_the_headers_and_returns_the_chunks_it_was_sent() {
+    let (mut s, ep) = stream(None, 1 << 20);
+    assert!(send(&mut s, headers(DUPLEX, false)).is_empty(), "headers answer held");
+    assert!(send(&mut s, body(br#"{"model":"m","#, false)).is_empty());
+    let out = send(&mut s, body(br#""prompt":"x"}"#, true));
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    assert_eq!(
+        streamed_chunks(&out[1..]),
+        vec![
+            (br#"{"model":"m","#.to_vec(), false),
+            (br#""prompt":"x"}"#.to_vec(), true)
+        ]
+    );
+    assert_eq!(ep.load.in_flight(), 1);
+    drop(s);
+    assert_eq!(ep.load.in_flight(), 0, "a stream that goes away releases its booking");
+}
+
+#[test]
+fn duplex_with_trailers_ends_the_body_at_the_trailers() {
+    let (mut s, _ep) = stream(None, 1 << 20);
+    send(&mut s, headers(DUPLEX, false));
+    assert!(send(&mut s, body(br#"{"model":"m"}"#, false)).is_empty());
+    let out = send(
+        &mut s,
+        ProcessingRequest {
+            request: Some(Msg::RequestTrailers(HttpTrailers::default())),
+            ..Default::default()
+        },
+    );
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    assert_eq!(
+        streamed_chunks(&out),
+        vec![(br#"{"model":"m"}"#.to_vec(), false)]
+    );
+    assert!(matches!(
+        out.last().and_then(|r| r.response.as_ref()),
+        Some(Response::RequestTrailers(_))
+    ));
+}
+
+#[test]
+fn rewritten_body_carries_its_new_length() {
+    let (mut s, _ep) = stream(None, 1 << 20);
+    send(&mut s, headers(DUPLEX, false));
+    let out = send(&mut s, body(br#"{"model":"rw12"}"#, true));
+    let chunks = streamed_chunks(&out);
+    let sent: Vec<u8> = chunks.iter().flat_map(|(c, _)| c.clone()).collect();
+    assert_eq!(sent, br#"{"model":"target-model"}"#.to_vec());
+    let common = match out[0].response.as_ref() {
+        Some(Response::RequestHeaders(h)) => h.response.clone().unwrap_or_default(),
+        other => panic!("expected the headers answer, got {other:?}"),
+    };
+    let len = common
+        .header_mutation
+        .unwrap_or_default()
+        .set_headers
+        .into_iter()
+        .filter_map(|h| h.header)
+        .find(|h| h.key == "content-length")
+        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned());
+    assert_eq!(len.as_deref(), Some("24"));
+}
+
+#[test]
+fn rejections_become_immediate_responses_and_end_the_stream() {
+    let (mut s, ep) = stream(Some(Rejection::new(429, "saturated", "all busy")), 1 << 20);
+    send(&mut s, headers(BUFFERED, false));
+    let out = send(&mut s, body(br#"{"model":"m"}"#, true));
+    assert_eq!(out.len(), 1);
+    assert_eq!(immediate_status(&out[0]), Some(429));
+    assert!(send(&mut s, body(b"more", true)).is_empty(), "nothing after a rejection");
+    assert_eq!(ep.load.in_flight(), 0);
+}
+
+#[test]
+fn oversized_bodies_get_413_in_both_modes() {
+    let (mut s, ep) = stream(None, 1024);
+    send(&mut s, headers(BUFFERED, false));
+    let out = send(&mut s, body(&[b' '; 2000], true));
+    assert_eq!(immediate_status(&out[0]), Some(413));
+
+    let (mut s, _) = stream(None, 1024);
+    send(&mut s, headers(DUPLEX, false));
+    assert!(send(&mut s, body(&[b' '; 800], false)).is_empty());
+    let out = send(&mut s, body(&[b' '; 800], false));
+    assert_eq!(immediate_status(&out[0]), Some(413), "limit counted over chunks");
+    assert_eq!(ep.load.in_flight(), 0);
+}
+
+#[test]
+fn unsupported_mode_and_header_time_picks() {
+    let (mut s, _) = stream(None, 1024);
+    let out = send(&mut s, headers(1, false)); // STREAMED
+    assert_eq!(immediate_status(&out[0]), Some(500));
+
+    // No body: routed at the headers.
+    let (mut s, ep) = stream(None, 1024);
+    let out = send(&mut s, headers(BUFFERED, true));
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    assert_eq!(ep.load.in_flight(), 1);
+}
