@@ -4,12 +4,18 @@
 //! fields rejected) → environment variables → command-line flags. Every field is validated at
 //! startup and each bad field gets its own message; the effective configuration is logged once.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
 use kvepp_core::cost::{CostWeights, KnobError};
+use kvepp_core::KvSettings;
+
+use crate::engine::metadata::FetchSettings;
+pub use crate::engine::metrics::EngineMetricsConfig;
+pub use crate::kv_events::KvEventsConfig;
+pub use crate::process::LogFormat;
 
 /// What to do with a request whose model matches no InferenceModel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -19,13 +25,6 @@ pub enum UnknownModels {
     Reject,
     /// Route it with Standard criticality and no rewrite (newer reference EPPs).
     PassThrough,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 /// Which picker ranks the candidates.
@@ -43,58 +42,6 @@ pub enum PickerKind {
     RoundRobin,
 }
 
-/// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct EngineMetricsConfig {
-    pub enabled: bool,
-    pub interval_ms: u64,
-    /// Metrics older than this make an engine count as saturated (Sheddable requests get 429
-    /// when every candidate is).
-    pub stale_after_ms: u64,
-    /// `vllm:num_requests_waiting` at which an engine is saturated; 0 disables.
-    pub queue_threshold: u32,
-    /// `vllm:kv_cache_usage_perc` at which an engine is saturated.
-    pub kv_cache_threshold: f64,
-}
-
-impl Default for EngineMetricsConfig {
-    fn default() -> Self {
-        EngineMetricsConfig {
-            enabled: true,
-            interval_ms: 200,
-            stale_after_ms: 2000,
-            queue_threshold: 5,
-            kv_cache_threshold: 0.8,
-        }
-    }
-}
-
-/// Where the engines publish KV events when no per-endpoint metadata says otherwise (vLLM's
-/// `--kv-events-config` publisher: `tcp://<endpoint address>:<port>`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct KvEventsConfig {
-    /// Subscribe to every ready endpoint's publisher.
-    pub enabled: bool,
-    pub port: u16,
-    /// The publisher's replay ROUTER port, if it has one.
-    pub replay_port: Option<u16>,
-    /// Topic prefix to subscribe to (`""`: everything).
-    pub topic: String,
-}
-
-impl Default for KvEventsConfig {
-    fn default() -> Self {
-        KvEventsConfig {
-            enabled: false,
-            port: 5557,
-            replay_port: None,
-            topic: String::new(),
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -105,7 +52,7 @@ pub struct Config {
     /// Prometheus `/metrics` (and HTTP `/health`, `/ready`) port.
     pub metrics_port: u16,
     /// Address every server binds.
-    pub bind_address: String,
+    pub bind_address: IpAddr,
     /// InferencePool this EPP serves.
     pub pool_name: String,
     pub pool_namespace: String,
@@ -133,9 +80,11 @@ pub struct Config {
     pub log_level: String,
     pub picker: PickerKind,
     /// Tokens per KV block, as the engines are configured (`--block-size`); unset: learned from the
-    /// engines' `vllm:cache_config_info` (16 until then).
+    /// engines' `vllm:cache_config_info` (the core's default, 16, until then).
     pub block_size: Option<u32>,
     pub engine_metrics: EngineMetricsConfig,
+    /// Fetching each endpoint's `/metadata` (block size, model, KV-event sockets).
+    pub engine_metadata: FetchSettings,
     /// The KV-aware cost knobs; the `DYN_ROUTER_*` environment variables override the file.
     pub router: CostWeights,
     pub kv_events: KvEventsConfig,
@@ -153,7 +102,7 @@ impl Default for Config {
             grpc_port: 9002,
             grpc_health_port: 9003,
             metrics_port: 9090,
-            bind_address: "0.0.0.0".into(),
+            bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             pool_name: String::new(),
             pool_namespace: "default".into(),
             endpoint_service: None,
@@ -170,9 +119,10 @@ impl Default for Config {
             picker: PickerKind::KvAware,
             block_size: None,
             engine_metrics: EngineMetricsConfig::default(),
+            engine_metadata: FetchSettings::default(),
             router: CostWeights::default(),
             kv_events: KvEventsConfig::default(),
-            approx_blocks_per_endpoint: 32_768,
+            approx_blocks_per_endpoint: KvSettings::default().approx_blocks_per_endpoint,
             tokenizers: Default::default(),
         }
     }
@@ -279,7 +229,6 @@ impl Config {
             grpc_port,
             grpc_health_port,
             metrics_port,
-            bind_address,
             pool_name,
             pool_namespace,
             manifests_poll_ms,
@@ -292,6 +241,16 @@ impl Config {
             log_level,
             picker
         );
+        let mut errs = Vec::new();
+        if let Some(v) = &args.bind_address {
+            match v.parse::<IpAddr>() {
+                Ok(ip) => cfg.bind_address = ip,
+                Err(_) => errs.push(FieldError {
+                    field: "bind_address",
+                    message: format!("{v:?} is not an IP address"),
+                }),
+            }
+        }
         if args.block_size.is_some() {
             cfg.block_size = args.block_size;
         }
@@ -307,16 +266,10 @@ impl Config {
         // Dynamo's knobs from the environment override the file.
         match router_knobs_from_env(cfg.router, |k| std::env::var(k).ok()) {
             Ok(w) => cfg.router = w,
-            Err(errs) => {
-                return Err(ConfigError::Invalid(
-                    errs.into_iter()
-                        .map(|e| FieldError {
-                            field: e.name,
-                            message: e.message,
-                        })
-                        .collect(),
-                ))
-            }
+            Err(bad) => errs.extend(bad.into_iter().map(|e| FieldError {
+                field: e.name,
+                message: e.message,
+            })),
         }
         if args.endpoint_service.is_some() {
             cfg.endpoint_service = args.endpoint_service.clone();
@@ -327,7 +280,12 @@ impl Config {
         if args.kubeconfig.is_some() {
             cfg.kubeconfig = args.kubeconfig.clone();
         }
-        cfg.validate().map_err(ConfigError::Invalid)?;
+        if let Err(bad) = cfg.validate() {
+            errs.extend(bad);
+        }
+        if !errs.is_empty() {
+            return Err(ConfigError::Invalid(errs));
+        }
         Ok(cfg)
     }
 
@@ -347,12 +305,6 @@ impl Config {
         let mut errs = Vec::new();
         let mut bad =
             |field: &'static str, message: String| errs.push(FieldError { field, message });
-        if self.bind_address.parse::<IpAddr>().is_err() {
-            bad(
-                "bind_address",
-                format!("{:?} is not an IP address", self.bind_address),
-            );
-        }
         if !is_dns_label(&self.pool_name) {
             bad("pool_name", format!("{:?} must be a Kubernetes object name (lowercase letters, digits, '-', '.'; required)", self.pool_name));
         }
@@ -427,6 +379,25 @@ impl Config {
                     "{} must be at least twice interval_ms ({})",
                     em.stale_after_ms, em.interval_ms
                 ),
+            );
+        }
+        if !(10..=60_000).contains(&em.timeout_ms) {
+            bad(
+                "engine_metrics.timeout_ms",
+                format!("{} must be between 10 and 60000", em.timeout_ms),
+            );
+        }
+        if em.max_page_bytes < 1024 {
+            bad(
+                "engine_metrics.max_page_bytes",
+                format!("{} must be at least 1024", em.max_page_bytes),
+            );
+        }
+        let md = &self.engine_metadata;
+        if md.timeout_ms == 0 || md.refresh_ms == 0 || md.backoff_min_ms == 0 {
+            bad(
+                "engine_metadata",
+                "refresh_ms, timeout_ms and backoff_min_ms must be above 0".into(),
             );
         }
         if em.kv_cache_threshold.is_nan() || em.kv_cache_threshold <= 0.0 {
@@ -576,7 +547,6 @@ mod tests {
     #[test]
     fn every_bad_field_is_reported() {
         let cfg = Config {
-            bind_address: "localhost:1".into(),
             pool_name: "Bad_Name".into(),
             metrics_port: 9002,
             max_body_bytes: 10,
@@ -589,7 +559,6 @@ mod tests {
         assert_eq!(
             fields,
             vec![
-                "bind_address",
                 "pool_name",
                 "manifests_dir",
                 "max_body_bytes",

@@ -1,4 +1,4 @@
-//! Prometheus metrics (text exposition served by [`crate::api`]).
+//! Prometheus metrics: the registry and every family kvepp exposes (text exposition served by the `api` module).
 
 use std::sync::Arc;
 

@@ -1,7 +1,15 @@
 //! Process plumbing shared by the `kvepp` and `kvepp-agent` binaries: logging setup and the
 //! shutdown signal. Owns nothing else; called once at start.
 
-use crate::config::LogFormat;
+use serde::{Deserialize, Serialize};
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
 
 /// Installs the global tracing subscriber (stderr). `RUST_LOG`, when set, wins over `level`.
 pub fn init_logging(format: LogFormat, level: &str) {

@@ -2,7 +2,7 @@
 //! and HTTP metrics servers, with graceful shutdown.
 
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
 use crate::discovery::{feed_instances, Datastore, ManifestDir, PoolRef, ServiceDiscovery};
-use crate::engine::metadata::{FetchSettings, MetadataStore};
+use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
@@ -54,10 +54,7 @@ pub struct Listeners {
 
 impl Listeners {
     pub async fn bind(cfg: &Config) -> Result<Self, ServerError> {
-        let ip: IpAddr = cfg
-            .bind_address
-            .parse()
-            .unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        let ip = cfg.bind_address;
         async fn one(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
             TcpListener::bind(addr)
                 .await
@@ -187,7 +184,7 @@ pub async fn run(
         PickerKind::KvAware | PickerKind::ApproximatePrefix => {
             let approximate_only = cfg.picker == PickerKind::ApproximatePrefix;
             let kv = Arc::new(KvState::new(KvSettings {
-                block_size: cfg.block_size.unwrap_or(16),
+                block_size: cfg.block_size.unwrap_or(KvSettings::default().block_size),
                 learn_block_size: cfg.block_size.is_none(),
                 weights: cfg.router,
                 approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
@@ -199,9 +196,9 @@ pub async fn run(
             let md = Arc::new(MetadataStore::default());
             let learn = kv.clone();
             tasks.push(tokio::spawn(crate::engine::metadata::run_fetcher(
-                store.clone(),
+                store.watch(),
                 md.clone(),
-                FetchSettings::default(),
+                cfg.engine_metadata,
                 move |doc| {
                     if let Some(bs) = doc.block_size() {
                         learn.learn_block_size(bs);
@@ -217,7 +214,7 @@ pub async fn run(
             if !approximate_only {
                 tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
                     kv.clone(),
-                    store.clone(),
+                    store.watch(),
                     md,
                     cfg.kv_events.clone(),
                     metrics.clone(),
@@ -230,11 +227,11 @@ pub async fn run(
     if em.enabled {
         let learn = kv.clone();
         tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
-            store.clone(),
+            store.watch(),
             crate::engine::metrics::ScrapeSettings {
                 interval: Duration::from_millis(em.interval_ms),
-                timeout: Duration::from_millis(em.interval_ms.max(100)),
-                max_bytes: 1 << 20,
+                timeout: Duration::from_millis(em.timeout_ms),
+                max_bytes: em.max_page_bytes,
             },
             metrics.engine_scrape_errors.clone(),
             move |bs| {

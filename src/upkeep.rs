@@ -9,10 +9,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvepp_core::Router;
+use kvepp_core::{Endpoint, Router};
 use tokio::sync::watch;
-
-use crate::discovery::PoolSnapshot;
 
 /// How often stale bookings are looked for.
 pub const EXPIRE_EVERY: Duration = Duration::from_secs(1);
@@ -20,15 +18,15 @@ pub const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 /// Runs until `shutdown` turns true.
 pub async fn run(
     router: Arc<Router>,
-    mut pool: watch::Receiver<Arc<PoolSnapshot>>,
+    mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut known: HashSet<Arc<str>> = HashSet::new();
     let mut tick = tokio::time::interval(EXPIRE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let snap = pool.borrow_and_update().clone();
-        let now: HashSet<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
+        let endpoints = pool.borrow_and_update().clone();
+        let now: HashSet<Arc<str>> = endpoints.iter().map(|e| e.addr_str.clone()).collect();
         for gone in known.difference(&now) {
             router.forget(gone);
             tracing::info!(endpoint = %gone, "endpoint left the pool: its routing state is forgotten");

@@ -314,7 +314,13 @@ async fn kubeconfig_from_the_environment() {
 /// freetype, libpng, OpenSSL) runs them. `ldd` lists every shared library a binary loads.
 #[test]
 fn shipped_binaries_link_only_the_c_runtime() {
-    const C_RUNTIME: [&str; 5] = ["linux-vdso", "libc.so", "libm.so", "libgcc_s.so", "ld-linux"];
+    const C_RUNTIME: [&str; 5] = [
+        "linux-vdso",
+        "libc.so",
+        "libm.so",
+        "libgcc_s.so",
+        "ld-linux",
+    ];
     for bin in [BIN, env!("CARGO_BIN_EXE_kvepp-agent")] {
         let out = std::process::Command::new("ldd")
             .arg(bin)
@@ -331,6 +337,9 @@ fn shipped_binaries_link_only_the_c_runtime() {
             .iter()
             .filter(|l| !C_RUNTIME.iter().any(|c| l.contains(c)))
             .collect();
-        assert!(extra.is_empty(), "{bin} links {extra:?} beyond the C runtime:\n{text}");
+        assert!(
+            extra.is_empty(),
+            "{bin} links {extra:?} beyond the C runtime:\n{text}"
+        );
     }
 }

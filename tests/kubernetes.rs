@@ -393,7 +393,7 @@ async fn readiness_waits_for_the_first_sync() {
     api.set_missing(SLICES, true);
     let kubeconfig = api.kubeconfig(dir.path());
     let mut cfg = kvepp::config::Config {
-        bind_address: "127.0.0.1".into(),
+        bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
         grpc_port: 0,
         grpc_health_port: 0,
         metrics_port: 0,

@@ -103,8 +103,8 @@ pub struct Datastore {
     state: Mutex<State>,
     loads: Mutex<HashMap<SocketAddr, Arc<EndpointLoad>>>,
     ready: watch::Sender<bool>,
-    /// The latest snapshot, for background tasks that react to membership changes.
-    changes: watch::Sender<Arc<PoolSnapshot>>,
+    /// The ready endpoints, for background tasks that react to membership changes.
+    changes: watch::Sender<Arc<[Arc<Endpoint>]>>,
     on_change: Box<dyn Fn(&PoolSnapshot) + Send + Sync>,
 }
 
@@ -125,7 +125,7 @@ impl Datastore {
             state: Mutex::default(),
             loads: Mutex::new(HashMap::new()),
             ready: watch::channel(false).0,
-            changes: watch::channel(Arc::new(PoolSnapshot::empty())).0,
+            changes: watch::channel(Arc::from(Vec::new())).0,
             on_change: Box::new(on_change),
         }
     }
@@ -139,8 +139,9 @@ impl Datastore {
         self.snapshot.load_full()
     }
 
-    /// Every new snapshot, as it is stored (background tasks wait on this instead of polling).
-    pub fn watch(&self) -> watch::Receiver<Arc<PoolSnapshot>> {
+    /// The ready endpoints, updated with every new snapshot (background tasks wait on this
+    /// instead of polling).
+    pub fn watch(&self) -> watch::Receiver<Arc<[Arc<Endpoint>]>> {
         self.changes.subscribe()
     }
 
@@ -205,9 +206,9 @@ impl Datastore {
             tracing::info!(pool = %self.target.name, found = snap.pool.is_some(),
                 models = snap.models.len(), ready_endpoints = snap.endpoints.len(), "pool state changed");
         }
-        let snap = Arc::new(snap);
-        self.snapshot.store(snap.clone());
-        self.changes.send_replace(snap);
+        let endpoints: Arc<[Arc<Endpoint>]> = snap.endpoints.clone().into();
+        self.snapshot.store(Arc::new(snap));
+        self.changes.send_replace(endpoints);
         self.ready
             .send_if_modified(|r| std::mem::replace(r, synced) != synced);
     }

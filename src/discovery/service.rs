@@ -26,8 +26,7 @@ use futures::future::BoxFuture;
 use futures::Stream;
 
 use super::objects::{EndpointSlice, Object, SliceEndpoint, SERVICE_NAME_LABEL};
-use crate::engine::metadata::EngineMetadata;
-use crate::engine::FetchError;
+use crate::engine::metadata::{fetch_metadata, EngineMetadata, FetchMetadataError};
 
 /// The pod label a component's Service selects on.
 pub const COMPONENT_LABEL: &str = "kvepp.io/component";
@@ -52,12 +51,7 @@ pub enum MetadataError {
     #[error("instance {0} has no `metadata` port")]
     NoPort(Arc<str>),
     #[error(transparent)]
-    Fetch(#[from] FetchError),
-    #[error("/metadata of {addr}: {source}")]
-    Parse {
-        addr: SocketAddr,
-        source: serde_json::Error,
-    },
+    Fetch(#[from] FetchMetadataError),
 }
 
 impl Instance {
@@ -66,17 +60,8 @@ impl Instance {
         let port = self
             .metadata_port
             .ok_or_else(|| MetadataError::NoPort(self.id.clone()))?;
-        fetch_metadata(SocketAddr::new(self.ip, port), timeout).await
+        Ok(fetch_metadata(SocketAddr::new(self.ip, port), timeout).await?)
     }
-}
-
-/// `GET http://addr/metadata`, parsed (at most 1 MiB).
-pub async fn fetch_metadata(
-    addr: SocketAddr,
-    timeout: Duration,
-) -> Result<EngineMetadata, MetadataError> {
-    let body = crate::engine::get(addr, "/metadata", timeout, 1 << 20).await?;
-    EngineMetadata::parse(&body).map_err(|source| MetadataError::Parse { addr, source })
 }
 
 /// A change in the set of ready instances.

@@ -26,8 +26,9 @@ use tokio::sync::watch;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::discovery::service::fetch_metadata;
-use crate::discovery::Datastore;
+use kvepp_core::Endpoint;
+
+use super::FetchError;
 use crate::metrics::EndpointLabels;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
@@ -108,13 +109,56 @@ impl EngineMetadata {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum FetchMetadataError {
+    #[error(transparent)]
+    Fetch(#[from] FetchError),
+    #[error("/metadata of {addr}: {source}")]
+    Parse {
+        addr: SocketAddr,
+        source: serde_json::Error,
+    },
+}
+
+/// Largest `/metadata` document read.
+pub const MAX_METADATA_BYTES: usize = 1 << 20;
+
+/// `GET http://addr/metadata`, parsed (at most [`MAX_METADATA_BYTES`]).
+pub async fn fetch_metadata(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<EngineMetadata, FetchMetadataError> {
+    let body = super::get(addr, "/metadata", timeout, MAX_METADATA_BYTES).await?;
+    EngineMetadata::parse(&body).map_err(|source| FetchMetadataError::Parse { addr, source })
+}
+
 /// The latest metadata of every endpoint that serves it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MetadataStore {
     map: Mutex<HashMap<SocketAddr, Arc<EngineMetadata>>>,
+    /// Bumped on every change (the KV-event manager re-reads its sources then).
+    version: watch::Sender<u64>,
+}
+
+impl Default for MetadataStore {
+    fn default() -> Self {
+        MetadataStore {
+            map: Mutex::default(),
+            version: watch::channel(0).0,
+        }
+    }
 }
 
 impl MetadataStore {
+    /// Changes as they happen (the value is a change counter).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    fn changed(&self) {
+        self.version.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
     pub fn get(&self, addr: &SocketAddr) -> Option<Arc<EngineMetadata>> {
         self.lock().get(addr).cloned()
     }
@@ -130,30 +174,54 @@ impl MetadataStore {
             return false;
         }
         map.insert(addr, Arc::new(md));
+        drop(map);
+        self.changed();
         true
     }
 
     fn remove(&self, addr: &SocketAddr) {
-        self.lock().remove(addr);
+        if self.lock().remove(addr).is_some() {
+            self.changed();
+        }
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+/// Fetching each endpoint's `/metadata` (config section `engine_metadata`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct FetchSettings {
-    pub refresh: Duration,
-    pub timeout: Duration,
-    pub backoff_min: Duration,
-    pub backoff_max: Duration,
+    /// Re-fetch a document this long after a success, in milliseconds.
+    pub refresh_ms: u64,
+    /// Time allowed for one fetch, in milliseconds.
+    pub timeout_ms: u64,
+    /// First retry delay after a failure (doubling up to `backoff_max_ms`), in milliseconds.
+    pub backoff_min_ms: u64,
+    pub backoff_max_ms: u64,
 }
 
 impl Default for FetchSettings {
     fn default() -> Self {
         FetchSettings {
-            refresh: Duration::from_secs(30),
-            timeout: Duration::from_secs(2),
-            backoff_min: Duration::from_millis(250),
-            backoff_max: Duration::from_secs(30),
+            refresh_ms: 30_000,
+            timeout_ms: 2_000,
+            backoff_min_ms: 250,
+            backoff_max_ms: 30_000,
         }
+    }
+}
+
+impl FetchSettings {
+    fn refresh(&self) -> Duration {
+        Duration::from_millis(self.refresh_ms)
+    }
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+    fn backoff_min(&self) -> Duration {
+        Duration::from_millis(self.backoff_min_ms)
+    }
+    fn backoff_max(&self) -> Duration {
+        Duration::from_millis(self.backoff_max_ms.max(self.backoff_min_ms))
     }
 }
 
@@ -164,27 +232,26 @@ struct Due {
     warned: bool,
 }
 
-/// Keeps `md` up to date for every ready endpoint with a `metadata` port; `on_update` sees each new
-/// or changed document. An endpoint whose document cannot be fetched stays routable with defaults
+/// Keeps `md` up to date for every ready endpoint with a `metadata` port, woken by pool changes
+/// (`pool`) and by the next due fetch, never by polling; `on_update` sees each new or changed
+/// document. An endpoint whose document cannot be fetched stays routable with defaults
 /// and is marked in `missing` (1) until a fetch succeeds.
 pub async fn run_fetcher(
-    store: Arc<Datastore>,
+    mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
     settings: FetchSettings,
     on_update: impl Fn(&EngineMetadata) + Send + Sync + 'static,
     missing: Family<EndpointLabels, Gauge>,
-    shutdown: watch::Receiver<bool>,
+    mut shutdown: watch::Receiver<bool>,
 ) {
     let label = |addr: &SocketAddr| EndpointLabels {
         endpoint: addr.to_string().into(),
     };
     let mut due: HashMap<SocketAddr, Due> = HashMap::new();
-    let mut pace = crate::pace::Pace::new(Duration::from_millis(100), shutdown);
-    while pace.next().await {
+    loop {
         let now = Instant::now();
-        let snap = store.snapshot();
-        let wanted: HashMap<SocketAddr, u16> = snap
-            .endpoints
+        let endpoints = pool.borrow_and_update().clone();
+        let wanted: HashMap<SocketAddr, u16> = endpoints
             .iter()
             .filter_map(|e| Some((e.addr, e.metadata_port?)))
             .collect();
@@ -200,7 +267,7 @@ pub async fn run_fetcher(
             due.entry(addr).or_insert(Due {
                 port,
                 at: now,
-                backoff: settings.backoff_min,
+                backoff: settings.backoff_min(),
                 warned: false,
             });
         }
@@ -208,7 +275,7 @@ pub async fn run_fetcher(
         for (&addr, d) in due.iter().filter(|(_, d)| d.at <= now) {
             let target = SocketAddr::new(addr.ip(), d.port);
             fetches.spawn(async move {
-                let r = fetch_metadata(target, settings.timeout)
+                let r = fetch_metadata(target, settings.timeout())
                     .await
                     .map_err(|e| e.to_string());
                 (addr, r)
@@ -223,8 +290,8 @@ pub async fn run_fetcher(
             match result {
                 Ok(doc) => {
                     missing.get_or_create(&label(&addr)).set(0);
-                    d.at = now + settings.refresh;
-                    d.backoff = settings.backoff_min;
+                    d.at = now + settings.refresh();
+                    d.backoff = settings.backoff_min();
                     d.warned = false;
                     if md.set(addr, doc.clone()) {
                         tracing::info!(endpoint = %addr, model = doc.model_name(), block_size = doc.block_size(),
@@ -239,9 +306,25 @@ pub async fn run_fetcher(
                         d.warned = true;
                     }
                     d.at = now + d.backoff;
-                    d.backoff = (d.backoff * 2).min(settings.backoff_max);
+                    d.backoff = (d.backoff * 2).min(settings.backoff_max());
                 }
             }
+        }
+        // Sleep until the next fetch is due or the pool changes.
+        let next = due.values().map(|d| d.at).min();
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = sleep => {}
+            r = pool.changed() => if r.is_err() { return },
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
         }
     }
 }

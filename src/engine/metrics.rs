@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::discovery::Datastore;
+use kvepp_core::Endpoint;
 use kvepp_core::EngineMetrics;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -78,6 +78,39 @@ pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
     }
 }
 
+/// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineMetricsConfig {
+    pub enabled: bool,
+    pub interval_ms: u64,
+    /// Metrics older than this make an engine count as saturated (Sheddable requests get 429
+    /// when every candidate is).
+    pub stale_after_ms: u64,
+    /// `vllm:num_requests_waiting` at which an engine is saturated; 0 disables.
+    pub queue_threshold: u32,
+    /// `vllm:kv_cache_usage_perc` at which an engine is saturated.
+    pub kv_cache_threshold: f64,
+    /// Time allowed for one scrape.
+    pub timeout_ms: u64,
+    /// Largest `/metrics` page read; a larger one is a failed scrape.
+    pub max_page_bytes: usize,
+}
+
+impl Default for EngineMetricsConfig {
+    fn default() -> Self {
+        EngineMetricsConfig {
+            enabled: true,
+            interval_ms: 200,
+            stale_after_ms: 2000,
+            queue_threshold: 5,
+            kv_cache_threshold: 0.8,
+            timeout_ms: 200,
+            max_page_bytes: 1 << 20,
+        }
+    }
+}
+
 /// How the scraper runs.
 #[derive(Debug, Clone, Copy)]
 pub struct ScrapeSettings {
@@ -87,11 +120,11 @@ pub struct ScrapeSettings {
     pub max_bytes: usize,
 }
 
-/// Scrapes every ready endpoint each `interval` (concurrently, each bounded by `timeout`) and
+/// Scrapes every ready endpoint (the current value of `pool`) each `interval` (concurrently, each bounded by `timeout`) and
 /// records the result on the endpoint's load. `on_block_size` gets each `cache_config_info`
 /// block size (to learn it when it is not configured).
 pub async fn run_scraper(
-    store: Arc<Datastore>,
+    pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     settings: ScrapeSettings,
     errors: prometheus_client::metrics::counter::Counter,
     on_block_size: impl Fn(u32) + Send + 'static,
@@ -101,10 +134,10 @@ pub async fn run_scraper(
     // Endpoints whose current run of failures was already logged at warn level.
     let mut warned = std::collections::HashSet::new();
     while pace.next().await {
-        let snap = store.snapshot();
-        warned.retain(|a| snap.endpoints.iter().any(|e| e.addr == *a));
+        let endpoints = pool.borrow().clone();
+        warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
         let mut scrapes = tokio::task::JoinSet::new();
-        for ep in snap.endpoints.iter().cloned() {
+        for ep in endpoints.iter().cloned() {
             scrapes.spawn(async move {
                 let page =
                     super::get(ep.addr, "/metrics", settings.timeout, settings.max_bytes).await;

@@ -9,9 +9,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use super::subscriber::{self, Delivery, Source, SubscriberStats, Timing};
+use super::KvEventsConfig;
 use super::{EventBatch, KvEvent};
-use crate::config::KvEventsConfig;
-use crate::discovery::Datastore;
 use crate::engine::metadata::{EngineMetadata, MetadataStore};
 use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
 use kvepp_core::hash::local_block_hashes;
@@ -135,23 +134,24 @@ impl Drop for Running {
 /// metadata changes, stopping when it leaves the pool) and refreshes the index gauges.
 pub async fn run_manager(
     kv: Arc<KvState>,
-    store: Arc<Datastore>,
+    mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
     cfg: KvEventsConfig,
     metrics: Arc<Metrics>,
-    shutdown: watch::Receiver<bool>,
+    mut shutdown: watch::Receiver<bool>,
 ) {
     let mut subs: HashMap<Arc<str>, Running> = HashMap::new();
-    let mut pace = crate::pace::Pace::new(Duration::from_millis(200), shutdown);
-    let mut known: Vec<Arc<str>> = Vec::new();
-    while pace.next().await {
-        let snap = store.snapshot();
-        let now: Vec<Arc<str>> = snap.endpoints.iter().map(|e| e.addr_str.clone()).collect();
-        for gone in known.iter().filter(|a| !now.contains(a)) {
-            // The routing state of a departed endpoint is forgotten by `crate::upkeep`.
-            subs.remove(gone);
-        }
-        for ep in &snap.endpoints {
+    let mut md_changes = md.changes();
+    // Only the gauges are refreshed on a timer; subscriptions follow the pool and the metadata.
+    let mut gauges = tokio::time::interval(GAUGES_EVERY);
+    gauges.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let endpoints = pool.borrow_and_update().clone();
+        md_changes.borrow_and_update();
+        // Departed endpoints' subscriptions stop (their routing state is forgotten by the
+        // router's upkeep).
+        subs.retain(|addr, _| endpoints.iter().any(|e| e.addr_str == *addr));
+        for ep in endpoints.iter() {
             let sources = sources_of(ep, md.get(&ep.addr).as_deref(), &cfg);
             if subs.get(&ep.addr_str).map(|r| &r.sources) == Some(&sources) {
                 continue;
@@ -173,21 +173,33 @@ pub async fn run_manager(
                 .collect();
             subs.insert(ep.addr_str.clone(), Running { sources, stops });
         }
-        known = now;
-        metrics
-            .kv
-            .subscriptions
-            .set(subs.values().map(|r| r.stops.len() as i64).sum());
-        metrics.kv.block_size.set(i64::from(kv.block_size()));
-        let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
-        metrics.kv.index_blocks.set(index.block_count() as i64);
-        metrics.kv.index_pairs.set(index.pair_count() as i64);
-        metrics
-            .kv
-            .index_memory_bytes
-            .set(index.memory_bytes() as i64);
+        loop {
+            metrics
+                .kv
+                .subscriptions
+                .set(subs.values().map(|r| r.stops.len() as i64).sum());
+            metrics.kv.block_size.set(i64::from(kv.block_size()));
+            {
+                let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
+                metrics.kv.index_blocks.set(index.block_count() as i64);
+                metrics.kv.index_pairs.set(index.pair_count() as i64);
+                metrics
+                    .kv
+                    .index_memory_bytes
+                    .set(index.memory_bytes() as i64);
+            }
+            tokio::select! {
+                r = pool.changed() => if r.is_err() { return } else { break },
+                r = md_changes.changed() => if r.is_err() { return } else { break },
+                _ = gauges.tick() => {}
+                _ = shutdown.changed() => if *shutdown.borrow() { return },
+            }
+        }
     }
 }
+
+/// How often the index gauges are refreshed.
+const GAUGES_EVERY: Duration = Duration::from_secs(1);
 
 /// One endpoint's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(

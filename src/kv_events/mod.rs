@@ -18,3 +18,28 @@ pub mod subscriber;
 
 pub use decode::{decode_batch, DecodeError, EngineBlockHash, EventBatch, KvEvent, Tier};
 pub use subscriber::{Delivery, Source, SubscriberStats, Timing};
+
+/// Where the engines publish KV events when no per-endpoint metadata says otherwise (vLLM's
+/// `--kv-events-config` publisher: `tcp://<endpoint address>:<port>`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Subscribe to every ready endpoint's publisher.
+    pub enabled: bool,
+    pub port: u16,
+    /// The publisher's replay ROUTER port, if it has one.
+    pub replay_port: Option<u16>,
+    /// Topic prefix to subscribe to (`""`: everything).
+    pub topic: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            enabled: false,
+            port: 5557,
+            replay_port: None,
+            topic: String::new(),
+        }
+    }
+}

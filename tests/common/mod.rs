@@ -146,7 +146,7 @@ impl Epp {
         let dir = TempDir::new("epp");
         std::fs::write(dir.path().join("pool.yaml"), manifests).expect("write manifests");
         let mut cfg = Config {
-            bind_address: "127.0.0.1".into(),
+            bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
             grpc_port: 0,
             grpc_health_port: 0,
             metrics_port: 0,

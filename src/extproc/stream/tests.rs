@@ -25,11 +25,7 @@ struct Fixed {
 }
 
 impl RouteRequest for Fixed {
-    fn route(
-        &self,
-        body: Option<&[u8]>,
-        _: Option<&[SocketAddr]>,
-    ) -> Result<Routed, Rejection> {
+    fn route(&self, body: Option<&[u8]>, _: Option<&[SocketAddr]>) -> Result<Routed, Rejection> {
         if let Some(r) = &self.reject {
             return Err(r.clone());
         }
@@ -156,7 +152,8 @@ fn immediate_status(r: &ProcessingResponse) -> Option<i32> {
 fn streamed_chunks(out: &[ProcessingResponse]) -> Vec<(Vec<u8>, bool)> {
     out.iter()
         .filter_map(|r| match r.response.as_ref()? {
-            Response::RequestBody(b) => match b.response.as_ref()?.body_mutation.as_ref()?.mutation {
+            Response::RequestBody(b) => match b.response.as_ref()?.body_mutation.as_ref()?.mutation
+            {
                 Some(Mutation::StreamedResponse(ref s)) => Some((s.body.clone(), s.end_of_stream)),
                 _ => None,
             },
@@ -178,13 +175,20 @@ fn buffered_body_is_routed_in_the_body_answer_and_booked_until_the_response_ends
     assert_eq!(send(&mut s, response_body(false)).len(), 1);
     assert_eq!((ep.load.in_flight(), ep.load.waiting_first_byte()), (1, 0));
     send(&mut s, response_body(true));
-    assert_eq!(ep.load.in_flight(), 0, "released at the end of the response");
+    assert_eq!(
+        ep.load.in_flight(),
+        0,
+        "released at the end of the response"
+    );
 }
 
 #[test]
 fn duplex_holds_the_headers_and_returns_the_chunks_it_was_sent() {
     let (mut s, ep) = stream(None, 1 << 20);
-    assert!(send(&mut s, headers(DUPLEX, false)).is_empty(), "headers answer held");
+    assert!(
+        send(&mut s, headers(DUPLEX, false)).is_empty(),
+        "headers answer held"
+    );
     assert!(send(&mut s, body(br#"{"model":"m","#, false)).is_empty());
     let out = send(&mut s, body(br#""prompt":"x"}"#, true));
     assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
@@ -197,7 +201,11 @@ fn duplex_holds_the_headers_and_returns_the_chunks_it_was_sent() {
     );
     assert_eq!(ep.load.in_flight(), 1);
     drop(s);
-    assert_eq!(ep.load.in_flight(), 0, "a stream that goes away releases its booking");
+    assert_eq!(
+        ep.load.in_flight(),
+        0,
+        "a stream that goes away releases its booking"
+    );
 }
 
 #[test]
@@ -253,7 +261,10 @@ fn rejections_become_immediate_responses_and_end_the_stream() {
     let out = send(&mut s, body(br#"{"model":"m"}"#, true));
     assert_eq!(out.len(), 1);
     assert_eq!(immediate_status(&out[0]), Some(429));
-    assert!(send(&mut s, body(b"more", true)).is_empty(), "nothing after a rejection");
+    assert!(
+        send(&mut s, body(b"more", true)).is_empty(),
+        "nothing after a rejection"
+    );
     assert_eq!(ep.load.in_flight(), 0);
 }
 
@@ -268,7 +279,11 @@ fn oversized_bodies_get_413_in_both_modes() {
     send(&mut s, headers(DUPLEX, false));
     assert!(send(&mut s, body(&[b' '; 800], false)).is_empty());
     let out = send(&mut s, body(&[b' '; 800], false));
-    assert_eq!(immediate_status(&out[0]), Some(413), "limit counted over chunks");
+    assert_eq!(
+        immediate_status(&out[0]),
+        Some(413),
+        "limit counted over chunks"
+    );
     assert_eq!(ep.load.in_flight(), 0);
 }
 

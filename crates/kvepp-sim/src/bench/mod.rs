@@ -102,7 +102,7 @@ impl Kvepp {
         block_size: u32,
     ) -> Result<Self, BenchError> {
         let cfg = Config {
-            bind_address: "127.0.0.1".into(),
+            bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
             grpc_port: 0,
             grpc_health_port: 0,
             metrics_port: 0,
