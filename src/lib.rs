@@ -1,16 +1,24 @@
 //! kvepp: an Endpoint Picker (EPP) for LLM inference behind Envoy.
 //!
-//! A request flows through the modules in this order:
+//! A request flows through the modules in this order, and nothing imports upward:
 //!
-//! 1. [`extproc`]: the Envoy ext_proc gRPC protocol (headers, body chunks, responses).
-//! 2. [`request`]: the body becomes a model name (and later tokens and block hashes).
-//! 3. [`selector`]: eligible endpoints, saturation/shedding and the pick itself. Plain library, no
-//!    gRPC or HTTP types, so every front end calls the same code.
+//! 1. [`extproc`]: the Envoy ext_proc protocol (headers, body chunks, responses), a sans-IO state
+//!    machine per stream; it asks the routing service for a decision and renders it.
+//! 2. [`request`]: the routing service: the body becomes facts (model, InferenceModel, criticality,
+//!    prompt tokens or bytes) in place, without copies or re-serialisation.
+//! 3. `kvepp_core` (the `kvepp-core` crate): `Router::route` hashes the prompt, picks among the
+//!    pool's ready endpoints and books the pick; no runtime, gRPC, HTTP or Kubernetes in it.
+//! 4. back in [`extproc`]: the destination header and metadata, the body as it was (or with the
+//!    model rewritten), and on the response side the booking released exactly once.
 //!
-//! Beside them: [`discovery`] keeps the pool's endpoints and models up to date, [`kv_events`] decodes
-//! the engines' KV-cache events, [`engine`] scrapes the load signals engines publish, [`config`] is the
-//! single typed configuration, [`api`] serves the HTTP endpoints (metrics, health), [`metrics`]
-//! holds the Prometheus registry and [`server`] wires everything together.
+//! Beside them: [`discovery`] keeps the pool's endpoints and models (and publishes a watch of the
+//! ready endpoints), [`engine`] is the engines' HTTP surface (`/metadata`, `/metrics`),
+//! [`kv_events`] feeds the engines' KV-cache events into the core's index, [`upkeep`] forgets
+//! departed endpoints and expires lost bookings, [`config`] is the one configuration tree (each
+//! component declares its settings), [`api`] serves the HTTP endpoints (metrics, health, debug),
+//! [`metrics`] holds the Prometheus registry, [`agent`] is the worker-agent sidecar, [`process`]
+//! the binaries' logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires
+//! everything together.
 
 pub mod agent;
 pub mod api;

@@ -1,5 +1,7 @@
-//! Wiring of `kvepp serve`: discovery → datastore → selector → ext_proc server, plus the gRPC health
-//! and HTTP metrics servers, with graceful shutdown.
+//! Wiring of `kvepp serve`: discovery → datastore → routing core (`kvepp_core::Router`) behind the
+//! routing service → ext_proc server, the background tasks fed by the datastore's watch, plus the
+//! gRPC health and HTTP metrics servers, with graceful shutdown. Every value comes from
+//! [`Config`]; nothing is hard-coded here.
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -3,11 +3,12 @@
 //! Two feeds fill the [`Datastore`]:
 //! - the *catalog*: InferencePool and InferenceModel objects (from the manifests directory or the
 //!   Kubernetes API), kept only when they belong to the configured pool;
-//! - the *instances*: the ready endpoints, fed only through the [`ServiceDiscovery`] interface of
-//!   seed 000 ([`service`]), whatever the backend ([`ManifestDir`], [`kubernetes`], [`memory`]).
+//! - the *instances*: the ready endpoints, fed only through the [`ServiceDiscovery`] interface
+//!   ([`service`]), whatever the backend ([`ManifestDir`], [`kubernetes`], [`memory`]).
 //!
 //! The datastore publishes an immutable [`PoolSnapshot`] after every change; the request path reads
-//! it lock-free. Load counters of an endpoint survive snapshot changes because they are keyed by
+//! it lock-free, and background tasks wait on [`Datastore::watch`] (the ready endpoints) instead of
+//! polling. Load counters of an endpoint survive snapshot changes because they are keyed by
 //! address. The store is ready once the pool has been seen and the instances have synced.
 
 pub mod kubernetes;

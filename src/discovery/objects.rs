@@ -1,5 +1,5 @@
 //! The Kubernetes objects kvepp reads, reduced to the fields it uses, and their conversion into the
-//! datastore's model. Both the manifests directory and (later) the Kubernetes watcher produce these.
+//! datastore's model. Both the manifests directory and the Kubernetes watcher produce these.
 
 use std::collections::BTreeMap;
 

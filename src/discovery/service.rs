@@ -1,4 +1,4 @@
-//! Seed 000's discovery interfaces: the client side [`ServiceDiscovery`] (which instances of a
+//! The discovery interfaces every backend implements: the client side [`ServiceDiscovery`] (which instances of a
 //! component are ready, and a stream of changes) and the server side [`ServiceRegistry`] (an
 //! instance registers itself, publishes its metadata and says when it is ready).
 //!

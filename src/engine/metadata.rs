@@ -1,4 +1,4 @@
-//! Per-endpoint metadata (seed 000's `Instance.metadata()`): when an endpoint's EndpointSlice lists a
+//! Per-endpoint metadata (what `Instance.metadata()` returns): when an endpoint's EndpointSlice lists a
 //! port named `metadata`, the engine's worker agent serves `GET /metadata` there:
 //!
 //! ```json

@@ -1,5 +1,10 @@
 //! Applies decoded KV-event batches of one worker to the prefix index, and the task that keeps one
-//! subscription per ready endpoint of the pool ([`run_manager`]).
+//! subscription per publishing rank of every ready endpoint ([`run_manager`]), driven by the pool's
+//! and the metadata's changes.
+//!
+//! Invariants: a batch is applied under one write lock of the index (never half-applied); an
+//! endpoint that leaves the pool has its subscriptions stopped (its blocks are forgotten by the
+//! router's upkeep).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -1,6 +1,12 @@
-//! The KV-aware picker: for each candidate, the cached prefix of the request (from the engines' KV
-//! events, or approximately from our own past picks), its active load (slot tracker), and Dynamo's
-//! cost; the cheapest wins (see [`super::cost`]). What a pick books is held by a [`SlotGuard`].
+//! The KV-aware picker's state and ranking: for each candidate, the cached prefix of the request
+//! (from the engines' KV events, or approximately from our own past picks), its active load (slot
+//! tracker), and Dynamo's cost; the cheapest wins (see [`super::cost`]). What a pick books is held
+//! by a [`SlotGuard`].
+//!
+//! Invariants: the approximate index holds at most `approx_blocks_per_endpoint` references per
+//! endpoint (oldest evicted first, before new blocks are stored); a forgotten endpoint leaves
+//! nothing in either index or the slot tracker; locks are held only for the lookup or the update,
+//! never across a call out.
 //!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of

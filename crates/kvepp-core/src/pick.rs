@@ -1,11 +1,10 @@
 //! Endpoint selection: which endpoints may serve a request, whether the pool must shed it, and which
 //! one serves it (with a second-best fallback).
 //!
-//! This is a plain library: no gRPC, HTTP or discovery types. Callers pass the ready endpoints of the
-//! pool and a [`PickRequest`]; the [`Picker`] trait is the extension point that the KV-aware
-//! selector replaces. [`slots`] is the KV-aware load accounting (active requests, prefill tokens,
-//! decode blocks per worker rank) and [`cost`] the cost model and choice that the KV-aware picker
-//! will combine with the prefix index.
+//! Callers pass the ready endpoints of the pool, a [`PickRequest`] and a [`PickContext`] (their
+//! randomness and time). The [`Picker`] trait is the extension point: the KV-aware picker
+//! ([`crate::KvPicker`]), least loaded and round robin implement it. Front doors do not call this
+//! directly but [`crate::Router::route`], which also hashes the prompt and books the pick.
 //!
 //! Invariants:
 //! - a pick only ever names an endpoint from the candidates (after the subset filter);

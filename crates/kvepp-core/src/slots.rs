@@ -1,5 +1,5 @@
-//! Active-request load per (worker, data-parallel rank), with the slot-tracker semantics of Dynamo
-//! (seed 004): what the cost model reads and what a pick books.
+//! Active-request load per (worker, data-parallel rank), with the slot-tracker semantics of Dynamo:
+//! what the cost model reads and what a pick books.
 //!
 //! Invariants:
 //! - `active_decode_blocks` of a rank is the number of distinct prompt sequence hashes of its active
@@ -9,8 +9,7 @@
 //! - every request is counted on exactly one rank until freed, its rank is unregistered, or it is
 //!   older than the stale-request limit (300 s by default).
 //!
-//! The clock is passed in, so nothing here sleeps or reads time. Callers that pick and book at once
-//! hold one lock across both.
+//! The clock is passed in, so nothing here sleeps or reads time.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
