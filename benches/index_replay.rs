@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use kvepp_core::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use kvepp_core::hash::{LocalBlockHash, SequenceHash};
 use kvepp_core::index::reference::ReferenceIndex;
 use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
 use kvepp_core::slots::WorkerRank;
@@ -130,11 +130,7 @@ fn generate(trace: &[Vec<u64>], w: usize, c: usize, k: u64) -> Workload {
                 .collect();
             let mut query: Vec<SequenceHash> = Vec::with_capacity(locals.len());
             for &l in &locals {
-                let s = match query.last() {
-                    None => SequenceHash(l.0),
-                    Some(&p) => next_sequence_hash(p, l),
-                };
-                query.push(s);
+                query.push(SequenceHash::chain(query.last().copied(), l));
             }
             let n = query.len();
             let overlaps: Vec<usize> = caches

@@ -66,6 +66,17 @@ pub fn local_block_hashes(
         .collect()
 }
 
+impl SequenceHash {
+    /// The one chaining step: the sequence hash of the block `local` after `parent` (`None`: the
+    /// block starts a sequence, and its sequence hash is its local hash).
+    pub fn chain(parent: Option<SequenceHash>, local: LocalBlockHash) -> SequenceHash {
+        match parent {
+            None => SequenceHash(local.0),
+            Some(p) => next_sequence_hash(p, local),
+        }
+    }
+}
+
 /// The sequence hash of a block whose parent has sequence hash `parent`.
 pub fn next_sequence_hash(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
     let mut bytes = [0u8; 16];
@@ -78,11 +89,7 @@ pub fn next_sequence_hash(parent: SequenceHash, local: LocalBlockHash) -> Sequen
 pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
     let mut out: Vec<SequenceHash> = Vec::with_capacity(locals.len());
     for &local in locals {
-        let next = match out.last() {
-            Some(&parent) => next_sequence_hash(parent, local),
-            None => SequenceHash(local.0),
-        };
-        out.push(next);
+        out.push(SequenceHash::chain(out.last().copied(), local));
     }
     out
 }

@@ -28,8 +28,7 @@ use super::index::{EngineBlockHash, MatchScratch, PrefixIndex, RankOverlap, Tier
 use super::slots::{SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
 use crate::hash::{
-    block_seed, local_block_hashes, next_sequence_hash, sequence_hashes, LocalBlockHash,
-    SequenceHash, XXH3_SEED,
+    block_seed, local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash, XXH3_SEED,
 };
 
 /// How the prefix of a request was found.
@@ -292,10 +291,7 @@ impl KvState {
         let mut hashes = Vec::with_capacity(n);
         for block in text.chunks_exact(chunk) {
             let local = LocalBlockHash(xxh3_64_with_seed(block, seed));
-            let seq = match hashes.last() {
-                None => SequenceHash(local.0),
-                Some(&p) => next_sequence_hash(p, local),
-            };
+            let seq = SequenceHash::chain(hashes.last().copied(), local);
             locals.push(local);
             hashes.push(seq);
         }

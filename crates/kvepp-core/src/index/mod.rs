@@ -33,7 +33,7 @@ use std::hash::{BuildHasher, Hasher};
 use self::table::BlockTable;
 use super::cost::Overlap;
 use super::slots::WorkerRank;
-use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use crate::hash::{LocalBlockHash, SequenceHash};
 
 /// The engine's own block hash: only an opaque key to resolve later removals (vLLM's hash cannot be
 /// recomputed outside the engine).
@@ -459,10 +459,7 @@ impl PrefixIndex {
         };
         let mut n = 0;
         for (engine, local) in blocks {
-            let seq = match prev {
-                None => SequenceHash(local.0),
-                Some(p) => next_sequence_hash(p, local),
-            };
+            let seq = SequenceHash::chain(prev, local);
             prev = Some(seq);
             if let Err(e) = self.add(s, seq, tier) {
                 self.stats.over_capacity += 1;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::{EngineBlockHash, IndexError, RankOverlap, Tier};
 use crate::cost::Overlap;
-use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use crate::hash::{LocalBlockHash, SequenceHash};
 use crate::slots::WorkerRank;
 
 #[derive(Debug, Default)]
@@ -58,10 +58,7 @@ impl ReferenceIndex {
         };
         let mut n = 0;
         for (engine, local) in blocks {
-            let seq = match prev {
-                None => SequenceHash(local.0),
-                Some(p) => next_sequence_hash(p, local),
-            };
+            let seq = SequenceHash::chain(prev, local);
             prev = Some(seq);
             if !r.blocks.contains_key(&seq) && r.blocks.len() as u64 >= limit {
                 return Err(IndexError::RankFull { rank, limit });
