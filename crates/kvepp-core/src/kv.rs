@@ -447,6 +447,36 @@ impl KvState {
         lock(&self.slots).unregister_worker(worker);
     }
 
+    /// Forgets every worker that `keep` rejects, wherever it appears (KV-event index, approximate
+    /// index, slot tracker); returns how many were forgotten. Unlike [`KvState::forget`] it needs
+    /// no record of departures: whatever is not live goes.
+    pub fn retain_workers(&self, keep: impl Fn(u64) -> bool) -> usize {
+        let mut gone: std::collections::HashSet<u64> = self
+            .index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .workers();
+        {
+            let approx = lock(&self.approx);
+            gone.extend(approx.fifo.keys().copied());
+            gone.extend(approx.index.workers());
+        }
+        gone.extend(lock(&self.slots).ranks().map(|r| r.worker));
+        gone.retain(|&w| !keep(w));
+        if gone.is_empty() {
+            return 0;
+        }
+        let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
+        let mut approx = lock(&self.approx);
+        let mut slots = lock(&self.slots);
+        for &w in &gone {
+            index.remove_worker(w);
+            approx.forget(w);
+            slots.unregister_worker(w);
+        }
+        gone.len()
+    }
+
     /// Active load of an endpoint (rank 0).
     pub fn load(&self, addr: &str) -> Option<super::slots::RankLoad> {
         lock(&self.slots).load(WorkerRank {

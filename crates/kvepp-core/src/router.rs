@@ -10,15 +10,15 @@
 //!   Both are released exactly once, when the [`Booking`] is dropped (or moved with
 //!   [`Booking::move_to`]).
 //!
-//! Background upkeep goes through the same object: [`Router::forget`] when an endpoint leaves the
-//! pool and [`Router::maintain`] on a timer (stale bookings), whatever the picker, so no mode
-//! leaks state.
+//! Background upkeep goes through the same object: [`Router::retain`] with the pool's live
+//! endpoints whenever it changes (or [`Router::forget`] for one), and [`Router::maintain`] on a
+//! timer (stale bookings), whatever the picker, so no mode leaks state.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::kv::{KvPicker, KvState, PrefixMode, PromptBlocks};
+use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks};
 use crate::load::Booking;
 use crate::pick::{
     Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
@@ -138,6 +138,14 @@ impl Router {
         if let Some(kv) = &self.kv {
             kv.forget(addr);
         }
+    }
+
+    /// Keeps only the endpoints at `live` (their `ip:port`): every other endpoint's cached
+    /// prefixes and load are forgotten. Returns how many endpoints were forgotten.
+    pub fn retain<'a>(&self, live: impl IntoIterator<Item = &'a str>) -> usize {
+        let Some(kv) = &self.kv else { return 0 };
+        let live: std::collections::HashSet<u64> = live.into_iter().map(worker_id).collect();
+        kv.retain_workers(|w| live.contains(&w))
     }
 
     /// Periodic upkeep at `now`: drops bookings whose end was never seen. Returns how many.

@@ -201,3 +201,29 @@ fn load_only_router_books_in_flight_without_prompt_work() {
     assert_eq!(eps[1].load.in_flight(), 1);
     assert_eq!(r.maintain(Instant::now()), 0);
 }
+
+#[test]
+fn retain_keeps_only_live_endpoints() {
+    let r = approx_router(64, CostWeights::default());
+    let (a, b) = (ep(1, 0), ep(2, 0));
+    let p = [6u8; 16];
+    let held = r
+        .route(&text(&p), &[a.clone()], &mut PickContext::seeded(1))
+        .unwrap();
+    drop(
+        r.route(&text(&p), &[b.clone()], &mut PickContext::seeded(1))
+            .unwrap(),
+    );
+    let kv = r.kv().unwrap().clone();
+    assert_eq!(r.retain([&*a.addr_str, &*b.addr_str]), 0);
+    assert_eq!(r.retain([&*b.addr_str]), 1, "a is not live");
+    assert_eq!(kv.load(&a.addr_str), None);
+    assert!(kv.load(&b.addr_str).is_some());
+    assert_eq!(overlap_on(&r, &[a.clone()], &p).1, 0);
+    assert_eq!(overlap_on(&r, &[b.clone()], &p).1, 4);
+    drop(held);
+    assert_eq!(
+        Router::load_only(Box::new(crate::LeastLoaded), Saturation::in_flight(0)).retain([]),
+        0
+    );
+}
