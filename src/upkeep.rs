@@ -106,7 +106,11 @@ mod tests {
             ..RequestFacts::default()
         };
         let held = router
-            .route(&facts, &[a.clone()], &mut PickContext::seeded(1))
+            .route(
+                &facts,
+                std::slice::from_ref(&a),
+                &mut PickContext::seeded(1),
+            )
             .expect("routed");
         assert_eq!(kv.load(&a.addr_str).map(|l| l.active_requests), Some(1));
 
@@ -123,7 +127,11 @@ mod tests {
         }
         // Its approximate prefix is gone too: the same prompt finds nothing cached on it.
         let again = router
-            .route(&facts, &[a.clone()], &mut PickContext::seeded(1))
+            .route(
+                &facts,
+                std::slice::from_ref(&a),
+                &mut PickContext::seeded(1),
+            )
             .expect("routed");
         assert_eq!(again.pick.kv.map(|d| d.overlap.device), Some(0));
         drop((held, again));

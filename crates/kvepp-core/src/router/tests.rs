@@ -208,19 +208,27 @@ fn retain_keeps_only_live_endpoints() {
     let (a, b) = (ep(1, 0), ep(2, 0));
     let p = [6u8; 16];
     let held = r
-        .route(&text(&p), &[a.clone()], &mut PickContext::seeded(1))
+        .route(
+            &text(&p),
+            std::slice::from_ref(&a),
+            &mut PickContext::seeded(1),
+        )
         .unwrap();
     drop(
-        r.route(&text(&p), &[b.clone()], &mut PickContext::seeded(1))
-            .unwrap(),
+        r.route(
+            &text(&p),
+            std::slice::from_ref(&b),
+            &mut PickContext::seeded(1),
+        )
+        .unwrap(),
     );
     let kv = r.kv().unwrap().clone();
     assert_eq!(r.retain([&*a.addr_str, &*b.addr_str]), 0);
     assert_eq!(r.retain([&*b.addr_str]), 1, "a is not live");
     assert_eq!(kv.load(&a.addr_str), None);
     assert!(kv.load(&b.addr_str).is_some());
-    assert_eq!(overlap_on(&r, &[a.clone()], &p).1, 0);
-    assert_eq!(overlap_on(&r, &[b.clone()], &p).1, 4);
+    assert_eq!(overlap_on(&r, std::slice::from_ref(&a), &p).1, 0);
+    assert_eq!(overlap_on(&r, std::slice::from_ref(&b), &p).1, 4);
     drop(held);
     assert_eq!(
         Router::load_only(Box::new(crate::LeastLoaded), Saturation::in_flight(0)).retain([]),
