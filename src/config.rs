@@ -75,6 +75,9 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Grace period for open streams on SIGTERM, in seconds.
     pub shutdown_grace_seconds: u64,
+    /// How long an ext_proc stream waits for the pool to be loaded after a start before it is
+    /// answered 503, in milliseconds (0: answer at once).
+    pub startup_wait_ms: u64,
     pub log_format: LogFormat,
     /// tracing filter, e.g. `info` or `kvepp=debug`.
     pub log_level: String,
@@ -114,6 +117,7 @@ impl Default for Config {
             max_in_flight_per_endpoint: 128,
             max_body_bytes: 8 << 20,
             shutdown_grace_seconds: 25,
+            startup_wait_ms: 5_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),
             picker: PickerKind::KvAware,
@@ -358,6 +362,12 @@ impl Config {
                     format!("port {port} is already used by another server"),
                 );
             }
+        }
+        if self.startup_wait_ms > 60_000 {
+            bad(
+                "startup_wait_ms",
+                format!("{} must be at most 60000", self.startup_wait_ms),
+            );
         }
         if let Some(bs) = self.block_size.filter(|bs| !(1..=1024).contains(bs)) {
             bad(

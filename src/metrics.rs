@@ -83,6 +83,8 @@ pub struct KvEventMetrics {
     pub undecodable: Counter,
     pub lost_batches: Counter,
     pub publisher_restarts: Counter,
+    /// Subscriptions whose publisher has no replay socket (no catch-up possible).
+    pub without_replay: Counter,
     pub blocks_stored: Counter,
     pub blocks_removed: Counter,
     pub dropped: Family<ReasonLabels, Counter>,
@@ -179,6 +181,11 @@ impl Metrics {
                 "kv_event_publisher_restarts",
                 "KV-event publishers seen restarting (their blocks cleared)",
                 &kv.publisher_restarts,
+            ),
+            (
+                "kv_event_publishers_without_replay",
+                "KV-event subscriptions whose publisher has no replay socket (no catch-up)",
+                &kv.without_replay,
             ),
             (
                 "kv_event_blocks_stored",

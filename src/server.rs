@@ -272,8 +272,11 @@ pub async fn run(
     let settings = Settings {
         destination_list: cfg.destination_endpoint_list,
         max_body_bytes: cfg.max_body_bytes,
+        ready_wait: Duration::from_millis(cfg.startup_wait_ms),
     };
-    let shared = Arc::new(Shared::new(Arc::new(routing), metrics.clone(), settings));
+    let shared = Arc::new(
+        Shared::new(Arc::new(routing), metrics.clone(), settings).with_readiness(store.ready()),
+    );
     let extproc = ExtProcService::new(shared).into_server();
 
     let [g, h, m] = listeners.addrs();

@@ -353,3 +353,76 @@ async fn client_framing_is_kept_in_both_modes() {
     }
     epp.stop().await;
 }
+
+/// The local bootstrap with its route sent to an ordinary cluster (the backend at `default`)
+/// instead of the endpoint kvepp picks: a request that reached the router without a decision
+/// would land there.
+fn with_default_cluster(mut b: serde_yaml::Value, default: SocketAddr) -> serde_yaml::Value {
+    let route = &mut b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+    route["cluster"] = "default_backend".into();
+    let cluster: serde_yaml::Value = serde_yaml::from_str(&format!(
+        "name: default_backend\ntype: STATIC\nconnect_timeout: 2s\nload_assignment:\n  cluster_name: default_backend\n  endpoints:\n  - lb_endpoints:\n    - endpoint:\n        address:\n          socket_address: {{address: {}, port_value: {}}}\n",
+        default.ip(),
+        default.port()
+    ))
+    .unwrap();
+    b["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .unwrap()
+        .push(cluster);
+    b
+}
+
+/// A body over `max_body_bytes` gets kvepp's 413 (JSON) in both body modes, also when Envoy hands
+/// it over as one gRPC message larger than kvepp's message limit; with fail-close and a route to an
+/// ordinary cluster, such a request never reaches a backend.
+#[tokio::test]
+async fn oversized_bodies_get_413_from_kvepp_and_never_pass_undecided() {
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let (_release, rx) = watch::channel(true);
+    let default = hold_backend("default", arrived.clone(), rx).await;
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |c| {
+        c.max_body_bytes = 64 << 10;
+    })
+    .await;
+    // 256 KiB: in BUFFERED mode Envoy sends it in one message, over kvepp's gRPC limit.
+    let big = format!(
+        "{{\"model\":\"m\",\"prompt\":\"{}\"}}",
+        "x".repeat(256 << 10)
+    );
+    for m in ["BUFFERED", "FULL_DUPLEX_STREAMED"] {
+        let envoy = Envoy::start(with_default_cluster(mode(m), default), epp.grpc).await;
+        let r = post_json(envoy.addr, big.clone()).await;
+        assert_eq!(r.status, 413, "{m}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error"]["code"], 413, "{m}: kvepp's JSON error");
+        // A small request is decided and goes on to the route's cluster.
+        let ok = post_json(envoy.addr, r#"{"model":"m","prompt":"hi"}"#).await;
+        assert_eq!(ok.status, 200, "{m}");
+        assert_eq!(ok.json()["backend"], "default", "{m}");
+    }
+    assert_eq!(
+        arrived.load(Ordering::SeqCst),
+        2,
+        "only the two decided requests reached the default cluster"
+    );
+    let rejected = epp
+        .metric("kvepp_rejected_requests_total{reason=\"body_too_large\"}")
+        .await;
+    assert_eq!(rejected, Some(2.0));
+    epp.stop().await;
+}
+
+/// The 9 MiB body against the default 8 MiB limit, as a user would send it (streamed mode).
+#[tokio::test]
+async fn nine_mib_body_gets_413_from_kvepp_with_the_default_limit() {
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let envoy = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
+    let big = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(9 << 20));
+    let r = post_json(envoy.addr, big.clone()).await;
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], 413);
+    epp.stop().await;
+}

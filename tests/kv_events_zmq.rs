@@ -257,6 +257,39 @@ async fn subscriber_started_before_the_publisher_connects_when_it_appears() {
     p.quit().await;
 }
 
+#[tokio::test]
+async fn publisher_that_binds_late_publishes_once_and_goes_quiet_is_caught_up() {
+    let (port, replay) = (free_port(), free_port());
+    let mut s = Subscriber::start(port, Some(replay));
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    // One batch, right after binding, and then silence: no later batch reveals a gap.
+    p.cmd("pub 0 legacy_batch").await;
+    assert!(
+        matches!(s.next().await, Delivery::Batch { seq: 0, .. }),
+        "the batch is delivered without another one following it"
+    );
+    // A later batch is delivered once, not again as a copy of the catch-up.
+    p.cmd("pub 1 legacy_minimal_arrays").await;
+    assert!(matches!(s.next().await, Delivery::Batch { seq: 1, .. }));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), s.rx.recv())
+            .await
+            .is_err(),
+        "no duplicate or extra delivery"
+    );
+    p.quit().await;
+}
+
+#[tokio::test]
+async fn publisher_without_replay_socket_is_counted_once() {
+    let port = free_port();
+    let mut p = Publisher::start(port, free_port(), "vllm").await;
+    let mut s = Subscriber::start(port, None);
+    s.join(&mut p, 0, "legacy_batch").await;
+    assert_eq!(s.stats.without_replay.load(Ordering::Relaxed), 1);
+    p.quit().await;
+}
+
 // ------------------------------------------------------------------ into the index
 
 use kvepp::kv_events::apply::apply_batch;
@@ -433,14 +466,19 @@ async fn index_fed_over_zmq_converges_to_the_reference() {
     // Join with empty batches (the slow joiner's losses are replayed).
     let empty = hex(&encode(&[]));
     let mut seq = 0;
-    loop {
+    let first = loop {
         p.cmd(&format!("pubhex {seq} {empty}")).await;
-        if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(50), s.rx.recv()).await {
-            break;
+        if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(50), s.rx.recv()).await {
+            break d;
         }
         seq += 1;
+    };
+    // The first delivery may already be the last batch sent (the subscriber caught up from the
+    // replay socket as it connected); otherwise the rest up to it follows.
+    match first {
+        Delivery::Batch { seq: got, .. } if got == seq => {}
+        _ => drain_into(&mut s, &mut fast, seq).await,
     }
-    drain_into(&mut s, &mut fast, seq).await;
 
     let mut engine = Engine {
         rng: fastrand::Rng::with_seed(7),

@@ -30,6 +30,8 @@ pub struct Settings {
     pub destination_list: bool,
     /// Largest body accepted (413 above it).
     pub max_body_bytes: usize,
+    /// How long a stream waits for the pool to be loaded before it is answered (503).
+    pub ready_wait: std::time::Duration,
 }
 
 /// What every stream shares.
@@ -39,6 +41,8 @@ pub struct Shared {
     pub routing: Arc<dyn RouteRequest>,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
+    /// Readiness of the pool (loaded and synced); streams wait on it up to `ready_wait`.
+    pub ready: Option<tokio::sync::watch::Receiver<bool>>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
     /// pick.
     no_model: Arc<str>,
@@ -46,11 +50,18 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Streams wait (up to `settings.ready_wait`) until `ready` is true.
+    pub fn with_readiness(mut self, ready: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.ready = Some(ready);
+        self
+    }
+
     pub fn new(routing: Arc<dyn RouteRequest>, metrics: Arc<Metrics>, settings: Settings) -> Self {
         Shared {
             routing,
             metrics,
             settings,
+            ready: None,
             no_model: "none".into(),
             no_endpoint: "".into(),
         }
@@ -88,7 +99,16 @@ impl ExternalProcessor for ExtProcService {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
         let mut state = stream::StreamState::new(self.shared.clone());
+        let ready = self.shared.ready.clone();
+        let ready_wait = self.shared.settings.ready_wait;
         tokio::spawn(async move {
+            // Right after a start the pool may not be loaded yet: hold the stream (bounded)
+            // rather than answer 503 at once; after the bound the routing service answers 503.
+            if let Some(mut ready) = ready {
+                if !*ready.borrow() {
+                    let _ = tokio::time::timeout(ready_wait, ready.wait_for(|r| *r)).await;
+                }
+            }
             let mut out = Vec::with_capacity(4);
             loop {
                 match inbound.message().await {
@@ -98,16 +118,30 @@ impl ExternalProcessor for ExtProcService {
                         if observe_only {
                             out.clear();
                         }
-                        for r in out.drain(..) {
-                            if tx.send(Ok(r)).await.is_err() {
-                                return;
-                            }
+                        if !flush(&tx, &mut out).await {
+                            return;
                         }
                     }
                     Ok(None) => return,
-                    // Envoy ends every stream with a reset: a normal end, not a failure.
-                    Err(status) => {
+                    // Envoy ends every stream with a reset: a normal end once the request was
+                    // decided. Before that, the stream must not end quietly.
+                    Err(status) if !state.undecided() => {
                         tracing::trace!(%status, "ext_proc stream closed by the proxy");
+                        return;
+                    }
+                    // A message over the gRPC limit: a body over max_body_bytes in one message.
+                    Err(status) if status.code() == tonic::Code::OutOfRange => {
+                        state.reject_oversized(status.message(), &mut out);
+                        flush(&tx, &mut out).await;
+                        return;
+                    }
+                    Err(status) => {
+                        tracing::warn!(%status, "ext_proc stream failed before a routing decision");
+                        let failed = Status::aborted(format!(
+                            "ext_proc stream failed before a routing decision: {}",
+                            status.message()
+                        ));
+                        let _ = tx.send(Err(failed)).await;
                         return;
                     }
                 }
@@ -115,4 +149,17 @@ impl ExternalProcessor for ExtProcService {
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// Sends the responses in `out` (emptying it); false when the proxy went away.
+async fn flush(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    out: &mut Vec<ProcessingResponse>,
+) -> bool {
+    for r in out.drain(..) {
+        if tx.send(Ok(r)).await.is_err() {
+            return false;
+        }
+    }
+    true
 }

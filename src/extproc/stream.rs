@@ -228,6 +228,30 @@ impl StreamState {
         }
     }
 
+    /// True until the request is routed or answered: a stream that breaks now must not end
+    /// quietly, or the proxy would carry on without a decision.
+    pub(super) fn undecided(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Start | Phase::BufferedBody | Phase::DuplexBody
+        )
+    }
+
+    /// The proxy sent a message over the gRPC message limit (a body over `max_body_bytes` in one
+    /// message): answer 413 as for any oversized body.
+    pub(super) fn reject_oversized(&mut self, detail: &str, out: &mut Vec<ProcessingResponse>) {
+        let max = self.shared.settings.max_body_bytes;
+        self.chunks = Vec::new();
+        self.reject(
+            Rejection::new(
+                413,
+                "body_too_large",
+                format!("request body exceeds the limit of {max} bytes ({detail})"),
+            ),
+            out,
+        );
+    }
+
     fn too_large(&self, len: usize) -> Rejection {
         let max = self.shared.settings.max_body_bytes;
         Rejection::new(

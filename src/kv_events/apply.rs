@@ -228,6 +228,7 @@ async fn subscription(
         stop,
     ));
     let mut seen_undecodable = 0;
+    let mut counted_without_replay = false;
     // The tick only refreshes the undecodable counter while nothing decodable arrives.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -274,6 +275,10 @@ async fn subscription(
             .undecodable
             .inc_by(undecodable - seen_undecodable);
         seen_undecodable = undecodable;
+        if !counted_without_replay && stats.without_replay.load(Ordering::Relaxed) > 0 {
+            counted_without_replay = true;
+            metrics.kv.without_replay.inc();
+        }
     }
     let _ = task.await;
 }

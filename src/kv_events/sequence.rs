@@ -14,16 +14,39 @@ pub enum SeqAction {
     Replay { from: u64, to: u64 },
     /// The publisher restarted: forget what it published before; then replay `[0, seq)` if `seq > 0`.
     Restarted { seq: u64 },
+    /// Already delivered by a catch-up replay: drop it.
+    Duplicate,
 }
 
 #[derive(Debug, Default, Clone)]
 pub struct SeqTracker {
     next: Option<u64>,
+    /// After a catch-up replay of `[from, to)`: live batches in that range are copies.
+    replayed: Option<(u64, u64)>,
 }
 
 impl SeqTracker {
+    /// Where a catch-up replay starts: after the last batch seen, or 0 for a new publisher.
+    pub fn resume_from(&self) -> u64 {
+        self.next.unwrap_or(0)
+    }
+
+    /// A catch-up replay delivered `[from, to)`: expect `to` next, and drop live copies of them.
+    pub fn caught_up(&mut self, from: u64, to: u64) {
+        if to > from {
+            self.next = Some(to);
+            self.replayed = Some((from, to));
+        }
+    }
+
     /// The action for batch `seq`; the tracker then expects `seq + 1`.
     pub fn observe(&mut self, seq: u64) -> SeqAction {
+        if let Some((from, to)) = self.replayed {
+            if (from..to).contains(&seq) {
+                return SeqAction::Duplicate;
+            }
+            self.replayed = None;
+        }
         let action = match self.next {
             None if seq == 0 => SeqAction::Deliver,
             None => SeqAction::Replay { from: 0, to: seq },
@@ -57,5 +80,22 @@ mod tests {
         let mut late = SeqTracker::default();
         assert_eq!(late.observe(7), SeqAction::Replay { from: 0, to: 7 });
         assert_eq!(late.observe(8), SeqAction::Deliver);
+    }
+
+    #[test]
+    fn catch_up_resumes_after_the_last_batch_and_drops_live_copies() {
+        let mut t = SeqTracker::default();
+        assert_eq!(t.resume_from(), 0, "a new publisher is read from the start");
+        t.caught_up(0, 3);
+        assert_eq!(t.resume_from(), 3);
+        assert_eq!(t.observe(1), SeqAction::Duplicate);
+        assert_eq!(t.observe(2), SeqAction::Duplicate);
+        assert_eq!(t.observe(3), SeqAction::Deliver);
+        // Once past the replayed range, going back is a restart again.
+        assert_eq!(t.observe(1), SeqAction::Restarted { seq: 1 });
+        // An empty catch-up changes nothing.
+        let mut e = SeqTracker::default();
+        e.caught_up(0, 0);
+        assert_eq!(e.observe(0), SeqAction::Deliver);
     }
 }

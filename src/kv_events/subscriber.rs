@@ -1,6 +1,10 @@
 //! One subscription to a KV-event publisher (a vLLM or SGLang data-parallel rank): a SUB socket for
 //! the live stream and, when configured, a DEALER to the publisher's replay ROUTER to fill gaps.
 //!
+//! Every (re)connect first catches up: the replay socket is asked for everything after the last
+//! batch delivered (from 0 for a new publisher), so a publisher that published before we reached it
+//! and then went quiet is not missed; once more if no live batch arrives shortly after.
+//!
 //! Frames are `[topic, seq (u64 big-endian), payload]`; replay replies end with `seq, payload` (vLLM
 //! puts `b"", topic` before them, SGLang and older vLLM only `b""`), and the reply to a request ends
 //! with seq `u64::MAX` and an empty payload. Batches are delivered in publisher order, replayed ones
@@ -18,6 +22,9 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::decode::{decode_batch, EventBatch};
 use super::sequence::{SeqAction, SeqTracker};
+
+/// After a (re)connect, how long to wait for a live batch before catching up once more.
+const SETTLE: Duration = Duration::from_millis(300);
 
 /// Sequence number that ends a replay reply.
 pub const REPLAY_END: u64 = u64::MAX;
@@ -58,6 +65,8 @@ pub struct SubscriberStats {
     pub lost: AtomicU64,
     pub restarts: AtomicU64,
     pub connects: AtomicU64,
+    /// 1 once the subscription found its publisher has no replay socket (no catch-up possible).
+    pub without_replay: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -72,7 +81,8 @@ impl Default for Timing {
     fn default() -> Self {
         Timing {
             reconnect_min: Duration::from_millis(100),
-            reconnect_max: Duration::from_secs(5),
+            // Capped low: a publisher that binds late is caught up within about a second.
+            reconnect_max: Duration::from_secs(1),
             replay_timeout: Duration::from_secs(2),
         }
     }
@@ -113,15 +123,45 @@ pub async fn run(
         dealer: None,
     };
     let mut tracker = SeqTracker::default();
+    let mut told_no_replay = false;
     loop {
         let Some(mut sub) = s.connect(&mut shutdown).await else {
             return;
         };
+        // Catch up on every (re)connect: whatever the publisher still holds after the last batch
+        // applied, so a publisher that published before we reached it and went quiet is indexed.
+        if s.source.replay_endpoint.is_some() {
+            let from = tracker.resume_from();
+            match s.catch_up(from).await {
+                None => return,
+                Some(to) => tracker.caught_up(from, to),
+            }
+        } else if !told_no_replay {
+            told_no_replay = true;
+            tracing::warn!(endpoint = %s.source.endpoint, "KV event publisher has no replay socket: batches published before the subscription are not indexed");
+            s.stats.without_replay.store(1, Ordering::Relaxed);
+        }
+        // A batch published while the subscription was still propagating is dropped by the PUB
+        // socket (ZMQ's slow joiner) and would be seen only at the next one; if nothing arrives
+        // soon after connecting, catch up once more.
+        let settle = tokio::time::sleep(SETTLE);
+        tokio::pin!(settle);
+        let mut settled = s.source.replay_endpoint.is_none();
         loop {
             let msg = tokio::select! {
                 m = sub.recv() => m,
+                _ = &mut settle, if !settled => {
+                    settled = true;
+                    let from = tracker.resume_from();
+                    match s.catch_up(from).await {
+                        None => return,
+                        Some(to) => tracker.caught_up(from, to),
+                    }
+                    continue;
+                }
                 _ = shutdown.changed() => return,
             };
+            settled = true;
             let msg = match msg {
                 Ok(m) => m,
                 Err(err) => {
@@ -135,6 +175,7 @@ pub async fn run(
                 continue;
             };
             let ok = match tracker.observe(seq) {
+                SeqAction::Duplicate => continue,
                 SeqAction::Deliver => true,
                 SeqAction::Replay { from, to } => s.replay(from, to).await,
                 SeqAction::Restarted { seq } => {
@@ -232,6 +273,35 @@ impl Subscription {
             expected = seq + 1;
         }
         expected >= to || self.lost(expected, to).await
+    }
+
+    /// Replays everything the publisher holds from `from` on and delivers it in order (gaps
+    /// reported lost). Returns the batch number expected next (`from` when it held nothing), or
+    /// `None` when the consumer is gone. A failed replay is logged and treated as empty.
+    async fn catch_up(&mut self, from: u64) -> Option<u64> {
+        let got = match self.fetch(from, REPLAY_END).await {
+            Ok(got) => got,
+            Err(err) => {
+                tracing::warn!(endpoint = ?self.source.replay_endpoint, %err, "KV event catch-up failed");
+                self.dealer = None;
+                Vec::new()
+            }
+        };
+        let mut expected = from;
+        for (seq, payload) in got {
+            if seq > expected && !self.lost(expected, seq).await {
+                return None;
+            }
+            self.stats.replayed.fetch_add(1, Ordering::Relaxed);
+            if !self.deliver(seq, &payload).await {
+                return None;
+            }
+            expected = seq + 1;
+        }
+        if expected > from {
+            tracing::info!(endpoint = %self.source.endpoint, from, to = expected, "KV events caught up from the replay socket");
+        }
+        Some(expected)
     }
 
     /// The replayed batches with `from <= seq < to`, sorted, without duplicates.

@@ -77,6 +77,7 @@ fn stream(reject: Option<Rejection>, max_body_bytes: usize) -> (StreamState, Arc
         Settings {
             destination_list: false,
             max_body_bytes,
+            ready_wait: std::time::Duration::ZERO,
         },
     );
     (StreamState::new(Arc::new(shared)), ep)
