@@ -6,7 +6,7 @@
 # (results.md, results.json, routing.png). About 10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet --bin kvepp-sim
+cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 sim=target/release/kvepp-sim
 "$sim" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload shared-prefix \

@@ -17,7 +17,7 @@ for port in 8081 9901 9002 9003 9090 18001 18002; do
 done
 
 echo "== building kvepp and installing Envoy (first run takes a few minutes)"
-cargo build --locked --quiet --bin kvepp --bin kvepp-sim
+cargo build --locked --quiet --workspace --bins
 envoy=$(scripts/install-envoy.sh)
 kvepp="$root/target/debug/kvepp"
 sim="$root/target/debug/kvepp-sim"

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== building kvepp-sim (kvepp runs inside it) and installing Envoy (first run takes a few minutes)" >&2
-cargo build --locked --quiet --bin kvepp-sim
+cargo build --locked --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 exec target/debug/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --duration 12 \
   --out target/demo "$@"
