@@ -736,3 +736,40 @@ async fn streamed_content_length_only_for_rewrites() {
     }
     epp.stop().await;
 }
+
+/// Right after a start the pool may not be loaded: a stream waits (up to `startup_wait_ms`) and is
+/// routed once it is, instead of getting 503 at once; after the bound it gets the 503.
+#[tokio::test]
+async fn streams_wait_for_the_pool_after_a_start_then_503() {
+    let slices: String = ["10.0.0.1:8000", "10.0.0.2:8000"]
+        .iter()
+        .enumerate()
+        .map(|(i, a)| slice_yaml(&format!("s{i}"), addr(a), true))
+        .collect();
+    let epp = Epp::start_unready(&slices, |c| c.startup_wait_ms = 20_000).await;
+    let mut s = Session::open(&epp).await;
+    s.send(headers(BUFFERED, false, None)).await;
+    // The InferencePool appears while the stream waits.
+    epp.write_manifest(
+        "pool.yaml",
+        &(pool_yaml("pool") + &standard_models() + &slices),
+    );
+    let first = s.recv().await;
+    assert!(matches!(first.response, Some(Resp::RequestHeaders(_))));
+    s.send(body(br#"{"model":"m","prompt":"hi"}"#, true)).await;
+    let r = routed(&s.recv().await);
+    assert!(["10.0.0.1:8000", "10.0.0.2:8000"].contains(&r.header.as_str()));
+    epp.stop().await;
+
+    let epp = Epp::start_unready(&slices, |c| c.startup_wait_ms = 100).await;
+    let (status, json) = immediate_status(&buffered_request(&epp, None, br#"{"model":"m"}"#).await);
+    assert_eq!(status, 503);
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not known yet"),
+        "{json}"
+    );
+    epp.stop().await;
+}

@@ -250,54 +250,53 @@ impl Subscription {
     /// Fetches `[from, to)` from the replay socket and delivers it in order; what the publisher no
     /// longer has is reported lost. False when the consumer is gone.
     async fn replay(&mut self, from: u64, to: u64) -> bool {
-        let got = match self.fetch(from, to).await {
+        let got = self.fetch_or_log(from, to, "KV event replay failed").await;
+        match self.deliver_replayed(from, got).await {
+            Some(expected) => expected >= to || self.lost(expected, to).await,
+            None => false,
+        }
+    }
+
+    /// `fetch`, with a failure logged (when there is a replay socket) and treated as empty.
+    async fn fetch_or_log(&mut self, from: u64, to: u64, what: &str) -> Vec<(u64, Vec<u8>)> {
+        match self.fetch(from, to).await {
             Ok(got) => got,
             Err(err) => {
                 if self.source.replay_endpoint.is_some() {
-                    tracing::warn!(endpoint = ?self.source.replay_endpoint, %err, "KV event replay failed");
+                    tracing::warn!(endpoint = ?self.source.replay_endpoint, %err, "{what}");
                 }
                 // A late reply must not be mistaken for the next request's: start a new connection.
                 self.dealer = None;
                 Vec::new()
             }
-        };
+        }
+    }
+
+    /// Delivers replayed batches (sorted) that should start at `from`, reporting gaps lost.
+    /// Returns the batch number expected next, or `None` when the consumer is gone.
+    async fn deliver_replayed(&mut self, from: u64, got: Vec<(u64, Vec<u8>)>) -> Option<u64> {
         let mut expected = from;
         for (seq, payload) in got {
             if seq > expected && !self.lost(expected, seq).await {
-                return false;
+                return None;
             }
             self.stats.replayed.fetch_add(1, Ordering::Relaxed);
             if !self.deliver(seq, &payload).await {
-                return false;
+                return None;
             }
             expected = seq + 1;
         }
-        expected >= to || self.lost(expected, to).await
+        Some(expected)
     }
 
     /// Replays everything the publisher holds from `from` on and delivers it in order (gaps
     /// reported lost). Returns the batch number expected next (`from` when it held nothing), or
     /// `None` when the consumer is gone. A failed replay is logged and treated as empty.
     async fn catch_up(&mut self, from: u64) -> Option<u64> {
-        let got = match self.fetch(from, REPLAY_END).await {
-            Ok(got) => got,
-            Err(err) => {
-                tracing::warn!(endpoint = ?self.source.replay_endpoint, %err, "KV event catch-up failed");
-                self.dealer = None;
-                Vec::new()
-            }
-        };
-        let mut expected = from;
-        for (seq, payload) in got {
-            if seq > expected && !self.lost(expected, seq).await {
-                return None;
-            }
-            self.stats.replayed.fetch_add(1, Ordering::Relaxed);
-            if !self.deliver(seq, &payload).await {
-                return None;
-            }
-            expected = seq + 1;
-        }
+        let got = self
+            .fetch_or_log(from, REPLAY_END, "KV event catch-up failed")
+            .await;
+        let expected = self.deliver_replayed(from, got).await?;
         if expected > from {
             tracing::info!(endpoint = %self.source.endpoint, from, to = expected, "KV events caught up from the replay socket");
         }

@@ -143,6 +143,13 @@ pub struct Epp {
 impl Epp {
     /// Starts kvepp serving pool `pool` from a fresh manifests directory holding `manifests`.
     pub async fn start(manifests: &str, tweak: impl FnOnce(&mut Config)) -> Epp {
+        let epp = Epp::start_unready(manifests, tweak).await;
+        epp.wait_ready().await;
+        epp
+    }
+
+    /// As [`Epp::start`], without waiting for readiness (the pool may not be loaded).
+    pub async fn start_unready(manifests: &str, tweak: impl FnOnce(&mut Config)) -> Epp {
         let dir = TempDir::new("epp");
         std::fs::write(dir.path().join("pool.yaml"), manifests).expect("write manifests");
         let mut cfg = Config {
@@ -159,15 +166,13 @@ impl Epp {
         tweak(&mut cfg);
         cfg.validate().expect("valid test config");
         let server = kvepp::server::InProcess::start(cfg).await.expect("bind");
-        let epp = Epp {
+        Epp {
             grpc: server.grpc,
             health: server.health,
             metrics: server.metrics,
             dir,
             server,
-        };
-        epp.wait_ready().await;
-        epp
+        }
     }
 
     pub async fn wait_ready(&self) {
