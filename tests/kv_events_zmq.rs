@@ -5,76 +5,15 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{free_port, repo_root, DEADLINE};
+use common::publisher::Publisher;
+use common::{free_port, DEADLINE};
 use kvepp::kv_events::subscriber::run;
 use kvepp::kv_events::{Delivery, KvEvent, Source, SubscriberStats, Timing};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{mpsc, watch};
-
-struct Publisher {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: Lines<BufReader<ChildStdout>>,
-}
-
-impl Publisher {
-    async fn start(port: u16, replay: u16, framing: &str) -> Publisher {
-        let python = repo_root().join(".venv/bin/python");
-        assert!(
-            python.exists(),
-            "{} missing: run scripts/test.sh (installs pyzmq)",
-            python.display()
-        );
-        let mut child = Command::new(python)
-            .arg(repo_root().join("tests/fixtures/kv_events/publisher.py"))
-            .args([port.to_string(), replay.to_string(), framing.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn publisher");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
-        let mut p = Publisher {
-            child,
-            stdin,
-            stdout,
-        };
-        p.expect("ready").await;
-        p
-    }
-
-    async fn expect(&mut self, word: &str) {
-        let line = tokio::time::timeout(DEADLINE, self.stdout.next_line())
-            .await
-            .expect("publisher answers in time");
-        assert_eq!(
-            line.expect("read").as_deref(),
-            Some(word),
-            "publisher said something else"
-        );
-    }
-
-    async fn cmd(&mut self, line: &str) {
-        self.stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .expect("write");
-        self.stdin.flush().await.expect("flush");
-        self.expect("ok").await;
-    }
-
-    async fn quit(mut self) {
-        self.cmd("quit").await;
-        let _ = self.child.wait().await;
-    }
-}
 
 struct Subscriber {
     rx: mpsc::Receiver<Delivery>,

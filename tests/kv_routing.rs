@@ -101,6 +101,20 @@ impl Engine {
         Self::start_with(name, ip, events_port, BLOCK).await
     }
 
+    /// An engine that publishes nothing itself: its `/metadata` names `events` and `replay` (a
+    /// publisher run by the test).
+    async fn start_silent(name: &str, events: &str, replay: &str) -> Engine {
+        let metadata = serde_json::json!({
+            "model": {"name": "m", "type": "Completions",
+                      "runtime_config": {"block_size": BLOCK, "data_parallel_size": 1}},
+            "kv_events": {"endpoints": {"0": events}, "replay_endpoints": {"0": replay}},
+        });
+        // What it would publish for the prompts it serves is discarded.
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        Self::serve(name, [127, 0, 0, 1].into(), BLOCK, metadata, tx).await
+    }
+
     async fn start_with(name: &str, ip: IpAddr, events_port: u16, block: usize) -> Engine {
         let mut publisher = PubSocket::new();
         publisher
@@ -132,12 +146,22 @@ impl Engine {
             "role": "both",
             "extra": "ignored"
         });
+        Self::serve(name, ip, block, metadata, tx).await
+    }
+
+    async fn serve(
+        name: &str,
+        ip: IpAddr,
+        block: usize,
+        metadata: serde_json::Value,
+        events: mpsc::UnboundedSender<Vec<u8>>,
+    ) -> Engine {
         let state = Arc::new(EngineState {
             name: name.into(),
             block,
             metadata,
             tokenizer: ModelTokenizer::load(&fixture_tokenizer()).expect("fixture tokenizer"),
-            events: tx,
+            events,
             release: Notify::new(),
         });
         let app = axum::Router::new()
@@ -429,4 +453,44 @@ impl TcpStreamRequest {
             .to_bytes();
         String::from_utf8_lossy(&body).into_owned()
     }
+}
+
+/// A vLLM engine whose publisher binds after kvepp is running, publishes one batch and goes quiet:
+/// kvepp catches it up from the replay socket, and the prefix routes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_that_binds_late_and_goes_quiet_is_routed_to() {
+    let (port, replay) = (free_port(), free_port());
+    let events = format!("tcp://127.0.0.1:{port}");
+    let a = Engine::start("a", [127, 0, 0, 1].into(), free_port()).await;
+    let b = Engine::start_silent("b", &events, &format!("tcp://127.0.0.1:{replay}")).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_with_metadata("a", a.http);
+    m += &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+        c.block_size = Some(BLOCK as u32);
+    })
+    .await;
+    until_engines_publish(&epp, &[&a]).await;
+    // kvepp is subscribed to a and retrying b's publisher, which is not there yet.
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    let shared = tokens(7, 4 * BLOCK);
+    p.publish(0, &stored_batch("b", BLOCK, &shared)).await;
+    wait_for("b's one batch in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(70 + k, BLOCK));
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            "b",
+            "prompt {k} sharing b's prefix"
+        );
+    }
+    p.quit().await;
+    drop(envoy);
+    epp.stop().await;
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod kube_api;
+pub mod publisher;
 
 use std::future::Future;
 use std::net::SocketAddr;
