@@ -414,15 +414,22 @@ async fn oversized_bodies_get_413_from_kvepp_and_never_pass_undecided() {
     epp.stop().await;
 }
 
-/// The 9 MiB body against the default 8 MiB limit, as a user would send it (streamed mode).
+/// The 9 MiB body against the default 8 MiB limit, in both body modes. Envoy's buffer is raised to
+/// 16 MiB so that in BUFFERED mode Envoy hands kvepp the whole body as one gRPC message larger than
+/// kvepp's message limit (the case that used to end the stream with OK and no decision).
 #[tokio::test]
 async fn nine_mib_body_gets_413_from_kvepp_with_the_default_limit() {
     let addrs = echo_backends(&["a"]).await;
     let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
-    let envoy = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
     let big = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(9 << 20));
-    let r = post_json(envoy.addr, big.clone()).await;
-    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
-    assert_eq!(r.json()["error"]["code"], 413);
+    for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
+        let mut b = mode(m);
+        b["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] =
+            (16u64 << 20).into();
+        let envoy = Envoy::start(b, epp.grpc).await;
+        let r = post_json(envoy.addr, big.clone()).await;
+        assert_eq!(r.status, 413, "{m}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error"]["code"], 413, "{m}: kvepp's JSON error");
+    }
     epp.stop().await;
 }
