@@ -16,9 +16,7 @@ use kvepp_core::index::reference::ReferenceIndex;
 use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
 use kvepp_core::kv::worker_id;
 use kvepp_core::slots::WorkerRank;
-use kvepp_core::{
-    Endpoint, EndpointLoad, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode,
-};
+use kvepp_core::{Endpoint, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode};
 
 fn chain(seed: u64, n: usize) -> (Vec<LocalBlockHash>, Vec<EngineBlockHash>) {
     let locals: Vec<LocalBlockHash> = (0..n as u64)
@@ -105,15 +103,7 @@ fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
     (0..n)
         .map(|i| {
             let addr: SocketAddr = ([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000).into();
-            Arc::new(Endpoint {
-                addr,
-                addr_str: addr.to_string().into(),
-                name: format!("pod-{i}").into(),
-                zone: None,
-                node: None,
-                metadata_port: None,
-                load: Arc::new(EndpointLoad::default()),
-            })
+            Arc::new(Endpoint::new(addr, format!("pod-{i}")))
         })
         .collect()
 }

@@ -61,25 +61,16 @@ pub async fn run(
 
 #[cfg(test)]
 mod tests {
-    use std::net::SocketAddr;
 
-    use kvepp_core::{
-        EndpointLoad, KvSettings, KvState, PickContext, Prompt, RequestFacts, Saturation,
-    };
+    use kvepp_core::{KvSettings, KvState, PickContext, Prompt, RequestFacts, Saturation};
 
     use super::*;
 
     fn endpoint(port: u16) -> Arc<Endpoint> {
-        let addr: SocketAddr = ([10, 0, 0, 1], port).into();
-        Arc::new(Endpoint {
-            addr,
-            addr_str: addr.to_string().into(),
-            name: format!("pod-{port}").into(),
-            zone: None,
-            node: None,
-            metadata_port: None,
-            load: Arc::new(EndpointLoad::default()),
-        })
+        Arc::new(Endpoint::new(
+            ([10, 0, 0, 1], port).into(),
+            format!("pod-{port}"),
+        ))
     }
 
     /// Approximate-prefix mode runs no KV-event manager; the upkeep alone must forget an endpoint

@@ -288,16 +288,7 @@ mod tests {
     use super::*;
 
     fn endpoint(addr: &str) -> Endpoint {
-        let addr: std::net::SocketAddr = addr.parse().expect("addr");
-        Endpoint {
-            addr,
-            addr_str: addr.to_string().into(),
-            name: "pod".into(),
-            zone: None,
-            node: None,
-            metadata_port: None,
-            load: Default::default(),
-        }
+        Endpoint::new(addr.parse().expect("addr"), "pod")
     }
 
     #[test]

@@ -54,6 +54,22 @@ pub struct Endpoint {
     pub load: Arc<EndpointLoad>,
 }
 
+impl Endpoint {
+    /// An endpoint at `addr` named `name`, with fresh load counters and no zone, node or metadata
+    /// port (discovery fills those in itself).
+    pub fn new(addr: SocketAddr, name: impl Into<Arc<str>>) -> Self {
+        Endpoint {
+            addr,
+            addr_str: addr.to_string().into(),
+            name: name.into(),
+            zone: None,
+            node: None,
+            metadata_port: None,
+            load: Arc::new(EndpointLoad::default()),
+        }
+    }
+}
+
 /// What the selector needs to know about one request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PickRequest<'a> {
@@ -226,20 +242,14 @@ pub(crate) mod tests {
     use crate::LeastLoaded;
 
     pub fn ep(port: u16, in_flight: u32) -> Arc<Endpoint> {
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let load = Arc::new(EndpointLoad::default());
+        let ep = Arc::new(Endpoint::new(
+            ([127, 0, 0, 1], port).into(),
+            format!("pod-{port}"),
+        ));
         for _ in 0..in_flight {
-            std::mem::forget(load.book());
+            std::mem::forget(ep.load.book());
         }
-        Arc::new(Endpoint {
-            addr,
-            addr_str: addr.to_string().into(),
-            name: format!("pod-{port}").into(),
-            zone: None,
-            node: None,
-            metadata_port: None,
-            load,
-        })
+        ep
     }
 
     /// `Selector::pick` with a seeded context.

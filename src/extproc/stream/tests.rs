@@ -7,7 +7,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation::Mutation, processing_response::Response, HttpTrailers, ProtocolConfiguration,
 };
-use kvepp_core::{Endpoint, EndpointLoad, PrefixMode};
+use kvepp_core::{Endpoint, PrefixMode};
 
 use super::*;
 use crate::extproc::{Settings, Shared};
@@ -53,16 +53,7 @@ impl RouteRequest for Fixed {
 }
 
 fn endpoint() -> Arc<Endpoint> {
-    let addr: SocketAddr = ([10, 0, 0, 7], 8000).into();
-    Arc::new(Endpoint {
-        addr,
-        addr_str: addr.to_string().into(),
-        name: "pod-7".into(),
-        zone: None,
-        node: None,
-        metadata_port: None,
-        load: Arc::new(EndpointLoad::default()),
-    })
+    Arc::new(Endpoint::new(([10, 0, 0, 7], 8000).into(), "pod-7"))
 }
 
 fn stream(reject: Option<Rejection>, max_body_bytes: usize) -> (StreamState, Arc<Endpoint>) {
