@@ -122,6 +122,32 @@ impl CostWeights {
         isl_tokens - isl_tokens.min(cached)
     }
 
+    /// Index of the chosen candidate: at temperature 0 the cheapest, ties going to the lowest
+    /// `tiebreak` (e.g. requests in flight) and then at random; above 0, [`Self::choose`]'s
+    /// softmax. `costs` must not be empty.
+    pub fn choose_with_tiebreak(
+        &self,
+        costs: &[f64],
+        tiebreak: impl Fn(usize) -> u32,
+        rng: &mut fastrand::Rng,
+    ) -> usize {
+        if self.temperature > 0.0 {
+            return self.choose(costs, || rng.f64());
+        }
+        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let least = (0..costs.len())
+            .filter(|&i| costs[i] <= min)
+            .map(&tiebreak)
+            .min()
+            .unwrap_or(0);
+        let tied = |i: &usize| costs[*i] <= min && tiebreak(*i) == least;
+        let n = (0..costs.len()).filter(tied).count();
+        (0..costs.len())
+            .filter(tied)
+            .nth(rng.usize(..n.max(1)))
+            .unwrap_or(0)
+    }
+
     /// Index of the chosen candidate (`costs` must not be empty). `roll` returns uniform numbers in
     /// [0, 1) (for a fixed seed in tests).
     pub fn choose(&self, costs: &[f64], mut roll: impl FnMut() -> f64) -> usize {

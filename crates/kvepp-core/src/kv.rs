@@ -365,22 +365,7 @@ impl KvState {
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
         let in_flight = |i: usize| candidates[i].load.in_flight();
-        let best = if w.temperature <= 0.0 {
-            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-            let least = (0..costs.len())
-                .filter(|&i| costs[i] <= min)
-                .map(in_flight)
-                .min()
-                .unwrap_or(0);
-            let tied = |i: &usize| costs[*i] <= min && in_flight(*i) == least;
-            let n = (0..costs.len()).filter(tied).count();
-            (0..costs.len())
-                .filter(tied)
-                .nth(ctx.rng.usize(..n.max(1)))
-                .unwrap_or(0)
-        } else {
-            w.choose(&costs, || ctx.rng.f64())
-        };
+        let best = w.choose_with_tiebreak(&costs, in_flight, &mut ctx.rng);
         let second = (0..costs.len()).filter(|&i| i != best).min_by(|&a, &b| {
             costs[a]
                 .total_cmp(&costs[b])
@@ -413,10 +398,8 @@ impl KvState {
         if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
             lock(&self.approx).record(worker, p);
         }
-        let id = self
-            .next_request
-            .fetch_add(1, Ordering::Relaxed)
-            .to_string();
+        // A NUL-led id: never one a client of the HTTP services can have booked.
+        let id = format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed));
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
         let mut slots = lock(&self.slots);
         slots.register(rank);
@@ -483,6 +466,169 @@ impl KvState {
             worker: worker_id(addr),
             dp_rank: 0,
         })
+    }
+}
+
+/// One rank's standing for one request in a rank-level selection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankChoice {
+    pub rank: WorkerRank,
+    /// Cached prefix on the rank, in blocks (KV-event index).
+    pub overlap: Overlap,
+    pub cost: f64,
+    /// Prompt tokens the rank still has to prefill given its cache (what a reservation books).
+    pub effective_prefill_tokens: u64,
+    pub load: CandidateLoad,
+}
+
+/// Why a rank-level selection or reservation failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SelectError {
+    #[error("no schedulable worker")]
+    NoCandidates,
+    #[error(transparent)]
+    Slot(#[from] super::slots::SlotError),
+}
+
+/// Rank-level operations: what the HTTP selection and slot-tracker services call. They share the
+/// cost model and the slot tracker with the endpoint-level [`KvState::rank`]/[`KvState::book`].
+impl KvState {
+    /// Cached prefix of `hashes` per rank in the KV-event index (only ranks holding its first
+    /// block).
+    pub fn rank_overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
+        let mut buffers = lock(&self.scratch).pop().unwrap_or_default();
+        let (scratch, out) = &mut buffers;
+        self.index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .find_matches(hashes, scratch, out);
+        let found = out.clone();
+        lock(&self.scratch).push(buffers);
+        found
+    }
+
+    /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
+    /// and, when `reserve` names a request, books it on the chosen rank under the same lock as
+    /// the loads were read (atomic select-and-reserve). The ranks must be registered.
+    pub fn select_rank(
+        &self,
+        ranks: &[WorkerRank],
+        hashes: &[SequenceHash],
+        isl_tokens: u64,
+        reserve: Option<(&str, Instant)>,
+        rng: &mut fastrand::Rng,
+    ) -> Result<RankChoice, SelectError> {
+        if ranks.is_empty() {
+            return Err(SelectError::NoCandidates);
+        }
+        let found = self.rank_overlaps(hashes);
+        let overlap_of = |r: WorkerRank| {
+            found
+                .iter()
+                .find(|o| o.rank == r)
+                .map_or(Overlap::default(), |o| o.overlap)
+        };
+        let w = &self.settings.weights;
+        let bs = self.block_size();
+        let mut slots = lock(&self.slots);
+        let loads: Vec<CandidateLoad> = ranks
+            .iter()
+            .map(|&r| {
+                let l = slots.potential_load(r, hashes, isl_tokens);
+                CandidateLoad {
+                    overlap: overlap_of(r),
+                    potential_prefill_tokens: l.potential_prefill_tokens,
+                    potential_decode_blocks: l.potential_decode_blocks,
+                    active_requests: l.active_requests,
+                }
+            })
+            .collect();
+        let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
+        let best = w.choose_with_tiebreak(&costs, |i| loads[i].active_requests, rng);
+        let c = loads[best];
+        let choice = RankChoice {
+            rank: ranks[best],
+            overlap: c.overlap,
+            cost: costs[best],
+            effective_prefill_tokens: w.effective_prefill_tokens(isl_tokens, bs, c.overlap),
+            load: c,
+        };
+        if let Some((id, now)) = reserve {
+            slots.add(id, choice.rank, hashes, choice.effective_prefill_tokens, now)?;
+        }
+        Ok(choice)
+    }
+
+    /// Each rank's load if it took this request (unregistered ranks count as idle).
+    pub fn potential_loads(
+        &self,
+        ranks: &[WorkerRank],
+        hashes: &[SequenceHash],
+        isl_tokens: u64,
+    ) -> Vec<super::slots::PotentialLoad> {
+        let slots = lock(&self.slots);
+        ranks
+            .iter()
+            .map(|&r| slots.potential_load(r, hashes, isl_tokens))
+            .collect()
+    }
+
+    /// Makes a rank schedulable in the slot tracker (idempotent).
+    pub fn register_rank(&self, rank: WorkerRank) {
+        lock(&self.slots).register(rank);
+    }
+
+    /// Removes a worker's ranks, active requests and cached blocks.
+    pub fn remove_worker(&self, worker: u64) {
+        self.index
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove_worker(worker);
+        lock(&self.approx).forget(worker);
+        lock(&self.slots).unregister_worker(worker);
+    }
+
+    /// Books a request on a registered rank until [`KvState::free`].
+    pub fn reserve(
+        &self,
+        id: &str,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        prefill_tokens: u64,
+        now: Instant,
+    ) -> Result<(), super::slots::SlotError> {
+        lock(&self.slots).add(id, rank, hashes, prefill_tokens, now)
+    }
+
+    pub fn prefill_complete(&self, id: &str) -> Result<(), super::slots::SlotError> {
+        lock(&self.slots).prefill_complete(id)
+    }
+
+    pub fn output_block(
+        &self,
+        id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), super::slots::SlotError> {
+        lock(&self.slots).add_output_block(id, decay_fraction)
+    }
+
+    /// Releases a reservation; whether it was active.
+    pub fn free(&self, id: &str) -> bool {
+        lock(&self.slots).free(id)
+    }
+
+    pub fn is_active(&self, id: &str) -> bool {
+        lock(&self.slots).is_active(id)
+    }
+
+    /// Requests booked in the slot tracker.
+    pub fn active_count(&self) -> usize {
+        lock(&self.slots).active_count()
+    }
+
+    /// Every registered rank's load.
+    pub fn rank_loads(&self) -> Vec<(WorkerRank, super::slots::RankLoad)> {
+        lock(&self.slots).loads().collect()
     }
 }
 

@@ -9,11 +9,14 @@
 //! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
 //! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
 //! - [`pick`]: eligibility (subset), shedding and the [`Picker`]s.
+//! - [`catalog`]: the HTTP services' registered workers by (model, tenant), over [`kv`]'s
+//!   rank-level selection and booking.
 //! - [`router`]: the one entry point: request facts + pool → decision with its booking.
 //!
 //! Invariants kept here: a pick only names a candidate; a booking is released exactly once (on
 //! drop); randomness and time come from the caller, never from globals or thread-locals.
 
+pub mod catalog;
 pub mod cost;
 pub mod hash;
 pub mod index;

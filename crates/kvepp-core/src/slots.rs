@@ -116,6 +116,30 @@ impl SlotTracker {
         self.ranks.keys().copied()
     }
 
+    /// Every registered rank with its current load (unordered).
+    pub fn loads(&self) -> impl Iterator<Item = (WorkerRank, RankLoad)> + '_ {
+        self.ranks.iter().map(|(rank, s)| {
+            (
+                *rank,
+                RankLoad {
+                    active_requests: s.active_requests,
+                    active_prefill_tokens: s.prefill_tokens,
+                    active_decode_blocks: s.decode_blocks(),
+                },
+            )
+        })
+    }
+
+    /// Whether `request_id` is active.
+    pub fn is_active(&self, request_id: &str) -> bool {
+        self.requests.contains_key(request_id)
+    }
+
+    /// Number of active requests.
+    pub fn active_count(&self) -> usize {
+        self.requests.len()
+    }
+
     /// Books a request's prompt blocks and prefill tokens on `rank`.
     pub fn add(
         &mut self,

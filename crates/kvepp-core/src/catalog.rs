@@ -1,0 +1,564 @@
+//! The worker catalog of the standalone selection and slot-tracker services: workers registered by
+//! their clients, grouped by (model, tenant) scope, each scope with its own KV-aware state (prefix
+//! index, slot tracker, block size), and the reservations booked through them.
+//!
+//! Invariants:
+//! - every scope holds at least one worker; a scope's workers share one block size (the first
+//!   worker's); a scope disappears with its last worker, and with it its index and bookings;
+//! - a worker's ranks `[dp_start, dp_start + dp_size)` are registered in its scope's slot tracker
+//!   and nothing outside them is schedulable; unregistering a worker removes its ranks, active
+//!   requests and cached blocks;
+//! - in pooled mode (`kvepp serve`) there is one scope, shared with the ext_proc picker, whose
+//!   workers are the discovered endpoints: it is never registered or unregistered through here;
+//! - a reservation id is active in at most one scope; the catalog remembers which (bounded by
+//!   [`Limits::max_reservations`]), and forgets it when freed or expired.
+//!
+//! Selection, reservation and the load views all go through [`KvState`]'s rank-level operations:
+//! nothing here ranks candidates or counts load.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use crate::cost::Overlap;
+use crate::hash::SequenceHash;
+use crate::kv::{KvSettings, KvState, RankChoice, SelectError};
+use crate::slots::{PotentialLoad, RankLoad, SlotError, WorkerRank};
+
+/// The (model, tenant) pair that scopes workers, the index and load.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope {
+    pub model: String,
+    pub tenant: String,
+}
+
+/// One registered worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Worker {
+    pub worker_id: u64,
+    pub block_size: u32,
+    pub dp_start: u32,
+    pub dp_size: u32,
+    /// Where clients reach it (selection service), if given.
+    pub endpoint: Option<String>,
+    /// KV-event publisher per data-parallel rank (selection service).
+    pub kv_events_endpoints: BTreeMap<u32, String>,
+    pub replay_endpoint: Option<String>,
+}
+
+impl Worker {
+    pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
+        (self.dp_start..self.dp_start + self.dp_size).map(|dp_rank| WorkerRank {
+            worker: self.worker_id,
+            dp_rank,
+        })
+    }
+
+    pub fn has_rank(&self, dp_rank: u32) -> bool {
+        dp_rank >= self.dp_start && dp_rank - self.dp_start < self.dp_size
+    }
+}
+
+/// Bounds on what clients can make the catalog hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_workers: usize,
+    pub max_ranks_per_worker: u32,
+    pub max_reservations: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_workers: 4096,
+            max_ranks_per_worker: 1024,
+            max_reservations: 1 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CatalogError {
+    #[error("block_size must be positive")]
+    ZeroBlockSize,
+    #[error("data-parallel size must be positive")]
+    ZeroDpSize,
+    #[error("data-parallel range {start} + {size} overflows")]
+    DpRangeOverflow { start: u32, size: u32 },
+    #[error("data-parallel size {size} is above the limit of {limit}")]
+    TooManyRanks { size: u32, limit: u32 },
+    #[error("model {model:?} tenant {tenant:?} uses block size {have}, not {got}")]
+    BlockSizeMismatch {
+        model: String,
+        tenant: String,
+        have: u32,
+        got: u32,
+    },
+    #[error("no workers registered for model {model:?} tenant {tenant:?}")]
+    UnknownScope { model: String, tenant: String },
+    #[error("worker {0} is not registered")]
+    UnknownWorker(u64),
+    #[error("worker {worker} has no data-parallel rank {dp_rank}")]
+    UnknownRank { worker: u64, dp_rank: u32 },
+    #[error("reservation {0:?} is not active")]
+    UnknownReservation(String),
+    #[error("reservation {0:?} is already active")]
+    DuplicateReservation(String),
+    #[error("effective_prefill_tokens {effective} exceeds the input length {isl}")]
+    EffectiveAboveInput { effective: u64, isl: u64 },
+    #[error("the catalog holds {0} workers, the limit")]
+    TooManyWorkers(usize),
+    #[error("{0} reservations are active, the limit")]
+    TooManyReservations(usize),
+    #[error("workers come from discovery here; they cannot be registered or removed over HTTP")]
+    Pooled,
+}
+
+impl From<SlotError> for CatalogError {
+    fn from(e: SlotError) -> Self {
+        match e {
+            SlotError::UnknownRank(r) => CatalogError::UnknownRank {
+                worker: r.worker,
+                dp_rank: r.dp_rank,
+            },
+            SlotError::DuplicateRequest(id) => CatalogError::DuplicateReservation(id),
+            SlotError::UnknownRequest(id) => CatalogError::UnknownReservation(id),
+        }
+    }
+}
+
+/// One scope's workers and state.
+#[derive(Debug)]
+pub struct Tracker {
+    pub kv: Arc<KvState>,
+    pub workers: BTreeMap<u64, Worker>,
+}
+
+impl Tracker {
+    pub fn block_size(&self) -> u32 {
+        self.kv.block_size()
+    }
+
+    pub fn ranks(&self) -> Vec<WorkerRank> {
+        self.workers.values().flat_map(Worker::ranks).collect()
+    }
+}
+
+/// A chosen worker rank with the overlap summary the services answer with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    pub worker: Worker,
+    pub choice: RankChoice,
+    pub block_size: u32,
+    /// Cached prefix per rank of the chosen worker, in blocks (ranks without any: 0).
+    pub per_rank: BTreeMap<u32, Overlap>,
+}
+
+/// A prompt as the services receive it: the final chained sequence hashes, one per block, and the
+/// input length in tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptRef<'a> {
+    pub hashes: &'a [SequenceHash],
+    pub isl_tokens: u64,
+}
+
+/// Workers, their scopes' state and the reservations.
+#[derive(Debug)]
+pub struct Catalog {
+    settings: KvSettings,
+    limits: Limits,
+    scopes: BTreeMap<Scope, Tracker>,
+    /// Pooled mode: every scope resolves to this one.
+    pooled: Option<Tracker>,
+    reservations: Mutex<HashMap<String, Scope>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Catalog {
+    /// A catalog of registered workers; each new scope gets a [`KvState`] with these settings
+    /// (its block size is the first worker's).
+    pub fn new(settings: KvSettings, limits: Limits) -> Self {
+        Catalog {
+            settings,
+            limits,
+            scopes: BTreeMap::new(),
+            pooled: None,
+            reservations: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// One scope shared with the ext_proc picker: every (model, tenant) resolves to `kv`, its
+    /// workers are set by [`Catalog::set_pool`].
+    pub fn pooled(kv: Arc<KvState>, limits: Limits) -> Self {
+        Catalog {
+            settings: *kv.settings(),
+            limits,
+            scopes: BTreeMap::new(),
+            pooled: Some(Tracker {
+                kv,
+                workers: BTreeMap::new(),
+            }),
+            reservations: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn is_pooled(&self) -> bool {
+        self.pooled.is_some()
+    }
+
+    /// Pooled mode: the discovered workers (one rank each); their ranks become schedulable.
+    pub fn set_pool(&mut self, workers: impl IntoIterator<Item = Worker>) {
+        if let Some(pool) = &mut self.pooled {
+            pool.workers = workers.into_iter().map(|w| (w.worker_id, w)).collect();
+            for r in pool.ranks() {
+                pool.kv.register_rank(r);
+            }
+        }
+    }
+
+    pub fn tracker(&self, scope: &Scope) -> Result<&Tracker, CatalogError> {
+        self.pooled
+            .as_ref()
+            .or_else(|| self.scopes.get(scope))
+            .ok_or_else(|| CatalogError::UnknownScope {
+                model: scope.model.clone(),
+                tenant: scope.tenant.clone(),
+            })
+    }
+
+    /// Every scope with its tracker (pooled mode: one, under `pool_scope`).
+    pub fn trackers<'a>(
+        &'a self,
+        pool_scope: &'a Scope,
+    ) -> Box<dyn Iterator<Item = (&'a Scope, &'a Tracker)> + 'a> {
+        match &self.pooled {
+            Some(p) => Box::new(std::iter::once((pool_scope, p))),
+            None => Box::new(self.scopes.iter()),
+        }
+    }
+
+    pub fn worker_count(&self) -> usize {
+        match &self.pooled {
+            Some(p) => p.workers.len(),
+            None => self.scopes.values().map(|t| t.workers.len()).sum(),
+        }
+    }
+
+    /// Registers (or replaces) a worker in `scope`.
+    pub fn register(&mut self, scope: Scope, worker: Worker) -> Result<(), CatalogError> {
+        if self.pooled.is_some() {
+            return Err(CatalogError::Pooled);
+        }
+        if worker.block_size == 0 {
+            return Err(CatalogError::ZeroBlockSize);
+        }
+        if worker.dp_size == 0 {
+            return Err(CatalogError::ZeroDpSize);
+        }
+        if worker.dp_start.checked_add(worker.dp_size).is_none() {
+            return Err(CatalogError::DpRangeOverflow {
+                start: worker.dp_start,
+                size: worker.dp_size,
+            });
+        }
+        if worker.dp_size > self.limits.max_ranks_per_worker {
+            return Err(CatalogError::TooManyRanks {
+                size: worker.dp_size,
+                limit: self.limits.max_ranks_per_worker,
+            });
+        }
+        let existing = self.scopes.get(&scope);
+        if let Some(t) = existing {
+            if t.block_size() != worker.block_size {
+                return Err(CatalogError::BlockSizeMismatch {
+                    model: scope.model,
+                    tenant: scope.tenant,
+                    have: t.block_size(),
+                    got: worker.block_size,
+                });
+            }
+        }
+        let replaces = existing.is_some_and(|t| t.workers.contains_key(&worker.worker_id));
+        if !replaces && self.worker_count() >= self.limits.max_workers {
+            return Err(CatalogError::TooManyWorkers(self.limits.max_workers));
+        }
+        let settings = KvSettings {
+            block_size: worker.block_size,
+            learn_block_size: false,
+            approximate_only: false,
+            ..self.settings
+        };
+        let tracker = self.scopes.entry(scope).or_insert_with(|| Tracker {
+            kv: Arc::new(KvState::new(settings)),
+            workers: BTreeMap::new(),
+        });
+        if let Some(old) = tracker.workers.get(&worker.worker_id) {
+            // Ranks the new range no longer covers go, with their requests and blocks.
+            if old.dp_start != worker.dp_start || old.dp_size != worker.dp_size {
+                tracker.kv.remove_worker(worker.worker_id);
+            }
+        }
+        for r in worker.ranks() {
+            tracker.kv.register_rank(r);
+        }
+        tracker.workers.insert(worker.worker_id, worker);
+        Ok(())
+    }
+
+    /// Removes a worker from `scope` with its ranks, requests and blocks.
+    pub fn unregister(&mut self, scope: &Scope, worker_id: u64) -> Result<Worker, CatalogError> {
+        if self.pooled.is_some() {
+            return Err(CatalogError::Pooled);
+        }
+        let tracker = self
+            .scopes
+            .get_mut(scope)
+            .ok_or(CatalogError::UnknownWorker(worker_id))?;
+        let worker = tracker
+            .workers
+            .remove(&worker_id)
+            .ok_or(CatalogError::UnknownWorker(worker_id))?;
+        tracker.kv.remove_worker(worker_id);
+        if tracker.workers.is_empty() {
+            self.scopes.remove(scope);
+        }
+        Ok(worker)
+    }
+
+    /// The scopes a worker id is registered in.
+    pub fn scopes_of(&self, worker_id: u64) -> Vec<Scope> {
+        self.scopes
+            .iter()
+            .filter(|(_, t)| t.workers.contains_key(&worker_id))
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+
+    /// Chooses a rank for the prompt in `scope`; with `reserve`, books it atomically.
+    pub fn select(
+        &self,
+        scope: &Scope,
+        prompt: PromptRef<'_>,
+        reserve: Option<(&str, Instant)>,
+        rng: &mut fastrand::Rng,
+    ) -> Result<Selection, CatalogError> {
+        let tracker = self.tracker(scope)?;
+        let ranks = tracker.ranks();
+        let mut reservations = reserve.map(|_| lock(&self.reservations));
+        if let (Some(map), Some((id, _))) = (&reservations, reserve) {
+            self.check_room(map, id)?;
+        }
+        let choice = tracker
+            .kv
+            .select_rank(&ranks, prompt.hashes, prompt.isl_tokens, reserve, rng)
+            .map_err(|e| match e {
+                SelectError::NoCandidates => CatalogError::UnknownScope {
+                    model: scope.model.clone(),
+                    tenant: scope.tenant.clone(),
+                },
+                SelectError::Slot(s) => s.into(),
+            })?;
+        if let (Some(map), Some((id, _))) = (&mut reservations, reserve) {
+            map.insert(id.to_owned(), scope.clone());
+        }
+        let worker = tracker
+            .workers
+            .get(&choice.rank.worker)
+            .cloned()
+            .ok_or(CatalogError::UnknownWorker(choice.rank.worker))?;
+        let found = tracker.kv.rank_overlaps(prompt.hashes);
+        let per_rank = worker
+            .ranks()
+            .map(|r| {
+                let o = found
+                    .iter()
+                    .find(|o| o.rank == r)
+                    .map_or(Overlap::default(), |o| o.overlap);
+                (r.dp_rank, o)
+            })
+            .collect();
+        Ok(Selection {
+            worker,
+            choice,
+            block_size: tracker.block_size(),
+            per_rank,
+        })
+    }
+
+    fn check_room(&self, map: &HashMap<String, Scope>, id: &str) -> Result<(), CatalogError> {
+        if map.contains_key(id) {
+            return Err(CatalogError::DuplicateReservation(id.to_owned()));
+        }
+        if map.len() >= self.limits.max_reservations {
+            return Err(CatalogError::TooManyReservations(self.limits.max_reservations));
+        }
+        Ok(())
+    }
+
+    /// Books a reservation on a given rank (selection service: ids are global, the lifecycle
+    /// routes name only the id). `effective_prefill_tokens` (≤ `isl_tokens`) is what loads
+    /// prefill; when absent, the whole input does.
+    pub fn reserve(
+        &self,
+        scope: &Scope,
+        id: &str,
+        rank: WorkerRank,
+        prompt: PromptRef<'_>,
+        effective_prefill_tokens: Option<u64>,
+        now: Instant,
+    ) -> Result<(), CatalogError> {
+        let (tracker, prefill) = self.check_booking(scope, rank, prompt, effective_prefill_tokens)?;
+        let mut map = lock(&self.reservations);
+        self.check_room(&map, id)?;
+        tracker.kv.reserve(id, rank, prompt.hashes, prefill, now)?;
+        map.insert(id.to_owned(), scope.clone());
+        Ok(())
+    }
+
+    /// Books a request on a given rank with ids scoped by (model, tenant) (slot tracker: every
+    /// lifecycle route names the scope). `prefill_tokens` load prefill until completion.
+    pub fn add_scoped(
+        &self,
+        scope: &Scope,
+        id: &str,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        prefill_tokens: u64,
+        now: Instant,
+    ) -> Result<(), CatalogError> {
+        let prompt = PromptRef {
+            hashes,
+            isl_tokens: prefill_tokens,
+        };
+        let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
+        if tracker.kv.active_count() >= self.limits.max_reservations {
+            return Err(CatalogError::TooManyReservations(self.limits.max_reservations));
+        }
+        Ok(tracker.kv.reserve(id, rank, hashes, prefill, now)?)
+    }
+
+    fn check_booking(
+        &self,
+        scope: &Scope,
+        rank: WorkerRank,
+        prompt: PromptRef<'_>,
+        effective_prefill_tokens: Option<u64>,
+    ) -> Result<(&Tracker, u64), CatalogError> {
+        let tracker = self.tracker(scope)?;
+        let worker = tracker
+            .workers
+            .get(&rank.worker)
+            .ok_or(CatalogError::UnknownWorker(rank.worker))?;
+        if !worker.has_rank(rank.dp_rank) {
+            return Err(CatalogError::UnknownRank {
+                worker: rank.worker,
+                dp_rank: rank.dp_rank,
+            });
+        }
+        let prefill = match effective_prefill_tokens {
+            Some(e) if e > prompt.isl_tokens => {
+                return Err(CatalogError::EffectiveAboveInput {
+                    effective: e,
+                    isl: prompt.isl_tokens,
+                })
+            }
+            Some(e) => e,
+            None => prompt.isl_tokens,
+        };
+        Ok((tracker, prefill))
+    }
+
+    /// The scope a reservation was booked in (forgetting it when it is no longer active).
+    fn reservation_tracker(&self, id: &str) -> Result<&Tracker, CatalogError> {
+        let mut map = lock(&self.reservations);
+        let unknown = || CatalogError::UnknownReservation(id.to_owned());
+        let scope = map.get(id).ok_or_else(unknown)?;
+        match self.tracker(scope) {
+            Ok(t) if t.kv.is_active(id) => Ok(t),
+            _ => {
+                map.remove(id);
+                Err(unknown())
+            }
+        }
+    }
+
+    pub fn prefill_complete(&self, id: &str) -> Result<(), CatalogError> {
+        Ok(self.reservation_tracker(id)?.kv.prefill_complete(id)?)
+    }
+
+    pub fn output_block(&self, id: &str, decay_fraction: Option<f64>) -> Result<(), CatalogError> {
+        Ok(self
+            .reservation_tracker(id)?
+            .kv
+            .output_block(id, decay_fraction)?)
+    }
+
+    /// Frees a reservation; whether it was active.
+    pub fn free(&self, id: &str) -> bool {
+        let Ok(tracker) = self.reservation_tracker(id) else {
+            return false;
+        };
+        let freed = tracker.kv.free(id);
+        lock(&self.reservations).remove(id);
+        freed
+    }
+
+    /// Drops stale requests in every scope and forgets reservations no longer active.
+    pub fn expire(&self, now: Instant) -> usize {
+        let pool_scope = Scope {
+            model: String::new(),
+            tenant: String::new(),
+        };
+        let expired = self
+            .trackers(&pool_scope)
+            .map(|(_, t)| t.kv.expire_stale(now))
+            .sum();
+        if expired > 0 {
+            lock(&self.reservations).retain(|id, scope| {
+                self.tracker(scope)
+                    .map(|t| t.kv.is_active(id))
+                    .unwrap_or(false)
+            });
+        }
+        expired
+    }
+
+    pub fn reservation_count(&self) -> usize {
+        lock(&self.reservations).len()
+    }
+
+    /// Current load of every rank of `scope`'s workers.
+    pub fn loads(&self, tracker: &Tracker) -> Vec<(WorkerRank, RankLoad)> {
+        let mut loads: Vec<(WorkerRank, RankLoad)> = tracker
+            .kv
+            .rank_loads()
+            .into_iter()
+            .filter(|(r, _)| {
+                tracker
+                    .workers
+                    .get(&r.worker)
+                    .is_some_and(|w| w.has_rank(r.dp_rank))
+            })
+            .collect();
+        loads.sort_by_key(|(r, _)| *r);
+        loads
+    }
+
+    /// Every rank's projected load for a prompt.
+    pub fn potential_loads(
+        &self,
+        scope: &Scope,
+        prompt: PromptRef<'_>,
+    ) -> Result<Vec<PotentialLoad>, CatalogError> {
+        let tracker = self.tracker(scope)?;
+        Ok(tracker
+            .kv
+            .potential_loads(&tracker.ranks(), prompt.hashes, prompt.isl_tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests;
