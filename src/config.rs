@@ -53,6 +53,12 @@ pub struct Config {
     pub metrics_port: u16,
     /// Address every server binds.
     pub bind_address: IpAddr,
+    /// Opens the Dynamo-compatible selection service (`kvepp select-service`'s routes) on this
+    /// port over the ext_proc picker's own state; unset: closed. Needs a KV-aware picker.
+    pub select_service_port: Option<u16>,
+    /// Opens the Dynamo-compatible slot tracker (`kvepp slot-tracker`'s routes) on this port over
+    /// the ext_proc picker's own state; unset: closed. Needs a KV-aware picker.
+    pub slot_tracker_port: Option<u16>,
     /// InferencePool this EPP serves.
     pub pool_name: String,
     pub pool_namespace: String,
@@ -106,6 +112,8 @@ impl Default for Config {
             grpc_health_port: 9003,
             metrics_port: 9090,
             bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            select_service_port: None,
+            slot_tracker_port: None,
             pool_name: String::new(),
             pool_namespace: "default".into(),
             endpoint_service: None,
@@ -170,6 +178,12 @@ pub struct ServeArgs {
     pub metrics_port: Option<u16>,
     #[arg(long, env = "KVEPP_BIND_ADDRESS")]
     pub bind_address: Option<String>,
+    /// Serve the selection service's HTTP routes on this port over the picker's state.
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_PORT")]
+    pub select_service_port: Option<u16>,
+    /// Serve the slot tracker's HTTP routes on this port over the picker's state.
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_PORT")]
+    pub slot_tracker_port: Option<u16>,
     #[arg(long, env = "KVEPP_POOL_NAME")]
     pub pool_name: Option<String>,
     #[arg(long, env = "KVEPP_POOL_NAMESPACE")]
@@ -257,6 +271,12 @@ impl Config {
         }
         if args.block_size.is_some() {
             cfg.block_size = args.block_size;
+        }
+        if args.select_service_port.is_some() {
+            cfg.select_service_port = args.select_service_port;
+        }
+        if args.slot_tracker_port.is_some() {
+            cfg.slot_tracker_port = args.slot_tracker_port;
         }
         if let Some(v) = args.kv_events_enabled {
             cfg.kv_events.enabled = v;
@@ -354,7 +374,16 @@ impl Config {
             ("grpc_port", self.grpc_port),
             ("grpc_health_port", self.grpc_health_port),
             ("metrics_port", self.metrics_port),
+            ("select_service_port", self.select_service_port.unwrap_or(0)),
+            ("slot_tracker_port", self.slot_tracker_port.unwrap_or(0)),
         ];
+        let http_doors = self.select_service_port.is_some() || self.slot_tracker_port.is_some();
+        if http_doors && matches!(self.picker, PickerKind::LeastLoaded | PickerKind::RoundRobin) {
+            bad(
+                "select_service_port",
+                "the selection and slot-tracker services need a KV-aware picker (kv-aware or approximate-prefix)".to_string(),
+            );
+        }
         for (i, (name, port)) in ports.iter().enumerate() {
             if *port != 0 && ports[..i].iter().any(|(_, p)| p == port) {
                 bad(

@@ -32,4 +32,5 @@ pub mod pace;
 pub mod process;
 pub mod request;
 pub mod server;
+pub mod services;
 pub mod upkeep;

@@ -14,6 +14,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
+use crate::api::peers::Peers;
+use crate::api::select::SelectState;
+use crate::api::slot_tracker::SlotTrackerState;
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
@@ -23,6 +26,8 @@ use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
 use crate::request::RequestRouter;
+use kvepp_core::catalog::{Catalog, Limits, Worker};
+use kvepp_core::kv::worker_id;
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -52,6 +57,10 @@ pub struct Listeners {
     pub grpc: TcpListener,
     pub health: TcpListener,
     pub metrics: TcpListener,
+    /// The selection service's HTTP door, when configured.
+    pub select_service: Option<TcpListener>,
+    /// The slot tracker's HTTP door, when configured.
+    pub slot_tracker: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -66,6 +75,14 @@ impl Listeners {
             grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
             health: one("gRPC health", (ip, cfg.grpc_health_port).into()).await?,
             metrics: one("metrics", (ip, cfg.metrics_port).into()).await?,
+            select_service: match cfg.select_service_port {
+                Some(p) => Some(one("selection service", (ip, p).into()).await?),
+                None => None,
+            },
+            slot_tracker: match cfg.slot_tracker_port {
+                Some(p) => Some(one("slot tracker", (ip, p).into()).await?),
+                None => None,
+            },
         })
     }
 
@@ -281,6 +298,14 @@ pub async fn run(
 
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
+    let doors = open_http_doors(
+        kv.as_ref(),
+        &store,
+        listeners.select_service,
+        listeners.slot_tracker,
+        &stop_rx,
+        &mut tasks,
+    );
 
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -302,7 +327,14 @@ pub async fn run(
 
     let grpc = tokio::spawn(grpc);
     let health = tokio::spawn(health);
-    let http = tokio::spawn(async move { http.await });
+    let http = tokio::spawn(async move {
+        let (main, doors) = tokio::join!(http, futures::future::join_all(doors));
+        let doors = doors.into_iter().try_for_each(|d| match d {
+            Ok(r) => r,
+            Err(e) => Err(std::io::Error::other(e)),
+        });
+        main.and(doors)
+    });
 
     shutdown.await;
     tracing::info!(
@@ -334,6 +366,84 @@ pub async fn run(
     }
 }
 
+/// `kvepp serve`'s HTTP doors: the selection service and the slot tracker over the picker's own
+/// state (a pooled catalog whose workers are the pool's ready endpoints), so an HTTP reservation
+/// weighs on Envoy's picks and an Envoy pick shows in `GET /loads`.
+fn open_http_doors(
+    kv: Option<&Arc<KvState>>,
+    store: &Arc<Datastore>,
+    select: Option<TcpListener>,
+    slots: Option<TcpListener>,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> Vec<tokio::task::JoinHandle<std::io::Result<()>>> {
+    let Some(kv) = kv else {
+        // Configuration validation refuses the doors without a KV-aware picker.
+        return Vec::new();
+    };
+    if select.is_none() && slots.is_none() {
+        return Vec::new();
+    }
+    let catalog = Arc::new(std::sync::RwLock::new(Catalog::pooled(
+        kv.clone(),
+        Limits::default(),
+    )));
+    {
+        let catalog = catalog.clone();
+        let kv = kv.clone();
+        let mut pool = store.watch();
+        let mut stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let endpoints = pool.borrow_and_update().clone();
+                let workers = endpoints.iter().map(|e| Worker {
+                    worker_id: worker_id(&e.addr_str),
+                    block_size: kv.block_size(),
+                    dp_start: 0,
+                    dp_size: 1,
+                    endpoint: Some(format!("http://{}", e.addr_str)),
+                    kv_events_endpoints: Default::default(),
+                    replay_endpoint: None,
+                });
+                catalog
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .set_pool(workers);
+                tokio::select! {
+                    r = pool.changed() => if r.is_err() { return },
+                    _ = stop.changed() => if *stop.borrow() { return },
+                }
+            }
+        }));
+    }
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let mut doors = Vec::new();
+    if let Some(l) = select {
+        tracing::info!(addr = ?l.local_addr().ok(), "selection service door open");
+        let state = Arc::new(SelectState::new(catalog.clone(), Peers::default()));
+        let app = crate::api::select::router(state);
+        let shutdown = stopped(stop.clone());
+        doors.push(tokio::spawn(async move {
+            axum::serve(l, app).with_graceful_shutdown(shutdown).await
+        }));
+    }
+    if let Some(l) = slots {
+        tracing::info!(addr = ?l.local_addr().ok(), "slot tracker door open");
+        let state = Arc::new(SlotTrackerState {
+            catalog,
+            peers: std::sync::Mutex::new(Peers::default()),
+        });
+        let app = crate::api::slot_tracker::router(state);
+        let shutdown = stopped(stop.clone());
+        doors.push(tokio::spawn(async move {
+            axum::serve(l, app).with_graceful_shutdown(shutdown).await
+        }));
+    }
+    doors
+}
+
 fn flatten(
     what: &'static str,
     r: Result<Result<(), String>, tokio::task::JoinError>,
@@ -355,6 +465,8 @@ pub struct InProcess {
     pub grpc: SocketAddr,
     pub health: SocketAddr,
     pub metrics: SocketAddr,
+    pub select_service: Option<SocketAddr>,
+    pub slot_tracker: Option<SocketAddr>,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), ServerError>>,
 }
@@ -369,6 +481,14 @@ impl InProcess {
                 message: "a bound listener has no local address".into(),
             });
         };
+        let select_service = listeners
+            .select_service
+            .as_ref()
+            .and_then(|l| l.local_addr().ok());
+        let slot_tracker = listeners
+            .slot_tracker
+            .as_ref()
+            .and_then(|l| l.local_addr().ok());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(run(cfg, listeners, async {
             let _ = stopped.await;
@@ -377,6 +497,8 @@ impl InProcess {
             grpc,
             health,
             metrics,
+            select_service,
+            slot_tracker,
             stop,
             task,
         })

@@ -1,5 +1,12 @@
 //! HTTP services beside the gRPC ones: Prometheus `/metrics`, liveness `/health`, readiness `/ready`,
-//! and `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint).
+//! and `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint) on the
+//! metrics port; and the Dynamo-compatible selection service ([`select`]) and slot tracker
+//! ([`slot_tracker`]), standalone or opened by `kvepp serve` over its own routing state.
+
+pub mod json;
+pub mod peers;
+pub mod select;
+pub mod slot_tracker;
 
 use std::sync::Arc;
 

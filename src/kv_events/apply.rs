@@ -167,6 +167,7 @@ pub async fn run_manager(
                     let (stop_tx, stop_rx) = watch::channel(false);
                     tokio::spawn(subscription(
                         kv.clone(),
+                        worker_id(&ep.addr_str),
                         ep.addr_str.clone(),
                         *rank,
                         source.clone(),
@@ -206,9 +207,74 @@ pub async fn run_manager(
 /// How often the index gauges are refreshed.
 const GAUGES_EVERY: Duration = Duration::from_secs(1);
 
-/// One endpoint's subscription: deliveries into the index, subscriber counters into metrics.
+/// One KV-event subscription a registered worker rank asks for (the selection service's
+/// catalog): into `kv`'s index, as `worker`'s rank `rank`.
+#[derive(Debug, Clone)]
+pub struct Subscribe {
+    pub kv: Arc<KvState>,
+    pub worker: u64,
+    pub rank: u32,
+    /// Names the subscription in logs and metrics.
+    pub label: Arc<str>,
+    pub source: Source,
+}
+
+impl Subscribe {
+    fn same_as(&self, o: &Subscribe) -> bool {
+        Arc::ptr_eq(&self.kv, &o.kv)
+            && (self.worker, self.rank, &self.source) == (o.worker, o.rank, &o.source)
+    }
+}
+
+/// Keeps exactly the subscriptions of the latest set: new ones start, changed ones restart,
+/// missing ones stop (their blocks leave with their worker through the catalog).
+pub async fn run_registered(
+    mut set: watch::Receiver<Vec<Subscribe>>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut running: Vec<(Subscribe, watch::Sender<bool>)> = Vec::new();
+    loop {
+        let wanted = set.borrow_and_update().clone();
+        // Dropping a stop sender ends its subscription.
+        running.retain(|(r, stop)| {
+            let keep = wanted.iter().any(|w| w.same_as(r));
+            if !keep {
+                let _ = stop.send(true);
+            }
+            keep
+        });
+        for w in wanted {
+            if running.iter().any(|(r, _)| r.same_as(&w)) {
+                continue;
+            }
+            let (stop_tx, stop_rx) = watch::channel(false);
+            tokio::spawn(subscription(
+                w.kv.clone(),
+                w.worker,
+                w.label.clone(),
+                w.rank,
+                w.source.clone(),
+                metrics.clone(),
+                stop_rx,
+            ));
+            running.push((w, stop_tx));
+        }
+        metrics.kv.subscriptions.set(running.len() as i64);
+        tokio::select! {
+            r = set.changed() => if r.is_err() { break },
+            _ = shutdown.changed() => if *shutdown.borrow() { break },
+        }
+    }
+    for (_, stop) in running {
+        let _ = stop.send(true);
+    }
+}
+
+/// One rank's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(
     kv: Arc<KvState>,
+    worker: u64,
     endpoint: Arc<str>,
     rank: u32,
     source: Source,
@@ -216,7 +282,6 @@ async fn subscription(
     stop: watch::Receiver<bool>,
 ) {
     tracing::info!(endpoint = %endpoint, dp_rank = rank, events = %source.endpoint, "subscribing to KV events");
-    let worker = worker_id(&endpoint);
     let labels = EndpointLabels { endpoint };
     let (tx, mut rx) = mpsc::channel(64);
     let stats = Arc::new(SubscriberStats::default());

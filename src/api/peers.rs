@@ -1,0 +1,120 @@
+//! The replica-sync peer list of an HTTP service: ZMQ endpoints added by flags and at run time.
+//!
+//! Invariants: endpoints are `tcp://host:port` (or `ipc://`/`inproc://` paths), at most
+//! [`MAX_PEERS`], never the service's own advertised endpoint; the list is in memory only (after a
+//! restart, only the flags' peers return). Connecting to them is replica sync's job: this list is
+//! what it connects to.
+
+use std::collections::BTreeSet;
+
+use axum::http::StatusCode;
+
+use super::json::ApiError;
+
+pub const MAX_PEERS: usize = 256;
+
+#[derive(Debug, Default)]
+pub struct Peers {
+    list: BTreeSet<String>,
+    /// The local endpoint as peers reach it (never registered as a peer).
+    advertise: Option<String>,
+}
+
+/// Checks the shape of a ZMQ endpoint.
+pub fn validate_endpoint(endpoint: &str) -> Result<(), String> {
+    let endpoint = endpoint.trim();
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{endpoint:?}: expected tcp://host:port"))?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(format!("{endpoint:?}: expected tcp://host:port"));
+        }
+        return Ok(());
+    }
+    if endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://") {
+        return Ok(());
+    }
+    Err(format!(
+        "{endpoint:?}: expected a ZMQ endpoint (tcp://host:port)"
+    ))
+}
+
+impl Peers {
+    /// The flags' peers (validated) and the advertised local endpoint.
+    pub fn new(
+        initial: impl IntoIterator<Item = String>,
+        advertise: Option<String>,
+    ) -> Result<Self, String> {
+        let mut p = Peers {
+            list: BTreeSet::new(),
+            advertise,
+        };
+        for e in initial {
+            p.add(&e).map_err(|e| e.message)?;
+        }
+        Ok(p)
+    }
+
+    pub fn add(&mut self, endpoint: &str) -> Result<(), ApiError> {
+        validate_endpoint(endpoint).map_err(ApiError::bad_request)?;
+        let endpoint = endpoint.trim();
+        if self.advertise.as_deref() == Some(endpoint) {
+            return Err(ApiError::bad_request(format!(
+                "{endpoint} is this process's own advertised endpoint"
+            )));
+        }
+        if !self.list.contains(endpoint) && self.list.len() >= MAX_PEERS {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("{MAX_PEERS} peers are configured, the limit"),
+            ));
+        }
+        self.list.insert(endpoint.to_owned());
+        Ok(())
+    }
+
+    /// Removes a peer; whether it was configured.
+    pub fn remove(&mut self, endpoint: &str) -> bool {
+        self.list.remove(endpoint.trim())
+    }
+
+    /// Sorted.
+    pub fn list(&self) -> Vec<String> {
+        self.list.iter().cloned().collect()
+    }
+}
+
+/// `a,b,c` → validated endpoints (empty items skipped).
+pub fn parse_list(s: Option<&str>) -> Vec<String> {
+    s.unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_validated_sorted_and_never_self() {
+        let mut p = Peers::new(
+            parse_list(Some("tcp://b:9092, tcp://a:9092")),
+            Some("tcp://me:9092".into()),
+        )
+        .unwrap();
+        assert_eq!(p.list(), ["tcp://a:9092", "tcp://b:9092"]);
+        assert!(p.add("tcp://me:9092").is_err());
+        assert!(p.add("http://x:1").is_err());
+        assert!(p.add("tcp://x").is_err());
+        assert!(p.add("tcp://x:99999").is_err());
+        p.add("tcp://c:1").unwrap();
+        assert!(p.remove("tcp://a:9092"));
+        assert!(!p.remove("tcp://a:9092"));
+        assert_eq!(p.list(), ["tcp://b:9092", "tcp://c:1"]);
+        assert!(Peers::new(vec!["nope".into()], None).is_err());
+    }
+}

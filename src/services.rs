@@ -1,0 +1,223 @@
+//! Wiring of the standalone HTTP services, `kvepp select-service` and `kvepp slot-tracker`, with
+//! exactly the flags of Dynamo's `dynamo.select_service` and `dynamo.slot_tracker`: a catalog of
+//! registered workers ([`kvepp_core::catalog`]), its routes ([`crate::api::select`],
+//! [`crate::api::slot_tracker`]), KV-event subscriptions for registered workers (selection
+//! service), and a timer that expires stale requests. Scheduling knobs come from the
+//! `DYN_ROUTER_*` environment variables, as Dynamo's do.
+//!
+//! Replica sync (`--replica-sync-*`) and index recovery (`--indexer-peers`) are parsed and
+//! validated here; the peer list they seed is served and changed by the peer routes.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::api::peers::{parse_list, validate_endpoint, Peers};
+use crate::api::select::SelectState;
+use crate::api::slot_tracker::SlotTrackerState;
+use crate::metrics::Metrics;
+use kvepp_core::catalog::{Catalog, Limits};
+use kvepp_core::cost::CostWeights;
+use kvepp_core::KvSettings;
+
+/// How often stale requests (older than 300 s) are expired.
+const EXPIRE_EVERY: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("HTTP server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// `kvepp select-service` (seed: the standalone selection service).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SelectArgs {
+    /// HTTP server port.
+    #[arg(long, default_value_t = 8092)]
+    pub port: u16,
+    /// KV indexer worker threads (the service's runtime threads).
+    #[arg(long, default_value_t = 4)]
+    pub threads: usize,
+    /// Comma-separated HTTP URLs used for startup KV recovery through /dump.
+    #[arg(long)]
+    pub indexer_peers: Option<String>,
+    /// Local ZMQ PUB port for active-load lifecycle events (binds tcp://*:<port>).
+    #[arg(long)]
+    pub replica_sync_port: Option<u16>,
+    /// Comma-separated ZMQ PUB endpoints of selector peers. Requires --replica-sync-port.
+    #[arg(long, requires = "replica_sync_port")]
+    pub replica_sync_peers: Option<String>,
+    /// Address the HTTP server binds.
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    pub host: IpAddr,
+}
+
+/// `kvepp slot-tracker` (seed: the standalone slot tracker).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SlotTrackerArgs {
+    /// HTTP server port.
+    #[arg(long, default_value_t = 8091)]
+    pub port: u16,
+    /// ZMQ PUB endpoint to bind for replica sync, e.g. tcp://*:8092.
+    #[arg(long)]
+    pub replica_sync_bind: Option<String>,
+    /// The externally reachable form of the bound endpoint (never registered as a peer).
+    #[arg(long)]
+    pub replica_sync_advertise: Option<String>,
+    /// Comma-separated peer PUB endpoints.
+    #[arg(long)]
+    pub replica_sync_peers: Option<String>,
+    /// Address the HTTP server binds.
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    pub host: IpAddr,
+}
+
+/// The catalog's settings: Dynamo's knobs from the environment.
+fn kv_settings() -> Result<KvSettings, ServiceError> {
+    let weights =
+        crate::config::router_knobs_from_env(CostWeights::default(), |k| std::env::var(k).ok())
+            .map_err(|errs| {
+                ServiceError::Invalid(
+                    errs.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                )
+            })?;
+    Ok(KvSettings {
+        weights,
+        table_seed: fastrand::u64(..),
+        ..KvSettings::default()
+    })
+}
+
+pub async fn bind(host: IpAddr, port: u16) -> Result<TcpListener, ServiceError> {
+    let addr = SocketAddr::new(host, port);
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServiceError::Bind { addr, source })
+}
+
+/// Expires stale requests until `stop`.
+async fn expire_loop(catalog: Arc<RwLock<Catalog>>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(EXPIRE_EVERY);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let n = catalog
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .expire(Instant::now());
+                if n > 0 {
+                    tracing::warn!(expired = n, "stale requests expired");
+                }
+            }
+            _ = stop.changed() => if *stop.borrow() { return },
+        }
+    }
+}
+
+async fn serve_router(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServiceError> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(ServiceError::Serve)
+}
+
+/// Validates the selection service's flags; returns the peer list they seed.
+pub fn select_peers(args: &SelectArgs) -> Result<Peers, ServiceError> {
+    for url in parse_list(args.indexer_peers.as_deref()) {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ServiceError::Invalid(format!(
+                "--indexer-peers: {url:?} is not an http(s) URL"
+            )));
+        }
+    }
+    Peers::new(parse_list(args.replica_sync_peers.as_deref()), None)
+        .map_err(|e| ServiceError::Invalid(format!("--replica-sync-peers: {e}")))
+}
+
+/// Runs the selection service on `listener` until `shutdown`.
+pub async fn run_select(
+    args: SelectArgs,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServiceError> {
+    let peers = select_peers(&args)?;
+    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
+    let state = Arc::new(SelectState::new(catalog.clone(), peers));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let subs = tokio::spawn(crate::kv_events::apply::run_registered(
+        state.subscriptions.subscribe(),
+        Metrics::new(),
+        stop_rx.clone(),
+    ));
+    let expire = tokio::spawn(expire_loop(catalog, stop_rx));
+    tracing::info!(addr = ?listener.local_addr().ok(), threads = args.threads, "selection service listening");
+    let served = serve_router(listener, crate::api::select::router(state), shutdown).await;
+    let _ = stop_tx.send(true);
+    let _ = subs.await;
+    expire.abort();
+    served
+}
+
+/// Validates the slot tracker's flags; returns the peer list they seed.
+pub fn slot_tracker_peers(args: &SlotTrackerArgs) -> Result<Peers, ServiceError> {
+    for (flag, v) in [
+        ("--replica-sync-bind", &args.replica_sync_bind),
+        ("--replica-sync-advertise", &args.replica_sync_advertise),
+    ] {
+        if let Some(e) = v {
+            let probe = e.replace("tcp://*:", "tcp://0.0.0.0:");
+            validate_endpoint(&probe).map_err(|m| ServiceError::Invalid(format!("{flag}: {m}")))?;
+        }
+    }
+    if args.replica_sync_bind.is_none()
+        && (args.replica_sync_advertise.is_some() || args.replica_sync_peers.is_some())
+    {
+        return Err(ServiceError::Invalid(
+            "--replica-sync-advertise and --replica-sync-peers require --replica-sync-bind".into(),
+        ));
+    }
+    Peers::new(
+        parse_list(args.replica_sync_peers.as_deref()),
+        args.replica_sync_advertise.clone(),
+    )
+    .map_err(|e| ServiceError::Invalid(format!("--replica-sync-peers: {e}")))
+}
+
+/// Runs the slot tracker on `listener` until `shutdown`.
+pub async fn run_slot_tracker(
+    args: SlotTrackerArgs,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServiceError> {
+    let peers = slot_tracker_peers(&args)?;
+    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
+    let state = Arc::new(SlotTrackerState {
+        catalog: catalog.clone(),
+        peers: Mutex::new(peers),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let expire = tokio::spawn(expire_loop(catalog, stop_rx));
+    tracing::info!(addr = ?listener.local_addr().ok(), "slot tracker listening");
+    let served = serve_router(listener, crate::api::slot_tracker::router(state), shutdown).await;
+    let _ = stop_tx.send(true);
+    expire.abort();
+    served
+}
