@@ -378,7 +378,12 @@ impl Config {
             ("slot_tracker_port", self.slot_tracker_port.unwrap_or(0)),
         ];
         let http_doors = self.select_service_port.is_some() || self.slot_tracker_port.is_some();
-        if http_doors && matches!(self.picker, PickerKind::LeastLoaded | PickerKind::RoundRobin) {
+        if http_doors
+            && matches!(
+                self.picker,
+                PickerKind::LeastLoaded | PickerKind::RoundRobin
+            )
+        {
             bad(
                 "select_service_port",
                 "the selection and slot-tracker services need a KV-aware picker (kv-aware or approximate-prefix)".to_string(),

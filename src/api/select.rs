@@ -72,11 +72,8 @@ impl SelectState {
                         kv: t.kv.clone(),
                         worker: w.worker_id,
                         rank,
-                        label: format!(
-                            "{}/{}/{}/{}",
-                            scope.model, scope.tenant, w.worker_id, rank
-                        )
-                        .into(),
+                        label: format!("{}/{}/{}/{}", scope.model, scope.tenant, w.worker_id, rank)
+                            .into(),
                         source: Source {
                             endpoint: endpoint.clone(),
                             // One replay socket per worker: it answers for its first rank.
@@ -109,12 +106,18 @@ pub fn router(state: Arc<SelectState>) -> Router {
         .route("/health", get(|| async { ok(StatusCode::OK) }))
         .route("/ready", get(ready))
         .route("/workers", post(add_worker).get(list_workers))
-        .route("/workers/{worker_id}", axum::routing::patch(patch_worker).delete(delete_worker))
+        .route(
+            "/workers/{worker_id}",
+            axum::routing::patch(patch_worker).delete(delete_worker),
+        )
         .route("/select", post(select))
         .route("/select_and_reserve", post(select_and_reserve))
         .route("/reservations", post(reserve))
         .route("/reservations/{id}", axum::routing::delete(free))
-        .route("/reservations/{id}/prefill_complete", post(prefill_complete))
+        .route(
+            "/reservations/{id}/prefill_complete",
+            post(prefill_complete),
+        )
         .route("/reservations/{id}/output_block", post(output_block))
         .route("/loads", get(loads))
         .route("/potential_loads", post(potential_loads))
@@ -515,7 +518,10 @@ async fn select(State(st): St, Body(b): Body<SelectBody>) -> Result<Response, Ap
     do_select(&st, b, false)
 }
 
-async fn select_and_reserve(State(st): St, Body(b): Body<SelectBody>) -> Result<Response, ApiError> {
+async fn select_and_reserve(
+    State(st): St,
+    Body(b): Body<SelectBody>,
+) -> Result<Response, ApiError> {
     do_select(&st, b, true)
 }
 
@@ -579,7 +585,10 @@ async fn output_block(
         None
     } else {
         let b: OutputBlockBody = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("invalid body: {e}"))
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("invalid body: {e}"),
+            )
         })?;
         b.decay_fraction
     };

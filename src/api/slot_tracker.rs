@@ -298,7 +298,10 @@ pub fn potential_rows(loads: Vec<kvepp_core::slots::PotentialLoad>) -> Vec<Poten
         .collect()
 }
 
-async fn potential_loads(State(st): St, Body(b): Body<PotentialBody>) -> Result<Response, ApiError> {
+async fn potential_loads(
+    State(st): St,
+    Body(b): Body<PotentialBody>,
+) -> Result<Response, ApiError> {
     let scope = Scope {
         model: b.model_name,
         tenant: b.tenant_id,

@@ -393,7 +393,9 @@ impl Catalog {
             return Err(CatalogError::DuplicateReservation(id.to_owned()));
         }
         if map.len() >= self.limits.max_reservations {
-            return Err(CatalogError::TooManyReservations(self.limits.max_reservations));
+            return Err(CatalogError::TooManyReservations(
+                self.limits.max_reservations,
+            ));
         }
         Ok(())
     }
@@ -410,7 +412,8 @@ impl Catalog {
         effective_prefill_tokens: Option<u64>,
         now: Instant,
     ) -> Result<(), CatalogError> {
-        let (tracker, prefill) = self.check_booking(scope, rank, prompt, effective_prefill_tokens)?;
+        let (tracker, prefill) =
+            self.check_booking(scope, rank, prompt, effective_prefill_tokens)?;
         let mut map = lock(&self.reservations);
         self.check_room(&map, id)?;
         tracker.kv.reserve(id, rank, prompt.hashes, prefill, now)?;
@@ -435,7 +438,9 @@ impl Catalog {
         };
         let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
         if tracker.kv.active_count() >= self.limits.max_reservations {
-            return Err(CatalogError::TooManyReservations(self.limits.max_reservations));
+            return Err(CatalogError::TooManyReservations(
+                self.limits.max_reservations,
+            ));
         }
         Ok(tracker.kv.reserve(id, rank, hashes, prefill, now)?)
     }

@@ -554,7 +554,13 @@ impl KvState {
             load: c,
         };
         if let Some((id, now)) = reserve {
-            slots.add(id, choice.rank, hashes, choice.effective_prefill_tokens, now)?;
+            slots.add(
+                id,
+                choice.rank,
+                hashes,
+                choice.effective_prefill_tokens,
+                now,
+            )?;
         }
         Ok(choice)
     }

@@ -187,13 +187,14 @@ fn explicit_reservations_are_checked() {
     c.reserve(&scope("m"), "x", r(1, 1), prompt, Some(4), now)
         .unwrap();
     let t = c.tracker(&scope("m")).unwrap();
-    assert!(c
-        .loads(t)
-        .contains(&(r(1, 1), RankLoad {
+    assert!(c.loads(t).contains(&(
+        r(1, 1),
+        RankLoad {
             active_requests: 1,
             active_prefill_tokens: 4,
             active_decode_blocks: 1
-        })));
+        }
+    )));
     // Unregistering the worker drops its reservation.
     c.unregister(&scope("m"), 1).unwrap();
     assert!(!c.free("x"));
@@ -230,7 +231,12 @@ fn pooled_catalog_shares_the_pickers_state() {
     };
     let mut rng = fastrand::Rng::new();
     let s = c
-        .select(&scope("any-model"), prompt, Some(("r", Instant::now())), &mut rng)
+        .select(
+            &scope("any-model"),
+            prompt,
+            Some(("r", Instant::now())),
+            &mut rng,
+        )
         .unwrap();
     assert_eq!(s.choice.rank.worker, 7);
     assert_eq!(kv.active_count(), 1, "booked in the picker's own tracker");
