@@ -494,3 +494,132 @@ async fn publisher_that_binds_late_and_goes_quiet_is_routed_to() {
     drop(envoy);
     epp.stop().await;
 }
+
+/// `kvepp serve` with both HTTP doors open: they share the picker's state. A reservation booked
+/// over HTTP steers Envoy's picks away from its worker, and a request Envoy routed shows in the
+/// slot tracker's `GET /loads`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_doors_share_state_with_envoy_picks() {
+    let (a, b, epp) = two_engines(|c| {
+        c.select_service_port = Some(0);
+        c.slot_tracker_port = Some(0);
+    })
+    .await;
+    let select = epp.select_service.expect("select door");
+    let slots = epp.slot_tracker.expect("slot tracker door");
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let json_req = |addr: SocketAddr,
+                    method: &'static str,
+                    path: String,
+                    body: serde_json::Value| async move {
+        http(
+            addr,
+            method,
+            &path,
+            &[("content-type", "application/json")],
+            body.to_string(),
+        )
+        .await
+    };
+
+    // Discovered endpoints are the workers, with stable ids.
+    let workers = wait_for("both endpoints listed as workers", || async {
+        let v = json_req(select, "GET", "/workers".into(), serde_json::Value::Null)
+            .await
+            .json();
+        (v.as_array()?.len() == 2).then_some(v)
+    })
+    .await;
+    let id_of = |e: &Engine| {
+        let endpoint = format!("http://{}", e.http);
+        workers
+            .as_array()
+            .expect("list")
+            .iter()
+            .find(|w| w["endpoint"] == serde_json::json!(endpoint))
+            .and_then(|w| w["worker_id"].as_u64())
+            .expect("worker listed")
+    };
+    let (wa, wb) = (id_of(&a), id_of(&b));
+    let again = json_req(select, "GET", "/workers".into(), serde_json::Value::Null)
+        .await
+        .json();
+    assert_eq!(again, workers, "ids are stable");
+
+    // A heavy reservation on one engine sends cold prompts to the other, both ways.
+    for (busy, free, name) in [(wa, "b", "a"), (wb, "a", "b")] {
+        let hashes: Vec<u64> = (0..256).map(|i| u64::from(busy as u32) + i).collect();
+        let r = json_req(
+            select,
+            "POST",
+            "/reservations".into(),
+            serde_json::json!({"reservation_id": format!("heavy-{name}"), "worker_id": busy,
+                               "dp_rank": 0, "sequence_hashes": hashes, "isl_tokens": 4096}),
+        )
+        .await;
+        assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+        for k in 0..3 {
+            assert_eq!(
+                served_by(
+                    &envoy,
+                    &tokens(40 + k + u32::from(free == "a") * 10, 4 * BLOCK)
+                )
+                .await,
+                free,
+                "cold prompt {k} while {name} carries an HTTP reservation"
+            );
+        }
+        let r = json_req(
+            select,
+            "DELETE",
+            format!("/reservations/heavy-{name}"),
+            serde_json::Value::Null,
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+
+    // An Envoy pick shows in the slot tracker's loads while its stream runs.
+    let held = tokens(60, 4 * BLOCK);
+    let mut stream = TcpStreamRequest::start(envoy.addr, prompt(&held, true)).await;
+    let first = stream.first_chunk().await;
+    let (engine, worker) = if first.contains("\"engine\":\"a\"") {
+        (&a, wa)
+    } else {
+        (&b, wb)
+    };
+    let loads = json_req(slots, "GET", "/loads".into(), serde_json::Value::Null)
+        .await
+        .json();
+    let row = loads
+        .as_array()
+        .expect("rows")
+        .iter()
+        .find(|r| r["worker_id"] == serde_json::json!(worker))
+        .cloned()
+        .expect("the picked worker's row");
+    assert_eq!(row["active_decode_blocks"], serde_json::json!(4), "{loads}");
+    engine.state.release.notify_one();
+    assert_eq!(stream.rest().await, "done\n");
+    wait_for("the Envoy pick released in /loads", || async {
+        let v = json_req(slots, "GET", "/loads".into(), serde_json::Value::Null)
+            .await
+            .json();
+        v.as_array()?
+            .iter()
+            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
+            .then_some(())
+    })
+    .await;
+    // Workers come from discovery: the doors do not register any.
+    let r = json_req(
+        select,
+        "POST",
+        "/workers".into(),
+        serde_json::json!({"worker_id": 5}),
+    )
+    .await;
+    assert_eq!(r.status, 409);
+    drop(envoy);
+    epp.stop().await;
+}

@@ -137,6 +137,9 @@ pub struct Epp {
     pub grpc: SocketAddr,
     pub health: SocketAddr,
     pub metrics: SocketAddr,
+    /// The selection service's and slot tracker's HTTP doors, when configured.
+    pub select_service: Option<SocketAddr>,
+    pub slot_tracker: Option<SocketAddr>,
     pub dir: TempDir,
     server: kvepp::server::InProcess,
 }
@@ -171,6 +174,8 @@ impl Epp {
             grpc: server.grpc,
             health: server.health,
             metrics: server.metrics,
+            select_service: server.select_service,
+            slot_tracker: server.slot_tracker,
             dir,
             server,
         }
