@@ -101,6 +101,32 @@ impl SelectState {
 
 type St = State<Arc<SelectState>>;
 
+/// Every route, (method, path): what `openapi/select-service.yaml` documents (checked by a test).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/health"),
+    ("GET", "/ready"),
+    ("POST", "/workers"),
+    ("GET", "/workers"),
+    ("PATCH", "/workers/{worker_id}"),
+    ("DELETE", "/workers/{worker_id}"),
+    ("POST", "/select"),
+    ("POST", "/select_and_reserve"),
+    ("POST", "/reservations"),
+    ("DELETE", "/reservations/{reservation_id}"),
+    ("POST", "/reservations/{reservation_id}/prefill_complete"),
+    ("POST", "/reservations/{reservation_id}/output_block"),
+    ("GET", "/loads"),
+    ("POST", "/potential_loads"),
+    ("POST", "/overlap_scores"),
+    ("GET", "/dump"),
+    ("POST", "/replica_sync/register_peer"),
+    ("POST", "/replica_sync/deregister_peer"),
+    ("GET", "/replica_sync/peers"),
+];
+
+/// The OpenAPI document of these routes.
+pub const OPENAPI: &str = include_str!("openapi/select-service.yaml");
+
 pub fn router(state: Arc<SelectState>) -> Router {
     Router::new()
         .route("/health", get(|| async { ok(StatusCode::OK) }))
@@ -113,12 +139,18 @@ pub fn router(state: Arc<SelectState>) -> Router {
         .route("/select", post(select))
         .route("/select_and_reserve", post(select_and_reserve))
         .route("/reservations", post(reserve))
-        .route("/reservations/{id}", axum::routing::delete(free))
         .route(
-            "/reservations/{id}/prefill_complete",
+            "/reservations/{reservation_id}",
+            axum::routing::delete(free),
+        )
+        .route(
+            "/reservations/{reservation_id}/prefill_complete",
             post(prefill_complete),
         )
-        .route("/reservations/{id}/output_block", post(output_block))
+        .route(
+            "/reservations/{reservation_id}/output_block",
+            post(output_block),
+        )
         .route("/loads", get(loads))
         .route("/potential_loads", post(potential_loads))
         .route("/overlap_scores", post(overlap_scores))

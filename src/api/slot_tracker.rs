@@ -33,6 +33,25 @@ pub struct SlotTrackerState {
 
 type St = State<Arc<SlotTrackerState>>;
 
+/// Every route, (method, path): what `openapi/slot-tracker.yaml` documents (checked by a test).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/health"),
+    ("POST", "/register"),
+    ("POST", "/unregister"),
+    ("GET", "/workers"),
+    ("POST", "/add"),
+    ("POST", "/prefill_complete"),
+    ("POST", "/free"),
+    ("GET", "/loads"),
+    ("POST", "/potential_loads"),
+    ("POST", "/register_peer"),
+    ("POST", "/deregister_peer"),
+    ("GET", "/peers"),
+];
+
+/// The OpenAPI document of these routes.
+pub const OPENAPI: &str = include_str!("openapi/slot-tracker.yaml");
+
 pub fn router(state: Arc<SlotTrackerState>) -> Router {
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
