@@ -54,11 +54,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::SelectService(args) => {
             init_logging(LogFormat::Text, &log_level());
+            kvepp::services::select_peers(&args)?;
             let listener = kvepp::services::bind(args.host, args.port).await?;
             kvepp::services::run_select(args, listener, shutdown_signal()).await?;
         }
         Command::SlotTracker(args) => {
             init_logging(LogFormat::Text, &log_level());
+            kvepp::services::slot_tracker_peers(&args)?;
             let listener = kvepp::services::bind(args.host, args.port).await?;
             kvepp::services::run_slot_tracker(args, listener, shutdown_signal()).await?;
         }

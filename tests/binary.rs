@@ -343,3 +343,78 @@ fn shipped_binaries_link_only_the_c_runtime() {
         );
     }
 }
+
+/// `kvepp select-service` and `kvepp slot-tracker` take exactly the seeds' flags, with their
+/// defaults, and refuse bad ones with a message naming the flag.
+#[test]
+fn http_services_take_the_seed_flags() {
+    let help = |sub: &str| {
+        let out = Command::new(BIN).args([sub, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let select = help("select-service");
+    for flag in [
+        "--port <PORT>",
+        "--threads <THREADS>",
+        "--indexer-peers",
+        "--replica-sync-port",
+        "--replica-sync-peers",
+    ] {
+        assert!(select.contains(flag), "select-service {flag}:\n{select}");
+    }
+    assert!(select.contains("[default: 8092]") && select.contains("[default: 4]"));
+    let slots = help("slot-tracker");
+    for flag in [
+        "--port <PORT>",
+        "--replica-sync-bind",
+        "--replica-sync-advertise",
+        "--replica-sync-peers",
+    ] {
+        assert!(slots.contains(flag), "slot-tracker {flag}:\n{slots}");
+    }
+    assert!(slots.contains("[default: 8091]"));
+
+    let refused = |args: &[&str], names: &str| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(names), "{args:?}: {err}");
+    };
+    refused(
+        &["select-service", "--replica-sync-peers", "tcp://b:9092"],
+        "--replica-sync-port",
+    );
+    refused(
+        &[
+            "select-service",
+            "--port",
+            "0",
+            "--indexer-peers",
+            "ftp://x",
+        ],
+        "--indexer-peers",
+    );
+    refused(
+        &[
+            "slot-tracker",
+            "--port",
+            "0",
+            "--replica-sync-peers",
+            "tcp://b:1",
+        ],
+        "--replica-sync-bind",
+    );
+    refused(
+        &[
+            "slot-tracker",
+            "--port",
+            "0",
+            "--replica-sync-bind",
+            "tcp://*:1",
+            "--replica-sync-peers",
+            "udp://b",
+        ],
+        "--replica-sync-peers",
+    );
+}
