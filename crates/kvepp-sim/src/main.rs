@@ -24,6 +24,9 @@ enum Command {
     /// Replay a workload through Envoy and kvepp to a simulated fleet under each routing policy
     /// and report TTFT, latency, throughput, prefix-cache hit ratio and load imbalance.
     BenchRouting(kvepp_sim::bench::BenchArgs),
+    /// `/select_and_reserve` + free pairs per second over HTTP keep-alive against the same pick
+    /// in-process (the selection service's HTTP overhead).
+    BenchSelect(kvepp_sim::select_bench::SelectBenchArgs),
     /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
     EchoBackend {
         #[arg(long)]
@@ -71,6 +74,10 @@ async fn main() -> anyhow::Result<()> {
             }
             init_logging();
             kvepp_sim::fleet::run(args, shutdown_signal()).await?;
+        }
+        Command::BenchSelect(args) => {
+            init_logging();
+            kvepp_sim::select_bench::run(args).await?;
         }
         Command::BenchRouting(args) => {
             init_logging();
