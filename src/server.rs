@@ -14,7 +14,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
-use crate::api::peers::Peers;
+use crate::api::peers::{Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::api::{self, ApiState};
@@ -433,7 +433,7 @@ fn open_http_doors(
         tracing::info!(addr = ?l.local_addr().ok(), "slot tracker door open");
         let state = Arc::new(SlotTrackerState {
             catalog,
-            peers: std::sync::Mutex::new(Peers::default()),
+            peers: SharedPeers::default(),
         });
         let app = crate::api::slot_tracker::router(state);
         let shutdown = stopped(stop.clone());

@@ -10,13 +10,13 @@
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::api::peers::{parse_list, validate_endpoint, Peers};
+use crate::api::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::metrics::Metrics;
@@ -211,7 +211,7 @@ pub async fn run_slot_tracker(
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
     let state = Arc::new(SlotTrackerState {
         catalog: catalog.clone(),
-        peers: Mutex::new(peers),
+        peers: SharedPeers::new(peers),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));

@@ -6,10 +6,12 @@
 //! what it connects to.
 
 use std::collections::BTreeSet;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 
-use super::json::ApiError;
+use super::json::{ok, ApiError};
 
 pub const MAX_PEERS: usize = 256;
 
@@ -82,6 +84,42 @@ impl Peers {
     /// Sorted.
     pub fn list(&self) -> Vec<String> {
         self.list.iter().cloned().collect()
+    }
+}
+
+/// The peer list as the routes share it: what `register_peer`, `deregister_peer` and `peers`
+/// answer, whatever the body's field is called.
+#[derive(Debug, Default)]
+pub struct SharedPeers(Mutex<Peers>);
+
+impl SharedPeers {
+    pub fn new(peers: Peers) -> Self {
+        SharedPeers(Mutex::new(peers))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Peers> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn register(&self, endpoint: &str) -> Result<Response, ApiError> {
+        self.lock().add(endpoint)?;
+        Ok(ok(StatusCode::OK))
+    }
+
+    pub fn deregister(&self, endpoint: &str) -> Result<Response, ApiError> {
+        if self.lock().remove(endpoint) {
+            Ok(ok(StatusCode::OK))
+        } else {
+            Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("{endpoint} is not a configured peer"),
+            ))
+        }
+    }
+
+    /// The sorted list as JSON.
+    pub fn list(&self) -> Response {
+        axum::Json(self.lock().list()).into_response()
     }
 }
 

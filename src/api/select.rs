@@ -22,10 +22,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::json::{
-    default_model, default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError,
-    Body, Hash64, ScopeFilter,
+    default_model, default_tenant, ok, read, sequence_hashes, unknown_route, wrong_method,
+    ApiError, Body, Hash64, ScopeFilter,
 };
-use super::peers::Peers;
+use super::peers::{Peers, SharedPeers};
 use super::slot_tracker::{load_rows, pool_scope, potential_rows};
 use crate::kv_events::apply::Subscribe;
 use crate::kv_events::Source;
@@ -38,7 +38,7 @@ use kvepp_core::SequenceHash;
 #[derive(Debug)]
 pub struct SelectState {
     pub catalog: Arc<RwLock<Catalog>>,
-    pub peers: Mutex<Peers>,
+    pub peers: SharedPeers,
     /// The KV-event subscriptions the registered workers ask for (consumed by
     /// [`crate::kv_events::apply::run_registered`]).
     pub subscriptions: watch::Sender<Vec<Subscribe>>,
@@ -52,7 +52,7 @@ impl SelectState {
         let mut rng = fastrand::Rng::new();
         SelectState {
             catalog,
-            peers: Mutex::new(peers),
+            peers: SharedPeers::new(peers),
             subscriptions: watch::channel(Vec::new()).0,
             id_prefix: rng.u64(..),
             rng: Mutex::new(rng),
@@ -163,14 +163,6 @@ pub fn router(state: Arc<SelectState>) -> Router {
         .with_state(state)
 }
 
-fn read(c: &RwLock<Catalog>) -> std::sync::RwLockReadGuard<'_, Catalog> {
-    c.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn write(c: &RwLock<Catalog>) -> std::sync::RwLockWriteGuard<'_, Catalog> {
-    c.write().unwrap_or_else(PoisonError::into_inner)
-}
-
 // ------------------------------------------------------------------------------------- workers
 
 #[derive(Debug, Deserialize)]
@@ -277,7 +269,7 @@ async fn add_worker(State(st): St, Body(b): Body<WorkerBody>) -> Result<Response
         replay_endpoint: b.replay_endpoint,
     };
     check_zmq(&worker)?;
-    let mut catalog = write(&st.catalog);
+    let mut catalog = super::json::write(&st.catalog);
     catalog.register(scope.clone(), worker.clone())?;
     st.publish_subscriptions(&catalog);
     tracing::info!(worker = worker.worker_id, model = %scope.model, tenant = %scope.tenant, "worker registered");
@@ -324,7 +316,7 @@ async fn patch_worker(
         model: b.model_name.clone(),
         tenant: b.tenant_id.clone(),
     };
-    let mut catalog = write(&st.catalog);
+    let mut catalog = super::json::write(&st.catalog);
     let scopes = matching_scopes(&catalog, worker_id, &filter)?;
     let mut updated = Vec::new();
     for scope in scopes {
@@ -365,7 +357,7 @@ async fn delete_worker(
     RawQuery(q): RawQuery,
 ) -> Result<Response, ApiError> {
     let filter = ScopeFilter::parse(q.as_deref());
-    let mut catalog = write(&st.catalog);
+    let mut catalog = super::json::write(&st.catalog);
     for scope in matching_scopes(&catalog, worker_id, &filter)? {
         catalog.unregister(&scope, worker_id)?;
     }
@@ -400,10 +392,17 @@ async fn ready(State(st): St) -> Response {
 
 // ----------------------------------------------------------------------------------- selection
 
-/// A prompt as the selection routes take it: local block hashes and/or their chained sequence
-/// hashes, and the input length.
+/// A prompt as the selection routes take it (local block hashes and/or their chained sequence
+/// hashes, and the input length), with the fields only some routes read: one flat struct, so a
+/// 32k-token prompt's hashes are parsed once, straight into place (serde's `flatten` would buffer
+/// the whole body first). Fields a route requires are checked by [`required`].
 #[derive(Debug, Deserialize)]
 struct PromptBody {
+    selection_id: Option<String>,
+    reservation_id: Option<String>,
+    worker_id: Option<u64>,
+    dp_rank: Option<u32>,
+    effective_prefill_tokens: Option<u64>,
     #[serde(default = "default_model")]
     model_name: String,
     #[serde(default = "default_tenant")]
@@ -446,12 +445,14 @@ impl PromptBody {
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct SelectBody {
-    selection_id: Option<String>,
-    reservation_id: Option<String>,
-    #[serde(flatten)]
-    prompt: PromptBody,
+/// A field the route requires (the answer serde would give, 422).
+fn required<T>(v: Option<T>, field: &str) -> Result<T, ApiError> {
+    v.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("missing field `{field}`"),
+        )
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -516,11 +517,11 @@ fn selection_view(
     }
 }
 
-fn do_select(st: &SelectState, b: SelectBody, reserve: bool) -> Result<Response, ApiError> {
-    let scope = b.prompt.scope();
+fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response, ApiError> {
+    let scope = b.scope();
     let catalog = read(&st.catalog);
     let bs = catalog.tracker(&scope)?.block_size();
-    let (hashes, isl) = b.prompt.prompt(bs)?;
+    let (hashes, isl) = b.prompt(bs)?;
     let reservation_id = match (reserve, b.reservation_id) {
         (true, Some(id)) => Some(id),
         (true, None) => Some(st.new_reservation_id()),
@@ -546,41 +547,32 @@ fn do_select(st: &SelectState, b: SelectBody, reserve: bool) -> Result<Response,
     Ok(Json(view).into_response())
 }
 
-async fn select(State(st): St, Body(b): Body<SelectBody>) -> Result<Response, ApiError> {
+async fn select(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, ApiError> {
     do_select(&st, b, false)
 }
 
 async fn select_and_reserve(
     State(st): St,
-    Body(b): Body<SelectBody>,
+    Body(b): Body<PromptBody>,
 ) -> Result<Response, ApiError> {
     do_select(&st, b, true)
 }
 
 // -------------------------------------------------------------------------------- reservations
 
-#[derive(Debug, Deserialize)]
-struct ReserveBody {
-    reservation_id: String,
-    worker_id: u64,
-    #[serde(default)]
-    dp_rank: u32,
-    effective_prefill_tokens: Option<u64>,
-    #[serde(flatten)]
-    prompt: PromptBody,
-}
-
-async fn reserve(State(st): St, Body(b): Body<ReserveBody>) -> Result<Response, ApiError> {
-    let scope = b.prompt.scope();
+async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, ApiError> {
+    let id = required(b.reservation_id.clone(), "reservation_id")?;
+    let worker = required(b.worker_id, "worker_id")?;
+    let scope = b.scope();
     let catalog = read(&st.catalog);
     let bs = catalog.tracker(&scope)?.block_size();
-    let (hashes, isl) = b.prompt.prompt(bs)?;
+    let (hashes, isl) = b.prompt(bs)?;
     catalog.reserve(
         &scope,
-        &b.reservation_id,
+        &id,
         WorkerRank {
-            worker: b.worker_id,
-            dp_rank: b.dp_rank,
+            worker,
+            dp_rank: b.dp_rank.unwrap_or(0),
         },
         PromptRef {
             hashes: &hashes,
@@ -591,7 +583,7 @@ async fn reserve(State(st): St, Body(b): Body<ReserveBody>) -> Result<Response, 
     )?;
     Ok((
         StatusCode::CREATED,
-        Json(serde_json::json!({"status": "ok", "reservation_id": b.reservation_id})),
+        Json(serde_json::json!({"status": "ok", "reservation_id": id})),
     )
         .into_response())
 }
@@ -743,26 +735,14 @@ struct PeerBody {
     endpoint: String,
 }
 
-fn peers_of(st: &SelectState) -> std::sync::MutexGuard<'_, Peers> {
-    st.peers.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 async fn register_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    peers_of(&st).add(&b.endpoint)?;
-    Ok(ok(StatusCode::OK))
+    st.peers.register(&b.endpoint)
 }
 
 async fn deregister_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    if peers_of(&st).remove(&b.endpoint) {
-        Ok(ok(StatusCode::OK))
-    } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("{} is not a configured peer", b.endpoint),
-        ))
-    }
+    st.peers.deregister(&b.endpoint)
 }
 
 async fn peers(State(st): St) -> Response {
-    Json(peers_of(&st).list()).into_response()
+    st.peers.list()
 }

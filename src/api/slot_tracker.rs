@@ -6,7 +6,7 @@
 //! tenant); sequence hashes arrive as signed or unsigned 64-bit integers and keep their bits; no
 //! lock is held across an await.
 
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use axum::extract::{RawQuery, State};
@@ -17,10 +17,10 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
 use super::json::{
-    default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError, Body, Hash64,
+    default_tenant, ok, read, sequence_hashes, unknown_route, wrong_method, ApiError, Body, Hash64,
     ScopeFilter,
 };
-use super::peers::Peers;
+use super::peers::SharedPeers;
 use kvepp_core::catalog::{Catalog, Scope, Worker};
 use kvepp_core::slots::WorkerRank;
 
@@ -28,7 +28,7 @@ use kvepp_core::slots::WorkerRank;
 #[derive(Debug)]
 pub struct SlotTrackerState {
     pub catalog: Arc<RwLock<Catalog>>,
-    pub peers: Mutex<Peers>,
+    pub peers: SharedPeers,
 }
 
 type St = State<Arc<SlotTrackerState>>;
@@ -71,14 +71,6 @@ pub fn router(state: Arc<SlotTrackerState>) -> Router {
         .with_state(state)
 }
 
-fn read(c: &RwLock<Catalog>) -> std::sync::RwLockReadGuard<'_, Catalog> {
-    c.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn write(c: &RwLock<Catalog>) -> std::sync::RwLockWriteGuard<'_, Catalog> {
-    c.write().unwrap_or_else(PoisonError::into_inner)
-}
-
 #[derive(Debug, Deserialize)]
 struct RegisterBody {
     worker_id: u64,
@@ -111,7 +103,7 @@ async fn register(State(st): St, Body(b): Body<RegisterBody>) -> Result<Response
         model: b.model_name,
         tenant: b.tenant_id,
     };
-    write(&st.catalog).register(
+    super::json::write(&st.catalog).register(
         scope,
         Worker {
             worker_id: b.worker_id,
@@ -139,7 +131,7 @@ async fn unregister(State(st): St, Body(b): Body<WorkerRef>) -> Result<Response,
         model: b.model_name,
         tenant: b.tenant_id,
     };
-    write(&st.catalog)
+    super::json::write(&st.catalog)
         .unregister(&scope, b.worker_id)
         .map_err(|_| {
             ApiError::new(
@@ -341,26 +333,14 @@ struct PeerBody {
     url: String,
 }
 
-fn peers_of(st: &SlotTrackerState) -> std::sync::MutexGuard<'_, Peers> {
-    st.peers.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 async fn register_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    peers_of(&st).add(&b.url)?;
-    Ok(ok(StatusCode::OK))
+    st.peers.register(&b.url)
 }
 
 async fn deregister_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    if peers_of(&st).remove(&b.url) {
-        Ok(ok(StatusCode::OK))
-    } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("{} is not a configured peer", b.url),
-        ))
-    }
+    st.peers.deregister(&b.url)
 }
 
 async fn peers(State(st): St) -> Response {
-    Json(peers_of(&st).list()).into_response()
+    st.peers.list()
 }

@@ -84,7 +84,10 @@ fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
         .collect();
     {
         let t = catalog.tracker(&scope)?;
-        let mut index = t.kv.index().write().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let mut index =
+            t.kv.index()
+                .write()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?;
         for w in 0..args.workers {
             let fam = &families[w as usize % FAMILIES];
             let held = rng.usize(blocks / 8..blocks * 3 / 4);
@@ -169,7 +172,11 @@ async fn one_connection(
             .header("content-type", "application/json")
             .body(Full::new(body))?;
         let resp = send.send_request(req).await?;
-        anyhow::ensure!(resp.status() == 200, "select_and_reserve: {}", resp.status());
+        anyhow::ensure!(
+            resp.status() == 200,
+            "select_and_reserve: {}",
+            resp.status()
+        );
         let answer = resp.into_body().collect().await?.to_bytes();
         let v: serde_json::Value = serde_json::from_slice(&answer)?;
         let id = v["reservation_id"]
@@ -210,9 +217,8 @@ pub async fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     let state = Arc::new(SelectState::new(s.catalog.clone(), Peers::default()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move {
-        axum::serve(listener, kvepp::api::select::router(state)).await
-    });
+    let server =
+        tokio::spawn(async move { axum::serve(listener, kvepp::api::select::router(state)).await });
     let bodies = Arc::new(s.bodies.clone());
     println!(
         "selection service: {} workers, {}-token prompts ({} blocks), {} s per run, {} cores",
