@@ -52,7 +52,7 @@ struct Setup {
 }
 
 fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
-    let blocks = args.tokens / args.block_size as usize;
+    let blocks = (args.tokens / args.block_size.max(1) as usize).max(8);
     let mut rng = fastrand::Rng::with_seed(17);
     let scope = Scope {
         model: "bench".into(),
@@ -90,7 +90,7 @@ fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
                 .map_err(|_| anyhow::anyhow!("poisoned"))?;
         for w in 0..args.workers {
             let fam = &families[w as usize % FAMILIES];
-            let held = rng.usize(blocks / 8..blocks * 3 / 4);
+            let held = rng.usize(blocks / 8..=blocks * 3 / 4);
             let seqs = sequence_hashes(&fam[..held]);
             let pairs = seqs
                 .iter()
