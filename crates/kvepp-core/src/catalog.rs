@@ -351,9 +351,17 @@ impl Catalog {
         if let (Some(map), Some((id, _))) = (&reservations, reserve) {
             self.check_room(map, id)?;
         }
+        let found = tracker.kv.rank_overlaps(prompt.hashes);
         let choice = tracker
             .kv
-            .select_rank(&ranks, prompt.hashes, prompt.isl_tokens, reserve, rng)
+            .select_rank(
+                &ranks,
+                prompt.hashes,
+                &found,
+                prompt.isl_tokens,
+                reserve,
+                rng,
+            )
             .map_err(|e| match e {
                 SelectError::NoCandidates => CatalogError::UnknownScope {
                     model: scope.model.clone(),
@@ -369,7 +377,6 @@ impl Catalog {
             .get(&choice.rank.worker)
             .cloned()
             .ok_or(CatalogError::UnknownWorker(choice.rank.worker))?;
-        let found = tracker.kv.rank_overlaps(prompt.hashes);
         let per_rank = worker
             .ranks()
             .map(|r| {

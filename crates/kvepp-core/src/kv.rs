@@ -509,11 +509,13 @@ impl KvState {
 
     /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
     /// and, when `reserve` names a request, books it on the chosen rank under the same lock as
-    /// the loads were read (atomic select-and-reserve). The ranks must be registered.
+    /// the loads were read (atomic select-and-reserve). `found` is [`KvState::rank_overlaps`] of
+    /// `hashes` (the caller keeps it for its own report). The ranks must be registered.
     pub fn select_rank(
         &self,
         ranks: &[WorkerRank],
         hashes: &[SequenceHash],
+        found: &[RankOverlap],
         isl_tokens: u64,
         reserve: Option<(&str, Instant)>,
         rng: &mut fastrand::Rng,
@@ -521,7 +523,6 @@ impl KvState {
         if ranks.is_empty() {
             return Err(SelectError::NoCandidates);
         }
-        let found = self.rank_overlaps(hashes);
         let overlap_of = |r: WorkerRank| {
             found
                 .iter()
