@@ -1,10 +1,12 @@
 //! Stamps the build with the git commit, for `kvepp --version`, the startup log and the
-//! `kvepp_build_info` metric. Envoy's protos need no code generation here: they come pre-generated
-//! from the `envoy-types` crate (see proto/README.md).
+//! `kvepp_build_info` metric, and compiles kvepp's own protos (`proto/kvepp`) with prost and a
+//! vendored `protoc`. Envoy's protos need no code generation here: they come pre-generated from the
+//! `envoy-types` crate (see proto/README.md).
 
 use std::process::Command;
 
 fn main() {
+    compile_protos();
     let sha = Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
         .output()
@@ -22,4 +24,18 @@ fn main() {
         }
     }
     println!("cargo:rerun-if-changed=build.rs");
+}
+
+/// `proto/kvepp/replica/v1/replica.proto` → `$OUT_DIR/kvepp.replica.v1.rs`. Failing to find or run
+/// protoc fails the build with the reason (a build script may panic: it is the build's error path).
+fn compile_protos() {
+    const PROTO: &str = "proto/kvepp/replica/v1/replica.proto";
+    println!("cargo:rerun-if-changed={PROTO}");
+    match protoc_bin_vendored::protoc_bin_path() {
+        Ok(protoc) => std::env::set_var("PROTOC", protoc),
+        Err(e) => println!("cargo:warning=no vendored protoc for this platform ({e}); using PROTOC or protoc from PATH"),
+    }
+    if let Err(e) = prost_build::Config::new().compile_protos(&[PROTO], &["proto"]) {
+        panic!("compiling {PROTO}: {e}");
+    }
 }

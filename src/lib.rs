@@ -16,7 +16,8 @@
 //! [`kv_events`] feeds the engines' KV-cache events into the core's index, [`upkeep`] forgets
 //! departed endpoints and expires lost bookings, [`config`] is the one configuration tree (each
 //! component declares its settings), [`api`] serves the HTTP endpoints (metrics, health, debug),
-//! [`metrics`] holds the Prometheus registry, [`agent`] is the worker-agent sidecar, [`process`]
+//! [`metrics`] holds the Prometheus registry, [`replica`] shares request lifecycle events between
+//! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`]
 //! the binaries' logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires
 //! everything together.
 
@@ -30,6 +31,7 @@ pub mod kv_events;
 pub mod metrics;
 pub mod pace;
 pub mod process;
+pub mod replica;
 pub mod request;
 pub mod server;
 pub mod services;

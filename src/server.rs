@@ -14,7 +14,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
-use crate::api::peers::{Peers, SharedPeers};
+use crate::api::peers::SharedPeers;
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::api::{self, ApiState};
@@ -24,6 +24,7 @@ use crate::discovery::{feed_instances, Datastore, ManifestDir, PoolRef, ServiceD
 use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
+use crate::replica::Outbox;
 use crate::request::tokenize::ModelTokenizer;
 use crate::request::RequestRouter;
 use kvepp_core::catalog::{Catalog, Limits, Worker};
@@ -422,7 +423,11 @@ fn open_http_doors(
     let mut doors = Vec::new();
     if let Some(l) = select {
         tracing::info!(addr = ?l.local_addr().ok(), "selection service door open");
-        let state = Arc::new(SelectState::new(catalog.clone(), Peers::default()));
+        let state = Arc::new(SelectState::new(
+            catalog.clone(),
+            SharedPeers::default(),
+            Outbox::disabled(),
+        ));
         let app = crate::api::select::router(state);
         let shutdown = stopped(stop.clone());
         doors.push(tokio::spawn(async move {
@@ -434,6 +439,7 @@ fn open_http_doors(
         let state = Arc::new(SlotTrackerState {
             catalog,
             peers: SharedPeers::default(),
+            outbox: Outbox::disabled(),
         });
         let app = crate::api::slot_tracker::router(state);
         let shutdown = stopped(stop.clone());

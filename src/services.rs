@@ -5,8 +5,9 @@
 //! service), and a timer that expires stale requests. Scheduling knobs come from the
 //! `DYN_ROUTER_*` environment variables, as Dynamo's do.
 //!
-//! Replica sync (`--replica-sync-*`) and index recovery (`--indexer-peers`) are parsed and
-//! validated here; the peer list they seed is served and changed by the peer routes.
+//! Replica sync (`--replica-sync-*`): a PUB socket on the bound port and a SUB per peer of the peer
+//! list (the flags' peers, then the peer routes' changes) share admissions, prefill completions and
+//! frees ([`crate::replica`]). Index recovery (`--indexer-peers`) is validated here.
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -20,6 +21,8 @@ use crate::api::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::metrics::Metrics;
+use crate::replica::sink::{CatalogSink, Ids};
+use crate::replica::Replica;
 use kvepp_core::catalog::{Catalog, Limits};
 use kvepp_core::cost::CostWeights;
 use kvepp_core::KvSettings;
@@ -139,6 +142,24 @@ async fn serve_router(
         .map_err(ServiceError::Serve)
 }
 
+/// Replica sync for a service's catalog: PUB on `bind` (when set), SUB to the peer list as it
+/// changes, peers' events applied to the catalog.
+pub async fn start_replica(
+    bind: Option<&str>,
+    peers: &SharedPeers,
+    catalog: &Arc<RwLock<Catalog>>,
+    ids: Ids,
+    stop: &watch::Receiver<bool>,
+) -> Result<Replica, ServiceError> {
+    let sink = Arc::new(CatalogSink {
+        catalog: catalog.clone(),
+        ids,
+    });
+    crate::replica::start(bind, peers.subscribe(), sink, stop.clone())
+        .await
+        .map_err(|e| ServiceError::Invalid(e.to_string()))
+}
+
 /// Validates the selection service's flags; returns the peer list they seed.
 pub fn select_peers(args: &SelectArgs) -> Result<Peers, ServiceError> {
     for url in parse_list(args.indexer_peers.as_deref()) {
@@ -158,10 +179,12 @@ pub async fn run_select(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = select_peers(&args)?;
+    let peers = SharedPeers::new(select_peers(&args)?);
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
-    let state = Arc::new(SelectState::new(catalog.clone(), peers));
     let (stop_tx, stop_rx) = watch::channel(false);
+    let bind = args.replica_sync_port.map(|p| format!("tcp://*:{p}"));
+    let replica = start_replica(bind.as_deref(), &peers, &catalog, Ids::Global, &stop_rx).await?;
+    let state = Arc::new(SelectState::new(catalog.clone(), peers, replica.outbox));
     let subs = tokio::spawn(crate::kv_events::apply::run_registered(
         state.subscriptions.subscribe(),
         Metrics::new(),
@@ -207,13 +230,16 @@ pub async fn run_slot_tracker(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = slot_tracker_peers(&args)?;
+    let peers = SharedPeers::new(slot_tracker_peers(&args)?);
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let bind = args.replica_sync_bind.as_deref();
+    let replica = start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;
     let state = Arc::new(SlotTrackerState {
         catalog: catalog.clone(),
-        peers: SharedPeers::new(peers),
+        peers,
+        outbox: replica.outbox,
     });
-    let (stop_tx, stop_rx) = watch::channel(false);
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
     tracing::info!(addr = ?listener.local_addr().ok(), "slot tracker listening");
     let served = serve_router(listener, crate::api::slot_tracker::router(state), shutdown).await;

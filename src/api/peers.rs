@@ -3,13 +3,14 @@
 //! Invariants: endpoints are `tcp://host:port` (or `ipc://`/`inproc://` paths), at most
 //! [`MAX_PEERS`], never the service's own advertised endpoint; the list is in memory only (after a
 //! restart, only the flags' peers return). Connecting to them is replica sync's job: this list is
-//! what it connects to.
+//! what it connects to, following its changes.
 
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use tokio::sync::watch;
 
 use super::json::{ok, ApiError};
 
@@ -88,26 +89,50 @@ impl Peers {
 }
 
 /// The peer list as the routes share it: what `register_peer`, `deregister_peer` and `peers`
-/// answer, whatever the body's field is called.
-#[derive(Debug, Default)]
-pub struct SharedPeers(Mutex<Peers>);
+/// answer, whatever the body's field is called; replica sync follows its changes
+/// ([`SharedPeers::subscribe`]).
+#[derive(Debug)]
+pub struct SharedPeers {
+    peers: Mutex<Peers>,
+    changes: watch::Sender<Vec<String>>,
+}
+
+impl Default for SharedPeers {
+    fn default() -> Self {
+        SharedPeers::new(Peers::default())
+    }
+}
 
 impl SharedPeers {
     pub fn new(peers: Peers) -> Self {
-        SharedPeers(Mutex::new(peers))
+        let changes = watch::channel(peers.list()).0;
+        SharedPeers {
+            peers: Mutex::new(peers),
+            changes,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Peers> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.peers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The list now and at every change.
+    pub fn subscribe(&self) -> watch::Receiver<Vec<String>> {
+        self.changes.subscribe()
     }
 
     pub fn register(&self, endpoint: &str) -> Result<Response, ApiError> {
-        self.lock().add(endpoint)?;
+        let mut peers = self.lock();
+        peers.add(endpoint)?;
+        self.changes.send_replace(peers.list());
+        tracing::info!(peer = endpoint, "replica sync peer registered");
         Ok(ok(StatusCode::OK))
     }
 
     pub fn deregister(&self, endpoint: &str) -> Result<Response, ApiError> {
-        if self.lock().remove(endpoint) {
+        let mut peers = self.lock();
+        if peers.remove(endpoint) {
+            self.changes.send_replace(peers.list());
             Ok(ok(StatusCode::OK))
         } else {
             Err(ApiError::new(

@@ -21,6 +21,7 @@ use super::json::{
     ScopeFilter,
 };
 use super::peers::SharedPeers;
+use crate::replica::Outbox;
 use kvepp_core::catalog::{Catalog, Scope, Worker};
 use kvepp_core::slots::WorkerRank;
 
@@ -29,6 +30,8 @@ use kvepp_core::slots::WorkerRank;
 pub struct SlotTrackerState {
     pub catalog: Arc<RwLock<Catalog>>,
     pub peers: SharedPeers,
+    /// Admissions, prefill completions and frees go to the replica-sync peers.
+    pub outbox: Outbox,
 }
 
 type St = State<Arc<SlotTrackerState>>;
@@ -194,17 +197,28 @@ async fn add(State(st): St, Body(b): Body<AddBody>) -> Result<Response, ApiError
         tenant: b.tenant_id,
     };
     let hashes = sequence_hashes(&b.sequence_hashes);
-    read(&st.catalog).add_scoped(
+    let rank = WorkerRank {
+        worker: b.worker_id,
+        dp_rank: b.dp_rank,
+    };
+    let catalog = read(&st.catalog);
+    catalog.add_scoped(
         &scope,
         &b.request_id,
-        WorkerRank {
-            worker: b.worker_id,
-            dp_rank: b.dp_rank,
-        },
+        rank,
         &hashes,
         b.new_isl_tokens,
         Instant::now(),
     )?;
+    let block_size = catalog.tracker(&scope)?.block_size();
+    st.outbox.admission(
+        &scope,
+        &b.request_id,
+        rank,
+        block_size,
+        &hashes,
+        b.new_isl_tokens,
+    );
     Ok(ok(StatusCode::CREATED))
 }
 
@@ -232,6 +246,7 @@ async fn prefill_complete(State(st): St, Body(b): Body<RequestRef>) -> Result<Re
         .kv
         .prefill_complete(&b.request_id)
         .map_err(kvepp_core::catalog::CatalogError::from)?;
+    st.outbox.prefill_complete(&b.scope(), &b.request_id);
     Ok(ok(StatusCode::OK))
 }
 
@@ -239,6 +254,7 @@ async fn free(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiE
     let catalog = read(&st.catalog);
     let tracker = catalog.tracker(&b.scope())?;
     tracker.kv.free(&b.request_id);
+    st.outbox.free(&b.scope(), &b.request_id);
     Ok(ok(StatusCode::OK))
 }
 

@@ -409,7 +409,7 @@ impl Catalog {
 
     /// Books a reservation on a given rank (selection service: ids are global, the lifecycle
     /// routes name only the id). `effective_prefill_tokens` (≤ `isl_tokens`) is what loads
-    /// prefill; when absent, the whole input does.
+    /// prefill; when absent, the whole input does. Returns the prefill tokens booked.
     pub fn reserve(
         &self,
         scope: &Scope,
@@ -418,14 +418,19 @@ impl Catalog {
         prompt: PromptRef<'_>,
         effective_prefill_tokens: Option<u64>,
         now: Instant,
-    ) -> Result<(), CatalogError> {
+    ) -> Result<u64, CatalogError> {
         let (tracker, prefill) =
             self.check_booking(scope, rank, prompt, effective_prefill_tokens)?;
         let mut map = lock(&self.reservations);
         self.check_room(&map, id)?;
         tracker.kv.reserve(id, rank, prompt.hashes, prefill, now)?;
         map.insert(id.to_owned(), scope.clone());
-        Ok(())
+        Ok(prefill)
+    }
+
+    /// The (model, tenant) a reservation was booked in, while it is known.
+    pub fn reservation_scope(&self, id: &str) -> Option<Scope> {
+        lock(&self.reservations).get(id).cloned()
     }
 
     /// Books a request on a given rank with ids scoped by (model, tenant) (slot tracker: every

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 
-use kvepp::api::peers::Peers;
+use kvepp::api::peers::SharedPeers;
 use kvepp::api::select::SelectState;
 use kvepp_core::catalog::{Catalog, Limits, PromptRef, Scope, Worker};
 use kvepp_core::hash::{sequence_hashes, LocalBlockHash};
@@ -214,7 +214,11 @@ async fn over_http(
 
 pub async fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     let s = setup(&args)?;
-    let state = Arc::new(SelectState::new(s.catalog.clone(), Peers::default()));
+    let state = Arc::new(SelectState::new(
+        s.catalog.clone(),
+        SharedPeers::default(),
+        kvepp::replica::Outbox::disabled(),
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server =
