@@ -16,6 +16,7 @@ use crate::engine::metadata::FetchSettings;
 pub use crate::engine::metrics::EngineMetricsConfig;
 pub use crate::kv_events::KvEventsConfig;
 pub use crate::process::LogFormat;
+pub use crate::replica::ReplicaSyncConfig;
 
 /// What to do with a request whose model matches no InferenceModel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -97,6 +98,9 @@ pub struct Config {
     /// The KV-aware cost knobs; the `DYN_ROUTER_*` environment variables override the file.
     pub router: CostWeights,
     pub kv_events: KvEventsConfig,
+    /// Active-active replicas: share picks, releases and (approximate mode) routed prefixes with
+    /// the other kvepp replicas over ZMQ.
+    pub replica_sync: ReplicaSyncConfig,
     /// Approximate prefix mode (no tokenizer): blocks remembered per endpoint.
     pub approx_blocks_per_endpoint: usize,
     /// Served model name → directory with its HuggingFace `tokenizer.json` (and
@@ -134,6 +138,7 @@ impl Default for Config {
             engine_metadata: FetchSettings::default(),
             router: CostWeights::default(),
             kv_events: KvEventsConfig::default(),
+            replica_sync: ReplicaSyncConfig::default(),
             approx_blocks_per_endpoint: KvSettings::default().approx_blocks_per_endpoint,
             tokenizers: Default::default(),
         }
@@ -226,6 +231,18 @@ pub struct ServeArgs {
     pub kv_events_port: Option<u16>,
     #[arg(long, env = "KVEPP_KV_EVENTS_REPLAY_PORT")]
     pub kv_events_replay_port: Option<u16>,
+    /// Replica sync: ZMQ PUB endpoint to bind (e.g. tcp://*:9094).
+    #[arg(long, env = "KVEPP_REPLICA_SYNC_BIND")]
+    pub replica_sync_bind: Option<String>,
+    /// Replica sync: this replica's endpoint as its peers reach it.
+    #[arg(long, env = "KVEPP_REPLICA_SYNC_ADVERTISE")]
+    pub replica_sync_advertise: Option<String>,
+    /// Replica sync: comma-separated peer PUB endpoints.
+    #[arg(long, env = "KVEPP_REPLICA_SYNC_PEERS", value_delimiter = ',')]
+    pub replica_sync_peers: Option<Vec<String>>,
+    /// Replica sync on Kubernetes: peers are the ready endpoints of this Service (kvepp's own).
+    #[arg(long, env = "KVEPP_REPLICA_SYNC_PEERS_SERVICE")]
+    pub replica_sync_peers_service: Option<String>,
 }
 
 macro_rules! overlay {
@@ -271,6 +288,22 @@ impl Config {
         }
         if args.block_size.is_some() {
             cfg.block_size = args.block_size;
+        }
+        if args.replica_sync_bind.is_some() {
+            cfg.replica_sync.bind = args.replica_sync_bind.clone();
+        }
+        if args.replica_sync_advertise.is_some() {
+            cfg.replica_sync.advertise = args.replica_sync_advertise.clone();
+        }
+        if let Some(p) = &args.replica_sync_peers {
+            cfg.replica_sync.peers = p
+                .iter()
+                .map(|e| e.trim().to_owned())
+                .filter(|e| !e.is_empty())
+                .collect();
+        }
+        if args.replica_sync_peers_service.is_some() {
+            cfg.replica_sync.peers_service = args.replica_sync_peers_service.clone();
         }
         if args.select_service_port.is_some() {
             cfg.select_service_port = args.select_service_port;
@@ -377,6 +410,20 @@ impl Config {
             ("select_service_port", self.select_service_port.unwrap_or(0)),
             ("slot_tracker_port", self.slot_tracker_port.unwrap_or(0)),
         ];
+        for problem in self.replica_sync.problems() {
+            bad("replica_sync", problem);
+        }
+        if self.replica_sync.bind.is_some()
+            && matches!(
+                self.picker,
+                PickerKind::LeastLoaded | PickerKind::RoundRobin
+            )
+        {
+            bad(
+                "replica_sync",
+                "replica sync shares the KV-aware picker's bookings: it needs picker kv-aware or approximate-prefix".to_string(),
+            );
+        }
         let http_doors = self.select_service_port.is_some() || self.slot_tracker_port.is_some();
         if http_doors
             && matches!(

@@ -42,6 +42,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct EndpointLabels {
     pub endpoint: Arc<str>,
 }
@@ -112,6 +117,8 @@ pub struct Metrics {
     pub catalog_invalid: Counter,
     /// 1 while an endpoint's `/metadata` cannot be fetched (it is routed with defaults).
     pub metadata_missing: Family<EndpointLabels, Gauge>,
+    /// Replica-sync events by outcome (published, applied, dropped_*).
+    pub replica: Arc<crate::replica::SyncStats>,
 }
 
 impl Metrics {
@@ -275,7 +282,14 @@ impl Metrics {
             ("commit", env!("KVEPP_GIT_SHA")),
         ])
         .set(1);
+        let replica = Arc::new(crate::replica::SyncStats::default());
+        registry.register(
+            "replica_sync_events",
+            "Replica-sync lifecycle events by outcome (published, received, applied, dropped_*)",
+            replica.events.clone(),
+        );
         Arc::new(Metrics {
+            replica,
             registry,
             requests,
             pick_duration,

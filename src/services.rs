@@ -155,7 +155,8 @@ pub async fn start_replica(
         catalog: catalog.clone(),
         ids,
     });
-    crate::replica::start(bind, peers.subscribe(), sink, stop.clone())
+    let stats = Metrics::new().replica.clone();
+    crate::replica::start(bind, peers.subscribe(), sink, stats, stop.clone())
         .await
         .map_err(|e| ServiceError::Invalid(e.to_string()))
 }
@@ -179,7 +180,7 @@ pub async fn run_select(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = SharedPeers::new(select_peers(&args)?);
+    let peers = Arc::new(SharedPeers::new(select_peers(&args)?));
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
     let bind = args.replica_sync_port.map(|p| format!("tcp://*:{p}"));
@@ -230,7 +231,7 @@ pub async fn run_slot_tracker(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = SharedPeers::new(slot_tracker_peers(&args)?);
+    let peers = Arc::new(SharedPeers::new(slot_tracker_peers(&args)?));
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
     let bind = args.replica_sync_bind.as_deref();

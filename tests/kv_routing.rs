@@ -623,3 +623,144 @@ async fn http_doors_share_state_with_envoy_picks() {
     drop(envoy);
     epp.stop().await;
 }
+
+/// Two kvepp replicas with replica sync on, each behind its own Envoy, over the same two engines.
+async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, Engine, Epp, Epp) {
+    let events_port = free_port();
+    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
+    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    let (p1, p2) = (free_port(), free_port());
+    let replica = |own: u16, peer: u16, picker| {
+        move |c: &mut kvepp::config::Config| {
+            c.kv_events.enabled = true;
+            c.kv_events.port = events_port;
+            c.block_size = Some(BLOCK as u32);
+            c.picker = picker;
+            c.slot_tracker_port = Some(0);
+            c.replica_sync.bind = Some(format!("tcp://127.0.0.1:{own}"));
+            c.replica_sync.advertise = Some(format!("tcp://127.0.0.1:{own}"));
+            c.replica_sync.peers = vec![format!("tcp://127.0.0.1:{peer}")];
+        }
+    };
+    let one = Epp::start(&m, replica(p1, p2, picker)).await;
+    let two = Epp::start(&m, replica(p2, p1, picker)).await;
+    (a, b, one, two)
+}
+
+async fn applied(epp: &Epp) -> f64 {
+    epp.metric("kvepp_replica_sync_events_total{outcome=\"applied\"}")
+        .await
+        .unwrap_or(0.0)
+}
+
+/// Sends prompts through `envoy` until `other` has applied replica events (ZMQ subscriptions
+/// take a moment; events before that are lost, as documented), then until it is quiet.
+async fn until_replicas_synced(envoy: &Envoy, other: &Epp) {
+    let mut k = 0;
+    wait_for("replica events applied on the other replica", || {
+        k += 1;
+        async move {
+            served_by(envoy, &tokens(900 + k, BLOCK)).await;
+            (applied(other).await > 0.0).then_some(())
+        }
+    })
+    .await;
+    wait_for("the other replica's loads back to idle", || async {
+        let v = http(other.slot_tracker?, "GET", "/loads", &[], "")
+            .await
+            .json();
+        v.as_array()?
+            .iter()
+            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
+            .then_some(())
+    })
+    .await;
+}
+
+/// Active-active: a stream held through replica one weighs on replica two's picks, so two replicas
+/// balance like one (no leader election).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_picks_and_releases() {
+    let (a, b, one, two) = two_replicas(kvepp::config::PickerKind::KvAware).await;
+    until_engines_publish(&one, &[&a, &b]).await;
+    until_engines_publish(&two, &[&a, &b]).await;
+    let envoy1 = Envoy::start(bootstrap(), one.grpc).await;
+    let envoy2 = Envoy::start(bootstrap(), two.grpc).await;
+    until_replicas_synced(&envoy1, &two).await;
+
+    let held = tokens(70, 4 * BLOCK);
+    let mut stream = TcpStreamRequest::start(envoy1.addr, prompt(&held, true)).await;
+    let first = stream.first_chunk().await;
+    let (engine, name, other) = if first.contains("\"engine\":\"a\"") {
+        (&a, "a", "b")
+    } else {
+        (&b, "b", "a")
+    };
+    let id = kvepp_core::kv::worker_id(&engine.http.to_string());
+    let slots2 = two.slot_tracker.expect("door");
+    wait_for("replica one's pick in replica two's loads", || async {
+        let v = http(slots2, "GET", "/loads", &[], "").await.json();
+        v.as_array()?
+            .iter()
+            .any(|r| {
+                r["worker_id"] == serde_json::json!(id)
+                    && r["active_decode_blocks"] == serde_json::json!(4)
+            })
+            .then_some(())
+    })
+    .await;
+    for k in 0..3 {
+        assert_eq!(
+            served_by(&envoy2, &tokens(80 + k, 4 * BLOCK)).await,
+            other,
+            "cold prompt {k} through replica two while replica one streams on {name}"
+        );
+    }
+    engine.state.release.notify_one();
+    assert_eq!(stream.rest().await, "done\n");
+    wait_for("the release reaches replica two", || async {
+        let v = http(slots2, "GET", "/loads", &[], "").await.json();
+        v.as_array()?
+            .iter()
+            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
+            .then_some(())
+    })
+    .await;
+    drop((envoy1, envoy2));
+    one.stop().await;
+    two.stop().await;
+}
+
+/// Approximate prefix routing: the prefix replica one routed is known to replica two, so the next
+/// turn of the conversation keeps its affinity whichever replica takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_routed_prefixes_in_approximate_mode() {
+    let (a, b, one, two) = two_replicas(kvepp::config::PickerKind::ApproximatePrefix).await;
+    let envoy1 = Envoy::start(bootstrap(), one.grpc).await;
+    let envoy2 = Envoy::start(bootstrap(), two.grpc).await;
+    until_replicas_synced(&envoy1, &two).await;
+    for turn in 0..3u32 {
+        let first = tokens(100 + turn, 6 * BLOCK);
+        let before = applied(&two).await;
+        let holder = served_by(&envoy1, &first).await;
+        // Routed prefix, admission, prefill completion and free: four events.
+        wait_for(
+            "replica one's routed prefix applied on replica two",
+            || async { (applied(&two).await >= before + 4.0).then_some(()) },
+        )
+        .await;
+        let mut next = first.clone();
+        next.extend(tokens(200 + turn, 2 * BLOCK));
+        assert_eq!(
+            served_by(&envoy2, &next).await,
+            holder,
+            "turn {turn}: replica two keeps the conversation on the engine replica one chose"
+        );
+    }
+    drop((a, b, envoy1, envoy2));
+    one.stop().await;
+    two.stop().await;
+}

@@ -19,6 +19,8 @@ pub const MAX_PEERS: usize = 256;
 #[derive(Debug, Default)]
 pub struct Peers {
     list: BTreeSet<String>,
+    /// Peers found by discovery (kvepp's own Service), replaced as a whole.
+    discovered: BTreeSet<String>,
     /// The local endpoint as peers reach it (never registered as a peer).
     advertise: Option<String>,
 }
@@ -51,6 +53,7 @@ impl Peers {
     ) -> Result<Self, String> {
         let mut p = Peers {
             list: BTreeSet::new(),
+            discovered: BTreeSet::new(),
             advertise,
         };
         for e in initial {
@@ -82,9 +85,18 @@ impl Peers {
         self.list.remove(endpoint.trim())
     }
 
-    /// Sorted.
+    /// Configured and discovered peers, sorted.
     pub fn list(&self) -> Vec<String> {
-        self.list.iter().cloned().collect()
+        self.list.union(&self.discovered).cloned().collect()
+    }
+
+    /// Replaces the discovered peers (never the advertised self), bounded like the rest.
+    pub fn set_discovered(&mut self, found: impl IntoIterator<Item = String>) {
+        self.discovered = found
+            .into_iter()
+            .filter(|e| self.advertise.as_deref() != Some(e.as_str()))
+            .take(MAX_PEERS)
+            .collect();
     }
 }
 
@@ -140,6 +152,13 @@ impl SharedPeers {
                 format!("{endpoint} is not a configured peer"),
             ))
         }
+    }
+
+    /// Replaces the peers found by discovery.
+    pub fn set_discovered(&self, found: impl IntoIterator<Item = String>) {
+        let mut peers = self.lock();
+        peers.set_discovered(found);
+        self.changes.send_replace(peers.list());
     }
 
     /// The sorted list as JSON.

@@ -39,7 +39,7 @@ use kvepp_core::SequenceHash;
 #[derive(Debug)]
 pub struct SelectState {
     pub catalog: Arc<RwLock<Catalog>>,
-    pub peers: SharedPeers,
+    pub peers: Arc<SharedPeers>,
     /// The KV-event subscriptions the registered workers ask for (consumed by
     /// [`crate::kv_events::apply::run_registered`]).
     pub subscriptions: watch::Sender<Vec<Subscribe>>,
@@ -51,7 +51,7 @@ pub struct SelectState {
 }
 
 impl SelectState {
-    pub fn new(catalog: Arc<RwLock<Catalog>>, peers: SharedPeers, outbox: Outbox) -> Self {
+    pub fn new(catalog: Arc<RwLock<Catalog>>, peers: Arc<SharedPeers>, outbox: Outbox) -> Self {
         let mut rng = fastrand::Rng::new();
         SelectState {
             catalog,

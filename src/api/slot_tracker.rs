@@ -29,7 +29,7 @@ use kvepp_core::slots::WorkerRank;
 #[derive(Debug)]
 pub struct SlotTrackerState {
     pub catalog: Arc<RwLock<Catalog>>,
-    pub peers: SharedPeers,
+    pub peers: Arc<SharedPeers>,
     /// Admissions, prefill completions and frees go to the replica-sync peers.
     pub outbox: Outbox,
 }

@@ -14,7 +14,6 @@
 //! effort, as the seeds say: no acknowledgement, replay or ordering.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,10 +22,15 @@ use prost::Message;
 use tokio::sync::{mpsc, watch};
 use zeromq::{PubSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+use crate::metrics::OutcomeLabels;
 use kvepp_core::catalog::Scope;
 use kvepp_core::slots::WorkerRank;
-use kvepp_core::SequenceHash;
+use kvepp_core::{LocalBlockHash, SequenceHash};
 
+pub mod observer;
 pub mod sink;
 
 /// Generated from `proto/kvepp/replica/v1/replica.proto`.
@@ -47,37 +51,22 @@ pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(1);
 
-/// Counters, by outcome (exported by the caller).
+/// Events by outcome: `published`, `dropped_queue_full` (sending side); `received`, `applied`,
+/// `dropped_own`, `dropped_version`, `dropped_undecodable`, `dropped_unknown`, `dropped_duplicate`
+/// (receiving side). Registered in the process's metrics as `kvepp_replica_sync_events_total`.
 #[derive(Debug, Default)]
 pub struct SyncStats {
-    pub published: AtomicU64,
-    /// Dropped because the outgoing queue was full.
-    pub dropped_queue_full: AtomicU64,
-    pub received: AtomicU64,
-    pub applied: AtomicU64,
-    /// Dropped on receipt, by reason.
-    pub dropped_own: AtomicU64,
-    pub dropped_version: AtomicU64,
-    pub dropped_undecodable: AtomicU64,
-    pub dropped_unknown: AtomicU64,
-    pub dropped_duplicate: AtomicU64,
+    pub events: Family<OutcomeLabels, Counter>,
 }
 
 impl SyncStats {
-    /// `(outcome, count)` pairs, for metrics.
-    pub fn outcomes(&self) -> [(&'static str, u64); 9] {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        [
-            ("published", g(&self.published)),
-            ("dropped_queue_full", g(&self.dropped_queue_full)),
-            ("received", g(&self.received)),
-            ("applied", g(&self.applied)),
-            ("dropped_own", g(&self.dropped_own)),
-            ("dropped_version", g(&self.dropped_version)),
-            ("dropped_undecodable", g(&self.dropped_undecodable)),
-            ("dropped_unknown", g(&self.dropped_unknown)),
-            ("dropped_duplicate", g(&self.dropped_duplicate)),
-        ]
+    fn count(&self, outcome: &'static str) {
+        self.events.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    /// The count of one outcome.
+    pub fn get(&self, outcome: &'static str) -> u64 {
+        self.events.get_or_create(&OutcomeLabels { outcome }).get()
     }
 }
 
@@ -101,6 +90,14 @@ pub trait Sink: Send + Sync + 'static {
     ) -> Result<(), Refused>;
     fn prefill_complete(&self, scope: &Scope, request_id: &str) -> Result<(), Refused>;
     fn free(&self, scope: &Scope, request_id: &str) -> Result<(), Refused>;
+    /// Approximate prefix routing: a peer routed these blocks to `worker`.
+    fn routed(
+        &self,
+        scope: &Scope,
+        worker: u64,
+        locals: Vec<LocalBlockHash>,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<(), Refused>;
 }
 
 /// Where the request path publishes lifecycle events (cheap to clone; never blocks). A disabled
@@ -136,11 +133,7 @@ impl Outbox {
         };
         match tx.try_send(Bytes::from(env.encode_to_vec())) {
             Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                self.stats
-                    .dropped_queue_full
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+            Err(mpsc::error::TrySendError::Full(_)) => self.stats.count("dropped_queue_full"),
             Err(mpsc::error::TrySendError::Closed(_)) => {}
         }
     }
@@ -180,6 +173,32 @@ impl Outbox {
                 request_id: request_id.to_owned(),
             }),
         );
+    }
+
+    /// Approximate prefix routing: `locals`/`hashes` were routed to `worker`.
+    pub fn routed(
+        &self,
+        scope: &Scope,
+        worker: u64,
+        locals: &[LocalBlockHash],
+        hashes: &[SequenceHash],
+    ) {
+        if self.tx.is_none() {
+            return;
+        }
+        self.send(
+            scope,
+            wire::envelope::Event::Routed(wire::Routed {
+                worker_id: worker,
+                local_hashes: locals.iter().map(|h| h.0).collect(),
+                sequence_hashes: hashes.iter().map(|h| h.0).collect(),
+            }),
+        );
+    }
+
+    /// The random identity of this process on the wire (0 when disabled).
+    pub fn origin(&self) -> u64 {
+        self.origin
     }
 
     pub fn free(&self, scope: &Scope, request_id: &str) {
@@ -235,7 +254,7 @@ pub async fn start_publisher(
                 tracing::debug!(error = %e, "replica sync publish failed");
                 continue;
             }
-            published.published.fetch_add(1, Ordering::Relaxed);
+            published.count("published");
         }
     });
     Ok((
@@ -250,19 +269,16 @@ pub async fn start_publisher(
 
 /// Decodes and applies one received message.
 pub fn receive(payload: &[u8], origin: u64, sink: &dyn Sink, stats: &SyncStats) {
-    stats.received.fetch_add(1, Ordering::Relaxed);
-    let count = |c: &AtomicU64| {
-        c.fetch_add(1, Ordering::Relaxed);
-    };
+    stats.count("received");
     let env = match wire::Envelope::decode(payload) {
         Ok(e) if payload.len() <= MAX_MESSAGE_BYTES => e,
-        _ => return count(&stats.dropped_undecodable),
+        _ => return stats.count("dropped_undecodable"),
     };
     if env.version != WIRE_VERSION {
-        return count(&stats.dropped_version);
+        return stats.count("dropped_version");
     }
     if env.origin == origin {
-        return count(&stats.dropped_own);
+        return stats.count("dropped_own");
     }
     let scope = Scope {
         model: env.model_name,
@@ -270,7 +286,7 @@ pub fn receive(payload: &[u8], origin: u64, sink: &dyn Sink, stats: &SyncStats) 
     };
     use wire::envelope::Event;
     let outcome = match env.event {
-        None => return count(&stats.dropped_undecodable),
+        None => return stats.count("dropped_undecodable"),
         Some(Event::Admission(a)) => {
             let hashes: Vec<SequenceHash> =
                 a.sequence_hashes.into_iter().map(SequenceHash).collect();
@@ -288,12 +304,18 @@ pub fn receive(payload: &[u8], origin: u64, sink: &dyn Sink, stats: &SyncStats) 
         }
         Some(Event::PrefillComplete(p)) => sink.prefill_complete(&scope, &p.request_id),
         Some(Event::Free(f)) => sink.free(&scope, &f.request_id),
+        Some(Event::Routed(r)) => sink.routed(
+            &scope,
+            r.worker_id,
+            r.local_hashes.into_iter().map(LocalBlockHash).collect(),
+            r.sequence_hashes.into_iter().map(SequenceHash).collect(),
+        ),
     };
-    match outcome {
-        Ok(()) => count(&stats.applied),
-        Err(Refused::Unknown) => count(&stats.dropped_unknown),
-        Err(Refused::Duplicate) => count(&stats.dropped_duplicate),
-    }
+    stats.count(match outcome {
+        Ok(()) => "applied",
+        Err(Refused::Unknown) => "dropped_unknown",
+        Err(Refused::Duplicate) => "dropped_duplicate",
+    });
 }
 
 /// Keeps one SUB task per peer of the latest list, applying what they publish.
@@ -401,6 +423,7 @@ pub async fn start(
     bind: Option<&str>,
     peers: watch::Receiver<Vec<String>>,
     sink: Arc<dyn Sink>,
+    stats: Arc<SyncStats>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<Replica, ReplicaError> {
     let Some(bind) = bind else {
@@ -409,7 +432,6 @@ pub async fn start(
             bound: None,
         });
     };
-    let stats = Arc::new(SyncStats::default());
     let (outbox, bound) = start_publisher(bind, stats.clone(), shutdown.clone()).await?;
     tokio::spawn(run_subscribers(peers, outbox.origin, sink, stats, shutdown));
     Ok(Replica {
@@ -458,6 +480,15 @@ mod tests {
             self.0.lock().unwrap().push(format!("free {id}"));
             Err(Refused::Duplicate)
         }
+        fn routed(
+            &self,
+            _: &Scope,
+            _: u64,
+            _: Vec<LocalBlockHash>,
+            _: Vec<SequenceHash>,
+        ) -> Result<(), Refused> {
+            Err(Refused::Unknown)
+        }
     }
 
     fn scope(m: &str) -> Scope {
@@ -491,7 +522,7 @@ mod tests {
         out.free(&scope("m"), "r1");
         out.admission(&scope("unknown"), "r2", rank, 16, &[], 0);
         out.free(&scope("m"), "r3"); // queue of 4: dropped
-        assert_eq!(out.stats.dropped_queue_full.load(Ordering::Relaxed), 1);
+        assert_eq!(out.stats.get("dropped_queue_full"), 1);
 
         let sink = Recorder::default();
         let stats = SyncStats::default();
@@ -524,13 +555,94 @@ mod tests {
                 "free r1".to_string(),
             ]
         );
-        let o: HashMap<&str, u64> = stats.outcomes().into_iter().collect();
-        assert_eq!(o["received"], 7);
-        assert_eq!(o["applied"], 2);
-        assert_eq!(o["dropped_duplicate"], 1);
-        assert_eq!(o["dropped_unknown"], 1);
-        assert_eq!(o["dropped_own"], 1);
-        assert_eq!(o["dropped_version"], 1);
-        assert_eq!(o["dropped_undecodable"], 1);
+        for (outcome, n) in [
+            ("received", 7),
+            ("applied", 2),
+            ("dropped_duplicate", 1),
+            ("dropped_unknown", 1),
+            ("dropped_own", 1),
+            ("dropped_version", 1),
+            ("dropped_undecodable", 1),
+        ] {
+            assert_eq!(stats.get(outcome), n, "{outcome}");
+        }
+    }
+}
+
+/// `kvepp serve` on Kubernetes: the replica-sync peers are the ready endpoints of kvepp's own
+/// Service (its EndpointSlices), at the replica-sync port, so scaling the Deployment needs no
+/// configuration. Runs until `shutdown`; the peer list follows every change.
+pub async fn follow_service(
+    discovery: Arc<dyn crate::discovery::ServiceDiscovery>,
+    namespace: String,
+    service: String,
+    port: u16,
+    peers: Arc<crate::api::peers::SharedPeers>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    use crate::discovery::service::InstanceEvent;
+    use futures::StreamExt;
+    let mut stream = discovery.watch(&namespace, &service);
+    let mut found: HashMap<Arc<str>, String> = HashMap::new();
+    loop {
+        let event = tokio::select! {
+            e = stream.next() => match e { Some(e) => e, None => return },
+            _ = shutdown.changed() => if *shutdown.borrow() { return } else { continue },
+        };
+        match event {
+            InstanceEvent::Added(i) => {
+                let endpoint = format!("tcp://{}", std::net::SocketAddr::new(i.ip, port));
+                found.insert(i.id, endpoint);
+            }
+            InstanceEvent::Removed(id) => {
+                found.remove(&id);
+            }
+            InstanceEvent::Synced => {}
+        }
+        peers.set_discovered(found.values().cloned());
+    }
+}
+
+/// The replica-sync settings of `kvepp serve` (the slot tracker's flags, plus discovery).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicaSyncConfig {
+    /// ZMQ PUB endpoint to bind, e.g. `tcp://*:9094`; unset: replica sync off.
+    pub bind: Option<String>,
+    /// The bound endpoint as peers reach it (never taken as a peer).
+    pub advertise: Option<String>,
+    /// Peer PUB endpoints.
+    pub peers: Vec<String>,
+    /// Kubernetes: peers are the ready endpoints of this Service (kvepp's own) at the bind port.
+    pub peers_service: Option<String>,
+}
+
+impl ReplicaSyncConfig {
+    /// The port of the bind endpoint (`tcp://host:port`).
+    pub fn port(&self) -> Option<u16> {
+        self.bind
+            .as_deref()?
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+    }
+
+    /// Every problem with the settings.
+    pub fn problems(&self) -> Vec<String> {
+        use crate::api::peers::validate_endpoint;
+        let mut out = Vec::new();
+        if let Some(b) = &self.bind {
+            if let Err(e) = validate_endpoint(&bindable(b)) {
+                out.push(format!("bind: {e}"));
+            }
+        } else if !self.peers.is_empty() || self.peers_service.is_some() || self.advertise.is_some()
+        {
+            out.push("peers, peers_service and advertise need bind".into());
+        }
+        for p in self.peers.iter().chain(&self.advertise) {
+            if let Err(e) = validate_endpoint(p) {
+                out.push(e);
+            }
+        }
+        out
     }
 }

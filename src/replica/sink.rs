@@ -10,7 +10,7 @@ use super::{Refused, Sink};
 use crate::api::json::read;
 use kvepp_core::catalog::{Catalog, CatalogError, PromptRef, Scope};
 use kvepp_core::slots::WorkerRank;
-use kvepp_core::SequenceHash;
+use kvepp_core::{LocalBlockHash, SequenceHash};
 
 /// How request ids are scoped by the service the catalog belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,5 +94,21 @@ impl Sink for CatalogSink {
         } else {
             Err(Refused::Unknown)
         }
+    }
+
+    fn routed(
+        &self,
+        scope: &Scope,
+        worker: u64,
+        locals: Vec<LocalBlockHash>,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<(), Refused> {
+        let catalog = read(&self.catalog);
+        let tracker = catalog.tracker(scope).map_err(refused)?;
+        if !tracker.workers.contains_key(&worker) || locals.len() != hashes.len() {
+            return Err(Refused::Unknown);
+        }
+        tracker.kv.record_routed(worker, locals, hashes);
+        Ok(())
     }
 }

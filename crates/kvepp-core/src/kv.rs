@@ -156,6 +156,25 @@ impl Approx {
     }
 }
 
+/// Told about every booking the KV-aware picker makes and ends, and every prompt it records as
+/// routed in approximate mode (replica sync publishes them to the other replicas). Called after
+/// the state's locks are released; implementations must not block.
+pub trait BookingObserver: Send + Sync + std::fmt::Debug {
+    /// A pick booked `id` (a process-local id) on `rank`.
+    fn admitted(
+        &self,
+        id: &str,
+        rank: WorkerRank,
+        block_size: u32,
+        hashes: &[SequenceHash],
+        prefill_tokens: u64,
+    );
+    fn prefill_complete(&self, id: &str);
+    fn freed(&self, id: &str);
+    /// Approximate mode: the prompt's blocks were recorded as routed to `worker`.
+    fn routed(&self, worker: u64, prompt: &PromptBlocks);
+}
+
 /// Shared state of the KV-aware picker: the index fed by KV events, the approximate index, and
 /// the slot tracker.
 #[derive(Debug)]
@@ -170,6 +189,8 @@ pub struct KvState {
     base_model: RwLock<Option<Arc<str>>>,
     /// Lookup buffers, one per pick in progress at most.
     scratch: Mutex<Vec<Scratch>>,
+    /// Set once at startup when replica sync runs.
+    observer: std::sync::OnceLock<Arc<dyn BookingObserver>>,
 }
 
 /// Reusable buffers of one index lookup (taken from and returned to a small pool, so a pick
@@ -201,11 +222,33 @@ impl KvState {
             block_size: AtomicU32::new(settings.block_size.max(1)),
             base_model: RwLock::new(None),
             scratch: Mutex::new(Vec::new()),
+            observer: std::sync::OnceLock::new(),
         }
     }
 
     pub fn settings(&self) -> &KvSettings {
         &self.settings
+    }
+
+    /// Installs the observer of bookings (once; false if one was already installed).
+    pub fn observe(&self, observer: Arc<dyn BookingObserver>) -> bool {
+        self.observer.set(observer).is_ok()
+    }
+
+    /// Approximate mode: records a prompt's blocks as routed to `worker` (a peer replica's pick).
+    pub fn record_routed(
+        &self,
+        worker: u64,
+        locals: Vec<LocalBlockHash>,
+        hashes: Vec<SequenceHash>,
+    ) {
+        let p = PromptBlocks {
+            mode: PrefixMode::Approximate,
+            locals,
+            hashes,
+            isl_tokens: 0,
+        };
+        lock(&self.approx).record(worker, &p);
     }
 
     /// Tokens per block used for hashing and cost (configured, or learned from the engines).
@@ -397,15 +440,29 @@ impl KvState {
         let rank = WorkerRank { worker, dp_rank: 0 };
         if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
             lock(&self.approx).record(worker, p);
+            if let Some(o) = self.observer.get() {
+                o.routed(worker, p);
+            }
         }
         // A NUL-led id: never one a client of the HTTP services can have booked.
         let id = format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed));
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
-        let mut slots = lock(&self.slots);
-        slots.register(rank);
-        let booked = slots
-            .add(&id, rank, hashes, effective_prefill_tokens, now)
-            .is_ok();
+        let booked = {
+            let mut slots = lock(&self.slots);
+            slots.register(rank);
+            slots
+                .add(&id, rank, hashes, effective_prefill_tokens, now)
+                .is_ok()
+        };
+        if let (true, Some(o)) = (booked, self.observer.get()) {
+            o.admitted(
+                &id,
+                rank,
+                self.block_size(),
+                hashes,
+                effective_prefill_tokens,
+            );
+        }
         SlotGuard {
             state: self.clone(),
             id: booked.then_some(id),
@@ -653,6 +710,9 @@ impl SlotGuard {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
             let _ = lock(&self.state.slots).prefill_complete(id);
+            if let Some(o) = self.state.observer.get() {
+                o.prefill_complete(id);
+            }
         }
     }
 }
@@ -661,6 +721,9 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(id) = &self.id {
             lock(&self.state.slots).free(id);
+            if let Some(o) = self.state.observer.get() {
+                o.freed(id);
+            }
         }
     }
 }

@@ -216,7 +216,7 @@ pub async fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     let s = setup(&args)?;
     let state = Arc::new(SelectState::new(
         s.catalog.clone(),
-        SharedPeers::default(),
+        Arc::new(SharedPeers::default()),
         kvepp::replica::Outbox::disabled(),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

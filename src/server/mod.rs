@@ -14,9 +14,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
-use crate::api::peers::SharedPeers;
-use crate::api::select::SelectState;
-use crate::api::slot_tracker::SlotTrackerState;
+mod shared;
+
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
@@ -24,11 +23,8 @@ use crate::discovery::{feed_instances, Datastore, ManifestDir, PoolRef, ServiceD
 use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
-use crate::replica::Outbox;
 use crate::request::tokenize::ModelTokenizer;
 use crate::request::RequestRouter;
-use kvepp_core::catalog::{Catalog, Limits, Worker};
-use kvepp_core::kv::worker_id;
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -45,6 +41,8 @@ pub enum ServerError {
     Serve { what: &'static str, message: String },
     #[error("discovery: {0}")]
     Discovery(#[from] crate::discovery::service::DiscoveryError),
+    #[error("replica sync: {0}")]
+    Replica(#[from] crate::replica::ReplicaError),
     #[error("tokenizer of model {model}: {source}")]
     Tokenizer {
         model: String,
@@ -160,6 +158,7 @@ pub async fn run(
             Arc::new(KubeDiscovery::new(client, metrics.watch.clone()))
         }
     };
+    let replica_discovery = discovery.clone();
     tasks.push(tokio::spawn(feed_instances(
         store.clone(),
         discovery,
@@ -299,14 +298,22 @@ pub async fn run(
 
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
-    let doors = open_http_doors(
-        kv.as_ref(),
-        &store,
-        listeners.select_service,
-        listeners.slot_tracker,
-        &stop_rx,
-        &mut tasks,
-    );
+    let doors = match &kv {
+        Some(kv) => {
+            crate::server::shared::start(
+                &cfg,
+                kv,
+                &store,
+                replica_discovery,
+                (listeners.select_service, listeners.slot_tracker),
+                metrics.replica.clone(),
+                &stop_rx,
+                &mut tasks,
+            )
+            .await?
+        }
+        None => Vec::new(),
+    };
 
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -365,89 +372,6 @@ pub async fn run(
             Ok(())
         }
     }
-}
-
-/// `kvepp serve`'s HTTP doors: the selection service and the slot tracker over the picker's own
-/// state (a pooled catalog whose workers are the pool's ready endpoints), so an HTTP reservation
-/// weighs on Envoy's picks and an Envoy pick shows in `GET /loads`.
-fn open_http_doors(
-    kv: Option<&Arc<KvState>>,
-    store: &Arc<Datastore>,
-    select: Option<TcpListener>,
-    slots: Option<TcpListener>,
-    stop: &watch::Receiver<bool>,
-    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
-) -> Vec<tokio::task::JoinHandle<std::io::Result<()>>> {
-    let Some(kv) = kv else {
-        // Configuration validation refuses the doors without a KV-aware picker.
-        return Vec::new();
-    };
-    if select.is_none() && slots.is_none() {
-        return Vec::new();
-    }
-    let catalog = Arc::new(std::sync::RwLock::new(Catalog::pooled(
-        kv.clone(),
-        Limits::default(),
-    )));
-    {
-        let catalog = catalog.clone();
-        let kv = kv.clone();
-        let mut pool = store.watch();
-        let mut stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let endpoints = pool.borrow_and_update().clone();
-                let workers = endpoints.iter().map(|e| Worker {
-                    worker_id: worker_id(&e.addr_str),
-                    block_size: kv.block_size(),
-                    dp_start: 0,
-                    dp_size: 1,
-                    endpoint: Some(format!("http://{}", e.addr_str)),
-                    kv_events_endpoints: Default::default(),
-                    replay_endpoint: None,
-                });
-                catalog
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .set_pool(workers);
-                tokio::select! {
-                    r = pool.changed() => if r.is_err() { return },
-                    _ = stop.changed() => if *stop.borrow() { return },
-                }
-            }
-        }));
-    }
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let mut doors = Vec::new();
-    if let Some(l) = select {
-        tracing::info!(addr = ?l.local_addr().ok(), "selection service door open");
-        let state = Arc::new(SelectState::new(
-            catalog.clone(),
-            SharedPeers::default(),
-            Outbox::disabled(),
-        ));
-        let app = crate::api::select::router(state);
-        let shutdown = stopped(stop.clone());
-        doors.push(tokio::spawn(async move {
-            axum::serve(l, app).with_graceful_shutdown(shutdown).await
-        }));
-    }
-    if let Some(l) = slots {
-        tracing::info!(addr = ?l.local_addr().ok(), "slot tracker door open");
-        let state = Arc::new(SlotTrackerState {
-            catalog,
-            peers: SharedPeers::default(),
-            outbox: Outbox::disabled(),
-        });
-        let app = crate::api::slot_tracker::router(state);
-        let shutdown = stopped(stop.clone());
-        doors.push(tokio::spawn(async move {
-            axum::serve(l, app).with_graceful_shutdown(shutdown).await
-        }));
-    }
-    doors
 }
 
 fn flatten(

@@ -1,0 +1,163 @@
+//! What `kvepp serve` shares beyond Envoy's stream: a pooled catalog over the picker's own state
+//! (its workers are the pool's ready endpoints), replica sync with the other kvepp replicas, and
+//! the HTTP doors (selection service, slot tracker) over that same state.
+//!
+//! Invariants: one picker state behind every door; with replica sync on, every pick and release of
+//! this replica reaches the others (and theirs reach it, applied only for endpoints this replica
+//! also sees); the peer list is shared by replica sync and the doors' peer routes.
+
+use std::sync::{Arc, RwLock};
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::ServerError;
+use crate::api::peers::{Peers, SharedPeers};
+use crate::api::select::SelectState;
+use crate::api::slot_tracker::{pool_scope, SlotTrackerState};
+use crate::config::Config;
+use crate::discovery::{Datastore, ServiceDiscovery};
+use crate::replica::observer::PublishBookings;
+use crate::replica::sink::{CatalogSink, Ids};
+use crate::replica::{Outbox, SyncStats};
+use kvepp_core::catalog::{Catalog, Limits, Worker};
+use kvepp_core::kv::worker_id;
+use kvepp_core::KvState;
+
+type Tasks = Vec<tokio::task::JoinHandle<()>>;
+
+/// A catalog over `kv` whose workers follow the pool's ready endpoints.
+fn pooled_catalog(
+    kv: &Arc<KvState>,
+    store: &Arc<Datastore>,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut Tasks,
+) -> Arc<RwLock<Catalog>> {
+    let catalog = Arc::new(RwLock::new(Catalog::pooled(kv.clone(), Limits::default())));
+    let sync = catalog.clone();
+    let kv = kv.clone();
+    let mut pool = store.watch();
+    let mut stop = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        loop {
+            let endpoints = pool.borrow_and_update().clone();
+            let workers = endpoints.iter().map(|e| Worker {
+                worker_id: worker_id(&e.addr_str),
+                block_size: kv.block_size(),
+                dp_start: 0,
+                dp_size: 1,
+                endpoint: Some(format!("http://{}", e.addr_str)),
+                kv_events_endpoints: Default::default(),
+                replay_endpoint: None,
+            });
+            crate::api::json::write(&sync).set_pool(workers);
+            tokio::select! {
+                r = pool.changed() => if r.is_err() { return },
+                _ = stop.changed() => if *stop.borrow() { return },
+            }
+        }
+    }));
+    catalog
+}
+
+/// Starts what is configured among replica sync and the HTTP doors; returns the doors' servers.
+#[allow(clippy::too_many_arguments)]
+pub async fn start(
+    cfg: &Config,
+    kv: &Arc<KvState>,
+    store: &Arc<Datastore>,
+    discovery: Arc<dyn ServiceDiscovery>,
+    (select, slots): (Option<TcpListener>, Option<TcpListener>),
+    stats: Arc<SyncStats>,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut Tasks,
+) -> Result<Vec<tokio::task::JoinHandle<std::io::Result<()>>>, ServerError> {
+    let rs = &cfg.replica_sync;
+    if rs.bind.is_none() && select.is_none() && slots.is_none() {
+        return Ok(Vec::new());
+    }
+    let catalog = pooled_catalog(kv, store, stop, tasks);
+    let peers = Arc::new(SharedPeers::new(
+        Peers::new(rs.peers.clone(), rs.advertise.clone()).map_err(|message| {
+            ServerError::Serve {
+                what: "replica sync",
+                message,
+            }
+        })?,
+    ));
+    let sink = Arc::new(CatalogSink {
+        catalog: catalog.clone(),
+        ids: Ids::Global,
+    });
+    let replica = crate::replica::start(
+        rs.bind.as_deref(),
+        peers.subscribe(),
+        sink,
+        stats,
+        stop.clone(),
+    )
+    .await?;
+    let outbox = replica.outbox.clone();
+    if replica.bound.is_some() {
+        kv.observe(Arc::new(PublishBookings {
+            outbox: outbox.clone(),
+            scope: pool_scope(),
+        }));
+        if let (Some(service), Some(port)) = (&rs.peers_service, rs.port()) {
+            tracing::info!(service = %service, port, "replica-sync peers from the Service's endpoints");
+            tasks.push(tokio::spawn(crate::replica::follow_service(
+                discovery,
+                cfg.pool_namespace.clone(),
+                service.clone(),
+                port,
+                peers.clone(),
+                stop.clone(),
+            )));
+        }
+    }
+    Ok(open_http_doors(
+        &catalog, select, slots, &outbox, &peers, stop,
+    ))
+}
+
+/// The selection service and slot tracker routes over the pooled catalog.
+fn open_http_doors(
+    catalog: &Arc<RwLock<Catalog>>,
+    select: Option<TcpListener>,
+    slots: Option<TcpListener>,
+    outbox: &Outbox,
+    peers: &Arc<SharedPeers>,
+    stop: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<std::io::Result<()>>> {
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let mut doors = Vec::new();
+    if let Some(l) = select {
+        tracing::info!(addr = ?l.local_addr().ok(), "selection service door open");
+        let state = Arc::new(SelectState::new(
+            catalog.clone(),
+            peers.clone(),
+            outbox.clone(),
+        ));
+        let app = crate::api::select::router(state);
+        let shutdown = stopped(stop.clone());
+        doors.push(tokio::spawn(async move {
+            axum::serve(l, app).with_graceful_shutdown(shutdown).await
+        }));
+    }
+    if let Some(l) = slots {
+        tracing::info!(addr = ?l.local_addr().ok(), "slot tracker door open");
+        let state = Arc::new(SlotTrackerState {
+            catalog: catalog.clone(),
+            peers: peers.clone(),
+            outbox: outbox.clone(),
+        });
+        let app = crate::api::slot_tracker::router(state);
+        let shutdown = stopped(stop.clone());
+        doors.push(tokio::spawn(async move {
+            axum::serve(l, app).with_graceful_shutdown(shutdown).await
+        }));
+    }
+    doors
+}
