@@ -764,3 +764,46 @@ async fn replicas_share_routed_prefixes_in_approximate_mode() {
     one.stop().await;
     two.stop().await;
 }
+
+/// On Kubernetes the replicas' peers are the endpoints of kvepp's own Service: two replicas on
+/// 127.0.0.4 and 127.0.0.5, one EndpointSlice listing both, no peer configured by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_find_each_other_through_their_own_service() {
+    let events_port = free_port();
+    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
+    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
+    let port = free_port();
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    m += &format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: kvepp-x, labels: {{kubernetes.io/service-name: kvepp}}}}\naddressType: IPv4\nendpoints:\n- addresses: [\"127.0.0.4\"]\n  conditions: {{ready: true}}\n  targetRef: {{kind: Pod, name: kvepp-1}}\n- addresses: [\"127.0.0.5\"]\n  conditions: {{ready: true}}\n  targetRef: {{kind: Pod, name: kvepp-2}}\nports: [{{name: replica-sync, port: {port}}}]\n"
+    );
+    let replica = |ip: &'static str| {
+        move |c: &mut kvepp::config::Config| {
+            c.kv_events.enabled = true;
+            c.kv_events.port = events_port;
+            c.block_size = Some(BLOCK as u32);
+            c.slot_tracker_port = Some(0);
+            c.replica_sync.bind = Some(format!("tcp://{ip}:{port}"));
+            c.replica_sync.advertise = Some(format!("tcp://{ip}:{port}"));
+            c.replica_sync.peers_service = Some("kvepp".into());
+        }
+    };
+    let one = Epp::start(&m, replica("127.0.0.4")).await;
+    let two = Epp::start(&m, replica("127.0.0.5")).await;
+    for (epp, other) in [(&one, "127.0.0.5"), (&two, "127.0.0.4")] {
+        let slots = epp.slot_tracker.expect("door");
+        let want = serde_json::json!([format!("tcp://{other}:{port}")]);
+        wait_for("the other replica as the only peer", || {
+            let want = want.clone();
+            async move { (http(slots, "GET", "/peers", &[], "").await.json() == want).then_some(()) }
+        })
+        .await;
+    }
+    let envoy1 = Envoy::start(bootstrap(), one.grpc).await;
+    until_replicas_synced(&envoy1, &two).await;
+    drop(envoy1);
+    one.stop().await;
+    two.stop().await;
+}

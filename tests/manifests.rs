@@ -128,8 +128,10 @@ fn kubernetes_manifests_are_consistent() {
         .iter()
         .map(|p| p["containerPort"].as_u64().unwrap())
         .collect();
-    assert_eq!(ports, [9002, 9003, 9090]);
+    assert_eq!(ports, [9002, 9003, 9090, 9094]);
     assert_eq!(c["readinessProbe"]["grpc"]["service"], "readiness");
+    // Active-active: 2 replicas, replica sync on 9094 with peers from kvepp's own Service.
+    assert_eq!(dep["spec"]["replicas"], 2);
     assert_eq!(c["livenessProbe"]["grpc"]["service"], "liveness");
     // The config file in the ConfigMap is a valid kvepp configuration (but for the mounted dir).
     let cm = find(&d, "ConfigMap")
@@ -139,6 +141,17 @@ fn kubernetes_manifests_are_consistent() {
     let cfg: kvepp::config::Config =
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
     cfg.validate().unwrap();
+    assert_eq!(cfg.replica_sync.port(), Some(9094));
+    let own = cfg.replica_sync.peers_service.as_deref().unwrap();
+    let own_svc = find(&d, "Service")
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == own)
+        .expect("the replicas' own Service");
+    assert!(own_svc["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .any(|p| p["port"] == 9094));
     // The pool's extensionRef is the kvepp Service, and its headless Service is named like it.
     let pool = find(&d, "InferencePool")[0];
     let svc_names: Vec<&str> = find(&d, "Service")
