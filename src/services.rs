@@ -7,7 +7,9 @@
 //!
 //! Replica sync (`--replica-sync-*`): a PUB socket on the bound port and a SUB per peer of the peer
 //! list (the flags' peers, then the peer routes' changes) share admissions, prefill completions and
-//! frees ([`crate::replica`]). Index recovery (`--indexer-peers`) is validated here.
+//! frees ([`crate::replica`]). Index recovery (`--indexer-peers`): the peers' `/dump` are asked in
+//! turn before the service answers, and the first good one is applied
+//! ([`crate::replica::recovery`]).
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -183,6 +185,13 @@ pub async fn run_select(
     let peers = Arc::new(SharedPeers::new(select_peers(&args)?));
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
+    let indexer_peers = parse_list(args.indexer_peers.as_deref());
+    if !indexer_peers.is_empty() {
+        // Before the first request is answered: /ready cannot turn 200 without it.
+        if let Err(e) = crate::replica::recovery::recover(&catalog, &indexer_peers).await {
+            tracing::warn!(error = %e, "starting without a recovered KV index");
+        }
+    }
     let bind = args.replica_sync_port.map(|p| format!("tcp://*:{p}"));
     let replica = start_replica(bind.as_deref(), &peers, &catalog, Ids::Global, &stop_rx).await?;
     let state = Arc::new(SelectState::new(catalog.clone(), peers, replica.outbox));

@@ -910,6 +910,25 @@ async fn select_answers_from_real_kv_events() {
     let ranks = v["scopes"][0]["ranks"].as_array().unwrap();
     let w1 = ranks.iter().find(|r| r["worker_id"] == json!(1)).unwrap();
     assert_eq!(w1["blocks"].as_array().unwrap().len(), 4);
+    // A second selector recovers the index from the first's /dump before it answers: after the
+    // same catalog registration it gives the same overlap scores.
+    let b = select_service(&["--indexer-peers", &format!("http://{a}")]).await;
+    for id in [1, 2] {
+        assert_eq!(
+            json_call(b.addr, "POST", "/workers", worker(id, 1)).await.0,
+            201
+        );
+    }
+    let scores = |addr| {
+        let prompt = json!({"model_name": "model", "sequence_hashes": signed(&longer)});
+        async move { json_call(addr, "POST", "/overlap_scores", prompt).await.1 }
+    };
+    assert_eq!(scores(b.addr).await, scores(a).await);
+    assert_eq!(scores(b.addr).await[0]["gpu"], json!(16));
+    let (_, dump_b) = json_call(b.addr, "GET", "/dump", Value::Null).await;
+    let (_, dump_a) = json_call(a, "GET", "/dump", Value::Null).await;
+    assert_eq!(dump_b, dump_a, "an equal index");
+    b.stop().await;
     // Removing the worker stops its subscription and forgets its blocks.
     assert_eq!(
         json_call(a, "DELETE", "/workers/1", Value::Null).await.0,

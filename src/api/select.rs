@@ -723,35 +723,10 @@ async fn overlap_scores(State(st): St, Body(b): Body<PromptBody>) -> Result<Resp
     Ok(Json(overlap_rows(t, &hashes)).into_response())
 }
 
-/// The index snapshot: per scope and rank, the sequence hashes it caches by tier.
+/// The index snapshot a peer recovers from ([`crate::replica::recovery`]).
 async fn dump(State(st): St) -> Response {
     let catalog = read(&st.catalog);
-    let pool = pool_scope();
-    let scopes: Vec<serde_json::Value> = catalog
-        .trackers(&pool)
-        .map(|(s, t)| {
-            let index = t
-                .kv
-                .index()
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            let ranks: Vec<serde_json::Value> = t
-                .ranks()
-                .into_iter()
-                .map(|r| {
-                    let blocks: Vec<u64> = index.rank_sequences(r).iter().map(|h| h.0).collect();
-                    serde_json::json!({"worker_id": r.worker, "dp_rank": r.dp_rank, "blocks": blocks})
-                })
-                .collect();
-            serde_json::json!({
-                "model_name": s.model,
-                "tenant_id": s.tenant,
-                "block_size": t.block_size(),
-                "ranks": ranks,
-            })
-        })
-        .collect();
-    Json(serde_json::json!({ "scopes": scopes })).into_response()
+    Json(crate::replica::recovery::dump(&catalog, &pool_scope())).into_response()
 }
 
 // -------------------------------------------------------------------------------- replica sync

@@ -31,6 +31,7 @@ use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
 
 pub mod observer;
+pub mod recovery;
 pub mod sink;
 
 /// Generated from `proto/kvepp/replica/v1/replica.proto`.

@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use crate::cost::Overlap;
 use crate::hash::SequenceHash;
+use crate::index::RankDump;
 use crate::kv::{KvSettings, KvState, RankChoice, SelectError};
 use crate::slots::{PotentialLoad, RankLoad, SlotError, WorkerRank};
 
@@ -171,6 +172,9 @@ pub struct Catalog {
     /// Pooled mode: every scope resolves to this one.
     pooled: Option<Tracker>,
     reservations: Mutex<HashMap<String, Scope>>,
+    /// Recovered index content of scopes with no worker yet: applied when the scope's first worker
+    /// registers with the same block size.
+    pending: HashMap<Scope, (u32, Vec<RankDump>)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -187,6 +191,7 @@ impl Catalog {
             scopes: BTreeMap::new(),
             pooled: None,
             reservations: Mutex::new(HashMap::new()),
+            pending: HashMap::new(),
         }
     }
 
@@ -202,6 +207,29 @@ impl Catalog {
                 workers: BTreeMap::new(),
             }),
             reservations: Mutex::new(HashMap::new()),
+            pending: HashMap::new(),
+        }
+    }
+
+    /// Applies a peer's index content for `scope` (recovery): into the scope's index now, or when
+    /// its first worker registers. A scope with another block size ignores it. Returns the
+    /// pairs restored now.
+    pub fn recover(
+        &mut self,
+        scope: Scope,
+        block_size: u32,
+        dumps: Vec<RankDump>,
+    ) -> Result<u64, crate::index::IndexError> {
+        match self.tracker(&scope) {
+            Ok(t) if t.block_size() == block_size => {
+                let mut index = t.kv.index().write().unwrap_or_else(PoisonError::into_inner);
+                index.restore(&dumps)
+            }
+            Ok(_) => Ok(0),
+            Err(_) => {
+                self.pending.insert(scope, (block_size, dumps));
+                Ok(0)
+            }
         }
     }
 
@@ -291,10 +319,21 @@ impl Catalog {
             approximate_only: false,
             ..self.settings
         };
+        let pending = self.pending.remove(&scope);
         let tracker = self.scopes.entry(scope).or_insert_with(|| Tracker {
             kv: Arc::new(KvState::new(settings)),
             workers: BTreeMap::new(),
         });
+        if let Some((bs, dumps)) = pending.filter(|(bs, _)| *bs == worker.block_size) {
+            let mut index = tracker
+                .kv
+                .index()
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Err(e) = index.restore(&dumps) {
+                tracing::warn!(error = %e, block_size = bs, "recovered index content partly applied");
+            }
+        }
         if let Some(old) = tracker.workers.get(&worker.worker_id) {
             // Ranks the new range no longer covers go, with their requests and blocks.
             if old.dp_start != worker.dp_start || old.dp_size != worker.dp_size {

@@ -67,6 +67,18 @@ pub struct RankOverlap {
     pub overlap: Overlap,
 }
 
+/// One rank's content, enough to rebuild an equal index elsewhere ([`PrefixIndex::dump`],
+/// [`PrefixIndex::restore`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankDump {
+    pub rank: WorkerRank,
+    /// Our hash of each block the rank holds, with its references per tier (device, host, disk),
+    /// sorted by hash.
+    pub blocks: Vec<(SequenceHash, [u16; 3])>,
+    /// The engine's own hash of blocks whose engine hash differs from ours, sorted.
+    pub engine: Vec<(EngineBlockHash, SequenceHash)>,
+}
+
 /// Per-rank pair limit by default (4 Mi blocks: 1 TiB of KV at 256 KiB per block).
 pub const DEFAULT_MAX_BLOCKS_PER_RANK: u64 = 1 << 22;
 
@@ -330,6 +342,63 @@ impl PrefixIndex {
             .collect();
         v.sort_unstable_by_key(|h| h.0);
         v
+    }
+
+    /// Every rank's content (one scan of the table), sorted by rank.
+    pub fn dump(&self) -> Vec<RankDump> {
+        let mut per: Vec<Vec<(SequenceHash, [u16; 3])>> = vec![Vec::new(); self.ranks.len()];
+        for (key, word) in self.blocks.iter() {
+            for h in self.holders_of(word).as_slice() {
+                if let Some(v) = per.get_mut(usize::from(h.rank)) {
+                    v.push((SequenceHash(key), h.refs));
+                }
+            }
+        }
+        let mut out: Vec<RankDump> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, slot)| {
+                let slot = slot.as_ref()?;
+                let mut blocks = std::mem::take(&mut per[i]);
+                blocks.sort_unstable_by_key(|(h, _)| h.0);
+                let mut engine: Vec<(EngineBlockHash, SequenceHash)> =
+                    slot.engine.iter().map(|(e, s)| (*e, *s)).collect();
+                engine.sort_unstable();
+                Some(RankDump {
+                    rank: slot.id,
+                    blocks,
+                    engine,
+                })
+            })
+            .collect();
+        out.sort_unstable_by_key(|d| d.rank);
+        out
+    }
+
+    /// Replaces each dumped rank's content with the dump's (other ranks are untouched). Returns
+    /// the pairs restored; stops at the first rank over its limit (what was restored stays).
+    pub fn restore(&mut self, dumps: &[RankDump]) -> Result<u64, IndexError> {
+        let mut restored = 0;
+        for d in dumps {
+            let s = self.slot_or_insert(d.rank)?;
+            self.clear_rank(d.rank);
+            for &(seq, refs) in &d.blocks {
+                for tier in Tier::ALL {
+                    for _ in 0..refs[tier.idx()] {
+                        self.add(s, seq, tier)?;
+                    }
+                }
+                if refs != [0; 3] {
+                    restored += 1;
+                }
+            }
+            let slot = Self::slot_mut(&mut self.ranks, s);
+            for &(e, seq) in &d.engine {
+                slot.engine.insert(e, seq);
+            }
+        }
+        Ok(restored)
     }
 
     /// Ranks the index knows (registered explicitly or by an event).

@@ -1,0 +1,185 @@
+//! Index recovery: `GET /dump` answers a snapshot of the KV-event index per (model, tenant) from
+//! which a peer rebuilds an equal index; on start, the `--indexer-peers` are asked in turn and the
+//! first good dump is applied before the service answers.
+//!
+//! Format (`kvepp-index-dump/1`): `{"format", "scopes": [{"model_name", "tenant_id",
+//! "block_size", "ranks": [{"worker_id", "dp_rank", "blocks": [[sequence_hash, device, host,
+//! disk], ...], "engine": [[engine_hash, sequence_hash], ...]}]}]}`: every block a rank holds with
+//! its reference count per tier, and the engine's own hash of blocks it names differently (for
+//! later removals). Hashes are unsigned 64-bit JSON integers.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use kvepp_core::catalog::{Catalog, Scope};
+use kvepp_core::index::{EngineBlockHash, RankDump};
+use kvepp_core::slots::WorkerRank;
+use kvepp_core::{KvState, SequenceHash};
+
+pub const FORMAT: &str = "kvepp-index-dump/1";
+
+/// Largest dump accepted from a peer.
+pub const MAX_DUMP_BYTES: usize = 256 << 20;
+
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DumpDoc {
+    pub format: String,
+    pub scopes: Vec<ScopeDump>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScopeDump {
+    pub model_name: String,
+    pub tenant_id: String,
+    pub block_size: u32,
+    pub ranks: Vec<RankJson>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankJson {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub blocks: Vec<(u64, u16, u16, u16)>,
+    #[serde(default)]
+    pub engine: Vec<(u64, u64)>,
+}
+
+fn to_json(d: RankDump) -> RankJson {
+    RankJson {
+        worker_id: d.rank.worker,
+        dp_rank: d.rank.dp_rank,
+        blocks: d
+            .blocks
+            .into_iter()
+            .map(|(h, [a, b, c])| (h.0, a, b, c))
+            .collect(),
+        engine: d.engine.into_iter().map(|(e, s)| (e.0, s.0)).collect(),
+    }
+}
+
+fn from_json(r: RankJson) -> RankDump {
+    RankDump {
+        rank: WorkerRank {
+            worker: r.worker_id,
+            dp_rank: r.dp_rank,
+        },
+        blocks: r
+            .blocks
+            .into_iter()
+            .map(|(h, a, b, c)| (SequenceHash(h), [a, b, c]))
+            .collect(),
+        engine: r
+            .engine
+            .into_iter()
+            .map(|(e, s)| (EngineBlockHash(e), SequenceHash(s)))
+            .collect(),
+    }
+}
+
+/// One scope's snapshot.
+pub fn scope_dump(scope: &Scope, kv: &KvState) -> ScopeDump {
+    let dumps = kv
+        .index()
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .dump();
+    ScopeDump {
+        model_name: scope.model.clone(),
+        tenant_id: scope.tenant.clone(),
+        block_size: kv.block_size(),
+        ranks: dumps.into_iter().map(to_json).collect(),
+    }
+}
+
+/// The snapshot of every scope of `catalog` (pooled: one, under `pool_scope`).
+pub fn dump(catalog: &Catalog, pool_scope: &Scope) -> DumpDoc {
+    DumpDoc {
+        format: FORMAT.into(),
+        scopes: catalog
+            .trackers(pool_scope)
+            .map(|(s, t)| scope_dump(s, &t.kv))
+            .collect(),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    #[error("{url}: {message}")]
+    Peer { url: String, message: String },
+    #[error("no indexer peer gave a usable dump: {0}")]
+    NonePeer(String),
+}
+
+/// `GET <url>/dump`, parsed.
+pub async fn fetch(url: &str) -> Result<DumpDoc, RecoveryError> {
+    let err = |message: String| RecoveryError::Peer {
+        url: url.to_owned(),
+        message,
+    };
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| err("only http:// peers are supported".into()))?;
+    let (authority, base) = match rest.split_once('/') {
+        Some((a, p)) => (a, format!("/{}", p.trim_end_matches('/'))),
+        None => (rest, String::new()),
+    };
+    let authority = if authority.contains(':') {
+        authority.to_owned()
+    } else {
+        format!("{authority}:80")
+    };
+    let addr = tokio::net::lookup_host(&authority)
+        .await
+        .map_err(|e| err(e.to_string()))?
+        .next()
+        .ok_or_else(|| err("no address".into()))?;
+    let body = crate::engine::get(addr, &format!("{base}/dump"), FETCH_TIMEOUT, MAX_DUMP_BYTES)
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    let doc: DumpDoc = serde_json::from_slice(&body).map_err(|e| err(e.to_string()))?;
+    if doc.format != FORMAT {
+        return Err(err(format!("dump format {:?}, not {FORMAT}", doc.format)));
+    }
+    Ok(doc)
+}
+
+/// Asks `peers` in turn; applies the first good dump to `catalog`. Returns the peer used and the
+/// pairs restored at once (scopes without workers yet are applied when their first worker
+/// registers).
+pub async fn recover(
+    catalog: &std::sync::RwLock<Catalog>,
+    peers: &[String],
+) -> Result<(String, u64), RecoveryError> {
+    let mut errors = Vec::new();
+    for url in peers {
+        match fetch(url).await {
+            Ok(doc) => {
+                let mut c = crate::api::json::write(catalog);
+                let mut restored = 0;
+                for s in doc.scopes {
+                    let scope = Scope {
+                        model: s.model_name,
+                        tenant: s.tenant_id,
+                    };
+                    let dumps = s.ranks.into_iter().map(from_json).collect();
+                    restored +=
+                        c.recover(scope, s.block_size, dumps)
+                            .map_err(|e| RecoveryError::Peer {
+                                url: url.clone(),
+                                message: e.to_string(),
+                            })?;
+                }
+                tracing::info!(peer = %url, restored, "KV index recovered from a peer's dump");
+                return Ok((url.clone(), restored));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "indexer peer unusable; trying the next");
+                errors.push(e.to_string());
+            }
+        }
+    }
+    Err(RecoveryError::NonePeer(errors.join("; ")))
+}
