@@ -243,6 +243,9 @@ pub struct ServeArgs {
     /// Replica sync on Kubernetes: peers are the ready endpoints of this Service (kvepp's own).
     #[arg(long, env = "KVEPP_REPLICA_SYNC_PEERS_SERVICE")]
     pub replica_sync_peers_service: Option<String>,
+    /// Comma-separated HTTP URLs of peers whose /dump the KV index is recovered from at start.
+    #[arg(long, env = "KVEPP_INDEXER_PEERS", value_delimiter = ',')]
+    pub indexer_peers: Option<Vec<String>>,
 }
 
 macro_rules! overlay {
@@ -297,6 +300,13 @@ impl Config {
         }
         if let Some(p) = &args.replica_sync_peers {
             cfg.replica_sync.peers = p
+                .iter()
+                .map(|e| e.trim().to_owned())
+                .filter(|e| !e.is_empty())
+                .collect();
+        }
+        if let Some(p) = &args.indexer_peers {
+            cfg.replica_sync.indexer_peers = p
                 .iter()
                 .map(|e| e.trim().to_owned())
                 .filter(|e| !e.is_empty())

@@ -807,3 +807,46 @@ async fn replicas_find_each_other_through_their_own_service() {
     one.stop().await;
     two.stop().await;
 }
+
+/// A (re)started `kvepp serve` replica recovers the KV index from a peer's `/dump` before it serves:
+/// with no KV events of its own, it holds what the peer learned from the engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_replica_recovers_the_index_from_a_peer() {
+    let (a, b, one) = two_engines(|_| {}).await;
+    let envoy = Envoy::start(bootstrap(), one.grpc).await;
+    served_by(&envoy, &tokens(300, 4 * BLOCK)).await;
+    served_by(&envoy, &tokens(301, 6 * BLOCK)).await;
+    wait_for("both prompts in replica one's index", || async {
+        (one.metric("kvepp_kv_event_blocks_stored_total").await? >= 10.0).then_some(())
+    })
+    .await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    let peer = format!("http://{}", one.metrics);
+    let two = Epp::start(&m, |c| {
+        c.block_size = Some(BLOCK as u32);
+        c.replica_sync.indexer_peers = vec!["http://127.0.0.1:1".into(), peer];
+    })
+    .await;
+    let index = |epp: &Epp| {
+        let addr = epp.metrics;
+        async move { http(addr, "GET", "/debug/kv-index", &[], "").await.json() }
+    };
+    let recovered = index(&two).await;
+    assert_eq!(
+        recovered,
+        index(&one).await,
+        "the same index, first unusable peer skipped"
+    );
+    let blocks: usize = recovered["endpoints"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|e| e["blocks"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(blocks, 10);
+    drop(envoy);
+    one.stop().await;
+    two.stop().await;
+}

@@ -1,6 +1,6 @@
 //! HTTP services beside the gRPC ones: Prometheus `/metrics`, liveness `/health`, readiness `/ready`,
-//! and `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint) on the
-//! metrics port; and the Dynamo-compatible selection service ([`select`]) and slot tracker
+//! `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint) and `/dump` (the
+//! index snapshot another replica recovers from) on the metrics port; and the Dynamo-compatible selection service ([`select`]) and slot tracker
 //! ([`slot_tracker`]), standalone or opened by `kvepp serve` over its own routing state.
 
 pub mod json;
@@ -36,6 +36,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
         .route("/debug/kv-index", get(kv_index))
+        .route("/dump", get(dump))
         .with_state(state)
 }
 
@@ -101,4 +102,23 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
         StatusCode::OK,
         serde_json::json!({"block_size": kv.block_size(), "endpoints": out}).to_string(),
     )
+}
+
+/// The KV index snapshot another replica recovers from (`kvepp-index-dump/1`).
+async fn dump(State(st): State<ApiState>) -> axum::response::Response {
+    let Some(kv) = &st.kv else {
+        return json::ApiError::new(
+            StatusCode::NOT_FOUND,
+            "the KV-aware picker is not running (picker: kv-aware)",
+        )
+        .into_response();
+    };
+    let doc = crate::replica::recovery::DumpDoc {
+        format: crate::replica::recovery::FORMAT.into(),
+        scopes: vec![crate::replica::recovery::scope_dump(
+            &slot_tracker::pool_scope(),
+            kv,
+        )],
+    };
+    axum::Json(doc).into_response()
 }

@@ -616,6 +616,9 @@ pub struct ReplicaSyncConfig {
     pub peers: Vec<String>,
     /// Kubernetes: peers are the ready endpoints of this Service (kvepp's own) at the bind port.
     pub peers_service: Option<String>,
+    /// On start, the KV index is recovered from the first of these peers' `GET /dump` (another
+    /// replica's metrics port, e.g. `http://kvepp-0.kvepp:9090`) before ext_proc streams are served.
+    pub indexer_peers: Vec<String>,
 }
 
 impl ReplicaSyncConfig {
@@ -638,6 +641,11 @@ impl ReplicaSyncConfig {
         } else if !self.peers.is_empty() || self.peers_service.is_some() || self.advertise.is_some()
         {
             out.push("peers, peers_service and advertise need bind".into());
+        }
+        for u in &self.indexer_peers {
+            if !u.starts_with("http://") {
+                out.push(format!("indexer_peers: {u:?} is not an http:// URL"));
+            }
         }
         for p in self.peers.iter().chain(&self.advertise) {
             if let Err(e) = validate_endpoint(p) {

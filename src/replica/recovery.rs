@@ -183,3 +183,38 @@ pub async fn recover(
     }
     Err(RecoveryError::NonePeer(errors.join("; ")))
 }
+
+/// `kvepp serve`: asks `peers` in turn and restores the first good dump's content into the
+/// picker's index (every scope with the same block size: a replica has one).
+pub async fn recover_pool(kv: &KvState, peers: &[String]) -> Result<(String, u64), RecoveryError> {
+    let mut errors = Vec::new();
+    for url in peers {
+        match fetch(url).await {
+            Ok(doc) => {
+                let mut restored = 0;
+                let mut index = kv
+                    .index()
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                for s in doc
+                    .scopes
+                    .into_iter()
+                    .filter(|s| s.block_size == kv.block_size())
+                {
+                    let dumps: Vec<RankDump> = s.ranks.into_iter().map(from_json).collect();
+                    restored += index.restore(&dumps).map_err(|e| RecoveryError::Peer {
+                        url: url.clone(),
+                        message: e.to_string(),
+                    })?;
+                }
+                tracing::info!(peer = %url, restored, "KV index recovered from a peer's dump");
+                return Ok((url.clone(), restored));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "indexer peer unusable; trying the next");
+                errors.push(e.to_string());
+            }
+        }
+    }
+    Err(RecoveryError::NonePeer(errors.join("; ")))
+}

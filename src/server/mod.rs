@@ -261,6 +261,18 @@ pub async fn run(
             stop_rx.clone(),
         )));
     }
+    if let (Some(kv), false) = (&kv, cfg.replica_sync.indexer_peers.is_empty()) {
+        // Before any ext_proc stream is served, once the pool is loaded (the upkeep forgets the
+        // state of endpoints not in the pool, so it must know them first).
+        let mut ready = store.ready();
+        let wait = Duration::from_millis(cfg.startup_wait_ms);
+        let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
+        if let Err(e) =
+            crate::replica::recovery::recover_pool(kv, &cfg.replica_sync.indexer_peers).await
+        {
+            tracing::warn!(error = %e, "starting without a recovered KV index");
+        }
+    }
     let router = Arc::new(match (&kv, cfg.picker) {
         (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
         (None, PickerKind::RoundRobin) => {
