@@ -850,3 +850,88 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
     one.stop().await;
     two.stop().await;
 }
+
+async fn picks(epp: &Epp) -> f64 {
+    epp.metric("kvepp_kv_prefix_mode_total{mode=\"token_ids\"}")
+        .await
+        .unwrap_or(0.0)
+}
+
+/// Two replicas behind one Envoy, which spreads ext_proc streams over both: each replica's loads
+/// count every running request, its own and the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_behind_one_envoy_each_see_the_total_load() {
+    let (a, b, one, two) = two_replicas(kvepp::config::PickerKind::KvAware).await;
+    until_engines_publish(&one, &[&a, &b]).await;
+    until_engines_publish(&two, &[&a, &b]).await;
+    // Warm both directions with one Envoy per replica, then one Envoy over both.
+    for (from, to) in [(&one, &two), (&two, &one)] {
+        let e = Envoy::start(bootstrap(), from.grpc).await;
+        until_replicas_synced(&e, to).await;
+    }
+    let mut both = bootstrap();
+    for c in both["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .expect("clusters")
+        .iter_mut()
+        .filter(|c| c["name"] == "kvepp")
+    {
+        let eps = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            .as_sequence_mut()
+            .expect("lb_endpoints");
+        let mut second = eps[0].clone();
+        let sa = &mut second["endpoint"]["address"]["socket_address"];
+        sa["address"] = two.grpc.ip().to_string().into();
+        sa["port_value"] = two.grpc.port().into();
+        eps.push(second);
+    }
+    let envoy = Envoy::start(both, one.grpc).await;
+    let (before1, before2) = (picks(&one).await, picks(&two).await);
+    let mut streams = Vec::new();
+    for k in 0..4 {
+        let mut s =
+            TcpStreamRequest::start(envoy.addr, prompt(&tokens(500 + k, 4 * BLOCK), true)).await;
+        let first = s.first_chunk().await;
+        let engine = if first.contains("\"engine\":\"a\"") {
+            &a
+        } else {
+            &b
+        };
+        streams.push((s, engine));
+    }
+    assert!(
+        picks(&one).await > before1 && picks(&two).await > before2,
+        "Envoy used both replicas"
+    );
+    for epp in [&one, &two] {
+        let slots = epp.slot_tracker.expect("door");
+        wait_for("every running request in this replica's loads", || async {
+            let v = http(slots, "GET", "/loads", &[], "").await.json();
+            let total: u64 = v
+                .as_array()?
+                .iter()
+                .map(|r| r["active_decode_blocks"].as_u64().unwrap_or(0))
+                .sum();
+            (total == 16).then_some(())
+        })
+        .await;
+    }
+    for (s, engine) in streams {
+        engine.state.release.notify_one();
+        assert_eq!(s.rest().await, "done\n");
+    }
+    for epp in [&one, &two] {
+        let slots = epp.slot_tracker.expect("door");
+        wait_for("all released on this replica", || async {
+            let v = http(slots, "GET", "/loads", &[], "").await.json();
+            v.as_array()?
+                .iter()
+                .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
+                .then_some(())
+        })
+        .await;
+    }
+    drop(envoy);
+    one.stop().await;
+    two.stop().await;
+}
