@@ -1,4 +1,4 @@
-//! Replica sync between real service processes' state over real ZMQ on 127.0.0.1: admissions,
+//! Replica sync between real service processes (the `kvepp` binary) over real ZMQ on 127.0.0.1: admissions,
 //! prefill completions and frees on one replica show in the other's loads; output blocks stay
 //! local; events for workers the receiver does not know are dropped; peers added and removed at run
 //! time are followed.
@@ -9,64 +9,57 @@ mod common;
 use std::net::SocketAddr;
 
 use common::{free_port, http, wait_for};
-use kvepp::services::{SelectArgs, SlotTrackerArgs};
 use serde_json::{json, Value};
 
+/// A service as a real process: `kvepp <sub> --host 127.0.0.1 --port <free> <args>`.
 struct Service {
     addr: SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), kvepp::services::ServiceError>>,
+    child: tokio::process::Child,
 }
 
 impl Service {
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        self.task.await.expect("join").expect("served cleanly");
+    async fn start(sub: &str, args: &[String]) -> Service {
+        Self::start_on(sub, free_port(), args).await
+    }
+
+    async fn start_on(sub: &str, port: u16, args: &[String]) -> Service {
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvepp"))
+            .args([sub, "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn kvepp");
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        wait_for("the service answering", || async move {
+            let up = tokio::net::TcpStream::connect(addr).await.is_ok();
+            up.then_some(())
+        })
+        .await;
+        Service { addr, child }
+    }
+
+    /// SIGKILL: no goodbye to the peers.
+    async fn kill(mut self) {
+        self.child.kill().await.expect("kill");
+    }
+
+    async fn stop(mut self) {
+        assert!(
+            self.child.try_wait().expect("status").is_none(),
+            "still running"
+        );
+        self.child.kill().await.expect("kill");
     }
 }
 
 async fn slot_tracker(args: &[String]) -> Service {
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: SlotTrackerArgs,
-    }
-    let cli = Cli::try_parse_from(
-        std::iter::once("slot-tracker".to_string()).chain(args.iter().cloned()),
-    )
-    .expect("flags");
-    let l = kvepp::services::bind([127, 0, 0, 1].into(), 0)
-        .await
-        .unwrap();
-    let addr = l.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvepp::services::run_slot_tracker(cli.args, l, async {
-        let _ = stopped.await;
-    }));
-    Service { addr, stop, task }
+    Service::start("slot-tracker", args).await
 }
 
 async fn select_service(args: &[String]) -> Service {
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: SelectArgs,
-    }
-    let cli = Cli::try_parse_from(
-        std::iter::once("select-service".to_string()).chain(args.iter().cloned()),
-    )
-    .expect("flags");
-    let l = kvepp::services::bind([127, 0, 0, 1].into(), 0)
-        .await
-        .unwrap();
-    let addr = l.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvepp::services::run_select(cli.args, l, async {
-        let _ = stopped.await;
-    }));
-    Service { addr, stop, task }
+    Service::start("select-service", args).await
 }
 
 async fn call(addr: SocketAddr, method: &str, path: &str, body: Value) -> (u16, Value) {
@@ -361,6 +354,66 @@ async fn selection_services_share_reservations() {
         (load_of(a.addr, 1, 0).await? == (8, 1)).then_some(())
     })
     .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A killed peer neither blocks nor corrupts the survivor; restarted (empty), it syncs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_and_restarted_peer_neither_blocks_nor_corrupts_the_survivor() {
+    let (pa, pb) = (free_port(), free_port());
+    let (ea, eb) = (
+        format!("tcp://127.0.0.1:{pa}"),
+        format!("tcp://127.0.0.1:{pb}"),
+    );
+    let args_a = s(&["--replica-sync-bind", &ea, "--replica-sync-peers", &eb]);
+    let args_b = s(&["--replica-sync-bind", &eb, "--replica-sync-peers", &ea]);
+    let a = slot_tracker(&args_a).await;
+    let b = slot_tracker(&args_b).await;
+    let b_port = b.addr.port();
+    for svc in [&a, &b] {
+        assert_eq!(
+            call(svc.addr, "POST", "/register", register(7)).await.0,
+            201
+        );
+    }
+    until_synced(a.addr, b.addr, 7).await;
+    until_synced(b.addr, a.addr, 7).await;
+    // B holds one of its own requests, replicated to A; then B dies without a word.
+    assert_eq!(
+        call(b.addr, "POST", "/add", add("from-b", 7, 30)).await.0,
+        201
+    );
+    wait_for("B's request on A", || async {
+        (load_of(a.addr, 7, 1).await? == (30, 3)).then_some(())
+    })
+    .await;
+    b.kill().await;
+    // A keeps answering, and its own accounting is exact.
+    for i in 0..50 {
+        assert_eq!(
+            call(a.addr, "POST", "/add", add(&format!("a-{i}"), 7, 1))
+                .await
+                .0,
+            201
+        );
+    }
+    for i in 0..50 {
+        let r = json!({"model_name": "m", "request_id": format!("a-{i}")});
+        assert_eq!(call(a.addr, "POST", "/free", r).await.0, 200);
+    }
+    assert_eq!(
+        load_of(a.addr, 7, 1).await,
+        Some((30, 3)),
+        "only the dead peer's request remains (it expires after 300 s)"
+    );
+    // B comes back empty on the same ports; sync resumes both ways.
+    let b = Service::start_on("slot-tracker", b_port, &args_b).await;
+    assert_eq!(call(b.addr, "POST", "/register", register(7)).await.0, 201);
+    let r = json!({"model_name": "m", "request_id": "from-b"});
+    assert_eq!(call(a.addr, "POST", "/free", r).await.0, 200);
+    until_synced(a.addr, b.addr, 7).await;
+    until_synced(b.addr, a.addr, 7).await;
     a.stop().await;
     b.stop().await;
 }
