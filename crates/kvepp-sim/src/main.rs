@@ -27,6 +27,9 @@ enum Command {
     /// `/select_and_reserve` + free pairs per second over HTTP keep-alive against the same pick
     /// in-process (the selection service's HTTP overhead).
     BenchSelect(kvepp_sim::select_bench::SelectBenchArgs),
+    /// Picks on one replica with 0 and 3 replica-sync peers publishing, and the event rate one
+    /// replica absorbs while serving picks.
+    BenchReplica(kvepp_sim::replica_bench::ReplicaBenchArgs),
     /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
     EchoBackend {
         #[arg(long)]
@@ -74,6 +77,10 @@ async fn main() -> anyhow::Result<()> {
             }
             init_logging();
             kvepp_sim::fleet::run(args, shutdown_signal()).await?;
+        }
+        Command::BenchReplica(args) => {
+            init_logging();
+            kvepp_sim::replica_bench::run(args).await?;
         }
         Command::BenchSelect(args) => {
             init_logging();

@@ -44,14 +44,16 @@ pub struct SelectBenchArgs {
 const FAMILIES: usize = 8;
 const PROMPTS: usize = 64;
 
-struct Setup {
-    catalog: Arc<RwLock<Catalog>>,
-    scope: Scope,
-    prompts: Vec<Vec<SequenceHash>>,
-    bodies: Vec<Bytes>,
+/// A catalog of `args.workers` workers with a filled prefix index, and prompts (decoded and as
+/// `/select_and_reserve` bodies). Shared with the replica-sync benchmark.
+pub(crate) struct Setup {
+    pub catalog: Arc<RwLock<Catalog>>,
+    pub scope: Scope,
+    pub prompts: Vec<Vec<SequenceHash>>,
+    pub bodies: Vec<Bytes>,
 }
 
-fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
+pub(crate) fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
     let blocks = (args.tokens / args.block_size.max(1) as usize).max(8);
     let mut rng = fastrand::Rng::with_seed(17);
     let scope = Scope {
