@@ -148,6 +148,8 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
         speed: 1.0,
         drain: Duration::from_secs(60),
         kvepp: kvepp::config::Config::default(),
+        replicas: 1,
+        replica_sync: false,
     };
     let mut hits = Vec::new();
     for policy in [Policy::RoundRobin, Policy::Precise] {

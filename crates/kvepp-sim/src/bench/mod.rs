@@ -66,6 +66,11 @@ impl Policy {
         }
     }
 
+    /// Whether the policy's picker books load in the slot tracker (what replica sync shares).
+    pub fn picker_is_kv_aware(self) -> bool {
+        matches!(self, Policy::ApproximatePrefix | Policy::Precise)
+    }
+
     pub fn picker(self) -> PickerKind {
         match self {
             Policy::RoundRobin => PickerKind::RoundRobin,
@@ -88,6 +93,10 @@ pub struct BenchSpec {
     pub drain: Duration,
     /// kvepp's configuration; the picker, ports, pool and manifests are set per run.
     pub kvepp: Config,
+    /// kvepp replicas behind the one Envoy (its ext_proc cluster spreads streams over them).
+    pub replicas: usize,
+    /// With several replicas: replica sync between them.
+    pub replica_sync: bool,
 }
 
 /// kvepp serving from a manifests directory, in this process.
@@ -158,32 +167,68 @@ pub async fn run_policy(
     .await?;
     let dir = TempDir::new("bench-manifests");
     fleet.write_manifests(dir.path())?;
-    let kvepp = Kvepp::start(
-        &spec.kvepp,
-        dir.path(),
-        &fleet.spec.pool_name,
-        policy,
-        spec.params.block_size,
-    )
-    .await?;
+    // Replica sync endpoints on ports free a moment ago; each replica's peers are the others.
+    let replicas = spec.replicas.max(1);
+    let sync_ports: Vec<u16> = (0..replicas).map(|_| free_port()).collect::<Result<_, _>>()?;
+    let mut kvepps = Vec::new();
+    for i in 0..replicas {
+        let mut base = spec.kvepp.clone();
+        if spec.replica_sync && replicas > 1 && policy.picker_is_kv_aware() {
+            let ep = |p: u16| format!("tcp://127.0.0.1:{p}");
+            base.replica_sync.bind = Some(ep(sync_ports[i]));
+            base.replica_sync.advertise = Some(ep(sync_ports[i]));
+            base.replica_sync.peers = (0..replicas)
+                .filter(|&j| j != i)
+                .map(|j| ep(sync_ports[j]))
+                .collect();
+        }
+        kvepps.push(
+            Kvepp::start(
+                &base,
+                dir.path(),
+                &fleet.spec.pool_name,
+                policy,
+                spec.params.block_size,
+            )
+            .await?,
+        );
+    }
     let n = spec.engines as f64;
     let deadline = Duration::from_secs(30);
-    wait_until("kvepp ready with every engine", deadline, || async {
-        (kvepp.metric("kvepp_ready_endpoints").await? >= n).then_some(())
-    })
-    .await
-    .map_err(BenchError::Kvepp)?;
-    if policy == Policy::Precise {
-        wait_until(
-            "KV event subscriptions to every engine",
-            deadline,
-            || async { (kvepp.metric("kvepp_kv_event_subscriptions").await? >= n).then_some(()) },
-        )
+    for kvepp in &kvepps {
+        wait_until("kvepp ready with every engine", deadline, || async {
+            (kvepp.metric("kvepp_ready_endpoints").await? >= n).then_some(())
+        })
         .await
         .map_err(BenchError::Kvepp)?;
+        if policy == Policy::Precise {
+            wait_until(
+                "KV event subscriptions to every engine",
+                deadline,
+                || async { (kvepp.metric("kvepp_kv_event_subscriptions").await? >= n).then_some(()) },
+            )
+            .await
+            .map_err(BenchError::Kvepp)?;
+        }
     }
-    // On an early return, dropping `kvepp` shuts it down.
-    let envoy = EnvoyProcess::start(&spec.envoy, kvepp.0.grpc).await?;
+    // On an early return, dropping the replicas shuts them down.
+    let mut bootstrap = EnvoyProcess::bootstrap()?;
+    if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence_mut() {
+        for c in clusters.iter_mut().filter(|c| c["name"] == "kvepp") {
+            if let Some(eps) = c["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence_mut() {
+                let first = eps.first().cloned();
+                for k in kvepps.iter().skip(1) {
+                    if let Some(mut e) = first.clone() {
+                        let sa = &mut e["endpoint"]["address"]["socket_address"];
+                        sa["address"] = k.0.grpc.ip().to_string().into();
+                        sa["port_value"] = k.0.grpc.port().into();
+                        eps.push(e);
+                    }
+                }
+            }
+        }
+    }
+    let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
     let model = fleet.spec.params.model.clone();
     let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| r.body(&model)).collect();
 
@@ -220,7 +265,9 @@ pub async fn run_policy(
     }
     let engines = fleet.engines.iter().map(|e| e.name.clone()).collect();
     envoy.stop().await;
-    kvepp.stop().await;
+    for kvepp in kvepps {
+        kvepp.stop().await;
+    }
     drop(fleet);
     Ok((records, engines))
 }
@@ -284,6 +331,12 @@ pub struct BenchArgs {
     /// Where to write results.json, results.md and routing.png.
     #[arg(long, default_value = "bench/results")]
     pub out: PathBuf,
+    /// kvepp replicas behind the one Envoy.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// With several replicas, share picks (and routed prefixes) between them (KV-aware policies).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replica_sync: bool,
 }
 
 /// Engine parameters of the shared-prefix workload: an 8B model on one H100 with a 64k-token KV
@@ -295,6 +348,21 @@ pub fn shared_prefix_params() -> SimParams {
         stream_interval: 16,
         ..SimParams::default()
     }
+}
+
+fn replicas_note(args: &BenchArgs) -> String {
+    match (args.replicas, args.replica_sync) {
+        (0 | 1, _) => String::new(),
+        (n, true) => format!(", {n} kvepp replicas with replica sync"),
+        (n, false) => format!(", {n} kvepp replicas without replica sync"),
+    }
+}
+
+fn free_port() -> Result<u16, BenchError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| BenchError::Io(e.to_string()))
 }
 
 /// Runs every workload under every policy, prints and writes the results.
@@ -317,8 +385,9 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                     ..workload::SharedPrefix::default()
                 };
                 let title = format!(
-                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines",
-                    s.groups, s.system_tokens, s.user_tokens, s.rate, args.duration, args.engines
+                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines{}",
+                    s.groups, s.system_tokens, s.user_tokens, s.rate, args.duration, args.engines,
+                    replicas_note(&args)
                 );
                 (
                     title,
@@ -358,6 +427,8 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             speed,
             drain: Duration::from_secs_f64(args.drain),
             kvepp: kvepp.clone(),
+            replicas: args.replicas,
+            replica_sync: args.replica_sync,
         };
         let mut results = Vec::new();
         for &policy in &args.policy {
