@@ -169,7 +169,9 @@ pub async fn run_policy(
     fleet.write_manifests(dir.path())?;
     // Replica sync endpoints on ports free a moment ago; each replica's peers are the others.
     let replicas = spec.replicas.max(1);
-    let sync_ports: Vec<u16> = (0..replicas).map(|_| free_port()).collect::<Result<_, _>>()?;
+    let sync_ports: Vec<u16> = (0..replicas)
+        .map(|_| free_port())
+        .collect::<Result<_, _>>()?;
     let mut kvepps = Vec::new();
     for i in 0..replicas {
         let mut base = spec.kvepp.clone();
@@ -205,7 +207,9 @@ pub async fn run_policy(
             wait_until(
                 "KV event subscriptions to every engine",
                 deadline,
-                || async { (kvepp.metric("kvepp_kv_event_subscriptions").await? >= n).then_some(()) },
+                || async {
+                    (kvepp.metric("kvepp_kv_event_subscriptions").await? >= n).then_some(())
+                },
             )
             .await
             .map_err(BenchError::Kvepp)?;
@@ -215,7 +219,9 @@ pub async fn run_policy(
     let mut bootstrap = EnvoyProcess::bootstrap()?;
     if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence_mut() {
         for c in clusters.iter_mut().filter(|c| c["name"] == "kvepp") {
-            if let Some(eps) = c["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence_mut() {
+            if let Some(eps) =
+                c["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence_mut()
+            {
                 let first = eps.first().cloned();
                 for k in kvepps.iter().skip(1) {
                     if let Some(mut e) = first.clone() {
