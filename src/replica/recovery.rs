@@ -146,32 +146,23 @@ pub async fn fetch(url: &str) -> Result<DumpDoc, RecoveryError> {
     Ok(doc)
 }
 
-/// Asks `peers` in turn; applies the first good dump to `catalog`. Returns the peer used and the
-/// pairs restored at once (scopes without workers yet are applied when their first worker
-/// registers).
-pub async fn recover(
-    catalog: &std::sync::RwLock<Catalog>,
+/// Asks `peers` in turn and applies the first good dump with `apply` (the pairs restored at once);
+/// returns the peer used and that count.
+async fn first_good(
     peers: &[String],
+    mut apply: impl FnMut(DumpDoc) -> Result<u64, String>,
 ) -> Result<(String, u64), RecoveryError> {
     let mut errors = Vec::new();
     for url in peers {
-        match fetch(url).await {
-            Ok(doc) => {
-                let mut c = crate::api::json::write(catalog);
-                let mut restored = 0;
-                for s in doc.scopes {
-                    let scope = Scope {
-                        model: s.model_name,
-                        tenant: s.tenant_id,
-                    };
-                    let dumps = s.ranks.into_iter().map(from_json).collect();
-                    restored +=
-                        c.recover(scope, s.block_size, dumps)
-                            .map_err(|e| RecoveryError::Peer {
-                                url: url.clone(),
-                                message: e.to_string(),
-                            })?;
-                }
+        let outcome = match fetch(url).await {
+            Ok(doc) => apply(doc).map_err(|message| RecoveryError::Peer {
+                url: url.clone(),
+                message,
+            }),
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(restored) => {
                 tracing::info!(peer = %url, restored, "KV index recovered from a peer's dump");
                 return Ok((url.clone(), restored));
             }
@@ -184,37 +175,49 @@ pub async fn recover(
     Err(RecoveryError::NonePeer(errors.join("; ")))
 }
 
+/// Asks `peers` in turn; applies the first good dump to `catalog`. Returns the peer used and the
+/// pairs restored at once (scopes without workers yet are applied when their first worker
+/// registers).
+pub async fn recover(
+    catalog: &std::sync::RwLock<Catalog>,
+    peers: &[String],
+) -> Result<(String, u64), RecoveryError> {
+    first_good(peers, |doc| {
+        let mut c = crate::api::json::write(catalog);
+        let mut restored = 0;
+        for s in doc.scopes {
+            let scope = Scope {
+                model: s.model_name,
+                tenant: s.tenant_id,
+            };
+            let dumps = s.ranks.into_iter().map(from_json).collect();
+            restored += c
+                .recover(scope, s.block_size, dumps)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(restored)
+    })
+    .await
+}
+
 /// `kvepp serve`: asks `peers` in turn and restores the first good dump's content into the
 /// picker's index (every scope with the same block size: a replica has one).
 pub async fn recover_pool(kv: &KvState, peers: &[String]) -> Result<(String, u64), RecoveryError> {
-    let mut errors = Vec::new();
-    for url in peers {
-        match fetch(url).await {
-            Ok(doc) => {
-                let mut restored = 0;
-                let mut index = kv
-                    .index()
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                for s in doc
-                    .scopes
-                    .into_iter()
-                    .filter(|s| s.block_size == kv.block_size())
-                {
-                    let dumps: Vec<RankDump> = s.ranks.into_iter().map(from_json).collect();
-                    restored += index.restore(&dumps).map_err(|e| RecoveryError::Peer {
-                        url: url.clone(),
-                        message: e.to_string(),
-                    })?;
-                }
-                tracing::info!(peer = %url, restored, "KV index recovered from a peer's dump");
-                return Ok((url.clone(), restored));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "indexer peer unusable; trying the next");
-                errors.push(e.to_string());
-            }
+    first_good(peers, |doc| {
+        let mut index = kv
+            .index()
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut restored = 0;
+        for s in doc
+            .scopes
+            .into_iter()
+            .filter(|s| s.block_size == kv.block_size())
+        {
+            let dumps: Vec<RankDump> = s.ranks.into_iter().map(from_json).collect();
+            restored += index.restore(&dumps).map_err(|e| e.to_string())?;
         }
-    }
-    Err(RecoveryError::NonePeer(errors.join("; ")))
+        Ok(restored)
+    })
+    .await
 }
