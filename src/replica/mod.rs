@@ -123,14 +123,15 @@ impl Outbox {
         &self.stats
     }
 
-    fn send(&self, scope: &Scope, event: wire::envelope::Event) {
+    /// Queues the event `event` builds (not built at all when replica sync is off).
+    fn send(&self, scope: &Scope, event: impl FnOnce() -> wire::envelope::Event) {
         let Some(tx) = &self.tx else { return };
         let env = wire::Envelope {
             version: WIRE_VERSION,
             origin: self.origin,
             model_name: scope.model.clone(),
             tenant_id: scope.tenant.clone(),
-            event: Some(event),
+            event: Some(event()),
         };
         match tx.try_send(Bytes::from(env.encode_to_vec())) {
             Ok(()) => {}
@@ -148,11 +149,7 @@ impl Outbox {
         hashes: &[SequenceHash],
         prefill_tokens: u64,
     ) {
-        if self.tx.is_none() {
-            return;
-        }
-        self.send(
-            scope,
+        self.send(scope, || {
             wire::envelope::Event::Admission(wire::Admission {
                 request_id: request_id.to_owned(),
                 worker_id: rank.worker,
@@ -160,20 +157,16 @@ impl Outbox {
                 block_size,
                 sequence_hashes: hashes.iter().map(|h| h.0).collect(),
                 prefill_tokens,
-            }),
-        );
+            })
+        });
     }
 
     pub fn prefill_complete(&self, scope: &Scope, request_id: &str) {
-        if self.tx.is_none() {
-            return;
-        }
-        self.send(
-            scope,
+        self.send(scope, || {
             wire::envelope::Event::PrefillComplete(wire::PrefillComplete {
                 request_id: request_id.to_owned(),
-            }),
-        );
+            })
+        });
     }
 
     /// Approximate prefix routing: `locals`/`hashes` were routed to `worker`.
@@ -184,17 +177,13 @@ impl Outbox {
         locals: &[LocalBlockHash],
         hashes: &[SequenceHash],
     ) {
-        if self.tx.is_none() {
-            return;
-        }
-        self.send(
-            scope,
+        self.send(scope, || {
             wire::envelope::Event::Routed(wire::Routed {
                 worker_id: worker,
                 local_hashes: locals.iter().map(|h| h.0).collect(),
                 sequence_hashes: hashes.iter().map(|h| h.0).collect(),
-            }),
-        );
+            })
+        });
     }
 
     /// The random identity of this process on the wire (0 when disabled).
@@ -203,15 +192,11 @@ impl Outbox {
     }
 
     pub fn free(&self, scope: &Scope, request_id: &str) {
-        if self.tx.is_none() {
-            return;
-        }
-        self.send(
-            scope,
+        self.send(scope, || {
             wire::envelope::Event::Free(wire::Free {
                 request_id: request_id.to_owned(),
-            }),
-        );
+            })
+        });
     }
 }
 

@@ -478,13 +478,7 @@ impl KvState {
 
     /// Forgets an endpoint that left the pool (index, approximate index, load).
     pub fn forget(&self, addr: &str) {
-        let worker = worker_id(addr);
-        self.index
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove_worker(worker);
-        lock(&self.approx).forget(worker);
-        lock(&self.slots).unregister_worker(worker);
+        self.remove_worker(worker_id(addr));
     }
 
     /// Forgets every worker that `keep` rejects, wherever it appears (KV-event index, approximate
