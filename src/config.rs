@@ -43,6 +43,91 @@ pub enum PickerKind {
     RoundRobin,
 }
 
+/// Where the ext_proc port's TLS certificate comes from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum TlsMode {
+    /// A self-signed certificate generated at each start (the reference EPP's default); the proxy
+    /// encrypts but does not verify it.
+    #[default]
+    SelfSigned,
+    /// `cert_file` and `key_file` (PEM), e.g. a mounted cert-manager Secret.
+    Files,
+    /// Plaintext HTTP/2 (h2c).
+    Off,
+}
+
+/// TLS of the ext_proc gRPC port. The gRPC health port stays plaintext (kubelet's gRPC probes
+/// cannot speak TLS) and binds `admin_bind_address`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTls {
+    pub mode: TlsMode,
+    /// PEM certificate chain (mode `files`).
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key (mode `files`).
+    pub key_file: Option<PathBuf>,
+    /// PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS; needs
+    /// `accept_plaintext: false`).
+    pub client_ca_file: Option<PathBuf>,
+    /// Also serve plaintext HTTP/2 (h2c) on the same port, told apart from TLS by the first byte,
+    /// so proxies configured for h2c keep working; `false` refuses them.
+    pub accept_plaintext: bool,
+}
+
+impl Default for GrpcTls {
+    fn default() -> Self {
+        GrpcTls {
+            mode: TlsMode::SelfSigned,
+            cert_file: None,
+            key_file: None,
+            client_ca_file: None,
+            accept_plaintext: true,
+        }
+    }
+}
+
+impl GrpcTls {
+    fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let file = |name: &str, f: &Option<PathBuf>, out: &mut Vec<String>| match f {
+            Some(p) if !p.is_file() => out.push(format!("{name} {} is not a file", p.display())),
+            _ => {}
+        };
+        match self.mode {
+            TlsMode::Files => {
+                if self.cert_file.is_none() || self.key_file.is_none() {
+                    out.push("mode files needs cert_file and key_file".into());
+                }
+                file("cert_file", &self.cert_file, &mut out);
+                file("key_file", &self.key_file, &mut out);
+            }
+            TlsMode::SelfSigned | TlsMode::Off => {
+                if self.cert_file.is_some() || self.key_file.is_some() {
+                    out.push(format!(
+                        "cert_file and key_file are only read in mode files (mode is {})",
+                        serde_json::to_string(&self.mode).unwrap_or_default()
+                    ));
+                }
+            }
+        }
+        if self.mode == TlsMode::Off && self.client_ca_file.is_some() {
+            out.push("client_ca_file needs TLS (mode self-signed or files)".into());
+        }
+        if self.client_ca_file.is_some() && self.accept_plaintext {
+            out.push(
+                "client_ca_file makes client certificates mandatory: set accept_plaintext: false"
+                    .into(),
+            );
+        }
+        if self.mode == TlsMode::Off && !self.accept_plaintext {
+            out.push("mode off serves plaintext only: accept_plaintext must be true".into());
+        }
+        file("client_ca_file", &self.client_ca_file, &mut out);
+        out
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -52,8 +137,16 @@ pub struct Config {
     pub grpc_health_port: u16,
     /// Prometheus `/metrics` (and HTTP `/health`, `/ready`) port.
     pub metrics_port: u16,
-    /// Address every server binds.
+    /// Address the ext_proc port binds (the proxy must reach it).
     pub bind_address: IpAddr,
+    /// Address the gRPC health, metrics/debug and HTTP service ports bind: loopback unless told
+    /// otherwise (`0.0.0.0` for kubelet probes and Prometheus in a pod; see the manifests).
+    pub admin_bind_address: IpAddr,
+    /// TLS of the ext_proc port (self-signed by default).
+    pub grpc_tls: GrpcTls,
+    /// File holding the bearer token that `/debug/*` and the HTTP services' write routes require;
+    /// unset: no token (keep those ports on loopback or behind a NetworkPolicy).
+    pub api_token_file: Option<PathBuf>,
     /// Opens the Dynamo-compatible selection service (`kvepp select-service`'s routes) on this
     /// port over the ext_proc picker's own state; unset: closed. Needs a KV-aware picker.
     pub select_service_port: Option<u16>,
@@ -116,6 +209,9 @@ impl Default for Config {
             grpc_health_port: 9003,
             metrics_port: 9090,
             bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            admin_bind_address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            grpc_tls: GrpcTls::default(),
+            api_token_file: None,
             select_service_port: None,
             slot_tracker_port: None,
             pool_name: String::new(),
@@ -181,8 +277,28 @@ pub struct ServeArgs {
     pub grpc_health_port: Option<u16>,
     #[arg(long, env = "KVEPP_METRICS_PORT")]
     pub metrics_port: Option<u16>,
+    /// Address the ext_proc port binds.
     #[arg(long, env = "KVEPP_BIND_ADDRESS")]
     pub bind_address: Option<String>,
+    /// Address the health, metrics/debug and HTTP service ports bind (default 127.0.0.1).
+    #[arg(long, env = "KVEPP_ADMIN_BIND_ADDRESS")]
+    pub admin_bind_address: Option<String>,
+    /// TLS of the ext_proc port: self-signed (default), files, or off.
+    #[arg(long, env = "KVEPP_GRPC_TLS_MODE", value_enum)]
+    pub grpc_tls_mode: Option<TlsMode>,
+    #[arg(long, env = "KVEPP_GRPC_TLS_CERT_FILE")]
+    pub grpc_tls_cert_file: Option<PathBuf>,
+    #[arg(long, env = "KVEPP_GRPC_TLS_KEY_FILE")]
+    pub grpc_tls_key_file: Option<PathBuf>,
+    /// CA bundle for client certificates (mutual TLS).
+    #[arg(long, env = "KVEPP_GRPC_TLS_CLIENT_CA_FILE")]
+    pub grpc_tls_client_ca_file: Option<PathBuf>,
+    /// Also accept plaintext h2c on the TLS port (default true).
+    #[arg(long, env = "KVEPP_GRPC_TLS_ACCEPT_PLAINTEXT")]
+    pub grpc_tls_accept_plaintext: Option<bool>,
+    /// Bearer token file for /debug/* and the HTTP services' write routes.
+    #[arg(long, env = "KVEPP_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
     /// Serve the selection service's HTTP routes on this port over the picker's state.
     #[arg(long, env = "KVEPP_SELECT_SERVICE_PORT")]
     pub select_service_port: Option<u16>,
@@ -280,13 +396,41 @@ impl Config {
             picker
         );
         let mut errs = Vec::new();
-        if let Some(v) = &args.bind_address {
-            match v.parse::<IpAddr>() {
-                Ok(ip) => cfg.bind_address = ip,
-                Err(_) => errs.push(FieldError {
-                    field: "bind_address",
-                    message: format!("{v:?} is not an IP address"),
-                }),
+        for (field, flag, slot) in [
+            ("bind_address", &args.bind_address, &mut cfg.bind_address),
+            (
+                "admin_bind_address",
+                &args.admin_bind_address,
+                &mut cfg.admin_bind_address,
+            ),
+        ] {
+            if let Some(v) = flag {
+                match v.parse::<IpAddr>() {
+                    Ok(ip) => *slot = ip,
+                    Err(_) => errs.push(FieldError {
+                        field,
+                        message: format!("{v:?} is not an IP address"),
+                    }),
+                }
+            }
+        }
+        if let Some(m) = args.grpc_tls_mode {
+            cfg.grpc_tls.mode = m;
+        }
+        if let Some(p) = args.grpc_tls_accept_plaintext {
+            cfg.grpc_tls.accept_plaintext = p;
+        }
+        for (flag, slot) in [
+            (&args.grpc_tls_cert_file, &mut cfg.grpc_tls.cert_file),
+            (&args.grpc_tls_key_file, &mut cfg.grpc_tls.key_file),
+            (
+                &args.grpc_tls_client_ca_file,
+                &mut cfg.grpc_tls.client_ca_file,
+            ),
+            (&args.api_token_file, &mut cfg.api_token_file),
+        ] {
+            if flag.is_some() {
+                slot.clone_from(flag);
             }
         }
         if args.block_size.is_some() {
@@ -420,6 +564,14 @@ impl Config {
             ("select_service_port", self.select_service_port.unwrap_or(0)),
             ("slot_tracker_port", self.slot_tracker_port.unwrap_or(0)),
         ];
+        for problem in self.grpc_tls.problems() {
+            bad("grpc_tls", problem);
+        }
+        if let Some(f) = &self.api_token_file {
+            if let Err(e) = crate::api::auth::ApiToken::from_file(f) {
+                bad("api_token_file", e.to_string());
+            }
+        }
         for problem in self.replica_sync.problems() {
             bad("replica_sync", problem);
         }

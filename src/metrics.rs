@@ -119,6 +119,12 @@ pub struct Metrics {
     pub metadata_missing: Family<EndpointLabels, Gauge>,
     /// Replica-sync events by outcome (published, applied, dropped_*).
     pub replica: Arc<crate::replica::SyncStats>,
+    /// HTTP requests refused for a missing or wrong bearer token.
+    pub http_unauthorized: Counter,
+    /// ext_proc connections closed before serving (refused plaintext, failed TLS handshake).
+    pub grpc_connections_refused: Counter,
+    /// Tasks alive in kvepp's runtime (set at each scrape; a leak shows as growth).
+    pub runtime_alive_tasks: Gauge,
 }
 
 impl Metrics {
@@ -141,6 +147,24 @@ impl Metrics {
             "ready_endpoints",
             "Ready endpoints in the pool",
             ready_endpoints.clone(),
+        );
+        let http_unauthorized = Counter::default();
+        registry.register(
+            "http_unauthorized_requests",
+            "HTTP requests refused with 401 (missing or wrong bearer token)",
+            http_unauthorized.clone(),
+        );
+        let grpc_connections_refused = Counter::default();
+        registry.register(
+            "grpc_connections_refused",
+            "ext_proc connections closed before serving: refused plaintext, failed or slow TLS handshake",
+            grpc_connections_refused.clone(),
+        );
+        let runtime_alive_tasks = Gauge::default();
+        registry.register(
+            "runtime_alive_tasks",
+            "Tasks alive in kvepp's async runtime, read at each scrape",
+            runtime_alive_tasks.clone(),
         );
         let in_flight = Gauge::default();
         registry.register(
@@ -304,6 +328,9 @@ impl Metrics {
             watch,
             catalog_invalid,
             metadata_missing,
+            http_unauthorized,
+            grpc_connections_refused,
+            runtime_alive_tasks,
         })
     }
 

@@ -13,12 +13,14 @@
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::api::auth::{Access, ApiToken};
 use crate::api::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
@@ -41,6 +43,8 @@ pub enum ServiceError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Token(#[from] crate::api::auth::TokenError),
     #[error("HTTP server failed: {0}")]
     Serve(std::io::Error),
 }
@@ -63,9 +67,12 @@ pub struct SelectArgs {
     /// Comma-separated ZMQ PUB endpoints of selector peers. Requires --replica-sync-port.
     #[arg(long, requires = "replica_sync_port")]
     pub replica_sync_peers: Option<String>,
-    /// Address the HTTP server binds.
-    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    /// Address the HTTP server binds: loopback unless told otherwise (e.g. 0.0.0.0).
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
     pub host: IpAddr,
+    /// File holding the bearer token every route but GET ones requires (unset: none).
+    #[arg(long, env = "KVEPP_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
 }
 
 /// `kvepp slot-tracker` (seed: the standalone slot tracker).
@@ -83,9 +90,12 @@ pub struct SlotTrackerArgs {
     /// Comma-separated peer PUB endpoints.
     #[arg(long)]
     pub replica_sync_peers: Option<String>,
-    /// Address the HTTP server binds.
-    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+    /// Address the HTTP server binds: loopback unless told otherwise (e.g. 0.0.0.0).
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
     pub host: IpAddr,
+    /// File holding the bearer token every route but GET ones requires (unset: none).
+    #[arg(long, env = "KVEPP_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
 }
 
 /// The catalog's settings: Dynamo's knobs from the environment.
@@ -112,6 +122,15 @@ pub async fn bind(host: IpAddr, port: u16) -> Result<TcpListener, ServiceError> 
     TcpListener::bind(addr)
         .await
         .map_err(|source| ServiceError::Bind { addr, source })
+}
+
+/// The token guard of a standalone service (refusals are logged; these services have no
+/// metrics port).
+fn access(token_file: Option<&std::path::Path>) -> Result<Access, ServiceError> {
+    Ok(Access {
+        token: ApiToken::load(token_file)?,
+        refused: Default::default(),
+    })
 }
 
 /// Expires stale requests until `stop`.
@@ -165,6 +184,7 @@ pub async fn start_replica(
 
 /// Validates the selection service's flags; returns the peer list they seed.
 pub fn select_peers(args: &SelectArgs) -> Result<Peers, ServiceError> {
+    ApiToken::load(args.api_token_file.as_deref())?;
     for url in parse_list(args.indexer_peers.as_deref()) {
         if !(url.starts_with("http://") || url.starts_with("https://")) {
             return Err(ServiceError::Invalid(format!(
@@ -202,7 +222,8 @@ pub async fn run_select(
     ));
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
     tracing::info!(addr = ?listener.local_addr().ok(), threads = args.threads, "selection service listening");
-    let served = serve_router(listener, crate::api::select::router(state), shutdown).await;
+    let app = crate::api::select::router(state, &access(args.api_token_file.as_deref())?);
+    let served = serve_router(listener, app, shutdown).await;
     let _ = stop_tx.send(true);
     let _ = subs.await;
     expire.abort();
@@ -211,6 +232,7 @@ pub async fn run_select(
 
 /// Validates the slot tracker's flags; returns the peer list they seed.
 pub fn slot_tracker_peers(args: &SlotTrackerArgs) -> Result<Peers, ServiceError> {
+    ApiToken::load(args.api_token_file.as_deref())?;
     for (flag, v) in [
         ("--replica-sync-bind", &args.replica_sync_bind),
         ("--replica-sync-advertise", &args.replica_sync_advertise),
@@ -252,7 +274,8 @@ pub async fn run_slot_tracker(
     });
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
     tracing::info!(addr = ?listener.local_addr().ok(), "slot tracker listening");
-    let served = serve_router(listener, crate::api::slot_tracker::router(state), shutdown).await;
+    let app = crate::api::slot_tracker::router(state, &access(args.api_token_file.as_deref())?);
+    let served = serve_router(listener, app, shutdown).await;
     let _ = stop_tx.send(true);
     expire.abort();
     served

@@ -140,7 +140,7 @@ fn kubernetes_manifests_are_consistent() {
         .unwrap();
     let cfg: kvepp::config::Config =
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
-    cfg.validate().unwrap();
+    validate_in_pod(&cfg);
     assert_eq!(cfg.replica_sync.port(), Some(9094));
     let own = cfg.replica_sync.peers_service.as_deref().unwrap();
     let own_svc = find(&d, "Service")
@@ -228,6 +228,9 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
             "Role" => round_trip::<rbac::Role>(name, v),
             "RoleBinding" => round_trip::<rbac::RoleBinding>(name, v),
             "EndpointSlice" => round_trip::<disc::EndpointSlice>(name, v),
+            "NetworkPolicy" => {
+                round_trip::<k8s_openapi::api::networking::v1::NetworkPolicy>(name, v)
+            }
             "CustomResourceDefinition" => {
                 round_trip::<ext::CustomResourceDefinition>(name, v);
                 let crd: ext::CustomResourceDefinition =
@@ -294,6 +297,85 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
         3,
         "InferencePool v1alpha2 and v1, InferenceModel v1alpha2"
     );
+}
+
+#[test]
+fn every_container_runs_locked_down() {
+    let d = docs("manifests/kubernetes");
+    let deployments = find(&d, "Deployment");
+    assert_eq!(deployments.len(), 2, "kvepp and vLLM");
+    for dep in deployments {
+        let pod = &dep["spec"]["template"]["spec"];
+        let name = dep["metadata"]["name"].as_str().unwrap();
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{name}");
+        assert_eq!(
+            pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
+            "{name}"
+        );
+        for c in pod["containers"].as_sequence().unwrap() {
+            let sc = &c["securityContext"];
+            let what = format!("{name}/{}", c["name"].as_str().unwrap());
+            assert_eq!(sc["runAsNonRoot"], true, "{what}");
+            assert!(
+                sc["runAsUser"].as_u64().unwrap() > 0,
+                "{what}: numeric non-root user"
+            );
+            assert_eq!(sc["allowPrivilegeEscalation"], false, "{what}");
+            assert_eq!(sc["readOnlyRootFilesystem"], true, "{what}");
+            assert_eq!(strings(&sc["capabilities"]["drop"]), ["ALL"], "{what}");
+        }
+    }
+    // Only the gateway's Envoy pods reach ext_proc; replica sync only from kvepp itself.
+    let np = find(&d, "NetworkPolicy");
+    assert_eq!(np.len(), 1);
+    let np = np[0];
+    assert_eq!(np["spec"]["podSelector"]["matchLabels"]["app"], "kvepp");
+    let rules = np["spec"]["ingress"].as_sequence().unwrap();
+    let admits = |port: u64| -> Vec<&serde_yaml::Value> {
+        rules
+            .iter()
+            .filter(|r| {
+                r["ports"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p["port"].as_u64() == Some(port))
+            })
+            .flat_map(|r| r["from"].as_sequence().unwrap())
+            .collect()
+    };
+    let ext_proc = admits(9002);
+    assert_eq!(ext_proc.len(), 1, "one peer for ext_proc");
+    assert_eq!(
+        ext_proc[0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "envoy"
+    );
+    assert!(!ext_proc[0]["namespaceSelector"].is_null());
+    let sync = admits(9094);
+    assert_eq!(sync.len(), 1);
+    assert_eq!(sync[0]["podSelector"]["matchLabels"]["app"], "kvepp");
+    // kvepp's configuration: TLS only on ext_proc, a token, admin ports on the pod IP for probes.
+    let cm = find(&d, "ConfigMap")[0];
+    let cfg: kvepp::config::Config =
+        serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
+    assert!(!cfg.grpc_tls.accept_plaintext);
+    assert_ne!(cfg.grpc_tls.mode, kvepp::config::TlsMode::Off);
+    let token = cfg.api_token_file.expect("api_token_file");
+    let dep = find(&d, "Deployment")[0];
+    let pod = &dep["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| token.starts_with(m["mountPath"].as_str().unwrap()))
+        .expect("the token file is on a mounted volume");
+    let vol = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(vol["secret"]["secretName"], "kvepp-api-token");
 }
 
 #[test]
@@ -381,7 +463,20 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
     assert_eq!(cfg.endpoint_service(), component);
     assert!(cfg.manifests_dir.is_none());
-    cfg.validate().unwrap();
+    validate_in_pod(&cfg);
+}
+
+/// Validates kvepp's configuration as in its pod, where the token file is a mounted Secret.
+fn validate_in_pod(cfg: &kvepp::config::Config) {
+    let secret = kvepp_test_support::TempDir::new("token");
+    let token = secret.path().join("token");
+    std::fs::write(&token, "x").unwrap();
+    kvepp::config::Config {
+        api_token_file: Some(token),
+        ..cfg.clone()
+    }
+    .validate()
+    .unwrap();
 }
 
 #[test]

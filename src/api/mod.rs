@@ -3,6 +3,7 @@
 //! index snapshot another replica recovers from) on the metrics port; and the Dynamo-compatible selection service ([`select`]) and slot tracker
 //! ([`slot_tracker`]), standalone or opened by `kvepp serve` over its own routing state.
 
+pub mod auth;
 pub mod json;
 pub mod peers;
 pub mod select;
@@ -30,14 +31,18 @@ pub struct ApiState {
     pub kv: Option<Arc<KvState>>,
 }
 
-pub fn router(state: ApiState) -> Router {
-    Router::new()
+/// The metrics port's routes; `/debug/*` needs `token` when one is configured.
+pub fn router(state: ApiState, access: &auth::Access) -> Router {
+    let debug = Router::new()
+        .route("/debug/kv-index", get(kv_index))
+        .with_state(state.clone());
+    let open = Router::new()
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready))
-        .route("/debug/kv-index", get(kv_index))
         .route("/dump", get(dump))
-        .with_state(state)
+        .with_state(state);
+    open.merge(access.guard(debug, auth::Guarded::All))
 }
 
 async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
@@ -48,6 +53,11 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
         .map(|e| i64::from(e.load.in_flight()))
         .sum();
     st.metrics.in_flight.set(in_flight);
+    st.metrics.runtime_alive_tasks.set(
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks() as i64,
+    );
     (
         [(
             header::CONTENT_TYPE,

@@ -131,8 +131,9 @@ pub const ROUTES: &[(&str, &str)] = &[
 /// The OpenAPI document of these routes.
 pub const OPENAPI: &str = include_str!("openapi/select-service.yaml");
 
-pub fn router(state: Arc<SelectState>) -> Router {
-    Router::new()
+/// The service's routes; with a token in `access`, every route but GET ones needs it.
+pub fn router(state: Arc<SelectState>, access: &crate::api::auth::Access) -> Router {
+    let routes = Router::new()
         .route("/health", get(|| async { ok(StatusCode::OK) }))
         .route("/ready", get(ready))
         .route("/workers", post(add_worker).get(list_workers))
@@ -162,9 +163,11 @@ pub fn router(state: Arc<SelectState>) -> Router {
         .route("/replica_sync/register_peer", post(register_peer))
         .route("/replica_sync/deregister_peer", post(deregister_peer))
         .route("/replica_sync/peers", get(peers))
+        .with_state(state);
+    access
+        .guard(routes, crate::api::auth::Guarded::Writes)
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
-        .with_state(state)
 }
 
 // ------------------------------------------------------------------------------------- workers

@@ -55,8 +55,9 @@ pub const ROUTES: &[(&str, &str)] = &[
 /// The OpenAPI document of these routes.
 pub const OPENAPI: &str = include_str!("openapi/slot-tracker.yaml");
 
-pub fn router(state: Arc<SlotTrackerState>) -> Router {
-    Router::new()
+/// The service's routes; with a token in `access`, every route but GET ones needs it.
+pub fn router(state: Arc<SlotTrackerState>, access: &crate::api::auth::Access) -> Router {
+    let routes = Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/register", post(register))
         .route("/unregister", post(unregister))
@@ -69,9 +70,11 @@ pub fn router(state: Arc<SlotTrackerState>) -> Router {
         .route("/register_peer", post(register_peer))
         .route("/deregister_peer", post(deregister_peer))
         .route("/peers", get(peers))
+        .with_state(state);
+    access
+        .guard(routes, crate::api::auth::Guarded::Writes)
         .fallback(unknown_route)
         .method_not_allowed_fallback(wrong_method)
-        .with_state(state)
 }
 
 #[derive(Debug, Deserialize)]

@@ -15,6 +15,7 @@ use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
 mod shared;
+pub mod tls;
 
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
@@ -43,6 +44,10 @@ pub enum ServerError {
     Discovery(#[from] crate::discovery::service::DiscoveryError),
     #[error("replica sync: {0}")]
     Replica(#[from] crate::replica::ReplicaError),
+    #[error("ext_proc TLS: {0}")]
+    Tls(#[from] tls::TlsError),
+    #[error("API token: {0}")]
+    Token(#[from] crate::api::auth::TokenError),
     #[error("tokenizer of model {model}: {source}")]
     Tokenizer {
         model: String,
@@ -65,6 +70,7 @@ pub struct Listeners {
 impl Listeners {
     pub async fn bind(cfg: &Config) -> Result<Self, ServerError> {
         let ip = cfg.bind_address;
+        let admin = cfg.admin_bind_address;
         async fn one(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServerError> {
             TcpListener::bind(addr)
                 .await
@@ -72,14 +78,14 @@ impl Listeners {
         }
         Ok(Listeners {
             grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
-            health: one("gRPC health", (ip, cfg.grpc_health_port).into()).await?,
-            metrics: one("metrics", (ip, cfg.metrics_port).into()).await?,
+            health: one("gRPC health", (admin, cfg.grpc_health_port).into()).await?,
+            metrics: one("metrics", (admin, cfg.metrics_port).into()).await?,
             select_service: match cfg.select_service_port {
-                Some(p) => Some(one("selection service", (ip, p).into()).await?),
+                Some(p) => Some(one("selection service", (admin, p).into()).await?),
                 None => None,
             },
             slot_tracker: match cfg.slot_tracker_port {
-                Some(p) => Some(one("slot tracker", (ip, p).into()).await?),
+                Some(p) => Some(one("slot tracker", (admin, p).into()).await?),
                 None => None,
             },
         })
@@ -99,7 +105,6 @@ fn incoming(
 ) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     TcpListenerStream::new(l).map(|s| {
         let s = s?;
-        // Small ext_proc messages must not wait for Nagle + delayed ACK.
         s.set_nodelay(true)?;
         Ok(s)
     })
@@ -113,6 +118,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
     let metrics = Metrics::new();
+    // Read before anything starts: a bad certificate or token file stops the start.
+    let acceptor = tls::Acceptor::new(&cfg.grpc_tls, metrics.grpc_connections_refused.clone())?;
+    let access = crate::api::auth::Access {
+        token: crate::api::auth::ApiToken::load(cfg.api_token_file.as_deref())?,
+        refused: metrics.http_unauthorized.clone(),
+    };
     let pool = PoolRef {
         name: cfg.pool_name.clone(),
         namespace: cfg.pool_namespace.clone(),
@@ -318,6 +329,7 @@ pub async fn run(
                 &store,
                 replica_discovery,
                 (listeners.select_service, listeners.slot_tracker),
+                &access,
                 metrics.replica.clone(),
                 &stop_rx,
                 &mut tasks,
@@ -331,17 +343,19 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
     let window = (cfg.max_body_bytes as u32).clamp(1 << 20, 16 << 20);
+    tracing::info!(tls = ?cfg.grpc_tls.mode, plaintext = cfg.grpc_tls.accept_plaintext,
+        mutual = cfg.grpc_tls.client_ca_file.is_some(), "ext_proc transport");
     let grpc = tonic::transport::Server::builder()
         .initial_stream_window_size(window)
         .initial_connection_window_size(window.saturating_mul(4))
         .add_service(extproc)
-        .serve_with_incoming_shutdown(incoming(listeners.grpc), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(acceptor.incoming(listeners.grpc), stopped(stop_rx.clone()));
     let health = tonic::transport::Server::builder()
         .add_service(health_service)
         .serve_with_incoming_shutdown(incoming(listeners.health), stopped(stop_rx.clone()));
     let http = axum::serve(
         listeners.metrics,
-        api::router(ApiState { metrics, store, kv }),
+        api::router(ApiState { metrics, store, kv }, &access),
     )
     .with_graceful_shutdown(stopped(stop_rx.clone()));
 

@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::ServerError;
+use crate::api::auth::Access;
 use crate::api::peers::{Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::{pool_scope, SlotTrackerState};
@@ -68,6 +69,7 @@ pub async fn start(
     store: &Arc<Datastore>,
     discovery: Arc<dyn ServiceDiscovery>,
     (select, slots): (Option<TcpListener>, Option<TcpListener>),
+    access: &Access,
     stats: Arc<SyncStats>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Tasks,
@@ -116,7 +118,7 @@ pub async fn start(
         }
     }
     Ok(open_http_doors(
-        &catalog, select, slots, &outbox, &peers, stop,
+        &catalog, select, slots, access, &outbox, &peers, stop,
     ))
 }
 
@@ -125,6 +127,7 @@ fn open_http_doors(
     catalog: &Arc<RwLock<Catalog>>,
     select: Option<TcpListener>,
     slots: Option<TcpListener>,
+    access: &Access,
     outbox: &Outbox,
     peers: &Arc<SharedPeers>,
     stop: &watch::Receiver<bool>,
@@ -140,7 +143,7 @@ fn open_http_doors(
             peers.clone(),
             outbox.clone(),
         ));
-        let app = crate::api::select::router(state);
+        let app = crate::api::select::router(state, access);
         let shutdown = stopped(stop.clone());
         doors.push(tokio::spawn(async move {
             axum::serve(l, app).with_graceful_shutdown(shutdown).await
@@ -153,7 +156,7 @@ fn open_http_doors(
             peers: peers.clone(),
             outbox: outbox.clone(),
         });
-        let app = crate::api::slot_tracker::router(state);
+        let app = crate::api::slot_tracker::router(state, access);
         let shutdown = stopped(stop.clone());
         doors.push(tokio::spawn(async move {
             axum::serve(l, app).with_graceful_shutdown(shutdown).await

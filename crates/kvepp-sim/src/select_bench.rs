@@ -223,8 +223,13 @@ pub async fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let server =
-        tokio::spawn(async move { axum::serve(listener, kvepp::api::select::router(state)).await });
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            kvepp::api::select::router(state, &Default::default()),
+        )
+        .await
+    });
     let bodies = Arc::new(s.bodies.clone());
     println!(
         "selection service: {} workers, {}-token prompts ({} blocks), {} s per run, {} cores",
