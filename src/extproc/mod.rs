@@ -151,6 +151,21 @@ impl ExternalProcessor for ExtProcService {
     }
 }
 
+/// The stream state machine without gRPC: the answers to `messages`, handled in order as one
+/// ext_proc stream (no readiness wait, no observability mode). The stream's booking is released
+/// when it returns, as when a stream ends. Fuzz targets and tests drive the protocol with it.
+pub fn drive(
+    shared: Arc<Shared>,
+    messages: impl IntoIterator<Item = ProcessingRequest>,
+) -> Vec<ProcessingResponse> {
+    let mut state = stream::StreamState::new(shared);
+    let mut out = Vec::new();
+    for msg in messages {
+        state.handle(msg, &mut out);
+    }
+    out
+}
+
 /// Sends the responses in `out` (emptying it); false when the proxy went away.
 async fn flush(
     tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
