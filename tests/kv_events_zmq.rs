@@ -361,6 +361,10 @@ fn hex(b: &[u8]) -> String {
 
 /// Applies deliveries as kvepp does until batch `last` has been applied.
 async fn drain_into(s: &mut Subscriber, index: &mut PrefixIndex, last: u64) {
+    drain(s, index, last, false).await
+}
+
+async fn drain(s: &mut Subscriber, index: &mut PrefixIndex, last: u64, allow_loss: bool) {
     loop {
         match s.next().await {
             Delivery::Batch { seq, batch } => {
@@ -370,9 +374,12 @@ async fn drain_into(s: &mut Subscriber, index: &mut PrefixIndex, last: u64) {
                 }
             }
             Delivery::PublisherRestarted => index.remove_worker(WORKER),
-            Delivery::Lost { from, to } => {
+            Delivery::Lost { from, to } if !allow_loss => {
                 panic!("lost {from}..{to}: replay should have filled it")
             }
+            // As kvepp does: what the publisher published before is void; what it still holds
+            // follows.
+            Delivery::Lost { .. } => index.clear_rank(Engine::rank()),
         }
     }
 }
@@ -463,5 +470,100 @@ async fn index_fed_over_zmq_converges_to_the_reference() {
     }
     drain_into(&mut s, &mut fast, seq).await;
     assert_converged(&fast, &engine, &mut rng);
+    p.quit().await;
+}
+
+/// The blocks and engine hashes `index` holds for the test engine's rank.
+fn rank_content(
+    index: &PrefixIndex,
+) -> (
+    Vec<(SequenceHash, [u16; 3])>,
+    Vec<(EngineBlockHash, SequenceHash)>,
+) {
+    index
+        .dump()
+        .into_iter()
+        .find(|d| d.rank == Engine::rank())
+        .map(|d| (d.blocks, d.engine))
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn gap_larger_than_the_replay_buffer_rebuilds_from_what_the_publisher_holds() {
+    let (port, replay) = (free_port(), free_port());
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let mut s = Subscriber::start(port, Some(replay));
+    let mut fast = PrefixIndex::default();
+    let empty = hex(&encode(&[]));
+    let (mut seq, joined) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    assert!(!joined.is_empty());
+    let mut engine = Engine {
+        rng: fastrand::Rng::with_seed(11),
+        chains: Vec::new(),
+        reference: ReferenceIndex::new(u64::MAX),
+    };
+    let mut sent: Vec<(u64, Vec<u8>)> = Vec::new();
+    // Applied live.
+    for _ in 0..40 {
+        seq += 1;
+        let b = engine.batch();
+        p.cmd(&format!("pubhex {seq} {}", hex(&b))).await;
+        sent.push((seq, b));
+    }
+    drain_into(&mut s, &mut fast, seq).await;
+    let before_gap = rank_content(&fast);
+    assert!(!before_gap.0.is_empty(), "the live stream stored blocks");
+    // 30 batches the subscriber never sees, then the publisher's buffer keeps only the last 12:
+    // 18 batches (and whatever they removed) are gone for good.
+    for _ in 0..30 {
+        seq += 1;
+        let b = engine.batch();
+        p.cmd(&format!("skiphex {seq} {}", hex(&b))).await;
+        sent.push((seq, b));
+    }
+    let oldest = seq - 11;
+    p.cmd(&format!("evict {oldest}")).await;
+    seq += 1;
+    p.cmd(&format!("pubhex {seq} {empty}")).await;
+    sent.push((seq, encode(&[])));
+    drain(&mut s, &mut fast, seq, true).await;
+    assert!(s.stats.lost.load(Ordering::Relaxed) >= 18);
+
+    // The reference: only what the publisher still held, applied to an empty index.
+    let mut expected = PrefixIndex::default();
+    for (_, b) in sent.iter().filter(|(q, _)| *q >= oldest) {
+        let batch = kvepp::kv_events::decode::decode_batch(b).unwrap();
+        apply_batch(&mut expected, WORKER, 0, BS as u32, &batch);
+    }
+    let got = rank_content(&fast);
+    assert_eq!(got, rank_content(&expected), "index after the loss");
+    // Stale entries from before the gap are gone unless a held batch stored them again.
+    assert!(
+        before_gap.0.iter().any(|b| !got.0.contains(b)),
+        "no entry from before the gap was dropped"
+    );
+    p.quit().await;
+}
+
+#[tokio::test]
+async fn publisher_restarted_while_away_that_goes_quiet_is_noticed() {
+    let (port, replay) = (free_port(), free_port());
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let mut s = Subscriber::start(port, Some(replay));
+    let (last, _) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    p.cmd(&format!("pub {} legacy_batch", last + 1)).await;
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 1));
+    // The engine restarts, publishes one batch (numbered 0 again) and stays quiet.
+    p.quit().await;
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    p.cmd("pub 0 legacy_two_element_batch").await;
+    let d = s.next().await;
+    eprintln!(
+        "connects={} {:?}",
+        s.stats.connects.load(Ordering::Relaxed),
+        d
+    );
+    assert_eq!(d, Delivery::PublisherRestarted);
+    assert!(matches!(s.next().await, Delivery::Batch { seq: 0, .. }));
     p.quit().await;
 }

@@ -44,15 +44,7 @@ struct Engine {
 /// vLLM's), in the legacy tagged-array encoding.
 fn stored_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
     let n = tokens.len() / block;
-    let hashes: Vec<u64> = (1..=n)
-        .map(|i| {
-            let bytes: Vec<u8> = tokens[..i * block]
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect();
-            fnv64(&[name.as_bytes(), &bytes].concat())
-        })
-        .collect();
+    let hashes = engine_hashes(name, block, tokens);
     let event = (
         "BlockStored",
         hashes,
@@ -62,6 +54,25 @@ fn stored_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
         None::<u32>,
         None::<String>,
     );
+    rmp_serde::to_vec(&(1.0f64, vec![event])).expect("msgpack")
+}
+
+/// The engine's own hashes of the prompt's full blocks.
+fn engine_hashes(name: &str, block: usize, tokens: &[u32]) -> Vec<u64> {
+    (1..=tokens.len() / block)
+        .map(|i| {
+            let bytes: Vec<u8> = tokens[..i * block]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect();
+            fnv64(&[name.as_bytes(), &bytes].concat())
+        })
+        .collect()
+}
+
+/// One `BlockRemoved` of the prompt's full blocks.
+fn removed_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
+    let event = ("BlockRemoved", engine_hashes(name, block, tokens));
     rmp_serde::to_vec(&(1.0f64, vec![event])).expect("msgpack")
 }
 
@@ -492,6 +503,92 @@ async fn publisher_that_binds_late_and_goes_quiet_is_routed_to() {
     }
     p.quit().await;
     drop(envoy);
+    epp.stop().await;
+}
+
+/// The EPP hashes kvepp's index holds for endpoint `addr` (rank 0).
+async fn indexed(epp: &Epp, addr: SocketAddr) -> Vec<u64> {
+    let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
+    let mut blocks: Vec<u64> = r.json()["endpoints"][addr.to_string()]["blocks"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+        .unwrap_or_default();
+    blocks.sort_unstable();
+    blocks
+}
+
+fn epp_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h: Vec<u64> = kvepp_core::hash::sequence_hashes(&kvepp_core::hash::local_block_hashes(
+        tokens, BLOCK, None,
+    ))
+    .iter()
+    .map(|s| s.0)
+    .collect();
+    h.sort_unstable();
+    h
+}
+
+/// Faults on the KV-event path, through kvepp's own subscription: a gap larger than the
+/// publisher's replay buffer (a removal lost for good) and a publisher restart. Each time kvepp's
+/// index for the engine equals what the batches the publisher still holds build: stale entries go.
+#[tokio::test]
+async fn lost_batches_and_publisher_restarts_leave_no_stale_entries() {
+    let (port, replay) = (free_port(), free_port());
+    let events = format!("tcp://127.0.0.1:{port}");
+    let b = Engine::start_silent("b", &events, &format!("tcp://127.0.0.1:{replay}")).await;
+    let m = pool_yaml("pool") + &standard_models() + &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+        c.block_size = Some(BLOCK as u32);
+    })
+    .await;
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    let (x, y, z) = (
+        tokens(1, 4 * BLOCK),
+        tokens(2, 3 * BLOCK),
+        tokens(3, 2 * BLOCK),
+    );
+    p.publish(0, &stored_batch("b", BLOCK, &x)).await;
+    wait_for("x indexed", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&x)).then_some(())
+    })
+    .await;
+
+    // The engine evicts x and stores y, but kvepp misses both batches, and by the time it notices
+    // the replay buffer holds only the second: x's removal is gone for good.
+    let removed = removed_batch("b", BLOCK, &x);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    p.cmd(&format!("skiphex 1 {}", hex(&removed))).await;
+    p.cmd(&format!("skiphex 2 {}", hex(&stored_batch("b", BLOCK, &y))))
+        .await;
+    p.cmd("evict 2").await;
+    p.publish(3, &rmp_serde::to_vec(&(1.0f64, Vec::<()>::new())).unwrap())
+        .await;
+    wait_for("the loss noticed", || async {
+        (epp.metric("kvepp_kv_event_lost_batches_total").await? >= 1.0).then_some(())
+    })
+    .await;
+    wait_for("only what the publisher holds", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&y)).then_some(())
+    })
+    .await;
+
+    // The engine restarts (empty cache, numbering from 0) and stores z.
+    p.quit().await;
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    p.publish(0, &stored_batch("b", BLOCK, &z)).await;
+    wait_for("the restart noticed", || async {
+        (epp.metric("kvepp_kv_event_publisher_restarts_total")
+            .await?
+            >= 1.0)
+            .then_some(())
+    })
+    .await;
+    wait_for("only what the restarted engine stored", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&z)).then_some(())
+    })
+    .await;
+    p.quit().await;
     epp.stop().await;
 }
 

@@ -293,7 +293,16 @@ async fn subscription(
         stop,
     ));
     let mut seen_undecodable = 0;
+    let mut seen_lost = 0;
     let mut counted_without_replay = false;
+    // The ranks this publisher has published for: what a restart or a loss makes void.
+    let mut ranks = std::collections::BTreeSet::from([rank]);
+    let forget = |ranks: &std::collections::BTreeSet<u32>| {
+        let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
+        for &dp_rank in ranks {
+            index.clear_rank(WorkerRank { worker, dp_rank });
+        }
+    };
     // The tick only refreshes the undecodable counter while nothing decodable arrives.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -307,6 +316,7 @@ async fn subscription(
         if let Some(d) = delivery {
             match d {
                 Delivery::Batch { batch, .. } => {
+                    ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
                     let applied = {
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
                         apply_batch(&mut index, worker, rank, kv.block_size(), &batch)
@@ -324,14 +334,9 @@ async fn subscription(
                 }
                 Delivery::PublisherRestarted => {
                     metrics.kv.publisher_restarts.inc();
-                    kv.index()
-                        .write()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .remove_worker(worker);
+                    forget(&ranks);
                 }
-                Delivery::Lost { from, to } => {
-                    metrics.kv.lost_batches.inc_by(to.saturating_sub(from));
-                }
+                Delivery::Lost { .. } => forget(&ranks),
             }
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
@@ -340,6 +345,9 @@ async fn subscription(
             .undecodable
             .inc_by(undecodable - seen_undecodable);
         seen_undecodable = undecodable;
+        let lost = stats.lost.load(Ordering::Relaxed);
+        metrics.kv.lost_batches.inc_by(lost - seen_lost);
+        seen_lost = lost;
         if !counted_without_replay && stats.without_replay.load(Ordering::Relaxed) > 0 {
             counted_without_replay = true;
             metrics.kv.without_replay.inc();

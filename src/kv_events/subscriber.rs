@@ -3,7 +3,9 @@
 //!
 //! Every (re)connect first catches up: the replay socket is asked for everything after the last
 //! batch delivered (from 0 for a new publisher), so a publisher that published before we reached it
-//! and then went quiet is not missed; once more if no live batch arrives shortly after.
+//! and then went quiet is not missed; once more if no live batch arrives shortly after. A publisher
+//! that restarted while we were away (it holds only numbers below the last one delivered) is
+//! reported restarted and replayed from 0.
 //!
 //! Frames are `[topic, seq (u64 big-endian), payload]`; replay replies end with `seq, payload` (vLLM
 //! puts `b"", topic` before them, SGLang and older vLLM only `b""`), and the reply to a request ends
@@ -17,8 +19,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::decode::{decode_batch, EventBatch};
 use super::sequence::{SeqAction, SeqTracker};
@@ -48,7 +51,10 @@ pub enum Delivery {
     },
     /// The publisher restarted: everything it published before is void.
     PublisherRestarted,
-    /// Batches `[from, to)` were missed and could not be replayed.
+    /// Batches `[from, to)` were missed and could not be replayed (a gap larger than the
+    /// publisher's replay buffer, or no replay socket). What this publisher delivered before is
+    /// unreliable (a lost removal leaves a stale entry): consumers forget its blocks and rebuild
+    /// from what follows (the replayed batches the publisher still holds after the gap).
     Lost {
         from: u64,
         to: u64,
@@ -128,13 +134,14 @@ pub async fn run(
         let Some(mut sub) = s.connect(&mut shutdown).await else {
             return;
         };
+        // A reconnect may reach a restarted publisher: its replay socket is new too.
+        s.dealer = None;
         // Catch up on every (re)connect: whatever the publisher still holds after the last batch
         // applied, so a publisher that published before we reached it and went quiet is indexed.
         if s.source.replay_endpoint.is_some() {
-            let from = tracker.resume_from();
-            match s.catch_up(from).await {
+            match s.catch_up(tracker.resume_from()).await {
                 None => return,
-                Some(to) => tracker.caught_up(from, to),
+                Some((from, to)) => tracker.caught_up(from, to),
             }
         } else if !told_no_replay {
             told_no_replay = true;
@@ -147,15 +154,38 @@ pub async fn run(
         let settle = tokio::time::sleep(SETTLE);
         tokio::pin!(settle);
         let mut settled = s.source.replay_endpoint.is_none();
+        // The socket reconnects on its own when the publisher goes away and comes back (an engine
+        // restart): each reconnection is a (re)connect like the first, caught up the same way.
+        let mut events = sub.monitor();
+        let mut monitored = true;
         loop {
             let msg = tokio::select! {
                 m = sub.recv() => m,
+                ev = events.next(), if monitored => {
+                    match ev {
+                        None => monitored = false,
+                        Some(SocketEvent::Connected(..)) => {
+                            s.stats.connects.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(endpoint = %s.source.endpoint, "KV event publisher reconnected");
+                            s.dealer = None;
+                            if s.source.replay_endpoint.is_some() {
+                                match s.catch_up(tracker.resume_from()).await {
+                                    None => return,
+                                    Some((from, to)) => tracker.caught_up(from, to),
+                                }
+                                settle.as_mut().reset(tokio::time::Instant::now() + SETTLE);
+                                settled = false;
+                            }
+                        }
+                        Some(_) => {}
+                    }
+                    continue;
+                }
                 _ = &mut settle, if !settled => {
                     settled = true;
-                    let from = tracker.resume_from();
-                    match s.catch_up(from).await {
+                    match s.catch_up(tracker.resume_from()).await {
                         None => return,
-                        Some(to) => tracker.caught_up(from, to),
+                        Some((from, to)) => tracker.caught_up(from, to),
                     }
                     continue;
                 }
@@ -290,17 +320,34 @@ impl Subscription {
     }
 
     /// Replays everything the publisher holds from `from` on and delivers it in order (gaps
-    /// reported lost). Returns the batch number expected next (`from` when it held nothing), or
+    /// reported lost). A publisher that no longer holds the last batch applied (`from - 1`) nor
+    /// anything after it, but holds older numbers, restarted while we were away (it numbers from 0
+    /// again and may have gone quiet): that is reported and everything it holds is delivered.
+    /// Returns the range of numbers delivered (empty when the publisher held nothing new), or
     /// `None` when the consumer is gone. A failed replay is logged and treated as empty.
-    async fn catch_up(&mut self, from: u64) -> Option<u64> {
-        let got = self
-            .fetch_or_log(from, REPLAY_END, "KV event catch-up failed")
+    async fn catch_up(&mut self, from: u64) -> Option<(u64, u64)> {
+        let what = "KV event catch-up failed";
+        let mut got = self
+            .fetch_or_log(from.saturating_sub(1), REPLAY_END, what)
             .await;
+        if from > 0 && got.is_empty() && self.source.replay_endpoint.is_some() {
+            let held = self.fetch_or_log(0, REPLAY_END, what).await;
+            if !held.is_empty() {
+                self.stats.restarts.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(endpoint = %self.source.endpoint, "KV event publisher restarted while disconnected");
+                if !self.send(Delivery::PublisherRestarted).await {
+                    return None;
+                }
+                let to = self.deliver_replayed(0, held).await?;
+                return Some((0, to));
+            }
+        }
+        got.retain(|(seq, _)| *seq >= from);
         let expected = self.deliver_replayed(from, got).await?;
         if expected > from {
             tracing::info!(endpoint = %self.source.endpoint, from, to = expected, "KV events caught up from the replay socket");
         }
-        Some(expected)
+        Some((from, expected))
     }
 
     /// The replayed batches with `from <= seq < to`, sorted, without duplicates.
