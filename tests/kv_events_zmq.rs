@@ -473,13 +473,14 @@ async fn index_fed_over_zmq_converges_to_the_reference() {
     p.quit().await;
 }
 
-/// The blocks and engine hashes `index` holds for the test engine's rank.
-fn rank_content(
-    index: &PrefixIndex,
-) -> (
+/// One rank's blocks (with their reference counts) and engine hashes, as dumped.
+type RankContent = (
     Vec<(SequenceHash, [u16; 3])>,
     Vec<(EngineBlockHash, SequenceHash)>,
-) {
+);
+
+/// The blocks and engine hashes `index` holds for the test engine's rank.
+fn rank_content(index: &PrefixIndex) -> RankContent {
     index
         .dump()
         .into_iter()

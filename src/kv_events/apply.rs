@@ -4,7 +4,9 @@
 //!
 //! Invariants: a batch is applied under one write lock of the index (never half-applied); an
 //! endpoint that leaves the pool has its subscriptions stopped (its blocks are forgotten by the
-//! router's upkeep).
+//! router's upkeep); a publisher restart or a loss (batches that could not be replayed) clears the
+//! ranks that publisher published for, and only those, so no entry outlives a removal kvepp
+//! missed: the index then holds what the batches delivered after it build.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -52,11 +52,18 @@ pub struct EventBatch {
 #[error("undecodable KV event batch: {0}")]
 pub struct DecodeError(pub String);
 
+/// Deepest nesting a batch may have. A real one nests four levels (batch, events, event, hashes);
+/// unknown fields are skipped recursively, so without a bound a crafted payload of nested arrays
+/// would recurse until the decoding thread's stack overflows (found by the `kv_events` fuzz target).
+const MAX_DEPTH: usize = 16;
+
 /// Decodes one payload frame. All or nothing: any malformed event rejects the batch.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut rest = payload;
-    let batch =
-        rmp_serde::from_read::<_, BatchWire>(&mut rest).map_err(|e| DecodeError(e.to_string()))?;
+    let mut de = rmp_serde::Deserializer::new(&mut rest);
+    de.set_max_depth(MAX_DEPTH);
+    let batch = BatchWire::deserialize(&mut de).map_err(|e| DecodeError(e.to_string()))?;
+    drop(de);
     if !rest.is_empty() {
         return Err(DecodeError(format!("{} bytes after the batch", rest.len())));
     }
@@ -346,6 +353,24 @@ impl<'de> Deserialize<'de> for HashWire {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (fuzzing): an unknown trailing element nested 100 000 arrays deep is rejected
+    /// with an error, on a small stack, instead of overflowing it.
+    #[test]
+    fn deep_nesting_is_an_error_not_a_stack_overflow() {
+        // [1.5, [], nil, [[[…]]]]: the fourth element is skipped, recursively.
+        let mut payload = vec![0x94, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x90, 0xc0];
+        payload.extend(std::iter::repeat_n(0x91, 100_000));
+        payload.push(0xc0);
+        let decoded = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || decode_batch(&payload))
+            .unwrap()
+            .join()
+            .unwrap();
+        let err = decoded.unwrap_err().0;
+        assert!(err.contains("depth"), "rejected for its depth: {err}");
+    }
 
     #[test]
     fn media_map_to_tiers() {

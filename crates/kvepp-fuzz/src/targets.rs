@@ -31,8 +31,11 @@ use kvepp::request::RequestRouter;
 use kvepp_core::catalog::{Catalog, Limits, Scope, Worker};
 use kvepp_core::{KvSettings, KvState, Router, Saturation};
 
+/// A target: arbitrary bytes in, a panic when something that must hold does not.
+pub type Target = fn(&[u8]);
+
 /// Every target by name, as the corpus folders are named.
-pub const ALL: &[(&str, fn(&[u8]))] = &[
+pub const ALL: &[(&str, Target)] = &[
     ("request_body", request_body),
     ("kv_events", kv_events),
     ("manifests", manifests),
