@@ -7,38 +7,20 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
 import yaml
+
+from benchlib import free_port, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVEPP = os.path.join(ROOT, "target/release/kvepp")
 FLOOR = os.path.join(ROOT, "target/release/examples/floor_epp")
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(what, cond, timeout=30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    sys.exit(f"bench: timed out waiting for {what}")
 
 
 def http_ok(url):

@@ -8,7 +8,6 @@ import csv
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,28 +16,12 @@ import urllib.request
 
 import yaml
 
+from benchlib import free_port, wait
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVEPP = os.path.join(ROOT, "target/release/kvepp")
 SIM = os.path.join(ROOT, "target/release/kvepp-sim")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait(what, cond, timeout=60.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    sys.exit(f"soak: timed out waiting for {what}")
 
 
 def get(url):
@@ -127,6 +110,11 @@ def main():
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--rate", type=float, default=100, help="requests per second")
     ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--kvepp-config", default=os.path.join(ROOT, "bench/soak.yaml"))
+    ap.add_argument(
+        "--kv-blocks", type=int, default=4096,
+        help="KV cache blocks per simulated engine (small: the caches fill and evict within minutes)",
+    )
     ap.add_argument("--envoy", required=True)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/soak"))
     args = ap.parse_args()
@@ -141,11 +129,18 @@ def main():
 
     try:
         mdir = os.path.join(work, "manifests")
-        spawn([SIM, "fleet", "--engines", str(args.engines), "--manifests-dir", mdir], "fleet.log")
+        params = yaml.safe_load(subprocess.run([SIM, "fleet", "--print-params"], check=True,
+                                               capture_output=True, text=True).stdout)
+        params["total_kv_blocks"] = args.kv_blocks
+        params_path = os.path.join(work, "params.yaml")
+        with open(params_path, "w") as f:
+            yaml.safe_dump(params, f)
+        spawn([SIM, "fleet", "--engines", str(args.engines), "--params", params_path, "--manifests-dir", mdir],
+              "fleet.log")
         wait("the simulated fleet", lambda: os.path.exists(os.path.join(mdir, "pool.yaml")))
         kp = [free_port() for _ in range(3)]
         kvepp = spawn(
-            [KVEPP, "serve", "--config", os.path.join(ROOT, "bench/kvepp.yaml"), "--pool-name", "sim-pool",
+            [KVEPP, "serve", "--config", args.kvepp_config, "--pool-name", "sim-pool",
              "--manifests-dir", mdir, "--bind-address", "127.0.0.1", "--grpc-port", str(kp[0]),
              "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]), "--log-level", "warn"],
             "kvepp.log",
@@ -191,6 +186,7 @@ def main():
                     "threads": int(st["Threads"]),
                     "tasks": sample_metric(text, "kvepp_runtime_alive_tasks"),
                     "in_flight": sample_metric(text, "kvepp_in_flight_requests"),
+                    "kv_index_blocks": sample_metric(text, "kvepp_kv_index_blocks"),
                     "sent_per_s": counters.sent - last_sent,
                     "ok_per_s": counters.ok - last_ok,
                     "errors": counters.errors - last_err,
@@ -227,6 +223,9 @@ def main():
     summary = {
         "minutes": args.minutes,
         "rate": args.rate,
+        "engines": args.engines,
+        "kv_blocks_per_engine": args.kv_blocks,
+        "kv_index_blocks_max": max(r["kv_index_blocks"] for r in rows),
         "requests": counters.sent,
         "ok": counters.ok,
         "errors": counters.errors,
@@ -256,7 +255,7 @@ def plot(rows, path, summary):
     fig, ax = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     ax[0].plot(t, [r["rss_mib"] for r in rows], color="tab:blue")
     ax[0].set_ylabel("kvepp RSS (MiB)")
-    ax[0].set_ylim(bottom=0)
+    ax[0].set_ylim(0, max(r["rss_mib"] for r in rows) * 1.2)
     ax[0].set_title(
         f"kvepp soak: {summary['requests']} requests at {summary['rate']:g}/s, {summary['errors']} errors"
     )

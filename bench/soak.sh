@@ -3,7 +3,9 @@
 # under a fixed open-loop request rate for a configurable time. kvepp's RSS, open file descriptors,
 # threads and runtime tasks are sampled every second with the requests/s, errors and p99 latency;
 # written to bench/results/soak/soak.csv and soak.png with summary.json. Exits 1 on any failed
-# request. Usage: bench/soak.sh [--minutes M (10)] [--rate R req/s (100)] [--engines N (4)]
+# request. kvepp runs with bench/soak.yaml, the engines with 4096 KV blocks each (see there).
+# Usage: bench/soak.sh [--minutes M (10)]
+# [--rate R req/s (100)] [--engines N (4)] [--kv-blocks B (4096)] [--kvepp-config FILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 envoy=$(scripts/install-envoy.sh)
