@@ -168,6 +168,14 @@ pub struct Config {
     pub unknown_models: UnknownModels,
     /// Send `primary,fallback` in the destination header and metadata (ordered-list form).
     pub destination_endpoint_list: bool,
+    /// Send every candidate's score with the pick: header and `envoy.lb` metadata key
+    /// `x-gateway-destination-endpoint-scores` (llm-d's `--emit-endpoint-scores`).
+    pub emit_endpoint_scores: bool,
+    /// kvepp's own Service: an InferencePool whose `endpointPickerRef` (v1) or `extensionRef`
+    /// (v1alpha2) names another Service is logged and not served. Unset: not checked.
+    pub endpoint_picker_service: Option<String>,
+    /// Queue requests that find every endpoint saturated, by priority (InferenceObjective).
+    pub flow_control: crate::request::FlowControlSettings,
     /// In-flight requests at which an endpoint is saturated (Sheddable requests get 429 when every
     /// eligible endpoint is); 0 disables shedding.
     pub max_in_flight_per_endpoint: u32,
@@ -222,6 +230,9 @@ impl Default for Config {
             manifests_poll_ms: 250,
             unknown_models: UnknownModels::Reject,
             destination_endpoint_list: false,
+            emit_endpoint_scores: false,
+            endpoint_picker_service: None,
+            flow_control: Default::default(),
             max_in_flight_per_endpoint: 128,
             max_body_bytes: 8 << 20,
             shutdown_grace_seconds: 25,
@@ -328,6 +339,18 @@ pub struct ServeArgs {
     pub destination_endpoint_list: Option<bool>,
     #[arg(long, env = "KVEPP_MAX_IN_FLIGHT_PER_ENDPOINT")]
     pub max_in_flight_per_endpoint: Option<u32>,
+    /// Send every candidate's score in x-gateway-destination-endpoint-scores.
+    #[arg(long, env = "KVEPP_EMIT_ENDPOINT_SCORES")]
+    pub emit_endpoint_scores: Option<bool>,
+    /// kvepp's own Service name: pools whose picker reference names another are not served.
+    #[arg(long, env = "KVEPP_ENDPOINT_PICKER_SERVICE")]
+    pub endpoint_picker_service: Option<String>,
+    /// Queue requests that find every endpoint saturated (flow_control.enabled).
+    #[arg(long, env = "KVEPP_FLOW_CONTROL")]
+    pub flow_control: Option<bool>,
+    /// Longest wait in the flow-control queue before a 503 (flow_control.max_wait_ms).
+    #[arg(long, env = "KVEPP_FLOW_CONTROL_MAX_WAIT_MS")]
+    pub flow_control_max_wait_ms: Option<u64>,
     #[arg(long, env = "KVEPP_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
     #[arg(long, env = "KVEPP_SHUTDOWN_GRACE_SECONDS")]
@@ -388,6 +411,7 @@ impl Config {
             manifests_poll_ms,
             unknown_models,
             destination_endpoint_list,
+            emit_endpoint_scores,
             max_in_flight_per_endpoint,
             max_body_bytes,
             shutdown_grace_seconds,
@@ -485,6 +509,15 @@ impl Config {
         if args.endpoint_service.is_some() {
             cfg.endpoint_service = args.endpoint_service.clone();
         }
+        if args.endpoint_picker_service.is_some() {
+            cfg.endpoint_picker_service = args.endpoint_picker_service.clone();
+        }
+        if let Some(v) = args.flow_control {
+            cfg.flow_control.enabled = v;
+        }
+        if let Some(v) = args.flow_control_max_wait_ms {
+            cfg.flow_control.max_wait_ms = v;
+        }
         if args.manifests_dir.is_some() {
             cfg.manifests_dir = args.manifests_dir.clone();
         }
@@ -535,6 +568,17 @@ impl Config {
                     format!("{svc:?} is not a Kubernetes Service name"),
                 );
             }
+        }
+        if let Some(svc) = &self.endpoint_picker_service {
+            if !is_dns_label(svc) {
+                bad(
+                    "endpoint_picker_service",
+                    format!("{svc:?} is not a Kubernetes Service name"),
+                );
+            }
+        }
+        for p in self.flow_control.problems() {
+            bad("flow_control", p);
         }
         if let Some(d) = self.manifests_dir.as_ref().filter(|d| !d.is_dir()) {
             bad(

@@ -77,6 +77,35 @@ impl WatchMetrics {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PriorityLabels {
+    pub priority: i64,
+}
+
+/// Flow control: who waits, and for how long, by priority.
+#[derive(Debug, Clone)]
+pub struct FlowMetrics {
+    /// Requests waiting for capacity now.
+    pub queue_size: Family<PriorityLabels, Gauge>,
+    /// Time from queueing to leaving the queue (dispatched, shed, timed out or gone).
+    pub queue_wait: Family<PriorityLabels, Histogram, fn() -> Histogram>,
+    /// Requests that left the queue, by outcome (`dispatched`, `timeout`, `cancelled`).
+    pub outcomes: Family<OutcomeLabels, Counter>,
+}
+
+impl Default for FlowMetrics {
+    fn default() -> Self {
+        fn wait_buckets() -> Histogram {
+            Histogram::new(exponential_buckets(1e-3, 2.0, 18))
+        }
+        FlowMetrics {
+            queue_size: Family::default(),
+            queue_wait: Family::new_with_constructor(wait_buckets),
+            outcomes: Family::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ModeLabels {
     pub mode: &'static str,
 }
@@ -125,6 +154,7 @@ pub struct Metrics {
     pub grpc_connections_refused: Counter,
     /// Tasks alive in kvepp's runtime (set at each scrape; a leak shows as growth).
     pub runtime_alive_tasks: Gauge,
+    pub flow: FlowMetrics,
 }
 
 impl Metrics {
@@ -312,7 +342,24 @@ impl Metrics {
             "Replica-sync lifecycle events by outcome (published, received, applied, dropped_*)",
             replica.events.clone(),
         );
+        let flow = FlowMetrics::default();
+        registry.register(
+            "flow_control_queue_size",
+            "Requests waiting in flow control's queue for capacity, by priority",
+            flow.queue_size.clone(),
+        );
+        registry.register(
+            "flow_control_queue_wait_seconds",
+            "Time requests spent in flow control's queue, by priority",
+            flow.queue_wait.clone(),
+        );
+        registry.register(
+            "flow_control_dequeued",
+            "Requests that left flow control's queue, by outcome (dispatched, timeout, cancelled)",
+            flow.outcomes.clone(),
+        );
         Arc::new(Metrics {
+            flow,
             replica,
             registry,
             requests,

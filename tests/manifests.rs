@@ -485,7 +485,7 @@ fn local_example_gives_a_ready_pool() {
         PoolRef {
             name: "demo-pool".into(),
             namespace: "default".into(),
-            service: "demo-pool".into(),
+            service: "demo-pool".into(), picker_service: None,
         },
         |_| {},
     );

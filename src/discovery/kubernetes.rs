@@ -3,7 +3,8 @@
 //! - [`KubeDiscovery`]: the EndpointSlice discovery behind [`ServiceDiscovery`](super::ServiceDiscovery). `watch(namespace, component)` watches
 //!   `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<component>` and maps
 //!   them with [`instances_from_slices`] (the seed's event table).
-//! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`) and InferenceModel (`v1alpha2`)
+//! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`), InferenceModel (`v1alpha2`) and
+//!   InferenceObjective (`llm-d.ai/v1alpha2`)
 //!   in the pool's namespace and hands them to the datastore once every kind has synced.
 //! - [`KubeRegistry`]: the server side inside a pod: checks the Downward API labels.
 //!
@@ -247,7 +248,7 @@ pub fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
 }
 
 /// The inference CRDs kvepp watches: (group/version, kind, plural, metric name).
-const CRDS: [(&str, &str, &str, &str, &str); 3] = [
+const CRDS: [(&str, &str, &str, &str, &str); 4] = [
     (
         "inference.networking.x-k8s.io",
         "v1alpha2",
@@ -269,9 +270,17 @@ const CRDS: [(&str, &str, &str, &str, &str); 3] = [
         "inferencemodels",
         "inferencemodels.v1alpha2",
     ),
+    (
+        "llm-d.ai",
+        "v1alpha2",
+        "InferenceObjective",
+        "inferenceobjectives",
+        "inferenceobjectives.llm-d.v1alpha2",
+    ),
 ];
 
-/// Watches the pool's InferencePools and InferenceModels and feeds the datastore's catalog.
+/// Watches the pool's InferencePools, InferenceModels and InferenceObjectives and feeds the
+/// datastore's catalog.
 pub struct KubeCatalog {
     pub client: kube::Client,
     pub namespace: String,
@@ -313,7 +322,7 @@ impl KubeCatalog {
             );
             merged.push(view.map(move |v| (i, v)).boxed());
         }
-        let mut kinds: [Option<BTreeMap<String, Object>>; 3] = Default::default();
+        let mut kinds: [Option<BTreeMap<String, Object>>; CRDS.len()] = Default::default();
         loop {
             let next = tokio::select! {
                 n = merged.next() => n,

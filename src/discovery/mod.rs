@@ -1,8 +1,9 @@
 //! Service discovery: what the pool is, which models it serves and which endpoints are ready.
 //!
 //! Two feeds fill the [`Datastore`]:
-//! - the *catalog*: InferencePool and InferenceModel objects (from the manifests directory or the
-//!   Kubernetes API), kept only when they belong to the configured pool;
+//! - the *catalog*: InferencePool, InferenceModel and InferenceObjective objects (from the
+//!   manifests directory or the Kubernetes API), kept only when they belong to the configured
+//!   pool (and, when kvepp knows its own Service, only a pool that names it as its picker);
 //! - the *instances*: the ready endpoints, fed only through the [`ServiceDiscovery`] interface
 //!   ([`service`]), whatever the backend ([`ManifestDir`], [`kubernetes`], [`memory`]).
 //!
@@ -26,7 +27,10 @@ use futures::StreamExt;
 use tokio::sync::watch;
 
 pub use manifests::{ManifestDir, ManifestRegistry};
-pub use objects::{EndpointSlice, InferenceModel, InferencePool, Object};
+pub use objects::{
+    AppProtocol, EndpointSlice, FailureMode, InferenceModel, InferenceObjective, InferencePool,
+    Object,
+};
 pub use service::{
     Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,
 };
@@ -41,6 +45,9 @@ pub struct PoolRef {
     /// Service whose EndpointSlices hold the pool's endpoints (label `kubernetes.io/service-name`):
     /// the discovery `component`.
     pub service: String,
+    /// kvepp's own Service: a pool whose picker reference names another Service is not served.
+    /// `None`: not checked.
+    pub picker_service: Option<String>,
 }
 
 /// An InferenceModel as the request path uses it.
@@ -70,6 +77,8 @@ pub struct PoolSnapshot {
     /// `None` until the InferencePool object has been seen.
     pub pool: Option<InferencePool>,
     pub models: HashMap<String, Arc<ModelSpec>>,
+    /// InferenceObjectives of the pool: name → priority.
+    pub objectives: HashMap<String, i32>,
     /// Ready endpoints, deduplicated by address, sorted by address.
     pub endpoints: Vec<Arc<Endpoint>>,
 }
@@ -79,6 +88,7 @@ impl PoolSnapshot {
         PoolSnapshot {
             pool: None,
             models: HashMap::new(),
+            objectives: HashMap::new(),
             endpoints: Vec::new(),
         }
     }
@@ -195,6 +205,7 @@ impl Datastore {
             pool = %self.target.name,
             found = snap.pool.is_some(),
             models = snap.models.len(),
+            objectives = snap.objectives.len(),
             ready_endpoints = snap.endpoints.len(),
             "pool state updated"
         );
@@ -202,10 +213,12 @@ impl Datastore {
         let old = self.snapshot.load();
         if old.endpoints.len() != snap.endpoints.len()
             || old.models.len() != snap.models.len()
+            || old.objectives != snap.objectives
             || old.pool != snap.pool
         {
             tracing::info!(pool = %self.target.name, found = snap.pool.is_some(),
-                models = snap.models.len(), ready_endpoints = snap.endpoints.len(), "pool state changed");
+                models = snap.models.len(), objectives = snap.objectives.len(),
+                ready_endpoints = snap.endpoints.len(), "pool state changed");
         }
         let endpoints: Arc<[Arc<Endpoint>]> = snap.endpoints.clone().into();
         self.snapshot.store(Arc::new(snap));
@@ -226,7 +239,18 @@ impl Datastore {
                 Object::Pool(p)
                     if p.name == self.target.name && self.in_namespace(&p.namespace) =>
                 {
-                    snap.pool = Some(p.clone());
+                    match (&self.target.picker_service, &p.picker) {
+                        (Some(mine), Some(named)) if mine != named => {
+                            tracing::warn!(pool = %p.name, names = %named, this_picker = %mine,
+                                "the InferencePool names another endpoint picker; not serving it");
+                        }
+                        _ => snap.pool = Some(p.clone()),
+                    }
+                }
+                Object::Objective(o)
+                    if o.pool_ref == self.target.name && self.in_namespace(&o.namespace) =>
+                {
+                    snap.objectives.insert(o.name.clone(), o.priority);
                 }
                 Object::Model(m)
                     if m.pool_ref == self.target.name && self.in_namespace(&m.namespace) =>
@@ -295,7 +319,7 @@ impl Datastore {
 fn catalog_of(objects: &[Object]) -> Vec<Object> {
     objects
         .iter()
-        .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_)))
+        .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_) | Object::Objective(_)))
         .cloned()
         .collect()
 }
@@ -338,7 +362,7 @@ mod tests {
             PoolRef {
                 name: "pool".into(),
                 namespace: "default".into(),
-                service: "pool".into(),
+                service: "pool".into(), picker_service: None,
             },
             |_| {},
         )

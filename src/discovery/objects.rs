@@ -7,6 +7,8 @@ use serde::Deserialize;
 
 pub const GROUP_V1ALPHA2: &str = "inference.networking.x-k8s.io/v1alpha2";
 pub const GROUP_V1: &str = "inference.networking.k8s.io/v1";
+/// InferenceObjective as llm-d serves it now.
+pub const LLMD_V1ALPHA2: &str = "llm-d.ai/v1alpha2";
 pub const DISCOVERY_V1: &str = "discovery.k8s.io/v1";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
@@ -45,6 +47,42 @@ pub struct InferencePool {
     pub namespace: Option<String>,
     pub selector: BTreeMap<String, String>,
     pub target_port: u16,
+    /// The Service of the picker the pool names (`v1` `spec.endpointPickerRef.name`, `v1alpha2`
+    /// `spec.extensionRef.name`).
+    pub picker: Option<String>,
+    /// What the proxy does when the picker fails: `FailOpen` or `FailClose` (the default).
+    pub failure_mode: FailureMode,
+    /// How the engines speak HTTP on the target ports (`v1` `spec.appProtocol`).
+    pub app_protocol: AppProtocol,
+}
+
+/// `failureMode` of the pool's picker reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailureMode {
+    FailOpen,
+    #[default]
+    FailClose,
+}
+
+/// The engines' protocol on the target ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AppProtocol {
+    /// HTTP/1.1 (`http`, the default).
+    #[default]
+    Http1,
+    /// HTTP/2 over cleartext with prior knowledge (`kubernetes.io/h2c`).
+    H2c,
+}
+
+/// An InferenceObjective (`llm-d.ai/v1alpha2`, or the Inference Extension's
+/// `inference.networking.x-k8s.io/v1alpha2`), normalised: chosen per request by header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InferenceObjective {
+    pub name: String,
+    pub namespace: Option<String>,
+    /// Higher is more important; negative is sheddable; unset is 0.
+    pub priority: i32,
+    pub pool_ref: String,
 }
 
 /// An InferenceModel (v1alpha2), normalised.
@@ -123,6 +161,7 @@ pub struct SlicePort {
 pub enum Object {
     Pool(InferencePool),
     Model(InferenceModel),
+    Objective(InferenceObjective),
     Slice(EndpointSlice),
 }
 
@@ -141,6 +180,8 @@ struct PoolSpecV1Alpha2 {
     #[serde(default)]
     selector: BTreeMap<String, String>,
     target_port_number: i64,
+    #[serde(default)]
+    extension_ref: Option<PickerRef>,
 }
 
 #[derive(Deserialize)]
@@ -150,6 +191,29 @@ struct PoolSpecV1 {
     selector: LabelSelector,
     #[serde(default)]
     target_ports: Vec<PortNumber>,
+    #[serde(default)]
+    endpoint_picker_ref: Option<PickerRef>,
+    #[serde(default)]
+    app_protocol: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PickerRef {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    failure_mode: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ObjectiveSpecWire {
+    #[serde(default)]
+    priority: Option<i64>,
+    #[serde(rename = "poolRef")]
+    pool_ref: NameRef,
 }
 
 #[derive(Deserialize, Default)]
@@ -216,6 +280,16 @@ pub fn from_value(value: serde_yaml::Value) -> Result<Option<Object>, ObjectErro
         .to_owned();
     match kind.as_str() {
         "InferencePool" => pool(api, value).map(|p| Some(Object::Pool(p))),
+        "InferenceObjective" => {
+            if api != LLMD_V1ALPHA2 && api != GROUP_V1ALPHA2 {
+                return Err(ObjectError::ApiVersion {
+                    kind: "InferenceObjective",
+                    api_version: api,
+                    expected: "llm-d.ai/v1alpha2 or inference.networking.x-k8s.io/v1alpha2",
+                });
+            }
+            objective(value).map(|o| Some(Object::Objective(o)))
+        }
         "InferenceModel" => {
             if api != GROUP_V1ALPHA2 {
                 return Err(ObjectError::ApiVersion {
@@ -246,11 +320,15 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
         GROUP_V1ALPHA2 => {
             let w: Wire<PoolSpecV1Alpha2> = serde_yaml::from_value(value)?;
             let target_port = port(K, &w.metadata.name, w.spec.target_port_number)?;
+            let (picker, failure_mode) = picker_ref(&w.metadata.name, w.spec.extension_ref)?;
             Ok(InferencePool {
                 name: w.metadata.name,
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector,
                 target_port,
+                picker,
+                failure_mode,
+                app_protocol: AppProtocol::Http1,
             })
         }
         GROUP_V1 => {
@@ -261,11 +339,27 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 .first()
                 .ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
             let target_port = port(K, &w.metadata.name, first.number)?;
+            let (picker, failure_mode) =
+                picker_ref(&w.metadata.name, w.spec.endpoint_picker_ref)?;
+            let app_protocol = match w.spec.app_protocol.as_deref() {
+                None | Some("http") => AppProtocol::Http1,
+                Some("kubernetes.io/h2c") => AppProtocol::H2c,
+                Some(other) => {
+                    return Err(invalid(
+                        K,
+                        &w.metadata.name,
+                        format!("spec.appProtocol {other:?} is not http or kubernetes.io/h2c"),
+                    ))
+                }
+            };
             Ok(InferencePool {
                 name: w.metadata.name,
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector.match_labels,
                 target_port,
+                picker,
+                failure_mode,
+                app_protocol,
             })
         }
         _ => Err(ObjectError::ApiVersion {
@@ -274,6 +368,60 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
             expected: "inference.networking.x-k8s.io/v1alpha2 or inference.networking.k8s.io/v1",
         }),
     }
+}
+
+/// The picker's Service name and failure mode from a pool's picker reference.
+fn picker_ref(
+    pool: &str,
+    r: Option<PickerRef>,
+) -> Result<(Option<String>, FailureMode), ObjectError> {
+    const K: &str = "InferencePool";
+    let Some(r) = r else {
+        return Ok((None, FailureMode::FailClose));
+    };
+    if let Some(kind) = r.kind.as_deref().filter(|k| *k != "Service") {
+        return Err(invalid(
+            K,
+            pool,
+            format!("the endpoint picker reference has kind {kind:?}; only Service is supported"),
+        ));
+    }
+    let mode = match r.failure_mode.as_deref() {
+        None | Some("FailClose") => FailureMode::FailClose,
+        Some("FailOpen") => FailureMode::FailOpen,
+        Some(other) => {
+            return Err(invalid(
+                K,
+                pool,
+                format!("failureMode {other:?} is not FailOpen or FailClose"),
+            ))
+        }
+    };
+    Ok((r.name.filter(|n| !n.is_empty()), mode))
+}
+
+fn objective(value: serde_yaml::Value) -> Result<InferenceObjective, ObjectError> {
+    const K: &str = "InferenceObjective";
+    let w: Wire<ObjectiveSpecWire> = serde_yaml::from_value(value)?;
+    let priority = match w.spec.priority {
+        None => 0,
+        Some(p) => i32::try_from(p).map_err(|_| {
+            invalid(
+                K,
+                &w.metadata.name,
+                format!("spec.priority {p} is out of range"),
+            )
+        })?,
+    };
+    if w.metadata.name.is_empty() {
+        return Err(invalid(K, "", "metadata.name is empty"));
+    }
+    Ok(InferenceObjective {
+        name: w.metadata.name,
+        namespace: w.metadata.namespace,
+        priority,
+        pool_ref: w.spec.pool_ref.name,
+    })
 }
 
 fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
@@ -442,6 +590,50 @@ spec: {modelName: base, poolRef: {name: pool}, targetModels: [{name: x}, {name: 
     }
 
     #[test]
+    fn objectives_and_v1_pool_fields() {
+        let objs = parse_documents(
+            br#"
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceObjective
+metadata: {name: interactive}
+spec: {priority: 10, poolRef: {name: pool}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceObjective
+metadata: {name: batch}
+spec: {poolRef: {group: inference.networking.k8s.io, name: pool}}
+---
+apiVersion: inference.networking.k8s.io/v1
+kind: InferencePool
+metadata: {name: pool}
+spec:
+  selector: {matchLabels: {app: vllm}}
+  targetPorts: [{number: 8000}]
+  appProtocol: kubernetes.io/h2c
+  endpointPickerRef: {name: kvepp, port: {number: 9002}, failureMode: FailOpen}
+"#,
+        )
+        .unwrap();
+        let Object::Objective(i) = &objs[0] else { panic!() };
+        assert_eq!((i.name.as_str(), i.priority, i.pool_ref.as_str()), ("interactive", 10, "pool"));
+        let Object::Objective(b) = &objs[1] else { panic!() };
+        assert_eq!(b.priority, 0, "unset priority is 0");
+        let Object::Pool(p) = &objs[2] else { panic!() };
+        assert_eq!(p.picker.as_deref(), Some("kvepp"));
+        assert_eq!(p.failure_mode, FailureMode::FailOpen);
+        assert_eq!(p.app_protocol, AppProtocol::H2c);
+        for bad in [
+            "appProtocol: grpc",
+            "endpointPickerRef: {name: x, failureMode: Sometimes}",
+            "endpointPickerRef: {name: x, kind: Deployment}",
+        ] {
+            let doc = format!("apiVersion: inference.networking.k8s.io/v1\nkind: InferencePool\nmetadata: {{name: p}}\nspec:\n  targetPorts: [{{number: 1}}]\n  {bad}\n");
+            let e = parse_documents(doc.as_bytes()).unwrap_err().to_string();
+            assert!(e.contains("InferencePool \"p\""), "{e}");
+        }
+    }
+
+    #[test]
     fn invalid_objects_fail_the_file() {
         let bad = [
             &b"apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\nmetadata: {name: a}\nspec: {targetPortNumber: 70000}\n"[..],
@@ -450,6 +642,9 @@ spec: {modelName: base, poolRef: {name: pool}, targetModels: [{name: x}, {name: 
             b"apiVersion: inference.networking.x-k8s.io/v9\nkind: InferencePool\nmetadata: {name: a}\nspec: {}\n",
             b"apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s}\nendpoints: {oops: 1}\n",
             b"kind: [unclosed",
+            b"apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: o}\nspec: {priority: 99999999999, poolRef: {name: p}}\n",
+            b"apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: o}\nspec: {priority: 1}\n",
+            b"apiVersion: llm-d.ai/v9\nkind: InferenceObjective\nmetadata: {name: o}\nspec: {poolRef: {name: p}}\n",
         ];
         for b in bad {
             assert!(

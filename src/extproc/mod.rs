@@ -21,7 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Metrics;
-use crate::request::RouteRequest;
+use crate::request::{Admit, FlowControl, Rejection, RouteRequest, Turn};
 
 /// Protocol choices that come from the configuration.
 #[derive(Debug, Clone)]
@@ -32,6 +32,8 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// How long a stream waits for the pool to be loaded before it is answered (503).
     pub ready_wait: std::time::Duration,
+    /// Send every candidate's score with the pick (`x-gateway-destination-endpoint-scores`).
+    pub endpoint_scores: bool,
 }
 
 /// What every stream shares.
@@ -43,6 +45,8 @@ pub struct Shared {
     pub settings: Settings,
     /// Readiness of the pool (loaded and synced); streams wait on it up to `ready_wait`.
     pub ready: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Flow control: requests wait for capacity instead of being shed (None: off).
+    pub flow: Option<Arc<FlowControl>>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
     /// pick.
     no_model: Arc<str>,
@@ -56,12 +60,19 @@ impl Shared {
         self
     }
 
+    /// Requests that find the pool saturated wait in `flow` (its dispatcher runs elsewhere).
+    pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
+        self.flow = Some(flow);
+        self
+    }
+
     pub fn new(routing: Arc<dyn RouteRequest>, metrics: Arc<Metrics>, settings: Settings) -> Self {
         Shared {
             routing,
             metrics,
             settings,
             ready: None,
+            flow: None,
             no_model: "none".into(),
             no_endpoint: "".into(),
         }
@@ -121,6 +132,14 @@ impl ExternalProcessor for ExtProcService {
                         if !flush(&tx, &mut out).await {
                             return;
                         }
+                        if state.queued().is_some()
+                            && !wait_for_capacity(&mut state, &mut inbound, &mut out).await
+                        {
+                            return; // the proxy went away while the request waited
+                        }
+                        if !flush(&tx, &mut out).await {
+                            return;
+                        }
                     }
                     Ok(None) => return,
                     // Envoy ends every stream with a reset: a normal end once the request was
@@ -164,6 +183,71 @@ pub fn drive(
         state.handle(msg, &mut out);
     }
     out
+}
+
+/// Holds a queued request until flow control gives it a turn, its wait runs out or its queue is
+/// full, answering it in `out`. Messages the proxy sends meanwhile are handled afterwards. False
+/// when the stream ended while waiting (the client left: its place is given up at once).
+async fn wait_for_capacity(
+    state: &mut stream::StreamState,
+    inbound: &mut Streaming<ProcessingRequest>,
+    out: &mut Vec<ProcessingResponse>,
+) -> bool {
+    let (Some(flow), Some(priority)) = (state.flow_control(), state.queued()) else {
+        return true;
+    };
+    let mut ticket = match flow.enqueue(priority, state.flow_key()) {
+        Ok(t) => t,
+        Err(full) if kvepp_core::is_sheddable(priority) => {
+            state.give_up(Rejection::new(429, "queue_full", format!("{full}; sheddable request dropped")), out);
+            return true;
+        }
+        // Only sheddable requests are shed: the others go to the best endpoint, saturated or not.
+        Err(_) => {
+            state.retry(Admit::Shed, out);
+            return true;
+        }
+    };
+    let mut later = Vec::new();
+    loop {
+        tokio::select! {
+            turn = ticket.turn() => match turn {
+                Turn::Granted(grant) => {
+                    state.retry(Admit::Unsaturated, out);
+                    let placed = state.queued().is_none();
+                    grant.done(placed);
+                    if placed {
+                        ticket.finish("dispatched");
+                        break;
+                    }
+                    ticket.requeue();
+                }
+                Turn::TimedOut(waited) => {
+                    ticket.finish("timeout");
+                    let max = flow.settings().max_wait_ms;
+                    let msg = format!(
+                        "no endpoint had capacity within {} ms (flow_control.max_wait_ms {max}); request not routed",
+                        waited.as_millis()
+                    );
+                    state.give_up(Rejection::new(503, "queue_timeout", msg), out);
+                    break;
+                }
+                Turn::Closed => {
+                    ticket.finish("dispatched");
+                    state.retry(Admit::Shed, out);
+                    break;
+                }
+            },
+            msg = inbound.message() => match msg {
+                Ok(Some(m)) => later.push(m),
+                Ok(None) | Err(_) => return false,
+            },
+        }
+    }
+    for m in later {
+        state.handle(m, out);
+    }
+    true
 }
 
 /// Sends the responses in `out` (emptying it); false when the proxy went away.

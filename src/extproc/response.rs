@@ -17,6 +17,8 @@ pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
 pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
+/// The candidates' scores (header and `envoy.lb` metadata key), with `emit_endpoint_scores`.
+pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
@@ -45,8 +47,13 @@ fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
 }
 
 /// Header mutation that routes the request: the destination header (overwriting anything the
-/// client sent) and, when the body changed length or the proxy strips it, `content-length`.
-pub fn routing_mutation(destination: &str, content_length: Option<usize>) -> HeaderMutation {
+/// client sent), when the body changed length or the proxy strips it `content-length`, and when
+/// the pick carries them the candidates' scores.
+pub fn routing_mutation(
+    destination: &str,
+    content_length: Option<usize>,
+    pick: &Pick,
+) -> HeaderMutation {
     let mut set_headers = vec![set_header(
         DESTINATION_HEADER,
         destination.as_bytes().to_vec(),
@@ -54,10 +61,22 @@ pub fn routing_mutation(destination: &str, content_length: Option<usize>) -> Hea
     if let Some(len) = content_length {
         set_headers.push(set_header("content-length", len.to_string().into_bytes()));
     }
+    if let Some(scores) = &pick.scores {
+        set_headers.push(set_header(SCORES_KEY, scores_json(scores).into_bytes()));
+    }
     HeaderMutation {
         set_headers,
         remove_headers: Vec::new(),
     }
+}
+
+/// `{"ip:port": score, ...}`, addresses in order: the header form of the scores.
+fn scores_json(scores: &[(std::sync::Arc<kvepp_core::Endpoint>, f64)]) -> String {
+    let map: serde_json::Map<String, serde_json::Value> = scores
+        .iter()
+        .map(|(ep, v)| (ep.addr_str.to_string(), serde_json::json!(v)))
+        .collect();
+    serde_json::Value::Object(map).to_string()
 }
 
 fn string_value(s: &str) -> Value {
@@ -76,6 +95,23 @@ pub fn lb_metadata(destination: &str, pick: &Pick) -> Struct {
         inner
             .fields
             .insert(FALLBACK_KEY.to_owned(), string_value(&fb.addr_str));
+    }
+    if let Some(scores) = &pick.scores {
+        let fields = scores
+            .iter()
+            .map(|(ep, v)| {
+                let n = Value {
+                    kind: Some(Kind::NumberValue(*v)),
+                };
+                (ep.addr_str.to_string(), n)
+            })
+            .collect();
+        inner.fields.insert(
+            SCORES_KEY.to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(Struct { fields })),
+            },
+        );
     }
     let mut outer = Struct::default();
     outer.fields.insert(

@@ -7,9 +7,13 @@
 //! - `FULL_DUPLEX_STREAMED`: hold the headers answer, collect chunks until end_of_stream (or
 //!   trailers), then send the headers answer followed by the body as streamed chunks.
 //!
+//! With flow control, a request that finds every eligible endpoint saturated is held (phase
+//! `Queued`, its body kept as it came) until the stream's driver gets it a turn and calls
+//! [`StreamState::retry`], or gives up ([`StreamState::give_up`]).
+//!
 //! Response side: the first response byte ends the prefill phase of the booking; end of stream,
 //! trailers or the stream going away (abort) release it. The booking is released by `Drop`, so
-//! every path releases it exactly once.
+//! every path releases it exactly once; each release wakes flow control's dispatcher.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -25,8 +29,15 @@ use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{Rejection, Rewrite};
+use crate::request::{Admit, Rejection, Rewrite, RouteHints};
 use kvepp_core::{Booking, Pick};
+
+/// Request headers naming the InferenceObjective (llm-d's current name first, then the Inference
+/// Extension's former one).
+pub const OBJECTIVE_HEADERS: [&str; 2] = [
+    "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
+];
 
 /// Envoy's BodySendMode values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +74,19 @@ enum Phase {
     Routed,
     /// An immediate response was sent; nothing more is forwarded.
     Rejected,
+    /// Complete, waiting in flow control's queue for capacity.
+    Queued,
+}
+
+/// Which answer a complete request gets once it is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// Decided at the headers (no body).
+    Headers,
+    /// The whole body in one BUFFERED message (`chunks` holds it).
+    Buffered,
+    /// Streamed chunks; `trailers`: the request ended with trailers.
+    Duplex { trailers: bool },
 }
 
 /// A routing decision for a request.
@@ -80,9 +104,18 @@ pub(super) struct StreamState {
     subset: Subset,
     chunks: Vec<Vec<u8>>,
     body_len: usize,
+    /// One copy of a body that came in several chunks (made once, kept while queued).
+    joined: Option<Vec<u8>>,
+    held: Held,
+    /// Priority at which the request waits (phase `Queued`).
+    queued_at: i32,
     booking: Option<Booking>,
     labels: Option<RequestLabels>,
     primary: Option<std::net::SocketAddr>,
+    /// The InferenceObjective header's value, when sent.
+    objective: Option<String>,
+    /// The fairness header's value (flow control), when sent.
+    flow: Option<String>,
 }
 
 impl StreamState {
@@ -95,9 +128,14 @@ impl StreamState {
             subset: Subset::Unset,
             chunks: Vec::new(),
             body_len: 0,
+            joined: None,
+            held: Held::Headers,
+            queued_at: 0,
             booking: None,
             labels: None,
             primary: None,
+            objective: None,
+            flow: None,
         }
     }
 
@@ -124,7 +162,7 @@ impl StreamState {
                 self.on_response_headers(&h, served_endpoint(msg.metadata_context.as_ref()));
                 out.push(resp::response_headers_continue());
                 if h.end_of_stream {
-                    self.booking = None;
+                    self.release();
                 }
             }
             Msg::ResponseBody(b) => {
@@ -135,12 +173,49 @@ impl StreamState {
                     _ => resp::response_body_continue(),
                 });
                 if eos {
-                    self.booking = None;
+                    self.release();
                 }
             }
             Msg::ResponseTrailers(_) => {
-                self.booking = None;
+                self.release();
                 out.push(resp::trailers_continue(false));
+            }
+        }
+    }
+
+    /// Releases the booking (if any) and tells flow control capacity may have freed.
+    fn release(&mut self) {
+        if self.booking.take().is_some() {
+            if let Some(flow) = &self.shared.flow {
+                flow.capacity_freed();
+            }
+        }
+    }
+
+    /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.
+    fn read_headers(&mut self, h: &HttpHeaders) {
+        let Some(map) = &h.headers else { return };
+        let fairness = self
+            .shared
+            .flow
+            .as_ref()
+            .map(|f| f.settings().fairness_header.as_str());
+        let value = |hv: &envoy_types::pb::envoy::config::core::v3::HeaderValue| {
+            let raw: &[u8] = if hv.raw_value.is_empty() {
+                hv.value.as_bytes()
+            } else {
+                &hv.raw_value
+            };
+            std::str::from_utf8(raw).ok().map(str::to_owned)
+        };
+        for hv in &map.headers {
+            if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
+                // The current header wins over the former one.
+                if i == 0 || self.objective.is_none() {
+                    self.objective = value(hv);
+                }
+            } else if Some(hv.key.as_str()) == fairness {
+                self.flow = value(hv);
             }
         }
     }
@@ -149,23 +224,14 @@ impl StreamState {
         if self.phase != Phase::Start {
             return;
         }
+        self.read_headers(&h);
         if let Mode::Unsupported(m) = self.request_mode {
             let msg = format!("ext_proc request_body_mode {m} is not supported; use BUFFERED or FULL_DUPLEX_STREAMED");
             return self.reject(Rejection::new(500, "unsupported_mode", msg), out);
         }
         if h.end_of_stream || self.request_mode == Mode::None {
-            return match self.decide(None) {
-                Ok(d) => {
-                    let dest =
-                        resp::destination_value(&d.pick, self.shared.settings.destination_list);
-                    out.push(resp::request_headers(
-                        Some(resp::routing_mutation(&dest, None)),
-                        Some(resp::lb_metadata(&dest, &d.pick)),
-                    ));
-                    self.phase = Phase::Routed;
-                }
-                Err(r) => self.reject(r, out),
-            };
+            self.held = Held::Headers;
+            return self.conclude(self.first_admission(), out);
         }
         match self.request_mode {
             Mode::Duplex => self.phase = Phase::DuplexBody,
@@ -186,28 +252,9 @@ impl StreamState {
                 if b.body.len() > self.shared.settings.max_body_bytes {
                     return self.reject(self.too_large(b.body.len()), out);
                 }
-                match self.decide(Some(&b.body)) {
-                    Ok(d) => {
-                        let dest =
-                            resp::destination_value(&d.pick, self.shared.settings.destination_list);
-                        let (body, len) = match &d.rewrite {
-                            Some((span, model)) => {
-                                let new = Rewrite::new(&b.body, span.clone(), model).to_vec();
-                                let len = new.len();
-                                (Some(new), Some(len))
-                            }
-                            None => (None, None),
-                        };
-                        let metadata = resp::lb_metadata(&dest, &d.pick);
-                        out.push(resp::request_body_buffered(
-                            resp::routing_mutation(&dest, len),
-                            body,
-                            metadata,
-                        ));
-                        self.phase = Phase::Routed;
-                    }
-                    Err(r) => self.reject(r, out),
-                }
+                self.chunks = vec![b.body];
+                self.held = Held::Buffered;
+                self.conclude(self.first_admission(), out);
             }
             Phase::DuplexBody => {
                 self.body_len += b.body.len();
@@ -224,7 +271,7 @@ impl StreamState {
             }
             // Unexpected here (e.g. a proxy that sends a body after a header-time pick): let it pass.
             Phase::Routed => out.push(resp::request_body_continue()),
-            Phase::Start | Phase::Rejected => {}
+            Phase::Start | Phase::Rejected | Phase::Queued => {}
         }
     }
 
@@ -233,8 +280,49 @@ impl StreamState {
     pub(super) fn undecided(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Start | Phase::BufferedBody | Phase::DuplexBody
+            Phase::Start | Phase::BufferedBody | Phase::DuplexBody | Phase::Queued
         )
+    }
+
+    /// The priority at which the request waits for capacity, while it does.
+    pub(super) fn queued(&self) -> Option<i32> {
+        (self.phase == Phase::Queued).then_some(self.queued_at)
+    }
+
+    /// Flow control, when on.
+    pub(super) fn flow_control(&self) -> Option<Arc<crate::request::FlowControl>> {
+        self.shared.flow.clone()
+    }
+
+    /// The request's flow for fair queueing (empty: the default flow).
+    pub(super) fn flow_key(&self) -> &str {
+        self.flow.as_deref().unwrap_or("")
+    }
+
+    /// Decides a queued request again with `admit` (its turn came, or it may not wait).
+    pub(super) fn retry(&mut self, admit: Admit, out: &mut Vec<ProcessingResponse>) {
+        if self.phase == Phase::Queued {
+            self.conclude(admit, out);
+        }
+    }
+
+    /// Answers a queued request with `r` (it waited too long, or its queue is full).
+    pub(super) fn give_up(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
+        if self.phase == Phase::Queued {
+            self.chunks = Vec::new();
+            self.joined = None;
+            self.reject(r, out);
+        }
+    }
+
+    /// How a new request is admitted: without flow control, today's shedding; with it, only to
+    /// an unsaturated endpoint, or straight into the queue when others already wait.
+    fn first_admission(&self) -> Admit {
+        match &self.shared.flow {
+            None => Admit::Shed,
+            Some(f) if f.busy() => Admit::Hold,
+            Some(_) => Admit::Unsaturated,
+        }
     }
 
     /// The proxy sent a message over the gRPC message limit (a body over `max_body_bytes` in one
@@ -261,71 +349,129 @@ impl StreamState {
         )
     }
 
-    /// The streamed body is complete: pick, then send the held headers answer and the body back.
+    /// The streamed body is complete: decide and answer (or wait, with flow control).
     fn finish_duplex(&mut self, trailers: bool, out: &mut Vec<ProcessingResponse>) {
+        self.held = Held::Duplex { trailers };
+        self.conclude(self.first_admission(), out);
+    }
+
+    /// The request is complete: decide with `admit`, then answer, queue (flow control) or reject.
+    fn conclude(&mut self, admit: Admit, out: &mut Vec<ProcessingResponse>) {
         let chunks = std::mem::take(&mut self.chunks);
-        // One contiguous view of the body: the chunk itself, or a single copy of many chunks.
-        let joined;
-        let body: &[u8] = match chunks.as_slice() {
-            [] => &[],
-            [one] => one,
-            many => {
-                joined = many.concat();
-                &joined
+        // One contiguous view of the body: the chunk itself, or a single copy of many chunks
+        // (made once, even when the request is decided again after waiting).
+        let joined = match self.joined.take() {
+            Some(j) => Some(j),
+            None if chunks.len() > 1 => Some(chunks.concat()),
+            None => None,
+        };
+        let decided = {
+            let body = match self.held {
+                Held::Headers => None,
+                _ => Some(body_view(&chunks, joined.as_deref())),
+            };
+            self.decide(body, admit)
+        };
+        match decided {
+            Ok(d) => self.answer(d, chunks, joined, out),
+            Err(r) if r.queue_at.is_some() && admit != Admit::Shed && self.shared.flow.is_some() => {
+                self.queued_at = r.queue_at.unwrap_or_default();
+                self.chunks = chunks;
+                self.joined = joined;
+                self.phase = Phase::Queued;
             }
-        };
-        let d = match self.decide(Some(body)) {
-            Ok(d) => d,
-            Err(r) => return self.reject(r, out),
-        };
+            Err(r) => self.reject(r, out),
+        }
+    }
+
+    /// Sends the routing answer for the held request.
+    fn answer(
+        &mut self,
+        d: Decision,
+        chunks: Vec<Vec<u8>>,
+        joined: Option<Vec<u8>>,
+        out: &mut Vec<ProcessingResponse>,
+    ) {
         let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
-        // The body goes back in the chunks Envoy sent (moved, not copied): a chunk no larger than
-        // one Envoy sent fits Envoy's own gRPC message limit. A rewritten body is cut at the same
-        // size, and never above 64 KiB unless Envoy itself sent larger chunks.
-        let out_chunks = match &d.rewrite {
-            None => chunks,
-            Some((span, model)) => {
-                let max = chunks
-                    .iter()
-                    .map(Vec::len)
-                    .max()
-                    .unwrap_or(0)
-                    .max(resp::MAX_STREAMED_CHUNK);
-                Rewrite::new(body, span.clone(), model).chunks(max)
-            }
-        };
-        // Envoy keeps the client's framing (Content-Length or chunked) when the body length is
-        // unchanged; only a rewritten body needs its new length.
-        let len = d
-            .rewrite
-            .is_some()
-            .then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
-        out.push(resp::request_headers(
-            Some(resp::routing_mutation(&dest, len)),
-            Some(resp::lb_metadata(&dest, &d.pick)),
-        ));
-        let n = out_chunks.len();
-        if n == 0 {
-            out.push(resp::request_body_chunk(Vec::new(), !trailers));
-        }
-        for (i, c) in out_chunks.into_iter().enumerate() {
-            out.push(resp::request_body_chunk(c, i + 1 == n && !trailers));
-        }
-        if trailers {
-            out.push(resp::trailers_continue(true));
-        }
         self.phase = Phase::Routed;
+        match self.held {
+            Held::Headers => {
+                out.push(resp::request_headers(
+                    Some(resp::routing_mutation(&dest, None, &d.pick)),
+                    Some(resp::lb_metadata(&dest, &d.pick)),
+                ));
+            }
+            Held::Buffered => {
+                let body = body_view(&chunks, joined.as_deref());
+                let (new_body, len) = match &d.rewrite {
+                    Some((span, model)) => {
+                        let new = Rewrite::new(body, span.clone(), model).to_vec();
+                        let len = new.len();
+                        (Some(new), Some(len))
+                    }
+                    None => (None, None),
+                };
+                out.push(resp::request_body_buffered(
+                    resp::routing_mutation(&dest, len, &d.pick),
+                    new_body,
+                    resp::lb_metadata(&dest, &d.pick),
+                ));
+            }
+            Held::Duplex { trailers } => {
+                // The body goes back in the chunks Envoy sent (moved, not copied): a chunk no
+                // larger than one Envoy sent fits Envoy's own gRPC message limit. A rewritten body
+                // is cut at the same size, and never above 64 KiB unless Envoy sent larger chunks.
+                let out_chunks = match &d.rewrite {
+                    None => chunks,
+                    Some((span, model)) => {
+                        let max = chunks
+                            .iter()
+                            .map(Vec::len)
+                            .max()
+                            .unwrap_or(0)
+                            .max(resp::MAX_STREAMED_CHUNK);
+                        let body = body_view(&chunks, joined.as_deref());
+                        Rewrite::new(body, span.clone(), model).chunks(max)
+                    }
+                };
+                // Envoy keeps the client's framing (Content-Length or chunked) when the body length
+                // is unchanged; only a rewritten body needs its new length.
+                let len = d
+                    .rewrite
+                    .is_some()
+                    .then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
+                out.push(resp::request_headers(
+                    Some(resp::routing_mutation(&dest, len, &d.pick)),
+                    Some(resp::lb_metadata(&dest, &d.pick)),
+                ));
+                let n = out_chunks.len();
+                if n == 0 {
+                    out.push(resp::request_body_chunk(Vec::new(), !trailers));
+                }
+                for (i, c) in out_chunks.into_iter().enumerate() {
+                    out.push(resp::request_body_chunk(c, i + 1 == n && !trailers));
+                }
+                if trailers {
+                    out.push(resp::trailers_continue(true));
+                }
+            }
+        }
     }
 
     /// Asks the routing service for a decision; keeps its booking and labels on this stream.
-    fn decide(&mut self, body: Option<&[u8]>) -> Result<Decision, Rejection> {
+    fn decide(&mut self, body: Option<&[u8]>, admit: Admit) -> Result<Decision, Rejection> {
         let started = Instant::now();
         let shared = self.shared.clone();
-        let subset = match &self.subset {
-            Subset::Unset => None,
-            Subset::Only(list) => Some(list.as_slice()),
+        let hints = RouteHints {
+            subset: match &self.subset {
+                Subset::Unset => None,
+                Subset::Only(list) => Some(list.as_slice()),
+            },
+            objective: self.objective.as_deref(),
+            admit,
+            scores: shared.settings.endpoint_scores,
         };
-        let routed = match shared.routing.route(body, subset) {
+        let routed = match shared.routing.route(body, &hints) {
             Ok(r) => r,
             Err(r) => {
                 if let Some((model, target)) = &r.labels {
@@ -394,7 +540,7 @@ impl StreamState {
         labels.code = Outcome::Status(r.status);
         out.push(resp::immediate(r.status, r.kind, &r.message));
         self.phase = Phase::Rejected;
-        self.booking = None;
+        self.release();
     }
 
     fn first_byte(&mut self) {
@@ -436,8 +582,18 @@ fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
     std::str::from_utf8(raw).ok()?.parse().ok()
 }
 
+/// The body as one slice: the single chunk, or the joined copy of several.
+fn body_view<'a>(chunks: &'a [Vec<u8>], joined: Option<&'a [u8]>) -> &'a [u8] {
+    match (joined, chunks) {
+        (Some(j), _) => j,
+        (None, [one]) => one,
+        (None, _) => &[],
+    }
+}
+
 impl Drop for StreamState {
     fn drop(&mut self) {
+        self.release();
         if let Some(labels) = self.labels.take() {
             self.shared.metrics.requests.get_or_create(&labels).inc();
         }

@@ -1,5 +1,6 @@
 //! From a request body to the routing core's facts, and the routing service the front doors call
-//! ([`service`]): the model name, its InferenceModel (criticality, weighted target models), when a
+//! ([`service`]): the model name, its InferenceModel (criticality, weighted target models), the
+//! InferenceObjective named by header (priority), when a
 //! target model differs the byte-level rewrite of `model`, and the prompt (token ids, tokenized
 //! text, or raw bytes for approximate blocks).
 //!
@@ -8,12 +9,14 @@
 //! core's (`kvepp_core::Router`), never done here.
 
 mod body;
+pub mod flow;
 mod model;
 mod prompt;
 pub mod service;
 pub mod tokenize;
 
+pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
-pub use service::{Rejection, RequestRouter, RouteRequest, Routed};
+pub use service::{Admit, Rejection, RequestRouter, RouteHints, RouteRequest, Routed};

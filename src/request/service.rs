@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvepp_core::{
-    Booking, Endpoint, Pick, PickContext, PickError, PrefixMode, RequestFacts, Router,
+    is_sheddable, Admission, Booking, Endpoint, Pick, PickContext, PickError, PrefixMode,
+    RequestFacts, Router,
 };
 
 use super::prompt::{prompt_for_routing, prompt_input};
@@ -32,6 +33,9 @@ pub struct Rejection {
     pub message: String,
     /// Metric labels (model, target model) when the model was known before the rejection.
     pub labels: Option<(Arc<str>, Arc<str>)>,
+    /// The request's priority, on a saturation refusal (reason `saturated`): flow control may
+    /// queue the request at that priority instead of answering.
+    pub queue_at: Option<i32>,
 }
 
 impl Rejection {
@@ -48,7 +52,15 @@ impl Rejection {
             reason,
             message: message.into(),
             labels: None,
+            queue_at: None,
         }
+    }
+
+    /// Every eligible endpoint is saturated (or others wait already) for a request of `priority`.
+    pub fn saturated(priority: i32, message: impl Into<String>) -> Self {
+        let mut r = Rejection::new(429, "saturated", message);
+        r.queue_at = Some(priority);
+        r
     }
 }
 
@@ -62,16 +74,47 @@ impl From<BodyError> for Rejection {
     }
 }
 
-impl From<PickError> for Rejection {
-    fn from(e: PickError) -> Self {
+impl Rejection {
+    fn from_pick(e: PickError, priority: i32) -> Self {
         match e {
-            PickError::Saturated(_) => Rejection::new(429, "saturated", e.to_string()),
+            PickError::Saturated(_) if is_sheddable(priority) => Rejection::saturated(
+                priority,
+                format!("{e}; sheddable request (priority {priority}) dropped"),
+            ),
+            PickError::Saturated(_) => Rejection::saturated(priority, e.to_string()),
             PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
             PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
                 Rejection::new(503, "subset_no_match", e.to_string())
             }
         }
     }
+}
+
+/// How a front door wants a saturated pool to treat the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Admit {
+    /// Shed sheddable requests (429) when every eligible endpoint is saturated; route the others
+    /// anyway (no flow control).
+    #[default]
+    Shed,
+    /// Only to an endpoint that is not saturated; otherwise a `saturated` rejection carrying the
+    /// priority, which flow control turns into a place in its queue.
+    Unsaturated,
+    /// Resolve the request (model, objective, priority) but do not pick: others are queued already
+    /// and a new arrival must not overtake them. Always a `saturated` rejection.
+    Hold,
+}
+
+/// What the proxy said about a request besides its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RouteHints<'a> {
+    /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
+    pub subset: Option<&'a [SocketAddr]>,
+    /// The InferenceObjective the request names (`x-llm-d-inference-objective`).
+    pub objective: Option<&'a str>,
+    pub admit: Admit,
+    /// Report every candidate's score with the pick.
+    pub scores: bool,
 }
 
 /// A routed request: the core's pick and booking, and what the front door must change.
@@ -91,12 +134,12 @@ pub struct Routed {
 /// What the front doors call to route one request.
 pub trait RouteRequest: Send + Sync + std::fmt::Debug {
     /// Routes a request with `body` (None: decided at the headers, no model) among the pool's
-    /// ready endpoints, restricted to `subset` when the proxy sent one.
-    fn route(
-        &self,
-        body: Option<&[u8]>,
-        subset: Option<&[SocketAddr]>,
-    ) -> Result<Routed, Rejection>;
+    /// ready endpoints, restricted to the hints' subset when the proxy sent one.
+    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection>;
+
+    /// Whether some ready endpoint is below its saturation limits (flow control dispatches a
+    /// queued request only then).
+    fn has_capacity(&self) -> bool;
 
     /// The ready endpoint at `addr` (the proxy reported it served the request).
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>>;
@@ -135,12 +178,57 @@ impl RequestRouter {
     }
 }
 
-impl RouteRequest for RequestRouter {
-    fn route(
+impl RequestRouter {
+    /// The priority of a request naming `objective` (None: `fallback`, from its InferenceModel);
+    /// an objective the pool does not have is rejected like an unknown model.
+    fn priority(
         &self,
-        body: Option<&[u8]>,
-        subset: Option<&[SocketAddr]>,
-    ) -> Result<Routed, Rejection> {
+        objectives: &std::collections::HashMap<String, i32>,
+        objective: Option<&str>,
+        fallback: i32,
+    ) -> Result<i32, Rejection> {
+        let Some(name) = objective else {
+            return Ok(fallback);
+        };
+        match objectives.get(name) {
+            Some(p) => Ok(*p),
+            None if self.pass_through_unknown => Ok(0),
+            None => {
+                let t = self.store.target();
+                let mut r = Rejection::new(
+                    404,
+                    "unknown_objective",
+                    format!(
+                        "InferenceObjective {name:?} is not defined for InferencePool {}/{}",
+                        t.namespace, t.name
+                    ),
+                );
+                r.labels = Some((self.unlisted_model.clone(), self.unlisted_model.clone()));
+                Err(r)
+            }
+        }
+    }
+
+    fn context(&self, hints: &RouteHints<'_>) -> PickContext {
+        let ctx = PickContext::new(fastrand::Rng::new(), Instant::now());
+        if hints.scores {
+            ctx.with_scores()
+        } else {
+            ctx
+        }
+    }
+}
+
+/// The core's admission for a front door's wish (`Hold` never reaches the core).
+fn admission(admit: Admit) -> Admission {
+    match admit {
+        Admit::Shed => Admission::Shed,
+        Admit::Unsaturated | Admit::Hold => Admission::Unsaturated,
+    }
+}
+
+impl RouteRequest for RequestRouter {
+    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection> {
         let snap = self.store.snapshot();
         if snap.pool.is_none() {
             let t = self.store.target();
@@ -150,13 +238,25 @@ impl RouteRequest for RequestRouter {
                 format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
             ));
         }
-        let mut ctx = PickContext::new(fastrand::Rng::new(), Instant::now());
+        let held = |priority: i32| {
+            Rejection::saturated(priority, "other requests are waiting for capacity")
+        };
+        let mut ctx = self.context(hints);
         let Some(body) = body else {
+            let priority = self.priority(&snap.objectives, hints.objective, 0)?;
+            if hints.admit == Admit::Hold {
+                return Err(held(priority));
+            }
             let facts = RequestFacts {
-                subset,
+                subset: hints.subset,
+                priority,
+                admission: admission(hints.admit),
                 ..RequestFacts::default()
             };
-            let d = self.router.route(&facts, &snap.endpoints, &mut ctx)?;
+            let d = self
+                .router
+                .route(&facts, &snap.endpoints, &mut ctx)
+                .map_err(|e| Rejection::from_pick(e, priority))?;
             return Ok(Routed {
                 pick: d.pick,
                 mode: d.mode,
@@ -176,6 +276,17 @@ impl RouteRequest for RequestRouter {
                 return Err(r);
             }
         };
+        let labels = (m.model_label.clone(), m.target_label.clone());
+        let with_labels = |mut r: Rejection| {
+            r.labels = Some(labels.clone());
+            r
+        };
+        let priority = self
+            .priority(&snap.objectives, hints.objective, m.criticality.priority())
+            .map_err(with_labels)?;
+        if hints.admit == Admit::Hold {
+            return Err(with_labels(held(priority)));
+        }
         let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
         let prompt = if self.router.wants_prompt() {
             prompt_for_routing(
@@ -189,19 +300,15 @@ impl RouteRequest for RequestRouter {
         };
         let facts = RequestFacts {
             model: Some(served),
-            criticality: m.criticality,
-            subset,
+            priority,
+            admission: admission(hints.admit),
+            subset: hints.subset,
             prompt,
         };
-        let labels = (m.model_label.clone(), m.target_label.clone());
         let d = self
             .router
             .route(&facts, &snap.endpoints, &mut ctx)
-            .map_err(|e| {
-                let mut r = Rejection::from(e);
-                r.labels = Some(labels.clone());
-                r
-            })?;
+            .map_err(|e| with_labels(Rejection::from_pick(e, priority)))?;
         Ok(Routed {
             pick: d.pick,
             mode: d.mode,
@@ -210,6 +317,11 @@ impl RouteRequest for RequestRouter {
             model_label: labels.0,
             target_label: labels.1,
         })
+    }
+
+    fn has_capacity(&self) -> bool {
+        let snap = self.store.snapshot();
+        self.router.has_capacity(&snap.endpoints, Instant::now())
     }
 
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>> {

@@ -25,7 +25,7 @@ use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
-use crate::request::RequestRouter;
+use crate::request::{FlowControl, RequestRouter};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -128,6 +128,7 @@ pub async fn run(
         name: cfg.pool_name.clone(),
         namespace: cfg.pool_namespace.clone(),
         service: cfg.endpoint_service().to_owned(),
+        picker_service: cfg.endpoint_picker_service.clone(),
     };
     let gauge = metrics.ready_endpoints.clone();
     let store = Arc::new(Datastore::new(pool, move |snap| {
@@ -313,10 +314,32 @@ pub async fn run(
         destination_list: cfg.destination_endpoint_list,
         max_body_bytes: cfg.max_body_bytes,
         ready_wait: Duration::from_millis(cfg.startup_wait_ms),
+        endpoint_scores: cfg.emit_endpoint_scores,
     };
-    let shared = Arc::new(
-        Shared::new(Arc::new(routing), metrics.clone(), settings).with_readiness(store.ready()),
-    );
+    let routing: Arc<dyn crate::request::RouteRequest> = Arc::new(routing);
+    let mut shared =
+        Shared::new(routing.clone(), metrics.clone(), settings).with_readiness(store.ready());
+    if cfg.flow_control.enabled {
+        let flow = FlowControl::new(cfg.flow_control.clone(), metrics.flow.clone());
+        tasks.push(tokio::spawn(
+            flow.clone().dispatch(routing.clone(), stop_rx.clone()),
+        ));
+        // Endpoints joining the pool are capacity too.
+        let mut changes = store.watch();
+        let wake = flow.clone();
+        let mut stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    c = changes.changed() => if c.is_err() { return },
+                    _ = stop.changed() => return,
+                }
+                wake.capacity_freed();
+            }
+        }));
+        shared = shared.with_flow_control(flow);
+    }
+    let shared = Arc::new(shared);
     let extproc = ExtProcService::new(shared).into_server();
 
     let [g, h, m] = listeners.addrs();

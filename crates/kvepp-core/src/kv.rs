@@ -414,6 +414,11 @@ impl KvState {
                 .total_cmp(&costs[b])
                 .then(in_flight(a).cmp(&in_flight(b)))
         });
+        if let Some(scores) = &mut ctx.scores {
+            // Costs are non-negative block counts: 1 / (1 + cost) keeps the order, in (0, 1].
+            scores.clear();
+            scores.extend(costs.iter().map(|c| 1.0 / (1.0 + c.max(0.0))));
+        }
         let c = loads[best];
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),

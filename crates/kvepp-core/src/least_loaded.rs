@@ -19,6 +19,10 @@ impl Picker for LeastLoaded {
         let best = argmin(candidates.len(), None, load, &mut ctx.rng);
         let second = (candidates.len() > 1)
             .then(|| argmin(candidates.len(), Some(best), load, &mut ctx.rng));
+        if let Some(scores) = &mut ctx.scores {
+            scores.clear();
+            scores.extend((0..candidates.len()).map(|i| 1.0 / (1.0 + f64::from(load(i)))));
+        }
         Ranked {
             best,
             second,

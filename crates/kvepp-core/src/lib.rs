@@ -9,6 +9,7 @@
 //! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
 //! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
 //! - [`pick`]: eligibility (subset), shedding and the [`Picker`]s.
+//! - [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival).
 //! - [`catalog`]: the HTTP services' registered workers by (model, tenant), over [`kv`]'s
 //!   rank-level selection and booking.
 //! - [`router`]: the one entry point: request facts + pool → decision with its booking.
@@ -24,6 +25,7 @@ pub mod kv;
 mod least_loaded;
 pub mod load;
 pub mod pick;
+pub mod queue;
 mod round_robin;
 pub mod router;
 pub mod slots;
@@ -33,8 +35,9 @@ pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks
 pub use least_loaded::LeastLoaded;
 pub use load::{Booking, EndpointLoad, EngineMetrics};
 pub use pick::{
-    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Ranked, Saturation,
+    is_sheddable, Admission, Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Ranked, Saturation,
     Selector,
 };
+pub use queue::{FlowQueue, QueueFull, QueueId};
 pub use round_robin::RoundRobin;
 pub use router::{Decision, Prompt, RequestFacts, Router};

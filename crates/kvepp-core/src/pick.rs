@@ -9,7 +9,10 @@
 //! Invariants:
 //! - a pick only ever names an endpoint from the candidates (after the subset filter);
 //! - the fallback, when present, differs from the primary;
-//! - a Sheddable request is refused only when every candidate is saturated.
+//! - a sheddable request (priority below 0) is refused only when every candidate is saturated;
+//! - a request admitted with [`Admission::Unsaturated`] only ever goes to a candidate that is not
+//!   saturated (flow control queues it otherwise);
+//! - scores, when asked for, are higher for better candidates and in `[0, 1]`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,6 +31,16 @@ pub enum Criticality {
 }
 
 impl Criticality {
+    /// The InferenceObjective priority this criticality stands for: Critical 1, Standard 0,
+    /// Sheddable -1 (negative priorities are sheddable, as in the Inference Extension's v1 API).
+    pub fn priority(self) -> i32 {
+        match self {
+            Criticality::Critical => 1,
+            Criticality::Standard => 0,
+            Criticality::Sheddable => -1,
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "Critical" => Some(Self::Critical),
@@ -70,10 +83,29 @@ impl Endpoint {
     }
 }
 
+/// How a request is admitted when endpoints are saturated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// Shed only sheddable requests (priority < 0) when every candidate is saturated; others go
+    /// to the best candidate whatever its load.
+    #[default]
+    Shed,
+    /// Only candidates that are not saturated; none: [`PickError::Saturated`] whatever the
+    /// priority (flow control then queues the request).
+    Unsaturated,
+}
+
+/// Whether requests of `priority` may be shed (the Inference Extension's rule: negative).
+pub fn is_sheddable(priority: i32) -> bool {
+    priority < 0
+}
+
 /// What the selector needs to know about one request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PickRequest<'a> {
-    pub criticality: Criticality,
+    /// InferenceObjective priority (higher is more important; negative is sheddable).
+    pub priority: i32,
+    pub admission: Admission,
     /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
     /// The prompt as KV blocks, when the request has one.
@@ -87,6 +119,8 @@ pub struct Pick {
     pub fallback: Option<Arc<Endpoint>>,
     /// The KV-aware picker's reasons (None for load-only pickers).
     pub kv: Option<KvDecision>,
+    /// Every candidate's score (`[0, 1]`, higher is better), when the context asked for them.
+    pub scores: Option<Vec<(Arc<Endpoint>, f64)>>,
 }
 
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
@@ -105,7 +139,7 @@ pub enum PickError {
     EmptySubset,
     #[error("none of the {0} endpoints in the subset hint is ready in the pool")]
     NoEligibleInSubset(usize),
-    #[error("all {0} eligible endpoints are saturated; Sheddable request dropped")]
+    #[error("all {0} eligible endpoints are saturated")]
     Saturated(usize),
 }
 
@@ -116,12 +150,24 @@ pub enum PickError {
 pub struct PickContext {
     pub rng: fastrand::Rng,
     pub now: Instant,
+    /// `Some`: the picker writes every candidate's score here (one per candidate, in order).
+    pub scores: Option<Vec<f64>>,
 }
 
 impl PickContext {
     /// `rng` for the random choices, `now` as the time of the pick.
     pub fn new(rng: fastrand::Rng, now: Instant) -> Self {
-        PickContext { rng, now }
+        PickContext {
+            rng,
+            now,
+            scores: None,
+        }
+    }
+
+    /// Asks the picker for every candidate's score (see [`Pick::scores`]).
+    pub fn with_scores(mut self) -> Self {
+        self.scores = Some(Vec::new());
+        self
     }
 
     /// A reproducible context (tests, benchmarks): seeded RNG, the current instant.
@@ -131,7 +177,8 @@ impl PickContext {
 }
 
 /// Extension point: ranks candidates: the index of the best candidate and, if there is more than
-/// one candidate, the index of the second best. `candidates` is never empty.
+/// one candidate, the index of the second best. `candidates` is never empty. When `ctx.scores` is
+/// `Some`, the picker fills it with one score per candidate in `[0, 1]`, higher for better.
 pub trait Picker: Send + Sync + std::fmt::Debug {
     fn rank(
         &self,
@@ -201,7 +248,7 @@ impl Selector {
         if endpoints.is_empty() {
             return Err(PickError::NoReadyEndpoints);
         }
-        let candidates: Vec<&Arc<Endpoint>> = match req.subset {
+        let mut candidates: Vec<&Arc<Endpoint>> = match req.subset {
             None => endpoints.iter().collect(),
             Some([]) => return Err(PickError::EmptySubset),
             Some(subset) => {
@@ -215,12 +262,23 @@ impl Selector {
                 c
             }
         };
-        if req.criticality == Criticality::Sheddable
-            && candidates
-                .iter()
-                .all(|e| self.saturation.is_saturated(e, ctx.now))
-        {
-            return Err(PickError::Saturated(candidates.len()));
+        let eligible = candidates.len();
+        match req.admission {
+            Admission::Unsaturated => {
+                candidates.retain(|e| !self.saturation.is_saturated(e, ctx.now));
+                if candidates.is_empty() {
+                    return Err(PickError::Saturated(eligible));
+                }
+            }
+            Admission::Shed => {
+                if is_sheddable(req.priority)
+                    && candidates
+                        .iter()
+                        .all(|e| self.saturation.is_saturated(e, ctx.now))
+                {
+                    return Err(PickError::Saturated(eligible));
+                }
+            }
         }
         let r = self.picker.rank(&candidates, req.prompt, ctx);
         let primary = candidates[r.best].clone();
@@ -228,11 +286,26 @@ impl Selector {
             .second
             .filter(|&i| i != r.best)
             .map(|i| candidates[i].clone());
+        let scores = ctx.scores.as_mut().map(|s| {
+            candidates
+                .iter()
+                .zip(s.drain(..))
+                .map(|(e, v)| (Arc::clone(e), v))
+                .collect()
+        });
         Ok(Pick {
             primary,
             fallback,
             kv: r.kv,
+            scores,
         })
+    }
+
+    /// Whether any of `endpoints` is not saturated at `now` (flow control's capacity check).
+    pub fn has_capacity(&self, endpoints: &[Arc<Endpoint>], now: Instant) -> bool {
+        endpoints
+            .iter()
+            .any(|e| !self.saturation.is_saturated(e, now))
     }
 }
 
@@ -319,7 +392,7 @@ pub(crate) mod tests {
         let eps = vec![ep(1, 4), ep(2, 4)];
         let s = selector(4);
         let shed = PickRequest {
-            criticality: Criticality::Sheddable,
+            priority: Criticality::Sheddable.priority(),
             ..Default::default()
         };
         assert_eq!(s.pick_t(&eps, &shed).unwrap_err(), PickError::Saturated(2));
@@ -328,7 +401,7 @@ pub(crate) mod tests {
                 .pick_t(
                     &eps,
                     &PickRequest {
-                        criticality: c,
+                        priority: c.priority(),
                         ..Default::default()
                     }
                 )
@@ -338,6 +411,50 @@ pub(crate) mod tests {
         assert_eq!(s.pick_t(&eps, &shed).unwrap().primary.addr, eps[1].addr);
         // Disabled limit never sheds.
         assert!(selector(0).pick_t(&[ep(1, 1000)], &shed).is_ok());
+    }
+
+    #[test]
+    fn unsaturated_admission_skips_saturated_endpoints_whatever_the_priority() {
+        let s = selector(4);
+        let req = PickRequest {
+            priority: 10,
+            admission: Admission::Unsaturated,
+            ..Default::default()
+        };
+        // The least loaded endpoint is saturated at 4 too: only the free one may be picked.
+        let eps = vec![ep(1, 4), ep(2, 5), ep(3, 3)];
+        for _ in 0..20 {
+            assert_eq!(s.pick_t(&eps, &req).unwrap().primary.addr, eps[2].addr);
+        }
+        let full = vec![ep(1, 4), ep(2, 4)];
+        assert_eq!(s.pick_t(&full, &req).unwrap_err(), PickError::Saturated(2));
+        assert!(!s.has_capacity(&full, Instant::now()));
+        assert!(s.has_capacity(&eps, Instant::now()));
+        // The default admission still routes a non-sheddable request to a saturated pool.
+        let shed_rule = PickRequest {
+            priority: 10,
+            ..Default::default()
+        };
+        assert!(s.pick_t(&full, &shed_rule).is_ok());
+    }
+
+    #[test]
+    fn scores_are_one_per_candidate_and_best_for_the_pick() {
+        let eps = vec![ep(1, 3), ep(2, 1), ep(3, 2)];
+        let mut ctx = PickContext::seeded(3).with_scores();
+        let p = selector(0)
+            .pick(&eps, &PickRequest::default(), &mut ctx)
+            .unwrap();
+        let scores = p.scores.expect("asked for");
+        assert_eq!(scores.len(), 3);
+        let best = scores
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(e, _)| e.addr);
+        assert_eq!(best, Some(p.primary.addr));
+        assert!(scores.iter().all(|(_, v)| (0.0..=1.0).contains(v)));
+        let unasked = selector(0).pick_t(&eps, &PickRequest::default()).unwrap();
+        assert!(unasked.scores.is_none());
     }
 
     #[test]

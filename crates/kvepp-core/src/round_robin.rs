@@ -17,10 +17,15 @@ impl Picker for RoundRobin {
         &self,
         candidates: &[&Arc<Endpoint>],
         _: Option<&PromptBlocks>,
-        _: &mut PickContext,
+        ctx: &mut PickContext,
     ) -> Ranked {
         let n = candidates.len();
         let best = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        // Round robin has no preference: the one whose turn it is scores 1, the others 0.
+        if let Some(scores) = &mut ctx.scores {
+            scores.clear();
+            scores.extend((0..n).map(|i| if i == best { 1.0 } else { 0.0 }));
+        }
         Ranked {
             best,
             second: (n > 1).then(|| (best + 1) % n),

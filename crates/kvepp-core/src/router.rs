@@ -21,7 +21,7 @@ use std::time::Instant;
 use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks};
 use crate::load::Booking;
 use crate::pick::{
-    Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
+    Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
 
 /// A request's prompt as the request path found it (not hashed yet: the block size is the
@@ -45,7 +45,10 @@ pub struct RequestFacts<'a> {
     /// The model the engine will serve (after any rewrite): a LoRA adapter when it differs from
     /// the engines' base model, which seeds the block hashes.
     pub model: Option<&'a str>,
-    pub criticality: Criticality,
+    /// InferenceObjective priority (higher is more important; negative is sheddable).
+    pub priority: i32,
+    /// Whether a saturated pool sheds only sheddable requests or refuses every one (to queue it).
+    pub admission: Admission,
     /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
     pub prompt: Prompt<'a>,
@@ -109,7 +112,8 @@ impl Router {
         let pick = self.selector.pick(
             endpoints,
             &PickRequest {
-                criticality: facts.criticality,
+                priority: facts.priority,
+                admission: facts.admission,
                 subset: facts.subset,
                 prompt: prompt.as_ref(),
             },
@@ -146,6 +150,12 @@ impl Router {
         let Some(kv) = &self.kv else { return 0 };
         let live: std::collections::HashSet<u64> = live.into_iter().map(worker_id).collect();
         kv.retain_workers(|w| live.contains(&w))
+    }
+
+    /// Whether any of `endpoints` can take a request now without being over its saturation
+    /// limits (flow control dispatches queued requests only then).
+    pub fn has_capacity(&self, endpoints: &[Arc<Endpoint>], now: Instant) -> bool {
+        self.selector.has_capacity(endpoints, now)
     }
 
     /// Periodic upkeep at `now`: drops bookings whose end was never seen. Returns how many.

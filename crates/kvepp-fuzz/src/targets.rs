@@ -81,7 +81,7 @@ fn pool_ref() -> PoolRef {
     PoolRef {
         name: "pool".into(),
         namespace: "default".into(),
-        service: "pool".into(),
+        service: "pool".into(), picker_service: None,
     }
 }
 
@@ -107,6 +107,7 @@ fn shared() -> Arc<Shared> {
                     destination_list: false,
                     max_body_bytes: MAX_BODY,
                     ready_wait: std::time::Duration::ZERO,
+                    endpoint_scores: false,
                 },
             ))
         })

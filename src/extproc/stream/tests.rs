@@ -12,7 +12,7 @@ use kvepp_core::{Endpoint, PrefixMode};
 use super::*;
 use crate::extproc::{Settings, Shared};
 use crate::metrics::Metrics;
-use crate::request::{RouteRequest, Routed};
+use crate::request::{Admit, RouteHints, RouteRequest, Routed};
 
 const BUFFERED: i32 = 2;
 const DUPLEX: i32 = 4;
@@ -25,9 +25,16 @@ struct Fixed {
 }
 
 impl RouteRequest for Fixed {
-    fn route(&self, body: Option<&[u8]>, _: Option<&[SocketAddr]>) -> Result<Routed, Rejection> {
+    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection> {
         if let Some(r) = &self.reject {
             return Err(r.clone());
+        }
+        // Saturated while the endpoint has a request in flight; the objective header's value, when
+        // a number, is the priority.
+        let priority = hints.objective.and_then(|o| o.parse().ok()).unwrap_or(0);
+        let busy = self.ep.load.in_flight() > 0;
+        if hints.admit == Admit::Hold || (busy && hints.admit == Admit::Unsaturated) {
+            return Err(Rejection::saturated(priority, "saturated"));
         }
         // `{"model":"rw12"}` gets its model value (bytes 9..15, quotes included) rewritten.
         let rewrite = body
@@ -38,6 +45,7 @@ impl RouteRequest for Fixed {
                 primary: self.ep.clone(),
                 fallback: None,
                 kv: None,
+                scores: None,
             },
             mode: PrefixMode::None,
             booking: self.ep.load.book(),
@@ -49,6 +57,10 @@ impl RouteRequest for Fixed {
 
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>> {
         (addr == self.ep.addr).then(|| self.ep.clone())
+    }
+
+    fn has_capacity(&self) -> bool {
+        self.ep.load.in_flight() == 0
     }
 }
 
@@ -69,6 +81,7 @@ fn stream(reject: Option<Rejection>, max_body_bytes: usize) -> (StreamState, Arc
             destination_list: false,
             max_body_bytes,
             ready_wait: std::time::Duration::ZERO,
+            endpoint_scores: false,
         },
     );
     (StreamState::new(Arc::new(shared)), ep)
@@ -290,4 +303,64 @@ fn unsupported_mode_and_header_time_picks() {
     let out = send(&mut s, headers(BUFFERED, true));
     assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
     assert_eq!(ep.load.in_flight(), 1);
+}
+
+fn with_objective(mut msg: ProcessingRequest, objective: &str) -> ProcessingRequest {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    if let Some(Msg::RequestHeaders(h)) = &mut msg.request {
+        h.headers = Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: OBJECTIVE_HEADERS[0].into(),
+                raw_value: objective.as_bytes().to_vec(),
+                ..Default::default()
+            }],
+        });
+    }
+    msg
+}
+
+#[test]
+fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
+    let ep = endpoint();
+    let routing: Arc<dyn RouteRequest> = Arc::new(Fixed {
+        ep: ep.clone(),
+        reject: None,
+    });
+    let metrics = Metrics::new();
+    let flow = crate::request::FlowControl::new(Default::default(), metrics.flow.clone());
+    let settings = Settings {
+        destination_list: false,
+        max_body_bytes: 1 << 20,
+        ready_wait: std::time::Duration::ZERO,
+        endpoint_scores: false,
+    };
+    let shared = Arc::new(Shared::new(routing, metrics, settings).with_flow_control(flow));
+    let busy = ep.load.book();
+    let mut s = StreamState::new(shared);
+    assert!(send(&mut s, with_objective(headers(DUPLEX, false), "7")).is_empty());
+    assert!(send(&mut s, body(b"{\"model\":", false)).is_empty());
+    assert!(send(&mut s, body(b"\"m\"}", true)).is_empty(), "held, not answered");
+    assert_eq!(s.queued(), Some(7), "queued at the objective's priority");
+    assert!(s.undecided());
+    // Still saturated: a turn that cannot place it leaves it queued.
+    let mut out = Vec::new();
+    s.retry(Admit::Unsaturated, &mut out);
+    assert!(out.is_empty() && s.queued().is_some());
+    drop(busy);
+    s.retry(Admit::Unsaturated, &mut out);
+    assert_eq!(s.queued(), None);
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    let chunks = streamed_chunks(&out);
+    assert_eq!(
+        chunks,
+        vec![
+            (b"{\"model\":".to_vec(), false),
+            (b"\"m\"}".to_vec(), true)
+        ],
+        "the body goes back as it came"
+    );
+    assert_eq!(ep.load.in_flight(), 1, "booked once placed");
+    // Giving up on a queued request answers it; on a routed one it does nothing.
+    s.give_up(Rejection::new(503, "queue_timeout", "late"), &mut out);
+    assert_eq!(out.len(), 3);
 }

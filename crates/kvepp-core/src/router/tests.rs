@@ -190,7 +190,7 @@ fn load_only_router_books_in_flight_without_prompt_work() {
     assert!(d.pick.kv.is_none());
     assert_eq!(eps[1].load.in_flight(), 2);
     let shed = RequestFacts {
-        criticality: Criticality::Sheddable,
+        priority: crate::Criticality::Sheddable.priority(),
         ..RequestFacts::default()
     };
     assert_eq!(

@@ -1,0 +1,382 @@
+//! Flow control: when every eligible endpoint is saturated, requests wait in kvepp instead of
+//! being shed at once, and are routed as soon as capacity frees, the most important first.
+//!
+//! It owns the waiting line (the core's [`FlowQueue`]: priority, then flows in turn, then arrival)
+//! and one dispatcher task. A waiting request holds a [`Ticket`]; the dispatcher, woken whenever a
+//! booking is released (and every few milliseconds while anyone waits, for saturation that comes
+//! from engine metrics), hands the head of the line a [`Grant`] while some endpoint has capacity.
+//! The grantee routes (only to an unsaturated endpoint) and reports whether it placed the request;
+//! if it could not (its subset hint names only saturated endpoints, or a new arrival took the
+//! slot), it goes back to the head of its flow and the dispatcher waits for the next release.
+//!
+//! Invariants:
+//! - while anyone waits, new arrivals queue behind them (they do not take freed capacity first);
+//! - one grant is outstanding at a time, so a freed slot goes to exactly one waiter;
+//! - a ticket leaves the queue when its request is placed, times out, or its stream goes away
+//!   (drop), and every departure is counted once in `kvepp_flow_control_dequeued_total`;
+//! - shedding (429) happens only for sheddable priorities whose queue is full; a request that
+//!   waited past `max_wait_ms` gets 503.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvepp_core::{FlowQueue, QueueFull, QueueId};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{oneshot, watch, Notify};
+
+use super::RouteRequest;
+use crate::metrics::{FlowMetrics, OutcomeLabels, PriorityLabels};
+
+/// The request header that names a request's flow (the fairness key) by default.
+pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+
+/// How often the dispatcher re-checks capacity while requests wait and no booking was released
+/// (saturation that comes from engine metrics ends without a release).
+const RECHECK: Duration = Duration::from_millis(5);
+
+/// How long the dispatcher waits for a grantee to report before it moves on.
+const GRANT_ANSWER: Duration = Duration::from_secs(1);
+
+/// `flow_control` in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FlowControlSettings {
+    /// Queue requests that find every eligible endpoint saturated (off: shed sheddable ones at
+    /// once and route the rest to saturated endpoints, as the reference EPP does without its
+    /// flow-control feature).
+    pub enabled: bool,
+    /// Requests that may wait per priority; beyond it sheddable requests get 429 and others are
+    /// routed at once.
+    pub max_queue_per_priority: usize,
+    /// Longest wait before a 503; keep it below the proxy's ext_proc `message_timeout`.
+    pub max_wait_ms: u64,
+    /// Request header whose value names the flow (requests of one flow are served in turn with
+    /// other flows of the same priority); absent: the default flow.
+    pub fairness_header: String,
+}
+
+impl Default for FlowControlSettings {
+    fn default() -> Self {
+        FlowControlSettings {
+            enabled: false,
+            max_queue_per_priority: 1024,
+            max_wait_ms: 5_000,
+            fairness_header: FAIRNESS_HEADER.into(),
+        }
+    }
+}
+
+impl FlowControlSettings {
+    /// One message per bad field.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !(1..=1_000_000).contains(&self.max_queue_per_priority) {
+            out.push(format!(
+                "max_queue_per_priority {} must be between 1 and 1000000",
+                self.max_queue_per_priority
+            ));
+        }
+        if !(1..=600_000).contains(&self.max_wait_ms) {
+            out.push(format!(
+                "max_wait_ms {} must be between 1 and 600000",
+                self.max_wait_ms
+            ));
+        }
+        let h = &self.fairness_header;
+        if h.is_empty() || h.bytes().any(|b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')) {
+            out.push(format!(
+                "fairness_header {h:?} must be a lowercase HTTP header name"
+            ));
+        }
+        out
+    }
+}
+
+/// A waiting request as the queue holds it.
+#[derive(Debug)]
+struct Waiter {
+    tx: oneshot::Sender<Grant>,
+}
+
+/// The queue and its dispatcher's wake-up.
+#[derive(Debug)]
+pub struct FlowControl {
+    settings: FlowControlSettings,
+    queue: Mutex<FlowQueue<Waiter>>,
+    wake: Notify,
+    metrics: FlowMetrics,
+}
+
+/// A waiting request's turn: route now, then say whether the request was placed.
+#[derive(Debug)]
+pub struct Grant {
+    ack: Option<oneshot::Sender<bool>>,
+}
+
+impl Grant {
+    /// Reports whether the request was placed (false: the dispatcher waits for the next release).
+    pub fn done(mut self, placed: bool) {
+        if let Some(ack) = self.ack.take() {
+            let _ = ack.send(placed);
+        }
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        if let Some(ack) = self.ack.take() {
+            let _ = ack.send(false);
+        }
+    }
+}
+
+/// What a waiting request got.
+#[derive(Debug)]
+pub enum Turn {
+    Granted(Grant),
+    /// Waited `max_wait_ms` without a turn.
+    TimedOut(Duration),
+    /// The dispatcher is gone (shutdown): route without waiting.
+    Closed,
+}
+
+/// A request's place in the queue; dropping it leaves the queue.
+#[derive(Debug)]
+pub struct Ticket {
+    fc: Arc<FlowControl>,
+    id: QueueId,
+    priority: i32,
+    flow: Arc<str>,
+    rx: oneshot::Receiver<Grant>,
+    since: Instant,
+    queued: bool,
+    finished: bool,
+}
+
+impl FlowControl {
+    pub fn new(settings: FlowControlSettings, metrics: FlowMetrics) -> Arc<Self> {
+        Arc::new(FlowControl {
+            queue: Mutex::new(FlowQueue::new(settings.max_queue_per_priority)),
+            settings,
+            wake: Notify::new(),
+            metrics,
+        })
+    }
+
+    pub fn settings(&self) -> &FlowControlSettings {
+        &self.settings
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FlowQueue<Waiter>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn gauge(&self, q: &FlowQueue<Waiter>, priority: i32) {
+        self.metrics
+            .queue_size
+            .get_or_create(&PriorityLabels {
+                priority: priority.into(),
+            })
+            .set(q.len_at(priority) as i64);
+    }
+
+    /// True while requests wait: a new arrival must queue behind them.
+    pub fn busy(&self) -> bool {
+        !self.lock().is_empty()
+    }
+
+    /// Requests waiting now.
+    pub fn waiting(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// A booking was released (or an endpoint came back): the dispatcher re-checks capacity.
+    pub fn capacity_freed(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Queues a request of `priority` in `flow`.
+    pub fn enqueue(self: &Arc<Self>, priority: i32, flow: &str) -> Result<Ticket, QueueFull> {
+        let (tx, rx) = oneshot::channel();
+        let mut q = self.lock();
+        let id = q
+            .push(priority, flow, Waiter { tx })
+            .map_err(|(full, _)| full)?;
+        self.gauge(&q, priority);
+        drop(q);
+        // Capacity may have freed between the caller's pick and now.
+        self.wake.notify_one();
+        Ok(Ticket {
+            fc: self.clone(),
+            id,
+            priority,
+            flow: flow.into(),
+            rx,
+            since: Instant::now(),
+            queued: true,
+            finished: false,
+        })
+    }
+
+    /// The dispatcher: hands out turns while the pool has capacity, until `shutdown`.
+    pub async fn dispatch(
+        self: Arc<Self>,
+        routing: Arc<dyn RouteRequest>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let recheck = async {
+                if self.busy() {
+                    tokio::time::sleep(RECHECK).await
+                } else {
+                    std::future::pending().await
+                }
+            };
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = recheck => {}
+                _ = shutdown.changed() => return,
+            }
+            while routing.has_capacity() {
+                let next = {
+                    let mut q = self.lock();
+                    let next = q.pop();
+                    if let Some((_, priority, _, _)) = &next {
+                        self.gauge(&q, *priority);
+                    }
+                    next
+                };
+                let Some((_, _, _, waiter)) = next else { break };
+                let (ack, answer) = oneshot::channel();
+                if waiter.tx.send(Grant { ack: Some(ack) }).is_err() {
+                    continue; // its stream went away meanwhile
+                }
+                let placed = tokio::time::timeout(GRANT_ANSWER, answer)
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or(false);
+                if !placed {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Ticket {
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+
+    /// Waits for this request's turn, at most until `max_wait_ms` after it was queued.
+    pub async fn turn(&mut self) -> Turn {
+        let deadline = self.since + Duration::from_millis(self.fc.settings.max_wait_ms);
+        match tokio::time::timeout_at(deadline.into(), &mut self.rx).await {
+            Ok(Ok(grant)) => {
+                self.queued = false;
+                Turn::Granted(grant)
+            }
+            Ok(Err(_)) => Turn::Closed,
+            Err(_) => Turn::TimedOut(self.since.elapsed()),
+        }
+    }
+
+    /// The turn did not place the request: back to the head of its flow, same id.
+    pub fn requeue(&mut self) {
+        let (tx, rx) = oneshot::channel();
+        self.rx = rx;
+        let mut q = self.fc.lock();
+        q.push_front(self.id, self.priority, &self.flow, Waiter { tx });
+        self.fc.gauge(&q, self.priority);
+        self.queued = true;
+    }
+
+    /// The request left the queue with `outcome` (`dispatched`, `timeout`).
+    pub fn finish(mut self, outcome: &'static str) {
+        self.record(outcome);
+    }
+
+    fn record(&mut self, outcome: &'static str) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        if self.queued {
+            let mut q = self.fc.lock();
+            q.remove(self.id);
+            self.fc.gauge(&q, self.priority);
+            self.queued = false;
+        }
+        let m = &self.fc.metrics;
+        m.queue_wait
+            .get_or_create(&PriorityLabels {
+                priority: self.priority.into(),
+            })
+            .observe(self.since.elapsed().as_secs_f64());
+        m.outcomes.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // Not finished: the stream went away while waiting.
+        self.record("cancelled");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_checked() {
+        assert!(FlowControlSettings::default().problems().is_empty());
+        let bad = FlowControlSettings {
+            enabled: true,
+            max_queue_per_priority: 0,
+            max_wait_ms: 0,
+            fairness_header: "X Tenant".into(),
+        };
+        assert_eq!(bad.problems().len(), 3, "{:?}", bad.problems());
+    }
+
+    #[tokio::test]
+    async fn dropped_tickets_leave_the_queue_and_are_counted() {
+        let fc = FlowControl::new(
+            FlowControlSettings {
+                max_queue_per_priority: 2,
+                ..Default::default()
+            },
+            FlowMetrics::default(),
+        );
+        let a = fc.enqueue(0, "x").unwrap();
+        let b = fc.enqueue(0, "y").unwrap();
+        assert!(fc.busy());
+        assert_eq!(fc.enqueue(0, "z").unwrap_err().capacity, 2);
+        assert!(fc.enqueue(-1, "z").is_ok(), "another priority has room");
+        drop(a);
+        assert_eq!(fc.waiting(), 1);
+        b.finish("timeout");
+        assert_eq!(fc.waiting(), 0);
+        let counted = |o: &'static str| {
+            fc.metrics
+                .outcomes
+                .get_or_create(&OutcomeLabels { outcome: o })
+                .get()
+        };
+        assert_eq!((counted("cancelled"), counted("timeout")), (2, 1));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_times_out_after_max_wait() {
+        let fc = FlowControl::new(
+            FlowControlSettings {
+                max_wait_ms: 20,
+                ..Default::default()
+            },
+            FlowMetrics::default(),
+        );
+        let mut t = fc.enqueue(3, "").unwrap();
+        assert!(matches!(t.turn().await, Turn::TimedOut(d) if d >= Duration::from_millis(20)));
+    }
+}
