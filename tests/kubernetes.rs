@@ -293,6 +293,8 @@ async fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
         c.manifests_dir = None;
         c.kubeconfig = Some(kubeconfig);
         c.engine_metrics.enabled = false;
+        // The pool's endpointPickerRef names Service kvepp: this picker.
+        c.endpoint_picker_service = Some("kvepp".into());
     })
     .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
@@ -364,6 +366,51 @@ async fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
     })
     .await;
     eprintln!("model deletion followed in {:?}", t.elapsed());
+
+    // InferenceObjective (llm-d.ai/v1alpha2) added, changed to another pool, deleted; the request
+    // names it in x-llm-d-inference-objective.
+    let with_objective = |name: &'static str| {
+        let addr = envoy.addr;
+        async move {
+            http(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[
+                    ("content-type", "application/json"),
+                    ("x-llm-d-inference-objective", name),
+                ],
+                r#"{"model":"chat","prompt":"objective"}"#,
+            )
+            .await
+        }
+    };
+    let r = with_objective("gold").await;
+    assert_eq!(r.status, 404, "an objective the pool does not have");
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("InferenceObjective \"gold\""));
+    api.put(OBJECTIVES, objective("gold", 5, "pool"));
+    wait_for("objective added", || async {
+        (with_objective("gold").await.status == 200).then_some(())
+    })
+    .await;
+    api.put(OBJECTIVES, objective("gold", 5, "other-pool"));
+    wait_for("objective moved to another pool → 404", || async {
+        (with_objective("gold").await.status == 404).then_some(())
+    })
+    .await;
+    api.put(OBJECTIVES, objective("gold", -1, "pool"));
+    wait_for("objective back", || async {
+        (with_objective("gold").await.status == 200).then_some(())
+    })
+    .await;
+    api.delete(OBJECTIVES, "gold");
+    wait_for("objective deleted → 404", || async {
+        (with_objective("gold").await.status == 404).then_some(())
+    })
+    .await;
 
     // The watch drops and history is compacted: after the relist, the same pods, no duplicates.
     api.drop_watches();

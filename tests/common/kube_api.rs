@@ -29,6 +29,7 @@ pub const POOLS_V1ALPHA2: &str =
 pub const POOLS_V1: &str = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools";
 pub const MODELS: &str =
     "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencemodels";
+pub const OBJECTIVES: &str = "/apis/llm-d.ai/v1alpha2/namespaces/default/inferenceobjectives";
 
 #[derive(Default)]
 struct Store {
@@ -56,6 +57,7 @@ fn kind_of(collection: &str) -> (&'static str, String) {
         "endpointslices" => "EndpointSlice",
         "inferencepools" => "InferencePool",
         "inferencemodels" => "InferenceModel",
+        "inferenceobjectives" => "InferenceObjective",
         _ => "Unknown",
     };
     let parts: Vec<&str> = collection.split('/').collect();
@@ -385,4 +387,8 @@ pub fn model(name: &str, model_name: &str, pool: &str, targets: &[(&str, u32)]) 
     json!({"metadata": {"name": name}, "spec": {
         "modelName": model_name, "criticality": "Standard", "poolRef": {"name": pool},
         "targetModels": targets.iter().map(|(n, w)| json!({"name": n, "weight": w})).collect::<Vec<_>>()}})
+}
+
+pub fn objective(name: &str, priority: i32, pool: &str) -> Value {
+    json!({"metadata": {"name": name}, "spec": {"priority": priority, "poolRef": {"name": pool}}})
 }

@@ -103,6 +103,7 @@ fn echo(
         "content_length": header("content-length"),
         "transfer_encoding": header("transfer-encoding"),
         "destination": header("x-gateway-destination-endpoint"),
+        "scores": header("x-gateway-destination-endpoint-scores"),
     });
     (
         [
