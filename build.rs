@@ -7,14 +7,12 @@ use std::process::Command;
 
 fn main() {
     compile_protos();
-    let sha = Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
+    // A build without the repository (a container build) passes the commit in KVEPP_GIT_SHA.
+    println!("cargo:rerun-if-env-changed=KVEPP_GIT_SHA");
+    let sha = std::env::var("KVEPP_GIT_SHA")
         .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
+        .or_else(git_sha)
         .unwrap_or_else(|| "unknown".to_owned());
     println!("cargo:rustc-env=KVEPP_GIT_SHA={sha}");
     // Re-stamp when HEAD moves, without re-running on every source change.
@@ -24,6 +22,18 @@ fn main() {
         }
     }
     println!("cargo:rerun-if-changed=build.rs");
+}
+
+/// The checkout's commit, when built from a git checkout.
+fn git_sha() -> Option<String> {
+    Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
 }
 
 /// `proto/kvepp/replica/v1/replica.proto` → `$OUT_DIR/kvepp.replica.v1.rs`. Failing to find or run

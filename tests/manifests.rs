@@ -75,6 +75,15 @@ fn help(subcommand: &str) -> String {
     String::from_utf8(out.stdout).expect("utf8")
 }
 
+/// `kvepp-agent --help` (the worker-agent image's entrypoint).
+fn agent_help() -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvepp-agent"))
+        .arg("--help")
+        .output()
+        .expect("run kvepp-agent");
+    String::from_utf8(out.stdout).expect("utf8")
+}
+
 fn find<'a>(docs: &'a [(String, serde_yaml::Value)], kind: &str) -> Vec<&'a serde_yaml::Value> {
     docs.iter()
         .filter(|(_, v)| v["kind"] == kind)
@@ -107,6 +116,7 @@ fn kubernetes_manifests_are_consistent() {
             "inference.networking.k8s.io/inferencepools",
             "inference.networking.x-k8s.io/inferencemodels",
             "inference.networking.x-k8s.io/inferencepools",
+            "llm-d.ai/inferenceobjectives",
         ]
     );
     // The Deployment's flags exist, its ports and probes match the server.
@@ -253,7 +263,7 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
             v["apiVersion"].as_str().unwrap(),
             v["kind"].as_str().unwrap(),
         );
-        if !api.starts_with("inference.networking.") {
+        if !api.starts_with("inference.networking.") && !api.starts_with("llm-d.ai/") {
             // Gateway API and Envoy Gateway kinds: their CRDs come with those projects.
             assert!(
                 [
@@ -294,8 +304,8 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
     }
     assert_eq!(
         crds.len(),
-        3,
-        "InferencePool v1alpha2 and v1, InferenceModel v1alpha2"
+        4,
+        "InferencePool v1alpha2 and v1, InferenceModel v1alpha2, InferenceObjective llm-d.ai/v1alpha2"
     );
 }
 
@@ -403,12 +413,15 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .find(|c| c["name"] == "worker-agent")
         .expect("sidecar");
     let aargs = strings(&agent["args"]);
-    assert_eq!(aargs[0], "worker-agent");
-    let help = help("worker-agent");
+    assert_eq!(
+        agent["image"], "kvepp/worker-agent:0.1.0",
+        "the worker-agent image, whose entrypoint is kvepp-agent"
+    );
+    let help = agent_help();
     for a in aargs.iter().filter(|a| a.starts_with("--")) {
         assert!(
             help.contains(a),
-            "{a} is not a flag of `kvepp worker-agent`"
+            "{a} is not a flag of `kvepp-agent`"
         );
     }
     let arg = |flag: &str| flag_value(&aargs, flag);
@@ -541,4 +554,111 @@ fn envoy_bootstrap_validates() {
         pool["original_dst_lb_config"]["http_header_name"],
         "x-gateway-destination-endpoint"
     );
+}
+
+/// The container recipe builds exactly the workspace's two binaries, locked, runs them as a
+/// numeric non-root user on a minimal base with only the binary and the licence, and the images it
+/// makes are exactly those the manifests run. (No container engine here: checked statically.)
+#[test]
+fn container_images_match_the_workspace_and_the_manifests() {
+    let root = repo_root();
+    let recipe = std::fs::read_to_string(root.join("Containerfile")).unwrap();
+    let cargo: toml_like::Manifest = toml_like::read(&root.join("Cargo.toml"));
+    let run = recipe
+        .lines()
+        .find(|l| l.starts_with("RUN cargo build"))
+        .expect("a cargo build step");
+    assert!(run.contains("--release") && run.contains("--locked"), "{run}");
+    let mut built: Vec<&str> = run
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .filter(|w| w[0] == "--bin")
+        .map(|w| w[1])
+        .collect();
+    built.sort();
+    let mut bins = cargo.bins.clone();
+    bins.sort();
+    assert_eq!(built, bins, "every [[bin]] of the workspace, nothing else");
+    // Final stages: one per binary, each with its binary, the licence, a numeric non-root user.
+    let stages: Vec<(&str, &str)> = recipe
+        .split("\nFROM ")
+        .skip(1)
+        .map(|s| {
+            let name = s.lines().next().unwrap().rsplit(' ').next().unwrap();
+            (name, s)
+        })
+        .collect();
+    let mut images = Vec::new();
+    for (target, bin) in [("epp", "kvepp"), ("worker-agent", "kvepp-agent")] {
+        let (_, body) = stages
+            .iter()
+            .find(|(n, _)| *n == target)
+            .unwrap_or_else(|| panic!("stage {target}"));
+        assert!(body.starts_with("${RUNTIME_IMAGE}"), "{target}: minimal runtime base");
+        let copies: Vec<&str> = body.lines().filter(|l| l.starts_with("COPY")).collect();
+        assert_eq!(copies.len(), 2, "{target}: only the binary and the licence: {copies:?}");
+        assert!(copies[0].contains(&format!("/src/target/release/{bin} ")), "{copies:?}");
+        assert!(copies[1].starts_with("COPY LICENSE "), "{copies:?}");
+        let user = body
+            .lines()
+            .find_map(|l| l.strip_prefix("USER "))
+            .expect("USER");
+        let uid: u32 = user.split(':').next().unwrap().parse().expect("numeric user");
+        assert_ne!(uid, 0, "non-root");
+        assert!(body.contains(&format!("ENTRYPOINT [\"/usr/local/bin/{bin}\"]")));
+        images.push(match target {
+            "epp" => format!("kvepp/kvepp:{}", cargo.version),
+            _ => format!("kvepp/worker-agent:{}", cargo.version),
+        });
+    }
+    assert!(recipe.contains("ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot"));
+    assert!(root.join("LICENSE").is_file());
+    // The build script tags those images; the manifests run exactly them.
+    let script = std::fs::read_to_string(root.join("scripts/image.sh")).unwrap();
+    assert!(script.contains("epp) image=kvepp/kvepp:$version"));
+    assert!(script.contains("worker-agent) image=kvepp/worker-agent:$version"));
+    let d = docs("manifests/kubernetes");
+    let mut used = std::collections::BTreeSet::new();
+    for (_, v) in &d {
+        for c in v["spec"]["template"]["spec"]["containers"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+        {
+            let image = c["image"].as_str().unwrap();
+            if image.starts_with("kvepp/") {
+                used.insert(image.to_owned());
+            }
+        }
+    }
+    assert_eq!(used, images.into_iter().collect());
+}
+
+/// Just enough of Cargo.toml: the package version and the `[[bin]]` names.
+mod toml_like {
+    pub struct Manifest {
+        pub version: String,
+        pub bins: Vec<String>,
+    }
+
+    pub fn read(path: &std::path::Path) -> Manifest {
+        let text = std::fs::read_to_string(path).unwrap();
+        let value = |l: &str| l.split('"').nth(1).unwrap().to_owned();
+        let version = text
+            .lines()
+            .find(|l| l.starts_with("version = "))
+            .map(value)
+            .unwrap();
+        let mut bins = Vec::new();
+        let mut in_bin = false;
+        for l in text.lines() {
+            if l.starts_with('[') {
+                in_bin = l == "[[bin]]";
+            } else if in_bin && l.starts_with("name = ") {
+                bins.push(value(l));
+            }
+        }
+        Manifest { version, bins }
+    }
 }
