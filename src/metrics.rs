@@ -140,6 +140,11 @@ pub struct Metrics {
     pub manifest_errors: Counter,
     pub served_elsewhere: Counter,
     pub prefix_mode: Family<ModeLabels, Counter>,
+    /// Prompt blocks of KV-aware picks, and of those the picked endpoint had cached, by mode.
+    pub prefix_blocks: Family<ModeLabels, Counter>,
+    pub prefix_matched_blocks: Family<ModeLabels, Counter>,
+    /// Requests in flight through kvepp per ready endpoint (set at each scrape).
+    pub endpoint_in_flight: Family<EndpointLabels, Gauge>,
     pub kv: KvEventMetrics,
     pub engine_scrape_errors: Counter,
     pub watch: WatchMetrics,
@@ -342,6 +347,24 @@ impl Metrics {
             "Replica-sync lifecycle events by outcome (published, received, applied, dropped_*)",
             replica.events.clone(),
         );
+        let prefix_blocks = Family::<ModeLabels, Counter>::default();
+        registry.register(
+            "kv_prefix_blocks",
+            "Prompt KV blocks of KV-aware picks, by prefix mode",
+            prefix_blocks.clone(),
+        );
+        let prefix_matched_blocks = Family::<ModeLabels, Counter>::default();
+        registry.register(
+            "kv_prefix_matched_blocks",
+            "Prompt KV blocks the picked endpoint had cached (device, host or disk), by prefix mode",
+            prefix_matched_blocks.clone(),
+        );
+        let endpoint_in_flight = Family::<EndpointLabels, Gauge>::default();
+        registry.register(
+            "endpoint_in_flight_requests",
+            "Requests in flight through kvepp, per ready endpoint",
+            endpoint_in_flight.clone(),
+        );
         let flow = FlowMetrics::default();
         registry.register(
             "flow_control_queue_size",
@@ -359,6 +382,9 @@ impl Metrics {
             flow.outcomes.clone(),
         );
         Arc::new(Metrics {
+            prefix_blocks,
+            prefix_matched_blocks,
+            endpoint_in_flight,
             flow,
             replica,
             registry,
@@ -384,6 +410,15 @@ impl Metrics {
     /// Counts one KV-aware pick in its prefix mode.
     pub fn count_prefix_mode(&self, mode: &'static str) {
         self.prefix_mode.get_or_create(&ModeLabels { mode }).inc();
+    }
+
+    /// Counts a KV-aware pick's prompt blocks and how many of them the picked endpoint had.
+    pub fn count_prefix_blocks(&self, mode: &'static str, prompt: u64, matched: u64) {
+        let l = ModeLabels { mode };
+        self.prefix_blocks.get_or_create(&l).inc_by(prompt);
+        self.prefix_matched_blocks
+            .get_or_create(&l)
+            .inc_by(matched.min(prompt));
     }
 
     /// Prometheus text format.

@@ -662,3 +662,106 @@ mod toml_like {
         Manifest { version, bins }
     }
 }
+
+/// Every metric the Grafana dashboard queries is one kvepp exports, with the suffix its type has
+/// (`_total` counters, `_bucket`/`_sum`/`_count` histograms, plain gauges).
+#[test]
+fn grafana_dashboard_queries_only_exported_metrics() {
+    let text = std::fs::read_to_string(repo_root().join("manifests/grafana/kvepp.json")).unwrap();
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    // Labelled families are exported once they have a series: give each one a series, as traffic
+    // would (the names and types are what is checked).
+    use kvepp::metrics::*;
+    let m = Metrics::new();
+    let ep = EndpointLabels {
+        endpoint: "10.0.0.1:8000".into(),
+    };
+    m.requests
+        .get_or_create(&RequestLabels {
+            model: "m".into(),
+            target_model: "m".into(),
+            endpoint: ep.endpoint.clone(),
+            code: Outcome::Status(200),
+        })
+        .inc();
+    m.rejected.get_or_create(&ReasonLabels { reason: "saturated" }).inc();
+    m.endpoint_in_flight.get_or_create(&ep).set(1);
+    m.count_prefix_blocks("tokens", 4, 2);
+    m.kv.batches.get_or_create(&ep).inc();
+    let p = PriorityLabels { priority: 0 };
+    m.flow.queue_size.get_or_create(&p).set(1);
+    m.flow.queue_wait.get_or_create(&p).observe(0.1);
+    m.flow
+        .outcomes
+        .get_or_create(&OutcomeLabels {
+            outcome: "dispatched",
+        })
+        .inc();
+    let exported = m.encode();
+    let types: std::collections::HashMap<&str, &str> = exported
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .collect();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    exprs.push(
+        dash["templating"]["list"][1]["query"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+    );
+    let mut names = std::collections::BTreeSet::new();
+    for e in &exprs {
+        let mut rest = e.as_str();
+        while let Some(i) = rest.find("kvepp_") {
+            let tail = &rest[i..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            names.insert(tail[..end].to_owned());
+            rest = &tail[end..];
+        }
+    }
+    assert!(names.len() >= 14, "{names:?}");
+    for name in &names {
+        let (family, want) = [
+            ("_total", "counter"),
+            ("_bucket", "histogram"),
+            ("_sum", "histogram"),
+            ("_count", "histogram"),
+        ]
+        .iter()
+        .find_map(|(suffix, ty)| name.strip_suffix(suffix).map(|f| (f, *ty)))
+        .unwrap_or((name.as_str(), "gauge"));
+        assert_eq!(
+            types.get(family).copied(),
+            Some(want),
+            "{name}: the dashboard queries a metric kvepp does not export as a {want}"
+        );
+    }
+    // The panels are all there.
+    let titles: Vec<&str> = dash["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["title"].as_str().unwrap())
+        .collect();
+    for want in [
+        "Requests by status code",
+        "Rejections by reason",
+        "Pick latency",
+        "Ready endpoints",
+        "In flight per endpoint",
+        "Prefix-cache hit ratio by mode",
+        "KV-event health",
+        "Flow control: queue length by priority",
+        "Flow control: wait time by priority",
+    ] {
+        assert!(titles.contains(&want), "{want} missing: {titles:?}");
+    }
+}

@@ -53,6 +53,16 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
         .map(|e| i64::from(e.load.in_flight()))
         .sum();
     st.metrics.in_flight.set(in_flight);
+    // Per endpoint: only the ready ones (endpoints that left drop out of the series).
+    st.metrics.endpoint_in_flight.clear();
+    for e in snap.endpoints.iter() {
+        st.metrics
+            .endpoint_in_flight
+            .get_or_create(&crate::metrics::EndpointLabels {
+                endpoint: e.addr_str.clone(),
+            })
+            .set(i64::from(e.load.in_flight()));
+    }
     st.metrics.runtime_alive_tasks.set(
         tokio::runtime::Handle::current()
             .metrics()

@@ -497,8 +497,12 @@ impl StreamState {
                 "picked by the load-only picker (least in-flight requests, or round robin)"
             }
         );
-        if pick.kv.is_some() {
-            shared.metrics.count_prefix_mode(routed.mode.as_str());
+        if let Some(kv) = &pick.kv {
+            let mode = routed.mode.as_str();
+            shared.metrics.count_prefix_mode(mode);
+            shared
+                .metrics
+                .count_prefix_blocks(mode, kv.prompt_blocks, kv.overlap.disk);
         }
         let mut labels = self.labels_for(routed.model_label, routed.target_label);
         labels.endpoint = pick.primary.addr_str.clone();

@@ -105,6 +105,8 @@ pub fn worker_id(addr: &str) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvDecision {
     pub mode: PrefixMode,
+    /// Full KV blocks in the prompt.
+    pub prompt_blocks: u64,
     pub overlap: Overlap,
     pub cost: f64,
     pub effective_prefill_tokens: u64,
@@ -422,6 +424,7 @@ impl KvState {
         let c = loads[best];
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),
+            prompt_blocks: hashes.len() as u64,
             overlap: c.overlap,
             cost: costs[best],
             effective_prefill_tokens: w.effective_prefill_tokens(isl, bs, c.overlap),
