@@ -120,11 +120,12 @@ pub struct ScrapeSettings {
     pub max_bytes: usize,
 }
 
-/// Scrapes every ready endpoint (the current value of `pool`) each `interval` (concurrently, each bounded by `timeout`) and
+/// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each `interval` (concurrently, each bounded by `timeout`) and
 /// records the result on the endpoint's load. `on_block_size` gets each `cache_config_info`
 /// block size (to learn it when it is not configured).
 pub async fn run_scraper(
     pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
+    protocol: impl Fn() -> super::HttpVersion + Send + 'static,
     settings: ScrapeSettings,
     errors: prometheus_client::metrics::counter::Counter,
     on_block_size: impl Fn(u32) + Send + 'static,
@@ -137,10 +138,17 @@ pub async fn run_scraper(
         let endpoints = pool.borrow().clone();
         warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
         let mut scrapes = tokio::task::JoinSet::new();
+        let version = protocol();
         for ep in endpoints.iter().cloned() {
             scrapes.spawn(async move {
-                let page =
-                    super::get(ep.addr, "/metrics", settings.timeout, settings.max_bytes).await;
+                let page = super::get_with(
+                    version,
+                    ep.addr,
+                    "/metrics",
+                    settings.timeout,
+                    settings.max_bytes,
+                )
+                .await;
                 (ep, page)
             });
         }

@@ -26,8 +26,30 @@ pub enum FetchError {
     Timeout { path: String, timeout: Duration },
 }
 
-/// `GET http://addr/path` on a fresh connection, body at most `limit` bytes, all within `timeout`.
+/// How a server speaks HTTP (an InferencePool's `appProtocol` for its engines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HttpVersion {
+    /// HTTP/1.1.
+    #[default]
+    Http1,
+    /// HTTP/2 over cleartext with prior knowledge (`kubernetes.io/h2c`).
+    H2c,
+}
+
+/// `GET http://addr/path` over HTTP/1.1 on a fresh connection, body at most `limit` bytes, all
+/// within `timeout`.
 pub async fn get(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+    limit: usize,
+) -> Result<Bytes, FetchError> {
+    get_with(HttpVersion::Http1, addr, path, timeout, limit).await
+}
+
+/// [`get`] in the given HTTP version.
+pub async fn get_with(
+    version: HttpVersion,
     addr: SocketAddr,
     path: &str,
     timeout: Duration,
@@ -39,15 +61,32 @@ pub async fn get(
             .map_err(|source| FetchError::Connect { addr, source })?;
         let io = hyper_util::rt::TokioIo::new(stream);
         let http = |e: hyper::Error| FetchError::Http(e.to_string(), path.to_owned());
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-            .await
-            .map_err(http)?;
-        tokio::spawn(conn);
-        let req = hyper::Request::get(path)
-            .header("host", addr.to_string())
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| FetchError::Http(e.to_string(), path.to_owned()))?;
-        let resp = sender.send_request(req).await.map_err(http)?;
+        let resp = match version {
+            HttpVersion::Http1 => {
+                let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+                    .await
+                    .map_err(http)?;
+                tokio::spawn(conn);
+                let req = hyper::Request::get(path)
+                    .header("host", addr.to_string())
+                    .body(Empty::<Bytes>::new())
+                    .map_err(|e| FetchError::Http(e.to_string(), path.to_owned()))?;
+                sender.send_request(req).await.map_err(http)?
+            }
+            HttpVersion::H2c => {
+                let (mut sender, conn) = hyper::client::conn::http2::handshake(
+                    hyper_util::rt::TokioExecutor::new(),
+                    io,
+                )
+                .await
+                .map_err(http)?;
+                tokio::spawn(conn);
+                let req = hyper::Request::get(format!("http://{addr}{path}"))
+                    .body(Empty::<Bytes>::new())
+                    .map_err(|e| FetchError::Http(e.to_string(), path.to_owned()))?;
+                sender.send_request(req).await.map_err(http)?
+            }
+        };
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(FetchError::Status {
@@ -67,4 +106,37 @@ pub async fn get(
             path: path.to_owned(),
             timeout,
         })?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An h2c-only server (HTTP/2 with prior knowledge): the HTTP/1.1 GET fails, the h2c one
+    /// gets the page.
+    #[tokio::test]
+    async fn h2c_engines_are_fetched_over_http2() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let svc = hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                    let body = format!("version {:?} path {}", req.version(), req.uri().path());
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                        http_body_util::Full::new(Bytes::from(body)),
+                    ))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc),
+                );
+            }
+        });
+        let t = Duration::from_secs(5);
+        let page = get_with(HttpVersion::H2c, addr, "/metrics", t, 1024)
+            .await
+            .unwrap();
+        assert_eq!(&page[..], b"version HTTP/2.0 path /metrics");
+        assert!(get(addr, "/metrics", t, 1024).await.is_err());
+    }
 }

@@ -257,8 +257,14 @@ pub async fn run(
     };
     if em.enabled {
         let learn = kv.clone();
+        let pool_store = store.clone();
         tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
             store.watch(),
+            // The InferencePool's appProtocol says how the engines speak HTTP.
+            move || match pool_store.snapshot().pool.as_ref().map(|p| p.app_protocol) {
+                Some(crate::discovery::AppProtocol::H2c) => crate::engine::HttpVersion::H2c,
+                _ => crate::engine::HttpVersion::Http1,
+            },
             crate::engine::metrics::ScrapeSettings {
                 interval: Duration::from_millis(em.interval_ms),
                 timeout: Duration::from_millis(em.timeout_ms),
