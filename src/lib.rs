@@ -26,6 +26,7 @@ pub mod api;
 pub mod config;
 pub mod discovery;
 pub mod engine;
+pub mod envoy_config;
 pub mod extproc;
 pub mod kv_events;
 pub mod metrics;

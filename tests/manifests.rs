@@ -765,3 +765,38 @@ fn grafana_dashboard_queries_only_exported_metrics() {
         assert!(titles.contains(&want), "{want} missing: {titles:?}");
     }
 }
+
+/// `kvepp envoy-config` turns the pool's failureMode into Envoy's: FailOpen allows failure and adds
+/// the fallback route over the pool's ready endpoints, FailClose does not; both validate in Envoy.
+#[test]
+fn envoy_config_follows_the_pools_failure_mode() {
+    for (mode, allow) in [("FailOpen", true), ("FailClose", false)] {
+        let dir = kvepp_test_support::TempDir::new("envoy-config");
+        let pool = format!("apiVersion: inference.networking.k8s.io/v1\nkind: InferencePool\nmetadata: {{name: pool}}\nspec:\n  selector: {{matchLabels: {{app: test}}}}\n  targetPorts: [{{number: 8000}}]\n  endpointPickerRef: {{name: kvepp, port: {{number: 9002}}, failureMode: {mode}}}\n");
+        let text = pool + &slice_yaml("a", "127.0.0.1:18000".parse().unwrap(), true);
+        std::fs::write(dir.path().join("pool.yaml"), text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_kvepp"))
+            .args(["envoy-config", "--pool-name", "pool", "--grpc-port", "9102"])
+            .arg("--manifests-dir")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let yaml = String::from_utf8(out.stdout).unwrap();
+        let b: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        let ext = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            ["typed_config"]["http_filters"][0]["typed_config"];
+        assert_eq!(ext["failure_mode_allow"], allow, "{mode}");
+        assert_eq!(yaml.contains("pool_fallback"), allow, "{mode}");
+        assert_eq!(yaml.contains("port_value: 18000"), allow, "fallback endpoints");
+        assert!(yaml.contains("port_value: 9102"));
+        let file = dir.path().join("envoy.yaml");
+        std::fs::write(&file, &yaml).unwrap();
+        let v = Command::new(envoy_bin())
+            .args(["--mode", "validate", "-c"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(v.status.success(), "{mode}: {}", String::from_utf8_lossy(&v.stderr));
+    }
+}
