@@ -49,7 +49,11 @@ pub struct Inputs {
     pub tls: bool,
 }
 
-fn at<'a>(v: &'a mut Value, path: &[&str], what: &'static str) -> Result<&'a mut Value, EnvoyConfigError> {
+fn at<'a>(
+    v: &'a mut Value,
+    path: &[&str],
+    what: &'static str,
+) -> Result<&'a mut Value, EnvoyConfigError> {
     let mut cur = v;
     for key in path {
         cur = match key.parse::<usize>() {
@@ -107,7 +111,14 @@ pub fn inputs_from(cfg: &crate::config::Config) -> Result<Inputs, EnvoyConfigErr
 pub fn bootstrap(inputs: &Inputs) -> Result<Value, EnvoyConfigError> {
     let mut b: Value = serde_yaml::from_str(TEMPLATE)?;
     let hcm = [
-        "static_resources", "listeners", "0", "filter_chains", "0", "filters", "0", "typed_config",
+        "static_resources",
+        "listeners",
+        "0",
+        "filter_chains",
+        "0",
+        "filters",
+        "0",
+        "typed_config",
     ];
     let ext_path: Vec<&str> = hcm
         .iter()
@@ -131,7 +142,16 @@ pub fn bootstrap(inputs: &Inputs) -> Result<Value, EnvoyConfigError> {
         .ok_or(EnvoyConfigError::Shape("kvepp cluster"))?;
     let addr = at(
         kvepp,
-        &["load_assignment", "endpoints", "0", "lb_endpoints", "0", "endpoint", "address", "socket_address"],
+        &[
+            "load_assignment",
+            "endpoints",
+            "0",
+            "lb_endpoints",
+            "0",
+            "endpoint",
+            "address",
+            "socket_address",
+        ],
         "kvepp cluster address",
     )?;
     addr["address"] = inputs.epp.ip().to_string().into();
@@ -207,6 +227,9 @@ mod tests {
         assert!(text.contains("address: 10.0.0.1"));
         let mut none = inputs(FailureMode::FailOpen);
         none.endpoints.clear();
-        assert!(matches!(bootstrap(&none), Err(EnvoyConfigError::NoFallback)));
+        assert!(matches!(
+            bootstrap(&none),
+            Err(EnvoyConfigError::NoFallback)
+        ));
     }
 }

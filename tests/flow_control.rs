@@ -135,7 +135,10 @@ async fn objectives_from_the_manifests_directory_decide_who_is_shed() {
             assert_eq!(t.await.unwrap().status, 429);
             return None;
         }
-        wait_for("it arrives", || async { (gate.arrived().len() > n).then_some(()) }).await;
+        wait_for("it arrives", || async {
+            (gate.arrived().len() > n).then_some(())
+        })
+        .await;
         Some(t)
     })
     .await;
@@ -197,7 +200,9 @@ async fn flow_control_serves_by_priority_as_capacity_frees_and_loses_nothing() {
         // Two sheddable requests, then a high-priority one: all wait.
         let mut waiting = Vec::new();
         for (objective, prompt, before) in [("low", "low-1", 0), ("low", "low-2", 1)] {
-            waiting.push(tokio::spawn(async move { ask(gw, objective, prompt).await }));
+            waiting.push(tokio::spawn(
+                async move { ask(gw, objective, prompt).await },
+            ));
             wait_for("queued", || async {
                 (queued(&epp, -1).await == f64::from(before + 1)).then_some(())
             })
@@ -226,7 +231,11 @@ async fn flow_control_serves_by_priority_as_capacity_frees_and_loses_nothing() {
             (queued(&epp, 10).await == 1.0).then_some(())
         })
         .await;
-        assert_eq!(gate.arrived(), ["first"], "nothing passed the saturated endpoint");
+        assert_eq!(
+            gate.arrived(),
+            ["first"],
+            "nothing passed the saturated endpoint"
+        );
         // Capacity frees one request at a time: the highest priority goes first, then arrival.
         gate.permits.add_permits(1);
         assert_eq!(first.await.unwrap().status, 200);
@@ -239,7 +248,12 @@ async fn flow_control_serves_by_priority_as_capacity_frees_and_loses_nothing() {
         }
         for w in waiting {
             let r = w.await.unwrap();
-            assert_eq!(r.status, 200, "{body_mode}: {}", String::from_utf8_lossy(&r.body));
+            assert_eq!(
+                r.status,
+                200,
+                "{body_mode}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
         }
         assert_eq!(
             gate.arrived(),
@@ -248,8 +262,14 @@ async fn flow_control_serves_by_priority_as_capacity_frees_and_loses_nothing() {
         );
         let text = epp.metrics_text().await;
         for (series, want) in [
-            ("kvepp_flow_control_dequeued_total{outcome=\"dispatched\"}", 3.0),
-            ("kvepp_flow_control_dequeued_total{outcome=\"cancelled\"}", 1.0),
+            (
+                "kvepp_flow_control_dequeued_total{outcome=\"dispatched\"}",
+                3.0,
+            ),
+            (
+                "kvepp_flow_control_dequeued_total{outcome=\"cancelled\"}",
+                1.0,
+            ),
             ("kvepp_rejected_requests_total{reason=\"queue_full\"}", 1.0),
         ] {
             assert_eq!(
@@ -333,7 +353,9 @@ async fn endpoint_scores_only_with_the_flag_and_best_for_the_pick() {
                 .filter_map(serde_json::Value::as_f64)
                 .fold(f64::MIN, f64::max);
             assert_eq!(scores[dest].as_f64(), Some(best), "the pick scores best");
-            assert!(scores.values().all(|v| (0.0..=1.0).contains(&v.as_f64().unwrap())));
+            assert!(scores
+                .values()
+                .all(|v| (0.0..=1.0).contains(&v.as_f64().unwrap())));
         }
         epp.stop().await;
     }

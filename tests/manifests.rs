@@ -419,10 +419,7 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
     );
     let help = agent_help();
     for a in aargs.iter().filter(|a| a.starts_with("--")) {
-        assert!(
-            help.contains(a),
-            "{a} is not a flag of `kvepp-agent`"
-        );
+        assert!(help.contains(a), "{a} is not a flag of `kvepp-agent`");
     }
     let arg = |flag: &str| flag_value(&aargs, flag);
     assert_eq!(arg("--component"), component);
@@ -498,7 +495,8 @@ fn local_example_gives_a_ready_pool() {
         PoolRef {
             name: "demo-pool".into(),
             namespace: "default".into(),
-            service: "demo-pool".into(), picker_service: None,
+            service: "demo-pool".into(),
+            picker_service: None,
         },
         |_| {},
     );
@@ -568,7 +566,10 @@ fn container_images_match_the_workspace_and_the_manifests() {
         .lines()
         .find(|l| l.starts_with("RUN cargo build"))
         .expect("a cargo build step");
-    assert!(run.contains("--release") && run.contains("--locked"), "{run}");
+    assert!(
+        run.contains("--release") && run.contains("--locked"),
+        "{run}"
+    );
     let mut built: Vec<&str> = run
         .split_whitespace()
         .collect::<Vec<_>>()
@@ -595,16 +596,31 @@ fn container_images_match_the_workspace_and_the_manifests() {
             .iter()
             .find(|(n, _)| *n == target)
             .unwrap_or_else(|| panic!("stage {target}"));
-        assert!(body.starts_with("${RUNTIME_IMAGE}"), "{target}: minimal runtime base");
+        assert!(
+            body.starts_with("${RUNTIME_IMAGE}"),
+            "{target}: minimal runtime base"
+        );
         let copies: Vec<&str> = body.lines().filter(|l| l.starts_with("COPY")).collect();
-        assert_eq!(copies.len(), 2, "{target}: only the binary and the licence: {copies:?}");
-        assert!(copies[0].contains(&format!("/src/target/release/{bin} ")), "{copies:?}");
+        assert_eq!(
+            copies.len(),
+            2,
+            "{target}: only the binary and the licence: {copies:?}"
+        );
+        assert!(
+            copies[0].contains(&format!("/src/target/release/{bin} ")),
+            "{copies:?}"
+        );
         assert!(copies[1].starts_with("COPY LICENSE "), "{copies:?}");
         let user = body
             .lines()
             .find_map(|l| l.strip_prefix("USER "))
             .expect("USER");
-        let uid: u32 = user.split(':').next().unwrap().parse().expect("numeric user");
+        let uid: u32 = user
+            .split(':')
+            .next()
+            .unwrap()
+            .parse()
+            .expect("numeric user");
         assert_ne!(uid, 0, "non-root");
         assert!(body.contains(&format!("ENTRYPOINT [\"/usr/local/bin/{bin}\"]")));
         images.push(match target {
@@ -684,7 +700,11 @@ fn grafana_dashboard_queries_only_exported_metrics() {
             code: Outcome::Status(200),
         })
         .inc();
-    m.rejected.get_or_create(&ReasonLabels { reason: "saturated" }).inc();
+    m.rejected
+        .get_or_create(&ReasonLabels {
+            reason: "saturated",
+        })
+        .inc();
     m.endpoint_in_flight.get_or_create(&ep).set(1);
     m.count_prefix_blocks("tokens", 4, 2);
     m.kv.batches.get_or_create(&ep).inc();
@@ -781,14 +801,22 @@ fn envoy_config_follows_the_pools_failure_mode() {
             .arg(dir.path())
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let yaml = String::from_utf8(out.stdout).unwrap();
         let b: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
         let ext = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             ["typed_config"]["http_filters"][0]["typed_config"];
         assert_eq!(ext["failure_mode_allow"], allow, "{mode}");
         assert_eq!(yaml.contains("pool_fallback"), allow, "{mode}");
-        assert_eq!(yaml.contains("port_value: 18000"), allow, "fallback endpoints");
+        assert_eq!(
+            yaml.contains("port_value: 18000"),
+            allow,
+            "fallback endpoints"
+        );
         assert!(yaml.contains("port_value: 9102"));
         let file = dir.path().join("envoy.yaml");
         std::fs::write(&file, &yaml).unwrap();
@@ -797,6 +825,10 @@ fn envoy_config_follows_the_pools_failure_mode() {
             .arg(&file)
             .output()
             .unwrap();
-        assert!(v.status.success(), "{mode}: {}", String::from_utf8_lossy(&v.stderr));
+        assert!(
+            v.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&v.stderr)
+        );
     }
 }

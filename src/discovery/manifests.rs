@@ -357,7 +357,8 @@ mod tests {
             super::super::PoolRef {
                 name: "p".into(),
                 namespace: "default".into(),
-                service: "p".into(), picker_service: None,
+                service: "p".into(),
+                picker_service: None,
             },
             |_| {},
         ));

@@ -362,7 +362,8 @@ mod tests {
             PoolRef {
                 name: "pool".into(),
                 namespace: "default".into(),
-                service: "pool".into(), picker_service: None,
+                service: "pool".into(),
+                picker_service: None,
             },
             |_| {},
         )

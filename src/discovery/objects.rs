@@ -339,8 +339,7 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 .first()
                 .ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
             let target_port = port(K, &w.metadata.name, first.number)?;
-            let (picker, failure_mode) =
-                picker_ref(&w.metadata.name, w.spec.endpoint_picker_ref)?;
+            let (picker, failure_mode) = picker_ref(&w.metadata.name, w.spec.endpoint_picker_ref)?;
             let app_protocol = match w.spec.app_protocol.as_deref() {
                 None | Some("http") => AppProtocol::Http1,
                 Some("kubernetes.io/h2c") => AppProtocol::H2c,
@@ -614,9 +613,16 @@ spec:
 "#,
         )
         .unwrap();
-        let Object::Objective(i) = &objs[0] else { panic!() };
-        assert_eq!((i.name.as_str(), i.priority, i.pool_ref.as_str()), ("interactive", 10, "pool"));
-        let Object::Objective(b) = &objs[1] else { panic!() };
+        let Object::Objective(i) = &objs[0] else {
+            panic!()
+        };
+        assert_eq!(
+            (i.name.as_str(), i.priority, i.pool_ref.as_str()),
+            ("interactive", 10, "pool")
+        );
+        let Object::Objective(b) = &objs[1] else {
+            panic!()
+        };
         assert_eq!(b.priority, 0, "unset priority is 0");
         let Object::Pool(p) = &objs[2] else { panic!() };
         assert_eq!(p.picker.as_deref(), Some("kvepp"));

@@ -74,12 +74,10 @@ pub async fn get_with(
                 sender.send_request(req).await.map_err(http)?
             }
             HttpVersion::H2c => {
-                let (mut sender, conn) = hyper::client::conn::http2::handshake(
-                    hyper_util::rt::TokioExecutor::new(),
-                    io,
-                )
-                .await
-                .map_err(http)?;
+                let (mut sender, conn) =
+                    hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                        .await
+                        .map_err(http)?;
                 tokio::spawn(conn);
                 let req = hyper::Request::get(format!("http://{addr}{path}"))
                     .body(Empty::<Bytes>::new())
@@ -120,12 +118,14 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let svc = hyper::service::service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
-                    let body = format!("version {:?} path {}", req.version(), req.uri().path());
-                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
-                        http_body_util::Full::new(Bytes::from(body)),
-                    ))
-                });
+                let svc = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let body = format!("version {:?} path {}", req.version(), req.uri().path());
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(Bytes::from(body)),
+                        ))
+                    },
+                );
                 tokio::spawn(
                     hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), svc),

@@ -199,7 +199,14 @@ async fn wait_for_capacity(
     let mut ticket = match flow.enqueue(priority, state.flow_key()) {
         Ok(t) => t,
         Err(full) if kvepp_core::is_sheddable(priority) => {
-            state.give_up(Rejection::new(429, "queue_full", format!("{full}; sheddable request dropped")), out);
+            state.give_up(
+                Rejection::new(
+                    429,
+                    "queue_full",
+                    format!("{full}; sheddable request dropped"),
+                ),
+                out,
+            );
             return true;
         }
         // Only sheddable requests are shed: the others go to the best endpoint, saturated or not.

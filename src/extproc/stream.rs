@@ -374,7 +374,9 @@ impl StreamState {
         };
         match decided {
             Ok(d) => self.answer(d, chunks, joined, out),
-            Err(r) if r.queue_at.is_some() && admit != Admit::Shed && self.shared.flow.is_some() => {
+            Err(r)
+                if r.queue_at.is_some() && admit != Admit::Shed && self.shared.flow.is_some() =>
+            {
                 self.queued_at = r.queue_at.unwrap_or_default();
                 self.chunks = chunks;
                 self.joined = joined;

@@ -83,7 +83,10 @@ impl FlowControlSettings {
             ));
         }
         let h = &self.fairness_header;
-        if h.is_empty() || h.bytes().any(|b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')) {
+        if h.is_empty()
+            || h.bytes()
+                .any(|b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+        {
             out.push(format!(
                 "fairness_header {h:?} must be a lowercase HTTP header name"
             ));

@@ -15,8 +15,8 @@ mod prompt;
 pub mod service;
 pub mod tokenize;
 
-pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
+pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
 pub use service::{Admit, Rejection, RequestRouter, RouteHints, RouteRequest, Routed};

@@ -35,8 +35,8 @@ pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks
 pub use least_loaded::LeastLoaded;
 pub use load::{Booking, EndpointLoad, EngineMetrics};
 pub use pick::{
-    is_sheddable, Admission, Criticality, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Ranked, Saturation,
-    Selector,
+    is_sheddable, Admission, Criticality, Endpoint, Pick, PickContext, PickError, PickRequest,
+    Picker, Ranked, Saturation, Selector,
 };
 pub use queue::{FlowQueue, QueueFull, QueueId};
 pub use round_robin::RoundRobin;

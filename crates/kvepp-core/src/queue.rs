@@ -185,7 +185,10 @@ mod tests {
         q.push(0, "", "std-2").unwrap();
         q.push(5, "", "crit-2").unwrap();
         assert_eq!(q.len(), 5);
-        assert_eq!(q.lengths().collect::<Vec<_>>(), vec![(5, 2), (0, 2), (-1, 1)]);
+        assert_eq!(
+            q.lengths().collect::<Vec<_>>(),
+            vec![(5, 2), (0, 2), (-1, 1)]
+        );
         assert_eq!(
             drain(&mut q),
             vec!["crit-1", "crit-2", "std-1", "std-2", "shed-1"]

@@ -81,7 +81,8 @@ fn pool_ref() -> PoolRef {
     PoolRef {
         name: "pool".into(),
         namespace: "default".into(),
-        service: "pool".into(), picker_service: None,
+        service: "pool".into(),
+        picker_service: None,
     }
 }
 

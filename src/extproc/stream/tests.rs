@@ -339,7 +339,10 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
     let mut s = StreamState::new(shared);
     assert!(send(&mut s, with_objective(headers(DUPLEX, false), "7")).is_empty());
     assert!(send(&mut s, body(b"{\"model\":", false)).is_empty());
-    assert!(send(&mut s, body(b"\"m\"}", true)).is_empty(), "held, not answered");
+    assert!(
+        send(&mut s, body(b"\"m\"}", true)).is_empty(),
+        "held, not answered"
+    );
     assert_eq!(s.queued(), Some(7), "queued at the objective's priority");
     assert!(s.undecided());
     // Still saturated: a turn that cannot place it leaves it queued.
@@ -353,10 +356,7 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
     let chunks = streamed_chunks(&out);
     assert_eq!(
         chunks,
-        vec![
-            (b"{\"model\":".to_vec(), false),
-            (b"\"m\"}".to_vec(), true)
-        ],
+        vec![(b"{\"model\":".to_vec(), false), (b"\"m\"}".to_vec(), true)],
         "the body goes back as it came"
     );
     assert_eq!(ep.load.in_flight(), 1, "booked once placed");
