@@ -9,13 +9,11 @@ import json
 import os
 import random
 import subprocess
-import tempfile
 import time
-import urllib.request
 
 import yaml
 
-from benchlib import free_port, wait
+from benchlib import Stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVEPP = os.path.join(ROOT, "target/release/kvepp")
@@ -32,11 +30,6 @@ kind: InferenceObjective
 metadata: {name: batch}
 spec: {priority: -1, poolRef: {name: sim-pool}}
 """
-
-
-def get(url):
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return r.status, r.read().decode()
 
 
 async def one(port, objective, body, results):
@@ -91,64 +84,30 @@ def pct(xs, q):
 
 
 def run(args, flow_control):
-    work = tempfile.mkdtemp(prefix="kvepp-priority-")
-    procs = []
-
-    def spawn(cmd, log):
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, log), "w"))
-        procs.append(p)
-        return p
-
+    stack = Stack("kvepp-priority-")
     try:
-        mdir = os.path.join(work, "manifests")
-        params = yaml.safe_load(subprocess.run([SIM, "fleet", "--print-params"], check=True,
-                                               capture_output=True, text=True).stdout)
-        params["max_num_seqs"] = args.max_num_seqs
-        pp = os.path.join(work, "params.yaml")
-        with open(pp, "w") as f:
-            yaml.safe_dump(params, f)
-        spawn([SIM, "fleet", "--engines", str(args.engines), "--params", pp, "--manifests-dir", mdir],
-              "fleet.log")
-        wait("the simulated fleet", lambda: os.path.exists(os.path.join(mdir, "pool.yaml")))
+        mdir = stack.fleet(SIM, args.engines, {"max_num_seqs": args.max_num_seqs})
         with open(os.path.join(mdir, "objectives.yaml"), "w") as f:
             f.write(OBJECTIVES)
-        kcfg = os.path.join(work, "kvepp.yaml")
+        kcfg = os.path.join(stack.work, "kvepp.yaml")
         with open(kcfg, "w") as f:
             yaml.safe_dump({
                 "max_in_flight_per_endpoint": args.max_num_seqs,
                 "flow_control": {"enabled": flow_control, "max_wait_ms": 25000},
                 "grpc_tls": {"mode": "off"},
             }, f)
-        kp = [free_port() for _ in range(3)]
-        spawn([KVEPP, "serve", "--config", kcfg, "--pool-name", "sim-pool", "--manifests-dir", mdir,
-               "--bind-address", "127.0.0.1", "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]),
-               "--metrics-port", str(kp[2]), "--log-level", "warn"], "kvepp.log")
-        wait("kvepp ready", lambda: get(f"http://127.0.0.1:{kp[2]}/ready")[0] == 200)
+        _, grpc, _ = stack.kvepp(KVEPP, kcfg, mdir)
         # The generated bootstrap for this pool (FailClose), with a message timeout above the wait.
         out = subprocess.run([KVEPP, "envoy-config", "--config", kcfg, "--pool-name", "sim-pool",
-                              "--manifests-dir", mdir, "--grpc-port", str(kp[0])],
+                              "--manifests-dir", mdir, "--grpc-port", str(grpc)],
                              check=True, capture_output=True, text=True).stdout
         b = yaml.safe_load(out)
-        listen, admin = free_port(), free_port()
-        b["admin"]["address"]["socket_address"]["port_value"] = admin
-        b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
         hcm = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"][0]["typed_config"]["message_timeout"] = "30s"
-        cfg = os.path.join(work, "envoy.yaml")
-        with open(cfg, "w") as f:
-            yaml.safe_dump(b, f)
-        spawn([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"],
-              "envoy.log")
-        wait("Envoy", lambda: get(f"http://127.0.0.1:{admin}/ready")[0] == 200)
+        listen = stack.envoy(args.envoy, b)
         return asyncio.run(burst(listen, args.requests, args.rate, args.high_share, args.max_tokens, 11))
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stack.stop()
 
 
 def summarize(results):

@@ -8,25 +8,17 @@ import csv
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 import yaml
 
-from benchlib import free_port, wait
+from benchlib import Stack, get
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVEPP = os.path.join(ROOT, "target/release/kvepp")
 SIM = os.path.join(ROOT, "target/release/kvepp-sim")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def get(url):
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return r.status, r.read().decode()
 
 
 def proc_status(pid):
@@ -119,48 +111,19 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/soak"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="kvepp-soak-")
-    procs = []
-
-    def spawn(cmd, log):
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, log), "w"))
-        procs.append(p)
-        return p
+    stack = Stack("kvepp-soak-")
+    work = stack.work
 
     try:
-        mdir = os.path.join(work, "manifests")
-        params = yaml.safe_load(subprocess.run([SIM, "fleet", "--print-params"], check=True,
-                                               capture_output=True, text=True).stdout)
-        params["total_kv_blocks"] = args.kv_blocks
-        params_path = os.path.join(work, "params.yaml")
-        with open(params_path, "w") as f:
-            yaml.safe_dump(params, f)
-        spawn([SIM, "fleet", "--engines", str(args.engines), "--params", params_path, "--manifests-dir", mdir],
-              "fleet.log")
-        wait("the simulated fleet", lambda: os.path.exists(os.path.join(mdir, "pool.yaml")))
-        kp = [free_port() for _ in range(3)]
-        kvepp = spawn(
-            [KVEPP, "serve", "--config", args.kvepp_config, "--pool-name", "sim-pool",
-             "--manifests-dir", mdir, "--bind-address", "127.0.0.1", "--grpc-port", str(kp[0]),
-             "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]), "--log-level", "warn"],
-            "kvepp.log",
-        )
-        metrics = f"http://127.0.0.1:{kp[2]}"
-        wait("kvepp ready", lambda: get(metrics + "/ready")[0] == 200)
+        mdir = stack.fleet(SIM, args.engines, {"total_kv_blocks": args.kv_blocks})
+        kvepp, grpc, metrics = stack.kvepp(KVEPP, args.kvepp_config, mdir)
         with open(os.path.join(ROOT, "manifests/envoy/envoy-local.yaml")) as f:
             b = yaml.safe_load(f)
-        listen, admin = free_port(), free_port()
-        b["admin"]["address"]["socket_address"]["port_value"] = admin
-        b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
         for c in b["static_resources"]["clusters"]:
             if c["name"] == "kvepp":
                 c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-                    "socket_address"]["port_value"] = kp[0]
-        cfg = os.path.join(work, "envoy.yaml")
-        with open(cfg, "w") as f:
-            yaml.safe_dump(b, f)
-        spawn([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"], "envoy.log")
-        wait("Envoy", lambda: get(f"http://127.0.0.1:{admin}/ready")[0] == 200)
+                    "socket_address"]["port_value"] = grpc
+        listen = stack.envoy(args.envoy, b)
 
         counters = Counters()
         rows = []
@@ -204,13 +167,7 @@ def main():
         if kvepp.poll() is not None:
             sys.exit(f"soak: kvepp exited ({kvepp.returncode}); log in {work}")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stack.stop()
 
     csv_path = os.path.join(args.out, "soak.csv")
     with open(csv_path, "w", newline="") as f:

@@ -75,6 +75,21 @@ fn help(subcommand: &str) -> String {
     String::from_utf8(out.stdout).expect("utf8")
 }
 
+/// `envoy --mode validate -c path` succeeds.
+fn envoy_validates(path: &Path) {
+    let out = Command::new(envoy_bin())
+        .args(["--mode", "validate", "-c"])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `kvepp-agent --help` (the worker-agent image's entrypoint).
 fn agent_help() -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvepp-agent"))
@@ -520,16 +535,7 @@ fn local_example_gives_a_ready_pool() {
 fn envoy_bootstrap_validates() {
     let path = repo_root().join("manifests/envoy/envoy-local.yaml");
     assert!(Path::new(&path).exists());
-    let out = Command::new(envoy_bin())
-        .args(["--mode", "validate", "-c"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    envoy_validates(&path);
     // The facts the protocol depends on are in the shipped file.
     let b = bootstrap();
     let ext = b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
@@ -820,15 +826,6 @@ fn envoy_config_follows_the_pools_failure_mode() {
         assert!(yaml.contains("port_value: 9102"));
         let file = dir.path().join("envoy.yaml");
         std::fs::write(&file, &yaml).unwrap();
-        let v = Command::new(envoy_bin())
-            .args(["--mode", "validate", "-c"])
-            .arg(&file)
-            .output()
-            .unwrap();
-        assert!(
-            v.status.success(),
-            "{mode}: {}",
-            String::from_utf8_lossy(&v.stderr)
-        );
+        envoy_validates(&file);
     }
 }

@@ -19,7 +19,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
@@ -200,14 +200,7 @@ impl StreamState {
             .flow
             .as_ref()
             .map(|f| f.settings().fairness_header.as_str());
-        let value = |hv: &envoy_types::pb::envoy::config::core::v3::HeaderValue| {
-            let raw: &[u8] = if hv.raw_value.is_empty() {
-                hv.value.as_bytes()
-            } else {
-                &hv.raw_value
-            };
-            std::str::from_utf8(raw).ok().map(str::to_owned)
-        };
+        let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
         for hv in &map.headers {
             if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
                 // The current header wins over the former one.
@@ -578,14 +571,18 @@ impl StreamState {
     }
 }
 
+/// A header's value as text: Envoy sends `raw_value` (older proxies `value`).
+fn header_str(h: &HeaderValue) -> Option<&str> {
+    if h.raw_value.is_empty() {
+        Some(&h.value)
+    } else {
+        std::str::from_utf8(&h.raw_value).ok()
+    }
+}
+
 fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
     let h = headers?.headers.iter().find(|h| h.key == ":status")?;
-    let raw: &[u8] = if h.raw_value.is_empty() {
-        h.value.as_bytes()
-    } else {
-        &h.raw_value
-    };
-    std::str::from_utf8(raw).ok()?.parse().ok()
+    header_str(h)?.parse().ok()
 }
 
 /// The body as one slice: the single chunk, or the joined copy of several.

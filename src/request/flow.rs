@@ -268,10 +268,6 @@ impl FlowControl {
 }
 
 impl Ticket {
-    pub fn priority(&self) -> i32 {
-        self.priority
-    }
-
     /// Waits for this request's turn, at most until `max_wait_ms` after it was queued.
     pub async fn turn(&mut self) -> Turn {
         let deadline = self.since + Duration::from_millis(self.fc.settings.max_wait_ms);
