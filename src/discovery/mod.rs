@@ -28,8 +28,7 @@ use tokio::sync::watch;
 
 pub use manifests::{ManifestDir, ManifestRegistry};
 pub use objects::{
-    AppProtocol, EndpointSlice, FailureMode, InferenceModel, InferenceObjective, InferencePool,
-    Object,
+    EndpointSlice, FailureMode, InferenceModel, InferenceObjective, InferencePool, Object,
 };
 pub use service::{
     Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use crate::engine::HttpVersion;
+
 pub const GROUP_V1ALPHA2: &str = "inference.networking.x-k8s.io/v1alpha2";
 pub const GROUP_V1: &str = "inference.networking.k8s.io/v1";
 /// InferenceObjective as llm-d serves it now.
@@ -52,8 +54,9 @@ pub struct InferencePool {
     pub picker: Option<String>,
     /// What the proxy does when the picker fails: `FailOpen` or `FailClose` (the default).
     pub failure_mode: FailureMode,
-    /// How the engines speak HTTP on the target ports (`v1` `spec.appProtocol`).
-    pub app_protocol: AppProtocol,
+    /// How the engines speak HTTP on the target ports (`v1` `spec.appProtocol`: `http`, or
+    /// `kubernetes.io/h2c` for HTTP/2 with prior knowledge).
+    pub app_protocol: HttpVersion,
 }
 
 /// `failureMode` of the pool's picker reference.
@@ -62,16 +65,6 @@ pub enum FailureMode {
     FailOpen,
     #[default]
     FailClose,
-}
-
-/// The engines' protocol on the target ports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AppProtocol {
-    /// HTTP/1.1 (`http`, the default).
-    #[default]
-    Http1,
-    /// HTTP/2 over cleartext with prior knowledge (`kubernetes.io/h2c`).
-    H2c,
 }
 
 /// An InferenceObjective (`llm-d.ai/v1alpha2`, or the Inference Extension's
@@ -328,7 +321,7 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 target_port,
                 picker,
                 failure_mode,
-                app_protocol: AppProtocol::Http1,
+                app_protocol: HttpVersion::Http1,
             })
         }
         GROUP_V1 => {
@@ -341,8 +334,8 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
             let target_port = port(K, &w.metadata.name, first.number)?;
             let (picker, failure_mode) = picker_ref(&w.metadata.name, w.spec.endpoint_picker_ref)?;
             let app_protocol = match w.spec.app_protocol.as_deref() {
-                None | Some("http") => AppProtocol::Http1,
-                Some("kubernetes.io/h2c") => AppProtocol::H2c,
+                None | Some("http") => HttpVersion::Http1,
+                Some("kubernetes.io/h2c") => HttpVersion::H2c,
                 Some(other) => {
                     return Err(invalid(
                         K,
@@ -627,7 +620,7 @@ spec:
         let Object::Pool(p) = &objs[2] else { panic!() };
         assert_eq!(p.picker.as_deref(), Some("kvepp"));
         assert_eq!(p.failure_mode, FailureMode::FailOpen);
-        assert_eq!(p.app_protocol, AppProtocol::H2c);
+        assert_eq!(p.app_protocol, HttpVersion::H2c);
         for bad in [
             "appProtocol: grpc",
             "endpointPickerRef: {name: x, failureMode: Sometimes}",

@@ -367,10 +367,11 @@ impl StreamState {
         };
         match decided {
             Ok(d) => self.answer(d, chunks, joined, out),
-            Err(r)
-                if r.queue_at.is_some() && admit != Admit::Shed && self.shared.flow.is_some() =>
-            {
-                self.queued_at = r.queue_at.unwrap_or_default();
+            Err(Rejection {
+                queue_at: Some(priority),
+                ..
+            }) if admit != Admit::Shed && self.shared.flow.is_some() => {
+                self.queued_at = priority;
                 self.chunks = chunks;
                 self.joined = joined;
                 self.phase = Phase::Queued;

@@ -261,9 +261,12 @@ pub async fn run(
         tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
             store.watch(),
             // The InferencePool's appProtocol says how the engines speak HTTP.
-            move || match pool_store.snapshot().pool.as_ref().map(|p| p.app_protocol) {
-                Some(crate::discovery::AppProtocol::H2c) => crate::engine::HttpVersion::H2c,
-                _ => crate::engine::HttpVersion::Http1,
+            move || {
+                let snap = pool_store.snapshot();
+                snap.pool
+                    .as_ref()
+                    .map(|p| p.app_protocol)
+                    .unwrap_or_default()
             },
             crate::engine::metrics::ScrapeSettings {
                 interval: Duration::from_millis(em.interval_ms),
