@@ -4,6 +4,7 @@
 
 pub mod kube_api;
 pub mod publisher;
+pub mod shipped;
 
 use std::future::Future;
 use std::net::SocketAddr;
