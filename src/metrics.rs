@@ -51,6 +51,14 @@ pub struct EndpointLabels {
     pub endpoint: Arc<str>,
 }
 
+/// A disaggregated pick's pair, by the configured topology level's value on each side (`none`:
+/// no level configured, or the worker lacks it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PairLabels {
+    pub prefill_domain: String,
+    pub decode_domain: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ResourceLabels {
     pub resource: &'static str,
@@ -160,6 +168,11 @@ pub struct Metrics {
     /// Tasks alive in kvepp's runtime (set at each scrape; a leak shows as growth).
     pub runtime_alive_tasks: Gauge,
     pub flow: FlowMetrics,
+    /// Disaggregated picks (prefill worker → decode worker) by topology domains.
+    pub pd_pairs: Family<PairLabels, Counter>,
+    /// Disaggregated picks whose decode worker is outside the prefill worker's domain (fallback
+    /// policy).
+    pub pd_cross_domain: Counter,
 }
 
 impl Metrics {
@@ -200,6 +213,18 @@ impl Metrics {
             "runtime_alive_tasks",
             "Tasks alive in kvepp's async runtime, read at each scrape",
             runtime_alive_tasks.clone(),
+        );
+        let pd_pairs = Family::<PairLabels, Counter>::default();
+        registry.register(
+            "pd_pairs",
+            "Disaggregated picks by the prefill and decode workers' topology domains",
+            pd_pairs.clone(),
+        );
+        let pd_cross_domain = Counter::default();
+        registry.register(
+            "pd_cross_domain",
+            "Disaggregated picks sent across topology domains (kv_transfer_mismatch_policy fallback)",
+            pd_cross_domain.clone(),
         );
         let in_flight = Gauge::default();
         registry.register(
@@ -386,6 +411,8 @@ impl Metrics {
             prefix_matched_blocks,
             endpoint_in_flight,
             flow,
+            pd_pairs,
+            pd_cross_domain,
             replica,
             registry,
             requests,
@@ -405,6 +432,20 @@ impl Metrics {
             grpc_connections_refused,
             runtime_alive_tasks,
         })
+    }
+
+    /// Counts a disaggregated pick's pair.
+    pub fn count_pair(&self, p: &kvepp_core::Pairing) {
+        let d = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".to_owned());
+        self.pd_pairs
+            .get_or_create(&PairLabels {
+                prefill_domain: d(&p.prefill_domain),
+                decode_domain: d(&p.decode_domain),
+            })
+            .inc();
+        if p.crossed {
+            self.pd_cross_domain.inc();
+        }
     }
 
     /// Counts one KV-aware pick in its prefix mode.

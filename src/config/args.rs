@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use kvepp_core::cost::{CostWeights, KnobError};
+use kvepp_core::{MismatchPolicy, TransferSettings};
 
 use super::{Config, ConfigError, FieldError, LogFormat, PickerKind, TlsMode, UnknownModels};
 
@@ -239,6 +240,9 @@ impl Config {
                 message: e.message,
             })),
         }
+        if let Err(bad) = transfer_from_env(&mut cfg.disaggregation, |k| std::env::var(k).ok()) {
+            errs.extend(bad);
+        }
         if args.endpoint_service.is_some() {
             cfg.endpoint_service = args.endpoint_service.clone();
         }
@@ -264,6 +268,43 @@ impl Config {
             return Err(ConfigError::Invalid(errs));
         }
         Ok(cfg)
+    }
+}
+
+/// Applies Dynamo's KV-transfer topology variables (read through `get`):
+/// `DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL` (empty: unset), `DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY`
+/// (`fail` | `fallback`) and `DYN_ROUTER_KV_TRANSFER_WEIGHT`.
+pub fn transfer_from_env(
+    t: &mut TransferSettings,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<(), Vec<FieldError>> {
+    let mut errors = Vec::new();
+    if let Some(level) = get("DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL") {
+        let level = level.trim();
+        t.kv_transfer_topology_level = (!level.is_empty()).then(|| level.to_owned());
+    }
+    if let Some(raw) = get("DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY") {
+        match MismatchPolicy::parse(&raw) {
+            Some(p) => t.kv_transfer_mismatch_policy = p,
+            None => errors.push(FieldError {
+                field: "DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY",
+                message: format!("{raw:?} is not fail or fallback"),
+            }),
+        }
+    }
+    if let Some(raw) = get("DYN_ROUTER_KV_TRANSFER_WEIGHT") {
+        match raw.trim().parse::<f64>() {
+            Ok(v) => t.kv_transfer_weight = v,
+            Err(_) => errors.push(FieldError {
+                field: "DYN_ROUTER_KV_TRANSFER_WEIGHT",
+                message: format!("{raw:?} is not a number"),
+            }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
     }
 }
 

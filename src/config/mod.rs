@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use kvepp_core::cost::CostWeights;
-use kvepp_core::KvSettings;
+use kvepp_core::{KvSettings, TransferSettings};
 
 use crate::engine::metadata::FetchSettings;
 pub use crate::engine::metrics::EngineMetricsConfig;
@@ -24,7 +24,7 @@ pub use crate::replica::ReplicaSyncConfig;
 mod args;
 mod tls;
 
-pub use args::{router_knobs_from_env, ServeArgs};
+pub use args::{router_knobs_from_env, transfer_from_env, ServeArgs};
 pub use tls::{GrpcTls, TlsMode};
 
 /// What to do with a request whose model matches no InferenceModel.
@@ -122,6 +122,10 @@ pub struct Config {
     pub engine_metadata: FetchSettings,
     /// The KV-aware cost knobs; the `DYN_ROUTER_*` environment variables override the file.
     pub router: CostWeights,
+    /// Prefill/decode pools: prompt length that skips the prefill hop, the KV-transfer topology
+    /// level and mismatch policy (`DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL`,
+    /// `DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY` override the file), and the soft transfer cost.
+    pub disaggregation: TransferSettings,
     pub kv_events: KvEventsConfig,
     /// Active-active replicas: share picks, releases and (approximate mode) routed prefixes with
     /// the other kvepp replicas over ZMQ.
@@ -168,6 +172,7 @@ impl Default for Config {
             engine_metrics: EngineMetricsConfig::default(),
             engine_metadata: FetchSettings::default(),
             router: CostWeights::default(),
+            disaggregation: TransferSettings::default(),
             kv_events: KvEventsConfig::default(),
             replica_sync: ReplicaSyncConfig::default(),
             approx_blocks_per_endpoint: KvSettings::default().approx_blocks_per_endpoint,
@@ -373,6 +378,9 @@ impl Config {
         }
         for e in self.router.validate() {
             bad("router", format!("{}: {}", e.name, e.message));
+        }
+        for (name, message) in self.disaggregation.validate() {
+            bad("disaggregation", format!("{name}: {message}"));
         }
         if self.kv_events.enabled && self.kv_events.port == 0 {
             bad(

@@ -34,7 +34,8 @@ pub use service::{
     Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,
 };
 
-use kvepp_core::{Criticality, Endpoint, EndpointLoad};
+use kvepp_core::disagg::Domains;
+use kvepp_core::{Criticality, Endpoint, EndpointLoad, Role};
 
 /// Which pool this EPP serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +105,16 @@ struct State {
     catalog: Vec<Object>,
     instances: BTreeMap<Arc<str>, Instance>,
     instances_synced: bool,
+    /// What endpoints' `/metadata` says about their role and topology, by address.
+    facts: HashMap<SocketAddr, EndpointFacts>,
+}
+
+/// What an endpoint's metadata says about its place in a disaggregated pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EndpointFacts {
+    pub role: Role,
+    /// `topology_domains`: level → value.
+    pub domains: Domains,
 }
 
 /// Receives the pool's state from its feeds and serves snapshots to the request path.
@@ -178,6 +189,25 @@ impl Datastore {
                     }
                     InstanceEvent::Synced => st.instances_synced = true,
                 }
+            }
+        });
+    }
+
+    /// Records what `addr`'s metadata says of its role and topology (None: no document); a new
+    /// snapshot only when that changes.
+    pub fn apply_metadata(&self, addr: SocketAddr, facts: Option<EndpointFacts>) {
+        {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if st.facts.get(&addr) == facts.as_ref() {
+                return;
+            }
+        }
+        self.change(|st| match facts {
+            Some(f) => {
+                st.facts.insert(addr, f);
+            }
+            None => {
+                st.facts.remove(&addr);
             }
         });
     }
@@ -276,35 +306,29 @@ impl Datastore {
             );
         }
         let target_port = snap.pool.as_ref().map(|p| p.target_port);
+        // Several target ports: one endpoint per (pod, port), the port's index its rank.
+        let ranks: &[u16] = match &snap.pool {
+            Some(p) if p.target_ports.len() > 1 => &p.target_ports,
+            _ => &[],
+        };
         let mut loads = self.loads.lock().unwrap_or_else(PoisonError::into_inner);
         let mut endpoints: BTreeMap<SocketAddr, Arc<Endpoint>> = BTreeMap::new();
         for inst in st.instances.values() {
-            let Some(port) = inst.port.or(target_port) else {
-                tracing::debug!(instance = %inst.id, "no port: slice has no `http` or single port and the pool has no target port yet; skipped");
-                continue;
-            };
-            let addr = SocketAddr::new(inst.ip, port);
-            endpoints.entry(addr).or_insert_with(|| {
-                let load = loads.entry(addr).or_default().clone();
-                let addr_str: Arc<str> = addr.to_string().into();
-                // Instances without a Pod name are known by their address.
-                let unnamed = inst.id.parse::<SocketAddr>().is_ok()
-                    || inst.id.parse::<std::net::IpAddr>().is_ok();
-                let name = if unnamed {
-                    addr_str.clone()
-                } else {
-                    inst.id.clone()
+            let ports: Vec<(u16, Option<u32>)> = if ranks.is_empty() {
+                let Some(port) = inst.port.or(target_port) else {
+                    tracing::debug!(instance = %inst.id, "no port: slice has no `http` or single port and the pool has no target port yet; skipped");
+                    continue;
                 };
-                Arc::new(Endpoint {
-                    addr,
-                    name,
-                    addr_str,
-                    zone: inst.zone.clone(),
-                    node: inst.node.clone(),
-                    metadata_port: inst.metadata_port,
-                    load,
-                })
-            });
+                vec![(port, None)]
+            } else {
+                ranks.iter().zip(0u32..).map(|(&p, r)| (p, Some(r))).collect()
+            };
+            for (port, dp_rank) in ports {
+                let addr = SocketAddr::new(inst.ip, port);
+                endpoints
+                    .entry(addr)
+                    .or_insert_with(|| endpoint(inst, addr, dp_rank, st.facts.get(&addr), &mut loads));
+            }
         }
         // Forget counters of endpoints that are gone and that nothing refers to any more (no booking,
         // no older snapshot still in use).
@@ -312,6 +336,45 @@ impl Datastore {
         snap.endpoints = endpoints.into_values().collect();
         snap
     }
+}
+
+/// The endpoint of `inst` at `addr` (rank `dp_rank` of a multi-port pool), with its metadata's
+/// role and topology; the EndpointSlice's zone and node fill in the `zone` and `host` levels the
+/// metadata does not name.
+fn endpoint(
+    inst: &Instance,
+    addr: SocketAddr,
+    dp_rank: Option<u32>,
+    facts: Option<&EndpointFacts>,
+    loads: &mut HashMap<SocketAddr, Arc<EndpointLoad>>,
+) -> Arc<Endpoint> {
+    let load = loads.entry(addr).or_default().clone();
+    let addr_str: Arc<str> = addr.to_string().into();
+    // Instances without a Pod name are known by their address.
+    let unnamed = inst.id.parse::<SocketAddr>().is_ok() || inst.id.parse::<std::net::IpAddr>().is_ok();
+    let name: Arc<str> = match (unnamed, dp_rank) {
+        (true, _) => addr_str.clone(),
+        (false, None) => inst.id.clone(),
+        (false, Some(r)) => format!("{}-rank-{r}", inst.id).into(),
+    };
+    let mut domains = facts.map(|f| f.domains.clone()).unwrap_or_default();
+    for (level, value) in [("zone", &inst.zone), ("host", &inst.node)] {
+        if let Some(v) = value {
+            domains.entry(level.to_owned()).or_insert_with(|| v.to_string());
+        }
+    }
+    Arc::new(Endpoint {
+        addr,
+        name,
+        addr_str,
+        zone: inst.zone.clone(),
+        node: inst.node.clone(),
+        metadata_port: inst.metadata_port,
+        load,
+        role: facts.map_or(Role::Both, |f| f.role),
+        domains,
+        dp_rank,
+    })
 }
 
 /// The objects of a source that form the catalog: pools and models.

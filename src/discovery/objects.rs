@@ -49,6 +49,9 @@ pub struct InferencePool {
     pub namespace: Option<String>,
     pub selector: BTreeMap<String, String>,
     pub target_port: u16,
+    /// Every target port (`v1` `spec.targetPorts`, in order; `v1alpha2`: the one). With more than
+    /// one, each is a data-parallel rank of the pod (its index) and every (pod, port) an endpoint.
+    pub target_ports: Vec<u16>,
     /// The Service of the picker the pool names (`v1` `spec.endpointPickerRef.name`, `v1alpha2`
     /// `spec.extensionRef.name`).
     pub picker: Option<String>,
@@ -319,6 +322,7 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector,
                 target_port,
+                target_ports: vec![target_port],
                 picker,
                 failure_mode,
                 app_protocol: HttpVersion::Http1,
@@ -332,6 +336,18 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 .first()
                 .ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
             let target_port = port(K, &w.metadata.name, first.number)?;
+            let mut target_ports = Vec::with_capacity(w.spec.target_ports.len());
+            for p in &w.spec.target_ports {
+                let n = port(K, &w.metadata.name, p.number)?;
+                if target_ports.contains(&n) {
+                    return Err(invalid(
+                        K,
+                        &w.metadata.name,
+                        format!("spec.targetPorts lists {n} twice"),
+                    ));
+                }
+                target_ports.push(n);
+            }
             let (picker, failure_mode) = picker_ref(&w.metadata.name, w.spec.endpoint_picker_ref)?;
             let app_protocol = match w.spec.app_protocol.as_deref() {
                 None | Some("http") => HttpVersion::Http1,
@@ -349,6 +365,7 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector.match_labels,
                 target_port,
+                target_ports,
                 picker,
                 failure_mode,
                 app_protocol,

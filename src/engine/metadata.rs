@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
-use kvepp_core::Endpoint;
+use kvepp_core::{Endpoint, Role};
 
 use super::FetchError;
 use crate::metrics::EndpointLabels;
@@ -92,6 +92,17 @@ impl EngineMetadata {
 
     pub fn model_name(&self) -> Option<&str> {
         self.model.as_ref()?.name.as_deref()
+    }
+
+    /// The endpoint's role (an unknown value counts as `both`, with a warning).
+    pub fn role_kind(&self) -> Role {
+        match self.role.as_deref() {
+            None => Role::Both,
+            Some(r) => Role::parse(r).unwrap_or_else(|| {
+                tracing::warn!(role = r, "unknown role in /metadata (expected prefill, decode or both); treated as both");
+                Role::Both
+            }),
+        }
     }
 
     /// (rank, publisher, replay) for every rank with a valid number; others are skipped.
@@ -234,13 +245,13 @@ struct Due {
 
 /// Keeps `md` up to date for every ready endpoint with a `metadata` port, woken by pool changes
 /// (`pool`) and by the next due fetch, never by polling; `on_update` sees each new or changed
-/// document. An endpoint whose document cannot be fetched stays routable with defaults
+/// document, and `None` when an endpoint's document is dropped (it left, or lost its port). An endpoint whose document cannot be fetched stays routable with defaults
 /// and is marked in `missing` (1) until a fetch succeeds.
 pub async fn run_fetcher(
     mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
     settings: FetchSettings,
-    on_update: impl Fn(&EngineMetadata) + Send + Sync + 'static,
+    on_update: impl Fn(SocketAddr, Option<&EngineMetadata>) + Send + Sync + 'static,
     missing: Family<EndpointLabels, Gauge>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -260,6 +271,7 @@ pub async fn run_fetcher(
             if !keep {
                 md.remove(addr);
                 missing.remove(&label(addr));
+                on_update(*addr, None);
             }
             keep
         });
@@ -296,7 +308,7 @@ pub async fn run_fetcher(
                     if md.set(addr, doc.clone()) {
                         tracing::info!(endpoint = %addr, model = doc.model_name(), block_size = doc.block_size(),
                             kv_event_ranks = doc.kv_event_sources().len(), "engine metadata updated");
-                        on_update(&doc);
+                        on_update(addr, Some(&doc));
                     }
                 }
                 Err(e) => {

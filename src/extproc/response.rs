@@ -19,6 +19,9 @@ pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
 pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
 /// The candidates' scores (header and `envoy.lb` metadata key), with `emit_endpoint_scores`.
 pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
+/// Request header naming the prefill worker of a disaggregated pick (`ip:port`), as the llm-d
+/// routing sidecar on the decode worker reads it.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
@@ -64,9 +67,19 @@ pub fn routing_mutation(
     if let Some(scores) = &pick.scores {
         set_headers.push(set_header(SCORES_KEY, scores_json(scores).into_bytes()));
     }
+    // The prefill worker when the pick has one; otherwise whatever the client sent goes (it
+    // must not steer a decode worker's sidecar to a prefill worker of its choosing).
+    let mut remove_headers = Vec::new();
+    match &pick.pairing {
+        Some(p) => set_headers.push(set_header(
+            PREFILLER_HEADER,
+            p.prefill.addr_str.as_bytes().to_vec(),
+        )),
+        None => remove_headers.push(PREFILLER_HEADER.to_owned()),
+    }
     HeaderMutation {
         set_headers,
-        remove_headers: Vec::new(),
+        remove_headers,
     }
 }
 

@@ -493,6 +493,19 @@ impl StreamState {
                 "picked by the load-only picker (least in-flight requests, or round robin)"
             }
         );
+        if let Some(p) = &pick.pairing {
+            tracing::debug!(
+                prefill = %p.prefill.name,
+                prefill_addr = %p.prefill.addr_str,
+                decode = %pick.primary.name,
+                prefill_domain = p.prefill_domain.as_deref(),
+                decode_domain = p.decode_domain.as_deref(),
+                crossed = p.crossed,
+                transfer_ms = p.transfer_ms,
+                "disaggregated pick: prefill worker hands its KV cache to the decode worker"
+            );
+            shared.metrics.count_pair(p);
+        }
         if let Some(kv) = &pick.kv {
             let mode = routed.mode.as_str();
             shared.metrics.count_prefix_mode(mode);

@@ -87,7 +87,9 @@ pub fn apply_batch(
 }
 
 /// Where one endpoint's ranks publish: its `/metadata` `kv_events` when it has them, else
-/// `tcp://<address>:<port>` (rank 0) when KV events are enabled in the configuration.
+/// `tcp://<address>:<port>` (rank 0) when KV events are enabled in the configuration. An endpoint
+/// that is one data-parallel rank of its pod (a pool with several target ports) takes only its own
+/// rank's publisher: the metadata's entry for it, else the configured port plus the rank.
 fn sources_of(
     ep: &Endpoint,
     md: Option<&EngineMetadata>,
@@ -107,17 +109,23 @@ fn sources_of(
                 },
             )
         })
+        .filter(|(rank, _)| ep.dp_rank.is_none_or(|own| own == *rank))
         .collect();
     if !from_md.is_empty() || !cfg.enabled {
         return from_md;
     }
+    let rank = ep.dp_rank.unwrap_or(0);
+    let offset = |port: u16| u16::try_from(rank).ok().and_then(|r| port.checked_add(r));
     // SocketAddr's Display brackets IPv6 addresses, as ZMQ endpoints need.
     let at = |port| format!("tcp://{}", std::net::SocketAddr::new(ep.addr.ip(), port));
+    let Some(port) = offset(cfg.port) else {
+        return Vec::new();
+    };
     vec![(
-        0,
+        rank,
         Source {
-            endpoint: at(cfg.port),
-            replay_endpoint: cfg.replay_port.map(at),
+            endpoint: at(port),
+            replay_endpoint: cfg.replay_port.and_then(offset).map(at),
             topic: cfg.topic.clone(),
         },
     )]
@@ -398,5 +406,30 @@ mod tests {
             ..cfg
         };
         assert!(sources_of(&endpoint("10.0.0.7:8000"), None, &off).is_empty());
+    }
+
+    #[test]
+    fn a_rank_endpoint_takes_only_its_own_publisher() {
+        let cfg = KvEventsConfig {
+            enabled: true,
+            port: 5557,
+            replay_port: Some(5600),
+            topic: String::new(),
+        };
+        let mut rank1 = endpoint("10.0.0.7:8001");
+        rank1.dp_rank = Some(1);
+        let own = sources_of(&rank1, None, &cfg);
+        assert_eq!(own.len(), 1);
+        assert_eq!((own[0].0, own[0].1.endpoint.as_str()), (1, "tcp://10.0.0.7:5558"));
+        assert_eq!(own[0].1.replay_endpoint.as_deref(), Some("tcp://10.0.0.7:5601"));
+        let md = EngineMetadata::parse(
+            br#"{"kv_events": {"endpoints": {"0": "tcp://10.0.0.7:6000", "1": "tcp://10.0.0.7:6001"}}}"#,
+        )
+        .expect("metadata");
+        let from_md = sources_of(&rank1, Some(&md), &cfg);
+        assert_eq!(from_md.len(), 1);
+        assert_eq!((from_md[0].0, from_md[0].1.endpoint.as_str()), (1, "tcp://10.0.0.7:6001"));
+        // A one-port endpoint of a data-parallel engine still takes every rank.
+        assert_eq!(sources_of(&endpoint("10.0.0.7:8000"), Some(&md), &cfg).len(), 2);
     }
 }

@@ -86,6 +86,12 @@ impl Rejection {
             PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
                 Rejection::new(503, "subset_no_match", e.to_string())
             }
+            PickError::NoDecodeEndpoints => {
+                Rejection::new(503, "no_decode_endpoints", e.to_string())
+            }
+            PickError::TopologyMismatch { .. } => {
+                Rejection::new(503, "topology_mismatch", e.to_string())
+            }
         }
     }
 }

@@ -20,7 +20,9 @@ pub mod tls;
 use crate::api::{self, ApiState};
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
-use crate::discovery::{feed_instances, Datastore, ManifestDir, PoolRef, ServiceDiscovery};
+use crate::discovery::{
+    feed_instances, Datastore, EndpointFacts, ManifestDir, PoolRef, ServiceDiscovery,
+};
 use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
@@ -210,6 +212,7 @@ pub async fn run(
         kv_cache_threshold: em.kv_cache_threshold,
         stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
     };
+    let md = Arc::new(MetadataStore::default());
     let kv = match cfg.picker {
         PickerKind::LeastLoaded | PickerKind::RoundRobin => None,
         PickerKind::KvAware | PickerKind::ApproximatePrefix => {
@@ -224,29 +227,12 @@ pub async fn run(
                 table_seed: fastrand::u64(..),
                 ..KvSettings::default()
             }));
-            let md = Arc::new(MetadataStore::default());
-            let learn = kv.clone();
-            tasks.push(tokio::spawn(crate::engine::metadata::run_fetcher(
-                store.watch(),
-                md.clone(),
-                cfg.engine_metadata,
-                move |doc| {
-                    if let Some(bs) = doc.block_size() {
-                        learn.learn_block_size(bs);
-                    }
-                    if let Some(name) = doc.model_name() {
-                        learn.learn_base_model(name);
-                    }
-                },
-                metrics.metadata_missing.clone(),
-                stop_rx.clone(),
-            )));
             // Approximate prefix routing never reads the engines' KV events.
             if !approximate_only {
                 tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
                     kv.clone(),
                     store.watch(),
-                    md,
+                    md.clone(),
                     cfg.kv_events.clone(),
                     metrics.clone(),
                     stop_rx.clone(),
@@ -255,6 +241,37 @@ pub async fn run(
             Some(kv)
         }
     };
+    {
+        // Every picker reads the endpoints' metadata: roles and topology for disaggregated
+        // pools; block size, base model (and KV-event sockets) for the KV-aware one.
+        let learn = kv.clone();
+        let facts_store = store.clone();
+        tasks.push(tokio::spawn(crate::engine::metadata::run_fetcher(
+            store.watch(),
+            md.clone(),
+            cfg.engine_metadata,
+            move |addr, doc| {
+                facts_store.apply_metadata(
+                    addr,
+                    doc.map(|d| EndpointFacts {
+                        role: d.role_kind(),
+                        domains: d.topology_domains.clone(),
+                    }),
+                );
+                let (Some(doc), Some(kv)) = (doc, &learn) else {
+                    return;
+                };
+                if let Some(bs) = doc.block_size() {
+                    kv.learn_block_size(bs);
+                }
+                if let Some(name) = doc.model_name() {
+                    kv.learn_base_model(name);
+                }
+            },
+            metrics.metadata_missing.clone(),
+            stop_rx.clone(),
+        )));
+    }
     if em.enabled {
         let learn = kv.clone();
         let pool_store = store.clone();
@@ -300,7 +317,8 @@ pub async fn run(
             Router::load_only(Box::new(RoundRobin::default()), saturation)
         }
         (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
-    });
+    }
+    .with_disaggregation(cfg.disaggregation.clone()));
     tasks.push(tokio::spawn(crate::upkeep::run(
         router.clone(),
         store.watch(),

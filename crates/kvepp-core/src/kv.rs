@@ -406,7 +406,11 @@ impl KvState {
                 });
             }
         }
-        let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
+        let costs: Vec<f64> = loads
+            .iter()
+            .enumerate()
+            .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0))
+            .collect();
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
         let in_flight = |i: usize| candidates[i].load.in_flight();

@@ -15,13 +15,16 @@ impl Picker for LeastLoaded {
         _: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> Ranked {
-        let load = |i: usize| candidates[i].load.in_flight();
+        // Requests in flight, plus the caller's bias (a decode pick's transfer cost) when given.
+        let load = |i: usize| {
+            f64::from(candidates[i].load.in_flight()) + ctx.bias.get(i).copied().unwrap_or(0.0)
+        };
         let best = argmin(candidates.len(), None, load, &mut ctx.rng);
         let second = (candidates.len() > 1)
             .then(|| argmin(candidates.len(), Some(best), load, &mut ctx.rng));
         if let Some(scores) = &mut ctx.scores {
             scores.clear();
-            scores.extend((0..candidates.len()).map(|i| 1.0 / (1.0 + f64::from(load(i)))));
+            scores.extend((0..candidates.len()).map(|i| 1.0 / (1.0 + load(i).max(0.0))));
         }
         Ranked {
             best,
@@ -36,11 +39,11 @@ impl Picker for LeastLoaded {
 fn argmin(
     n: usize,
     skip: Option<usize>,
-    key: impl Fn(usize) -> u32,
+    key: impl Fn(usize) -> f64,
     rng: &mut fastrand::Rng,
 ) -> usize {
     let mut best = usize::MAX;
-    let mut best_key = u32::MAX;
+    let mut best_key = f64::INFINITY;
     let mut ties = 0u32;
     for i in (0..n).filter(|&i| Some(i) != skip) {
         let k = key(i);

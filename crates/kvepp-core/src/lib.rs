@@ -12,6 +12,8 @@
 //! - [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival).
 //! - [`catalog`]: the HTTP services' registered workers by (model, tenant), over [`kv`]'s
 //!   rank-level selection and booking.
+//! - [`disagg`]: prefill/decode roles and the topology-constrained pairing of a disaggregated
+//!   pick.
 //! - [`router`]: the one entry point: request facts + pool → decision with its booking.
 //!
 //! Invariants kept here: a pick only names a candidate; a booking is released exactly once (on
@@ -19,6 +21,7 @@
 
 pub mod catalog;
 pub mod cost;
+pub mod disagg;
 pub mod hash;
 pub mod index;
 pub mod kv;
@@ -30,6 +33,7 @@ mod round_robin;
 pub mod router;
 pub mod slots;
 
+pub use disagg::{MismatchPolicy, Pairing, Role, TransferSettings};
 pub use hash::{LocalBlockHash, SequenceHash};
 pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;

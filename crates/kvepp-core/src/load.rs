@@ -65,6 +65,7 @@ impl EndpointLoad {
             load: self.clone(),
             first_byte_seen: false,
             slot: None,
+            prefill: None,
         }
     }
 }
@@ -76,6 +77,9 @@ pub struct Booking {
     first_byte_seen: bool,
     /// The KV-aware picker's slot-tracker booking, when it picked.
     slot: Option<super::kv::SlotGuard>,
+    /// A disaggregated pick's prefill leg: released when the response starts (the prefill worker
+    /// has handed the KV cache over by then) or with this booking.
+    prefill: Option<Box<Booking>>,
 }
 
 impl Booking {
@@ -85,8 +89,20 @@ impl Booking {
         self
     }
 
+    /// Adds the prefill leg of a disaggregated pick (released at the first response byte).
+    pub fn with_prefill(mut self, prefill: Booking) -> Self {
+        self.prefill = Some(Box::new(prefill));
+        self
+    }
+
+    /// Whether the prefill leg of a disaggregated pick is still booked.
+    pub fn prefill_pending(&self) -> bool {
+        self.prefill.is_some()
+    }
+
     /// The response has started (prefill is over, in engine terms). Idempotent.
     pub fn first_byte(&mut self) {
+        self.prefill = None;
         if let Some(s) = &mut self.slot {
             s.first_byte();
         }
@@ -107,6 +123,8 @@ impl Booking {
         if seen {
             moved.first_byte();
         }
+        // The prefill leg ran (or runs) where it was booked, whoever decodes.
+        moved.prefill = self.prefill.take();
         *self = moved;
     }
 }

@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::disagg::{Domains, Pairing, Role};
 use crate::kv::{KvDecision, PromptBlocks};
 use crate::load::EndpointLoad;
 
@@ -65,6 +66,13 @@ pub struct Endpoint {
     pub metadata_port: Option<u16>,
     /// Live load counters; shared across discovery updates for the same address.
     pub load: Arc<EndpointLoad>,
+    /// Prefill, decode or both (from its metadata; both unless told).
+    pub role: Role,
+    /// Topology domains (level → value): its metadata's `topology_domains`, else the
+    /// EndpointSlice's `zone` and `nodeName` as `zone` and `host`.
+    pub domains: Domains,
+    /// The data-parallel rank this endpoint is, when the pool lists one target port per rank.
+    pub dp_rank: Option<u32>,
 }
 
 impl Endpoint {
@@ -79,7 +87,15 @@ impl Endpoint {
             node: None,
             metadata_port: None,
             load: Arc::new(EndpointLoad::default()),
+            role: Role::Both,
+            domains: Domains::new(),
+            dp_rank: None,
         }
+    }
+
+    /// The endpoint's value of topology level `level`, when it has one.
+    pub fn domain(&self, level: &str) -> Option<&str> {
+        self.domains.get(level).map(String::as_str)
     }
 }
 
@@ -121,6 +137,8 @@ pub struct Pick {
     pub kv: Option<KvDecision>,
     /// Every candidate's score (`[0, 1]`, higher is better), when the context asked for them.
     pub scores: Option<Vec<(Arc<Endpoint>, f64)>>,
+    /// In a disaggregated pool, the prefill worker that hands its KV cache to the primary.
+    pub pairing: Option<Pairing>,
 }
 
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
@@ -141,6 +159,15 @@ pub enum PickError {
     NoEligibleInSubset(usize),
     #[error("all {0} eligible endpoints are saturated")]
     Saturated(usize),
+    #[error("no ready decode endpoint in the disaggregated pool")]
+    NoDecodeEndpoints,
+    #[error("no decode worker in the prefill worker {prefill}'s {level} {}; kv_transfer_mismatch_policy is fail", .domain.as_deref().map_or_else(|| "(it has no such topology domain)".to_owned(), |d| format!("{d:?}")))]
+    TopologyMismatch {
+        level: String,
+        /// The prefill worker's value of the level (None: it has none).
+        domain: Option<String>,
+        prefill: String,
+    },
 }
 
 /// What a pick takes from the outside world: randomness (ties, temperature sampling) and the
@@ -152,6 +179,9 @@ pub struct PickContext {
     pub now: Instant,
     /// `Some`: the picker writes every candidate's score here (one per candidate, in order).
     pub scores: Option<Vec<f64>>,
+    /// Extra cost per candidate (in order), added to the picker's own (a decode pick's KV
+    /// transfer cost); empty: none. Consumed by the pick.
+    pub bias: Vec<f64>,
 }
 
 impl PickContext {
@@ -161,6 +191,7 @@ impl PickContext {
             rng,
             now,
             scores: None,
+            bias: Vec::new(),
         }
     }
 
@@ -280,6 +311,20 @@ impl Selector {
                 }
             }
         }
+        if !ctx.bias.is_empty() && candidates.len() != endpoints.len() {
+            // The bias follows `endpoints`; keep each surviving candidate's own.
+            let bias = std::mem::take(&mut ctx.bias);
+            ctx.bias = candidates
+                .iter()
+                .map(|c| {
+                    endpoints
+                        .iter()
+                        .position(|e| Arc::ptr_eq(e, c))
+                        .and_then(|i| bias.get(i).copied())
+                        .unwrap_or(0.0)
+                })
+                .collect();
+        }
         let r = self.picker.rank(&candidates, req.prompt, ctx);
         let primary = candidates[r.best].clone();
         let fallback = r
@@ -293,11 +338,13 @@ impl Selector {
                 .map(|(e, v)| (Arc::clone(e), v))
                 .collect()
         });
+        ctx.bias.clear();
         Ok(Pick {
             primary,
             fallback,
             kv: r.kv,
             scores,
+            pairing: None,
         })
     }
 

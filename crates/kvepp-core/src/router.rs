@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::disagg::{Pairing, TransferSettings};
 use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks};
 use crate::load::Booking;
 use crate::pick::{
@@ -69,6 +70,7 @@ pub struct Decision {
 pub struct Router {
     selector: Selector,
     kv: Option<Arc<KvState>>,
+    disagg: TransferSettings,
 }
 
 impl Router {
@@ -77,6 +79,7 @@ impl Router {
         Router {
             selector: Selector::new(Box::new(KvPicker(kv.clone())), saturation),
             kv: Some(kv),
+            disagg: TransferSettings::default(),
         }
     }
 
@@ -85,7 +88,19 @@ impl Router {
         Router {
             selector: Selector::new(picker, saturation),
             kv: None,
+            disagg: TransferSettings::default(),
         }
+    }
+
+    /// How disaggregated pools pair prefill and decode workers (topology level, mismatch
+    /// policy, transfer cost).
+    pub fn with_disaggregation(mut self, settings: TransferSettings) -> Self {
+        self.disagg = settings;
+        self
+    }
+
+    pub fn disaggregation(&self) -> &TransferSettings {
+        &self.disagg
     }
 
     /// The KV-aware state, when the picker is KV-aware (event ingestion feeds its index).
@@ -98,7 +113,9 @@ impl Router {
         self.kv.is_some()
     }
 
-    /// Hashes the prompt, picks among `endpoints` and books the primary.
+    /// Hashes the prompt, picks among `endpoints` and books the primary. In a disaggregated pool
+    /// (some endpoint only prefills or only decodes) the primary is the decode worker and the
+    /// pick's [`Pick::pairing`] names the prefill worker; both are booked.
     pub fn route(
         &self,
         facts: &RequestFacts<'_>,
@@ -109,27 +126,151 @@ impl Router {
             .kv
             .as_ref()
             .and_then(|kv| prompt_blocks(kv, facts.model, &facts.prompt));
+        if TransferSettings::is_disaggregated(endpoints) {
+            return self.route_disaggregated(facts, endpoints, prompt.as_ref(), ctx);
+        }
+        self.route_among(facts, endpoints, prompt.as_ref(), ctx)
+    }
+
+    /// One pick among `endpoints`, booked with its full prefill.
+    fn route_among(
+        &self,
+        facts: &RequestFacts<'_>,
+        endpoints: &[Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        ctx: &mut PickContext,
+    ) -> Result<Decision, PickError> {
         let pick = self.selector.pick(
             endpoints,
             &PickRequest {
                 priority: facts.priority,
                 admission: facts.admission,
                 subset: facts.subset,
-                prompt: prompt.as_ref(),
+                prompt,
             },
             ctx,
         )?;
-        let mut booking = pick.primary.load.book();
-        let mut mode = PrefixMode::None;
-        if let (Some(kv), Some(d)) = (&self.kv, &pick.kv) {
-            mode = d.mode;
-            booking = booking.with_slot(kv.book(
-                &pick.primary,
-                prompt.as_ref(),
-                d.effective_prefill_tokens,
-                ctx.now,
-            ));
+        let effective = pick.kv.map(|d| d.effective_prefill_tokens);
+        let booking = self.book(&pick.primary, prompt, effective, ctx);
+        Ok(Decision {
+            mode: pick.kv.map_or(PrefixMode::None, |d| d.mode),
+            pick,
+            booking,
+        })
+    }
+
+    /// Books `ep`: its in-flight count and, for a KV-aware pick (`effective` prefill tokens
+    /// known), the slot tracker.
+    fn book(
+        &self,
+        ep: &Arc<Endpoint>,
+        prompt: Option<&PromptBlocks>,
+        effective: Option<u64>,
+        ctx: &PickContext,
+    ) -> Booking {
+        let booking = ep.load.book();
+        match (&self.kv, effective) {
+            (Some(kv), Some(tokens)) => booking.with_slot(kv.book(ep, prompt, tokens, ctx.now)),
+            _ => booking,
         }
+    }
+
+    /// A disaggregated pick: the prefill worker by the KV-aware cost (among those with a decode
+    /// worker in their domain first), then the decode worker under the topology constraint with
+    /// the transfer cost added. Short prompts (or a pool without prefill workers) go to a decode
+    /// worker alone, which prefills them itself.
+    fn route_disaggregated(
+        &self,
+        facts: &RequestFacts<'_>,
+        endpoints: &[Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        ctx: &mut PickContext,
+    ) -> Result<Decision, PickError> {
+        let decode: Vec<Arc<Endpoint>> = endpoints
+            .iter()
+            .filter(|e| e.role.decodes())
+            .cloned()
+            .collect();
+        if decode.is_empty() {
+            return Err(PickError::NoDecodeEndpoints);
+        }
+        let isl = prompt.map_or(0, |p| p.isl_tokens);
+        let prefill: Vec<Arc<Endpoint>> = endpoints
+            .iter()
+            .filter(|e| e.role.prefills())
+            .cloned()
+            .collect();
+        if prefill.is_empty() || prompt.is_none() || isl < self.disagg.prefill_threshold_tokens {
+            return self.route_among(facts, &decode, prompt, ctx);
+        }
+        let prefill = self.disagg.prefill_candidates(prefill, &decode);
+        // The subset hint names where the proxy may send the request: the decode worker. Scores,
+        // when asked for, are the decode candidates'.
+        let scores = ctx.scores.take();
+        let p = self.selector.pick(
+            &prefill,
+            &PickRequest {
+                priority: facts.priority,
+                admission: facts.admission,
+                subset: None,
+                prompt,
+            },
+            ctx,
+        );
+        ctx.scores = scores;
+        let p = p?;
+        let cands = self.disagg.decode_candidates(&p.primary, &decode, isl)?;
+        ctx.bias = cands.bias;
+        // Decode cost: the decode worker's active load (and the transfer), not the prompt's
+        // prefill, which the prefill worker does.
+        let mut pick = self.selector.pick(
+            &cands.endpoints,
+            &PickRequest {
+                priority: facts.priority,
+                admission: facts.admission,
+                subset: facts.subset,
+                prompt: None,
+            },
+            ctx,
+        )?;
+        let prefill_kv = p.kv;
+        let mode = prefill_kv.map_or(PrefixMode::None, |d| d.mode);
+        if pick.primary.addr == p.primary.addr {
+            // One worker does both: no transfer, an ordinary booking.
+            pick.kv = prefill_kv;
+            let booking = self.book(
+                &pick.primary,
+                prompt,
+                prefill_kv.map(|d| d.effective_prefill_tokens),
+                ctx,
+            );
+            return Ok(Decision {
+                pick,
+                mode,
+                booking,
+            });
+        }
+        let prefill_booking = self.book(
+            &p.primary,
+            prompt,
+            prefill_kv.map(|d| d.effective_prefill_tokens),
+            ctx,
+        );
+        let booking = self
+            .book(&pick.primary, prompt, prefill_kv.map(|_| 0), ctx)
+            .with_prefill(prefill_booking);
+        let level = self.disagg.kv_transfer_topology_level.as_deref();
+        let domain = |e: &Endpoint| level.and_then(|l| e.domain(l)).map(str::to_owned);
+        let bytes = isl as f64 * self.disagg.kv_bytes_per_token as f64;
+        pick.pairing = Some(Pairing {
+            prefill_domain: domain(&p.primary),
+            decode_domain: domain(&pick.primary),
+            crossed: cands.crossed,
+            transfer_ms: self.disagg.transfer_ms(&p.primary, &pick.primary, bytes),
+            prefill_kv,
+            prefill: p.primary,
+        });
+        pick.kv = prefill_kv;
         Ok(Decision {
             pick,
             mode,
@@ -182,3 +323,6 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: &Prompt<'_>) -> Opti
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod pd_tests;

@@ -46,6 +46,7 @@ impl RouteRequest for Fixed {
                 fallback: None,
                 kv: None,
                 scores: None,
+                pairing: None,
             },
             mode: PrefixMode::None,
             booking: self.ep.load.book(),
