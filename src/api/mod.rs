@@ -35,6 +35,7 @@ pub struct ApiState {
 pub fn router(state: ApiState, access: &auth::Access) -> Router {
     let debug = Router::new()
         .route("/debug/kv-index", get(kv_index))
+        .route("/debug/endpoints", get(endpoints))
         .with_state(state.clone());
     let open = Router::new()
         .route("/metrics", get(metrics))
@@ -93,7 +94,7 @@ async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
 }
 
 /// `{"endpoints": {"<ip:port>": {"name": .., "blocks": [sequence hashes, sorted]}}}`: what the
-/// KV-event index believes each ready endpoint caches (rank 0), in the EPP's block hashes.
+/// KV-event index believes each ready endpoint caches (rank 0, or the endpoint's own rank), in the EPP's block hashes.
 async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
     let Some(kv) = &st.kv else {
         return (
@@ -110,7 +111,7 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
     for e in &snap.endpoints {
         let rank = WorkerRank {
             worker: worker_id(&e.addr_str),
-            dp_rank: 0,
+            dp_rank: e.dp_rank.unwrap_or(0),
         };
         let blocks: Vec<u64> = index.rank_sequences(rank).iter().map(|h| h.0).collect();
         out.insert(
@@ -122,6 +123,23 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
         StatusCode::OK,
         serde_json::json!({"block_size": kv.block_size(), "endpoints": out}).to_string(),
     )
+}
+
+/// `{"endpoints": [{"addr", "name", "role", "topology_domains", "data_parallel_rank",
+/// "in_flight"}]}`: the ready endpoints as the picker sees them (roles and topology come from
+/// their `/metadata`).
+async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
+    let snap = st.store.snapshot();
+    let list: Vec<serde_json::Value> = snap
+        .endpoints
+        .iter()
+        .map(|e| {
+            serde_json::json!({"addr": &*e.addr_str, "name": &*e.name, "role": e.role.as_str(),
+                "topology_domains": e.domains, "data_parallel_rank": e.dp_rank,
+                "in_flight": e.load.in_flight()})
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "endpoints": list }))
 }
 
 /// The KV index snapshot another replica recovers from (`kvepp-index-dump/1`).

@@ -321,13 +321,17 @@ impl Datastore {
                 };
                 vec![(port, None)]
             } else {
-                ranks.iter().zip(0u32..).map(|(&p, r)| (p, Some(r))).collect()
+                ranks
+                    .iter()
+                    .zip(0u32..)
+                    .map(|(&p, r)| (p, Some(r)))
+                    .collect()
             };
             for (port, dp_rank) in ports {
                 let addr = SocketAddr::new(inst.ip, port);
-                endpoints
-                    .entry(addr)
-                    .or_insert_with(|| endpoint(inst, addr, dp_rank, st.facts.get(&addr), &mut loads));
+                endpoints.entry(addr).or_insert_with(|| {
+                    endpoint(inst, addr, dp_rank, st.facts.get(&addr), &mut loads)
+                });
             }
         }
         // Forget counters of endpoints that are gone and that nothing refers to any more (no booking,
@@ -351,7 +355,8 @@ fn endpoint(
     let load = loads.entry(addr).or_default().clone();
     let addr_str: Arc<str> = addr.to_string().into();
     // Instances without a Pod name are known by their address.
-    let unnamed = inst.id.parse::<SocketAddr>().is_ok() || inst.id.parse::<std::net::IpAddr>().is_ok();
+    let unnamed =
+        inst.id.parse::<SocketAddr>().is_ok() || inst.id.parse::<std::net::IpAddr>().is_ok();
     let name: Arc<str> = match (unnamed, dp_rank) {
         (true, _) => addr_str.clone(),
         (false, None) => inst.id.clone(),
@@ -360,7 +365,9 @@ fn endpoint(
     let mut domains = facts.map(|f| f.domains.clone()).unwrap_or_default();
     for (level, value) in [("zone", &inst.zone), ("host", &inst.node)] {
         if let Some(v) = value {
-            domains.entry(level.to_owned()).or_insert_with(|| v.to_string());
+            domains
+                .entry(level.to_owned())
+                .or_insert_with(|| v.to_string());
         }
     }
     Arc::new(Endpoint {

@@ -99,7 +99,10 @@ impl EngineMetadata {
         match self.role.as_deref() {
             None => Role::Both,
             Some(r) => Role::parse(r).unwrap_or_else(|| {
-                tracing::warn!(role = r, "unknown role in /metadata (expected prefill, decode or both); treated as both");
+                tracing::warn!(
+                    role = r,
+                    "unknown role in /metadata (expected prefill, decode or both); treated as both"
+                );
                 Role::Both
             }),
         }

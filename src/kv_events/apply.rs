@@ -420,16 +420,28 @@ mod tests {
         rank1.dp_rank = Some(1);
         let own = sources_of(&rank1, None, &cfg);
         assert_eq!(own.len(), 1);
-        assert_eq!((own[0].0, own[0].1.endpoint.as_str()), (1, "tcp://10.0.0.7:5558"));
-        assert_eq!(own[0].1.replay_endpoint.as_deref(), Some("tcp://10.0.0.7:5601"));
+        assert_eq!(
+            (own[0].0, own[0].1.endpoint.as_str()),
+            (1, "tcp://10.0.0.7:5558")
+        );
+        assert_eq!(
+            own[0].1.replay_endpoint.as_deref(),
+            Some("tcp://10.0.0.7:5601")
+        );
         let md = EngineMetadata::parse(
             br#"{"kv_events": {"endpoints": {"0": "tcp://10.0.0.7:6000", "1": "tcp://10.0.0.7:6001"}}}"#,
         )
         .expect("metadata");
         let from_md = sources_of(&rank1, Some(&md), &cfg);
         assert_eq!(from_md.len(), 1);
-        assert_eq!((from_md[0].0, from_md[0].1.endpoint.as_str()), (1, "tcp://10.0.0.7:6001"));
+        assert_eq!(
+            (from_md[0].0, from_md[0].1.endpoint.as_str()),
+            (1, "tcp://10.0.0.7:6001")
+        );
         // A one-port endpoint of a data-parallel engine still takes every rank.
-        assert_eq!(sources_of(&endpoint("10.0.0.7:8000"), Some(&md), &cfg).len(), 2);
+        assert_eq!(
+            sources_of(&endpoint("10.0.0.7:8000"), Some(&md), &cfg).len(),
+            2
+        );
     }
 }

@@ -311,14 +311,16 @@ pub async fn run(
             tracing::warn!(error = %e, "starting without a recovered KV index");
         }
     }
-    let router = Arc::new(match (&kv, cfg.picker) {
-        (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
-        (None, PickerKind::RoundRobin) => {
-            Router::load_only(Box::new(RoundRobin::default()), saturation)
+    let router = Arc::new(
+        match (&kv, cfg.picker) {
+            (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
+            (None, PickerKind::RoundRobin) => {
+                Router::load_only(Box::new(RoundRobin::default()), saturation)
+            }
+            (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
         }
-        (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
-    }
-    .with_disaggregation(cfg.disaggregation.clone()));
+        .with_disaggregation(cfg.disaggregation.clone()),
+    );
     tasks.push(tokio::spawn(crate::upkeep::run(
         router.clone(),
         store.watch(),

@@ -39,6 +39,8 @@ pub struct Job {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
     pub out: mpsc::UnboundedSender<Output>,
+    /// The prompt's KV cache came from a prefill engine: only its last token is computed here.
+    pub kv_transferred: bool,
 }
 
 /// Live counters (what `/metrics` shows).
@@ -53,6 +55,9 @@ pub struct Counters {
     pub generation_tokens: AtomicU64,
     pub finished: AtomicU64,
     pub aborted: AtomicU64,
+    /// KV caches pulled from prefill engines, and the simulated time they took (µs).
+    pub kv_transfers: AtomicU64,
+    pub kv_transfer_us: AtomicU64,
 }
 
 struct Seq {
@@ -144,7 +149,11 @@ pub async fn run(
                 prompt_tokens,
                 cached_tokens: adm.cached_tokens,
                 // At least the last prompt token is computed.
-                prefill_left: (prompt_tokens - adm.cached_tokens).max(1),
+                prefill_left: if job.kv_transferred {
+                    1
+                } else {
+                    (prompt_tokens - adm.cached_tokens).max(1)
+                },
                 generated: 0,
                 unsent: 0,
                 blocks: need,

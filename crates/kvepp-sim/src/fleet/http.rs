@@ -1,13 +1,16 @@
 //! A simulated engine's HTTP surface (OpenAI completions and chat, `/metadata`, `/metrics`,
 //! `/health`, `/debug/cache`).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -16,9 +19,16 @@ use tokio::sync::mpsc;
 
 use super::engine::{EngineCore, Job, Output, Usage};
 use kvepp::request::tokenize::ModelTokenizer;
+use kvepp_core::disagg::Domains;
 
 /// Response header naming the engine that served a request.
 pub const ENGINE_HEADER: &str = "x-sim-engine";
+
+/// Every engine's topology domains by address (filled as the fleet starts).
+pub type Peers = Arc<RwLock<HashMap<SocketAddr, Domains>>>;
+
+/// The request header naming the prefill engine of a disaggregated pick (set by the EPP).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 
 #[derive(Debug, Clone)]
 pub struct EngineApp {
@@ -27,6 +37,10 @@ pub struct EngineApp {
     pub core: Arc<EngineCore>,
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     pub metadata: Arc<String>,
+    /// This engine's own address and topology.
+    pub addr: SocketAddr,
+    pub domains: Domains,
+    pub peers: Peers,
 }
 
 pub fn router(app: EngineApp) -> Router {
@@ -64,12 +78,89 @@ enum Api {
     Chat,
 }
 
-async fn completions(State(a): State<EngineApp>, body: Bytes) -> Response {
-    serve(a, body, Api::Completions).await
+async fn completions(State(a): State<EngineApp>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(a, &headers, body, Api::Completions).await
 }
 
-async fn chat(State(a): State<EngineApp>, body: Bytes) -> Response {
-    serve(a, body, Api::Chat).await
+async fn chat(State(a): State<EngineApp>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(a, &headers, body, Api::Chat).await
+}
+
+/// The prefill hop of a disaggregated request, as the llm-d routing sidecar runs it: the prompt
+/// goes to the prefill engine (one output token), then its KV cache crosses the network to this
+/// engine in the time the topology between the two takes. The prefill engine when the KV cache
+/// arrived; None (this engine prefills itself) when the header is absent, names this engine, or
+/// the prefill engine failed.
+async fn remote_prefill(
+    a: &EngineApp,
+    headers: &HeaderMap,
+    model: &str,
+    tokens: &[u32],
+) -> Option<SocketAddr> {
+    let Some(prefiller) = headers
+        .get(PREFILLER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<SocketAddr>().ok())
+    else {
+        return None;
+    };
+    if prefiller == a.addr {
+        return None;
+    }
+    let body = json!({"model": model, "prompt": tokens, "max_tokens": 1}).to_string();
+    let json = [("content-type", "application/json")];
+    let ok = match kvepp_test_support::client::request(
+        prefiller,
+        "POST",
+        "/v1/completions",
+        &json,
+        body.into(),
+    )
+    .await
+    {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            // Wait for the whole answer: the prefill is done when it ends.
+            let _ = http_body_util::BodyExt::collect(r.into_body()).await;
+            ok
+        }
+        Err(e) => {
+            tracing::warn!(engine = &*a.name, prefiller = %prefiller, error = %e, "prefill engine unreachable; prefilling locally");
+            false
+        }
+    };
+    if !ok {
+        return None;
+    }
+    let theirs = a
+        .peers
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&prefiller)
+        .cloned()
+        .unwrap_or_default();
+    let ms = a
+        .core
+        .params
+        .transfer_ms(&a.domains, &theirs, tokens.len() as u64);
+    a.core.counters.kv_transfers.fetch_add(1, Ordering::Relaxed);
+    a.core
+        .counters
+        .kv_transfer_us
+        .fetch_add((ms * 1000.0) as u64, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+    Some(prefiller)
+}
+
+/// Response header naming the prefill engine whose KV cache a decode engine used.
+pub const PREFILLED_BY_HEADER: &str = "x-sim-prefilled-by";
+
+fn with_prefilled_by(mut r: Response, by: Option<SocketAddr>) -> Response {
+    if let Some(v) = by.and_then(|a| HeaderValue::from_str(&a.to_string()).ok()) {
+        r.headers_mut()
+            .insert(header::HeaderName::from_static(PREFILLED_BY_HEADER), v);
+    }
+    r
 }
 
 /// The prompt's token ids: ids as given, else the tokenizer's, else one token per byte.
@@ -107,7 +198,7 @@ fn prompt_tokens(
     }
 }
 
-async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
+async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Response {
     let v: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v @ serde_json::Value::Object(_)) => v,
         Ok(_) => {
@@ -149,11 +240,13 @@ async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
         .pointer("/stream_options/include_usage")
         .and_then(|s| s.as_bool())
         == Some(true);
+    let prefilled_by = remote_prefill(&a, headers, model, &tokens).await;
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         tokens,
         max_tokens,
         out: tx,
+        kv_transferred: prefilled_by.is_some(),
     };
     if a.jobs.send(job).is_err() {
         return error(
@@ -199,7 +292,7 @@ async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
                 ))
             },
         ));
-        return (
+        let r = (
             [
                 (
                     header::CONTENT_TYPE,
@@ -210,6 +303,7 @@ async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
             body,
         )
             .into_response();
+        return with_prefilled_by(r, prefilled_by);
     }
     let mut rx = rx;
     let mut n = 0u32;
@@ -217,7 +311,7 @@ async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
         match o {
             Output::Tokens(k) => n += k,
             Output::Finished(u) => {
-                return (
+                let r = (
                     [
                         (
                             header::CONTENT_TYPE,
@@ -227,7 +321,8 @@ async fn serve(a: EngineApp, body: Bytes, api: Api) -> Response {
                     ],
                     reply.full(n, &u),
                 )
-                    .into_response()
+                    .into_response();
+                return with_prefilled_by(r, prefilled_by);
             }
         }
     }

@@ -17,7 +17,7 @@ pub mod engine;
 pub mod events;
 mod http;
 
-pub use http::ENGINE_HEADER;
+pub use http::{ENGINE_HEADER, PREFILLED_BY_HEADER};
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -26,6 +26,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use kvepp::request::tokenize::ModelTokenizer;
+use kvepp_core::disagg::{Domains, LevelQos, LinkQos};
+use kvepp_core::Role;
 
 /// The time model and sizes of every engine. Defaults: roughly Llama-3.1-8B (bf16) under vLLM on
 /// one H100 80GB.
@@ -54,10 +56,19 @@ pub struct SimParams {
     pub stream_interval: u32,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: u32,
+    /// Disaggregated serving: KV-cache bytes per prompt token a decode engine pulls from its
+    /// prefill engine (8B bf16: 128 KiB).
+    pub kv_bytes_per_token: u64,
+    /// The network a KV transfer crosses, narrowest shared topology level first (the first level
+    /// whose value both engines share sets latency and bandwidth).
+    pub transfer_qos: Vec<LevelQos>,
+    /// Between engines that share no level.
+    pub cross_domain_qos: LinkQos,
 }
 
 impl Default for SimParams {
     fn default() -> Self {
+        let transfer = kvepp_core::TransferSettings::default();
         SimParams {
             model: "meta-llama/Llama-3.1-8B-Instruct".into(),
             block_size: 16,
@@ -69,7 +80,24 @@ impl Default for SimParams {
             decode_us_per_seq: 60.0,
             stream_interval: 1,
             default_max_tokens: 16,
+            // The router's default estimate of the network, as the simulated truth.
+            kv_bytes_per_token: transfer.kv_bytes_per_token,
+            transfer_qos: transfer.transfer_qos,
+            cross_domain_qos: transfer.cross_domain_qos,
         }
+    }
+}
+
+impl SimParams {
+    /// Milliseconds to move the KV cache of `tokens` prompt tokens between engines with these
+    /// topology domains (0 within one engine's own domains object, i.e. the same engine).
+    pub fn transfer_ms(&self, a: &Domains, b: &Domains, tokens: u64) -> f64 {
+        let link = self
+            .transfer_qos
+            .iter()
+            .find(|l| a.get(&l.level).is_some_and(|v| b.get(&l.level) == Some(v)))
+            .map_or(&self.cross_domain_qos, |l| &l.qos);
+        link.transfer_ms(tokens as f64 * self.kv_bytes_per_token as f64)
     }
 }
 
@@ -148,6 +176,40 @@ pub struct FleetSpec {
     pub ip: IpAddr,
     /// InferencePool (and Service) name in the generated manifests.
     pub pool_name: String,
+    /// Role and topology of engine `i` (missing entries: `both`, no topology).
+    pub layout: Vec<EngineLayout>,
+}
+
+/// One engine's place in a disaggregated fleet.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineLayout {
+    pub role: Role,
+    /// Topology domains (`zone`, `host`, ...), published in `/metadata` `topology_domains`.
+    pub domains: Domains,
+}
+
+impl EngineLayout {
+    /// `prefill` engines first, then `decode` ones; engine `i` is in zone `zones[i % n]` on its
+    /// own host `host-i` (no zones: no topology).
+    pub fn disaggregated(prefill: usize, decode: usize, zones: &[String]) -> Vec<EngineLayout> {
+        (0..prefill + decode)
+            .map(|i| {
+                let mut domains = Domains::new();
+                if !zones.is_empty() {
+                    domains.insert("zone".into(), zones[i % zones.len()].clone());
+                    domains.insert("host".into(), format!("host-{i}"));
+                }
+                EngineLayout {
+                    role: if i < prefill {
+                        Role::Prefill
+                    } else {
+                        Role::Decode
+                    },
+                    domains,
+                }
+            })
+            .collect()
+    }
 }
 
 impl Default for FleetSpec {
@@ -158,6 +220,7 @@ impl Default for FleetSpec {
             tokenizer: None,
             ip: IpAddr::from([127, 0, 0, 1]),
             pool_name: "sim-pool".into(),
+            layout: Vec::new(),
         }
     }
 }
@@ -167,6 +230,7 @@ impl Default for FleetSpec {
 pub struct SimEngine {
     pub name: String,
     pub http: SocketAddr,
+    pub layout: EngineLayout,
     pub kv_events: events::Publisher,
     pub core: Arc<engine::EngineCore>,
 }
@@ -196,7 +260,10 @@ impl Fleet {
         };
         let mut engines = Vec::with_capacity(spec.engines);
         let mut tasks = Vec::new();
+        // Every engine's topology by address: what a decode engine's transfer crosses.
+        let peers: http::Peers = Default::default();
         for i in 0..spec.engines {
+            let layout = spec.layout.get(i).cloned().unwrap_or_default();
             let name = format!("sim-engine-{i}");
             let core = engine::EngineCore::new(spec.params.clone());
             let (jobs_tx, jobs_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -217,6 +284,7 @@ impl Fleet {
             let engine = SimEngine {
                 name: name.clone(),
                 http,
+                layout: layout.clone(),
                 kv_events,
                 core: core.clone(),
             };
@@ -226,7 +294,14 @@ impl Fleet {
                 core,
                 tokenizer: tokenizer.clone(),
                 metadata: Arc::new(metadata(&engine).to_string()),
+                addr: http,
+                domains: layout.domains.clone(),
+                peers: peers.clone(),
             });
+            peers
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(http, layout.domains);
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, app).await {
                     tracing::error!(%e, "simulated engine stopped");
@@ -255,6 +330,11 @@ impl Fleet {
 
     /// The manifests text.
     pub fn manifests(&self) -> String {
+        self.manifests_of(|_| true)
+    }
+
+    /// The manifests text with only the engines `keep` accepts (the others have left the pool).
+    pub fn manifests_of(&self, keep: impl Fn(&SimEngine) -> bool) -> String {
         let pool = &self.spec.pool_name;
         let model = &self.spec.params.model;
         let mut m = format!(
@@ -265,15 +345,20 @@ impl Fleet {
              metadata: {{name: sim-model}}\nspec:\n  modelName: {model:?}\n  criticality: Standard\n  poolRef: {{name: {pool}}}\n",
             n = self.engines.len()
         );
-        for e in &self.engines {
+        for e in self.engines.iter().filter(|e| keep(e)) {
             m += &format!(
                 "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
                  metadata: {{name: {name}, labels: {{kubernetes.io/service-name: {pool}}}}}\n\
-                 addressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n  targetRef: {{kind: Pod, name: {name}}}\n\
+                 addressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n  targetRef: {{kind: Pod, name: {name}}}\n{topology}\
                  ports:\n- {{name: http, port: {port}, protocol: TCP}}\n- {{name: metadata, port: {port}, protocol: TCP}}\n",
                 name = e.name,
                 ip = e.http.ip(),
-                port = e.http.port()
+                port = e.http.port(),
+                topology = ["zone", "host"]
+                    .iter()
+                    .zip(["zone", "nodeName"])
+                    .filter_map(|(level, key)| Some(format!("  {key}: {:?}\n", e.layout.domains.get(*level)?)))
+                    .collect::<String>(),
             );
         }
         m
@@ -290,7 +375,8 @@ fn metadata(e: &SimEngine) -> serde_json::Value {
             "data_parallel_size": 1}},
         "kv_events": {"endpoints": {"0": e.kv_events.endpoint},
                       "replay_endpoints": {"0": e.kv_events.replay_endpoint}},
-        "role": "both",
+        "role": e.layout.role.as_str(),
+        "topology_domains": e.layout.domains,
     })
 }
 
@@ -318,6 +404,13 @@ pub struct SimArgs {
     /// Print the default parameters as YAML and exit.
     #[arg(long)]
     pub print_params: bool,
+    /// Disaggregated fleet: the first N engines prefill, the others decode (0: every engine
+    /// does both).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_engines: usize,
+    /// Topology zones, comma-separated: engine i is in zone i mod n, on its own host.
+    #[arg(long, value_delimiter = ',')]
+    pub zones: Vec<String>,
 }
 
 impl SimArgs {
@@ -332,6 +425,17 @@ impl SimArgs {
             tokenizer: self.tokenizer.clone(),
             ip: self.bind_address,
             pool_name: self.pool_name.clone(),
+            layout: if self.prefill_engines > 0 || !self.zones.is_empty() {
+                let prefill = self.prefill_engines.min(self.engines);
+                let mut l =
+                    EngineLayout::disaggregated(prefill, self.engines - prefill, &self.zones);
+                if prefill == 0 {
+                    l.iter_mut().for_each(|e| e.role = Role::Both);
+                }
+                l
+            } else {
+                Vec::new()
+            },
         })
     }
 }
@@ -351,8 +455,13 @@ pub async fn run(
     );
     for e in &fleet.engines {
         println!(
-            "  {}  http://{}  kv-events {} (replay {})",
-            e.name, e.http, e.kv_events.endpoint, e.kv_events.replay_endpoint
+            "  {}  http://{}  kv-events {} (replay {})  role {}  {:?}",
+            e.name,
+            e.http,
+            e.kv_events.endpoint,
+            e.kv_events.replay_endpoint,
+            e.layout.role.as_str(),
+            e.layout.domains
         );
     }
     println!(
