@@ -418,3 +418,49 @@ fn http_services_take_the_seed_flags() {
         "--replica-sync-peers",
     );
 }
+
+#[test]
+fn worker_agent_exits_naming_the_topology_file_that_never_appeared() {
+    let dir = TempDir::new("agent-topology");
+    std::fs::write(dir.path().join("rack"), "r1").unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "worker-agent",
+            "--component",
+            "pool",
+            "--registry",
+            "manifests",
+            "--manifests-dir",
+        ])
+        .arg(dir.path())
+        .arg("--topology-dir")
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--topology-wait-seconds", "0"])
+        .env("DYN_TOPOLOGY_ENABLED", "true")
+        .env("DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL", "zone")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "must exit non-zero");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let file = dir.path().join("zone").display().to_string();
+    assert!(err.contains(&file), "the message names {file}:\n{err}");
+    assert!(err.contains("DYN_TOPOLOGY_ENABLED"), "{err}");
+}
+
+#[test]
+fn dynamo_topology_variables_reach_the_router_config() {
+    let bad = Command::new(BIN)
+        .args(["serve", "--pool-name", "p", "--manifests-dir"])
+        .arg(std::env::temp_dir())
+        .env("DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY", "sometimes")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains(
+            "DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY: \"sometimes\" is not fail or fallback"
+        ),
+        "{err}"
+    );
+}

@@ -10,6 +10,12 @@
 //!   answers 200 and the instance is set ready; 503 otherwise. A failing probe is what takes the
 //!   pod out of its EndpointSlices.
 //!
+//! With `DYN_TOPOLOGY_ENABLED=true` the agent first reads the pod's topology levels from the
+//! Downward API volume ([`topology`]), waiting for the level the router constrains KV transfers to
+//! (`DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL`) and exiting with an error naming its file when it never
+//! appears; the levels are published as `topology_domains`. Without `--role`, the role comes from
+//! the pod label `--role-label` (Downward API labels file).
+//!
 //! On SIGTERM the instance is set unready at once (the probe fails, the EPP stops routing to it)
 //! and the agent keeps serving for `--drain-seconds` so in-flight requests finish.
 
@@ -32,6 +38,8 @@ use crate::discovery::kubernetes::KubeRegistry;
 use crate::discovery::service::{Instance, InstanceHandle, RegistryError, ServiceRegistry};
 use crate::discovery::ManifestRegistry;
 use crate::engine::metadata::{EngineMetadata, KvEventsInfo, ModelInfo, RuntimeConfig};
+
+pub mod topology;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RegistryKind {
@@ -88,9 +96,32 @@ pub struct AgentArgs {
     /// `prefill`, `decode` or `both`.
     #[arg(long)]
     pub role: Option<String>,
-    /// Topology domains, `key=value` (repeatable), e.g. `zone=us-east-1a`.
+    /// Topology domains, `key=value` (repeatable), e.g. `zone=us-east-1a`; override the files.
     #[arg(long = "topology", value_parser = parse_kv)]
     pub topology: Vec<(String, String)>,
+    /// Read the topology levels from `--topology-dir` at start (the operator sets it).
+    #[arg(long, env = "DYN_TOPOLOGY_ENABLED", default_value_t = false, num_args = 0..=1,
+          default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub topology_enabled: bool,
+    /// The Downward API volume with one file per topology level.
+    #[arg(
+        long,
+        env = "DYN_TOPOLOGY_DIR",
+        default_value = "/etc/podinfo/topology"
+    )]
+    pub topology_dir: PathBuf,
+    /// The level the router keeps KV transfers within: its file must appear, or the agent exits.
+    #[arg(long, env = "DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL")]
+    pub topology_level: Option<String>,
+    /// How long to wait for that level's file, in seconds.
+    #[arg(long, env = "DYN_TOPOLOGY_WAIT_SECONDS", default_value_t = 60)]
+    pub topology_wait_seconds: u64,
+    /// Pod label holding the role when `--role` is not given (read from `--labels-file`).
+    #[arg(long, default_value = "llm-d.ai/role")]
+    pub role_label: String,
+    /// Levels read from `--topology-dir` at start (not a flag).
+    #[arg(skip)]
+    pub topology_from_files: topology::Domains,
     /// The pod's name: the instance id.
     #[arg(long, env = "POD_NAME", default_value = "")]
     pub pod_name: String,
@@ -130,6 +161,8 @@ pub enum AgentError {
     MetadataFile { path: PathBuf, message: String },
     #[error("HTTP server: {0}")]
     Serve(std::io::Error),
+    #[error(transparent)]
+    Topology(#[from] topology::MissingLevel),
     #[error("cannot bind {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -210,11 +243,50 @@ impl AgentArgs {
                     .unwrap_or_default(),
             });
         }
-        for (k, v) in &self.topology {
+        // The file document, then the Downward API levels, then the flags.
+        for (k, v) in self
+            .topology_from_files
+            .iter()
+            .chain(self.topology.iter().map(|(k, v)| (k, v)))
+        {
             md.topology_domains.insert(k.clone(), v.clone());
         }
         overlay(&mut md.role, &self.role);
         md
+    }
+}
+
+impl AgentArgs {
+    /// The pod's topology (Downward API files, when enabled) and, without `--role`, its role
+    /// label.
+    async fn discover_place(&mut self) -> Result<(), AgentError> {
+        if self.topology_enabled {
+            let level = self.topology_level.as_deref().filter(|l| !l.is_empty());
+            let dir = self.topology_dir.clone();
+            self.topology_from_files = topology::wait_for_level(
+                &dir,
+                level,
+                Duration::from_secs(self.topology_wait_seconds),
+                Duration::from_millis(500),
+                |n| {
+                    if n == 1 {
+                        tracing::info!(dir = %dir.display(), level, "waiting for the topology level's file");
+                    }
+                },
+            )
+            .await?;
+            tracing::info!(domains = ?self.topology_from_files, "topology read from the Downward API volume");
+        }
+        if self.role.is_none() {
+            if let Ok(text) = std::fs::read_to_string(&self.labels_file) {
+                let labels = crate::discovery::kubernetes::parse_downward_labels(&text);
+                if let Some(role) = labels.get(&self.role_label) {
+                    tracing::info!(role = %role, label = %self.role_label, "role from the pod label");
+                    self.role = Some(role.clone());
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -296,10 +368,11 @@ pub async fn main(args: AgentArgs) -> Result<(), AgentError> {
 /// Registers, serves `/metadata` and `/health` on `listener`, keeps both current, until `shutdown`
 /// completes; then unready, and serving for `drain`.
 pub async fn run(
-    args: AgentArgs,
+    mut args: AgentArgs,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    args.discover_place().await?;
     let interval = Duration::from_millis(args.check_interval_ms.max(10));
     let engine = Arc::new(EngineHealth::parse(
         &args.engine_health_url,

@@ -542,4 +542,75 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn kv_transfer_topology_from_file_and_environment() {
+        let file: Config = serde_yaml::from_str(
+            "disaggregation:\n  kv_transfer_topology_level: rack\n  kv_transfer_mismatch_policy: fallback\n  kv_transfer_weight: 2.5\n  prefill_threshold_tokens: 256\n  transfer_qos: [{level: rack, latency_ms: 0.1, bandwidth_gb_per_s: 40}]\n",
+        )
+        .unwrap();
+        let d = &file.disaggregation;
+        assert_eq!(d.kv_transfer_topology_level.as_deref(), Some("rack"));
+        assert_eq!(
+            d.kv_transfer_mismatch_policy,
+            kvepp_core::MismatchPolicy::Fallback
+        );
+        assert_eq!(
+            (d.kv_transfer_weight, d.prefill_threshold_tokens),
+            (2.5, 256)
+        );
+        assert_eq!(d.transfer_qos.len(), 1);
+        // Unset by default: no filtering, fail when set.
+        let def = Config::default().disaggregation;
+        assert_eq!(def.kv_transfer_topology_level, None);
+        assert_eq!(
+            def.kv_transfer_mismatch_policy,
+            kvepp_core::MismatchPolicy::Fail
+        );
+        // The variables override the file.
+        let mut t = file.disaggregation.clone();
+        let vars = [
+            ("DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL", "zone"),
+            ("DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY", "fail"),
+        ];
+        let get = |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        transfer_from_env(&mut t, get).unwrap();
+        assert_eq!(t.kv_transfer_topology_level.as_deref(), Some("zone"));
+        assert_eq!(
+            t.kv_transfer_mismatch_policy,
+            kvepp_core::MismatchPolicy::Fail
+        );
+        // An empty level variable unsets the level; a bad policy or weight is reported by name.
+        let errs = transfer_from_env(&mut t, |k: &str| match k {
+            "DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL" => Some(String::new()),
+            "DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY" => Some("maybe".into()),
+            "DYN_ROUTER_KV_TRANSFER_WEIGHT" => Some("heavy".into()),
+            _ => None,
+        })
+        .unwrap_err();
+        assert_eq!(t.kv_transfer_topology_level, None);
+        let fields: Vec<&str> = errs.iter().map(|e| e.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY",
+                "DYN_ROUTER_KV_TRANSFER_WEIGHT"
+            ]
+        );
+        let bad = Config {
+            disaggregation: kvepp_core::TransferSettings {
+                kv_transfer_weight: -1.0,
+                ..Default::default()
+            },
+            ..Config::default()
+        };
+        let errs = bad.validate().unwrap_err();
+        assert!(errs
+            .iter()
+            .any(|e| e.field == "disaggregation" && e.message.contains("kv_transfer_weight")));
+    }
 }

@@ -112,8 +112,17 @@ impl LinkQos {
 pub struct LevelQos {
     /// The level's name, as in the workers' `topology_domains` (`host`, `rack`, `zone`, ...).
     pub level: String,
-    #[serde(flatten)]
-    pub qos: LinkQos,
+    pub latency_ms: f64,
+    pub bandwidth_gb_per_s: f64,
+}
+
+impl LevelQos {
+    pub fn qos(&self) -> LinkQos {
+        LinkQos {
+            latency_ms: self.latency_ms,
+            bandwidth_gb_per_s: self.bandwidth_gb_per_s,
+        }
+    }
 }
 
 /// Disaggregation and KV-transfer topology settings (config section `disaggregation`; the two
@@ -146,10 +155,8 @@ impl Default for TransferSettings {
     fn default() -> Self {
         let level = |level: &str, latency_ms, bandwidth_gb_per_s| LevelQos {
             level: level.into(),
-            qos: LinkQos {
-                latency_ms,
-                bandwidth_gb_per_s,
-            },
+            latency_ms,
+            bandwidth_gb_per_s,
         };
         TransferSettings {
             prefill_threshold_tokens: 0,
@@ -193,8 +200,8 @@ impl TransferSettings {
         let links = self
             .transfer_qos
             .iter()
-            .map(|l| &l.qos)
-            .chain([&self.cross_domain_qos]);
+            .map(LevelQos::qos)
+            .chain([self.cross_domain_qos]);
         for q in links {
             if !(q.latency_ms.is_finite()
                 && q.latency_ms >= 0.0
@@ -303,19 +310,16 @@ impl TransferSettings {
 
     /// The link between two workers: the first level of the table whose value they share, else
     /// the cross-domain link; none for the same worker.
-    pub fn link(&self, a: &Endpoint, b: &Endpoint) -> Option<&LinkQos> {
+    pub fn link(&self, a: &Endpoint, b: &Endpoint) -> Option<LinkQos> {
         if a.addr == b.addr {
             return None;
         }
-        Some(
-            self.transfer_qos
-                .iter()
-                .find(|l| {
-                    a.domain(&l.level)
-                        .is_some_and(|v| b.domain(&l.level) == Some(v))
-                })
-                .map_or(&self.cross_domain_qos, |l| &l.qos),
-        )
+        Some(link_between(
+            &self.transfer_qos,
+            self.cross_domain_qos,
+            &a.domains,
+            &b.domains,
+        ))
     }
 
     /// Milliseconds to move `bytes` of KV cache from `a` to `b`.
@@ -326,6 +330,15 @@ impl TransferSettings {
 
 /// Topology domains of an endpoint: level → value.
 pub type Domains = BTreeMap<String, String>;
+
+/// The link between two workers with domains `a` and `b`: the first level of `table` whose value
+/// they share, else `cross`.
+pub fn link_between(table: &[LevelQos], cross: LinkQos, a: &Domains, b: &Domains) -> LinkQos {
+    table
+        .iter()
+        .find(|l| a.get(&l.level).is_some_and(|v| b.get(&l.level) == Some(v)))
+        .map_or(cross, LevelQos::qos)
+}
 
 /// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
 /// (the pick's primary) takes over.

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use kvepp::request::tokenize::ModelTokenizer;
-use kvepp_core::disagg::{Domains, LevelQos, LinkQos};
+use kvepp_core::disagg::{link_between, Domains, LevelQos, LinkQos};
 use kvepp_core::Role;
 
 /// The time model and sizes of every engine. Defaults: roughly Llama-3.1-8B (bf16) under vLLM on
@@ -90,14 +90,10 @@ impl Default for SimParams {
 
 impl SimParams {
     /// Milliseconds to move the KV cache of `tokens` prompt tokens between engines with these
-    /// topology domains (0 within one engine's own domains object, i.e. the same engine).
+    /// topology domains.
     pub fn transfer_ms(&self, a: &Domains, b: &Domains, tokens: u64) -> f64 {
-        let link = self
-            .transfer_qos
-            .iter()
-            .find(|l| a.get(&l.level).is_some_and(|v| b.get(&l.level) == Some(v)))
-            .map_or(&self.cross_domain_qos, |l| &l.qos);
-        link.transfer_ms(tokens as f64 * self.kv_bytes_per_token as f64)
+        link_between(&self.transfer_qos, self.cross_domain_qos, a, b)
+            .transfer_ms(tokens as f64 * self.kv_bytes_per_token as f64)
     }
 }
 
@@ -161,6 +157,16 @@ impl SimParams {
         ];
         if times.iter().any(|t| !t.is_finite() || *t < 0.0) || self.step_overhead_us <= 0.0 {
             return bad("step_overhead_us must be > 0 and the per-token costs ≥ 0");
+        }
+        let links = self
+            .transfer_qos
+            .iter()
+            .map(LevelQos::qos)
+            .chain([self.cross_domain_qos]);
+        for l in links {
+            if !(l.latency_ms >= 0.0 && l.bandwidth_gb_per_s > 0.0 && l.latency_ms.is_finite()) {
+                return bad("transfer links need latency_ms ≥ 0 and bandwidth_gb_per_s > 0");
+            }
         }
         Ok(())
     }
