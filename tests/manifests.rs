@@ -406,7 +406,27 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .iter()
         .map(|e| e["name"].as_str().unwrap())
         .collect();
-    assert_eq!(env, ["POD_NAME", "POD_NAMESPACE", "POD_IP"]);
+    assert_eq!(
+        env,
+        ["POD_NAME", "POD_NAMESPACE", "POD_IP", "DYN_TOPOLOGY_ENABLED"]
+    );
+    // One file per topology level, projected from the pod's labels into the directory the agent
+    // reads by default (its `--topology-dir`).
+    let items = pod["spec"]["volumes"][0]["downwardAPI"]["items"]
+        .as_sequence()
+        .unwrap();
+    let mount = agent["volumeMounts"][0]["mountPath"].as_str().unwrap();
+    assert!(help.contains("/etc/podinfo/topology"), "{help}");
+    let levels: Vec<(&str, &str)> = items
+        .iter()
+        .filter_map(|i| {
+            let path = i["path"].as_str()?.strip_prefix("topology/")?;
+            Some((path, i["fieldRef"]["fieldPath"].as_str()?))
+        })
+        .collect();
+    assert_eq!(mount, "/etc/podinfo");
+    assert!(levels.contains(&("zone", "metadata.labels['grove.io/topology.zone']")));
+    assert!(levels.len() >= 2, "{levels:?}");
     // The pool's headless Service selects the pods and publishes the http and metadata ports.
     let svc = find(&d, "Service")
         .into_iter()
