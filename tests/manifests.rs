@@ -408,7 +408,12 @@ fn vllm_example_wires_the_worker_agent_to_the_pool() {
         .collect();
     assert_eq!(
         env,
-        ["POD_NAME", "POD_NAMESPACE", "POD_IP", "DYN_TOPOLOGY_ENABLED"]
+        [
+            "POD_NAME",
+            "POD_NAMESPACE",
+            "POD_IP",
+            "DYN_TOPOLOGY_ENABLED"
+        ]
     );
     // One file per topology level, projected from the pod's labels into the directory the agent
     // reads by default (its `--topology-dir`).

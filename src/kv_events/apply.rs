@@ -180,6 +180,9 @@ pub async fn run_manager(
                         worker_id(&ep.addr_str),
                         ep.addr_str.clone(),
                         *rank,
+                        // An endpoint that is one rank: its publisher's events are that rank's,
+                        // whatever rank its batches carry.
+                        ep.dp_rank.is_some(),
                         source.clone(),
                         metrics.clone(),
                         stop_rx,
@@ -264,6 +267,7 @@ pub async fn run_registered(
                 w.worker,
                 w.label.clone(),
                 w.rank,
+                false,
                 w.source.clone(),
                 metrics.clone(),
                 stop_rx,
@@ -287,6 +291,7 @@ async fn subscription(
     worker: u64,
     endpoint: Arc<str>,
     rank: u32,
+    pin_rank: bool,
     source: Source,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
@@ -325,7 +330,10 @@ async fn subscription(
         };
         if let Some(d) = delivery {
             match d {
-                Delivery::Batch { batch, .. } => {
+                Delivery::Batch { mut batch, .. } => {
+                    if pin_rank {
+                        batch.data_parallel_rank = None;
+                    }
                     ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
                     let applied = {
                         let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
