@@ -142,6 +142,7 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
         seed: 7,
     });
     let spec = BenchSpec {
+        layout: Vec::new(),
         engines: 3,
         params: params(80),
         envoy: envoy_bin(),

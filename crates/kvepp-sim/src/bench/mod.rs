@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::fleet::{Fleet, FleetSpec, SimParams};
+use crate::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
 use kvepp::config::{Config, PickerKind};
 use kvepp_test_support::envoy::EnvoyProcess;
 pub use kvepp_test_support::wait_until;
@@ -81,9 +81,48 @@ impl Policy {
     }
 }
 
+/// How a disaggregated fleet's KV transfers are constrained (the design's settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Topology {
+    /// No topology: the decode worker is picked by load alone.
+    Off,
+    /// `kv_transfer_topology_level: zone` (policy `fail`).
+    Hard,
+    /// `kv_transfer_weight` only: the transfer cost joins the decode cost.
+    Soft,
+    /// Both: the zone filter, then the transfer cost within the zone.
+    HardSoft,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Off => "topology off",
+            Topology::Hard => "hard filter",
+            Topology::Soft => "soft preference",
+            Topology::HardSoft => "hard + soft",
+        }
+    }
+
+    /// `base`'s disaggregation settings for this mode (`weight` for the soft ones).
+    pub fn apply(self, base: &mut Config, weight: f64) {
+        let d = &mut base.disaggregation;
+        let (level, w) = match self {
+            Topology::Off => (None, 0.0),
+            Topology::Hard => (Some("zone"), 0.0),
+            Topology::Soft => (None, weight),
+            Topology::HardSoft => (Some("zone"), weight),
+        };
+        d.kv_transfer_topology_level = level.map(str::to_owned);
+        d.kv_transfer_weight = w;
+    }
+}
+
 /// One replay's setup.
 #[derive(Debug, Clone)]
 pub struct BenchSpec {
+    /// Roles and topology of the engines (empty: every engine does both, no topology).
+    pub layout: Vec<EngineLayout>,
     pub engines: usize,
     pub params: SimParams,
     pub envoy: PathBuf,
@@ -162,6 +201,7 @@ pub async fn run_policy(
     let fleet = Fleet::start(FleetSpec {
         engines: spec.engines,
         params: spec.params.clone(),
+        layout: spec.layout.clone(),
         ..FleetSpec::default()
     })
     .await?;
@@ -203,6 +243,32 @@ pub async fn run_policy(
         })
         .await
         .map_err(BenchError::Kvepp)?;
+        let roles = spec
+            .layout
+            .iter()
+            .filter(|l| l.role != kvepp_core::Role::Both)
+            .count();
+        if roles > 0 {
+            wait_until(
+                "every engine's role from its /metadata",
+                deadline,
+                || async {
+                    let (_, text) =
+                        kvepp_test_support::client::fetch(kvepp.0.metrics, "/debug/endpoints")
+                            .await
+                            .ok()?;
+                    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                    let known = v["endpoints"]
+                        .as_array()?
+                        .iter()
+                        .filter(|e| e["role"] != "both")
+                        .count();
+                    (known >= roles).then_some(())
+                },
+            )
+            .await
+            .map_err(BenchError::Kvepp)?;
+        }
         if policy == Policy::Precise {
             wait_until(
                 "KV event subscriptions to every engine",
@@ -343,6 +409,18 @@ pub struct BenchArgs {
     /// With several replicas, share picks (and routed prefixes) between them (KV-aware policies).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub replica_sync: bool,
+    /// Disaggregated fleet: the first N engines prefill, the rest decode (0: aggregated).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_engines: usize,
+    /// Zones, comma-separated: engine i is in zone i mod n, on its own host.
+    #[arg(long, value_delimiter = ',', default_value = "a,b")]
+    pub zones: Vec<String>,
+    /// With a disaggregated fleet: the topology modes to compare (each under every policy).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Topology::Off, Topology::Hard, Topology::Soft])]
+    pub topology: Vec<Topology>,
+    /// `kv_transfer_weight` of the soft modes.
+    #[arg(long, default_value_t = 5.0)]
+    pub kv_transfer_weight: f64,
 }
 
 /// Engine parameters of the shared-prefix workload: an 8B model on one H100 with a 64k-token KV
@@ -362,6 +440,18 @@ fn replicas_note(args: &BenchArgs) -> String {
         (n, true) => format!(", {n} kvepp replicas with replica sync"),
         (n, false) => format!(", {n} kvepp replicas without replica sync"),
     }
+}
+
+fn disaggregation_note(args: &BenchArgs) -> String {
+    if args.prefill_engines == 0 {
+        return String::new();
+    }
+    format!(
+        " ({} prefill, {} decode, zones {})",
+        args.prefill_engines.min(args.engines),
+        args.engines.saturating_sub(args.prefill_engines),
+        args.zones.join("/")
+    )
 }
 
 fn free_port() -> Result<u16, BenchError> {
@@ -391,9 +481,9 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                     ..workload::SharedPrefix::default()
                 };
                 let title = format!(
-                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines{}",
+                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines{}{}",
                     s.groups, s.system_tokens, s.user_tokens, s.rate, args.duration, args.engines,
-                    replicas_note(&args)
+                    replicas_note(&args), disaggregation_note(&args)
                 );
                 (
                     title,
@@ -405,10 +495,11 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             WorkloadKind::Mooncake => {
                 let r = workload::mooncake(&args.trace, args.trace_requests, args.max_output)?;
                 let title = format!(
-                    "Mooncake conversation trace: first {} requests at {}× speed, {} engines",
+                    "Mooncake conversation trace: first {} requests at {}× speed, {} engines{}",
                     r.len(),
                     args.speed,
-                    args.engines
+                    args.engines,
+                    disaggregation_note(&args)
                 );
                 let params = SimParams {
                     stream_interval: 16,
@@ -426,7 +517,14 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             requests.len(),
             ceiling * 100.0
         );
+        let disaggregated = args.prefill_engines > 0;
         let spec = BenchSpec {
+            layout: if disaggregated {
+                let p = args.prefill_engines.min(args.engines);
+                EngineLayout::disaggregated(p, args.engines - p, &args.zones)
+            } else {
+                Vec::new()
+            },
             engines: args.engines,
             params,
             envoy: args.envoy.clone(),
@@ -436,10 +534,27 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             replicas: args.replicas,
             replica_sync: args.replica_sync,
         };
+        let modes: Vec<Option<Topology>> = if disaggregated {
+            args.topology.iter().copied().map(Some).collect()
+        } else {
+            vec![None]
+        };
         let mut results = Vec::new();
-        for &policy in &args.policy {
+        for (&policy, mode) in args
+            .policy
+            .iter()
+            .flat_map(|p| modes.iter().map(move |m| (p, *m)))
+        {
+            let mut spec = spec.clone();
+            let name = match mode {
+                Some(t) => {
+                    t.apply(&mut spec.kvepp, args.kv_transfer_weight);
+                    format!("{} / {}", policy.name(), t.name())
+                }
+                None => policy.name().to_owned(),
+            };
             let (records, engines) = run_policy(&spec, policy, &requests).await?;
-            let r = report::summarize(policy.name(), &records, &engines);
+            let r = report::summarize(&name, &records, &engines);
             eprintln!(
                 "   {:<18} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  failed {}{}",
                 r.policy,
