@@ -5,12 +5,12 @@
 # zone; SimParams transfer_qos / cross_domain_qos). Compares the decode pick with topology off,
 # the hard zone filter (kv_transfer_topology_level: zone) and the soft preference
 # (kv_transfer_weight). Release build; results in bench/results/disaggregation/.
-# Usage: bench/disaggregation.sh [--duration S] [--rate R] (any bench-routing flag).
+# Usage: [DURATION=s] [RATE=r] bench/disaggregation.sh [other bench-routing flags].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
   --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy precise \
-  --topology off,hard,soft,hard-soft --duration 20 --rate 12 --groups 24 \
+  --topology off,hard,soft,hard-soft --duration "${DURATION:-20}" --rate "${RATE:-12}" --groups 24 \
   --out bench/results/disaggregation "$@"

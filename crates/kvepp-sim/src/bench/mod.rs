@@ -335,7 +335,13 @@ pub async fn run_policy(
             }
         }
     }
-    let engines = fleet.engines.iter().map(|e| e.name.clone()).collect();
+    // The engines that answer clients (a prefill engine only answers its decode engines).
+    let engines = fleet
+        .engines
+        .iter()
+        .filter(|e| e.layout.role.decodes())
+        .map(|e| e.name.clone())
+        .collect();
     envoy.stop().await;
     for kvepp in kvepps {
         kvepp.stop().await;

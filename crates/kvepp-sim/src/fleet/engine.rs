@@ -39,8 +39,10 @@ pub struct Job {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
     pub out: mpsc::UnboundedSender<Output>,
-    /// The prompt's KV cache came from a prefill engine: only its last token is computed here.
-    pub kv_transferred: bool,
+    /// The prompt's KV cache came from a prefill engine, which had this many of its tokens
+    /// cached: only the last token is computed here, and the usage reports the prefill engine's
+    /// cached tokens.
+    pub remote_cached_tokens: Option<u64>,
 }
 
 /// Live counters (what `/metrics` shows).
@@ -147,9 +149,9 @@ pub async fn run(
             c.blocks_in_use.fetch_add(need, Ordering::Relaxed);
             running.push(Seq {
                 prompt_tokens,
-                cached_tokens: adm.cached_tokens,
+                cached_tokens: job.remote_cached_tokens.unwrap_or(adm.cached_tokens),
                 // At least the last prompt token is computed.
-                prefill_left: if job.kv_transferred {
+                prefill_left: if job.remote_cached_tokens.is_some() {
                     1
                 } else {
                     (prompt_tokens - adm.cached_tokens).max(1)

@@ -88,15 +88,15 @@ async fn chat(State(a): State<EngineApp>, headers: HeaderMap, body: Bytes) -> Re
 
 /// The prefill hop of a disaggregated request, as the llm-d routing sidecar runs it: the prompt
 /// goes to the prefill engine (one output token), then its KV cache crosses the network to this
-/// engine in the time the topology between the two takes. The prefill engine when the KV cache
-/// arrived; None (this engine prefills itself) when the header is absent, names this engine, or
-/// the prefill engine failed.
+/// engine in the time the topology between the two takes. The prefill engine and the prompt
+/// tokens it found cached, when the KV cache arrived; None (this engine prefills itself) when the
+/// header is absent, names this engine, or the prefill engine failed.
 async fn remote_prefill(
     a: &EngineApp,
     headers: &HeaderMap,
     model: &str,
     tokens: &[u32],
-) -> Option<SocketAddr> {
+) -> Option<(SocketAddr, u64)> {
     let Some(prefiller) = headers
         .get(PREFILLER_HEADER)
         .and_then(|v| v.to_str().ok())
@@ -109,7 +109,7 @@ async fn remote_prefill(
     }
     let body = json!({"model": model, "prompt": tokens, "max_tokens": 1}).to_string();
     let json = [("content-type", "application/json")];
-    let ok = match kvepp_test_support::client::request(
+    let answer = match kvepp_test_support::client::request(
         prefiller,
         "POST",
         "/v1/completions",
@@ -118,20 +118,27 @@ async fn remote_prefill(
     )
     .await
     {
+        // Wait for the whole answer: the prefill is done when it ends.
+        Ok(r) if r.status().is_success() => http_body_util::BodyExt::collect(r.into_body())
+            .await
+            .ok()
+            .map(|b| b.to_bytes()),
         Ok(r) => {
-            let ok = r.status().is_success();
-            // Wait for the whole answer: the prefill is done when it ends.
-            let _ = http_body_util::BodyExt::collect(r.into_body()).await;
-            ok
+            tracing::warn!(engine = &*a.name, prefiller = %prefiller, status = %r.status(), "prefill engine failed; prefilling locally");
+            None
         }
         Err(e) => {
             tracing::warn!(engine = &*a.name, prefiller = %prefiller, error = %e, "prefill engine unreachable; prefilling locally");
-            false
+            None
         }
     };
-    if !ok {
-        return None;
-    }
+    let cached = serde_json::from_slice::<serde_json::Value>(&answer?)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/usage/prompt_tokens_details/cached_tokens")?
+                .as_u64()
+        })
+        .unwrap_or(0);
     let theirs = a
         .peers
         .read()
@@ -149,7 +156,7 @@ async fn remote_prefill(
         .kv_transfer_us
         .fetch_add((ms * 1000.0) as u64, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
-    Some(prefiller)
+    Some((prefiller, cached))
 }
 
 /// Response header naming the prefill engine whose KV cache a decode engine used.
@@ -240,13 +247,14 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         .pointer("/stream_options/include_usage")
         .and_then(|s| s.as_bool())
         == Some(true);
-    let prefilled_by = remote_prefill(&a, headers, model, &tokens).await;
+    let remote = remote_prefill(&a, headers, model, &tokens).await;
+    let prefilled_by = remote.map(|(by, _)| by);
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
         tokens,
         max_tokens,
         out: tx,
-        kv_transferred: prefilled_by.is_some(),
+        remote_cached_tokens: remote.map(|(_, cached)| cached),
     };
     if a.jobs.send(job).is_err() {
         return error(
