@@ -494,6 +494,67 @@ ports: [{name: grpc, port: 7001}]
 "#;
 
     #[test]
+    fn roles_and_topology_from_metadata_then_the_slice_and_one_endpoint_per_target_port() {
+        let st = store();
+        let objects = r#"
+apiVersion: inference.networking.k8s.io/v1
+kind: InferencePool
+metadata: {name: pool}
+spec: {selector: {matchLabels: {app: v}}, targetPorts: [{number: 8000}, {number: 8001}], endpointPickerRef: {name: kvepp}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: s1, labels: {kubernetes.io/service-name: pool}}
+endpoints: [{addresses: [10.0.0.1], targetRef: {name: pod-a}, zone: z1, nodeName: n1}]
+ports: [{name: metadata, port: 8090}]
+"#;
+        st.apply(&Inventory {
+            objects: parse_documents(objects.as_bytes()).unwrap(),
+        });
+        let snap = st.snapshot();
+        let got: Vec<(&str, &str, Option<u32>)> = snap
+            .endpoints
+            .iter()
+            .map(|e| (&*e.addr_str, &*e.name, e.dp_rank))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("10.0.0.1:8000", "pod-a-rank-0", Some(0)),
+                ("10.0.0.1:8001", "pod-a-rank-1", Some(1))
+            ]
+        );
+        // No metadata yet: both, and the slice's zone and node as `zone` and `host`.
+        let e = &snap.endpoints[1];
+        assert_eq!(e.role, Role::Both);
+        assert_eq!((e.domain("zone"), e.domain("host")), (Some("z1"), Some("n1")));
+        assert_eq!(e.metadata_port, Some(8090));
+        // The metadata's role and domains win; levels it does not name still come from the slice.
+        let addr: SocketAddr = "10.0.0.1:8001".parse().unwrap();
+        let facts = EndpointFacts {
+            role: Role::Decode,
+            domains: Domains::from([
+                ("zone".into(), "us-east-1a".into()),
+                ("rack".into(), "r7".into()),
+            ]),
+        };
+        st.apply_metadata(addr, Some(facts.clone()));
+        let snap = st.snapshot();
+        let e = &snap.endpoints[1];
+        assert_eq!(e.role, Role::Decode);
+        assert_eq!(
+            (e.domain("zone"), e.domain("rack"), e.domain("host")),
+            (Some("us-east-1a"), Some("r7"), Some("n1"))
+        );
+        assert_eq!(snap.endpoints[0].role, Role::Both, "only that rank's metadata");
+        // Unchanged facts make no new snapshot; dropped metadata restores the defaults.
+        st.apply_metadata(addr, Some(facts));
+        assert!(Arc::ptr_eq(&snap, &st.snapshot()));
+        st.apply_metadata(addr, None);
+        assert_eq!(st.snapshot().endpoints[1].role, Role::Both);
+    }
+
+    #[test]
     fn builds_pool_models_and_ready_endpoints() {
         let st = store();
         assert!(!*st.ready().borrow());
