@@ -13,7 +13,9 @@ export ENVOY_BIN
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
-# database this machine cannot fetch (see README, "Security").
+# database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's
+# crates (`cargo metadata`), so fetch them all first (a no-op when the registry cache has them).
+cargo fetch --locked --quiet
 .venv/bin/cargo-deny --config scripts/deny.toml --offline --locked --workspace --log-level error check licenses bans sources
 cargo clippy --locked --workspace --all-targets --quiet -- -D warnings
 cargo test --locked --workspace --all-targets "$@"

@@ -527,7 +527,10 @@ ports: [{name: metadata, port: 8090}]
         // No metadata yet: both, and the slice's zone and node as `zone` and `host`.
         let e = &snap.endpoints[1];
         assert_eq!(e.role, Role::Both);
-        assert_eq!((e.domain("zone"), e.domain("host")), (Some("z1"), Some("n1")));
+        assert_eq!(
+            (e.domain("zone"), e.domain("host")),
+            (Some("z1"), Some("n1"))
+        );
         assert_eq!(e.metadata_port, Some(8090));
         // The metadata's role and domains win; levels it does not name still come from the slice.
         let addr: SocketAddr = "10.0.0.1:8001".parse().unwrap();
@@ -546,7 +549,11 @@ ports: [{name: metadata, port: 8090}]
             (e.domain("zone"), e.domain("rack"), e.domain("host")),
             (Some("us-east-1a"), Some("r7"), Some("n1"))
         );
-        assert_eq!(snap.endpoints[0].role, Role::Both, "only that rank's metadata");
+        assert_eq!(
+            snap.endpoints[0].role,
+            Role::Both,
+            "only that rank's metadata"
+        );
         // Unchanged facts make no new snapshot; dropped metadata restores the defaults.
         st.apply_metadata(addr, Some(facts));
         assert!(Arc::ptr_eq(&snap, &st.snapshot()));

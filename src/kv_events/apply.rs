@@ -177,12 +177,14 @@ pub async fn run_manager(
                     let (stop_tx, stop_rx) = watch::channel(false);
                     tokio::spawn(subscription(
                         kv.clone(),
-                        worker_id(&ep.addr_str),
-                        ep.addr_str.clone(),
-                        *rank,
-                        // An endpoint that is one rank: its publisher's events are that rank's,
-                        // whatever rank its batches carry.
-                        ep.dp_rank.is_some(),
+                        Target {
+                            worker: worker_id(&ep.addr_str),
+                            endpoint: ep.addr_str.clone(),
+                            rank: *rank,
+                            // An endpoint that is one rank: its publisher's events are that
+                            // rank's, whatever rank its batches carry.
+                            pinned: ep.dp_rank.is_some(),
+                        },
                         source.clone(),
                         metrics.clone(),
                         stop_rx,
@@ -264,10 +266,12 @@ pub async fn run_registered(
             let (stop_tx, stop_rx) = watch::channel(false);
             tokio::spawn(subscription(
                 w.kv.clone(),
-                w.worker,
-                w.label.clone(),
-                w.rank,
-                false,
+                Target {
+                    worker: w.worker,
+                    endpoint: w.label.clone(),
+                    rank: w.rank,
+                    pinned: false,
+                },
                 w.source.clone(),
                 metrics.clone(),
                 stop_rx,
@@ -285,17 +289,29 @@ pub async fn run_registered(
     }
 }
 
-/// One rank's subscription: deliveries into the index, subscriber counters into metrics.
-async fn subscription(
-    kv: Arc<KvState>,
+/// Whose events a subscription delivers: the worker, its metric label, and the rank (`pinned`:
+/// every batch is that rank's, whatever rank it carries).
+struct Target {
     worker: u64,
     endpoint: Arc<str>,
     rank: u32,
-    pin_rank: bool,
+    pinned: bool,
+}
+
+/// One rank's subscription: deliveries into the index, subscriber counters into metrics.
+async fn subscription(
+    kv: Arc<KvState>,
+    target: Target,
     source: Source,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
 ) {
+    let Target {
+        worker,
+        endpoint,
+        rank,
+        pinned: pin_rank,
+    } = target;
     tracing::info!(endpoint = %endpoint, dp_rank = rank, events = %source.endpoint, "subscribing to KV events");
     let labels = EndpointLabels { endpoint };
     let (tx, mut rx) = mpsc::channel(64);

@@ -97,13 +97,10 @@ async fn remote_prefill(
     model: &str,
     tokens: &[u32],
 ) -> Option<(SocketAddr, u64)> {
-    let Some(prefiller) = headers
+    let prefiller = headers
         .get(PREFILLER_HEADER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<SocketAddr>().ok())
-    else {
-        return None;
-    };
+        .and_then(|v| v.parse::<SocketAddr>().ok())?;
     if prefiller == a.addr {
         return None;
     }
