@@ -296,6 +296,15 @@ impl Router {
     /// Whether any of `endpoints` can take a request now without being over its saturation
     /// limits (flow control dispatches queued requests only then).
     pub fn has_capacity(&self, endpoints: &[Arc<Endpoint>], now: Instant) -> bool {
+        if TransferSettings::is_disaggregated(endpoints) {
+            // The destination is a decode worker: capacity is a decode worker's.
+            let decode: Vec<Arc<Endpoint>> = endpoints
+                .iter()
+                .filter(|e| e.role.decodes())
+                .cloned()
+                .collect();
+            return self.selector.has_capacity(&decode, now);
+        }
         self.selector.has_capacity(endpoints, now)
     }
 

@@ -379,3 +379,19 @@ fn short_prompts_and_pools_without_prefill_or_decode_workers() {
     assert!(d.pick.pairing.is_none());
     assert_eq!(d.pick.primary.role, Role::Decode);
 }
+
+#[test]
+fn capacity_of_a_disaggregated_pool_is_its_decode_workers() {
+    let eps = vec![
+        w(1, Role::Prefill, Some("a"), "h1"),
+        w(11, Role::Decode, Some("a"), "h2"),
+    ];
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let r = Router::kv_aware(kv, Saturation::in_flight(2));
+    let now = std::time::Instant::now();
+    assert!(r.has_capacity(&eps, now));
+    let held: Vec<_> = (0..2).map(|_| eps[1].load.book()).collect();
+    assert!(!r.has_capacity(&eps, now), "the prefill worker's room is not capacity");
+    drop(held);
+    assert!(r.has_capacity(&eps, now));
+}
