@@ -391,7 +391,10 @@ fn capacity_of_a_disaggregated_pool_is_its_decode_workers() {
     let now = std::time::Instant::now();
     assert!(r.has_capacity(&eps, now));
     let held: Vec<_> = (0..2).map(|_| eps[1].load.book()).collect();
-    assert!(!r.has_capacity(&eps, now), "the prefill worker's room is not capacity");
+    assert!(
+        !r.has_capacity(&eps, now),
+        "the prefill worker's room is not capacity"
+    );
     drop(held);
     assert!(r.has_capacity(&eps, now));
 }
