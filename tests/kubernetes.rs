@@ -683,3 +683,79 @@ async fn worker_agent_readiness_flips_the_slice_and_serves_metadata() {
     controller.abort();
     epp.stop().await;
 }
+
+/// The topology design's admission table, through the real `kube` client: with `cluster_topology`
+/// and a `kv_transfer_topology_level`, kvepp refuses to start when Grove is not installed, the
+/// ClusterTopology does not exist, or it lacks the level; it starts when the level is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_transfer_level_is_checked_against_the_cluster_topology() {
+    let api = FakeApi::start().await;
+    api.put(POOLS_V1, pool_v1("pool", 8000));
+    let dir = TempDir::new("kube-topology");
+    let kubeconfig = api.kubeconfig(dir.path());
+    let config = |level: &str| {
+        let mut cfg = kvepp::config::Config {
+            bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
+            grpc_port: 0,
+            grpc_health_port: 0,
+            metrics_port: 0,
+            pool_name: "pool".into(),
+            kubeconfig: Some(kubeconfig.clone()),
+            shutdown_grace_seconds: 1,
+            cluster_topology: Some("my-cluster-topology".into()),
+            ..Default::default()
+        };
+        cfg.engine_metrics.enabled = false;
+        cfg.disaggregation.kv_transfer_topology_level = Some(level.into());
+        cfg.validate().unwrap();
+        cfg
+    };
+    // A refused start returns its error by itself; an accepted one becomes ready and serves
+    // until stopped.
+    let refusal = |level: &'static str| {
+        let cfg = config(level);
+        async move {
+            let listeners = kvepp::server::Listeners::bind(&cfg).await.unwrap();
+            let run = kvepp::server::run(cfg, listeners, std::future::pending());
+            let result = tokio::time::timeout(DEADLINE, run)
+                .await
+                .expect("a refused start returns");
+            result.expect_err("refused").to_string()
+        }
+    };
+    // Grove not installed: the ClusterTopology API answers 404.
+    api.set_missing(CLUSTER_TOPOLOGIES, true);
+    let err = refusal("zone").await;
+    assert!(err.contains("Grove is not installed"), "{err}");
+    // Installed, but no such ClusterTopology.
+    api.set_missing(CLUSTER_TOPOLOGIES, false);
+    let err = refusal("zone").await;
+    assert!(err.contains("no such ClusterTopology"), "{err}");
+    // The level is not one of its levels.
+    api.put(
+        CLUSTER_TOPOLOGIES,
+        serde_json::json!({"metadata": {"name": "my-cluster-topology"}, "spec": {"levels": [
+            {"domain": "zone", "labelKey": "topology.kubernetes.io/zone"},
+            {"domain": "rack", "labelKey": "nvidia.com/rack"}]}}),
+    );
+    let err = refusal("block").await;
+    assert!(
+        err.contains("\"block\" is not a level") && err.contains("zone, rack"),
+        "{err}"
+    );
+    // A level it has: kvepp starts and becomes ready.
+    let cfg = config("rack");
+    let listeners = kvepp::server::Listeners::bind(&cfg).await.unwrap();
+    let [_, _, metrics] = listeners.addrs().map(Option::unwrap);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(kvepp::server::run(cfg, listeners, async {
+        let _ = stopped.await;
+    }));
+    wait_for("kvepp ready with the level accepted", || async {
+        (http(metrics, "GET", "/ready", &[], "").await.status == 200).then_some(())
+    })
+    .await;
+    let _ = stop.send(());
+    let ended = tokio::time::timeout(DEADLINE, task).await.expect("stops");
+    assert!(ended.expect("task").is_ok());
+}

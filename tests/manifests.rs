@@ -84,6 +84,14 @@ fn kubernetes_manifests_are_consistent() {
             "llm-d.ai/inferenceobjectives",
         ]
     );
+    // The one cluster-wide grant: reading Grove's ClusterTopologies (the `cluster_topology` check).
+    let cluster: Vec<_> = find(&d, "ClusterRole");
+    assert_eq!(cluster.len(), 1);
+    let rules = cluster[0]["rules"].as_sequence().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(strings(&rules[0]["apiGroups"]), ["grove.io"]);
+    assert_eq!(strings(&rules[0]["resources"]), ["clustertopologies"]);
+    assert_eq!(strings(&rules[0]["verbs"]), ["get", "list"]);
     // The Deployment's flags exist, its ports and probes match the server.
     let dep = find(&d, "Deployment")[0];
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
@@ -202,6 +210,8 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
             "ConfigMap" => round_trip::<core::ConfigMap>(name, v),
             "Role" => round_trip::<rbac::Role>(name, v),
             "RoleBinding" => round_trip::<rbac::RoleBinding>(name, v),
+            "ClusterRole" => round_trip::<rbac::ClusterRole>(name, v),
+            "ClusterRoleBinding" => round_trip::<rbac::ClusterRoleBinding>(name, v),
             "EndpointSlice" => round_trip::<disc::EndpointSlice>(name, v),
             "NetworkPolicy" => {
                 round_trip::<k8s_openapi::api::networking::v1::NetworkPolicy>(name, v)

@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// kvepp's own Service name: pools whose picker reference names another are not served.
     #[arg(long, env = "KVEPP_ENDPOINT_PICKER_SERVICE")]
     pub endpoint_picker_service: Option<String>,
+    /// Grove ClusterTopology that `kv_transfer_topology_level` must be a level of (checked at start).
+    #[arg(long, env = "KVEPP_CLUSTER_TOPOLOGY")]
+    pub cluster_topology: Option<String>,
     /// Queue requests that find every endpoint saturated (flow_control.enabled).
     #[arg(long, env = "KVEPP_FLOW_CONTROL")]
     pub flow_control: Option<bool>,
@@ -248,6 +251,9 @@ impl Config {
         }
         if args.endpoint_picker_service.is_some() {
             cfg.endpoint_picker_service = args.endpoint_picker_service.clone();
+        }
+        if args.cluster_topology.is_some() {
+            cfg.cluster_topology = args.cluster_topology.clone();
         }
         if let Some(v) = args.flow_control {
             cfg.flow_control.enabled = v;

@@ -126,6 +126,10 @@ pub struct Config {
     /// level and mismatch policy (`DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL`,
     /// `DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY` override the file), and the soft transfer cost.
     pub disaggregation: TransferSettings,
+    /// Grove ClusterTopology (cluster-scoped) whose levels `kv_transfer_topology_level` must be
+    /// one of: checked at start, which is refused when Grove is not installed, the topology does
+    /// not exist or lacks the level (the design's admission checks). Unset: not checked.
+    pub cluster_topology: Option<String>,
     pub kv_events: KvEventsConfig,
     /// Active-active replicas: share picks, releases and (approximate mode) routed prefixes with
     /// the other kvepp replicas over ZMQ.
@@ -173,6 +177,7 @@ impl Default for Config {
             engine_metadata: FetchSettings::default(),
             router: CostWeights::default(),
             disaggregation: TransferSettings::default(),
+            cluster_topology: None,
             kv_events: KvEventsConfig::default(),
             replica_sync: ReplicaSyncConfig::default(),
             approx_blocks_per_endpoint: KvSettings::default().approx_blocks_per_endpoint,

@@ -42,6 +42,8 @@ pub enum ServerError {
     },
     #[error("{what} server failed: {message}")]
     Serve { what: &'static str, message: String },
+    #[error(transparent)]
+    Topology(#[from] crate::discovery::cluster_topology::TopologyCheckError),
     #[error("discovery: {0}")]
     Discovery(#[from] crate::discovery::service::DiscoveryError),
     #[error("replica sync: {0}")]
@@ -114,6 +116,35 @@ fn incoming(
 
 /// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
 /// `shutdown_grace_seconds`).
+/// The design's admission checks of `kv_transfer_topology_level` against the configured Grove
+/// ClusterTopology (manifests directory, else the Kubernetes API); nothing without both.
+async fn check_cluster_topology(cfg: &Config) -> Result<(), ServerError> {
+    use crate::discovery::cluster_topology::{self as ct, TopologyCheckError};
+    let (Some(name), Some(level)) = (
+        &cfg.cluster_topology,
+        &cfg.disaggregation.kv_transfer_topology_level,
+    ) else {
+        return Ok(());
+    };
+    let read = |message: String| TopologyCheckError::Read {
+        name: name.clone(),
+        message,
+    };
+    let found = match &cfg.manifests_dir {
+        Some(dir) => ct::from_manifests(dir).map_err(|e| read(e.to_string()))?,
+        None => {
+            let client = crate::discovery::kubernetes::client(cfg.kubeconfig.as_deref()).await?;
+            ct::from_cluster(client)
+                .await
+                .map_err(|e| read(e.to_string()))?
+        }
+    };
+    let levels = ct::check(&found, name, level)?;
+    tracing::info!(cluster_topology = %name, level = %level, levels = ?levels,
+        "kv_transfer_topology_level is a level of the ClusterTopology");
+    Ok(())
+}
+
 pub async fn run(
     cfg: Config,
     listeners: Listeners,
@@ -136,6 +167,8 @@ pub async fn run(
     let store = Arc::new(Datastore::new(pool, move |snap| {
         gauge.set(snap.endpoints.len() as i64);
     }));
+    // Before anything is spawned: a refused start leaves nothing running.
+    check_cluster_topology(&cfg).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let mut tasks = Vec::new();

@@ -6,6 +6,7 @@
 //!   `DELETED` events after N, a `BOOKMARK` once caught up, then live events;
 //! - a resourceVersion older than the compaction point gets a 200 with one `ERROR` event carrying a
 //!   410 `Expired` Status, as the real server does;
+//! - cluster-scoped collections (`/apis/<group>/<version>/<plural>`) list the same way;
 //! - collections marked missing answer 404 (CRD not installed).
 //!
 //! The test drives it: put/delete objects, drop every open watch abruptly, compact the history,
@@ -30,6 +31,8 @@ pub const POOLS_V1: &str = "/apis/inference.networking.k8s.io/v1/namespaces/defa
 pub const MODELS: &str =
     "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencemodels";
 pub const OBJECTIVES: &str = "/apis/llm-d.ai/v1alpha2/namespaces/default/inferenceobjectives";
+/// Grove's ClusterTopology (cluster-scoped).
+pub const CLUSTER_TOPOLOGIES: &str = "/apis/grove.io/v1alpha1/clustertopologies";
 
 #[derive(Default)]
 struct Store {
@@ -58,6 +61,7 @@ fn kind_of(collection: &str) -> (&'static str, String) {
         "inferencepools" => "InferencePool",
         "inferencemodels" => "InferenceModel",
         "inferenceobjectives" => "InferenceObjective",
+        "clustertopologies" => "ClusterTopology",
         _ => "Unknown",
     };
     let parts: Vec<&str> = collection.split('/').collect();
@@ -211,7 +215,8 @@ impl FakeApi {
             })
             .unwrap_or_default();
         let mut st = self.store.lock().expect("lock");
-        if !path.starts_with("/apis/") || path.split('/').count() != 7 {
+        let segments = path.split('/').count();
+        if !path.starts_with("/apis/") || !(segments == 7 || segments == 5) {
             return (
                 StatusCode::NOT_FOUND,
                 json_body(status(404, "NotFound", "no such path")),
