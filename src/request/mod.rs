@@ -12,6 +12,7 @@ mod body;
 pub mod flow;
 mod model;
 mod prompt;
+pub mod segments;
 pub mod service;
 pub mod tokenize;
 

@@ -5,7 +5,8 @@
 //! `raise_exception`, `add_generation_prompt=True`).
 //!
 //! As vLLM does: a completions prompt is encoded with the tokenizer's special tokens (e.g. BOS); a
-//! rendered chat prompt without them (the template writes its own).
+//! rendered chat prompt without them (the template writes its own), a segment at a time with the
+//! segments between added tokens cached when that is exact for the tokenizer ([`super::segments`]).
 
 use std::path::{Path, PathBuf};
 
@@ -26,9 +27,14 @@ pub enum TokenizeError {
     Encode(String),
 }
 
+/// Token ids the segment cache of one model keeps at most (16 MiB).
+pub const SEGMENT_CACHE_IDS: usize = 4 << 20;
+
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
+    /// Chat prompts segment by segment (None: not exact for this tokenizer; whole prompts).
+    segments: Option<super::segments::SegmentTokenizer>,
     env: Option<Environment<'static>>,
     bos: String,
     eos: String,
@@ -88,7 +94,9 @@ impl ModelTokenizer {
             ),
             None => None,
         };
+        let segments = super::segments::SegmentTokenizer::new(&tokenizer, SEGMENT_CACHE_IDS);
         Ok(ModelTokenizer {
+            segments,
             tokenizer,
             env,
             bos: token_text(cfg.get("bos_token")),
@@ -145,6 +153,25 @@ impl ModelTokenizer {
     /// Token ids of a chat request's `messages`.
     pub fn chat_ids(&self, messages: &RawValue) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages)?;
-        self.encode(&text, false)
+        self.text_ids(&text)
+    }
+
+    /// Token ids of rendered text without special tokens added: a segment at a time from the
+    /// cache when that is exact for this tokenizer, else whole.
+    pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        match &self.segments {
+            Some(s) => s.encode(text, |seg| self.encode(seg, false)),
+            None => self.encode(text, false),
+        }
+    }
+
+    /// Token ids of rendered text, tokenized whole (what [`Self::text_ids`] must equal).
+    pub fn text_ids_whole(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, false)
+    }
+
+    /// The segment cache's counters (None: this tokenizer tokenizes whole).
+    pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
+        self.segments.as_ref().map(|s| s.stats())
     }
 }

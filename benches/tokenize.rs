@@ -1,0 +1,60 @@
+//! Tokenizing the next turn of a long chat: the segment cache (the earlier turns' segments come
+//! from it, only the new message is tokenized) against tokenizing the whole rendered prompt, as
+//! the baseline measured in the same run. The document in the system prompt makes the
+//! conversation about 100k tokens with the fixture tokenizer.
+//!
+//! `cargo bench --bench tokenize` prints both medians and the ratio; under `cargo test` it runs a
+//! small conversation once and checks both give the same ids.
+// Benchmark code: a failed expectation is a failed run.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use kvepp::request::tokenize::ModelTokenizer;
+use serde_json::value::RawValue;
+
+fn conversation(doc_words: usize, question: usize) -> Box<RawValue> {
+    let words = [
+        "kv", " cache", " routing", " prefill", " decode", " block", "\n", " 42", ",",
+    ];
+    let doc: String = (0..doc_words).map(|i| words[i % words.len()]).collect();
+    let messages = serde_json::json!([
+        {"role": "system", "content": format!("Answer from this document.\n{doc}")},
+        {"role": "user", "content": "What does the document say about prefill?"},
+        {"role": "assistant", "content": "It says prefill happens before decode, block by block."},
+        {"role": "user", "content": format!("And about decode? (question {question})")},
+    ]);
+    RawValue::from_string(messages.to_string()).unwrap()
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let bench = std::env::args().any(|a| a == "--bench");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let t = ModelTokenizer::load(&dir).unwrap();
+    let (doc_words, runs) = if bench { (60_000, 9) } else { (2_000, 1) };
+    // The first turn fills the cache with the document's segment.
+    let first = t.render_chat(&conversation(doc_words, 0)).unwrap();
+    let tokens = t.text_ids(&first).unwrap().len();
+    let (mut whole, mut segmented) = (Vec::new(), Vec::new());
+    for i in 1..=runs {
+        // A new question each time: its segment is never cached.
+        let text = t.render_chat(&conversation(doc_words, i)).unwrap();
+        let start = Instant::now();
+        let a = t.text_ids_whole(&text).unwrap();
+        whole.push(start.elapsed());
+        let start = Instant::now();
+        let b = t.text_ids(&text).unwrap();
+        segmented.push(start.elapsed());
+        assert_eq!(a, b, "segment ids equal whole-prompt ids");
+    }
+    let (w, s) = (median(whole), median(segmented));
+    println!(
+        "second turn of a {tokens}-token conversation: whole {w:?}, segment cache {s:?}: {:.0}x less tokenizer time (median of {runs})",
+        w.as_secs_f64() / s.as_secs_f64().max(1e-9)
+    );
+}

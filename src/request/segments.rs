@@ -1,0 +1,325 @@
+//! Chat prompts tokenized segment by segment, with the segments remembered.
+//!
+//! A HuggingFace tokenizer first splits its input at the added tokens (`<|im_start|>`,
+//! `<|eot_id|>`, ...), and only then normalizes and pre-tokenizes each piece between them on its
+//! own. So the text between two added tokens tokenizes the same wherever it appears, and a
+//! conversation's earlier turns, system prompt or documents need not be tokenized again: each
+//! segment's ids come from a bounded cache keyed by a 128-bit hash of its text.
+//!
+//! Invariants: the ids equal a whole-prompt `encode(text, false)`; that holds only for tokenizers
+//! whose added tokens match raw text exactly (no `lstrip`/`rstrip`/`single_word`/`normalized`),
+//! with no normalizer and a byte-level pre-tokenizer that adds no prefix space (GPT-2, Llama 3,
+//! Qwen style); [`SegmentTokenizer::new`] returns None for any other, and the caller tokenizes
+//! whole. The cache holds about `capacity` token ids at most (two generations: when the newer
+//! one holds half, the older is dropped, so recently used segments survive).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use xxhash_rust::xxh3::xxh3_128;
+
+/// Segments shorter than this are tokenized every time (cheaper than hashing and locking).
+const MIN_CACHED_BYTES: usize = 64;
+
+#[derive(Debug, Default)]
+struct Generations {
+    current: HashMap<u128, Arc<[u32]>>,
+    /// Token ids held by `current`.
+    current_ids: usize,
+    previous: HashMap<u128, Arc<[u32]>>,
+}
+
+/// Hit and miss counts, for tests and benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SegmentStats {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+pub struct SegmentTokenizer {
+    matcher: AhoCorasick,
+    /// Token id of each matcher pattern.
+    ids: Vec<u32>,
+    cache: Mutex<(Generations, SegmentStats)>,
+    /// Token ids per generation.
+    half: usize,
+}
+
+impl std::fmt::Debug for SegmentTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentTokenizer")
+            .field("added_tokens", &self.ids.len())
+            .field("capacity", &(self.half * 2))
+            .finish()
+    }
+}
+
+/// Whether `v` (a serialized pre-tokenizer) is byte-level without a prefix space, possibly
+/// behind splits.
+fn byte_level_without_prefix(v: &serde_json::Value) -> bool {
+    match v["type"].as_str() {
+        Some("ByteLevel") => v["add_prefix_space"] == false,
+        Some("Sequence") => v["pretokenizers"].as_array().is_some_and(|ps| {
+            ps.iter().all(|p| {
+                matches!(p["type"].as_str(), Some("Split" | "Digits" | "Punctuation"))
+                    || byte_level_without_prefix(p)
+            }) && ps.iter().any(byte_level_without_prefix)
+        }),
+        _ => false,
+    }
+}
+
+impl SegmentTokenizer {
+    /// Segment tokenization for `tok` with room for about `capacity` cached token ids, when it is
+    /// exact for that tokenizer (see the module doc); None otherwise.
+    pub fn new(tok: &tokenizers::Tokenizer, capacity: usize) -> Option<Self> {
+        if tok.get_normalizer().is_some() {
+            return None;
+        }
+        let pre = serde_json::to_value(tok.get_pre_tokenizer()?).ok()?;
+        if !byte_level_without_prefix(&pre) {
+            return None;
+        }
+        let mut added: Vec<(u32, String)> = Vec::new();
+        for (id, t) in tok.get_added_tokens_decoder() {
+            if t.lstrip || t.rstrip || t.single_word || t.normalized || t.content.is_empty() {
+                return None;
+            }
+            added.push((id, t.content.clone()));
+        }
+        added.sort();
+        // The tokenizer's own rule: leftmost, then longest.
+        let matcher = AhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|(_, c)| c.as_str()))
+            .ok()?;
+        Some(SegmentTokenizer {
+            matcher,
+            ids: added.into_iter().map(|(id, _)| id).collect(),
+            cache: Mutex::default(),
+            half: (capacity / 2).max(1),
+        })
+    }
+
+    pub fn stats(&self) -> SegmentStats {
+        self.cache.lock().unwrap_or_else(PoisonError::into_inner).1
+    }
+
+    fn cached(&self, key: u128) -> Option<Arc<[u32]>> {
+        let mut guard = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let (g, stats) = &mut *guard;
+        let found = match g.current.get(&key) {
+            Some(ids) => Some(ids.clone()),
+            None => g.previous.remove(&key).inspect(|ids| {
+                g.current_ids += ids.len();
+                g.current.insert(key, ids.clone());
+            }),
+        };
+        match found {
+            Some(_) => stats.hits += 1,
+            None => stats.misses += 1,
+        }
+        found
+    }
+
+    fn remember(&self, key: u128, ids: Arc<[u32]>) {
+        let mut guard = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let g = &mut guard.0;
+        if ids.len() > self.half {
+            return; // larger than a generation: never kept
+        }
+        if g.current_ids + ids.len() > self.half {
+            g.previous = std::mem::take(&mut g.current);
+            g.current_ids = 0;
+        }
+        g.current_ids += ids.len();
+        g.current.insert(key, ids);
+    }
+
+    /// The ids of `text` (no special tokens added), a segment at a time; `encode` tokenizes one
+    /// segment (the tokenizer, without special tokens).
+    pub fn encode<E>(
+        &self,
+        text: &str,
+        mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<Vec<u32>, E> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        let mut piece = |seg: &str, out: &mut Vec<u32>| -> Result<(), E> {
+            if seg.is_empty() {
+                return Ok(());
+            }
+            if seg.len() < MIN_CACHED_BYTES {
+                out.extend(encode(seg)?);
+                return Ok(());
+            }
+            let key = xxh3_128(seg.as_bytes());
+            if let Some(ids) = self.cached(key) {
+                out.extend_from_slice(&ids);
+                return Ok(());
+            }
+            let ids: Arc<[u32]> = encode(seg)?.into();
+            out.extend_from_slice(&ids);
+            self.remember(key, ids);
+            Ok(())
+        };
+        for m in self.matcher.find_iter(text) {
+            piece(&text[at..m.start()], &mut out)?;
+            out.push(self.ids[m.pattern().as_usize()]);
+            at = m.end();
+        }
+        piece(&text[at..], &mut out)?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::request::tokenize::ModelTokenizer;
+    use serde_json::value::RawValue;
+
+    fn fixture() -> ModelTokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        ModelTokenizer::load(&dir).expect("fixture tokenizer")
+    }
+
+    /// Random message text: words, whitespace runs, punctuation, digits, non-ASCII, and now and
+    /// then an added token's text inside the content.
+    fn text(rng: &mut fastrand::Rng, words: usize) -> String {
+        const PIECES: &[&str] = &[
+            "the",
+            " model",
+            "  ",
+            "\n",
+            "\n\n",
+            "tokens",
+            "é",
+            "中文",
+            "🙂",
+            "123",
+            "4567",
+            ",",
+            ".",
+            "?!",
+            "\t",
+            "cache",
+            " KV",
+            "<|im_end|>",
+            "<s>",
+            "don't",
+            "'s",
+            "  x",
+            "",
+        ];
+        (0..words)
+            .map(|_| PIECES[rng.usize(..PIECES.len())])
+            .collect::<Vec<_>>()
+            .join(if rng.bool() { " " } else { "" })
+    }
+
+    #[test]
+    fn segment_ids_equal_whole_prompt_ids_on_fixtures_and_generated_conversations() {
+        let t = fixture();
+        assert!(
+            t.segment_stats().is_some(),
+            "the byte-level fixture tokenizes by segment"
+        );
+        let fixtures: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures/tokenizer/expected.json"),
+            )
+            .expect("expected.json"),
+        )
+        .expect("json");
+        for case in fixtures["chats"].as_array().expect("chats") {
+            let raw = RawValue::from_string(case["messages"].to_string()).expect("raw");
+            let text = t.render_chat(&raw).expect("render");
+            assert_eq!(t.text_ids(&text).unwrap(), t.text_ids_whole(&text).unwrap());
+            let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).expect("ids");
+            assert_eq!(
+                t.chat_ids(&raw).unwrap(),
+                want,
+                "the Python tokenizer's ids"
+            );
+        }
+        let mut rng = fastrand::Rng::with_seed(7);
+        for conversation in 0..20 {
+            let mut messages =
+                vec![serde_json::json!({"role": "system", "content": text(&mut rng, 40)})];
+            for turn in 0..6 {
+                let role = if turn % 2 == 0 { "user" } else { "assistant" };
+                let words = 10 + rng.usize(..60);
+                messages.push(serde_json::json!({"role": role, "content": text(&mut rng, words)}));
+                let raw =
+                    RawValue::from_string(serde_json::Value::from(messages.clone()).to_string())
+                        .expect("raw");
+                let rendered = t.render_chat(&raw).expect("render");
+                assert_eq!(
+                    t.text_ids(&rendered).unwrap(),
+                    t.text_ids_whole(&rendered).unwrap(),
+                    "conversation {conversation}, turn {turn}:\n{rendered:?}"
+                );
+            }
+        }
+        let s = t.segment_stats().expect("stats");
+        assert!(
+            s.hits > s.misses,
+            "later turns reuse earlier segments: {s:?}"
+        );
+    }
+
+    #[test]
+    fn the_cache_stays_bounded_and_keeps_recent_segments() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("tokenizer");
+        let seg = super::SegmentTokenizer::new(&tok, 2_000).expect("exact for the fixture");
+        let enc = |s: &str| -> Result<Vec<u32>, String> {
+            tok.encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string())
+        };
+        let doc = |i: usize| format!("document {i}: {}", "some words of text ".repeat(8));
+        for i in 0..200 {
+            seg.encode(&doc(i), enc).unwrap();
+        }
+        let held: usize = {
+            let g = seg.cache.lock().unwrap();
+            g.0.current
+                .values()
+                .chain(g.0.previous.values())
+                .map(|v| v.len())
+                .sum()
+        };
+        assert!(held <= 2_000, "{held} ids held");
+        let before = seg.stats();
+        seg.encode(&doc(199), enc).unwrap();
+        assert_eq!(
+            seg.stats().hits,
+            before.hits + 1,
+            "the latest segment is still cached"
+        );
+        seg.encode(&doc(0), enc).unwrap();
+        assert_eq!(
+            seg.stats().misses,
+            before.misses + 1,
+            "the oldest was dropped"
+        );
+    }
+
+    #[test]
+    fn tokenizers_where_segments_are_not_exact_tokenize_whole() {
+        // A normalizer (or a prefix space) changes how a piece tokenizes at its start.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        json["pre_tokenizer"]["add_prefix_space"] = true.into();
+        let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
+        json["pre_tokenizer"]["add_prefix_space"] = false.into();
+        json["added_tokens"][2]["lstrip"] = true.into();
+        let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
+    }
+}
