@@ -439,18 +439,7 @@ async fn readiness_waits_for_the_first_sync() {
     api.set_missing(MODELS, true);
     api.set_missing(SLICES, true);
     let kubeconfig = api.kubeconfig(dir.path());
-    let mut cfg = kvepp::config::Config {
-        bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
-        grpc_port: 0,
-        grpc_health_port: 0,
-        metrics_port: 0,
-        pool_name: "pool".into(),
-        kubeconfig: Some(kubeconfig),
-        shutdown_grace_seconds: 1,
-        ..Default::default()
-    };
-    cfg.engine_metrics.enabled = false;
-    cfg.validate().unwrap();
+    let cfg = kube_config(kubeconfig, |_| {});
     let listeners = kvepp::server::Listeners::bind(&cfg).await.unwrap();
     let [_, _, metrics] = listeners.addrs().map(Option::unwrap);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -694,21 +683,10 @@ async fn kv_transfer_level_is_checked_against_the_cluster_topology() {
     let dir = TempDir::new("kube-topology");
     let kubeconfig = api.kubeconfig(dir.path());
     let config = |level: &str| {
-        let mut cfg = kvepp::config::Config {
-            bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
-            grpc_port: 0,
-            grpc_health_port: 0,
-            metrics_port: 0,
-            pool_name: "pool".into(),
-            kubeconfig: Some(kubeconfig.clone()),
-            shutdown_grace_seconds: 1,
-            cluster_topology: Some("my-cluster-topology".into()),
-            ..Default::default()
-        };
-        cfg.engine_metrics.enabled = false;
-        cfg.disaggregation.kv_transfer_topology_level = Some(level.into());
-        cfg.validate().unwrap();
-        cfg
+        kube_config(kubeconfig.clone(), |c| {
+            c.cluster_topology = Some("my-cluster-topology".into());
+            c.disaggregation.kv_transfer_topology_level = Some(level.into());
+        })
     };
     // A refused start returns its error by itself; an accepted one becomes ready and serves
     // until stopped.
@@ -758,4 +736,26 @@ async fn kv_transfer_level_is_checked_against_the_cluster_topology() {
     let _ = stop.send(());
     let ended = tokio::time::timeout(DEADLINE, task).await.expect("stops");
     assert!(ended.expect("task").is_ok());
+}
+
+/// kvepp on ephemeral loopback ports, discovering pool `pool` through `kubeconfig`, engine
+/// metrics off, with `tweak` applied; validated.
+fn kube_config(
+    kubeconfig: std::path::PathBuf,
+    tweak: impl FnOnce(&mut kvepp::config::Config),
+) -> kvepp::config::Config {
+    let mut cfg = kvepp::config::Config {
+        bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
+        grpc_port: 0,
+        grpc_health_port: 0,
+        metrics_port: 0,
+        pool_name: "pool".into(),
+        kubeconfig: Some(kubeconfig),
+        shutdown_grace_seconds: 1,
+        ..Default::default()
+    };
+    cfg.engine_metrics.enabled = false;
+    tweak(&mut cfg);
+    cfg.validate().unwrap();
+    cfg
 }
