@@ -114,8 +114,6 @@ fn incoming(
     })
 }
 
-/// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
-/// `shutdown_grace_seconds`).
 /// The design's admission checks of `kv_transfer_topology_level` against the configured Grove
 /// ClusterTopology (manifests directory, else the Kubernetes API); nothing without both.
 async fn check_cluster_topology(cfg: &Config) -> Result<(), ServerError> {
@@ -145,6 +143,8 @@ async fn check_cluster_topology(cfg: &Config) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
+/// `shutdown_grace_seconds`).
 pub async fn run(
     cfg: Config,
     listeners: Listeners,

@@ -98,6 +98,14 @@ pub struct LinkQos {
 }
 
 impl LinkQos {
+    /// Finite, non-negative latency and a finite, positive bandwidth.
+    pub fn is_valid(&self) -> bool {
+        self.latency_ms.is_finite()
+            && self.latency_ms >= 0.0
+            && self.bandwidth_gb_per_s.is_finite()
+            && self.bandwidth_gb_per_s > 0.0
+    }
+
     /// Milliseconds to move `bytes` over this link.
     pub fn transfer_ms(&self, bytes: f64) -> f64 {
         let per_ms = self.bandwidth_gb_per_s * 1e6;
@@ -203,11 +211,7 @@ impl TransferSettings {
             .map(LevelQos::qos)
             .chain([self.cross_domain_qos]);
         for q in links {
-            if !(q.latency_ms.is_finite()
-                && q.latency_ms >= 0.0
-                && q.bandwidth_gb_per_s.is_finite()
-                && q.bandwidth_gb_per_s > 0.0)
-            {
+            if !q.is_valid() {
                 bad.push((
                     "transfer_qos",
                     format!("{q:?}: latency must be ≥ 0 and bandwidth > 0"),
@@ -341,12 +345,11 @@ pub fn link_between(table: &[LevelQos], cross: LinkQos, a: &Domains, b: &Domains
 }
 
 /// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
-/// (the pick's primary) takes over.
+/// (the pick's primary) takes over. The KV-aware reasons for the prefill worker are the pick's
+/// `kv`.
 #[derive(Debug, Clone)]
 pub struct Pairing {
     pub prefill: Arc<Endpoint>,
-    /// The KV-aware picker's reasons for the prefill worker.
-    pub prefill_kv: Option<crate::KvDecision>,
     /// The configured level's value on each side (None: no level configured, or the worker
     /// lacks it).
     pub prefill_domain: Option<String>,

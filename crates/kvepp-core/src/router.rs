@@ -267,7 +267,6 @@ impl Router {
             decode_domain: domain(&pick.primary),
             crossed: cands.crossed,
             transfer_ms: self.disagg.transfer_ms(&p.primary, &pick.primary, bytes),
-            prefill_kv,
             prefill: p.primary,
         });
         pick.kv = prefill_kv;

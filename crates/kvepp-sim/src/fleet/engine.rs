@@ -57,9 +57,6 @@ pub struct Counters {
     pub generation_tokens: AtomicU64,
     pub finished: AtomicU64,
     pub aborted: AtomicU64,
-    /// KV caches pulled from prefill engines, and the simulated time they took (µs).
-    pub kv_transfers: AtomicU64,
-    pub kv_transfer_us: AtomicU64,
 }
 
 struct Seq {

@@ -18,6 +18,8 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::engine::{EngineCore, Job, Output, Usage};
+// The header naming the prefill engine of a disaggregated pick, as kvepp sets it.
+use kvepp::extproc::response::PREFILLER_HEADER;
 use kvepp::request::tokenize::ModelTokenizer;
 use kvepp_core::disagg::Domains;
 
@@ -26,9 +28,6 @@ pub const ENGINE_HEADER: &str = "x-sim-engine";
 
 /// Every engine's topology domains by address (filled as the fleet starts).
 pub type Peers = Arc<RwLock<HashMap<SocketAddr, Domains>>>;
-
-/// The request header naming the prefill engine of a disaggregated pick (set by the EPP).
-pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 
 #[derive(Debug, Clone)]
 pub struct EngineApp {
@@ -147,11 +146,6 @@ async fn remote_prefill(
         .core
         .params
         .transfer_ms(&a.domains, &theirs, tokens.len() as u64);
-    a.core.counters.kv_transfers.fetch_add(1, Ordering::Relaxed);
-    a.core
-        .counters
-        .kv_transfer_us
-        .fetch_add((ms * 1000.0) as u64, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
     Some((prefiller, cached))
 }

@@ -158,15 +158,13 @@ impl SimParams {
         if times.iter().any(|t| !t.is_finite() || *t < 0.0) || self.step_overhead_us <= 0.0 {
             return bad("step_overhead_us must be > 0 and the per-token costs ≥ 0");
         }
-        let links = self
+        let mut links = self
             .transfer_qos
             .iter()
             .map(LevelQos::qos)
             .chain([self.cross_domain_qos]);
-        for l in links {
-            if !(l.latency_ms >= 0.0 && l.bandwidth_gb_per_s > 0.0 && l.latency_ms.is_finite()) {
-                return bad("transfer links need latency_ms ≥ 0 and bandwidth_gb_per_s > 0");
-            }
+        if !links.all(|l| l.is_valid()) {
+            return bad("transfer links need latency_ms ≥ 0 and bandwidth_gb_per_s > 0");
         }
         Ok(())
     }
