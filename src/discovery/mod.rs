@@ -306,7 +306,7 @@ impl Datastore {
                 Arc::new(ModelSpec::new(&model_name, m.criticality, targets)),
             );
         }
-        let target_port = snap.pool.as_ref().map(|p| p.target_port);
+        let target_port = snap.pool.as_ref().and_then(InferencePool::target_port);
         // Several target ports: one endpoint per (pod, port), the port's index its rank.
         let ranks: &[u16] = match &snap.pool {
             Some(p) if p.target_ports.len() > 1 => &p.target_ports,
@@ -571,7 +571,7 @@ ports: [{name: metadata, port: 8090}]
         });
         assert!(*st.ready().borrow());
         let snap = st.snapshot();
-        assert_eq!(snap.pool.as_ref().unwrap().target_port, 8000);
+        assert_eq!(snap.pool.as_ref().unwrap().target_port(), Some(8000));
         assert_eq!(snap.models.keys().collect::<Vec<_>>(), vec!["llama"]);
         let addrs: Vec<&str> = snap.endpoints.iter().map(|e| &*e.addr_str).collect();
         // s1: named `http` port; s2: no ports, pool target port, first address; s4: only port.

@@ -48,9 +48,9 @@ pub struct InferencePool {
     pub name: String,
     pub namespace: Option<String>,
     pub selector: BTreeMap<String, String>,
-    pub target_port: u16,
-    /// Every target port (`v1` `spec.targetPorts`, in order; `v1alpha2`: the one). With more than
-    /// one, each is a data-parallel rank of the pod (its index) and every (pod, port) an endpoint.
+    /// Every target port (`v1` `spec.targetPorts`, in order, never empty; `v1alpha2`: the one).
+    /// With more than one, each is a data-parallel rank of the pod (its index) and every
+    /// (pod, port) an endpoint.
     pub target_ports: Vec<u16>,
     /// The Service of the picker the pool names (`v1` `spec.endpointPickerRef.name`, `v1alpha2`
     /// `spec.extensionRef.name`).
@@ -60,6 +60,13 @@ pub struct InferencePool {
     /// How the engines speak HTTP on the target ports (`v1` `spec.appProtocol`: `http`, or
     /// `kubernetes.io/h2c` for HTTP/2 with prior knowledge).
     pub app_protocol: HttpVersion,
+}
+
+impl InferencePool {
+    /// The first target port: where a pod's one endpoint is served when its slice names no port.
+    pub fn target_port(&self) -> Option<u16> {
+        self.target_ports.first().copied()
+    }
 }
 
 /// `failureMode` of the pool's picker reference.
@@ -321,7 +328,6 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 name: w.metadata.name,
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector,
-                target_port,
                 target_ports: vec![target_port],
                 picker,
                 failure_mode,
@@ -330,12 +336,9 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
         }
         GROUP_V1 => {
             let w: Wire<PoolSpecV1> = serde_yaml::from_value(value)?;
-            let first = w
-                .spec
-                .target_ports
-                .first()
-                .ok_or_else(|| invalid(K, &w.metadata.name, "spec.targetPorts is empty"))?;
-            let target_port = port(K, &w.metadata.name, first.number)?;
+            if w.spec.target_ports.is_empty() {
+                return Err(invalid(K, &w.metadata.name, "spec.targetPorts is empty"));
+            }
             let mut target_ports = Vec::with_capacity(w.spec.target_ports.len());
             for p in &w.spec.target_ports {
                 let n = port(K, &w.metadata.name, p.number)?;
@@ -364,7 +367,6 @@ fn pool(api: String, value: serde_yaml::Value) -> Result<InferencePool, ObjectEr
                 name: w.metadata.name,
                 namespace: w.metadata.namespace,
                 selector: w.spec.selector.match_labels,
-                target_port,
                 target_ports,
                 picker,
                 failure_mode,
@@ -553,17 +555,17 @@ metadata: {name: ignored}
         assert_eq!(objs.len(), 2);
         let Object::Pool(a) = &objs[0] else { panic!() };
         assert_eq!(
-            (a.name.as_str(), a.target_port, a.selector["app"].as_str()),
-            ("a", 8000, "vllm")
+            (a.name.as_str(), a.target_port(), a.selector["app"].as_str()),
+            ("a", Some(8000), "vllm")
         );
         let Object::Pool(b) = &objs[1] else { panic!() };
         assert_eq!(
             (
                 b.namespace.as_deref(),
-                b.target_port,
+                b.target_port(),
                 b.selector["app"].as_str()
             ),
-            (Some("ns"), 30000, "sglang")
+            (Some("ns"), Some(30000), "sglang")
         );
     }
 

@@ -349,9 +349,13 @@ impl Selector {
     }
 
     /// Whether any of `endpoints` is not saturated at `now` (flow control's capacity check).
-    pub fn has_capacity(&self, endpoints: &[Arc<Endpoint>], now: Instant) -> bool {
+    pub fn has_capacity<'a>(
+        &self,
+        endpoints: impl IntoIterator<Item = &'a Arc<Endpoint>>,
+        now: Instant,
+    ) -> bool {
         endpoints
-            .iter()
+            .into_iter()
             .any(|e| !self.saturation.is_saturated(e, now))
     }
 }

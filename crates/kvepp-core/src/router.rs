@@ -295,16 +295,15 @@ impl Router {
     /// Whether any of `endpoints` can take a request now without being over its saturation
     /// limits (flow control dispatches queued requests only then).
     pub fn has_capacity(&self, endpoints: &[Arc<Endpoint>], now: Instant) -> bool {
-        if TransferSettings::is_disaggregated(endpoints) {
-            // The destination is a decode worker: capacity is a decode worker's.
-            let decode: Vec<Arc<Endpoint>> = endpoints
+        // In a disaggregated pool the destination is a decode worker: capacity is a decode
+        // worker's.
+        let disaggregated = TransferSettings::is_disaggregated(endpoints);
+        self.selector.has_capacity(
+            endpoints
                 .iter()
-                .filter(|e| e.role.decodes())
-                .cloned()
-                .collect();
-            return self.selector.has_capacity(&decode, now);
-        }
-        self.selector.has_capacity(endpoints, now)
+                .filter(|e| !disaggregated || e.role.decodes()),
+            now,
+        )
     }
 
     /// Periodic upkeep at `now`: drops bookings whose end was never seen. Returns how many.
