@@ -120,21 +120,22 @@ fn selection(c: &mut Criterion) {
             let prompt = kv.blocks_from_tokens(&prompt_tokens, None, PrefixMode::TokenIds);
             {
                 // Every tenth endpoint holds a quarter of the prompt.
-                let mut ix = kv.index().write().expect("lock");
                 let quarter = prompt_tokens.len() / 4;
                 let locals = local_block_hashes(&prompt_tokens[..quarter], 16, None);
                 let seqs = sequence_hashes(&locals);
-                for e in eps.iter().step_by(10) {
-                    let rank = WorkerRank {
-                        worker: worker_id(&e.addr_str),
-                        dp_rank: 0,
-                    };
-                    let blocks = seqs
-                        .iter()
-                        .map(|s| EngineBlockHash(s.0))
-                        .zip(locals.iter().copied());
-                    let _ = ix.store(rank, Tier::Device, None, blocks);
-                }
+                kv.index().write(|ix| {
+                    for e in eps.iter().step_by(10) {
+                        let rank = WorkerRank {
+                            worker: worker_id(&e.addr_str),
+                            dp_rank: 0,
+                        };
+                        let blocks = seqs
+                            .iter()
+                            .map(|s| EngineBlockHash(s.0))
+                            .zip(locals.iter().copied());
+                        let _ = ix.store(rank, Tier::Device, None, blocks);
+                    }
+                });
             }
             let id = format!("{n}_endpoints/{}k_tokens", tokens >> 10);
             let mut ctx = PickContext::seeded(1);

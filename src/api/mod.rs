@@ -103,10 +103,7 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
         );
     };
     let snap = st.store.snapshot();
-    let index = kv
-        .index()
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let index = kv.index().read();
     let mut out = serde_json::Map::new();
     for e in &snap.endpoints {
         let rank = WorkerRank {

@@ -374,6 +374,7 @@ fn endpoint(
     Arc::new(Endpoint {
         addr,
         name,
+        worker: kvepp_core::kv::worker_id(&addr_str),
         addr_str,
         zone: inst.zone.clone(),
         node: inst.node.clone(),

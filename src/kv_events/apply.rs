@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -201,7 +201,7 @@ pub async fn run_manager(
                 .set(subs.values().map(|r| r.stops.len() as i64).sum());
             metrics.kv.block_size.set(i64::from(kv.block_size()));
             {
-                let index = kv.index().read().unwrap_or_else(PoisonError::into_inner);
+                let index = kv.index().read();
                 metrics.kv.index_blocks.set(index.block_count() as i64);
                 metrics.kv.index_pairs.set(index.pair_count() as i64);
                 metrics
@@ -329,10 +329,11 @@ async fn subscription(
     // The ranks this publisher has published for: what a restart or a loss makes void.
     let mut ranks = std::collections::BTreeSet::from([rank]);
     let forget = |ranks: &std::collections::BTreeSet<u32>| {
-        let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
-        for &dp_rank in ranks {
-            index.clear_rank(WorkerRank { worker, dp_rank });
-        }
+        kv.index().write(|index| {
+            for &dp_rank in ranks {
+                index.clear_rank(WorkerRank { worker, dp_rank });
+            }
+        });
     };
     // The tick only refreshes the undecodable counter while nothing decodable arrives.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -351,10 +352,10 @@ async fn subscription(
                         batch.data_parallel_rank = None;
                     }
                     ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
-                    let applied = {
-                        let mut index = kv.index().write().unwrap_or_else(PoisonError::into_inner);
-                        apply_batch(&mut index, worker, rank, kv.block_size(), &batch)
-                    };
+                    let block_size = kv.block_size();
+                    let applied = kv
+                        .index()
+                        .write(|index| apply_batch(index, worker, rank, block_size, &batch));
                     metrics.kv.batches.get_or_create(&labels).inc();
                     metrics.kv.blocks_stored.inc_by(applied.stored);
                     metrics.kv.blocks_removed.inc_by(applied.removed);

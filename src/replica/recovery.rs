@@ -81,11 +81,7 @@ fn from_json(r: RankJson) -> RankDump {
 
 /// One scope's snapshot.
 pub fn scope_dump(scope: &Scope, kv: &KvState) -> ScopeDump {
-    let dumps = kv
-        .index()
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .dump();
+    let dumps = kv.index().read().dump();
     ScopeDump {
         model_name: scope.model.clone(),
         tenant_id: scope.tenant.clone(),
@@ -204,20 +200,19 @@ pub async fn recover(
 /// picker's index (every scope with the same block size: a replica has one).
 pub async fn recover_pool(kv: &KvState, peers: &[String]) -> Result<(String, u64), RecoveryError> {
     first_good(peers, |doc| {
-        let mut index = kv
-            .index()
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut restored = 0;
-        for s in doc
+        let dumps: Vec<Vec<RankDump>> = doc
             .scopes
             .into_iter()
             .filter(|s| s.block_size == kv.block_size())
-        {
-            let dumps: Vec<RankDump> = s.ranks.into_iter().map(from_json).collect();
-            restored += index.restore(&dumps).map_err(|e| e.to_string())?;
-        }
-        Ok(restored)
+            .map(|s| s.ranks.into_iter().map(from_json).collect())
+            .collect();
+        kv.index().write(|index| {
+            let mut restored = 0;
+            for d in &dumps {
+                restored += index.restore(d).map_err(|e| e.to_string())?;
+            }
+            Ok(restored)
+        })
     })
     .await
 }

@@ -221,10 +221,7 @@ impl Catalog {
         dumps: Vec<RankDump>,
     ) -> Result<u64, crate::index::IndexError> {
         match self.tracker(&scope) {
-            Ok(t) if t.block_size() == block_size => {
-                let mut index = t.kv.index().write().unwrap_or_else(PoisonError::into_inner);
-                index.restore(&dumps)
-            }
+            Ok(t) if t.block_size() == block_size => t.kv.index().write(|ix| ix.restore(&dumps)),
             Ok(_) => Ok(0),
             Err(_) => {
                 self.pending.insert(scope, (block_size, dumps));
@@ -325,12 +322,7 @@ impl Catalog {
             workers: BTreeMap::new(),
         });
         if let Some((bs, dumps)) = pending.filter(|(bs, _)| *bs == worker.block_size) {
-            let mut index = tracker
-                .kv
-                .index()
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
-            if let Err(e) = index.restore(&dumps) {
+            if let Err(e) = tracker.kv.index().write(|ix| ix.restore(&dumps)) {
                 tracing::warn!(error = %e, block_size = bs, "recovered index content partly applied");
             }
         }

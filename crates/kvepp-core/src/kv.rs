@@ -8,6 +8,17 @@
 //! nothing in either index or the slot tracker; locks are held only for the lookup or the update,
 //! never across a call out.
 //!
+//! Concurrency: both prefix indexes are [`SharedIndex`]es, so a pick's lookup never waits for KV
+//! events (or another pick's routed blocks) being applied. The slot tracker sits behind a
+//! read-write lock: picks read loads together, and a booking takes the write lock only to add the
+//! request, and only if the chosen rank's load is still the one the pick read (its version);
+//! otherwise the router picks again. So select-and-book is atomic per decision while picks do not
+//! queue behind one another.
+//!
+//! Cost of a pick over `n` candidates: one index walk over the prompt's matched prefix, one
+//! projection per candidate (O(1) unless the candidate has the prompt's first block in active
+//! requests, then O(log blocks)), and O(n) arithmetic, in buffers reused from pick to pick.
+//!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
 //! the prompt, matched against what we routed before, per endpoint, bounded FIFO of blocks) and
@@ -18,13 +29,13 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::cost::{CandidateLoad, CostWeights, Overlap};
-use super::index::{EngineBlockHash, MatchScratch, PrefixIndex, RankOverlap, Tier};
+use super::index::{EngineBlockHash, KeyedBuild, MatchScratch, RankOverlap, SharedIndex, Tier};
 use super::slots::{SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
 use crate::hash::{
@@ -96,6 +107,9 @@ impl Default for KvSettings {
     }
 }
 
+/// Tries of an atomic select-and-reserve before it reads and books under one write lock.
+pub const SELECT_ATTEMPTS: usize = 4;
+
 /// The worker id of an endpoint (stable across discovery updates).
 pub fn worker_id(addr: &str) -> u64 {
     xxh3_64(addr.as_bytes())
@@ -113,48 +127,69 @@ pub struct KvDecision {
     pub potential_prefill_tokens: u64,
     pub potential_decode_blocks: u64,
     pub active_requests: u32,
+    /// The chosen rank's load version when it was read (None: not registered yet): a booking
+    /// checked against it books exactly the load this decision saw.
+    pub load_version: Option<u64>,
 }
 
 /// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
-/// prefix index (a block routed again gets a new reference, so recently used blocks live longer).
+/// prefix index. Only the blocks beyond the prefix the endpoint already held get references, so a
+/// prompt routed again costs what it adds; a hot prefix ages out after `cap` newer blocks and is
+/// recorded again by the next request that routes it.
 #[derive(Debug)]
 struct Approx {
-    index: PrefixIndex,
-    fifo: HashMap<u64, VecDeque<SequenceHash>>,
+    index: SharedIndex,
+    fifo: Mutex<HashMap<u64, VecDeque<SequenceHash>>>,
     cap: usize,
 }
 
 impl Approx {
-    /// Records `p`'s leading blocks (at most `cap`) as routed to `worker`, first evicting the
-    /// oldest references so they fit: the rank's distinct blocks never exceed its references,
-    /// so the index always has room and the FIFO keeps learning under pressure.
-    fn record(&mut self, worker: u64, p: &PromptBlocks) {
+    /// Records `p`'s leading blocks (at most `cap`) after the first `held` as routed to `worker`,
+    /// first evicting the oldest references so they fit: the rank's distinct blocks never exceed
+    /// its references, so the index always has room and the FIFO keeps learning under pressure.
+    fn record(&self, worker: u64, p: &PromptBlocks, held: usize) {
         let rank = WorkerRank { worker, dp_rank: 0 };
         let n = p.hashes.len().min(self.cap);
-        let fifo = self.fifo.entry(worker).or_default();
-        while fifo.len() + n > self.cap {
-            let Some(old) = fifo.pop_front() else { break };
-            self.index
-                .remove(rank, Tier::Device, [EngineBlockHash(old.0)]);
-        }
-        let blocks = p
-            .hashes
-            .iter()
-            .zip(&p.locals)
-            .take(n)
-            .map(|(s, l)| (EngineBlockHash(s.0), *l));
-        // Cannot be full after the eviction above; a refusal would only lose this request's
-        // blocks, never leak index entries outside the FIFO.
-        let stored = self
-            .index
-            .store(rank, Tier::Device, None, blocks)
-            .unwrap_or(0);
-        fifo.extend(p.hashes.iter().take(stored));
+        let skip = held.min(n);
+        let mut fifos = lock(&self.fifo);
+        let fifo = fifos.entry(worker).or_default();
+        let evict = (fifo.len() + n - skip)
+            .saturating_sub(self.cap)
+            .min(fifo.len());
+        let evicted: Vec<SequenceHash> = fifo.drain(..evict).collect();
+        let parent = skip.checked_sub(1).map(|i| EngineBlockHash(p.hashes[i].0));
+        let stored = self.index.write(|ix| {
+            ix.remove(
+                rank,
+                Tier::Device,
+                evicted.iter().map(|h| EngineBlockHash(h.0)),
+            );
+            let blocks = p.hashes[skip..n]
+                .iter()
+                .zip(&p.locals[skip..n])
+                .map(|(s, l)| (EngineBlockHash(s.0), *l));
+            // Cannot be full after the eviction above. A refusal (full, or the held prefix
+            // evicted meanwhile by another record) only loses this request's blocks, never leaks
+            // index entries outside the FIFO.
+            ix.store(rank, Tier::Device, parent, blocks).unwrap_or(0)
+        });
+        fifo.extend(p.hashes[skip..skip + stored].iter().copied());
     }
 
-    fn forget(&mut self, worker: u64) {
-        self.index.remove_worker(worker);
-        self.fifo.remove(&worker);
+    /// How many leading blocks of `p` the approximate index holds for `worker`.
+    fn held(&self, worker: u64, p: &PromptBlocks) -> usize {
+        self.index
+            .read()
+            .overlaps(&p.hashes)
+            .iter()
+            .find(|o| o.rank.worker == worker && o.rank.dp_rank == 0)
+            .map_or(0, |o| o.overlap.device as usize)
+    }
+
+    fn forget(&self, worker: u64) {
+        let mut fifos = lock(&self.fifo);
+        self.index.write(|ix| ix.remove_worker(worker));
+        fifos.remove(&worker);
     }
 }
 
@@ -182,48 +217,70 @@ pub trait BookingObserver: Send + Sync + std::fmt::Debug {
 #[derive(Debug)]
 pub struct KvState {
     settings: KvSettings,
-    index: RwLock<PrefixIndex>,
-    approx: Mutex<Approx>,
-    slots: Mutex<SlotTracker>,
+    index: SharedIndex,
+    approx: Approx,
+    slots: RwLock<SlotTracker>,
     next_request: AtomicU64,
+    /// Bookings refused because the chosen rank's load changed after the pick read it.
+    booking_conflicts: AtomicU64,
     block_size: AtomicU32,
     /// The engines' base model (from their metadata): any other model name is a LoRA adapter.
     base_model: RwLock<Option<Arc<str>>>,
-    /// Lookup buffers, one per pick in progress at most.
-    scratch: Mutex<Vec<Scratch>>,
+    /// Pick buffers, reused: a few pools so concurrent picks rarely meet on one lock.
+    scratch: [Mutex<Vec<PickScratch>>; SCRATCH_POOLS],
     /// Set once at startup when replica sync runs.
     observer: std::sync::OnceLock<Arc<dyn BookingObserver>>,
 }
 
-/// Reusable buffers of one index lookup (taken from and returned to a small pool, so a pick
-/// allocates none of them in steady state).
-type Scratch = (MatchScratch, Vec<RankOverlap>);
+const SCRATCH_POOLS: usize = 8;
+
+/// Reusable buffers of one pick (taken from and returned to a pool, so a pick allocates none of
+/// them in steady state).
+#[derive(Debug, Default)]
+struct PickScratch {
+    matching: MatchScratch,
+    found: Vec<RankOverlap>,
+    /// Best overlap per worker over its ranks (keyed like the index's tables).
+    by_worker: Option<HashMap<u64, Overlap, KeyedBuild>>,
+    loads: Vec<CandidateLoad>,
+    versions: Vec<Option<u64>>,
+    costs: Vec<f64>,
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl KvState {
     pub fn new(settings: KvSettings) -> Self {
         KvState {
             settings,
-            index: RwLock::new(PrefixIndex::with_seed(
-                settings.max_blocks_per_rank,
-                settings.table_seed,
-            )),
-            approx: Mutex::new(Approx {
-                index: PrefixIndex::with_seed(
+            index: SharedIndex::with_seed(settings.max_blocks_per_rank, settings.table_seed),
+            approx: Approx {
+                index: SharedIndex::with_seed(
                     settings.approx_blocks_per_endpoint as u64,
                     settings.table_seed,
                 ),
-                fifo: HashMap::new(),
+                fifo: Mutex::new(HashMap::new()),
                 cap: settings.approx_blocks_per_endpoint,
-            }),
-            slots: Mutex::new(SlotTracker::default()),
+            },
+            slots: RwLock::new(SlotTracker::with_seed(
+                super::slots::STALE_REQUEST_AFTER,
+                settings.table_seed,
+            )),
             next_request: AtomicU64::new(0),
+            booking_conflicts: AtomicU64::new(0),
             block_size: AtomicU32::new(settings.block_size.max(1)),
             base_model: RwLock::new(None),
-            scratch: Mutex::new(Vec::new()),
+            scratch: Default::default(),
             observer: std::sync::OnceLock::new(),
         }
     }
@@ -250,7 +307,14 @@ impl KvState {
             hashes,
             isl_tokens: 0,
         };
-        lock(&self.approx).record(worker, &p);
+        let held = self.approx.held(worker, &p);
+        self.approx.record(worker, &p, held);
+    }
+
+    /// Bookings refused (and picked again) because the chosen rank's load changed between the
+    /// pick and its booking.
+    pub fn booking_conflicts(&self) -> u64 {
+        self.booking_conflicts.load(Ordering::Relaxed)
     }
 
     /// Tokens per block used for hashing and cost (configured, or learned from the engines).
@@ -273,8 +337,9 @@ impl KvState {
         }
     }
 
-    /// The index the KV events feed (write lock for events, read lock for picks).
-    pub fn index(&self) -> &RwLock<PrefixIndex> {
+    /// The index the KV events feed ([`SharedIndex::write`] for events, [`SharedIndex::read`]
+    /// for picks and inspection).
+    pub fn index(&self) -> &SharedIndex {
         &self.index
     }
 
@@ -348,36 +413,82 @@ impl KvState {
         }
     }
 
-    /// Per-candidate cached prefix (blocks), best over each worker's ranks.
-    fn overlaps(&self, workers: &[u64], prompt: Option<&PromptBlocks>) -> Vec<Overlap> {
-        let mut per = vec![Overlap::default(); workers.len()];
-        let Some(p) = prompt.filter(|p| !p.hashes.is_empty()) else {
-            return per;
-        };
-        let mut buffers = lock(&self.scratch).pop().unwrap_or_default();
-        let (scratch, out) = &mut buffers;
-        match p.mode {
-            PrefixMode::Approximate => {
-                lock(&self.approx)
+    /// Takes a pick's buffers from a pool (`hint` spreads concurrent picks over the pools).
+    fn take_scratch(&self, hint: usize) -> (usize, PickScratch) {
+        for k in 0..SCRATCH_POOLS {
+            let pool = (hint + k) % SCRATCH_POOLS;
+            if let Ok(mut v) = self.scratch[pool].try_lock() {
+                if let Some(s) = v.pop() {
+                    return (pool, s);
+                }
+                return (pool, PickScratch::default());
+            }
+        }
+        (hint % SCRATCH_POOLS, PickScratch::default())
+    }
+
+    fn return_scratch(&self, pool: usize, s: PickScratch) {
+        let mut v = lock(&self.scratch[pool]);
+        if v.len() < 4 {
+            v.push(s);
+        }
+    }
+
+    /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
+    fn candidate_loads(
+        &self,
+        candidates: &[&Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        sc: &mut PickScratch,
+    ) {
+        let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
+        sc.found.clear();
+        if let Some(p) = prompt.filter(|p| !p.hashes.is_empty()) {
+            match p.mode {
+                PrefixMode::Approximate => self.approx.index.read().find_matches(
+                    &p.hashes,
+                    &mut sc.matching,
+                    &mut sc.found,
+                ),
+                _ => self
                     .index
-                    .find_matches(&p.hashes, scratch, out);
-            }
-            _ => self
-                .index
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .find_matches(&p.hashes, scratch, out),
-        }
-        for o in out.iter() {
-            if let Some(i) = workers.iter().position(|&w| w == o.rank.worker) {
-                let cur = &mut per[i];
-                cur.device = cur.device.max(o.overlap.device);
-                cur.host = cur.host.max(o.overlap.host);
-                cur.disk = cur.disk.max(o.overlap.disk);
+                    .read()
+                    .find_matches(&p.hashes, &mut sc.matching, &mut sc.found),
             }
         }
-        lock(&self.scratch).push(buffers);
-        per
+        let by_worker = sc.by_worker.get_or_insert_with(|| {
+            HashMap::with_hasher(KeyedBuild::with_key(self.settings.table_seed))
+        });
+        by_worker.clear();
+        for o in &sc.found {
+            let cur = by_worker.entry(o.rank.worker).or_default();
+            cur.device = cur.device.max(o.overlap.device);
+            cur.host = cur.host.max(o.overlap.host);
+            cur.disk = cur.disk.max(o.overlap.disk);
+        }
+        sc.loads.clear();
+        sc.versions.clear();
+        let slots = read(&self.slots);
+        for e in candidates {
+            let overlap = if by_worker.is_empty() {
+                Overlap::default()
+            } else {
+                by_worker.get(&e.worker).copied().unwrap_or_default()
+            };
+            // An unregistered rank counts as idle; booking registers it.
+            let rank = WorkerRank {
+                worker: e.worker,
+                dp_rank: 0,
+            };
+            let (l, version) = slots.projection(rank, hashes, isl);
+            sc.loads.push(CandidateLoad {
+                overlap,
+                potential_prefill_tokens: l.potential_prefill_tokens,
+                potential_decode_blocks: l.potential_decode_blocks,
+                active_requests: l.active_requests,
+            });
+            sc.versions.push(version);
+        }
     }
 
     /// Ranks candidates: the chosen one, the next cheapest, and the decision for the chosen one.
@@ -387,34 +498,25 @@ impl KvState {
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> (usize, Option<usize>, KvDecision) {
-        let workers: Vec<u64> = candidates.iter().map(|e| worker_id(&e.addr_str)).collect();
-        let overlaps = self.overlaps(&workers, prompt);
+        // Any per-thread-ish number spreads picks over the buffer pools; the stack address is.
+        let hint = (std::ptr::from_ref(ctx) as usize) >> 8;
+        let (pool, mut sc) = self.take_scratch(hint);
+        self.candidate_loads(candidates, prompt, &mut sc);
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let w = &self.settings.weights;
         let bs = self.block_size();
-        let mut loads = Vec::with_capacity(candidates.len());
-        {
-            let slots = lock(&self.slots);
-            for (&worker, &overlap) in workers.iter().zip(&overlaps) {
-                // An unregistered rank counts as idle; booking registers it.
-                let l = slots.potential_load(WorkerRank { worker, dp_rank: 0 }, hashes, isl);
-                loads.push(CandidateLoad {
-                    overlap,
-                    potential_prefill_tokens: l.potential_prefill_tokens,
-                    potential_decode_blocks: l.potential_decode_blocks,
-                    active_requests: l.active_requests,
-                });
-            }
-        }
-        let costs: Vec<f64> = loads
-            .iter()
-            .enumerate()
-            .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0))
-            .collect();
+        sc.costs.clear();
+        sc.costs.extend(
+            sc.loads
+                .iter()
+                .enumerate()
+                .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0)),
+        );
+        let costs = &sc.costs;
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
         let in_flight = |i: usize| candidates[i].load.in_flight();
-        let best = w.choose_with_tiebreak(&costs, in_flight, &mut ctx.rng);
+        let best = w.choose_with_tiebreak(costs, in_flight, &mut ctx.rng);
         let second = (0..costs.len()).filter(|&i| i != best).min_by(|&a, &b| {
             costs[a]
                 .total_cmp(&costs[b])
@@ -425,7 +527,7 @@ impl KvState {
             scores.clear();
             scores.extend(costs.iter().map(|c| 1.0 / (1.0 + c.max(0.0))));
         }
-        let c = loads[best];
+        let c = sc.loads[best];
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),
             prompt_blocks: hashes.len() as u64,
@@ -435,7 +537,9 @@ impl KvState {
             potential_prefill_tokens: c.potential_prefill_tokens,
             potential_decode_blocks: c.potential_decode_blocks,
             active_requests: c.active_requests,
+            load_version: sc.versions[best],
         };
+        self.return_scratch(pool, sc);
         (best, second, decision)
     }
 
@@ -448,44 +552,88 @@ impl KvState {
         effective_prefill_tokens: u64,
         now: Instant,
     ) -> SlotGuard {
-        let worker = worker_id(&endpoint.addr_str);
-        let rank = WorkerRank { worker, dp_rank: 0 };
-        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
-            lock(&self.approx).record(worker, p);
-            if let Some(o) = self.observer.get() {
-                o.routed(worker, p);
-            }
+        let booked = self.book_inner(endpoint, prompt, effective_prefill_tokens, 0, None, now);
+        booked.unwrap_or_else(|| SlotGuard {
+            state: self.clone(),
+            id: None,
+            prefill_done: false,
+        })
+    }
+
+    /// Books what `decision` decided on `endpoint`, but only if the endpoint's load is still the
+    /// one the decision read; None (nothing booked): pick again.
+    pub fn book_decision(
+        self: &Arc<Self>,
+        endpoint: &Endpoint,
+        prompt: Option<&PromptBlocks>,
+        decision: &KvDecision,
+        now: Instant,
+    ) -> Option<SlotGuard> {
+        let booked = self.book_inner(
+            endpoint,
+            prompt,
+            decision.effective_prefill_tokens,
+            decision.overlap.device,
+            Some(decision.load_version.unwrap_or(0)),
+            now,
+        );
+        if booked.is_none() {
+            self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
         }
+        booked
+    }
+
+    fn book_inner(
+        self: &Arc<Self>,
+        endpoint: &Endpoint,
+        prompt: Option<&PromptBlocks>,
+        effective_prefill_tokens: u64,
+        held: u64,
+        expected: Option<u64>,
+        now: Instant,
+    ) -> Option<SlotGuard> {
+        let worker = endpoint.worker;
+        let rank = WorkerRank { worker, dp_rank: 0 };
         // A NUL-led id: never one a client of the HTTP services can have booked.
         let id = format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed));
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
         let booked = {
-            let mut slots = lock(&self.slots);
+            let mut slots = write(&self.slots);
             slots.register(rank);
-            slots
-                .add(&id, rank, hashes, effective_prefill_tokens, now)
-                .is_ok()
+            slots.add_if_unchanged(&id, rank, hashes, effective_prefill_tokens, now, expected)
         };
-        if let (true, Some(o)) = (booked, self.observer.get()) {
-            o.admitted(
-                &id,
-                rank,
-                self.block_size(),
-                hashes,
-                effective_prefill_tokens,
-            );
+        match booked {
+            Ok(false) => return None,
+            Ok(true) => {
+                if let Some(o) = self.observer.get() {
+                    o.admitted(
+                        &id,
+                        rank,
+                        self.block_size(),
+                        hashes,
+                        effective_prefill_tokens,
+                    );
+                }
+            }
+            Err(_) => {}
         }
-        SlotGuard {
+        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
+            self.approx.record(worker, p, held as usize);
+            if let Some(o) = self.observer.get() {
+                o.routed(worker, p);
+            }
+        }
+        Some(SlotGuard {
             state: self.clone(),
-            id: booked.then_some(id),
+            id: booked.is_ok().then_some(id),
             prefill_done: false,
-        }
+        })
     }
 
     /// Drops bookings older than the stale-request limit at `now` (requests whose end was never
     /// seen). Called periodically, off the pick path; returns how many.
     pub fn expire_stale(&self, now: Instant) -> usize {
-        lock(&self.slots).expire(now)
+        write(&self.slots).expire(now)
     }
 
     /// Forgets an endpoint that left the pool (index, approximate index, load).
@@ -497,27 +645,30 @@ impl KvState {
     /// index, slot tracker); returns how many were forgotten. Unlike [`KvState::forget`] it needs
     /// no record of departures: whatever is not live goes.
     pub fn retain_workers(&self, keep: impl Fn(u64) -> bool) -> usize {
-        let mut gone: std::collections::HashSet<u64> = self
-            .index
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .workers();
-        {
-            let approx = lock(&self.approx);
-            gone.extend(approx.fifo.keys().copied());
-            gone.extend(approx.index.workers());
-        }
-        gone.extend(lock(&self.slots).ranks().map(|r| r.worker));
+        let mut gone: std::collections::HashSet<u64> = self.index.read().workers();
+        gone.extend(lock(&self.approx.fifo).keys().copied());
+        gone.extend(self.approx.index.read().workers());
+        gone.extend(read(&self.slots).ranks().map(|r| r.worker));
         gone.retain(|&w| !keep(w));
         if gone.is_empty() {
             return 0;
         }
-        let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
-        let mut approx = lock(&self.approx);
-        let mut slots = lock(&self.slots);
+        self.index.write(|ix| {
+            for &w in &gone {
+                ix.remove_worker(w);
+            }
+        });
+        {
+            let mut fifos = lock(&self.approx.fifo);
+            self.approx.index.write(|ix| {
+                for &w in &gone {
+                    ix.remove_worker(w);
+                }
+            });
+            fifos.retain(|w, _| !gone.contains(w));
+        }
+        let mut slots = write(&self.slots);
         for &w in &gone {
-            index.remove_worker(w);
-            approx.forget(w);
             slots.unregister_worker(w);
         }
         gone.len()
@@ -525,7 +676,7 @@ impl KvState {
 
     /// Active load of an endpoint (rank 0).
     pub fn load(&self, addr: &str) -> Option<super::slots::RankLoad> {
-        lock(&self.slots).load(WorkerRank {
+        read(&self.slots).load(WorkerRank {
             worker: worker_id(addr),
             dp_rank: 0,
         })
@@ -559,21 +710,21 @@ impl KvState {
     /// Cached prefix of `hashes` per rank in the KV-event index (only ranks holding its first
     /// block).
     pub fn rank_overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
-        let mut buffers = lock(&self.scratch).pop().unwrap_or_default();
-        let (scratch, out) = &mut buffers;
+        let (pool, mut sc) = self.take_scratch(hashes.len());
         self.index
             .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .find_matches(hashes, scratch, out);
-        let found = out.clone();
-        lock(&self.scratch).push(buffers);
+            .find_matches(hashes, &mut sc.matching, &mut sc.found);
+        let found = sc.found.clone();
+        self.return_scratch(pool, sc);
         found
     }
 
     /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
-    /// and, when `reserve` names a request, books it on the chosen rank under the same lock as
-    /// the loads were read (atomic select-and-reserve). `found` is [`KvState::rank_overlaps`] of
-    /// `hashes` (the caller keeps it for its own report). The ranks must be registered.
+    /// and, when `reserve` names a request, books it on the chosen rank atomically: only if the
+    /// rank's load is still the one the choice read (else it chooses again; the last of
+    /// [`SELECT_ATTEMPTS`] tries reads and books under one write lock). `found` is
+    /// [`KvState::rank_overlaps`] of `hashes` (the caller keeps it for its own report). The ranks
+    /// must be registered.
     pub fn select_rank(
         &self,
         ranks: &[WorkerRank],
@@ -586,6 +737,49 @@ impl KvState {
         if ranks.is_empty() {
             return Err(SelectError::NoCandidates);
         }
+        let Some((id, now)) = reserve else {
+            return Ok(self
+                .choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng)
+                .0);
+        };
+        for _ in 1..SELECT_ATTEMPTS {
+            let (choice, version) =
+                self.choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng);
+            let booked = write(&self.slots).add_if_unchanged(
+                id,
+                choice.rank,
+                hashes,
+                choice.effective_prefill_tokens,
+                now,
+                Some(version.unwrap_or(0)),
+            )?;
+            if booked {
+                return Ok(choice);
+            }
+            self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut slots = write(&self.slots);
+        let (choice, _) = self.choose_rank(&slots, ranks, hashes, found, isl_tokens, rng);
+        slots.add(
+            id,
+            choice.rank,
+            hashes,
+            choice.effective_prefill_tokens,
+            now,
+        )?;
+        Ok(choice)
+    }
+
+    /// The cheapest of `ranks` in `slots`, with its load version.
+    fn choose_rank(
+        &self,
+        slots: &SlotTracker,
+        ranks: &[WorkerRank],
+        hashes: &[SequenceHash],
+        found: &[RankOverlap],
+        isl_tokens: u64,
+        rng: &mut fastrand::Rng,
+    ) -> (RankChoice, Option<u64>) {
         let overlap_of = |r: WorkerRank| {
             found
                 .iter()
@@ -594,11 +788,12 @@ impl KvState {
         };
         let w = &self.settings.weights;
         let bs = self.block_size();
-        let mut slots = lock(&self.slots);
+        let mut versions = Vec::with_capacity(ranks.len());
         let loads: Vec<CandidateLoad> = ranks
             .iter()
             .map(|&r| {
-                let l = slots.potential_load(r, hashes, isl_tokens);
+                let (l, v) = slots.projection(r, hashes, isl_tokens);
+                versions.push(v);
                 CandidateLoad {
                     overlap: overlap_of(r),
                     potential_prefill_tokens: l.potential_prefill_tokens,
@@ -617,16 +812,7 @@ impl KvState {
             effective_prefill_tokens: w.effective_prefill_tokens(isl_tokens, bs, c.overlap),
             load: c,
         };
-        if let Some((id, now)) = reserve {
-            slots.add(
-                id,
-                choice.rank,
-                hashes,
-                choice.effective_prefill_tokens,
-                now,
-            )?;
-        }
-        Ok(choice)
+        (choice, versions[best])
     }
 
     /// Each rank's load if it took this request (unregistered ranks count as idle).
@@ -636,7 +822,7 @@ impl KvState {
         hashes: &[SequenceHash],
         isl_tokens: u64,
     ) -> Vec<super::slots::PotentialLoad> {
-        let slots = lock(&self.slots);
+        let slots = read(&self.slots);
         ranks
             .iter()
             .map(|&r| slots.potential_load(r, hashes, isl_tokens))
@@ -645,17 +831,14 @@ impl KvState {
 
     /// Makes a rank schedulable in the slot tracker (idempotent).
     pub fn register_rank(&self, rank: WorkerRank) {
-        lock(&self.slots).register(rank);
+        write(&self.slots).register(rank);
     }
 
     /// Removes a worker's ranks, active requests and cached blocks.
     pub fn remove_worker(&self, worker: u64) {
-        self.index
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove_worker(worker);
-        lock(&self.approx).forget(worker);
-        lock(&self.slots).unregister_worker(worker);
+        self.index.write(|ix| ix.remove_worker(worker));
+        self.approx.forget(worker);
+        write(&self.slots).unregister_worker(worker);
     }
 
     /// Books a request on a registered rank until [`KvState::free`].
@@ -667,11 +850,11 @@ impl KvState {
         prefill_tokens: u64,
         now: Instant,
     ) -> Result<(), super::slots::SlotError> {
-        lock(&self.slots).add(id, rank, hashes, prefill_tokens, now)
+        write(&self.slots).add(id, rank, hashes, prefill_tokens, now)
     }
 
     pub fn prefill_complete(&self, id: &str) -> Result<(), super::slots::SlotError> {
-        lock(&self.slots).prefill_complete(id)
+        write(&self.slots).prefill_complete(id)
     }
 
     pub fn output_block(
@@ -679,26 +862,26 @@ impl KvState {
         id: &str,
         decay_fraction: Option<f64>,
     ) -> Result<(), super::slots::SlotError> {
-        lock(&self.slots).add_output_block(id, decay_fraction)
+        write(&self.slots).add_output_block(id, decay_fraction)
     }
 
     /// Releases a reservation; whether it was active.
     pub fn free(&self, id: &str) -> bool {
-        lock(&self.slots).free(id)
+        write(&self.slots).free(id)
     }
 
     pub fn is_active(&self, id: &str) -> bool {
-        lock(&self.slots).is_active(id)
+        read(&self.slots).is_active(id)
     }
 
     /// Requests booked in the slot tracker.
     pub fn active_count(&self) -> usize {
-        lock(&self.slots).active_count()
+        read(&self.slots).active_count()
     }
 
     /// Every registered rank's load.
     pub fn rank_loads(&self) -> Vec<(WorkerRank, super::slots::RankLoad)> {
-        lock(&self.slots).loads().collect()
+        read(&self.slots).loads().collect()
     }
 }
 
@@ -715,7 +898,7 @@ impl SlotGuard {
     pub fn first_byte(&mut self) {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
-            let _ = lock(&self.state.slots).prefill_complete(id);
+            let _ = write(&self.state.slots).prefill_complete(id);
             if let Some(o) = self.state.observer.get() {
                 o.prefill_complete(id);
             }
@@ -726,7 +909,7 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(id) = &self.id {
-            lock(&self.state.slots).free(id);
+            write(&self.state.slots).free(id);
             if let Some(o) = self.state.observer.get() {
                 o.freed(id);
             }

@@ -58,6 +58,9 @@ pub struct Endpoint {
     pub addr: SocketAddr,
     /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
     pub addr_str: Arc<str>,
+    /// [`crate::kv::worker_id`] of `addr_str`, computed once: the key of its load and cached
+    /// blocks in the KV-aware picker.
+    pub worker: u64,
     /// Instance id (the Pod name from `targetRef`, else the address).
     pub name: Arc<str>,
     pub zone: Option<Arc<str>>,
@@ -79,9 +82,11 @@ impl Endpoint {
     /// An endpoint at `addr` named `name`, with fresh load counters and no zone, node or metadata
     /// port (discovery fills those in itself).
     pub fn new(addr: SocketAddr, name: impl Into<Arc<str>>) -> Self {
+        let addr_str: Arc<str> = addr.to_string().into();
         Endpoint {
             addr,
-            addr_str: addr.to_string().into(),
+            worker: crate::kv::worker_id(&addr_str),
+            addr_str,
             name: name.into(),
             zone: None,
             node: None,

@@ -25,6 +25,10 @@ use crate::pick::{
     Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
 
+/// Tries of a KV-aware pick whose booking found the chosen endpoint's load changed; the last
+/// one books regardless.
+pub const BOOKING_ATTEMPTS: usize = 4;
+
 /// A request's prompt as the request path found it (not hashed yet: the block size is the
 /// router's).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -132,7 +136,10 @@ impl Router {
         self.route_among(facts, endpoints, prompt.as_ref(), ctx)
     }
 
-    /// One pick among `endpoints`, booked with its full prefill.
+    /// One pick among `endpoints`, booked with its full prefill. A KV-aware pick books exactly
+    /// the load it read: if the chosen endpoint's load changed in between (a concurrent pick
+    /// booked it, or a request there ended), it picks again, at most [`BOOKING_ATTEMPTS`] times,
+    /// the last one booked whatever changed.
     fn route_among(
         &self,
         facts: &RequestFacts<'_>,
@@ -140,23 +147,43 @@ impl Router {
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> Result<Decision, PickError> {
-        let pick = self.selector.pick(
-            endpoints,
-            &PickRequest {
-                priority: facts.priority,
-                admission: facts.admission,
-                subset: facts.subset,
-                prompt,
-            },
-            ctx,
-        )?;
-        let effective = pick.kv.map(|d| d.effective_prefill_tokens);
-        let booking = self.book(&pick.primary, prompt, effective, ctx);
-        Ok(Decision {
-            mode: pick.kv.map_or(PrefixMode::None, |d| d.mode),
-            pick,
-            booking,
-        })
+        // A decode pick's transfer costs: the pick consumes them, a second try needs them again.
+        let bias = (!ctx.bias.is_empty()).then(|| ctx.bias.clone());
+        let mut attempt = 1;
+        loop {
+            let pick = self.selector.pick(
+                endpoints,
+                &PickRequest {
+                    priority: facts.priority,
+                    admission: facts.admission,
+                    subset: facts.subset,
+                    prompt,
+                },
+                ctx,
+            )?;
+            let booking = match (&self.kv, &pick.kv) {
+                (Some(kv), Some(d)) if attempt < BOOKING_ATTEMPTS => kv
+                    .book_decision(&pick.primary, prompt, d, ctx.now)
+                    .map(|slot| pick.primary.load.book().with_slot(slot)),
+                _ => Some(self.book(
+                    &pick.primary,
+                    prompt,
+                    pick.kv.map(|d| d.effective_prefill_tokens),
+                    ctx,
+                )),
+            };
+            if let Some(booking) = booking {
+                return Ok(Decision {
+                    mode: pick.kv.map_or(PrefixMode::None, |d| d.mode),
+                    pick,
+                    booking,
+                });
+            }
+            attempt += 1;
+            if let Some(b) = &bias {
+                ctx.bias.clone_from(b);
+            }
+        }
     }
 
     /// Books `ep`: its in-flight count and, for a KV-aware pick (`effective` prefill tokens

@@ -7,7 +7,17 @@
 //! - `active_prefill_tokens` is the sum of `new_isl_tokens` of its active requests whose prefill has
 //!   not completed;
 //! - every request is counted on exactly one rank until freed, its rank is unregistered, or it is
-//!   older than the stale-request limit (300 s by default).
+//!   older than the stale-request limit (300 s by default);
+//! - a rank's `version` changes whenever its load changes, so a pick can book exactly the load it
+//!   read ([`SlotTracker::add_if_unchanged`]).
+//!
+//! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank),
+//! each with a 64-bit filter of its active requests' first blocks, so a rank holding none of a
+//! prompt costs one bit test. A projection ([`SlotTracker::potential_load`]) finds the prompt's
+//! prefix among a rank's active blocks by binary search: sequence hashes chain (the contract of
+//! both the picker and the slot-tracker API), so a rank's active blocks are closed under prefixes
+//! and "holds block k" is monotone in k. It costs O(log blocks) lookups on ranks that hold the
+//! prompt's first block and O(1) elsewhere, whatever the prompt's length.
 //!
 //! The clock is passed in, so nothing here sleeps or reads time.
 
@@ -15,6 +25,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
+use crate::index::{KeyedBuild, DEFAULT_TABLE_SEED};
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
@@ -52,25 +63,111 @@ pub enum SlotError {
     UnknownRequest(String),
 }
 
-#[derive(Debug, Default)]
+type Map<K, V> = HashMap<K, V, KeyedBuild>;
+
+#[derive(Debug)]
 struct RankState {
+    id: WorkerRank,
     active_requests: u32,
     prefill_tokens: u64,
-    blocks: HashMap<SequenceHash, u32>,
+    blocks: Map<SequenceHash, u32>,
     /// Output blocks of active requests, each weighted by its decay fraction.
     output_blocks: f64,
+    /// Distinct first blocks of its active requests, with how many requests start with each.
+    roots: Vec<(SequenceHash, u32)>,
+    /// One bit per root ([`root_bit`]): a clear bit proves the root is absent.
+    root_bits: u64,
+    version: u64,
+}
+
+fn root_bit(h: SequenceHash) -> u64 {
+    1 << (h.0 >> 58)
 }
 
 impl RankState {
+    fn new(id: WorkerRank, build: KeyedBuild) -> Self {
+        RankState {
+            id,
+            active_requests: 0,
+            prefill_tokens: 0,
+            blocks: HashMap::with_hasher(build),
+            output_blocks: 0.0,
+            roots: Vec::new(),
+            root_bits: 0,
+            version: 0,
+        }
+    }
+
     /// Prompt blocks (distinct) plus weighted output blocks, rounded.
     fn decode_blocks(&self) -> u64 {
         self.blocks.len() as u64 + self.output_blocks.max(0.0).round() as u64
+    }
+
+    fn load(&self) -> RankLoad {
+        RankLoad {
+            active_requests: self.active_requests,
+            active_prefill_tokens: self.prefill_tokens,
+            active_decode_blocks: self.decode_blocks(),
+        }
+    }
+
+    /// How many leading blocks of `hashes` the rank holds in active requests (see the module
+    /// documentation: exact for chained hashes).
+    fn held_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        let Some(&first) = hashes.first() else {
+            return 0;
+        };
+        if self.root_bits & root_bit(first) == 0 || !self.blocks.contains_key(&first) {
+            return 0;
+        }
+        // Largest k with hashes[k - 1] held; hashes[0] is.
+        let (mut lo, mut hi) = (1, hashes.len());
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.blocks.contains_key(&hashes[mid - 1]) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
+    fn potential(&self, hashes: &[SequenceHash], new_isl_tokens: u64) -> PotentialLoad {
+        PotentialLoad {
+            rank: self.id,
+            potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
+            potential_decode_blocks: self.decode_blocks()
+                + (hashes.len() - self.held_prefix(hashes)) as u64,
+            active_requests: self.active_requests,
+        }
+    }
+
+    fn add_root(&mut self, h: SequenceHash) {
+        match self.roots.iter_mut().find(|(r, _)| *r == h) {
+            Some((_, n)) => *n += 1,
+            None => {
+                self.roots.push((h, 1));
+                self.root_bits |= root_bit(h);
+            }
+        }
+    }
+
+    fn remove_root(&mut self, h: SequenceHash) {
+        let Some(i) = self.roots.iter().position(|(r, _)| *r == h) else {
+            return;
+        };
+        self.roots[i].1 -= 1;
+        if self.roots[i].1 == 0 {
+            self.roots.swap_remove(i);
+            self.root_bits = self.roots.iter().fold(0, |b, (r, _)| b | root_bit(*r));
+        }
     }
 }
 
 #[derive(Debug)]
 struct Active {
-    rank: WorkerRank,
+    rank: u32,
     hashes: Vec<SequenceHash>,
     /// Tokens still in prefill (0 once prefill completed).
     prefill_tokens: u64,
@@ -81,9 +178,13 @@ struct Active {
 
 #[derive(Debug)]
 pub struct SlotTracker {
-    ranks: HashMap<WorkerRank, RankState>,
+    /// Dense rank states; a rank's id is its position (`None`: a freed id).
+    ranks: Vec<Option<RankState>>,
+    ids: Map<WorkerRank, u32>,
+    free_ids: Vec<u32>,
     requests: HashMap<String, Active>,
     stale_after: Duration,
+    build: KeyedBuild,
 }
 
 impl Default for SlotTracker {
@@ -94,40 +195,74 @@ impl Default for SlotTracker {
 
 impl SlotTracker {
     pub fn new(stale_after: Duration) -> Self {
+        Self::with_seed(stale_after, DEFAULT_TABLE_SEED)
+    }
+
+    /// A tracker whose block tables are keyed by `seed` (pass a random one where hashes come
+    /// from untrusted clients).
+    pub fn with_seed(stale_after: Duration, seed: u64) -> Self {
+        let build = KeyedBuild::with_key(seed);
         SlotTracker {
-            ranks: HashMap::new(),
+            ranks: Vec::new(),
+            ids: HashMap::with_hasher(build),
+            free_ids: Vec::new(),
             requests: HashMap::new(),
             stale_after,
+            build,
         }
+    }
+
+    fn state(&self, rank: WorkerRank) -> Option<&RankState> {
+        let id = *self.ids.get(&rank)?;
+        self.ranks.get(id as usize)?.as_ref()
     }
 
     /// Makes a rank schedulable (idempotent).
     pub fn register(&mut self, rank: WorkerRank) {
-        self.ranks.entry(rank).or_default();
+        if self.ids.contains_key(&rank) {
+            return;
+        }
+        let state = RankState::new(rank, self.build);
+        let id = match self.free_ids.pop() {
+            Some(id) => {
+                self.ranks[id as usize] = Some(state);
+                id
+            }
+            None => {
+                self.ranks.push(Some(state));
+                (self.ranks.len() - 1) as u32
+            }
+        };
+        self.ids.insert(rank, id);
     }
 
     /// Removes every rank of `worker` and its active requests.
     pub fn unregister_worker(&mut self, worker: u64) {
-        self.ranks.retain(|r, _| r.worker != worker);
-        self.requests.retain(|_, a| a.rank.worker != worker);
+        let gone: Vec<u32> = self
+            .ids
+            .iter()
+            .filter(|(r, _)| r.worker == worker)
+            .map(|(_, &id)| id)
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        for &id in &gone {
+            if let Some(state) = self.ranks[id as usize].take() {
+                self.ids.remove(&state.id);
+            }
+            self.free_ids.push(id);
+        }
+        self.requests.retain(|_, a| !gone.contains(&a.rank));
     }
 
     pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
-        self.ranks.keys().copied()
+        self.ranks.iter().flatten().map(|s| s.id)
     }
 
     /// Every registered rank with its current load (unordered).
     pub fn loads(&self) -> impl Iterator<Item = (WorkerRank, RankLoad)> + '_ {
-        self.ranks.iter().map(|(rank, s)| {
-            (
-                *rank,
-                RankLoad {
-                    active_requests: s.active_requests,
-                    active_prefill_tokens: s.prefill_tokens,
-                    active_decode_blocks: s.decode_blocks(),
-                },
-            )
-        })
+        self.ranks.iter().flatten().map(|s| (s.id, s.load()))
     }
 
     /// Whether `request_id` is active.
@@ -149,27 +284,54 @@ impl SlotTracker {
         new_isl_tokens: u64,
         now: Instant,
     ) -> Result<(), SlotError> {
+        self.add_if_unchanged(request_id, rank, hashes, new_isl_tokens, now, None)
+            .map(|_| ())
+    }
+
+    /// [`Self::add`], but only if the rank's [`Self::version`] is still `expected` (when given):
+    /// a pick books the load it read or nothing. Ok(false): the load changed, nothing booked.
+    pub fn add_if_unchanged(
+        &mut self,
+        request_id: &str,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        new_isl_tokens: u64,
+        now: Instant,
+        expected: Option<u64>,
+    ) -> Result<bool, SlotError> {
         if self.requests.contains_key(request_id) {
             return Err(SlotError::DuplicateRequest(request_id.to_owned()));
         }
-        let state = self
-            .ranks
-            .get_mut(&rank)
-            .ok_or(SlotError::UnknownRank(rank))?;
+        let id = *self.ids.get(&rank).ok_or(SlotError::UnknownRank(rank))?;
+        let Some(state) = self.ranks[id as usize].as_mut() else {
+            return Err(SlotError::UnknownRank(rank));
+        };
+        if expected.is_some_and(|v| v != state.version) {
+            return Ok(false);
+        }
+        state.version += 1;
         state.active_requests += 1;
         state.prefill_tokens += new_isl_tokens;
         for h in hashes {
             *state.blocks.entry(*h).or_insert(0) += 1;
         }
+        if let Some(&first) = hashes.first() {
+            state.add_root(first);
+        }
         let active = Active {
-            rank,
+            rank: id,
             hashes: hashes.to_vec(),
             prefill_tokens: new_isl_tokens,
             output_blocks: 0.0,
             added: now,
         };
         self.requests.insert(request_id.to_owned(), active);
-        Ok(())
+        Ok(true)
+    }
+
+    /// The rank's load version: it changes with every booking, release or load update there.
+    pub fn version(&self, rank: WorkerRank) -> Option<u64> {
+        self.state(rank).map(|s| s.version)
     }
 
     /// The request's first output token exists: its prefill tokens no longer load the rank.
@@ -180,8 +342,9 @@ impl SlotTracker {
             .get_mut(request_id)
             .ok_or_else(|| SlotError::UnknownRequest(request_id.to_owned()))?;
         let tokens = std::mem::take(&mut active.prefill_tokens);
-        if let Some(state) = self.ranks.get_mut(&active.rank) {
+        if let Some(state) = self.ranks[active.rank as usize].as_mut() {
             state.prefill_tokens -= tokens;
+            state.version += 1;
         }
         Ok(())
     }
@@ -204,8 +367,9 @@ impl SlotTracker {
             1.0
         };
         active.output_blocks += w;
-        if let Some(state) = self.ranks.get_mut(&active.rank) {
+        if let Some(state) = self.ranks[active.rank as usize].as_mut() {
             state.output_blocks += w;
+            state.version += 1;
         }
         Ok(())
     }
@@ -219,10 +383,11 @@ impl SlotTracker {
         true
     }
 
-    fn release(ranks: &mut HashMap<WorkerRank, RankState>, active: Active) {
-        let Some(state) = ranks.get_mut(&active.rank) else {
+    fn release(ranks: &mut [Option<RankState>], active: Active) {
+        let Some(state) = ranks[active.rank as usize].as_mut() else {
             return;
         };
+        state.version += 1;
         state.active_requests -= 1;
         state.prefill_tokens -= active.prefill_tokens;
         state.output_blocks -= active.output_blocks;
@@ -237,6 +402,9 @@ impl SlotTracker {
                 }
             }
         }
+        if let Some(&first) = active.hashes.first() {
+            state.remove_root(first);
+        }
     }
 
     /// Drops requests older than the stale limit; returns how many.
@@ -249,7 +417,8 @@ impl SlotTracker {
             .collect();
         for id in &stale {
             if let Some(active) = self.requests.remove(id) {
-                tracing::warn!(request = %id, worker = active.rank.worker, dp_rank = active.rank.dp_rank, "stale request expired from load accounting");
+                let rank = self.ranks[active.rank as usize].as_ref().map(|s| s.id);
+                tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
                 Self::release(&mut self.ranks, active);
             }
         }
@@ -257,11 +426,29 @@ impl SlotTracker {
     }
 
     pub fn load(&self, rank: WorkerRank) -> Option<RankLoad> {
-        self.ranks.get(&rank).map(|s| RankLoad {
-            active_requests: s.active_requests,
-            active_prefill_tokens: s.prefill_tokens,
-            active_decode_blocks: s.decode_blocks(),
-        })
+        self.state(rank).map(RankState::load)
+    }
+
+    /// One rank's load if it took a request with these prompt blocks and prefill tokens (an
+    /// unknown rank counts as idle), with the rank's version (None: unknown rank).
+    pub fn projection(
+        &self,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        new_isl_tokens: u64,
+    ) -> (PotentialLoad, Option<u64>) {
+        match self.state(rank) {
+            Some(s) => (s.potential(hashes, new_isl_tokens), Some(s.version)),
+            None => (
+                PotentialLoad {
+                    rank,
+                    potential_prefill_tokens: new_isl_tokens,
+                    potential_decode_blocks: hashes.len() as u64,
+                    active_requests: 0,
+                },
+                None,
+            ),
+        }
     }
 
     /// One rank's load if it took a request with these prompt blocks and prefill tokens (an
@@ -272,21 +459,7 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> PotentialLoad {
-        let (prefill, blocks, active, new_blocks) = match self.ranks.get(&rank) {
-            Some(s) => (
-                s.prefill_tokens,
-                s.decode_blocks(),
-                s.active_requests,
-                hashes.iter().filter(|h| !s.blocks.contains_key(h)).count() as u64,
-            ),
-            None => (0, 0, 0, hashes.len() as u64),
-        };
-        PotentialLoad {
-            rank,
-            potential_prefill_tokens: prefill + new_isl_tokens,
-            potential_decode_blocks: blocks + new_blocks,
-            active_requests: active,
-        }
+        self.projection(rank, hashes, new_isl_tokens).0
     }
 
     /// Every rank's load if it took a request with these prompt blocks and prefill tokens. Blocks
@@ -298,13 +471,8 @@ impl SlotTracker {
     ) -> Vec<PotentialLoad> {
         self.ranks
             .iter()
-            .map(|(rank, s)| PotentialLoad {
-                rank: *rank,
-                potential_prefill_tokens: s.prefill_tokens + new_isl_tokens,
-                potential_decode_blocks: s.decode_blocks()
-                    + hashes.iter().filter(|h| !s.blocks.contains_key(h)).count() as u64,
-                active_requests: s.active_requests,
-            })
+            .flatten()
+            .map(|s| s.potential(hashes, new_isl_tokens))
             .collect()
     }
 }
@@ -482,16 +650,18 @@ mod tests {
                 0 | 1 => {
                     let rank = ranks[rng.usize(..ranks.len())];
                     // Prompts share prefixes: a common stem of random length, then private blocks.
+                    // Chained, as the contract says (the projection relies on it).
                     let stem = rng.u64(..4) * 100;
-                    let hashes: Vec<SequenceHash> = (0..rng.u64(..6))
+                    let locals: Vec<crate::hash::LocalBlockHash> = (0..rng.u64(..6))
                         .map(|i| {
-                            SequenceHash(if i < 3 {
+                            crate::hash::LocalBlockHash(if i < 3 {
                                 stem + i
                             } else {
                                 rng.u64(..1000) + 10_000
                             })
                         })
                         .collect();
+                    let hashes = crate::hash::sequence_hashes(&locals);
                     let prefill = rng.u64(..100);
                     let r = t.add(&id, rank, &hashes, prefill, now);
                     assert_eq!(r.is_ok(), !reference.contains_key(&id), "step {step}");
@@ -520,12 +690,37 @@ mod tests {
                     mine.iter().flat_map(|r| r.hashes.iter().copied()).collect();
                 blocks.sort();
                 blocks.dedup();
+                let blocks: std::collections::HashSet<SequenceHash> = blocks.into_iter().collect();
                 let want = RankLoad {
                     active_requests: mine.len() as u32,
                     active_prefill_tokens: mine.iter().map(|r| r.prefill).sum(),
                     active_decode_blocks: blocks.len() as u64,
                 };
                 assert_eq!(t.load(rank), Some(want), "step {step}, rank {rank:?}");
+                // The projection (binary search over the rank's active blocks) against counting
+                // every block of a probe prompt that shares a random stem.
+                let probe = crate::hash::sequence_hashes(
+                    &(0..rng.u64(..8))
+                        .map(|i| {
+                            crate::hash::LocalBlockHash(if i < 3 {
+                                rng.u64(..4) * 100 + i
+                            } else {
+                                rng.u64(..1000) + 10_000
+                            })
+                        })
+                        .collect::<Vec<_>>(),
+                );
+                let new_blocks = probe.iter().filter(|h| !blocks.contains(h)).count() as u64;
+                assert_eq!(
+                    t.potential_load(rank, &probe, 7),
+                    PotentialLoad {
+                        rank,
+                        potential_prefill_tokens: want.active_prefill_tokens + 7,
+                        potential_decode_blocks: want.active_decode_blocks + new_blocks,
+                        active_requests: want.active_requests,
+                    },
+                    "step {step}, rank {rank:?}"
+                );
             }
         }
     }

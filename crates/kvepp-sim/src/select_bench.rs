@@ -86,28 +86,32 @@ pub(crate) fn setup(args: &SelectBenchArgs) -> anyhow::Result<Setup> {
         .collect();
     {
         let t = catalog.tracker(&scope)?;
-        let mut index =
-            t.kv.index()
-                .write()
-                .map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let mut chains = Vec::new();
         for w in 0..args.workers {
             let fam = &families[w as usize % FAMILIES];
             let held = rng.usize(blocks / 8..=blocks * 3 / 4);
             let seqs = sequence_hashes(&fam[..held]);
-            let pairs = seqs
+            let pairs: Vec<_> = seqs
                 .iter()
                 .zip(&fam[..held])
-                .map(|(s, l)| (EngineBlockHash(s.0), *l));
-            index.store(
-                WorkerRank {
-                    worker: w,
-                    dp_rank: 0,
-                },
-                Tier::Device,
-                None,
-                pairs,
-            )?;
+                .map(|(s, l)| (EngineBlockHash(s.0), *l))
+                .collect();
+            chains.push((w, pairs));
         }
+        t.kv.index().write(|index| {
+            for (w, pairs) in &chains {
+                index.store(
+                    WorkerRank {
+                        worker: *w,
+                        dp_rank: 0,
+                    },
+                    Tier::Device,
+                    None,
+                    pairs.iter().copied(),
+                )?;
+            }
+            Ok::<_, kvepp_core::index::IndexError>(())
+        })?;
     }
     let mut prompts = Vec::new();
     let mut bodies = Vec::new();

@@ -35,10 +35,9 @@ fn store(c: &Catalog, rank: WorkerRank, locals: &[LocalBlockHash]) {
         .into_iter()
         .zip(locals.iter().copied())
         .map(|(s, l)| (EngineBlockHash(s.0), l));
+    let blocks: Vec<_> = blocks.collect();
     t.kv.index()
-        .write()
-        .unwrap()
-        .store(rank, Tier::Device, None, blocks)
+        .write(|ix| ix.store(rank, Tier::Device, None, blocks.iter().copied()))
         .unwrap();
 }
 

@@ -25,7 +25,10 @@
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
 pub mod reference;
+mod shared;
 mod table;
+
+pub use self::shared::SharedIndex;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -119,7 +122,7 @@ pub struct IndexStats {
 pub struct KeyedBuild(u64);
 
 impl KeyedBuild {
-    fn with_key(key: u64) -> Self {
+    pub(crate) fn with_key(key: u64) -> Self {
         KeyedBuild(key | 1)
     }
 }
@@ -147,6 +150,9 @@ impl Hasher for KeyedHasher {
     fn write_u64(&mut self, v: u64) {
         let m = u128::from(v ^ self.key ^ self.h) * 0x9E37_79B9_7F4A_7C15_u128;
         self.h = (m as u64) ^ ((m >> 64) as u64);
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(u64::from(v));
     }
     fn finish(&self) -> u64 {
         self.h
@@ -233,7 +239,7 @@ impl Holders {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct RankSlot {
     id: WorkerRank,
     blocks: u64,
@@ -264,7 +270,7 @@ struct Run {
 }
 
 /// See the module documentation.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PrefixIndex {
     blocks: BlockTable,
     build: KeyedBuild,

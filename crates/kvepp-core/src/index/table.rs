@@ -63,7 +63,7 @@ fn prefetch(slot: &Slot) {
     let _ = slot;
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct BlockTable {
     slots: Vec<Slot>,
     mask: usize,
