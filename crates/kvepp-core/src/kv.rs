@@ -240,8 +240,11 @@ const SCRATCH_POOLS: usize = 8;
 struct PickScratch {
     matching: MatchScratch,
     found: Vec<RankOverlap>,
-    /// Best overlap per worker over its ranks (keyed like the index's tables).
-    by_worker: Option<HashMap<u64, Overlap, KeyedBuild>>,
+    /// Ranks holding the prompt's first blocks in active requests.
+    held: Vec<RankOverlap>,
+    /// Per worker: best cached overlap over its ranks, and active prefix held by rank 0 (keyed
+    /// like the index's tables).
+    by_worker: Option<HashMap<u64, (Overlap, u64), KeyedBuild>>,
     loads: Vec<CandidateLoad>,
     versions: Vec<Option<u64>>,
     costs: Vec<f64>,
@@ -461,7 +464,7 @@ impl KvState {
         });
         by_worker.clear();
         for o in &sc.found {
-            let cur = by_worker.entry(o.rank.worker).or_default();
+            let (cur, _) = by_worker.entry(o.rank.worker).or_default();
             cur.device = cur.device.max(o.overlap.device);
             cur.host = cur.host.max(o.overlap.host);
             cur.disk = cur.disk.max(o.overlap.disk);
@@ -469,9 +472,13 @@ impl KvState {
         sc.loads.clear();
         sc.versions.clear();
         let slots = read(&self.slots);
+        slots.held_prefixes(hashes, &mut sc.matching, &mut sc.held);
+        for o in sc.held.iter().filter(|o| o.rank.dp_rank == 0) {
+            by_worker.entry(o.rank.worker).or_default().1 = o.overlap.disk;
+        }
         for e in candidates {
-            let overlap = if by_worker.is_empty() {
-                Overlap::default()
+            let (overlap, held) = if by_worker.is_empty() {
+                (Overlap::default(), 0)
             } else {
                 by_worker.get(&e.worker).copied().unwrap_or_default()
             };
@@ -480,7 +487,7 @@ impl KvState {
                 worker: e.worker,
                 dp_rank: 0,
             };
-            let (l, version) = slots.projection(rank, hashes, isl);
+            let (l, version) = slots.projection(rank, hashes.len() as u64, held, isl);
             sc.loads.push(CandidateLoad {
                 overlap,
                 potential_prefill_tokens: l.potential_prefill_tokens,
@@ -788,11 +795,18 @@ impl KvState {
         };
         let w = &self.settings.weights;
         let bs = self.block_size();
+        let mut held = Vec::new();
+        slots.held_prefixes(hashes, &mut MatchScratch::default(), &mut held);
+        let held_by = |r: WorkerRank| {
+            held.iter()
+                .find(|o| o.rank == r)
+                .map_or(0, |o| o.overlap.disk)
+        };
         let mut versions = Vec::with_capacity(ranks.len());
         let loads: Vec<CandidateLoad> = ranks
             .iter()
             .map(|&r| {
-                let (l, v) = slots.projection(r, hashes, isl_tokens);
+                let (l, v) = slots.projection(r, hashes.len() as u64, held_by(r), isl_tokens);
                 versions.push(v);
                 CandidateLoad {
                     overlap: overlap_of(r),

@@ -11,13 +11,17 @@
 //! - a rank's `version` changes whenever its load changes, so a pick can book exactly the load it
 //!   read ([`SlotTracker::add_if_unchanged`]).
 //!
-//! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank),
-//! each with a 64-bit filter of its active requests' first blocks, so a rank holding none of a
-//! prompt costs one bit test. A projection ([`SlotTracker::potential_load`]) finds the prompt's
-//! prefix among a rank's active blocks by binary search: sequence hashes chain (the contract of
-//! both the picker and the slot-tracker API), so a rank's active blocks are closed under prefixes
-//! and "holds block k" is monotone in k. It costs O(log blocks) lookups on ranks that hold the
-//! prompt's first block and O(1) elsewhere, whatever the prompt's length.
+//! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank);
+//! the active blocks of every rank live in one [`PrefixIndex`], so a projection
+//! ([`SlotTracker::held_prefixes`]) is one walk over the prompt's blocks that some rank holds
+//! actively, costing one lookup per block plus one step per rank where the holders change, not
+//! ranks × blocks. A rank's active blocks form a tree (sequence hashes chain, the contract of both
+//! the picker and the slot-tracker API): each (block, rank) keeps how many of the rank's requests
+//! end there (device references) and how many child blocks the rank holds below it (host
+//! references). Booking a request therefore touches only the blocks new to its rank, and
+//! releasing it only the blocks no other request of the rank still reaches. Hash lists that do
+//! not chain (the same hash under two parents) still never leak: a rank left without active
+//! requests is cleared.
 //!
 //! The clock is passed in, so nothing here sleeps or reads time.
 
@@ -25,7 +29,15 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
-use crate::index::{KeyedBuild, DEFAULT_TABLE_SEED};
+use crate::index::{
+    KeyedBuild, MatchScratch, PrefixIndex, RankOverlap, Tier, DEFAULT_MAX_BLOCKS_PER_RANK,
+    DEFAULT_TABLE_SEED,
+};
+
+/// The tier of the active-block index counting requests that end at a block.
+const TIPS: Tier = Tier::Device;
+/// The tier counting the rank's child blocks below a block.
+const CHILDREN: Tier = Tier::Host;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
@@ -70,37 +82,28 @@ struct RankState {
     id: WorkerRank,
     active_requests: u32,
     prefill_tokens: u64,
-    blocks: Map<SequenceHash, u32>,
+    /// Distinct active prompt blocks (the rank's pairs in the active index).
+    blocks: u64,
     /// Output blocks of active requests, each weighted by its decay fraction.
     output_blocks: f64,
-    /// Distinct first blocks of its active requests, with how many requests start with each.
-    roots: Vec<(SequenceHash, u32)>,
-    /// One bit per root ([`root_bit`]): a clear bit proves the root is absent.
-    root_bits: u64,
     version: u64,
 }
 
-fn root_bit(h: SequenceHash) -> u64 {
-    1 << (h.0 >> 58)
-}
-
 impl RankState {
-    fn new(id: WorkerRank, build: KeyedBuild) -> Self {
+    fn new(id: WorkerRank) -> Self {
         RankState {
             id,
             active_requests: 0,
             prefill_tokens: 0,
-            blocks: HashMap::with_hasher(build),
+            blocks: 0,
             output_blocks: 0.0,
-            roots: Vec::new(),
-            root_bits: 0,
             version: 0,
         }
     }
 
     /// Prompt blocks (distinct) plus weighted output blocks, rounded.
     fn decode_blocks(&self) -> u64 {
-        self.blocks.len() as u64 + self.output_blocks.max(0.0).round() as u64
+        self.blocks + self.output_blocks.max(0.0).round() as u64
     }
 
     fn load(&self) -> RankLoad {
@@ -111,56 +114,13 @@ impl RankState {
         }
     }
 
-    /// How many leading blocks of `hashes` the rank holds in active requests (see the module
-    /// documentation: exact for chained hashes).
-    fn held_prefix(&self, hashes: &[SequenceHash]) -> usize {
-        let Some(&first) = hashes.first() else {
-            return 0;
-        };
-        if self.root_bits & root_bit(first) == 0 || !self.blocks.contains_key(&first) {
-            return 0;
-        }
-        // Largest k with hashes[k - 1] held; hashes[0] is.
-        let (mut lo, mut hi) = (1, hashes.len());
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if self.blocks.contains_key(&hashes[mid - 1]) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        lo
-    }
-
-    fn potential(&self, hashes: &[SequenceHash], new_isl_tokens: u64) -> PotentialLoad {
+    /// With a request of `blocks` prompt blocks whose first `held` it already has active.
+    fn potential(&self, blocks: u64, held: u64, new_isl_tokens: u64) -> PotentialLoad {
         PotentialLoad {
             rank: self.id,
             potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
-            potential_decode_blocks: self.decode_blocks()
-                + (hashes.len() - self.held_prefix(hashes)) as u64,
+            potential_decode_blocks: self.decode_blocks() + blocks.saturating_sub(held),
             active_requests: self.active_requests,
-        }
-    }
-
-    fn add_root(&mut self, h: SequenceHash) {
-        match self.roots.iter_mut().find(|(r, _)| *r == h) {
-            Some((_, n)) => *n += 1,
-            None => {
-                self.roots.push((h, 1));
-                self.root_bits |= root_bit(h);
-            }
-        }
-    }
-
-    fn remove_root(&mut self, h: SequenceHash) {
-        let Some(i) = self.roots.iter().position(|(r, _)| *r == h) else {
-            return;
-        };
-        self.roots[i].1 -= 1;
-        if self.roots[i].1 == 0 {
-            self.roots.swap_remove(i);
-            self.root_bits = self.roots.iter().fold(0, |b, (r, _)| b | root_bit(*r));
         }
     }
 }
@@ -183,8 +143,9 @@ pub struct SlotTracker {
     ids: Map<WorkerRank, u32>,
     free_ids: Vec<u32>,
     requests: HashMap<String, Active>,
+    /// Every rank's active prompt blocks, as trees (see the module documentation).
+    active: PrefixIndex,
     stale_after: Duration,
-    build: KeyedBuild,
 }
 
 impl Default for SlotTracker {
@@ -201,14 +162,13 @@ impl SlotTracker {
     /// A tracker whose block tables are keyed by `seed` (pass a random one where hashes come
     /// from untrusted clients).
     pub fn with_seed(stale_after: Duration, seed: u64) -> Self {
-        let build = KeyedBuild::with_key(seed);
         SlotTracker {
             ranks: Vec::new(),
-            ids: HashMap::with_hasher(build),
+            ids: HashMap::with_hasher(KeyedBuild::with_key(seed)),
             free_ids: Vec::new(),
             requests: HashMap::new(),
+            active: PrefixIndex::with_seed(DEFAULT_MAX_BLOCKS_PER_RANK, seed),
             stale_after,
-            build,
         }
     }
 
@@ -222,7 +182,7 @@ impl SlotTracker {
         if self.ids.contains_key(&rank) {
             return;
         }
-        let state = RankState::new(rank, self.build);
+        let state = RankState::new(rank);
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.ranks[id as usize] = Some(state);
@@ -254,6 +214,7 @@ impl SlotTracker {
             self.free_ids.push(id);
         }
         self.requests.retain(|_, a| !gone.contains(&a.rank));
+        self.active.remove_worker(worker);
     }
 
     pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
@@ -312,12 +273,21 @@ impl SlotTracker {
         state.version += 1;
         state.active_requests += 1;
         state.prefill_tokens += new_isl_tokens;
-        for h in hashes {
-            *state.blocks.entry(*h).or_insert(0) += 1;
+        // From the last block back to the first block the rank already has: only new blocks cost.
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let tier = if i + 1 == hashes.len() { TIPS } else { CHILDREN };
+            match self.active.add_reference(rank, h, tier) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    // Only past 65,535 ranks or 4 Mi active blocks on one rank: the request is
+                    // booked, its blocks beyond this one are not counted.
+                    tracing::warn!(error = %e, "active blocks not tracked");
+                    break;
+                }
+            }
         }
-        if let Some(&first) = hashes.first() {
-            state.add_root(first);
-        }
+        state.blocks = self.active.rank_blocks(rank);
         let active = Active {
             rank: id,
             hashes: hashes.to_vec(),
@@ -379,11 +349,11 @@ impl SlotTracker {
         let Some(active) = self.requests.remove(request_id) else {
             return false;
         };
-        Self::release(&mut self.ranks, active);
+        Self::release(&mut self.ranks, &mut self.active, active);
         true
     }
 
-    fn release(ranks: &mut [Option<RankState>], active: Active) {
+    fn release(ranks: &mut [Option<RankState>], index: &mut PrefixIndex, active: Active) {
         let Some(state) = ranks[active.rank as usize].as_mut() else {
             return;
         };
@@ -394,17 +364,24 @@ impl SlotTracker {
         if state.active_requests == 0 {
             state.output_blocks = 0.0; // no float drift once idle
         }
-        for h in &active.hashes {
-            if let Some(n) = state.blocks.get_mut(h) {
-                *n -= 1;
-                if *n == 0 {
-                    state.blocks.remove(h);
-                }
+        // From the last block back, while the blocks go with this request.
+        let hashes = &active.hashes;
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let tier = if i + 1 == hashes.len() { TIPS } else { CHILDREN };
+            if index.release_reference(state.id, h, tier) != Some(true) {
+                break;
             }
         }
-        if let Some(&first) = active.hashes.first() {
-            state.remove_root(first);
+        if state.active_requests == 0 && index.rank_blocks(state.id) > 0 {
+            // Only hash lists that do not chain leave blocks behind; an idle rank has none.
+            tracing::warn!(
+                worker = state.id.worker,
+                dp_rank = state.id.dp_rank,
+                "active blocks left by unchained sequence hashes cleared"
+            );
+            index.clear_rank(state.id);
         }
+        state.blocks = index.rank_blocks(state.id);
     }
 
     /// Drops requests older than the stale limit; returns how many.
@@ -419,7 +396,7 @@ impl SlotTracker {
             if let Some(active) = self.requests.remove(id) {
                 let rank = self.ranks[active.rank as usize].as_ref().map(|s| s.id);
                 tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
-                Self::release(&mut self.ranks, active);
+                Self::release(&mut self.ranks, &mut self.active, active);
             }
         }
         stale.len()
@@ -429,21 +406,34 @@ impl SlotTracker {
         self.state(rank).map(RankState::load)
     }
 
-    /// One rank's load if it took a request with these prompt blocks and prefill tokens (an
-    /// unknown rank counts as idle), with the rank's version (None: unknown rank).
+    /// How many leading blocks of `hashes` each rank holding the first one has active, into
+    /// `out` (overlap `disk`; cleared first): one walk for every rank.
+    pub fn held_prefixes(
+        &self,
+        hashes: &[SequenceHash],
+        scratch: &mut MatchScratch,
+        out: &mut Vec<RankOverlap>,
+    ) {
+        self.active.find_matches(hashes, scratch, out);
+    }
+
+    /// A rank's load if it took a request of `blocks` prompt blocks whose first `held` it has
+    /// active ([`Self::held_prefixes`]) and `new_isl_tokens` to prefill, with the rank's version
+    /// (an unknown rank counts as idle, version None).
     pub fn projection(
         &self,
         rank: WorkerRank,
-        hashes: &[SequenceHash],
+        blocks: u64,
+        held: u64,
         new_isl_tokens: u64,
     ) -> (PotentialLoad, Option<u64>) {
         match self.state(rank) {
-            Some(s) => (s.potential(hashes, new_isl_tokens), Some(s.version)),
+            Some(s) => (s.potential(blocks, held, new_isl_tokens), Some(s.version)),
             None => (
                 PotentialLoad {
                     rank,
                     potential_prefill_tokens: new_isl_tokens,
-                    potential_decode_blocks: hashes.len() as u64,
+                    potential_decode_blocks: blocks,
                     active_requests: 0,
                 },
                 None,
@@ -459,7 +449,14 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> PotentialLoad {
-        self.projection(rank, hashes, new_isl_tokens).0
+        let held = self
+            .active
+            .overlaps(hashes)
+            .iter()
+            .find(|o| o.rank == rank)
+            .map_or(0, |o| o.overlap.disk);
+        self.projection(rank, hashes.len() as u64, held, new_isl_tokens)
+            .0
     }
 
     /// Every rank's load if it took a request with these prompt blocks and prefill tokens. Blocks
@@ -469,10 +466,19 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> Vec<PotentialLoad> {
+        let held: HashMap<WorkerRank, u64> = self
+            .active
+            .overlaps(hashes)
+            .into_iter()
+            .map(|o| (o.rank, o.overlap.disk))
+            .collect();
         self.ranks
             .iter()
             .flatten()
-            .map(|s| s.potential(hashes, new_isl_tokens))
+            .map(|s| {
+                let h = held.get(&s.id).copied().unwrap_or(0);
+                s.potential(hashes.len() as u64, h, new_isl_tokens)
+            })
             .collect()
     }
 }

@@ -194,7 +194,6 @@ enum Holders {
 /// The holders of one block, borrowed from the index.
 #[derive(Clone, Copy)]
 enum HolderList<'a> {
-    None,
     One(Holder),
     Many(&'a [Holder]),
 }
@@ -202,11 +201,20 @@ enum HolderList<'a> {
 impl HolderList<'_> {
     fn as_slice(&self) -> &[Holder] {
         match self {
-            HolderList::None => &[],
             HolderList::One(h) => std::slice::from_ref(h),
             HolderList::Many(l) => l,
         }
     }
+}
+
+/// An order-independent digest of a holder list (its holders and their references): the walk
+/// of [`PrefixIndex::find_matches`] treats consecutive blocks with equal digests as held alike.
+fn fingerprint(list: &[Holder]) -> u64 {
+    list.iter().fold(list.len() as u64, |fp, h| {
+        let x = Holders::One(*h).pack() ^ 0x9E37_79B9_7F4A_7C15;
+        let m = u128::from(x) * 0xBF58_476D_1CE4_E5B9_u128;
+        fp.wrapping_add((m as u64) ^ ((m >> 64) as u64))
+    })
 }
 
 /// The rank slot that marks a spilled holder word (never a real slot).
@@ -275,6 +283,8 @@ pub struct PrefixIndex {
     blocks: BlockTable,
     build: KeyedBuild,
     spill: Vec<Vec<Holder>>,
+    /// [`fingerprint`] of each spilled list, kept with it: equal lists have equal fingerprints.
+    spill_fp: Vec<u64>,
     spill_free: Vec<u32>,
     ranks: Vec<Option<RankSlot>>,
     rank_ids: HashMap<WorkerRank, u16>,
@@ -302,6 +312,7 @@ impl PrefixIndex {
             blocks: BlockTable::new(build),
             build,
             spill: Vec::new(),
+            spill_fp: Vec::new(),
             spill_free: Vec::new(),
             ranks: Vec::new(),
             rank_ids: HashMap::new(),
@@ -417,7 +428,7 @@ impl PrefixIndex {
         use std::mem::size_of;
         let table = |cap: usize, entry: usize| cap * (entry + 1);
         self.blocks.bytes()
-            + self.spill.capacity() * size_of::<Vec<Holder>>()
+            + self.spill.capacity() * (size_of::<Vec<Holder>>() + size_of::<u64>())
             + self
                 .spill
                 .iter()
@@ -580,13 +591,16 @@ impl PrefixIndex {
                         return Err(refused);
                     }
                     let list = vec![h, Holder::new(s, tier)];
+                    let fp = fingerprint(&list);
                     let i = match self.spill_free.pop() {
                         Some(i) => {
                             self.spill[i as usize] = list;
+                            self.spill_fp[i as usize] = fp;
                             i
                         }
                         None => {
                             self.spill.push(list);
+                            self.spill_fp.push(fp);
                             (self.spill.len() - 1) as u32
                         }
                     };
@@ -596,12 +610,14 @@ impl PrefixIndex {
                     let list = &mut self.spill[i as usize];
                     if let Some(h) = list.iter_mut().find(|h| h.rank == s) {
                         h.refs[t] = h.refs[t].saturating_add(1);
+                        self.spill_fp[i as usize] = fingerprint(list);
                         return Ok(());
                     }
                     if full {
                         return Err(refused);
                     }
                     list.push(Holder::new(s, tier));
+                    self.spill_fp[i as usize] = fingerprint(list);
                 }
             }
         }
@@ -633,9 +649,11 @@ impl PrefixIndex {
                 };
                 list[pos].refs[t] -= 1;
                 if !list[pos].is_empty() {
+                    self.spill_fp[i as usize] = fingerprint(list);
                     return Removal::Decremented;
                 }
                 list.swap_remove(pos);
+                self.spill_fp[i as usize] = fingerprint(list);
                 if let [only] = list.as_slice() {
                     *word = Holders::One(*only).pack();
                     Self::free_spill(&mut self.spill, &mut self.spill_free, i);
@@ -691,6 +709,40 @@ impl PrefixIndex {
         dropped
     }
 
+    /// Adds one reference in `tier` to `rank`'s hold on `seq` (our hash); whether the (block,
+    /// rank) pair is new.
+    pub fn add_reference(
+        &mut self,
+        rank: WorkerRank,
+        seq: SequenceHash,
+        tier: Tier,
+    ) -> Result<bool, IndexError> {
+        let s = self.slot_or_insert(rank)?;
+        let before = self.slot(s).blocks;
+        self.add(s, seq, tier)?;
+        Ok(self.slot(s).blocks > before)
+    }
+
+    /// Takes one reference in `tier` away from `rank`'s hold on `seq` (our hash): Some(true) when
+    /// the pair went away with it, Some(false) when it remains, None when there was no such
+    /// reference.
+    pub fn release_reference(
+        &mut self,
+        rank: WorkerRank,
+        seq: SequenceHash,
+        tier: Tier,
+    ) -> Option<bool> {
+        let s = self.slot_of(rank)?;
+        match self.release(s, seq, tier.idx()) {
+            Removal::NotHeld => None,
+            Removal::Decremented => Some(false),
+            Removal::Dropped => {
+                Self::slot_mut(&mut self.ranks, s).blocks -= 1;
+                Some(true)
+            }
+        }
+    }
+
     /// Applies `AllBlocksCleared`: the rank holds nothing (it stays registered).
     pub fn clear_rank(&mut self, rank: WorkerRank) {
         let Some(s) = self.slot_of(rank) else { return };
@@ -727,12 +779,14 @@ impl PrefixIndex {
 
     fn drop_slots(&mut self, slots: &[u16]) {
         let spill = &mut self.spill;
+        let spill_fp = &mut self.spill_fp;
         let free = &mut self.spill_free;
         self.blocks.retain(|_, word| match Holders::unpack(*word) {
             Holders::One(h) => !slots.contains(&h.rank),
             Holders::Spill(i) => {
                 let list = &mut spill[i as usize];
                 list.retain(|h| !slots.contains(&h.rank));
+                spill_fp[i as usize] = fingerprint(list);
                 match list.as_slice() {
                     [] => {
                         Self::free_spill(spill, free, i);
@@ -750,7 +804,9 @@ impl PrefixIndex {
     }
 
     /// The cached prefix of `hashes` on every rank that holds at least its first block, into `out`
-    /// (cleared first). Costs one table lookup per matched block plus one step per holder.
+    /// (cleared first). Costs one table lookup per matched block, plus one step per holder where
+    /// the holders change: consecutive blocks held by the same ranks alike (a shared prefix) cost
+    /// one comparison each, however many ranks hold them.
     pub fn find_matches(
         &self,
         hashes: &[SequenceHash],
@@ -767,6 +823,10 @@ impl PrefixIndex {
             scratch.runs.fill(Run::default());
             scratch.epoch = 1;
         }
+        // The holders of the block that last extended the runs, and how many blocks since held
+        // alike (their extension is applied when the holders change or the walk ends).
+        let mut streak: Option<(u64, HolderList<'_>, u32)> = None;
+        let mut pending = 0u32;
         // Lookups go in batches of independent probes (4 first: most requests stop early; then 64),
         // so the table's cache misses overlap instead of queueing one behind another.
         let mut start = 0;
@@ -780,27 +840,38 @@ impl PrefixIndex {
             let mut words = [0u64; MAX_BATCH];
             let n = end - start;
             self.blocks.get_batch(&keys[..n], &mut words);
-            // Spilled holder lists are one more memory access each: start them all together too.
-            let mut lists: [HolderList<'_>; MAX_BATCH] = [HolderList::None; MAX_BATCH];
-            for (list, &word) in lists.iter_mut().zip(&words[..n]) {
+            for (j, &word) in words[..n].iter().enumerate() {
                 if word == 0 {
-                    break;
-                }
-                *list = self.holders_of(word);
-                if let HolderList::Many(l) = list {
-                    std::hint::black_box(l.first().map(|h| h.rank));
-                }
-            }
-            for (j, list) in lists[..n].iter().enumerate() {
-                if let HolderList::None = list {
                     break 'walk;
                 }
-                if !Self::extend_runs(scratch, list.as_slice(), (start + j) as u32) {
+                let (ident, list) = match Holders::unpack(word) {
+                    Holders::One(h) => (word, HolderList::One(h)),
+                    Holders::Spill(i) => (
+                        self.spill_fp[i as usize],
+                        HolderList::Many(&self.spill[i as usize]),
+                    ),
+                };
+                if let Some((id, prev, _)) = &streak {
+                    if *id == ident && prev.as_slice().len() == list.as_slice().len() {
+                        pending += 1;
+                        continue;
+                    }
+                }
+                if let Some((_, prev, at)) = streak.take() {
+                    Self::extend_alike(scratch, prev.as_slice(), at, pending);
+                    pending = 0;
+                }
+                let i = (start + j) as u32;
+                if !Self::extend_runs(scratch, list.as_slice(), i) {
                     break 'walk;
                 }
+                streak = Some((ident, list, i));
             }
             start = end;
             batch = MAX_BATCH;
+        }
+        if let Some((_, prev, at)) = streak {
+            Self::extend_alike(scratch, prev.as_slice(), at, pending);
         }
         out.extend(scratch.touched.iter().map(|&s| {
             let run = scratch.runs[usize::from(s)];
@@ -813,6 +884,29 @@ impl PrefixIndex {
                 },
             }
         }));
+    }
+
+    /// The `k` blocks after block `at` had the same holders as block `at`: every run that block
+    /// `at` extended grows by `k` (in each tier it was extended in).
+    fn extend_alike(scratch: &mut MatchScratch, holders: &[Holder], at: u32, k: u32) {
+        if k == 0 {
+            return;
+        }
+        let epoch = scratch.epoch;
+        let next = at + 1;
+        for h in holders {
+            let run = &mut scratch.runs[usize::from(h.rank)];
+            if run.epoch != epoch || run.any != next {
+                continue;
+            }
+            run.any += k;
+            if run.host == next {
+                run.host += k;
+            }
+            if run.device == next {
+                run.device += k;
+            }
+        }
     }
 
     /// Extends the runs of the ranks in `holders` that held every block before block `i`; false
