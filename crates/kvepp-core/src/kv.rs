@@ -950,3 +950,6 @@ impl super::Picker for KvPicker {
         }
     }
 }
+
+#[cfg(test)]
+mod pick_tests;

@@ -275,7 +275,11 @@ impl SlotTracker {
         state.prefill_tokens += new_isl_tokens;
         // From the last block back to the first block the rank already has: only new blocks cost.
         for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = if i + 1 == hashes.len() { TIPS } else { CHILDREN };
+            let tier = if i + 1 == hashes.len() {
+                TIPS
+            } else {
+                CHILDREN
+            };
             match self.active.add_reference(rank, h, tier) {
                 Ok(true) => {}
                 Ok(false) => break,
@@ -367,7 +371,11 @@ impl SlotTracker {
         // From the last block back, while the blocks go with this request.
         let hashes = &active.hashes;
         for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = if i + 1 == hashes.len() { TIPS } else { CHILDREN };
+            let tier = if i + 1 == hashes.len() {
+                TIPS
+            } else {
+                CHILDREN
+            };
             if index.release_reference(state.id, h, tier) != Some(true) {
                 break;
             }

@@ -377,3 +377,98 @@ fn dump_and_restore_rebuild_an_equal_index() {
     }
     assert_eq!(b.dump(), a.dump());
 }
+
+/// Many ranks holding prefixes of one prompt, of a few shared lengths and in several tiers, some
+/// with a block removed in the middle: the walk that counts runs of equal holders once must
+/// report exactly what the reference reports.
+#[test]
+fn shared_prefixes_with_many_holders_agree_with_reference() {
+    let prompt: Vec<u64> = (0..300).collect();
+    let query = seqs(&prompt);
+    let mut rng = fastrand::Rng::with_seed(11);
+    for round in 0..20 {
+        let mut fast = PrefixIndex::new(u64::MAX);
+        let mut reference = ReferenceIndex::new(u64::MAX);
+        let lengths = [1, 7, 64, 65, 200, 300];
+        for w in 0..150u64 {
+            let rank = wr(w, (w % 2) as u32);
+            let len = lengths[rng.usize(..lengths.len())];
+            let tier = [Tier::Device, Tier::Host, Tier::Disk][rng.usize(..3)];
+            let s = &query[..len];
+            let blocks = || {
+                s.iter()
+                    .zip(&prompt[..len])
+                    .map(|(h, &l)| (EngineBlockHash(h.0), LocalBlockHash(l)))
+            };
+            fast.store(rank, tier, None, blocks()).unwrap();
+            reference.store(rank, tier, None, blocks()).unwrap();
+            if rng.u8(..4) == 0 {
+                // A second tier for some, and a gap for others.
+                let t2 = Tier::Device;
+                fast.store(rank, t2, None, blocks()).unwrap();
+                reference.store(rank, t2, None, blocks()).unwrap();
+            }
+            if len > 2 && rng.u8(..5) == 0 {
+                let gap = [EngineBlockHash(s[rng.usize(1..len)].0)];
+                fast.remove(rank, tier, gap);
+                reference.remove(rank, tier, gap);
+            }
+        }
+        for cut in [1, 5, 64, 65, 130, 300] {
+            let q = &query[..cut];
+            assert_eq!(
+                sorted(fast.overlaps(q)),
+                sorted(reference.overlaps(q)),
+                "round {round}, query of {cut} blocks"
+            );
+        }
+    }
+}
+
+/// A reader of a [`SharedIndex`] sees each write whole: a chain stored in one write is either
+/// absent or entirely there, never in part, while a writer stores and removes it repeatedly.
+#[test]
+fn shared_index_readers_see_whole_writes() {
+    let shared = std::sync::Arc::new(SharedIndex::with_seed(u64::MAX, 5));
+    let prompt: Vec<u64> = (0..256).collect();
+    let query = seqs(&prompt);
+    let rank = wr(1, 0);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (shared, query, stop) = (shared.clone(), query.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut seen = [0u64; 2];
+            let (mut scratch, mut out) = (MatchScratch::default(), Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                shared.read().find_matches(&query, &mut scratch, &mut out);
+                let got = out.first().map_or(0, |o| o.overlap.device);
+                assert!(got == 0 || got == 256, "a partial write was visible: {got}");
+                seen[usize::from(got == 256)] += 1;
+            }
+            seen
+        })
+    };
+    for _ in 0..2000 {
+        shared.write(|ix| store_chain(ix, rank, Tier::Device, &prompt));
+        shared.write(|ix| {
+            ix.remove(
+                rank,
+                Tier::Device,
+                query.iter().map(|h| EngineBlockHash(h.0)),
+            )
+        });
+    }
+    // Both copies took every write: a last store is visible, and the spare equals it.
+    shared.write(|ix| store_chain(ix, rank, Tier::Device, &prompt));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = reader.join().expect("reader");
+    assert!(seen[0] + seen[1] > 0, "the reader ran");
+    let first = shared.read().dump();
+    shared.write(|_| ());
+    assert_eq!(
+        shared.read().dump(),
+        first,
+        "both copies hold the same content"
+    );
+    assert_eq!(first[0].blocks.len(), 256);
+}

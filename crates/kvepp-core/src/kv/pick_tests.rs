@@ -1,0 +1,284 @@
+//! The KV-aware pick (dense buffers, one walk per index, projections from the active-block trees,
+//! booking checked by version) against a from-scratch reference: overlaps from the reference
+//! index, loads recomputed from the list of booked requests, Dynamo's cost per candidate.
+
+use std::collections::HashSet;
+
+use super::*;
+use crate::hash::sequence_hashes;
+use crate::index::reference::ReferenceIndex;
+
+fn endpoints(n: u8) -> Vec<Arc<Endpoint>> {
+    (0..n)
+        .map(|i| {
+            Arc::new(Endpoint::new(
+                ([10, 0, 0, i], 8000).into(),
+                format!("pod-{i}"),
+            ))
+        })
+        .collect()
+}
+
+/// A prompt from one of four families: a shared stem of random length, then a private tail.
+fn prompt(rng: &mut fastrand::Rng, mode: PrefixMode) -> PromptBlocks {
+    let family = rng.u64(..4);
+    let mut locals: Vec<LocalBlockHash> = (0..rng.u64(..40))
+        .map(|i| LocalBlockHash(family * 1000 + i))
+        .collect();
+    locals.extend((0..rng.u64(..6)).map(|_| LocalBlockHash(rng.u64(..) | 1 << 63)));
+    let hashes = sequence_hashes(&locals);
+    PromptBlocks {
+        mode,
+        isl_tokens: hashes.len() as u64 * 16 + rng.u64(..16),
+        locals,
+        hashes,
+    }
+}
+
+#[derive(Debug)]
+struct Booked {
+    guard: SlotGuard,
+    worker: u64,
+    hashes: Vec<SequenceHash>,
+    prefill: u64,
+}
+
+/// What every candidate's score must be, computed the simple way.
+fn reference_scores(
+    kv: &KvState,
+    reference: &ReferenceIndex,
+    eps: &[Arc<Endpoint>],
+    booked: &[Booked],
+    p: &PromptBlocks,
+) -> Vec<f64> {
+    let found = reference.overlaps(&p.hashes);
+    eps.iter()
+        .map(|e| {
+            let mut overlap = Overlap::default();
+            for o in found.iter().filter(|o| o.rank.worker == e.worker) {
+                overlap.device = overlap.device.max(o.overlap.device);
+                overlap.host = overlap.host.max(o.overlap.host);
+                overlap.disk = overlap.disk.max(o.overlap.disk);
+            }
+            let mine: Vec<&Booked> = booked.iter().filter(|b| b.worker == e.worker).collect();
+            let active: HashSet<SequenceHash> =
+                mine.iter().flat_map(|b| b.hashes.iter().copied()).collect();
+            let new = p.hashes.iter().filter(|h| !active.contains(h)).count() as u64;
+            let load = CandidateLoad {
+                overlap,
+                potential_prefill_tokens: mine.iter().map(|b| b.prefill).sum::<u64>()
+                    + p.isl_tokens,
+                potential_decode_blocks: active.len() as u64 + new,
+                active_requests: mine.len() as u32,
+            };
+            1.0 / (1.0 + kv.settings().weights.cost(kv.block_size(), &load).max(0.0))
+        })
+        .collect()
+}
+
+#[test]
+fn kv_aware_scores_equal_a_from_scratch_reference() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(24);
+    let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+    let mut reference = ReferenceIndex::new(u64::MAX);
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut booked: Vec<Booked> = Vec::new();
+    let now = Instant::now();
+    let mut compared = 0;
+    for step in 0..4000u64 {
+        match rng.u8(..8) {
+            0 | 1 => {
+                // A KV event: a prompt's chain stored on some rank of some endpoint.
+                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let rank = WorkerRank {
+                    worker: eps[rng.usize(..eps.len())].worker,
+                    dp_rank: rng.u32(..2),
+                };
+                let tier = [Tier::Device, Tier::Host][rng.usize(..2)];
+                let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = p
+                    .hashes
+                    .iter()
+                    .map(|s| EngineBlockHash(s.0))
+                    .zip(p.locals.iter().copied())
+                    .collect();
+                let a = kv
+                    .index()
+                    .write(|ix| ix.store(rank, tier, None, blocks.iter().copied()));
+                let b = reference.store(rank, tier, None, blocks.iter().copied());
+                assert_eq!(a.is_ok(), b.is_ok());
+            }
+            2 => {
+                // An eviction somewhere in a chain (leaves a gap).
+                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                if let Some(h) = p.hashes.get(rng.usize(..p.hashes.len().max(1))) {
+                    let rank = WorkerRank {
+                        worker: eps[rng.usize(..eps.len())].worker,
+                        dp_rank: rng.u32(..2),
+                    };
+                    let gone = [EngineBlockHash(h.0)];
+                    kv.index().write(|ix| ix.remove(rank, Tier::Device, gone));
+                    reference.remove(rank, Tier::Device, gone);
+                }
+            }
+            3..=5 => {
+                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let mut ctx = PickContext::seeded(step).with_scores();
+                let (best, _, d) = kv.rank(&refs, Some(&p), &mut ctx);
+                let want = reference_scores(&kv, &reference, &eps, &booked, &p);
+                let got = ctx.scores.take().expect("asked for scores");
+                assert_eq!(got.len(), want.len());
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() < 1e-12,
+                        "step {step}, candidate {i}: {g} vs {w}"
+                    );
+                }
+                compared += 1;
+                let guard = kv
+                    .book_decision(&eps[best], Some(&p), &d, now)
+                    .expect("nothing changed the load since the pick");
+                booked.push(Booked {
+                    guard,
+                    worker: eps[best].worker,
+                    hashes: p.hashes.clone(),
+                    prefill: d.effective_prefill_tokens,
+                });
+            }
+            6 if !booked.is_empty() => {
+                let i = rng.usize(..booked.len());
+                booked[i].guard.first_byte();
+                booked[i].prefill = 0;
+            }
+            _ if !booked.is_empty() => {
+                booked.swap_remove(rng.usize(..booked.len()));
+            }
+            _ => {}
+        }
+    }
+    assert!(compared > 1000);
+    drop(booked);
+    assert_eq!(kv.active_count(), 0);
+    assert!(kv
+        .rank_loads()
+        .iter()
+        .all(|(_, l)| *l == crate::slots::RankLoad::default()));
+}
+
+/// A booking checked against the version its pick read is refused once another booking changed
+/// that endpoint's load, and goes through when nothing did.
+#[test]
+fn a_booking_is_refused_when_the_load_it_read_changed() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(2);
+    let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+    let p = prompt(&mut fastrand::Rng::with_seed(1), PrefixMode::TokenIds);
+    let mut ctx = PickContext::seeded(1);
+    let (best, _, first) = kv.rank(&refs, Some(&p), &mut ctx);
+    let (again, _, second) = kv.rank(&refs, Some(&p), &mut ctx);
+    assert_eq!(first.load_version, second.load_version);
+    let now = Instant::now();
+    let held = kv.book_decision(&eps[best], Some(&p), &first, now);
+    assert!(held.is_some());
+    if again == best {
+        assert!(kv
+            .book_decision(&eps[again], Some(&p), &second, now)
+            .is_none());
+        assert_eq!(kv.booking_conflicts(), 1);
+    }
+    // Read again: books.
+    let (b, _, third) = kv.rank(&refs, Some(&p), &mut ctx);
+    assert!(kv.book_decision(&eps[b], Some(&p), &third, now).is_some());
+}
+
+/// Threads picking and booking on one state while KV events are applied: every booking is
+/// accounted exactly (loads equal the recomputation from the surviving bookings) and nothing is
+/// left once they end.
+#[test]
+fn concurrent_picks_book_exactly() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = Arc::new(endpoints(16));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (kv, eps, stop) = (kv.clone(), eps.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rng = fastrand::Rng::with_seed(99);
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) || n < 50 {
+                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let rank = WorkerRank {
+                    worker: eps[rng.usize(..eps.len())].worker,
+                    dp_rank: 0,
+                };
+                let blocks: Vec<_> = p
+                    .hashes
+                    .iter()
+                    .map(|s| EngineBlockHash(s.0))
+                    .zip(p.locals.iter().copied())
+                    .collect();
+                let _ = kv
+                    .index()
+                    .write(|ix| ix.store(rank, Tier::Device, None, blocks.iter().copied()));
+                n += 1;
+            }
+        })
+    };
+    let workers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (kv, eps) = (kv.clone(), eps.clone());
+            std::thread::spawn(move || {
+                let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+                let mut rng = fastrand::Rng::with_seed(t);
+                let mut kept = Vec::new();
+                for i in 0..400u64 {
+                    let p = prompt(&mut rng, PrefixMode::TokenIds);
+                    let mut ctx = PickContext::seeded(t * 1000 + i);
+                    // The router's loop: pick again while the chosen load changed.
+                    let guard = loop {
+                        let (best, _, d) = kv.rank(&refs, Some(&p), &mut ctx);
+                        if let Some(g) = kv.book_decision(&eps[best], Some(&p), &d, Instant::now())
+                        {
+                            break (g, eps[best].worker, d.effective_prefill_tokens);
+                        }
+                    };
+                    if rng.bool() {
+                        kept.push((guard, p.hashes));
+                    }
+                }
+                kept
+            })
+        })
+        .collect();
+    let kept: Vec<_> = workers
+        .into_iter()
+        .flat_map(|w| w.join().expect("picker thread"))
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    writer.join().expect("event thread");
+    assert_eq!(kv.active_count(), kept.len());
+    for e in eps.iter() {
+        let mine: Vec<_> = kept
+            .iter()
+            .filter(|((_, w, _), _)| *w == e.worker)
+            .collect();
+        let blocks: HashSet<SequenceHash> =
+            mine.iter().flat_map(|(_, h)| h.iter().copied()).collect();
+        let want = crate::slots::RankLoad {
+            active_requests: mine.len() as u32,
+            active_prefill_tokens: mine.iter().map(|((_, _, p), _)| p).sum(),
+            active_decode_blocks: blocks.len() as u64,
+        };
+        assert_eq!(
+            kv.load(&e.addr_str).unwrap_or_default(),
+            want,
+            "endpoint {}",
+            e.addr_str
+        );
+    }
+    drop(kept);
+    assert_eq!(kv.active_count(), 0);
+    assert!(kv
+        .rank_loads()
+        .iter()
+        .all(|(_, l)| *l == crate::slots::RankLoad::default()));
+}
