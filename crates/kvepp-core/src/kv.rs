@@ -35,7 +35,7 @@ use std::time::Instant;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::cost::{CandidateLoad, CostWeights, Overlap};
-use super::index::{EngineBlockHash, KeyedBuild, MatchScratch, RankOverlap, SharedIndex, Tier};
+use super::index::{EngineBlockHash, MatchScratch, RankOverlap, SharedIndex, Tier};
 use super::slots::{SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
 use crate::hash::{
@@ -234,6 +234,69 @@ pub struct KvState {
 
 const SCRATCH_POOLS: usize = 8;
 
+/// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
+/// addresses, no allocation once grown).
+#[derive(Debug, Default)]
+struct CandidateMap {
+    keys: Vec<u64>,
+    /// Candidate index + 1; 0: empty.
+    vals: Vec<u32>,
+    len: usize,
+}
+
+impl CandidateMap {
+    fn slot(&self, key: u64) -> usize {
+        // Worker ids are already hashes of the address: one multiply spreads them.
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (self.keys.len() - 1)
+    }
+
+    fn clear(&mut self) {
+        if self.len > 0 {
+            self.vals.fill(0);
+            self.len = 0;
+        }
+    }
+
+    fn build(&mut self, workers: impl ExactSizeIterator<Item = u64>) {
+        let cap = (workers.len() * 2).next_power_of_two().max(16);
+        if self.keys.len() != cap {
+            self.keys = vec![0; cap];
+            self.vals = vec![0; cap];
+        }
+        let mask = cap - 1;
+        for (i, w) in workers.enumerate() {
+            let mut at = self.slot(w);
+            while self.vals[at] != 0 && self.keys[at] != w {
+                at = (at + 1) & mask;
+            }
+            if self.vals[at] == 0 {
+                self.keys[at] = w;
+                self.vals[at] = i as u32 + 1;
+                self.len += 1;
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn get(&self, w: u64) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.keys.len() - 1;
+        let mut at = self.slot(w);
+        loop {
+            match self.vals[at] {
+                0 => return None,
+                v if self.keys[at] == w => return Some(v as usize - 1),
+                _ => at = (at + 1) & mask,
+            }
+        }
+    }
+}
+
 /// Reusable buffers of one pick (taken from and returned to a pool, so a pick allocates none of
 /// them in steady state).
 #[derive(Debug, Default)]
@@ -242,9 +305,11 @@ struct PickScratch {
     found: Vec<RankOverlap>,
     /// Ranks holding the prompt's first blocks in active requests.
     held: Vec<RankOverlap>,
-    /// Per worker: best cached overlap over its ranks, and active prefix held by rank 0 (keyed
-    /// like the index's tables).
-    by_worker: Option<HashMap<u64, (Overlap, u64), KeyedBuild>>,
+    /// Candidate index by worker id (the first candidate of a worker).
+    by_worker: CandidateMap,
+    /// Per candidate: best cached overlap over its worker's ranks, and the active prefix its
+    /// rank 0 holds.
+    overlaps: Vec<(Overlap, u64)>,
     loads: Vec<CandidateLoad>,
     versions: Vec<Option<u64>>,
     costs: Vec<f64>,
@@ -459,35 +524,44 @@ impl KvState {
                     .find_matches(&p.hashes, &mut sc.matching, &mut sc.found),
             }
         }
-        let by_worker = sc.by_worker.get_or_insert_with(|| {
-            HashMap::with_hasher(KeyedBuild::with_key(self.settings.table_seed))
-        });
-        by_worker.clear();
-        for o in &sc.found {
-            let (cur, _) = by_worker.entry(o.rank.worker).or_default();
-            cur.device = cur.device.max(o.overlap.device);
-            cur.host = cur.host.max(o.overlap.host);
-            cur.disk = cur.disk.max(o.overlap.disk);
-        }
         sc.loads.clear();
         sc.versions.clear();
+        sc.overlaps.clear();
+        sc.overlaps.resize(candidates.len(), Default::default());
         let slots = read(&self.slots);
         slots.held_prefixes(hashes, &mut sc.matching, &mut sc.held);
-        for o in sc.held.iter().filter(|o| o.rank.dp_rank == 0) {
-            by_worker.entry(o.rank.worker).or_default().1 = o.overlap.disk;
+        sc.by_worker.clear();
+        if !sc.found.is_empty() || !sc.held.is_empty() {
+            sc.by_worker.build(candidates.iter().map(|e| e.worker));
+            for o in &sc.found {
+                if let Some(i) = sc.by_worker.get(o.rank.worker) {
+                    let cur = &mut sc.overlaps[i].0;
+                    cur.device = cur.device.max(o.overlap.device);
+                    cur.host = cur.host.max(o.overlap.host);
+                    cur.disk = cur.disk.max(o.overlap.disk);
+                }
+            }
+            for o in sc.held.iter().filter(|o| o.rank.dp_rank == 0) {
+                if let Some(i) = sc.by_worker.get(o.rank.worker) {
+                    sc.overlaps[i].1 = o.overlap.disk;
+                }
+            }
         }
-        for e in candidates {
-            let (overlap, held) = if by_worker.is_empty() {
-                (Overlap::default(), 0)
+        for (i, e) in candidates.iter().enumerate() {
+            // A worker named twice reads what its first candidate got.
+            let first = if sc.by_worker.is_empty() {
+                i
             } else {
-                by_worker.get(&e.worker).copied().unwrap_or_default()
+                sc.by_worker.get(e.worker).unwrap_or(i)
             };
+            let (overlap, held) = sc.overlaps[first];
             // An unregistered rank counts as idle; booking registers it.
             let rank = WorkerRank {
                 worker: e.worker,
                 dp_rank: 0,
             };
-            let (l, version) = slots.projection(rank, hashes.len() as u64, held, isl);
+            let (l, version) =
+                slots.projection_hinted(rank, &e.load.slot_hint, hashes.len() as u64, held, isl);
             sc.loads.push(CandidateLoad {
                 overlap,
                 potential_prefill_tokens: l.potential_prefill_tokens,
@@ -527,7 +601,7 @@ impl KvState {
         let second = (0..costs.len()).filter(|&i| i != best).min_by(|&a, &b| {
             costs[a]
                 .total_cmp(&costs[b])
-                .then(in_flight(a).cmp(&in_flight(b)))
+                .then_with(|| in_flight(a).cmp(&in_flight(b)))
         });
         if let Some(scores) = &mut ctx.scores {
             // Costs are non-negative block counts: 1 / (1 + cost) keeps the order, in (0, 1].

@@ -24,6 +24,9 @@ pub struct EndpointLoad {
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
+    /// Where the KV-aware picker's slot tracker keeps this endpoint's load (a dense id, checked
+    /// before use): saves hashing the endpoint's identity on every pick.
+    pub(crate) slot_hint: AtomicU32,
     /// The engine's last scraped metrics and when they were read (None: never).
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
 }

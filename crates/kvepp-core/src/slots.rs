@@ -103,7 +103,12 @@ impl RankState {
 
     /// Prompt blocks (distinct) plus weighted output blocks, rounded.
     fn decode_blocks(&self) -> u64 {
-        self.blocks + self.output_blocks.max(0.0).round() as u64
+        let output = if self.output_blocks > 0.0 {
+            self.output_blocks.round() as u64
+        } else {
+            0
+        };
+        self.blocks + output
     }
 
     fn load(&self) -> RankLoad {
@@ -446,6 +451,31 @@ impl SlotTracker {
                 },
                 None,
             ),
+        }
+    }
+
+    /// [`Self::projection`] with a remembered dense id for `rank` (checked before use, updated
+    /// when wrong): no hashing when the hint is right.
+    pub fn projection_hinted(
+        &self,
+        rank: WorkerRank,
+        hint: &std::sync::atomic::AtomicU32,
+        blocks: u64,
+        held: u64,
+        new_isl_tokens: u64,
+    ) -> (PotentialLoad, Option<u64>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let at = hint.load(Relaxed) as usize;
+        let state = match self.ranks.get(at).and_then(Option::as_ref) {
+            Some(s) if s.id == rank => Some(s),
+            _ => self.ids.get(&rank).and_then(|&id| {
+                hint.store(id, Relaxed);
+                self.ranks.get(id as usize)?.as_ref()
+            }),
+        };
+        match state {
+            Some(s) => (s.potential(blocks, held, new_isl_tokens), Some(s.version)),
+            None => self.projection(rank, blocks, held, new_isl_tokens),
         }
     }
 

@@ -1,0 +1,368 @@
+//! The KV-aware pick at scale, each figure beside a baseline measured in the same run.
+//!
+//! ```sh
+//! cargo bench -p kvepp-core --bench pick                      # latency table + 1/2-thread scaling
+//! cargo bench -p kvepp-core --bench pick -- --threads 1,2,8,16 --seconds 3
+//! ```
+//!
+//! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
+//!    1k/32k/128k-token prompts, against the load-only pick (least loaded) over the same
+//!    candidates. Index contents: every even endpoint caches the prompt's system prompt (a quarter
+//!    of it, at most 2k tokens), every 16th a half, endpoint 0 seven eighths, and every endpoint
+//!    one unrelated 64-block chain; each endpoint has one active request (even ones share the
+//!    system prompt). Also pick + book + release at each size.
+//! 2. Scaling: picks per second (pick, book, release) from 1, 2, … threads over 1000 endpoints
+//!    with 32k-token prompts from 8 families, while another thread applies KV events (store and
+//!    remove of 64-block chains) at 1 M blocks/s, against 1 thread × the thread count (linear).
+//!
+//! Under `cargo test` (no `--bench`) it runs a small case and checks the pick went where the
+//! prompt is cached.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvepp_core::hash::{local_block_hashes, sequence_hashes, LocalBlockHash};
+use kvepp_core::index::{EngineBlockHash, Tier};
+use kvepp_core::slots::WorkerRank;
+use kvepp_core::{
+    Endpoint, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode, PromptBlocks,
+};
+
+const BLOCK: usize = 16;
+
+fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {
+    (0..n)
+        .map(|i| {
+            let addr: SocketAddr = ([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000).into();
+            Arc::new(Endpoint::new(addr, format!("pod-{i}")))
+        })
+        .collect()
+}
+
+fn rank(e: &Endpoint) -> WorkerRank {
+    WorkerRank {
+        worker: e.worker,
+        dp_rank: 0,
+    }
+}
+
+fn chain(seed: u64, n: usize) -> (Vec<LocalBlockHash>, Vec<EngineBlockHash>) {
+    let locals: Vec<LocalBlockHash> = (0..n as u64)
+        .map(|i| LocalBlockHash(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i + 1)))
+        .collect();
+    let engine = sequence_hashes(&locals)
+        .into_iter()
+        .map(|s| EngineBlockHash(s.0))
+        .collect();
+    (locals, engine)
+}
+
+/// One size of the latency table: the state, its endpoints and the prompt.
+struct Setup {
+    kv: Arc<KvState>,
+    eps: Vec<Arc<Endpoint>>,
+    prompt: PromptBlocks,
+}
+
+fn setup(n: usize, tokens: usize) -> Setup {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(n);
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761))
+        .collect();
+    let prompt = kv.blocks_from_tokens(&ids, None, PrefixMode::TokenIds);
+    let system = (tokens / 4).min(2048);
+    let locals = local_block_hashes(&ids, BLOCK, None);
+    let engine: Vec<EngineBlockHash> = prompt.hashes.iter().map(|h| EngineBlockHash(h.0)).collect();
+    let blocks = |t: usize| {
+        engine[..t / BLOCK]
+            .iter()
+            .copied()
+            .zip(locals[..t / BLOCK].iter().copied())
+    };
+    kv.index().write(|ix| {
+        for (i, e) in eps.iter().enumerate() {
+            let r = rank(e);
+            let held = match i {
+                0 => tokens * 7 / 8,
+                i if i % 16 == 0 => tokens / 2,
+                i if i % 2 == 0 => system,
+                _ => 0,
+            };
+            let _ = ix.store(r, Tier::Device, None, blocks(held));
+            let (l, e) = chain(1_000_000 + i as u64, 64);
+            let _ = ix.store(r, Tier::Device, None, e.into_iter().zip(l));
+        }
+    });
+    let now = Instant::now();
+    for (i, e) in eps.iter().enumerate() {
+        let r = rank(e);
+        kv.register_rank(r);
+        let hashes = if i % 2 == 0 {
+            let mut l = locals[..system / BLOCK].to_vec();
+            l.extend(chain(2_000_000 + i as u64, 32).0);
+            sequence_hashes(&l)
+        } else {
+            sequence_hashes(&chain(3_000_000 + i as u64, 64).0)
+        };
+        kv.reserve(&format!("active-{i}"), r, &hashes, 512, now)
+            .unwrap();
+    }
+    Setup { kv, eps, prompt }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+/// Times `f` once per iteration: (p50, p99) in µs.
+fn time(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
+    for _ in 0..iters / 10 + 1 {
+        f();
+    }
+    let mut d = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        f();
+        d.push(t.elapsed());
+    }
+    d.sort_unstable();
+    (percentile(&d, 0.5), percentile(&d, 0.99))
+}
+
+fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
+    println!(
+        "## KV-aware pick latency (µs), against the load-only pick over the same candidates\n"
+    );
+    println!("| endpoints | prompt tokens | KV-aware p50 | KV-aware p99 | load-only p50 | load-only p99 | KV-aware ÷ load-only (p50) | pick+book+release p50 | p99 |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut p50 = std::collections::BTreeMap::new();
+    for &n in sizes {
+        for &tokens in token_sizes {
+            let s = setup(n, tokens);
+            let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+            let mut ctx = PickContext::seeded(1);
+            // Size the sample to the budget from one timed pick.
+            let t = Instant::now();
+            black_box(s.kv.rank(&refs, Some(&s.prompt), &mut ctx));
+            let one = t.elapsed().max(Duration::from_nanos(200));
+            let iters = ((budget.as_secs_f64() / one.as_secs_f64()) as usize).clamp(200, 20_000);
+            let kv = time(iters, || {
+                black_box(s.kv.rank(black_box(&refs), Some(&s.prompt), &mut ctx));
+            });
+            let base = time(iters, || {
+                black_box(LeastLoaded.rank(black_box(&refs), None, &mut ctx));
+            });
+            let booked = time(iters, || {
+                let (best, _, d) = s.kv.rank(&refs, Some(&s.prompt), &mut ctx);
+                let g =
+                    s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now);
+                drop(black_box(g));
+            });
+            p50.insert((tokens, n), kv.0);
+            println!(
+                "| {n} | {}k | {:.2} | {:.2} | {:.2} | {:.2} | {:.1}× | {:.2} | {:.2} |",
+                tokens >> 10,
+                kv.0,
+                kv.1,
+                base.0,
+                base.1,
+                kv.0 / base.0,
+                booked.0,
+                booked.1
+            );
+        }
+    }
+    println!("\nGrowth of the KV-aware p50 with endpoints (linear would be the endpoint ratio):\n");
+    for &tokens in token_sizes {
+        let row: Vec<String> = sizes
+            .windows(2)
+            .filter_map(|w| {
+                let a = p50.get(&(tokens, w[0]))?;
+                let b = p50.get(&(tokens, w[1]))?;
+                Some(format!(
+                    "{}→{}: {:.2}× (endpoints {:.0}×)",
+                    w[0],
+                    w[1],
+                    b / a,
+                    w[1] as f64 / w[0] as f64
+                ))
+            })
+            .collect();
+        println!("- {}k tokens: {}", tokens >> 10, row.join(", "));
+    }
+}
+
+/// Picks/s from `threads` threads for `seconds`, with KV events at `event_rate` blocks/s applied
+/// by one more thread: (picks/s, events blocks/s achieved, booking conflicts).
+fn scaling_run(s: &Arc<Setup2>, threads: usize, seconds: f64, event_rate: f64) -> (f64, f64, u64) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let applied = Arc::new(AtomicU64::new(0));
+    let conflicts_before = s.kv.booking_conflicts();
+    let writer = {
+        let (s, stop, applied) = (s.clone(), stop.clone(), applied.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let due = start.elapsed().as_secs_f64() * event_rate;
+                if (applied.load(Ordering::Relaxed) as f64) >= due {
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                let e = &s.eps[(i as usize * 7919) % s.eps.len()];
+                let (l, h) = &s.event_chains[i as usize % s.event_chains.len()];
+                let r = rank(e);
+                s.kv.index().write(|ix| {
+                    let _ = ix.store(
+                        r,
+                        Tier::Device,
+                        None,
+                        h.iter().copied().zip(l.iter().copied()),
+                    );
+                    ix.remove(r, Tier::Device, h.iter().rev().copied());
+                });
+                applied.fetch_add(2 * h.len() as u64, Ordering::Relaxed);
+                i += 1;
+            }
+        })
+    };
+    let start = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (s, stop) = (s.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+                let mut ctx = PickContext::seeded(t as u64);
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let p = &s.prompts[(n as usize + t * 3) % s.prompts.len()];
+                    let guard = loop {
+                        let (best, _, d) = s.kv.rank(&refs, Some(p), &mut ctx);
+                        if let Some(g) = s.kv.book_decision(&s.eps[best], Some(p), &d, ctx.now) {
+                            break g;
+                        }
+                    };
+                    drop(guard);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs_f64(seconds));
+    stop.store(true, Ordering::Relaxed);
+    let picks: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    let elapsed = start.elapsed().as_secs_f64();
+    writer.join().unwrap();
+    (
+        picks as f64 / elapsed,
+        applied.load(Ordering::Relaxed) as f64 / elapsed,
+        s.kv.booking_conflicts() - conflicts_before,
+    )
+}
+
+struct Setup2 {
+    kv: Arc<KvState>,
+    eps: Vec<Arc<Endpoint>>,
+    prompts: Vec<PromptBlocks>,
+    event_chains: Vec<(Vec<LocalBlockHash>, Vec<EngineBlockHash>)>,
+}
+
+fn scaling(thread_counts: &[usize], endpoints_n: usize, tokens: usize, seconds: f64) {
+    let base = setup(endpoints_n, tokens);
+    // 8 families: the same system prompt, then a family's own document, then a private question.
+    let mut rng = fastrand::Rng::with_seed(3);
+    let prompts: Vec<PromptBlocks> = (0..64)
+        .map(|i| {
+            let mut ids: Vec<u32> = (0..tokens as u32 / 4)
+                .map(|t| t.wrapping_mul(2_654_435_761))
+                .collect();
+            ids.extend((0..tokens as u32 / 2).map(|t| t ^ ((i % 8) << 24)));
+            ids.extend((0..tokens / 4).map(|_| rng.u32(..)));
+            base.kv.blocks_from_tokens(&ids, None, PrefixMode::TokenIds)
+        })
+        .collect();
+    let s = Arc::new(Setup2 {
+        kv: base.kv,
+        eps: base.eps,
+        prompts,
+        event_chains: (0..1024).map(|i| chain(5_000_000 + i, 64)).collect(),
+    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "\n## Scaling: pick + book + release over {endpoints_n} endpoints, {}k-token prompts, KV events at 1 M blocks/s ({cores} cores here)\n",
+        tokens >> 10
+    );
+    println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | booking conflicts |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let mut one = None;
+    for &t in thread_counts {
+        let (rate, events, conflicts) = scaling_run(&s, t, seconds, 1e6);
+        let single = *one.get_or_insert(rate);
+        println!(
+            "| {t} | {rate:.0} | {:.0} | {:.2}× | {events:.0} | {conflicts} |",
+            rate / t as f64,
+            rate / (single * t as f64)
+        );
+    }
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
+    let i = args.iter().position(|a| a == name)?;
+    args.get(i + 1)?.parse().ok()
+}
+
+fn list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
+    arg::<String>(args, name).map_or_else(
+        || default.to_vec(),
+        |s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
+    )
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if !args.iter().any(|a| a == "--bench") {
+        // `cargo test`: a small case, checked.
+        let s = setup(100, 1024);
+        let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+        let (best, _, d) =
+            s.kv.rank(&refs, Some(&s.prompt), &mut PickContext::seeded(1));
+        assert_eq!(
+            best, 0,
+            "the endpoint caching 7/8 of the prompt wins: {d:?}"
+        );
+        assert_eq!(d.overlap.device, (1024 * 7 / 8 / BLOCK) as u64);
+        scaling(&[1, 2], 100, 1024, 0.05);
+        println!("pick bench smoke run: ok");
+        return;
+    }
+    let sizes = list(&args, "--endpoints", &[10, 100, 1000, 4000]);
+    let tokens: Vec<usize> = list(&args, "--tokens-k", &[1, 32, 128])
+        .into_iter()
+        .map(|k| k << 10)
+        .collect();
+    let budget = Duration::from_secs_f64(arg(&args, "--budget").unwrap_or(0.4));
+    if !args.iter().any(|a| a == "--no-latency") {
+        latency(&sizes, &tokens, budget);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = list(
+        &args,
+        "--threads",
+        &[1, 2, 4, 8, 16]
+            .into_iter()
+            .filter(|&t| t <= cores)
+            .collect::<Vec<_>>(),
+    );
+    let seconds = arg(&args, "--seconds").unwrap_or(2.0);
+    if !args.iter().any(|a| a == "--no-scaling") {
+        scaling(&threads, 1000, 32 << 10, seconds);
+    }
+}
