@@ -84,7 +84,9 @@ def main():
     ap.add_argument("--envoy", required=True)
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=8, help="wrk connections")
+    ap.add_argument("--envoy-workers", type=int, default=1,
+                    help="Envoy --concurrency (worker threads); wrk gets as many threads (e.g. 4 with --concurrency 64)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
     ap.add_argument("--sizes", default="4096,409600")
@@ -149,12 +151,12 @@ ports: [{{name: http, port: {backend_port}}}]
                     cfg = os.path.join(tmp, f"envoy-{variant}.yaml")
                     with open(cfg, "w") as f:
                         yaml.safe_dump(bootstrap(variant, args.mode, listen, admin, port), f)
-                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "error"],
+                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", str(args.envoy_workers), "--use-dynamic-base-id", "-l", "error"],
                                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
                     try:
                         wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
                         url = f"http://127.0.0.1:{listen}/v1/completions"
-                        wrk = ["wrk", "-t1", f"-c{args.concurrency}", "--latency", "-s", script, url]
+                        wrk = ["wrk", f"-t{args.envoy_workers}", f"-c{args.concurrency}", "--latency", "-s", script, url]
                         subprocess.run(wrk[:2] + [f"-d{args.warmup}s"] + wrk[2:], check=True, capture_output=True)
                         cpu0 = cpu_seconds(proc.pid) if proc else 0.0
                         env0, be0 = cpu_seconds(envoy.pid), cpu_seconds(backend_proc.pid)
@@ -180,7 +182,8 @@ ports: [{{name: http, port: {backend_port}}}]
             """Median over repeats of kvepp/floor measured back to back (cancels machine drift)."""
             return statistics.median(k[i] / f[i] for k, f in zip(results[(size, "kvepp")], results[(size, "floor")]))
         lines = [
-            f"ext_proc hop, Envoy 1.40 --concurrency 1, request_body_mode {args.mode}, wrk -t1 -c{args.concurrency} "
+            f"ext_proc hop, Envoy 1.40 --concurrency {args.envoy_workers}, request_body_mode {args.mode}, "
+            f"wrk -t{args.envoy_workers} -c{args.concurrency} "
             f"-d{args.duration}s, median of {args.repeat} interleaved runs, {os.cpu_count()} cores",
             "",
             "| body | variant | req/s | p50 ms | p99 ms | EPP CPU µs/req | Envoy CPU µs/req | rps vs floor | p99 vs floor | EPP CPU vs floor |",
@@ -203,7 +206,8 @@ ports: [{{name: http, port: {backend_port}}}]
         report = "\n".join(lines)
         print(report)
         os.makedirs(os.path.join(ROOT, "bench/out"), exist_ok=True)
-        with open(os.path.join(ROOT, f"bench/out/extproc_overhead_{args.mode.lower()}.md"), "w") as f:
+        suffix = "" if args.envoy_workers == 1 else f"_{args.envoy_workers}w{args.concurrency}c"
+        with open(os.path.join(ROOT, f"bench/out/extproc_overhead_{args.mode.lower()}{suffix}.md"), "w") as f:
             f.write(report + "\n")
     finally:
         for p in procs:

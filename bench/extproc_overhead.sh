@@ -3,6 +3,8 @@
 # run (no ext_proc, the minimal fixed-endpoint ext_proc "floor", kvepp), for 4 KiB and 400 KiB
 # bodies. Prints requests/s, p50/p99 latency, EPP CPU per request and the kvepp/floor ratios.
 # Usage: bench/extproc_overhead.sh [--duration S] [--concurrency N] [--repeat R] [--mode MODE]
+#        [--envoy-workers W]   (Envoy worker threads and wrk threads; e.g. --envoy-workers 4 --concurrency 64
+#                               where the machine has the cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 envoy=$(scripts/install-envoy.sh)

@@ -40,12 +40,44 @@ pub fn prompt_input<'a>(body: &ParsedBody<'a>) -> PromptInput<'a> {
     }
     match body.prompt {
         None => PromptInput::Absent,
-        Some(p) if p.get().starts_with('[') => match serde_json::from_str::<Vec<u32>>(p.get()) {
-            Ok(ids) => PromptInput::TokenIds(ids),
-            Err(_) => PromptInput::Prompt(p),
+        Some(p) if p.get().starts_with('[') => match token_ids(p.get()) {
+            Some(ids) => PromptInput::TokenIds(ids),
+            None => PromptInput::Prompt(p),
         },
         Some(p) => PromptInput::Prompt(p),
     }
+}
+
+/// The ids of a `prompt` that is a JSON array of integers that fit u32 (`raw` is valid JSON: the
+/// body parser checked it); None for any other array. Plain arrays of digits are read in one
+/// pass over the bytes; anything unusual (signs, exponents, nesting) goes to serde, whose answer
+/// it is, so both paths agree by construction.
+pub fn token_ids(raw: &str) -> Option<Vec<u32>> {
+    fast_token_ids(raw.as_bytes()).or_else(|| serde_json::from_str::<Vec<u32>>(raw).ok())
+}
+
+fn fast_token_ids(raw: &[u8]) -> Option<Vec<u32>> {
+    let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    if inner.trim_ascii().is_empty() {
+        return Some(Vec::new());
+    }
+    let mut ids = Vec::with_capacity(inner.len() / 4 + 1);
+    for item in inner.split(|&b| b == b',') {
+        let digits = item.trim_ascii();
+        if digits.is_empty() || digits.len() > 10 {
+            return None;
+        }
+        let mut v = 0u64;
+        for &b in digits {
+            let d = b.wrapping_sub(b'0');
+            if d > 9 {
+                return None;
+            }
+            v = v * 10 + u64::from(d);
+        }
+        ids.push(u32::try_from(v).ok()?);
+    }
+    Some(ids)
 }
 
 /// The prompt as the router takes it: token ids as given; tokenized when the served model has a
@@ -111,6 +143,37 @@ mod tests {
 
     fn some(kind: &'static str, text: &str) -> (&'static str, Option<String>) {
         (kind, Some(text.to_owned()))
+    }
+
+    /// The one-pass reader against serde on arrays of every shape a client may send.
+    #[test]
+    fn token_ids_agree_with_serde() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        let items = [
+            "0", "7", "42", "4294967295", "4294967296", "99999999999", "-1", "-0", "1.0", "1e3",
+            "\"5\"", "[1]", "null", "true", "123",
+        ];
+        let ws = ["", " ", "\n", "\t ", "\r\n"];
+        for case in 0..5_000 {
+            let n = rng.usize(..6);
+            let plain = rng.bool();
+            let parts: Vec<String> = (0..n)
+                .map(|_| {
+                    let it = if plain {
+                        items[rng.usize(..5)]
+                    } else {
+                        items[rng.usize(..items.len())]
+                    };
+                    format!("{}{it}{}", ws[rng.usize(..ws.len())], ws[rng.usize(..ws.len())])
+                })
+                .collect();
+            let raw = format!("[{}{}]", parts.join(","), ws[rng.usize(..ws.len())]);
+            let want = serde_json::from_str::<Vec<u32>>(&raw).ok();
+            assert_eq!(token_ids(&raw), want, "case {case}: {raw}");
+        }
+        assert_eq!(fast_token_ids(b"[1, 2 ,3]"), Some(vec![1, 2, 3]));
+        assert_eq!(fast_token_ids(b"[]"), Some(vec![]));
+        assert_eq!(fast_token_ids(b"[-1]"), None, "left to serde");
     }
 
     #[test]

@@ -151,6 +151,10 @@ impl Approx {
         let rank = WorkerRank { worker, dp_rank: 0 };
         let n = p.hashes.len().min(self.cap);
         let skip = held.min(n);
+        if skip == n {
+            // Everything is there already: no write, so readers and other writers never wait.
+            return;
+        }
         let mut fifos = lock(&self.fifo);
         let fifo = fifos.entry(worker).or_default();
         let evict = (fifo.len() + n - skip)

@@ -30,14 +30,9 @@ use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
 use crate::index::{
-    KeyedBuild, MatchScratch, PrefixIndex, RankOverlap, Tier, DEFAULT_MAX_BLOCKS_PER_RANK,
+    KeyedBuild, MatchScratch, PrefixIndex, RankOverlap, DEFAULT_MAX_BLOCKS_PER_RANK,
     DEFAULT_TABLE_SEED,
 };
-
-/// The tier of the active-block index counting requests that end at a block.
-const TIPS: Tier = Tier::Device;
-/// The tier counting the rank's child blocks below a block.
-const CHILDREN: Tier = Tier::Host;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
@@ -279,22 +274,10 @@ impl SlotTracker {
         state.active_requests += 1;
         state.prefill_tokens += new_isl_tokens;
         // From the last block back to the first block the rank already has: only new blocks cost.
-        for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = if i + 1 == hashes.len() {
-                TIPS
-            } else {
-                CHILDREN
-            };
-            match self.active.add_reference(rank, h, tier) {
-                Ok(true) => {}
-                Ok(false) => break,
-                Err(e) => {
-                    // Only past 65,535 ranks or 4 Mi active blocks on one rank: the request is
-                    // booked, its blocks beyond this one are not counted.
-                    tracing::warn!(error = %e, "active blocks not tracked");
-                    break;
-                }
-            }
+        if let Err(e) = self.active.link_chain(rank, hashes) {
+            // Only past 65,535 ranks or 4 Mi active blocks on one rank: the request is booked,
+            // its blocks before this one are not counted.
+            tracing::warn!(error = %e, "active blocks not tracked");
         }
         state.blocks = self.active.rank_blocks(rank);
         let active = Active {
@@ -374,17 +357,7 @@ impl SlotTracker {
             state.output_blocks = 0.0; // no float drift once idle
         }
         // From the last block back, while the blocks go with this request.
-        let hashes = &active.hashes;
-        for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = if i + 1 == hashes.len() {
-                TIPS
-            } else {
-                CHILDREN
-            };
-            if index.release_reference(state.id, h, tier) != Some(true) {
-                break;
-            }
-        }
+        index.unlink_chain(state.id, &active.hashes);
         if state.active_requests == 0 && index.rank_blocks(state.id) > 0 {
             // Only hash lists that do not chain leave blocks behind; an idle rank has none.
             tracing::warn!(

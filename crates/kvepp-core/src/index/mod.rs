@@ -709,36 +709,47 @@ impl PrefixIndex {
         dropped
     }
 
-    /// Adds one reference in `tier` to `rank`'s hold on `seq` (our hash); whether the (block,
-    /// rank) pair is new.
-    pub fn add_reference(
+    /// Links a chain of blocks (our hashes, from the first) into `rank`'s tree of active blocks
+    /// (the slot tracker's use of an index): one device reference on the last block (a request
+    /// ends there), one host reference per child on each block before it; walking back from the
+    /// end, it stops at the first block the rank already holds. Touches only the new blocks.
+    pub fn link_chain(
         &mut self,
         rank: WorkerRank,
-        seq: SequenceHash,
-        tier: Tier,
-    ) -> Result<bool, IndexError> {
+        hashes: &[SequenceHash],
+    ) -> Result<(), IndexError> {
+        if hashes.is_empty() {
+            return Ok(());
+        }
         let s = self.slot_or_insert(rank)?;
-        let before = self.slot(s).blocks;
-        self.add(s, seq, tier)?;
-        Ok(self.slot(s).blocks > before)
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let tier = if i + 1 == hashes.len() {
+                Tier::Device
+            } else {
+                Tier::Host
+            };
+            let before = self.slot(s).blocks;
+            self.add(s, h, tier)?;
+            if self.slot(s).blocks == before {
+                break;
+            }
+        }
+        Ok(())
     }
 
-    /// Takes one reference in `tier` away from `rank`'s hold on `seq` (our hash): Some(true) when
-    /// the pair went away with it, Some(false) when it remains, None when there was no such
-    /// reference.
-    pub fn release_reference(
-        &mut self,
-        rank: WorkerRank,
-        seq: SequenceHash,
-        tier: Tier,
-    ) -> Option<bool> {
-        let s = self.slot_of(rank)?;
-        match self.release(s, seq, tier.idx()) {
-            Removal::NotHeld => None,
-            Removal::Decremented => Some(false),
-            Removal::Dropped => {
-                Self::slot_mut(&mut self.ranks, s).blocks -= 1;
-                Some(true)
+    /// Undoes [`Self::link_chain`] for one request: walking back from the end, drops the blocks
+    /// no other request of the rank still reaches.
+    pub fn unlink_chain(&mut self, rank: WorkerRank, hashes: &[SequenceHash]) {
+        let Some(s) = self.slot_of(rank) else { return };
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let tier = if i + 1 == hashes.len() {
+                Tier::Device
+            } else {
+                Tier::Host
+            };
+            match self.release(s, h, tier.idx()) {
+                Removal::Dropped => Self::slot_mut(&mut self.ranks, s).blocks -= 1,
+                Removal::Decremented | Removal::NotHeld => break,
             }
         }
     }

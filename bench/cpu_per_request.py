@@ -1,0 +1,193 @@
+"""Driver for bench/cpu_per_request.sh (see there).
+
+Bodies (16 variants per mode, sharing all but their last ~2%, so the prefix indexes see a
+conversation that goes on rather than one repeated request):
+- approximate: /v1/completions with a ~400 KB text prompt (no tokenizer for the model: byte blocks);
+- token_ids: /v1/completions with a prompt of 100k token ids;
+- tokens: /v1/chat/completions of a ~100k-token conversation (fixture tokenizer): the same system
+  document and turns, a different last user message per variant (the segment cache serves the
+  rest).
+For each mode: kvepp and the floor EPP behind the same Envoy bootstrap, interleaved, median of the
+repeats. The tokenizer's own cost for the new segment (the last message, tokenized alone) is
+measured by `examples/tokenize_cost` on the same machine in the same run."""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+from benchlib import free_port, wait
+from extproc_overhead import FLOOR, KVEPP, ROOT, bootstrap, cpu_seconds, http_ok, parse_wrk
+
+TOKENIZER = os.path.join(ROOT, "tests/fixtures/tokenizer")
+COST = os.path.join(ROOT, "target/release/examples/tokenize_cost")
+WORDS = ["kv", " cache", " routing", " prefill", " decode", " block", "\n", " 42", ","]
+
+
+def document(words):
+    return "".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def bodies(mode, n):
+    out = []
+    for i in range(n):
+        if mode == "approximate":
+            text = "The quick brown fox jumps over the lazy dog. " * 8900
+            out.append(({"model": "text-model", "prompt": text + f" question {i}: " + "why? " * (i + 40)}, "/v1/completions"))
+        elif mode == "token_ids":
+            ids = [(t * 2654435761) % 50000 for t in range(98_000)] + [(i * 7919 + t) % 50000 for t in range(2_000)]
+            out.append(({"model": "ids-model", "prompt": ids}, "/v1/completions"))
+        else:
+            messages = [
+                {"role": "system", "content": "Answer from this document.\n" + document(60_000)},
+                {"role": "user", "content": "What does the document say about prefill?"},
+                {"role": "assistant", "content": "It says prefill happens before decode, block by block."},
+                {"role": "user", "content": f"And about decode? Question {i}: " + "tell me more about blocks. " * 20},
+            ]
+            out.append(({"model": "chat-model", "messages": messages}, "/v1/chat/completions"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--envoy", required=True)
+    ap.add_argument("--duration", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--modes", default="approximate,token_ids,tokens")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="kvepp-cpu-")
+    procs = []
+
+    def spawn(cmd, log):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, log), "w"), stdin=subprocess.DEVNULL)
+        procs.append(p)
+        return p
+
+    try:
+        backend_port = free_port()
+        backend = f"127.0.0.1:{backend_port}"
+        backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
+        floor_port = free_port()
+        floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
+        mdir = os.path.join(tmp, "manifests")
+        os.makedirs(mdir)
+        models = "".join(f"""---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: {m}}}
+spec: {{modelName: {m}, criticality: Standard, poolRef: {{name: bench}}}}
+""" for m in ["text-model", "ids-model", "chat-model"])
+        with open(os.path.join(mdir, "pool.yaml"), "w") as f:
+            f.write(f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: bench}}
+spec: {{targetPortNumber: {backend_port}, selector: {{app: bench}}}}
+{models}---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: bench, labels: {{kubernetes.io/service-name: bench}}}}
+endpoints: [{{addresses: ["127.0.0.1"], targetRef: {{name: backend}}}}]
+ports: [{{name: http, port: {backend_port}}}]
+""")
+        config = os.path.join(tmp, "kvepp.yaml")
+        with open(config, "w") as f:
+            yaml.safe_dump({"tokenizers": {"chat-model": TOKENIZER}, "engine_metrics": {"enabled": False}}, f)
+        kp = [free_port() for _ in range(3)]
+        kvepp = spawn([KVEPP, "serve", "--config", config, "--pool-name", "bench", "--manifests-dir", mdir,
+                       "--bind-address", "127.0.0.1", "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]),
+                       "--metrics-port", str(kp[2]), "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
+        wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
+        wait("backend", lambda: http_ok(f"http://{backend}/"))
+        epps = {"floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+        results = {}
+        segment_us = None
+        for mode in args.modes.split(","):
+            variants = bodies(mode, 16)
+            files = []
+            for i, (body, _) in enumerate(variants):
+                path = os.path.join(tmp, f"{mode}-{i}.json")
+                with open(path, "w") as f:
+                    json.dump(body, f)
+                files.append(path)
+            if mode == "tokens":
+                last = variants[0][0]["messages"][-1]["content"]
+                out = subprocess.run([COST, TOKENIZER, last], check=True, capture_output=True, text=True).stdout
+                segment_us = float(out.split()[0])
+            script = os.path.join(tmp, f"{mode}.lua")
+            with open(script, "w") as f:
+                f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
+                f.write("local bodies = {}\n")
+                f.write("for i, p in ipairs(files) do local h = io.open(p, 'rb'); bodies[i] = h:read('*a'); h:close() end\n")
+                f.write("local n = 0\n")
+                f.write(f"local path = {json.dumps(variants[0][1])}\n")
+                f.write("local headers = {['content-type'] = 'application/json', "
+                        f"['x-gateway-destination-endpoint'] = {json.dumps(backend)}}}\n")
+                f.write("request = function() n = n + 1; return wrk.format('POST', path, headers, bodies[n % #bodies + 1]) end\n")
+            size = os.path.getsize(files[0])
+            for rep in range(args.repeat):
+                for variant in ["floor", "kvepp"]:
+                    proc, port = epps[variant]
+                    listen, admin = free_port(), free_port()
+                    cfg = os.path.join(tmp, f"envoy-{variant}.yaml")
+                    with open(cfg, "w") as f:
+                        yaml.safe_dump(bootstrap(variant, "FULL_DUPLEX_STREAMED", listen, admin, port), f)
+                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "error"],
+                                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
+                    try:
+                        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
+                        url = f"http://127.0.0.1:{listen}"
+                        wrk = ["wrk", "-t1", f"-c{args.concurrency}", "--latency", "-s", script, url]
+                        subprocess.run(wrk[:2] + [f"-d{args.warmup}s"] + wrk[2:], check=True, capture_output=True)
+                        c0 = cpu_seconds(proc.pid)
+                        out = subprocess.run(wrk[:2] + [f"-d{args.duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
+                        c1 = cpu_seconds(proc.pid)
+                    finally:
+                        envoy.terminate()
+                        envoy.wait()
+                    rps, p50, p99, errors, total = parse_wrk(out)
+                    if errors:
+                        sys.exit(f"bench: {mode} {variant}: {errors} errors\n{out}")
+                    cpu_us = (c1 - c0) * 1e6 / total
+                    results.setdefault((mode, variant), []).append((rps, p50, p99, cpu_us))
+                    print(f"  {mode} rep={rep} {variant:<6} rps={rps:8.0f} p50={p50:7.2f}ms p99={p99:7.2f}ms epp cpu/req={cpu_us:8.1f}us",
+                          file=sys.stderr)
+            results[(mode, "size")] = size
+        lines = [
+            f"EPP CPU per request at ~100k-token prompts, Envoy 1.40 --concurrency 1, FULL_DUPLEX_STREAMED, wrk -t1 "
+            f"-c{args.concurrency} -d{args.duration}s, median of {args.repeat} interleaved runs, {os.cpu_count()} cores",
+            "",
+            "| mode | body | kvepp CPU µs/req | floor CPU µs/req | kvepp − floor | kvepp req/s | floor req/s | kvepp p99 ms | floor p99 ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for mode in args.modes.split(","):
+            k = [statistics.median(x[i] for x in results[(mode, "kvepp")]) for i in range(4)]
+            f_ = [statistics.median(x[i] for x in results[(mode, "floor")]) for i in range(4)]
+            lines.append(f"| {mode} | {results[(mode, 'size')] // 1024} KiB | {k[3]:.0f} | {f_[3]:.0f} | {k[3] - f_[3]:.0f} | "
+                         f"{k[0]:.0f} | {f_[0]:.0f} | {k[2]:.2f} | {f_[2]:.2f} |")
+        lines += ["", "The reference EPP's operations guide: ~350,000 µs of CPU per request at 100k-token prompts."]
+        if segment_us is not None:
+            k = statistics.median(x[3] for x in results[("tokens", "kvepp")])
+            t = statistics.median(x[3] for x in results[("token_ids", "kvepp")]) if ("token_ids", "kvepp") in results else None
+            lines.append(f"Tokens mode: the tokenizer alone on the new segment (the last user message): {segment_us:.1f} µs"
+                         + (f"; tokens mode costs {k - t:.0f} µs more than token-id mode ({(k - t) / segment_us:.1f}× that)" if t else ""))
+        report = "\n".join(lines)
+        print(report)
+        os.makedirs(os.path.join(ROOT, "bench/out"), exist_ok=True)
+        with open(os.path.join(ROOT, "bench/out/cpu_per_request.md"), "w") as f:
+            f.write(report + "\n")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+
+
+if __name__ == "__main__":
+    main()
