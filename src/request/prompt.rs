@@ -150,8 +150,21 @@ mod tests {
     fn token_ids_agree_with_serde() {
         let mut rng = fastrand::Rng::with_seed(5);
         let items = [
-            "0", "7", "42", "4294967295", "4294967296", "99999999999", "-1", "-0", "1.0", "1e3",
-            "\"5\"", "[1]", "null", "true", "123",
+            "0",
+            "7",
+            "42",
+            "4294967295",
+            "4294967296",
+            "99999999999",
+            "-1",
+            "-0",
+            "1.0",
+            "1e3",
+            "\"5\"",
+            "[1]",
+            "null",
+            "true",
+            "123",
         ];
         let ws = ["", " ", "\n", "\t ", "\r\n"];
         for case in 0..5_000 {
@@ -164,7 +177,11 @@ mod tests {
                     } else {
                         items[rng.usize(..items.len())]
                     };
-                    format!("{}{it}{}", ws[rng.usize(..ws.len())], ws[rng.usize(..ws.len())])
+                    format!(
+                        "{}{it}{}",
+                        ws[rng.usize(..ws.len())],
+                        ws[rng.usize(..ws.len())]
+                    )
                 })
                 .collect();
             let raw = format!("[{}{}]", parts.join(","), ws[rng.usize(..ws.len())]);
