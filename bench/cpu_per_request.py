@@ -21,8 +21,7 @@ import tempfile
 
 import yaml
 
-from benchlib import free_port, wait
-from extproc_overhead import FLOOR, KVEPP, ROOT, bootstrap, cpu_seconds, http_ok, parse_wrk
+from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, parse_wrk
 
 TOKENIZER = os.path.join(ROOT, "tests/fixtures/tokenizer")
 COST = os.path.join(ROOT, "target/release/examples/tokenize_cost")
@@ -71,41 +70,12 @@ def main():
         return p
 
     try:
-        backend_port = free_port()
-        backend = f"127.0.0.1:{backend_port}"
-        backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
-        floor_port = free_port()
-        floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
-        mdir = os.path.join(tmp, "manifests")
-        os.makedirs(mdir)
-        models = "".join(f"""---
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: {m}}}
-spec: {{modelName: {m}, criticality: Standard, poolRef: {{name: bench}}}}
-""" for m in ["text-model", "ids-model", "chat-model"])
-        with open(os.path.join(mdir, "pool.yaml"), "w") as f:
-            f.write(f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: bench}}
-spec: {{targetPortNumber: {backend_port}, selector: {{app: bench}}}}
-{models}---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: bench, labels: {{kubernetes.io/service-name: bench}}}}
-endpoints: [{{addresses: ["127.0.0.1"], targetRef: {{name: backend}}}}]
-ports: [{{name: http, port: {backend_port}}}]
-""")
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
             yaml.safe_dump({"tokenizers": {"chat-model": TOKENIZER}, "engine_metrics": {"enabled": False}}, f)
-        kp = [free_port() for _ in range(3)]
-        kvepp = spawn([KVEPP, "serve", "--config", config, "--pool-name", "bench", "--manifests-dir", mdir,
-                       "--bind-address", "127.0.0.1", "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]),
-                       "--metrics-port", str(kp[2]), "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
-        wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
-        wait("backend", lambda: http_ok(f"http://{backend}/"))
-        epps = {"floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+        stack = floor_stack(tmp, spawn, models=("text-model", "ids-model", "chat-model"), kvepp_args=("--config", config))
+        backend = stack["backend"]
+        epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
         results = {}
         segment_us = None
         for mode in args.modes.split(","):
@@ -134,23 +104,9 @@ ports: [{{name: http, port: {backend_port}}}]
             for rep in range(args.repeat):
                 for variant in ["floor", "kvepp"]:
                     proc, port = epps[variant]
-                    listen, admin = free_port(), free_port()
-                    cfg = os.path.join(tmp, f"envoy-{variant}.yaml")
-                    with open(cfg, "w") as f:
-                        yaml.safe_dump(bootstrap(variant, "FULL_DUPLEX_STREAMED", listen, admin, port), f)
-                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "error"],
-                                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
-                    try:
-                        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
-                        url = f"http://127.0.0.1:{listen}"
-                        wrk = ["wrk", "-t1", f"-c{args.concurrency}", "--latency", "-s", script, url]
-                        subprocess.run(wrk[:2] + [f"-d{args.warmup}s"] + wrk[2:], check=True, capture_output=True)
-                        c0 = cpu_seconds(proc.pid)
-                        out = subprocess.run(wrk[:2] + [f"-d{args.duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
-                        c1 = cpu_seconds(proc.pid)
-                    finally:
-                        envoy.terminate()
-                        envoy.wait()
+                    out, (c0,), (c1,) = load_through_envoy(
+                        args.envoy, tmp, bootstrap(variant, "FULL_DUPLEX_STREAMED", 0, 0, port), 1,
+                        ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc])
                     rps, p50, p99, errors, total = parse_wrk(out)
                     if errors:
                         sys.exit(f"bench: {mode} {variant}: {errors} errors\n{out}")

@@ -79,6 +79,68 @@ def parse_wrk(out):
     return rps, lat["50"], lat["99"], errors, total
 
 
+def floor_stack(tmp, spawn, models=("bench-model",), kvepp_args=()):
+    """The backend, the floor EPP and kvepp (serving `models` from a one-endpoint pool, plaintext
+    ext_proc), once ready: {"backend": address, "backend_proc", "floor": (proc, port), "kvepp":
+    (proc, port)}."""
+    backend_port = free_port()
+    backend = f"127.0.0.1:{backend_port}"
+    backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
+    floor_port = free_port()
+    floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
+    mdir = os.path.join(tmp, "manifests")
+    os.makedirs(mdir)
+    docs = [f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferencePool
+metadata: {{name: bench}}
+spec: {{targetPortNumber: {backend_port}, selector: {{app: bench}}}}
+"""] + [f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceModel
+metadata: {{name: {m}}}
+spec: {{modelName: {m}, criticality: Standard, poolRef: {{name: bench}}}}
+""" for m in models] + [f"""apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: bench, labels: {{kubernetes.io/service-name: bench}}}}
+endpoints: [{{addresses: ["127.0.0.1"], targetRef: {{name: backend}}}}]
+ports: [{{name: http, port: {backend_port}}}]
+"""]
+    with open(os.path.join(mdir, "pool.yaml"), "w") as f:
+        f.write("---\n".join(docs))
+    kp = [free_port() for _ in range(3)]
+    kvepp = spawn([KVEPP, "serve", *kvepp_args, "--pool-name", "bench", "--manifests-dir", mdir, "--bind-address", "127.0.0.1",
+                   "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]),
+                   "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
+    wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
+    wait("backend", lambda: http_ok(f"http://{backend}/"))
+    return {"backend": backend, "backend_proc": backend_proc, "floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+
+
+def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured):
+    """Envoy on `boot` (listener and admin ports filled in here) under wrk (`wrk_args`, e.g. a
+    script) for a warm-up, then `duration` seconds; returns wrk's output and the CPU seconds of
+    `measured` processes (Envoy where None) before and after the measured run."""
+    listen, admin = free_port(), free_port()
+    boot["admin"]["address"]["socket_address"]["port_value"] = admin
+    boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
+    cfg = os.path.join(tmp, "envoy-bench.yaml")
+    with open(cfg, "w") as f:
+        yaml.safe_dump(boot, f)
+    envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", str(workers), "--use-dynamic-base-id", "-l", "error"],
+                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
+    pids = [p.pid if p else envoy.pid for p in measured]
+    try:
+        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
+        wrk = ["wrk", f"-t{workers}", f"-c{connections}", "--latency", *wrk_args, f"http://127.0.0.1:{listen}{path}"]
+        subprocess.run(wrk[:2] + [f"-d{warmup}s"] + wrk[2:], check=True, capture_output=True)
+        before = [cpu_seconds(p) for p in pids]
+        out = subprocess.run(wrk[:2] + [f"-d{duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
+        after = [cpu_seconds(p) for p in pids]
+    finally:
+        envoy.terminate()
+        envoy.wait()
+    return out, before, after
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--envoy", required=True)
@@ -101,37 +163,9 @@ def main():
         return p
 
     try:
-        backend_port = free_port()
-        backend = f"127.0.0.1:{backend_port}"
-        backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
-        floor_port = free_port()
-        floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
-        mdir = os.path.join(tmp, "manifests")
-        os.makedirs(mdir)
-        with open(os.path.join(mdir, "pool.yaml"), "w") as f:
-            f.write(f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferencePool
-metadata: {{name: bench}}
-spec: {{targetPortNumber: {backend_port}, selector: {{app: bench}}}}
----
-apiVersion: inference.networking.x-k8s.io/v1alpha2
-kind: InferenceModel
-metadata: {{name: bench-model}}
-spec: {{modelName: bench-model, criticality: Standard, poolRef: {{name: bench}}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: bench, labels: {{kubernetes.io/service-name: bench}}}}
-endpoints: [{{addresses: ["127.0.0.1"], targetRef: {{name: backend}}}}]
-ports: [{{name: http, port: {backend_port}}}]
-""")
-        kp = [free_port() for _ in range(3)]
-        kvepp = spawn([KVEPP, "serve", "--pool-name", "bench", "--manifests-dir", mdir, "--bind-address", "127.0.0.1",
-                       "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]),
-                       "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
-        wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
-        wait("backend", lambda: http_ok(f"http://{backend}/"))
-        epps = {"none": (None, None), "floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+        stack = floor_stack(tmp, spawn)
+        backend, backend_proc = stack["backend"], stack["backend_proc"]
+        epps = {"none": (None, None), "floor": stack["floor"], "kvepp": stack["kvepp"]}
 
         results = {}  # (size, variant) -> list of (rps, p50, p99, cpu_us_per_req)
         for size in [int(s) for s in args.sizes.split(",")]:
@@ -147,25 +181,10 @@ ports: [{{name: http, port: {backend_port}}}]
             for rep in range(args.repeat):
                 for variant in ["none", "floor", "kvepp"]:
                     proc, port = epps[variant]
-                    listen, admin = free_port(), free_port()
-                    cfg = os.path.join(tmp, f"envoy-{variant}.yaml")
-                    with open(cfg, "w") as f:
-                        yaml.safe_dump(bootstrap(variant, args.mode, listen, admin, port), f)
-                    envoy = subprocess.Popen([args.envoy, "-c", cfg, "--concurrency", str(args.envoy_workers), "--use-dynamic-base-id", "-l", "error"],
-                                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
-                    try:
-                        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
-                        url = f"http://127.0.0.1:{listen}/v1/completions"
-                        wrk = ["wrk", f"-t{args.envoy_workers}", f"-c{args.concurrency}", "--latency", "-s", script, url]
-                        subprocess.run(wrk[:2] + [f"-d{args.warmup}s"] + wrk[2:], check=True, capture_output=True)
-                        cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-                        env0, be0 = cpu_seconds(envoy.pid), cpu_seconds(backend_proc.pid)
-                        out = subprocess.run(wrk[:2] + [f"-d{args.duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
-                        cpu1 = cpu_seconds(proc.pid) if proc else 0.0
-                        env1, be1 = cpu_seconds(envoy.pid), cpu_seconds(backend_proc.pid)
-                    finally:
-                        envoy.terminate()
-                        envoy.wait()
+                    out, (cpu0, env0, be0), (cpu1, env1, be1) = load_through_envoy(
+                        args.envoy, tmp, bootstrap(variant, args.mode, 0, 0, port), args.envoy_workers,
+                        ["-s", script], "/v1/completions", args.concurrency, args.warmup, args.duration,
+                        [proc, None, backend_proc])
                     rps, p50, p99, errors, total = parse_wrk(out)
                     if errors:
                         sys.exit(f"bench: {variant} size {size}: {errors} errors\n{out}")

@@ -7,12 +7,6 @@
 #                               where the machine has the cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-envoy=$(scripts/install-envoy.sh)
-if ! command -v wrk >/dev/null; then
-  echo "bench: installing wrk (Debian package)" >&2
-  if [ "$(id -u)" = 0 ]; then apt-get install -y -q wrk >&2 || { apt-get update -q >&2 && apt-get install -y -q wrk >&2; }
-  else sudo apt-get install -y -q wrk >&2; fi
-fi
-.venv/bin/python -c "import yaml" 2>/dev/null || .venv/bin/pip install --quiet --disable-pip-version-check pyyaml >&2
+. bench/prereqs.sh
 cargo build --locked --release --quiet --bin kvepp --example floor_epp
 exec .venv/bin/python bench/extproc_overhead.py --envoy "$envoy" "$@"

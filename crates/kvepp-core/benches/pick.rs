@@ -3,6 +3,7 @@
 //! ```sh
 //! cargo bench -p kvepp-core --bench pick                      # latency table + 1/2-thread scaling
 //! cargo bench -p kvepp-core --bench pick -- --threads 1,2,8,16 --seconds 3
+//! cargo bench -p kvepp-core --bench pick -- --no-latency --events-per-second 0   # picks alone
 //! ```
 //!
 //! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
@@ -275,7 +276,13 @@ struct Setup2 {
     event_chains: Vec<(Vec<LocalBlockHash>, Vec<EngineBlockHash>)>,
 }
 
-fn scaling(thread_counts: &[usize], endpoints_n: usize, tokens: usize, seconds: f64) {
+fn scaling(
+    thread_counts: &[usize],
+    endpoints_n: usize,
+    tokens: usize,
+    seconds: f64,
+    event_rate: f64,
+) {
     let base = setup(endpoints_n, tokens);
     // 8 families: the same system prompt, then a family's own document, then a private question.
     let mut rng = fastrand::Rng::with_seed(3);
@@ -297,14 +304,15 @@ fn scaling(thread_counts: &[usize], endpoints_n: usize, tokens: usize, seconds: 
     });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "\n## Scaling: pick + book + release over {endpoints_n} endpoints, {}k-token prompts, KV events at 1 M blocks/s ({cores} cores here)\n",
-        tokens >> 10
+        "\n## Scaling: pick + book + release over {endpoints_n} endpoints, {}k-token prompts, KV events at {:.0} k blocks/s ({cores} cores here)\n",
+        tokens >> 10,
+        event_rate / 1e3
     );
     println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | booking conflicts |");
     println!("|---:|---:|---:|---:|---:|---:|");
     let mut one = None;
     for &t in thread_counts {
-        let (rate, events, conflicts) = scaling_run(&s, t, seconds, 1e6);
+        let (rate, events, conflicts) = scaling_run(&s, t, seconds, event_rate);
         let single = *one.get_or_insert(rate);
         println!(
             "| {t} | {rate:.0} | {:.0} | {:.2}× | {events:.0} | {conflicts} |",
@@ -339,7 +347,7 @@ fn main() {
             "the endpoint caching 7/8 of the prompt wins: {d:?}"
         );
         assert_eq!(d.overlap.device, (1024 * 7 / 8 / BLOCK) as u64);
-        scaling(&[1, 2], 100, 1024, 0.05);
+        scaling(&[1, 2], 100, 1024, 0.05, 1e6);
         println!("pick bench smoke run: ok");
         return;
     }
@@ -362,7 +370,8 @@ fn main() {
             .collect::<Vec<_>>(),
     );
     let seconds = arg(&args, "--seconds").unwrap_or(2.0);
+    let events = arg(&args, "--events-per-second").unwrap_or(1e6);
     if !args.iter().any(|a| a == "--no-scaling") {
-        scaling(&threads, 1000, 32 << 10, seconds);
+        scaling(&threads, 1000, 32 << 10, seconds, events);
     }
 }

@@ -3,8 +3,10 @@
 //! services, replica sync, benchmarks) hand it facts and get a decision back.
 //!
 //! - [`hash`]: the Dynamo-compatible block and sequence hashes (newtypes, one chaining step).
-//! - [`index`]: the prefix index fed by KV events: which worker ranks hold which blocks.
-//! - [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank.
+//! - [`index`]: the prefix index fed by KV events: which worker ranks hold which blocks
+//!   ([`index::SharedIndex`]: the copy pair that picks read without waiting for writers).
+//! - [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
+//!   (dense ranks, each rank's active blocks a tree, a load version per rank).
 //! - [`cost`]: the cost model over overlap and load, and the choice among candidates.
 //! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
 //! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
@@ -17,7 +19,8 @@
 //! - [`router`]: the one entry point: request facts + pool → decision with its booking.
 //!
 //! Invariants kept here: a pick only names a candidate; a booking is released exactly once (on
-//! drop); randomness and time come from the caller, never from globals or thread-locals.
+//! drop); a KV-aware booking books the load its pick read or nothing (then the router picks
+//! again); randomness and time come from the caller, never from globals or thread-locals.
 
 pub mod catalog;
 pub mod cost;

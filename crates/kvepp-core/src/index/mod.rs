@@ -20,7 +20,12 @@
 //!   the device, on device or host, and anywhere (so device ≤ host ≤ disk), and only ranks with at
 //!   least one leading block.
 //!
-//! Clearing a rank scans the table (rare: engine restarts and departures).
+//! - a spilled holder list's fingerprint ([`fingerprint`]) is recomputed with every change to it,
+//!   so the walk may treat consecutive blocks with equal fingerprints as held alike.
+//!
+//! Clearing a rank scans the table (rare: engine restarts and departures). The same structure
+//! holds the slot tracker's active blocks ([`PrefixIndex::link_chain`]): there a device
+//! reference counts requests ending at a block and a host reference counts child blocks.
 
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
