@@ -58,26 +58,35 @@ pub fn token_ids(raw: &str) -> Option<Vec<u32>> {
 
 fn fast_token_ids(raw: &[u8]) -> Option<Vec<u32>> {
     let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?;
-    if inner.trim_ascii().is_empty() {
-        return Some(Vec::new());
-    }
     let mut ids = Vec::with_capacity(inner.len() / 4 + 1);
-    for item in inner.split(|&b| b == b',') {
-        let digits = item.trim_ascii();
-        if digits.is_empty() || digits.len() > 10 {
-            return None;
-        }
-        let mut v = 0u64;
-        for &b in digits {
-            let d = b.wrapping_sub(b'0');
-            if d > 9 {
-                return None;
+    // `raw` is valid JSON, so whitespace never splits a number: skip it wherever it is.
+    let (mut value, mut digits) = (0u64, 0u32);
+    for &b in inner {
+        match b {
+            b'0'..=b'9' => {
+                value = value.wrapping_mul(10).wrapping_add(u64::from(b - b'0'));
+                digits += 1;
             }
-            v = v * 10 + u64::from(d);
+            b',' => {
+                ids.push(id(value, digits)?);
+                (value, digits) = (0, 0);
+            }
+            b' ' | b'\n' | b'\t' | b'\r' => {}
+            _ => return None,
         }
-        ids.push(u32::try_from(v).ok()?);
+    }
+    if digits > 0 || !ids.is_empty() {
+        ids.push(id(value, digits)?);
     }
     Some(ids)
+}
+
+/// One id of `digits` digits: at most 10 of them (no wrap-around above) and within u32.
+fn id(value: u64, digits: u32) -> Option<u32> {
+    if digits == 0 || digits > 10 {
+        return None;
+    }
+    u32::try_from(value).ok()
 }
 
 /// The prompt as the router takes it: token ids as given; tokenized when the served model has a
