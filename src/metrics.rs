@@ -148,6 +148,8 @@ pub struct Metrics {
     pub manifest_errors: Counter,
     pub served_elsewhere: Counter,
     pub prefix_mode: Family<ModeLabels, Counter>,
+    /// KV-aware picks made again because the chosen endpoint's load changed before the booking.
+    pub repicks: Counter,
     /// Prompt blocks of KV-aware picks, and of those the picked endpoint had cached, by mode.
     pub prefix_blocks: Family<ModeLabels, Counter>,
     pub prefix_matched_blocks: Family<ModeLabels, Counter>,
@@ -255,6 +257,12 @@ impl Metrics {
             "kv_prefix_mode",
             "KV-aware picks by how the prompt prefix was found (token_ids, tokens, approximate, none)",
             prefix_mode.clone(),
+        );
+        let repicks = Counter::default();
+        registry.register(
+            "kv_repicks",
+            "KV-aware picks made again because the chosen endpoint's load changed before the booking (a concurrent pick booked it or a request there ended)",
+            repicks.clone(),
         );
         let kv = KvEventMetrics::default();
         for (name, help, metric) in [
@@ -423,6 +431,7 @@ impl Metrics {
             manifest_errors,
             served_elsewhere,
             prefix_mode,
+            repicks,
             kv,
             engine_scrape_errors,
             watch,

@@ -509,6 +509,7 @@ impl StreamState {
         if let Some(kv) = &pick.kv {
             let mode = routed.mode.as_str();
             shared.metrics.count_prefix_mode(mode);
+            shared.metrics.repicks.inc_by(u64::from(routed.repicks));
             shared
                 .metrics
                 .count_prefix_blocks(mode, kv.prompt_blocks, kv.overlap.disk);

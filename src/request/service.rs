@@ -135,6 +135,8 @@ pub struct Routed {
     /// Metric labels: the InferenceModel (or `none`/`unlisted`) and the target model.
     pub model_label: Arc<str>,
     pub target_label: Arc<str>,
+    /// Picks made again because the chosen endpoint's load changed before its booking.
+    pub repicks: u32,
 }
 
 /// What the front doors call to route one request.
@@ -267,6 +269,7 @@ impl RouteRequest for RequestRouter {
                 pick: d.pick,
                 mode: d.mode,
                 booking: d.booking,
+                repicks: d.repicks,
                 rewrite: None,
                 model_label: self.no_model.clone(),
                 target_label: self.no_model.clone(),
@@ -319,6 +322,7 @@ impl RouteRequest for RequestRouter {
             pick: d.pick,
             mode: d.mode,
             booking: d.booking,
+            repicks: d.repicks,
             rewrite: m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t)),
             model_label: labels.0,
             target_label: labels.1,

@@ -67,6 +67,8 @@ pub struct Decision {
     pub mode: PrefixMode,
     /// Released (in-flight count, slot tracker) when dropped.
     pub booking: Booking,
+    /// Picks made again because the chosen endpoint's load changed before the booking.
+    pub repicks: u32,
 }
 
 /// Eligibility, shedding, picking and booking over one picker.
@@ -177,6 +179,7 @@ impl Router {
                     mode: pick.kv.map_or(PrefixMode::None, |d| d.mode),
                     pick,
                     booking,
+                    repicks: attempt as u32 - 1,
                 });
             }
             attempt += 1;
@@ -275,6 +278,7 @@ impl Router {
                 pick,
                 mode,
                 booking,
+                repicks: 0,
             });
         }
         let prefill_booking = self.book(
@@ -301,6 +305,7 @@ impl Router {
             pick,
             mode,
             booking,
+            repicks: 0,
         })
     }
 

@@ -53,6 +53,7 @@ impl RouteRequest for Fixed {
             rewrite,
             model_label: "m".into(),
             target_label: "m".into(),
+            repicks: 0,
         })
     }
 
