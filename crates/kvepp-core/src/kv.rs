@@ -107,8 +107,10 @@ impl Default for KvSettings {
     }
 }
 
-/// Tries of an atomic select-and-reserve before it reads and books under one write lock.
-pub const SELECT_ATTEMPTS: usize = 4;
+/// Tries of a pick whose booking found the chosen rank's load changed since the pick read it:
+/// the last one books regardless (the router's picks) or reads and books under one write lock
+/// (the HTTP services' select-and-reserve).
+pub const BOOKING_ATTEMPTS: usize = 4;
 
 /// The worker id of an endpoint (stable across discovery updates).
 pub fn worker_id(addr: &str) -> u64 {
@@ -807,7 +809,7 @@ impl KvState {
     /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
     /// and, when `reserve` names a request, books it on the chosen rank atomically: only if the
     /// rank's load is still the one the choice read (else it chooses again; the last of
-    /// [`SELECT_ATTEMPTS`] tries reads and books under one write lock). `found` is
+    /// [`BOOKING_ATTEMPTS`] tries reads and books under one write lock). `found` is
     /// [`KvState::rank_overlaps`] of `hashes` (the caller keeps it for its own report). The ranks
     /// must be registered.
     pub fn select_rank(
@@ -827,7 +829,7 @@ impl KvState {
                 .choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng)
                 .0);
         };
-        for _ in 1..SELECT_ATTEMPTS {
+        for _ in 1..BOOKING_ATTEMPTS {
             let (choice, version) =
                 self.choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng);
             let booked = write(&self.slots).add_if_unchanged(

@@ -19,15 +19,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::disagg::{Pairing, TransferSettings};
-use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks};
+use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks, BOOKING_ATTEMPTS};
 use crate::load::Booking;
 use crate::pick::{
     Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
-
-/// Tries of a KV-aware pick whose booking found the chosen endpoint's load changed; the last
-/// one books regardless.
-pub const BOOKING_ATTEMPTS: usize = 4;
 
 /// A request's prompt as the request path found it (not hashed yet: the block size is the
 /// router's).
