@@ -69,12 +69,27 @@ impl KveppProcess {
         }
     }
 
-    async fn ready(&self) {
+    /// Waits for `/ready`; a process that exits first (a port taken meanwhile, say) fails the
+    /// test at once with its log instead of at the deadline.
+    async fn ready(&mut self) {
         let addr: SocketAddr = ([127, 0, 0, 1], self.metrics).into();
-        wait_for("kvepp ready", || async move {
+        let exited = std::sync::Mutex::new(None);
+        let child = std::sync::Mutex::new(&mut self.child);
+        wait_for("kvepp ready", || async {
+            if let Ok(Some(status)) = child.lock().unwrap().try_wait() {
+                *exited.lock().unwrap() = Some(status);
+                return Some(());
+            }
             matches!(fetch(addr, "/ready").await, Ok((200, _))).then_some(())
         })
         .await;
+        drop(child);
+        if let Some(status) = exited.into_inner().unwrap() {
+            panic!(
+                "kvepp exited before it was ready ({status}):\n{}",
+                self.log()
+            );
+        }
     }
 
     /// SIGKILL: no drain, streams cut mid-flight.
