@@ -83,7 +83,6 @@ impl KveppProcess {
             matches!(fetch(addr, "/ready").await, Ok((200, _))).then_some(())
         })
         .await;
-        drop(child);
         if let Some(status) = exited.into_inner().unwrap() {
             panic!(
                 "kvepp exited before it was ready ({status}):\n{}",
