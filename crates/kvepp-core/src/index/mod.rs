@@ -166,6 +166,10 @@ impl Hasher for KeyedHasher {
 
 type Map<K, V> = HashMap<K, V, KeyedBuild>;
 
+/// How many blocks ahead [`PrefixIndex::link_chain`] and [`PrefixIndex::unlink_chain`] start
+/// their probes.
+const LINK_PREFETCH: usize = 8;
+
 /// Most table probes `find_matches` has in flight at once.
 const MAX_BATCH: usize = 64;
 
@@ -728,6 +732,10 @@ impl PrefixIndex {
         }
         let s = self.slot_or_insert(rank)?;
         for (i, &h) in hashes.iter().enumerate().rev() {
+            // The walk goes back block by block: start the probe of a block a few steps ahead.
+            if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
+                self.blocks.prefetch_key(ahead.0);
+            }
             let tier = if i + 1 == hashes.len() {
                 Tier::Device
             } else {
@@ -747,6 +755,9 @@ impl PrefixIndex {
     pub fn unlink_chain(&mut self, rank: WorkerRank, hashes: &[SequenceHash]) {
         let Some(s) = self.slot_of(rank) else { return };
         for (i, &h) in hashes.iter().enumerate().rev() {
+            if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
+                self.blocks.prefetch_key(ahead.0);
+            }
             let tier = if i + 1 == hashes.len() {
                 Tier::Device
             } else {
