@@ -12,9 +12,10 @@
 //!    of it, at most 2k tokens), every 16th a half, endpoint 0 seven eighths, and every endpoint
 //!    one unrelated 64-block chain; each endpoint has one active request (even ones share the
 //!    system prompt). Also pick + book + release at each size.
-//! 2. Scaling: picks per second (pick, book, release) from 1, 2, … threads over 1000 endpoints
-//!    with 32k-token prompts from 8 families, while another thread applies KV events (store and
-//!    remove of 64-block chains) at 1 M blocks/s, against 1 thread × the thread count (linear).
+//! 2. Scaling: picks per second from 1, 2, … threads over 1000 endpoints with 32k-token prompts
+//!    from 8 families, picks alone and pick + book + release, while another thread applies KV
+//!    events (store and remove of 64-block chains) at 1 M blocks/s, against 1 thread × the thread
+//!    count (linear).
 //!
 //! Under `cargo test` (no `--bench`) it runs a small case and checks the pick went where the
 //! prompt is cached.
@@ -202,7 +203,13 @@ fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
 
 /// Picks/s from `threads` threads for `seconds`, with KV events at `event_rate` blocks/s applied
 /// by one more thread: (picks/s, events blocks/s achieved, booking conflicts).
-fn scaling_run(s: &Arc<Setup2>, threads: usize, seconds: f64, event_rate: f64) -> (f64, f64, u64) {
+fn scaling_run(
+    s: &Arc<Setup2>,
+    threads: usize,
+    seconds: f64,
+    event_rate: f64,
+    book: bool,
+) -> (f64, f64, u64) {
     let stop = Arc::new(AtomicBool::new(false));
     let applied = Arc::new(AtomicU64::new(0));
     let conflicts_before = s.kv.booking_conflicts();
@@ -244,6 +251,11 @@ fn scaling_run(s: &Arc<Setup2>, threads: usize, seconds: f64, event_rate: f64) -
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let p = &s.prompts[(n as usize + t * 3) % s.prompts.len()];
+                    if !book {
+                        black_box(s.kv.rank(&refs, Some(p), &mut ctx));
+                        n += 1;
+                        continue;
+                    }
                     let guard = loop {
                         let (best, _, d) = s.kv.rank(&refs, Some(p), &mut ctx);
                         if let Some(g) = s.kv.book_decision(&s.eps[best], Some(p), &d, ctx.now) {
@@ -303,22 +315,25 @@ fn scaling(
         event_chains: (0..1024).map(|i| chain(5_000_000 + i, 64)).collect(),
     });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "\n## Scaling: pick + book + release over {endpoints_n} endpoints, {}k-token prompts, KV events at {:.0} k blocks/s ({cores} cores here)\n",
-        tokens >> 10,
-        event_rate / 1e3
-    );
-    println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | booking conflicts |");
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let mut one = None;
-    for &t in thread_counts {
-        let (rate, events, conflicts) = scaling_run(&s, t, seconds, event_rate);
-        let single = *one.get_or_insert(rate);
+    for book in [false, true] {
         println!(
-            "| {t} | {rate:.0} | {:.0} | {:.2}× | {events:.0} | {conflicts} |",
-            rate / t as f64,
-            rate / (single * t as f64)
+            "\n## Scaling: {} over {endpoints_n} endpoints, {}k-token prompts, KV events at {:.0} k blocks/s ({cores} cores here)\n",
+            if book { "pick + book + release" } else { "picks alone (no booking)" },
+            tokens >> 10,
+            event_rate / 1e3
         );
+        println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | booking conflicts |");
+        println!("|---:|---:|---:|---:|---:|---:|");
+        let mut one = None;
+        for &t in thread_counts {
+            let (rate, events, conflicts) = scaling_run(&s, t, seconds, event_rate, book);
+            let single = *one.get_or_insert(rate);
+            println!(
+                "| {t} | {rate:.0} | {:.0} | {:.2}× | {events:.0} | {conflicts} |",
+                rate / t as f64,
+                rate / (single * t as f64)
+            );
+        }
     }
 }
 
