@@ -113,7 +113,7 @@ fn selection(c: &mut Criterion) {
     g.sample_size(20);
     for n in [10usize, 100, 1000] {
         let eps = endpoints(n);
-        let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+        let refs: &[Arc<Endpoint>] = &eps;
         for tokens in [1usize << 10, 32 << 10, 128 << 10] {
             let kv = Arc::new(KvState::new(KvSettings::default()));
             let prompt_tokens: Vec<u32> = (0..tokens as u32).collect();
@@ -140,12 +140,12 @@ fn selection(c: &mut Criterion) {
             let id = format!("{n}_endpoints/{}k_tokens", tokens >> 10);
             let mut ctx = PickContext::seeded(1);
             g.bench_with_input(BenchmarkId::new("kv_aware", &id), &(), |b, _| {
-                b.iter(|| kv.rank(black_box(&refs), Some(&prompt), &mut ctx).0)
+                b.iter(|| kv.rank(black_box(refs), Some(&prompt), &mut ctx).0)
             });
             g.bench_with_input(
                 BenchmarkId::new("baseline_least_loaded", &id),
                 &(),
-                |b, _| b.iter(|| LeastLoaded.rank(black_box(&refs), None, &mut ctx).best),
+                |b, _| b.iter(|| LeastLoaded.rank(black_box(refs), None, &mut ctx).best),
             );
         }
     }

@@ -148,21 +148,21 @@ fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
     for &n in sizes {
         for &tokens in token_sizes {
             let s = setup(n, tokens);
-            let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+            let refs: &[Arc<Endpoint>] = &s.eps;
             let mut ctx = PickContext::seeded(1);
             // Size the sample to the budget from one timed pick.
             let t = Instant::now();
-            black_box(s.kv.rank(&refs, Some(&s.prompt), &mut ctx));
+            black_box(s.kv.rank(refs, Some(&s.prompt), &mut ctx));
             let one = t.elapsed().max(Duration::from_nanos(200));
             let iters = ((budget.as_secs_f64() / one.as_secs_f64()) as usize).clamp(200, 20_000);
             let kv = time(iters, || {
-                black_box(s.kv.rank(black_box(&refs), Some(&s.prompt), &mut ctx));
+                black_box(s.kv.rank(black_box(refs), Some(&s.prompt), &mut ctx));
             });
             let base = time(iters, || {
-                black_box(LeastLoaded.rank(black_box(&refs), None, &mut ctx));
+                black_box(LeastLoaded.rank(black_box(refs), None, &mut ctx));
             });
             let booked = time(iters, || {
-                let (best, _, d) = s.kv.rank(&refs, Some(&s.prompt), &mut ctx);
+                let (best, _, d) = s.kv.rank(refs, Some(&s.prompt), &mut ctx);
                 let g =
                     s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now);
                 drop(black_box(g));
@@ -246,18 +246,18 @@ fn scaling_run(
         .map(|t| {
             let (s, stop) = (s.clone(), stop.clone());
             std::thread::spawn(move || {
-                let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+                let refs: &[Arc<Endpoint>] = &s.eps;
                 let mut ctx = PickContext::seeded(t as u64);
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let p = &s.prompts[(n as usize + t * 3) % s.prompts.len()];
                     if !book {
-                        black_box(s.kv.rank(&refs, Some(p), &mut ctx));
+                        black_box(s.kv.rank(refs, Some(p), &mut ctx));
                         n += 1;
                         continue;
                     }
                     let guard = loop {
-                        let (best, _, d) = s.kv.rank(&refs, Some(p), &mut ctx);
+                        let (best, _, d) = s.kv.rank(refs, Some(p), &mut ctx);
                         if let Some(g) = s.kv.book_decision(&s.eps[best], Some(p), &d, ctx.now) {
                             break g;
                         }
@@ -354,9 +354,9 @@ fn main() {
     if !args.iter().any(|a| a == "--bench") {
         // `cargo test`: a small case, checked.
         let s = setup(100, 1024);
-        let refs: Vec<&Arc<Endpoint>> = s.eps.iter().collect();
+        let refs: &[Arc<Endpoint>] = &s.eps;
         let (best, _, d) =
-            s.kv.rank(&refs, Some(&s.prompt), &mut PickContext::seeded(1));
+            s.kv.rank(refs, Some(&s.prompt), &mut PickContext::seeded(1));
         assert_eq!(
             best, 0,
             "the endpoint caching 7/8 of the prompt wins: {d:?}"

@@ -511,7 +511,7 @@ impl KvState {
     /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
     fn candidate_loads(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         sc: &mut PickScratch,
     ) {
@@ -581,7 +581,7 @@ impl KvState {
     /// Ranks candidates: the chosen one, the next cheapest, and the decision for the chosen one.
     pub fn rank(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> (usize, Option<usize>, KvDecision) {
@@ -1018,7 +1018,7 @@ pub struct KvPicker(pub Arc<KvState>);
 impl super::Picker for KvPicker {
     fn rank(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> super::Ranked {

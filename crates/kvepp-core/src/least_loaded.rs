@@ -11,7 +11,7 @@ pub struct LeastLoaded;
 impl Picker for LeastLoaded {
     fn rank(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         _: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> Ranked {
@@ -70,11 +70,11 @@ mod tests {
     #[test]
     fn ties_are_spread() {
         let eps = [ep(1, 2), ep(2, 2), ep(3, 2), ep(4, 7)];
-        let refs: Vec<_> = eps.iter().collect();
+        let refs = &eps[..];
         let mut ctx = PickContext::seeded(7);
         let mut seen = [0u32; 4];
         for _ in 0..3000 {
-            let Ranked { best, second, .. } = LeastLoaded.rank(&refs, None, &mut ctx);
+            let Ranked { best, second, .. } = LeastLoaded.rank(refs, None, &mut ctx);
             assert_ne!(Some(best), second);
             assert_ne!(second, Some(3));
             seen[best] += 1;
@@ -89,7 +89,7 @@ mod tests {
     fn single_candidate() {
         let eps = [ep(1, 0)];
         let mut ctx = PickContext::seeded(7);
-        let r = LeastLoaded.rank(&eps.iter().collect::<Vec<_>>(), None, &mut ctx);
+        let r = LeastLoaded.rank(&eps, None, &mut ctx);
         assert_eq!((r.best, r.second), (0, None));
     }
 }

@@ -218,7 +218,7 @@ impl PickContext {
 pub trait Picker: Send + Sync + std::fmt::Debug {
     fn rank(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> Ranked;
@@ -284,27 +284,37 @@ impl Selector {
         if endpoints.is_empty() {
             return Err(PickError::NoReadyEndpoints);
         }
-        let mut candidates: Vec<&Arc<Endpoint>> = match req.subset {
-            None => endpoints.iter().collect(),
+        // The pool's own list when nothing filters it (the common case: no copy); a filtered
+        // copy otherwise.
+        let filtered: Vec<Arc<Endpoint>>;
+        let mut candidates: &[Arc<Endpoint>] = match req.subset {
+            None => endpoints,
             Some([]) => return Err(PickError::EmptySubset),
             Some(subset) => {
-                let c: Vec<_> = endpoints
+                filtered = endpoints
                     .iter()
                     .filter(|e| subset.contains(&e.addr))
+                    .cloned()
                     .collect();
-                if c.is_empty() {
+                if filtered.is_empty() {
                     return Err(PickError::NoEligibleInSubset(subset.len()));
                 }
-                c
+                &filtered
             }
         };
         let eligible = candidates.len();
+        let unsaturated: Vec<Arc<Endpoint>>;
         match req.admission {
             Admission::Unsaturated => {
-                candidates.retain(|e| !self.saturation.is_saturated(e, ctx.now));
-                if candidates.is_empty() {
+                unsaturated = candidates
+                    .iter()
+                    .filter(|e| !self.saturation.is_saturated(e, ctx.now))
+                    .cloned()
+                    .collect();
+                if unsaturated.is_empty() {
                     return Err(PickError::Saturated(eligible));
                 }
+                candidates = &unsaturated;
             }
             Admission::Shed => {
                 if is_sheddable(req.priority)
@@ -330,7 +340,7 @@ impl Selector {
                 })
                 .collect();
         }
-        let r = self.picker.rank(&candidates, req.prompt, ctx);
+        let r = self.picker.rank(candidates, req.prompt, ctx);
         let primary = candidates[r.best].clone();
         let fallback = r
             .second

@@ -15,7 +15,7 @@ pub struct RoundRobin {
 impl Picker for RoundRobin {
     fn rank(
         &self,
-        candidates: &[&Arc<Endpoint>],
+        candidates: &[Arc<Endpoint>],
         _: Option<&PromptBlocks>,
         ctx: &mut PickContext,
     ) -> Ranked {
@@ -43,12 +43,12 @@ mod tests {
     #[test]
     fn cycles_through_candidates_whatever_their_load() {
         let eps = [ep(1, 0), ep(2, 50), ep(3, 0)];
-        let refs: Vec<_> = eps.iter().collect();
+        let refs = &eps[..];
         let mut ctx = PickContext::seeded(7);
         let rr = RoundRobin::default();
         let picks: Vec<(usize, Option<usize>)> = (0..6)
             .map(|_| {
-                let r = rr.rank(&refs, None, &mut ctx);
+                let r = rr.rank(refs, None, &mut ctx);
                 (r.best, r.second)
             })
             .collect();

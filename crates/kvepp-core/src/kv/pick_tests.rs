@@ -80,7 +80,7 @@ fn reference_scores(
 fn kv_aware_scores_equal_a_from_scratch_reference() {
     let kv = Arc::new(KvState::new(KvSettings::default()));
     let eps = endpoints(24);
-    let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+    let refs: &[Arc<Endpoint>] = &eps;
     let mut reference = ReferenceIndex::new(u64::MAX);
     let mut rng = fastrand::Rng::with_seed(7);
     let mut booked: Vec<Booked> = Vec::new();
@@ -124,7 +124,7 @@ fn kv_aware_scores_equal_a_from_scratch_reference() {
             3..=5 => {
                 let p = prompt(&mut rng, PrefixMode::TokenIds);
                 let mut ctx = PickContext::seeded(step).with_scores();
-                let (best, _, d) = kv.rank(&refs, Some(&p), &mut ctx);
+                let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
                 let want = reference_scores(&kv, &reference, &eps, &booked, &p);
                 let got = ctx.scores.take().expect("asked for scores");
                 assert_eq!(got.len(), want.len());
@@ -171,11 +171,11 @@ fn kv_aware_scores_equal_a_from_scratch_reference() {
 fn a_booking_is_refused_when_the_load_it_read_changed() {
     let kv = Arc::new(KvState::new(KvSettings::default()));
     let eps = endpoints(2);
-    let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+    let refs: &[Arc<Endpoint>] = &eps;
     let p = prompt(&mut fastrand::Rng::with_seed(1), PrefixMode::TokenIds);
     let mut ctx = PickContext::seeded(1);
-    let (best, _, first) = kv.rank(&refs, Some(&p), &mut ctx);
-    let (again, _, second) = kv.rank(&refs, Some(&p), &mut ctx);
+    let (best, _, first) = kv.rank(refs, Some(&p), &mut ctx);
+    let (again, _, second) = kv.rank(refs, Some(&p), &mut ctx);
     assert_eq!(first.load_version, second.load_version);
     let now = Instant::now();
     let held = kv.book_decision(&eps[best], Some(&p), &first, now);
@@ -187,7 +187,7 @@ fn a_booking_is_refused_when_the_load_it_read_changed() {
         assert_eq!(kv.booking_conflicts(), 1);
     }
     // Read again: books.
-    let (b, _, third) = kv.rank(&refs, Some(&p), &mut ctx);
+    let (b, _, third) = kv.rank(refs, Some(&p), &mut ctx);
     assert!(kv.book_decision(&eps[b], Some(&p), &third, now).is_some());
 }
 
@@ -227,7 +227,7 @@ fn concurrent_picks_book_exactly() {
         .map(|t| {
             let (kv, eps) = (kv.clone(), eps.clone());
             std::thread::spawn(move || {
-                let refs: Vec<&Arc<Endpoint>> = eps.iter().collect();
+                let refs: &[Arc<Endpoint>] = &eps;
                 let mut rng = fastrand::Rng::with_seed(t);
                 let mut kept = Vec::new();
                 for i in 0..400u64 {
@@ -235,7 +235,7 @@ fn concurrent_picks_book_exactly() {
                     let mut ctx = PickContext::seeded(t * 1000 + i);
                     // The router's loop: pick again while the chosen load changed.
                     let guard = loop {
-                        let (best, _, d) = kv.rank(&refs, Some(&p), &mut ctx);
+                        let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
                         if let Some(g) = kv.book_decision(&eps[best], Some(&p), &d, Instant::now())
                         {
                             break (g, eps[best].worker, d.effective_prefill_tokens);
