@@ -875,25 +875,15 @@ impl KvState {
         };
         let w = &self.settings.weights;
         let bs = self.block_size();
-        let mut held = Vec::new();
-        slots.held_prefixes(hashes, &mut MatchScratch::default(), &mut held);
-        let held_by = |r: WorkerRank| {
-            held.iter()
-                .find(|o| o.rank == r)
-                .map_or(0, |o| o.overlap.disk)
-        };
-        let mut versions = Vec::with_capacity(ranks.len());
+        let projected = slots.projections(ranks.iter().copied(), hashes, isl_tokens);
         let loads: Vec<CandidateLoad> = ranks
             .iter()
-            .map(|&r| {
-                let (l, v) = slots.projection(r, hashes.len() as u64, held_by(r), isl_tokens);
-                versions.push(v);
-                CandidateLoad {
-                    overlap: overlap_of(r),
-                    potential_prefill_tokens: l.potential_prefill_tokens,
-                    potential_decode_blocks: l.potential_decode_blocks,
-                    active_requests: l.active_requests,
-                }
+            .zip(&projected)
+            .map(|(&r, (l, _))| CandidateLoad {
+                overlap: overlap_of(r),
+                potential_prefill_tokens: l.potential_prefill_tokens,
+                potential_decode_blocks: l.potential_decode_blocks,
+                active_requests: l.active_requests,
             })
             .collect();
         let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
@@ -906,7 +896,7 @@ impl KvState {
             effective_prefill_tokens: w.effective_prefill_tokens(isl_tokens, bs, c.overlap),
             load: c,
         };
-        (choice, versions[best])
+        (choice, projected[best].1)
     }
 
     /// Each rank's load if it took this request (unregistered ranks count as idle).
@@ -916,10 +906,10 @@ impl KvState {
         hashes: &[SequenceHash],
         isl_tokens: u64,
     ) -> Vec<super::slots::PotentialLoad> {
-        let slots = read(&self.slots);
-        ranks
-            .iter()
-            .map(|&r| slots.potential_load(r, hashes, isl_tokens))
+        read(&self.slots)
+            .projections(ranks.iter().copied(), hashes, isl_tokens)
+            .into_iter()
+            .map(|(l, _)| l)
             .collect()
     }
 

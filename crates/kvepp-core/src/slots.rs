@@ -249,7 +249,8 @@ impl SlotTracker {
             .map(|_| ())
     }
 
-    /// [`Self::add`], but only if the rank's [`Self::version`] is still `expected` (when given):
+    /// [`Self::add`], but only if the rank's load version (it changes with every booking, release or
+    /// load update there) is still `expected` (when given):
     /// a pick books the load it read or nothing. Ok(false): the load changed, nothing booked.
     pub fn add_if_unchanged(
         &mut self,
@@ -289,11 +290,6 @@ impl SlotTracker {
         };
         self.requests.insert(request_id.to_owned(), active);
         Ok(true)
-    }
-
-    /// The rank's load version: it changes with every booking, release or load update there.
-    pub fn version(&self, rank: WorkerRank) -> Option<u64> {
-        self.state(rank).map(|s| s.version)
     }
 
     /// The request's first output token exists: its prefill tokens no longer load the rank.
@@ -452,6 +448,34 @@ impl SlotTracker {
         }
     }
 
+    /// How many leading blocks of `hashes` each rank holding the first one has active (one walk).
+    fn held_by_rank(&self, hashes: &[SequenceHash]) -> HashMap<WorkerRank, u64> {
+        self.active
+            .overlaps(hashes)
+            .into_iter()
+            .map(|o| (o.rank, o.overlap.disk))
+            .collect()
+    }
+
+    /// Each of `ranks`' load if it took a request with these prompt blocks and prefill tokens
+    /// (blocks it already has active count once; an unknown rank counts as idle), with its
+    /// version: one walk over the active blocks for all of them.
+    pub fn projections(
+        &self,
+        ranks: impl IntoIterator<Item = WorkerRank>,
+        hashes: &[SequenceHash],
+        new_isl_tokens: u64,
+    ) -> Vec<(PotentialLoad, Option<u64>)> {
+        let held = self.held_by_rank(hashes);
+        ranks
+            .into_iter()
+            .map(|r| {
+                let h = held.get(&r).copied().unwrap_or(0);
+                self.projection(r, hashes.len() as u64, h, new_isl_tokens)
+            })
+            .collect()
+    }
+
     /// One rank's load if it took a request with these prompt blocks and prefill tokens (an
     /// unknown rank counts as idle).
     pub fn potential_load(
@@ -460,12 +484,7 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> PotentialLoad {
-        let held = self
-            .active
-            .overlaps(hashes)
-            .iter()
-            .find(|o| o.rank == rank)
-            .map_or(0, |o| o.overlap.disk);
+        let held = self.held_by_rank(hashes).get(&rank).copied().unwrap_or(0);
         self.projection(rank, hashes.len() as u64, held, new_isl_tokens)
             .0
     }
@@ -477,19 +496,9 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> Vec<PotentialLoad> {
-        let held: HashMap<WorkerRank, u64> = self
-            .active
-            .overlaps(hashes)
+        self.projections(self.ranks(), hashes, new_isl_tokens)
             .into_iter()
-            .map(|o| (o.rank, o.overlap.disk))
-            .collect();
-        self.ranks
-            .iter()
-            .flatten()
-            .map(|s| {
-                let h = held.get(&s.id).copied().unwrap_or(0);
-                s.potential(hashes.len() as u64, h, new_isl_tokens)
-            })
+            .map(|(l, _)| l)
             .collect()
     }
 }
