@@ -192,10 +192,15 @@ impl Approx {
             .map_or(0, |o| o.overlap.device as usize)
     }
 
-    fn forget(&self, worker: u64) {
+    /// Forgets `workers`' routed blocks (index and FIFOs together).
+    fn forget(&self, workers: &[u64]) {
         let mut fifos = lock(&self.fifo);
-        self.index.write(|ix| ix.remove_worker(worker));
-        fifos.remove(&worker);
+        self.index.write(|ix| {
+            for &w in workers {
+                ix.remove_worker(w);
+            }
+        });
+        fifos.retain(|w, _| !workers.contains(w));
     }
 }
 
@@ -737,27 +742,8 @@ impl KvState {
         gone.extend(self.approx.index.read().workers());
         gone.extend(read(&self.slots).ranks().map(|r| r.worker));
         gone.retain(|&w| !keep(w));
-        if gone.is_empty() {
-            return 0;
-        }
-        self.index.write(|ix| {
-            for &w in &gone {
-                ix.remove_worker(w);
-            }
-        });
-        {
-            let mut fifos = lock(&self.approx.fifo);
-            self.approx.index.write(|ix| {
-                for &w in &gone {
-                    ix.remove_worker(w);
-                }
-            });
-            fifos.retain(|w, _| !gone.contains(w));
-        }
-        let mut slots = write(&self.slots);
-        for &w in &gone {
-            slots.unregister_worker(w);
-        }
+        let gone: Vec<u64> = gone.into_iter().collect();
+        self.remove_workers(&gone);
         gone.len()
     }
 
@@ -920,9 +906,24 @@ impl KvState {
 
     /// Removes a worker's ranks, active requests and cached blocks.
     pub fn remove_worker(&self, worker: u64) {
-        self.index.write(|ix| ix.remove_worker(worker));
-        self.approx.forget(worker);
-        write(&self.slots).unregister_worker(worker);
+        self.remove_workers(&[worker]);
+    }
+
+    /// [`Self::remove_worker`] for several at once (one write of each index).
+    fn remove_workers(&self, workers: &[u64]) {
+        if workers.is_empty() {
+            return;
+        }
+        self.index.write(|ix| {
+            for &w in workers {
+                ix.remove_worker(w);
+            }
+        });
+        self.approx.forget(workers);
+        let mut slots = write(&self.slots);
+        for &w in workers {
+            slots.unregister_worker(w);
+        }
     }
 
     /// Books a request on a registered rank until [`KvState::free`].

@@ -732,15 +732,7 @@ impl PrefixIndex {
         }
         let s = self.slot_or_insert(rank)?;
         for (i, &h) in hashes.iter().enumerate().rev() {
-            // The walk goes back block by block: start the probe of a block a few steps ahead.
-            if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
-                self.blocks.prefetch_key(ahead.0);
-            }
-            let tier = if i + 1 == hashes.len() {
-                Tier::Device
-            } else {
-                Tier::Host
-            };
+            let tier = self.chain_step(hashes, i);
             let before = self.slot(s).blocks;
             self.add(s, h, tier)?;
             if self.slot(s).blocks == before {
@@ -755,18 +747,25 @@ impl PrefixIndex {
     pub fn unlink_chain(&mut self, rank: WorkerRank, hashes: &[SequenceHash]) {
         let Some(s) = self.slot_of(rank) else { return };
         for (i, &h) in hashes.iter().enumerate().rev() {
-            if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
-                self.blocks.prefetch_key(ahead.0);
-            }
-            let tier = if i + 1 == hashes.len() {
-                Tier::Device
-            } else {
-                Tier::Host
-            };
+            let tier = self.chain_step(hashes, i);
             match self.release(s, h, tier.idx()) {
                 Removal::Dropped => Self::slot_mut(&mut self.ranks, s).blocks -= 1,
                 Removal::Decremented | Removal::NotHeld => break,
             }
+        }
+    }
+
+    /// One step of [`Self::link_chain`] / [`Self::unlink_chain`] at block `i` (they walk back
+    /// from the end): starts the probe of the block a few steps ahead, and returns the tier that
+    /// counts this block's reference (device: a request ends here; host: a child below it).
+    fn chain_step(&self, hashes: &[SequenceHash], i: usize) -> Tier {
+        if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
+            self.blocks.prefetch_key(ahead.0);
+        }
+        if i + 1 == hashes.len() {
+            Tier::Device
+        } else {
+            Tier::Host
         }
     }
 
