@@ -19,7 +19,6 @@ use axum::Router;
 
 use crate::discovery::Datastore;
 use crate::metrics::Metrics;
-use kvepp_core::kv::worker_id;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::KvState;
 
@@ -107,7 +106,7 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
     let mut out = serde_json::Map::new();
     for e in &snap.endpoints {
         let rank = WorkerRank {
-            worker: worker_id(&e.addr_str),
+            worker: e.worker,
             dp_rank: e.dp_rank.unwrap_or(0),
         };
         let blocks: Vec<u64> = index.rank_sequences(rank).iter().map(|h| h.0).collect();

@@ -22,7 +22,7 @@ use crate::engine::metadata::{EngineMetadata, MetadataStore};
 use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
 use kvepp_core::hash::local_block_hashes;
 use kvepp_core::index::{IndexError, PrefixIndex};
-use kvepp_core::kv::{worker_id, KvState};
+use kvepp_core::kv::KvState;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::Endpoint;
 
@@ -178,7 +178,7 @@ pub async fn run_manager(
                     tokio::spawn(subscription(
                         kv.clone(),
                         Target {
-                            worker: worker_id(&ep.addr_str),
+                            worker: ep.worker,
                             endpoint: ep.addr_str.clone(),
                             rank: *rank,
                             // An endpoint that is one rank: its publisher's events are that

@@ -22,7 +22,6 @@ use crate::replica::observer::PublishBookings;
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::{Outbox, SyncStats};
 use kvepp_core::catalog::{Catalog, Limits, Worker};
-use kvepp_core::kv::worker_id;
 use kvepp_core::KvState;
 
 type Tasks = Vec<tokio::task::JoinHandle<()>>;
@@ -43,7 +42,7 @@ fn pooled_catalog(
         loop {
             let endpoints = pool.borrow_and_update().clone();
             let workers = endpoints.iter().map(|e| Worker {
-                worker_id: worker_id(&e.addr_str),
+                worker_id: e.worker,
                 block_size: kv.block_size(),
                 dp_start: 0,
                 dp_size: 1,

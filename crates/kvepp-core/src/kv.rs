@@ -15,9 +15,9 @@
 //! otherwise the router picks again. So select-and-book is atomic per decision while picks do not
 //! queue behind one another.
 //!
-//! Cost of a pick over `n` candidates: one index walk over the prompt's matched prefix, one
-//! projection per candidate (O(1) unless the candidate has the prompt's first block in active
-//! requests, then O(log blocks)), and O(n) arithmetic, in buffers reused from pick to pick.
+//! Cost of a pick over `n` candidates: one walk of the KV index and one of the slot tracker's
+//! active blocks over the prompt's matched prefix, O(1) per candidate (its dense load state and
+//! the walks' results by worker id), and O(n) arithmetic, in buffers reused from pick to pick.
 //!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
