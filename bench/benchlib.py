@@ -34,7 +34,7 @@ def get(url):
 
 class Stack:
     """The processes of one benchmark run (simulated fleet, kvepp, Envoy), their logs in `work`,
-    stopped together by `stop()`."""
+    stopped together by `stop()`, which also removes `work`."""
 
     def __init__(self, prefix):
         import tempfile
@@ -112,3 +112,6 @@ class Stack:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        import shutil
+
+        shutil.rmtree(self.work, ignore_errors=True)

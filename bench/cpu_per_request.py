@@ -14,6 +14,7 @@ measured by `examples/tokenize_cost` on the same machine in the same run."""
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def main():
             p.terminate()
         for p in procs:
             p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

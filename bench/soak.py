@@ -165,7 +165,9 @@ def main():
 
         asyncio.run(run())
         if kvepp.poll() is not None:
-            sys.exit(f"soak: kvepp exited ({kvepp.returncode}); log in {work}")
+            with open(os.path.join(work, "kvepp.log")) as f:
+                tail = f.read()[-4000:]
+            sys.exit(f"soak: kvepp exited ({kvepp.returncode}); its log ends:\n{tail}")
     finally:
         stack.stop()
 

@@ -151,13 +151,14 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
         kvepp: kvepp::config::Config::default(),
         replicas: 1,
         replica_sync: false,
+        restart_at: None,
     };
     let mut hits = Vec::new();
     for policy in [Policy::RoundRobin, Policy::Precise] {
         let (records, engines) = routing_bench::run_policy(&spec, policy, &requests)
             .await
             .expect("replay");
-        let r = routing_bench::report::summarize(policy.name(), &records, &engines);
+        let r = routing_bench::report::summarize(policy.name(), &records, &engines, 1000.0);
         assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
         assert_eq!(r.requests, requests.len());
         hits.push(r.hit_ratio);

@@ -14,6 +14,7 @@ pub mod workload;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
@@ -136,6 +137,8 @@ pub struct BenchSpec {
     pub replicas: usize,
     /// With several replicas: replica sync between them.
     pub replica_sync: bool,
+    /// When (workload time, before the speed factor) the first engine restarts, if ever.
+    pub restart_at: Option<Duration>,
 }
 
 /// kvepp serving from a manifests directory, in this process.
@@ -301,24 +304,70 @@ pub async fn run_policy(
         }
     }
     let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
+    // The engines that answer clients (a prefill engine only answers its decode engines).
+    let answering: Vec<&crate::fleet::SimEngine> = fleet
+        .engines
+        .iter()
+        .filter(|e| e.layout.role.decodes())
+        .collect();
     let model = fleet.spec.params.model.clone();
-    let bodies: Vec<bytes::Bytes> = requests.iter().map(|r| r.body(&model)).collect();
-
     let start = Instant::now() + Duration::from_millis(100);
+    // A turn waits for the previous one's response.
+    let mut done_tx: Vec<Option<oneshot::Sender<()>>> = (0..requests.len()).map(|_| None).collect();
+    let mut done_rx: Vec<Option<oneshot::Receiver<()>>> =
+        (0..requests.len()).map(|_| None).collect();
+    for (j, r) in requests.iter().enumerate() {
+        if let Some(i) = r.after.filter(|&i| i < j) {
+            let (tx, rx) = oneshot::channel();
+            done_tx[i] = Some(tx);
+            done_rx[j] = Some(rx);
+        }
+    }
     let mut handles = Vec::with_capacity(requests.len());
-    for (r, body) in requests.iter().zip(bodies) {
-        let at = start + r.at.div_f64(spec.speed.max(1e-6));
-        tokio::time::sleep_until(at).await;
-        let addr = envoy.listener;
+    for (i, r) in requests.iter().enumerate() {
+        let body = r.body(&model);
+        let addr = match r.direct {
+            Some(n) if !answering.is_empty() => answering[n % answering.len()].http,
+            _ => envoy.listener,
+        };
+        let at = r.at.div_f64(spec.speed.max(1e-6));
+        let (after, done) = (done_rx[i].take(), done_tx[i].take());
+        let direct = r.direct.is_some();
         handles.push(tokio::spawn(async move {
+            match after {
+                Some(previous) => {
+                    // A failed previous turn still lets the conversation go on.
+                    let _ = previous.await;
+                    tokio::time::sleep(at).await;
+                }
+                None => tokio::time::sleep_until(start + at).await,
+            }
             let sent = Instant::now();
             let outcome = client::completion(addr, body).await;
+            if let Some(d) = done {
+                let _ = d.send(());
+            }
             Record {
                 sent: sent.saturating_duration_since(start),
                 outcome,
+                direct,
             }
         }));
     }
+    if let Some(at) = spec.restart_at {
+        if let Some(e) = answering.first() {
+            tokio::time::sleep_until(start + at.div_f64(spec.speed.max(1e-6))).await;
+            e.restart();
+        }
+    }
+    let last_arrival = requests
+        .iter()
+        .filter(|r| r.after.is_none())
+        .map(|r| r.at)
+        .max()
+        .unwrap_or_default()
+        .div_f64(spec.speed.max(1e-6));
+    tokio::time::sleep_until(start + last_arrival).await;
     let drain_end = Instant::now() + spec.drain;
     let mut records = Vec::with_capacity(handles.len());
     for h in handles {
@@ -335,13 +384,7 @@ pub async fn run_policy(
             }
         }
     }
-    // The engines that answer clients (a prefill engine only answers its decode engines).
-    let engines = fleet
-        .engines
-        .iter()
-        .filter(|e| e.layout.role.decodes())
-        .map(|e| e.name.clone())
-        .collect();
+    let engines = answering.iter().map(|e| e.name.clone()).collect();
     envoy.stop().await;
     for kvepp in kvepps {
         kvepp.stop().await;
@@ -357,14 +400,48 @@ fn failed(error: String) -> Record {
             error: Some(error),
             ..client::Outcome::default()
         },
+        direct: false,
     }
 }
 
 /// The workloads `kvepp-sim bench-routing` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum WorkloadKind {
+    /// Groups of requests sharing a long system prompt.
     SharedPrefix,
+    /// The Mooncake conversation trace.
     Mooncake,
+    /// Multi-turn conversations (each turn carries the previous prompt and answer).
+    MultiTurn,
+    /// The conversations through two kvepp replicas behind the one Envoy, replica sync on and
+    /// off (KV-aware policies run once each way).
+    MultiTurnReplicas,
+    /// The conversations with a second client sending a share of them straight to the engines.
+    Mixed,
+    /// The conversations with the first engine restarting halfway.
+    Restart,
+}
+
+impl WorkloadKind {
+    pub const ALL: [WorkloadKind; 6] = [
+        WorkloadKind::SharedPrefix,
+        WorkloadKind::Mooncake,
+        WorkloadKind::MultiTurn,
+        WorkloadKind::MultiTurnReplicas,
+        WorkloadKind::Mixed,
+        WorkloadKind::Restart,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::SharedPrefix => "shared-prefix",
+            WorkloadKind::Mooncake => "mooncake",
+            WorkloadKind::MultiTurn => "multi-turn",
+            WorkloadKind::MultiTurnReplicas => "multi-turn-replicas",
+            WorkloadKind::Mixed => "mixed",
+            WorkloadKind::Restart => "restart",
+        }
+    }
 }
 
 /// Flags of `kvepp-sim bench-routing`.
@@ -373,9 +450,10 @@ pub struct BenchArgs {
     /// Envoy binary (scripts/install-envoy.sh installs Envoy 1.40 into .venv).
     #[arg(long, default_value = ".venv/bin/envoy")]
     pub envoy: PathBuf,
-    #[arg(long, value_enum, default_values_t = [WorkloadKind::SharedPrefix])]
+    /// Workloads to run (all by default), each under every policy.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = WorkloadKind::ALL)]
     pub workload: Vec<WorkloadKind>,
-    #[arg(long, value_enum, default_values_t = Policy::ALL)]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Policy::ALL)]
     pub policy: Vec<Policy>,
     /// Simulated engines.
     #[arg(long, default_value_t = 4)]
@@ -399,9 +477,19 @@ pub struct BenchArgs {
     pub speed: f64,
     #[arg(long, default_value_t = 512)]
     pub max_output: u32,
+    /// Multi-turn workloads: new conversations per second over `--duration` seconds, and the
+    /// share of conversations the second client sends straight to the engines (`mixed`).
+    #[arg(long, default_value_t = 3.0)]
+    pub conversation_rate: f64,
+    #[arg(long, default_value_t = 0.5)]
+    pub direct_share: f64,
     /// Seconds to wait for the last responses.
     #[arg(long, default_value_t = 120.0)]
     pub drain: f64,
+    /// The TTFT service-level objective (ms): the report gives the share of requests that met it
+    /// and the goodput (requests per second that met it).
+    #[arg(long, default_value_t = 1000.0)]
+    pub slo_ttft_ms: f64,
     /// kvepp configuration file (e.g. `router` cost weights); the picker, ports, pool and
     /// manifests directory are set for each policy.
     #[arg(long)]
@@ -467,6 +555,138 @@ fn free_port() -> Result<u16, BenchError> {
         .map_err(|e| BenchError::Io(e.to_string()))
 }
 
+/// One workload's replay setup.
+struct Scenario {
+    title: String,
+    requests: Vec<Request>,
+    params: SimParams,
+    speed: f64,
+    replicas: usize,
+    /// Replica sync settings to compare (KV-aware policies run once per entry).
+    sync: Vec<bool>,
+    restart_at: Option<Duration>,
+}
+
+fn scenario(kind: WorkloadKind, args: &BenchArgs) -> Result<Scenario, BenchError> {
+    let h100 = SimParams {
+        stream_interval: 16,
+        ..SimParams::default()
+    };
+    let conversations = |direct_share: f64| workload::MultiTurn {
+        rate: args.conversation_rate,
+        duration: Duration::from_secs_f64(args.duration),
+        direct_share,
+        ..workload::MultiTurn::default()
+    };
+    let conversation_title = |m: &workload::MultiTurn| {
+        format!(
+            "{:.0} new conversations/s for {:.0} s, {}-{} turns, {} system prompts of {} tokens, {} engines",
+            m.rate, args.duration, m.turns.0, m.turns.1, m.system_prompts, m.system_tokens, args.engines
+        )
+    };
+    let mut s = Scenario {
+        title: String::new(),
+        requests: Vec::new(),
+        params: shared_prefix_params(),
+        speed: 1.0,
+        replicas: args.replicas,
+        sync: vec![args.replica_sync],
+        restart_at: None,
+    };
+    match kind {
+        WorkloadKind::SharedPrefix => {
+            let w = workload::SharedPrefix {
+                groups: args.groups,
+                rate: args.rate,
+                duration: Duration::from_secs_f64(args.duration),
+                ..workload::SharedPrefix::default()
+            };
+            s.title = format!(
+                "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines{}{}",
+                w.groups, w.system_tokens, w.user_tokens, w.rate, args.duration, args.engines,
+                replicas_note(args), disaggregation_note(args)
+            );
+            s.requests = workload::shared_prefix(&w);
+        }
+        WorkloadKind::Mooncake => {
+            s.requests = workload::mooncake(&args.trace, args.trace_requests, args.max_output)?;
+            s.title = format!(
+                "Mooncake conversation trace: first {} requests at {}× speed, {} engines{}",
+                s.requests.len(),
+                args.speed,
+                args.engines,
+                disaggregation_note(args)
+            );
+            s.params = h100;
+            s.speed = args.speed;
+        }
+        WorkloadKind::MultiTurn | WorkloadKind::Mixed | WorkloadKind::Restart => {
+            let share = if kind == WorkloadKind::Mixed {
+                args.direct_share
+            } else {
+                0.0
+            };
+            let m = conversations(share);
+            s.requests = workload::multi_turn(&m);
+            s.title = match kind {
+                WorkloadKind::Mixed => format!(
+                    "mixed: {}; {:.0}% of the conversations sent straight to the engines by a second client",
+                    conversation_title(&m),
+                    share * 100.0
+                ),
+                WorkloadKind::Restart => {
+                    s.restart_at = Some(Duration::from_secs_f64(args.duration / 2.0));
+                    format!(
+                        "restart: {}; the first engine restarts (cache emptied) at {:.0} s",
+                        conversation_title(&m),
+                        args.duration / 2.0
+                    )
+                }
+                _ => format!("multi-turn: {}{}", conversation_title(&m), replicas_note(args)),
+            };
+        }
+        WorkloadKind::MultiTurnReplicas => {
+            let m = conversations(0.0);
+            s.requests = workload::multi_turn(&m);
+            s.replicas = args.replicas.max(2);
+            s.sync = vec![true, false];
+            s.title = format!(
+                "multi-turn, {} kvepp replicas: {}",
+                s.replicas,
+                conversation_title(&m)
+            );
+        }
+    }
+    if let Some(p) = &args.params {
+        s.params = SimParams::from_file(p)?;
+    }
+    Ok(s)
+}
+
+/// After an engine restart at `at`: the routed turns whose previous turn that engine served before
+/// the restart (their cache died with it), and how many of them were sent back to it.
+pub fn orphaned_turns(
+    requests: &[Request],
+    records: &[Record],
+    engine: &str,
+    at: Duration,
+) -> (usize, usize) {
+    let (mut orphans, mut back) = (0, 0);
+    for (r, rec) in requests.iter().zip(records) {
+        let Some(prev) = r.after.and_then(|i| records.get(i)) else {
+            continue;
+        };
+        if rec.direct || rec.sent < at || prev.sent >= at {
+            continue;
+        }
+        if prev.outcome.engine.as_deref() == Some(engine) {
+            orphans += 1;
+            back += usize::from(rec.outcome.engine.as_deref() == Some(engine));
+        }
+    }
+    (orphans, back)
+}
+
 /// Runs every workload under every policy, prints and writes the results.
 pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, BenchError> {
     let io = |e: std::io::Error| BenchError::Io(e.to_string());
@@ -478,49 +698,12 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     let mut all = Vec::new();
     let mut md = String::new();
     for kind in &args.workload {
-        let (title, requests, mut params, speed) = match kind {
-            WorkloadKind::SharedPrefix => {
-                let s = workload::SharedPrefix {
-                    groups: args.groups,
-                    rate: args.rate,
-                    duration: Duration::from_secs_f64(args.duration),
-                    ..workload::SharedPrefix::default()
-                };
-                let title = format!(
-                    "shared prefix: {} groups × {}-token system prompt + {}-token question, {:.0} req/s for {:.0} s, {} engines{}{}",
-                    s.groups, s.system_tokens, s.user_tokens, s.rate, args.duration, args.engines,
-                    replicas_note(&args), disaggregation_note(&args)
-                );
-                (
-                    title,
-                    workload::shared_prefix(&s),
-                    shared_prefix_params(),
-                    1.0,
-                )
-            }
-            WorkloadKind::Mooncake => {
-                let r = workload::mooncake(&args.trace, args.trace_requests, args.max_output)?;
-                let title = format!(
-                    "Mooncake conversation trace: first {} requests at {}× speed, {} engines{}",
-                    r.len(),
-                    args.speed,
-                    args.engines,
-                    disaggregation_note(&args)
-                );
-                let params = SimParams {
-                    stream_interval: 16,
-                    ..SimParams::default()
-                };
-                (title, r, params, args.speed)
-            }
-        };
-        if let Some(p) = &args.params {
-            params = SimParams::from_file(p)?;
-        }
-        let ceiling = workload::hit_ceiling(&requests, params.block_size as usize);
+        let sc = scenario(*kind, &args)?;
+        let ceiling = workload::hit_ceiling(&sc.requests, sc.params.block_size as usize);
         eprintln!(
-            "== {title}: {} requests, hit ceiling {:.1}%",
-            requests.len(),
+            "== {}: {} requests, hit ceiling {:.1}%",
+            sc.title,
+            sc.requests.len(),
             ceiling * 100.0
         );
         let disaggregated = args.prefill_engines > 0;
@@ -532,13 +715,14 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                 Vec::new()
             },
             engines: args.engines,
-            params,
+            params: sc.params.clone(),
             envoy: args.envoy.clone(),
-            speed,
+            speed: sc.speed,
             drain: Duration::from_secs_f64(args.drain),
             kvepp: kvepp.clone(),
-            replicas: args.replicas,
-            replica_sync: args.replica_sync,
+            replicas: sc.replicas,
+            replica_sync: false,
+            restart_at: sc.restart_at,
         };
         let modes: Vec<Option<Topology>> = if disaggregated {
             args.topology.iter().copied().map(Some).collect()
@@ -546,49 +730,75 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             vec![None]
         };
         let mut results = Vec::new();
-        for (&policy, mode) in args
-            .policy
-            .iter()
-            .flat_map(|p| modes.iter().map(move |m| (p, *m)))
-        {
-            let mut spec = spec.clone();
-            let name = match mode {
-                Some(t) => {
-                    t.apply(&mut spec.kvepp, args.kv_transfer_weight);
-                    format!("{} / {}", policy.name(), t.name())
-                }
-                None => policy.name().to_owned(),
+        let mut notes = String::new();
+        for &policy in &args.policy {
+            let syncs: Vec<Option<bool>> = if sc.replicas > 1 && policy.picker_is_kv_aware() {
+                sc.sync.iter().copied().map(Some).collect()
+            } else {
+                vec![None]
             };
-            let (records, engines) = run_policy(&spec, policy, &requests).await?;
-            let r = report::summarize(&name, &records, &engines);
-            eprintln!(
-                "   {:<18} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  failed {}{}",
-                r.policy,
-                r.ttft_ms[1],
-                r.hit_ratio * 100.0,
-                r.imbalance,
-                r.failed,
-                r.first_error
-                    .as_deref()
-                    .map(|e| format!(" (first: {e})"))
-                    .unwrap_or_default()
-            );
-            results.push(r);
+            for (mode, sync) in modes
+                .iter()
+                .flat_map(|m| syncs.iter().map(move |s| (*m, *s)))
+            {
+                let mut spec = spec.clone();
+                let mut name = policy.name().to_owned();
+                if let Some(t) = mode {
+                    t.apply(&mut spec.kvepp, args.kv_transfer_weight);
+                    name += &format!(" / {}", t.name());
+                }
+                if let Some(on) = sync {
+                    spec.replica_sync = on;
+                    if sc.sync.len() > 1 {
+                        name += if on { " / sync" } else { " / no sync" };
+                    }
+                }
+                let (records, engines) = run_policy(&spec, policy, &sc.requests).await?;
+                let r = report::summarize(&name, &records, &engines, args.slo_ttft_ms);
+                eprintln!(
+                    "   {:<26} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  SLO met {:>3.0}%  failed {}{}",
+                    r.policy,
+                    r.ttft_ms[1],
+                    r.hit_ratio * 100.0,
+                    r.imbalance,
+                    r.slo_met * 100.0,
+                    r.failed,
+                    r.first_error
+                        .as_deref()
+                        .map(|e| format!(" (first: {e})"))
+                        .unwrap_or_default()
+                );
+                if let (Some(at), Some(engine)) = (sc.restart_at, engines.first()) {
+                    let at = at.div_f64(sc.speed.max(1e-6));
+                    let (orphans, back) = orphaned_turns(&sc.requests, &records, engine, at);
+                    let line = format!(
+                        "- {name}: {back} of {orphans} turns whose conversation lived on the restarted engine were sent back to it\n"
+                    );
+                    eprint!("   {line}");
+                    notes += &line;
+                }
+                results.push(r);
+            }
         }
-        md += &report::markdown(&title, ceiling, &results);
+        md += &report::markdown(&sc.title, ceiling, &results);
+        if !notes.is_empty() {
+            md += &format!("\n{notes}");
+        }
         md.push('\n');
-        all.push((title, results));
+        all.push((kind.name().to_owned(), sc.title, results));
     }
     println!("{md}");
     std::fs::write(args.out.join("results.md"), &md).map_err(io)?;
-    let json = serde_json::to_string_pretty(&all).map_err(|e| BenchError::Io(e.to_string()))?;
-    std::fs::write(args.out.join("results.json"), json).map_err(io)?;
-    let short: Vec<(String, Vec<PolicyResult>)> = all
+    let json: Vec<serde_json::Value> = all
         .iter()
-        .map(|(t, r)| (t.split(':').next().unwrap_or(t).to_owned(), r.clone()))
+        .map(|(k, t, r)| serde_json::json!({"workload": k, "title": t, "results": r}))
         .collect();
+    let json = serde_json::to_string_pretty(&json).map_err(|e| BenchError::Io(e.to_string()))?;
+    std::fs::write(args.out.join("results.json"), json).map_err(io)?;
+    let short: Vec<(String, Vec<PolicyResult>)> =
+        all.iter().map(|(k, _, r)| (k.clone(), r.clone())).collect();
     if let Err(e) = report::chart(&args.out.join("routing.png"), &short) {
         eprintln!("chart not written: {e}");
     }
-    Ok(all)
+    Ok(short)
 }

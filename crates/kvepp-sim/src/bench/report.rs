@@ -12,6 +12,8 @@ use super::client::Outcome;
 pub struct Record {
     pub sent: Duration,
     pub outcome: Outcome,
+    /// Sent by the second client straight to an engine (load on the fleet, not a result).
+    pub direct: bool,
 }
 
 /// What one policy achieved on one workload.
@@ -25,6 +27,11 @@ pub struct PolicyResult {
     pub output_tokens_per_s: f64,
     pub hit_ratio: f64,
     pub imbalance: f64,
+    /// The TTFT SLO and the share of requests (failed ones included) whose TTFT met it.
+    pub slo_ttft_ms: f64,
+    pub slo_met: f64,
+    /// Requests per second that met the SLO, over the span of the run.
+    pub goodput_rps: f64,
     /// One failure message, if any failed.
     pub first_error: Option<String>,
 }
@@ -87,9 +94,13 @@ pub fn imbalance(records: &[Record], engines: &[String]) -> f64 {
     }
 }
 
-pub fn summarize(policy: &str, records: &[Record], engines: &[String]) -> PolicyResult {
-    let ok: Vec<&Record> = records
+/// One policy's figures over the requests kvepp routed (a second client's direct requests count
+/// only in the imbalance, which is the engines' load).
+pub fn summarize(policy: &str, records: &[Record], engines: &[String], slo_ttft_ms: f64) -> PolicyResult {
+    let routed: Vec<&Record> = records.iter().filter(|r| !r.direct).collect();
+    let ok: Vec<&Record> = routed
         .iter()
+        .copied()
         .filter(|r| r.outcome.error.is_none())
         .collect();
     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
@@ -105,10 +116,14 @@ pub fn summarize(policy: &str, records: &[Record], engines: &[String]) -> Policy
     let out_tokens: u64 = ok.iter().map(|r| r.outcome.completion_tokens).sum();
     let prompt: u64 = ok.iter().map(|r| r.outcome.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|r| r.outcome.cached_tokens).sum();
+    let met = ok
+        .iter()
+        .filter(|r| ms(r.outcome.ttft).is_some_and(|t| t <= slo_ttft_ms))
+        .count();
     PolicyResult {
         policy: policy.to_owned(),
-        requests: records.len(),
-        failed: records.len() - ok.len(),
+        requests: routed.len(),
+        failed: routed.len() - ok.len(),
         ttft_ms: ttft,
         e2e_ms: e2e,
         output_tokens_per_s: if span > 0.0 {
@@ -122,7 +137,14 @@ pub fn summarize(policy: &str, records: &[Record], engines: &[String]) -> Policy
             0.0
         },
         imbalance: imbalance(records, engines),
-        first_error: records.iter().find_map(|r| r.outcome.error.clone()),
+        slo_ttft_ms,
+        slo_met: if routed.is_empty() {
+            0.0
+        } else {
+            met as f64 / routed.len() as f64
+        },
+        goodput_rps: if span > 0.0 { met as f64 / span } else { 0.0 },
+        first_error: routed.iter().find_map(|r| r.outcome.error.clone()),
     }
 }
 
@@ -130,9 +152,10 @@ pub fn summarize(policy: &str, records: &[Record], engines: &[String]) -> Policy
 pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
     let mut s = format!(
         "### {title}\n\nPrefix-cache hit ceiling of the workload: {:.1}%\n\n\
-         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling) | imbalance | p90 TTFT vs {} |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling) | imbalance | TTFT ≤ {:.0} ms | goodput req/s | p90 TTFT vs {} |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
         ceiling * 100.0,
+        results.first().map_or(0.0, |r| r.slo_ttft_ms),
         results.first().map_or("-", |r| r.policy.as_str()),
     );
     let base = results.first().map_or(0.0, |r| r.ttft_ms[1]);
@@ -148,7 +171,7 @@ pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
             String::new()
         };
         s += &format!(
-            "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {} |\n",
+            "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {:.0}% | {:.2} | {} |\n",
             r.policy,
             r.requests,
             r.failed,
@@ -162,6 +185,8 @@ pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
             r.hit_ratio * 100.0,
             of,
             r.imbalance,
+            r.slo_met * 100.0,
+            r.goodput_rps,
             vs
         );
     }
@@ -275,6 +300,7 @@ mod tests {
                 completion_tokens: 10,
                 ..Outcome::default()
             },
+            direct: false,
         }
     }
 
@@ -298,17 +324,24 @@ mod tests {
         assert!((imbalance(&skewed, &engines) - 2.0).abs() < 1e-9);
         let mut failed = rec(0, 10, "a");
         failed.outcome.error = Some("HTTP 503".into());
+        let mut direct = rec(0, 1000, "b");
+        direct.direct = true;
         let r = summarize(
             "x",
-            &[rec(0, 1000, "a"), rec(0, 3000, "b"), failed],
+            &[rec(0, 1000, "a"), rec(0, 3000, "b"), failed, direct],
             &engines,
+            1000.0,
         );
         assert_eq!((r.requests, r.failed), (3, 1));
+        // TTFTs 500 and 1500 ms: one of three met a 1 s SLO, over a 3 s span.
+        assert!((r.slo_met - 1.0 / 3.0).abs() < 1e-9);
+        assert!((r.goodput_rps - 1.0 / 3.0).abs() < 1e-9);
         assert_eq!(r.e2e_ms[2], 3000.0);
         assert!((r.hit_ratio - 0.5).abs() < 1e-9);
         assert!((r.output_tokens_per_s - 20.0 / 3.0).abs() < 1e-6);
         let table = markdown("w", 0.5, &[r.clone(), r]);
         assert!(table.contains("| x | 3 (1) |"), "{table}");
+        assert!(table.contains("TTFT ≤ 1000 ms") && table.contains("| 33% | 0.33 |"), "{table}");
         assert!(table.contains("50.0% (100%)"), "{table}");
     }
 }

@@ -1,6 +1,9 @@
 //! The workloads the routing benchmark replays: the Mooncake conversation trace (hash ids →
-//! deterministic token blocks) and a synthetic shared-prefix workload (groups of requests sharing
-//! a long system prompt). Request bodies are built before the replay starts.
+//! deterministic token blocks), a synthetic shared-prefix workload (groups of requests sharing
+//! a long system prompt) and multi-turn conversations (each turn carries the previous prompt and
+//! the tokens the engine generated for it, token for token, then a new question), optionally with
+//! a share of the conversations sent straight to the engines by a second client. Request bodies
+//! are built before the replay starts.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -10,20 +13,26 @@ use bytes::Bytes;
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::fleet::cache::generated_tokens;
+pub use crate::fleet::cache::VOCAB;
 use kvepp_core::hash::{local_block_hashes, sequence_hashes};
 
 /// Tokens each Mooncake hash id stands for.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
-/// Token ids are drawn from `0..VOCAB` (a Llama-3-sized vocabulary).
-pub const VOCAB: u64 = 128_000;
 
 /// One request to replay.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Request {
-    /// Arrival time from the start of the replay (before the speed factor).
+    /// Arrival time from the start of the replay (before the speed factor), or with `after`,
+    /// the think time after that request's response ended.
     pub at: Duration,
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
+    /// The earlier request (the previous turn) whose response this one waits for.
+    pub after: Option<usize>,
+    /// Sent by a second client straight to engine `n` (modulo the engines that answer clients),
+    /// bypassing Envoy and kvepp; not counted in the policy's results.
+    pub direct: Option<usize>,
 }
 
 impl Request {
@@ -99,6 +108,7 @@ pub fn mooncake(path: &Path, limit: usize, max_output: u32) -> Result<Vec<Reques
             at: Duration::from_millis(row.timestamp),
             tokens,
             max_tokens: row.output_length.clamp(1, max_output.max(1)),
+            ..Request::default()
         });
     }
     Ok(out)
@@ -154,18 +164,115 @@ pub fn shared_prefix(s: &SharedPrefix) -> Vec<Request> {
             at: Duration::from_secs_f64(t),
             tokens,
             max_tokens: rng.u32(s.output_tokens.0..=s.output_tokens.1.max(s.output_tokens.0)),
+            ..Request::default()
         });
     }
     out
 }
 
-/// The trace's prefix-cache hit ceiling: the share of prompt tokens in full blocks whose prefix
-/// appeared in an earlier request (an infinite cache shared by everyone; the last prompt token is
+/// Shape of the multi-turn conversation workload.
+#[derive(Debug, Clone)]
+pub struct MultiTurn {
+    /// New conversations per second (Poisson) over `duration`.
+    pub rate: f64,
+    pub duration: Duration,
+    /// Turns per conversation, uniformly in this range.
+    pub turns: (usize, usize),
+    /// Distinct system prompts (each conversation starts with one) and their length.
+    pub system_prompts: usize,
+    pub system_tokens: usize,
+    /// Tokens of each new user message.
+    pub user_tokens: (usize, usize),
+    pub output_tokens: (u32, u32),
+    /// Mean think time between a response's end and the next turn (exponential).
+    pub think: Duration,
+    /// Share of the conversations a second client sends straight to an engine of its choice
+    /// (sticky per conversation), unseen by kvepp.
+    pub direct_share: f64,
+    pub seed: u64,
+}
+
+impl Default for MultiTurn {
+    fn default() -> Self {
+        MultiTurn {
+            rate: 4.0,
+            duration: Duration::from_secs(20),
+            turns: (3, 6),
+            system_prompts: 8,
+            system_tokens: 1024,
+            user_tokens: (128, 768),
+            output_tokens: (64, 256),
+            think: Duration::from_secs(2),
+            direct_share: 0.0,
+            seed: 7,
+        }
+    }
+}
+
+/// Requests of the multi-turn workload: each turn's prompt is the previous turn's prompt, the
+/// tokens the engine generates for it ([`generated_tokens`]) and a new user message; it is sent a
+/// think time after the previous response ends.
+pub fn multi_turn(m: &MultiTurn) -> Vec<Request> {
+    let mut rng = fastrand::Rng::with_seed(m.seed);
+    let tok = |rng: &mut fastrand::Rng| rng.u32(..VOCAB as u32);
+    let systems: Vec<Vec<u32>> = (0..m.system_prompts.max(1))
+        .map(|_| (0..m.system_tokens).map(|_| tok(&mut rng)).collect())
+        .collect();
+    let range = |rng: &mut fastrand::Rng, (a, b): (usize, usize)| rng.usize(a..=b.max(a));
+    let mut out: Vec<Request> = Vec::new();
+    let mut t = 0.0f64;
+    let mut conversation = 0usize;
+    loop {
+        t += -(1.0 - rng.f64()).ln() / m.rate.max(1e-9);
+        if t >= m.duration.as_secs_f64() {
+            break;
+        }
+        let direct = (rng.f64() < m.direct_share).then_some(conversation);
+        conversation += 1;
+        let mut prompt = systems[rng.usize(..systems.len())].clone();
+        let mut previous: Option<(usize, u32)> = None;
+        for _ in 0..range(&mut rng, m.turns).max(1) {
+            if let Some((i, n)) = previous {
+                let answer = generated_tokens(&out[i].tokens, n);
+                prompt.extend(answer);
+            }
+            let user = range(&mut rng, m.user_tokens);
+            prompt.extend((0..user).map(|_| tok(&mut rng)));
+            let max_tokens = rng.u32(m.output_tokens.0..=m.output_tokens.1.max(m.output_tokens.0));
+            let at = match previous {
+                None => Duration::from_secs_f64(t),
+                Some(_) => Duration::from_secs_f64(
+                    -(1.0 - rng.f64()).ln() * m.think.as_secs_f64(),
+                ),
+            };
+            out.push(Request {
+                at,
+                tokens: prompt.clone(),
+                max_tokens,
+                after: previous.map(|(i, _)| i),
+                direct,
+            });
+            previous = Some((out.len() - 1, max_tokens));
+        }
+    }
+    out
+}
+
+/// The workload's prefix-cache hit ceiling over the requests kvepp routes: the share of prompt
+/// tokens in full blocks whose prefix appeared in an earlier request's prompt or output (an
+/// infinite cache shared by everyone, requests in the order given; the last prompt token is
 /// always computed).
 pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
     let mut seen = HashSet::new();
     let (mut hit, mut total) = (0u64, 0u64);
     for r in requests {
+        let mut all = r.tokens.clone();
+        all.extend(generated_tokens(&r.tokens, r.max_tokens));
+        let produced = sequence_hashes(&local_block_hashes(&all, block_size, None));
+        if r.direct.is_some() {
+            seen.extend(produced.iter().map(|h| h.0));
+            continue;
+        }
         let hashes = sequence_hashes(&local_block_hashes(&r.tokens, block_size, None));
         let reusable = r.tokens.len().saturating_sub(1) / block_size.max(1);
         let run = hashes[..reusable.min(hashes.len())]
@@ -174,7 +281,7 @@ pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
             .count();
         hit += (run * block_size) as u64;
         total += r.tokens.len() as u64;
-        seen.extend(hashes.iter().map(|h| h.0));
+        seen.extend(produced.iter().map(|h| h.0));
     }
     if total == 0 {
         0.0
@@ -231,5 +338,39 @@ mod tests {
         let c = hit_ceiling(&r, 16);
         assert!(c > 0.7 && c < 0.8, "{c}");
         assert_eq!(shared_prefix(&s)[5].tokens, r[5].tokens, "deterministic");
+    }
+
+    #[test]
+    fn a_turn_carries_the_previous_prompt_and_answer() {
+        let m = MultiTurn {
+            rate: 5.0,
+            duration: Duration::from_secs(4),
+            system_tokens: 64,
+            user_tokens: (16, 32),
+            output_tokens: (8, 24),
+            direct_share: 0.5,
+            ..MultiTurn::default()
+        };
+        let r = multi_turn(&m);
+        let follow: Vec<&Request> = r.iter().filter(|q| q.after.is_some()).collect();
+        assert!(follow.len() >= 2 * (r.len() - follow.len()), "3-6 turns each");
+        for q in follow {
+            let prev = &r[q.after.unwrap()];
+            let n = prev.tokens.len();
+            assert_eq!(q.tokens[..n], prev.tokens[..], "the previous prompt");
+            let answer = generated_tokens(&prev.tokens, prev.max_tokens);
+            assert_eq!(q.tokens[n..n + answer.len()], answer[..], "its answer");
+            assert!(q.tokens.len() >= n + answer.len() + 16, "a new question");
+            assert_eq!(q.direct, prev.direct, "a conversation keeps its client");
+        }
+        assert!(r.iter().any(|q| q.direct.is_some()) && r.iter().any(|q| q.direct.is_none()));
+        // The answers are reusable: the ceiling counts them.
+        let routed: Vec<Request> = r.into_iter().map(|q| Request { direct: None, ..q }).collect();
+        let with = hit_ceiling(&routed, 16);
+        let prompts_only: Vec<Request> = routed
+            .iter()
+            .map(|q| Request { max_tokens: 0, ..q.clone() })
+            .collect();
+        assert!(with > hit_ceiling(&prompts_only, 16) + 0.05, "{with}");
     }
 }

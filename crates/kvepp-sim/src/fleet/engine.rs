@@ -1,10 +1,19 @@
-//! One simulated engine's scheduler: continuous batching in real time.
+//! One simulated engine's scheduler: continuous batching in real time, as vLLM's V1 scheduler
+//! runs it.
 //!
-//! Each step serves, within `max_num_batched_tokens`, one decode token for every running sequence
-//! whose prompt is done, then prompt chunks first come first served (chunked prefill). The step
-//! lasts `step_overhead + prefill × prompt tokens + decode × decoding sequences` and its tokens
-//! reach the clients when it ends. Sequences wait in a queue while `max_num_seqs` run or their KV
-//! blocks (prompt + output) do not fit in `total_kv_blocks`.
+//! Each step first gives every decoding sequence room for the token it computes (a new KV block
+//! when its last one is full; when none is free or evictable, the most recently admitted sequence
+//! is preempted: its blocks are released and it waits at the head of the queue, to recompute its
+//! prompt and output so far, from the prefix cache where it can). Then waiting requests are
+//! admitted first come first served while `max_num_seqs` allows and their prompt's blocks fit
+//! (none in a step that preempted). Within `max_num_batched_tokens`, the step computes one token
+//! per decoding sequence and prompt chunks first come first served (chunked prefill). It lasts
+//! `step_overhead + prefill × prompt tokens (+ attention over their context) + decode × decoding
+//! sequences + KV reads × their total context`, and its tokens reach the clients when it ends.
+//! Generated tokens are [`generated_token`]s of the prompt, cached as their blocks fill.
+//!
+//! A restart ([`Command::Restart`]) drops every request (their clients see the response end),
+//! empties the pool and publishes `AllBlocksCleared` under new sequence numbers.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,7 +23,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::cache::{CacheEvent, PrefixCache};
+use super::cache::{generated_token, generation_seed, CacheEvent, Holding, KvPool, NoRoom};
 use super::SimParams;
 
 /// What the engine sends back for one request.
@@ -45,6 +54,14 @@ pub struct Job {
     pub remote_cached_tokens: Option<u64>,
 }
 
+/// What the scheduler is told.
+#[derive(Debug)]
+pub enum Command {
+    Job(Job),
+    /// The engine process restarts: requests dropped, cache empty, events numbered from 0.
+    Restart,
+}
+
 /// Live counters (what `/metrics` shows).
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -57,30 +74,54 @@ pub struct Counters {
     pub generation_tokens: AtomicU64,
     pub finished: AtomicU64,
     pub aborted: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub restarts: AtomicU64,
+}
+
+/// A request waiting for admission: new, or preempted with `generated` tokens already sent.
+struct Pending {
+    job: Job,
+    seed: u64,
+    generated: u32,
+    /// The cached tokens its first admission found (what its usage reports).
+    cached_tokens: Option<u64>,
+}
+
+impl Pending {
+    fn new(job: Job) -> Self {
+        Pending {
+            seed: generation_seed(&job.tokens),
+            job,
+            generated: 0,
+            cached_tokens: None,
+        }
+    }
 }
 
 struct Seq {
-    job: Job,
+    p: Pending,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Tokens (prompt and, after a preemption, output so far) still to compute.
     prefill_left: u64,
-    generated: u32,
+    /// Tokens whose KV is computed (the context of the next prefill chunk).
+    computed: u64,
     unsent: u32,
-    blocks: u64,
+    holding: Holding,
 }
 
-/// The scheduler's shared parts: the cache (also read by `/debug/cache`) and the counters.
+/// The scheduler's shared parts: the KV pool (also read by `/debug/cache`) and the counters.
 #[derive(Debug)]
 pub struct EngineCore {
     pub params: SimParams,
-    pub cache: Mutex<PrefixCache>,
+    pub cache: Mutex<KvPool>,
     pub counters: Counters,
 }
 
 impl EngineCore {
     pub fn new(params: SimParams) -> Arc<Self> {
         Arc::new(EngineCore {
-            cache: Mutex::new(PrefixCache::new(
+            cache: Mutex::new(KvPool::new(
                 params.block_size as usize,
                 params.total_kv_blocks as usize,
             )),
@@ -89,100 +130,235 @@ impl EngineCore {
         })
     }
 
-    pub fn cache(&self) -> std::sync::MutexGuard<'_, PrefixCache> {
+    pub fn cache(&self) -> std::sync::MutexGuard<'_, KvPool> {
         self.cache.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn blocks_for(&self, tokens: u64) -> u64 {
-        tokens.div_ceil(u64::from(self.params.block_size.max(1)))
     }
 }
 
-/// Runs the scheduler until `jobs` closes; cache changes go to `events` as they happen.
+/// The scheduler's state between steps.
+struct Scheduler {
+    core: Arc<EngineCore>,
+    events: mpsc::UnboundedSender<Vec<CacheEvent>>,
+    waiting: VecDeque<Pending>,
+    /// In admission order: the last is the first preempted.
+    running: Vec<Seq>,
+}
+
+impl Scheduler {
+    fn publish(&self, events: Vec<CacheEvent>) {
+        if !events.is_empty() {
+            let _ = self.events.send(events);
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::Job(j) => self.waiting.push_back(Pending::new(j)),
+            Command::Restart => {
+                let n = self.running.len() + self.waiting.len();
+                self.running.clear();
+                self.waiting.clear();
+                let c = &self.core.counters;
+                c.aborted.fetch_add(n as u64, Ordering::Relaxed);
+                c.restarts.fetch_add(1, Ordering::Relaxed);
+                let ev = self.core.cache().clear();
+                self.publish(ev);
+            }
+        }
+    }
+
+    /// Releases the last admitted sequence's blocks and puts it back at the head of the queue.
+    fn preempt_last(&mut self) {
+        if let Some(s) = self.running.pop() {
+            self.core.cache().release(s.holding);
+            self.core
+                .counters
+                .preemptions
+                .fetch_add(1, Ordering::Relaxed);
+            let mut p = s.p;
+            p.cached_tokens = Some(s.cached_tokens);
+            self.waiting.push_front(p);
+        }
+    }
+
+    /// Room for the token each decoding sequence computes this step, preempting from the end;
+    /// whether any was preempted.
+    fn grow_decoding(&mut self) -> bool {
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            if s.prefill_left > 0 || s.p.generated == 0 {
+                i += 1;
+                continue;
+            }
+            // The KV of the last token sent is computed now.
+            let token = generated_token(s.p.seed, s.p.generated - 1);
+            let grown = self.core.cache().grow(&mut s.holding, token);
+            match grown {
+                Ok(ev) => {
+                    self.publish(ev);
+                    i += 1;
+                }
+                Err(NoRoom) => {
+                    preempted = true;
+                    self.preempt_last();
+                }
+            }
+        }
+        preempted
+    }
+
+    /// First come first served while a slot and the prompt's blocks are free.
+    fn admit(&mut self) {
+        let p = &self.core.params;
+        while self.running.len() < p.max_num_seqs {
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
+            if front.job.out.is_closed() {
+                self.waiting.pop_front();
+                self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            // A preempted request recomputes its output so far too.
+            let resumed: Vec<u32>;
+            let tokens = if front.generated > 0 {
+                resumed = front
+                    .job
+                    .tokens
+                    .iter()
+                    .copied()
+                    .chain((0..front.generated).map(|i| generated_token(front.seed, i)))
+                    .collect();
+                &resumed[..]
+            } else {
+                &front.job.tokens[..]
+            };
+            let admitted = self.core.cache().admit(tokens);
+            let adm = match admitted {
+                Ok(a) => a,
+                Err(NoRoom) if self.running.is_empty() => {
+                    // It cannot fit even alone (the HTTP front refuses such requests).
+                    tracing::warn!(tokens = tokens.len(), "request larger than the KV cache dropped");
+                    self.waiting.pop_front();
+                    self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Err(NoRoom) => break,
+            };
+            let total = tokens.len() as u64;
+            let Some(pending) = self.waiting.pop_front() else {
+                break;
+            };
+            self.publish(adm.events);
+            let c = &self.core.counters;
+            let remote = pending.job.remote_cached_tokens;
+            let first = pending.cached_tokens.is_none();
+            if first {
+                c.prompt_tokens.fetch_add(total, Ordering::Relaxed);
+                c.cached_tokens
+                    .fetch_add(adm.cached_tokens, Ordering::Relaxed);
+            }
+            // At least the last token is computed; a remote prefill's cache arrived whole.
+            let prefill_left = if remote.is_some() && first {
+                1
+            } else {
+                (total - adm.cached_tokens).max(1)
+            };
+            self.running.push(Seq {
+                prompt_tokens: pending.job.tokens.len() as u64,
+                cached_tokens: pending
+                    .cached_tokens
+                    .or(remote)
+                    .unwrap_or(adm.cached_tokens),
+                computed: total - prefill_left,
+                prefill_left,
+                unsent: 0,
+                holding: adm.holding,
+                p: pending,
+            });
+        }
+    }
+
+    fn publish_counters(&self) {
+        let c = &self.core.counters;
+        c.running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        c.waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+        c.blocks_in_use
+            .store(self.core.cache().in_use() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Runs the scheduler until `commands` closes; cache changes go to `events` as they happen.
 pub async fn run(
     core: Arc<EngineCore>,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
     events: mpsc::UnboundedSender<Vec<CacheEvent>>,
 ) {
     let p = core.params.clone();
-    let c = &core.counters;
-    let mut waiting: VecDeque<Job> = VecDeque::new();
-    let mut running: Vec<Seq> = Vec::new();
+    let bs = p.block_size.max(1) as usize;
+    let mut s = Scheduler {
+        core: core.clone(),
+        events,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+    };
     let mut deadline = Instant::now();
     loop {
-        if running.is_empty() && waiting.is_empty() {
-            match jobs.recv().await {
-                Some(j) => waiting.push_back(j),
+        if s.running.is_empty() && s.waiting.is_empty() {
+            match commands.recv().await {
+                Some(c) => s.command(c),
                 None => return,
             }
             deadline = Instant::now();
         }
-        while let Ok(j) = jobs.try_recv() {
-            waiting.push_back(j);
+        while let Ok(c) = commands.try_recv() {
+            s.command(c);
         }
-        // Admission: first come first served while a slot and the KV blocks are free.
-        while running.len() < p.max_num_seqs {
-            let Some(front) = waiting.front() else { break };
-            let need = core.blocks_for(front.tokens.len() as u64 + u64::from(front.max_tokens));
-            let in_use = c.blocks_in_use.load(Ordering::Relaxed);
-            if !running.is_empty() && in_use + need > p.total_kv_blocks {
-                break;
-            }
-            let Some(job) = waiting.pop_front() else {
-                break;
-            };
-            if job.out.is_closed() {
-                c.aborted.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            let adm = core.cache().admit(&job.tokens);
-            if !adm.events.is_empty() {
-                let _ = events.send(adm.events);
-            }
-            let prompt_tokens = job.tokens.len() as u64;
-            c.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-            c.cached_tokens
-                .fetch_add(adm.cached_tokens, Ordering::Relaxed);
-            c.blocks_in_use.fetch_add(need, Ordering::Relaxed);
-            running.push(Seq {
-                prompt_tokens,
-                cached_tokens: job.remote_cached_tokens.unwrap_or(adm.cached_tokens),
-                // At least the last prompt token is computed.
-                prefill_left: if job.remote_cached_tokens.is_some() {
-                    1
-                } else {
-                    (prompt_tokens - adm.cached_tokens).max(1)
-                },
-                generated: 0,
-                unsent: 0,
-                blocks: need,
-                job,
-            });
+        let preempted = s.grow_decoding();
+        if !preempted {
+            s.admit();
         }
-        c.running.store(running.len() as u64, Ordering::Relaxed);
-        c.waiting.store(waiting.len() as u64, Ordering::Relaxed);
+        s.publish_counters();
+        if s.running.is_empty() {
+            continue;
+        }
 
         // One step: decodes first, then prompt chunks within the token budget.
+        let decoding: Vec<usize> = (0..s.running.len())
+            .filter(|&i| s.running[i].prefill_left == 0)
+            .collect();
+        let context: u64 = decoding
+            .iter()
+            .map(|&i| s.running[i].holding.tokens(bs) as u64)
+            .sum();
         let mut budget = p.max_num_batched_tokens.max(1);
-        let decoding = running.iter().filter(|s| s.prefill_left == 0).count() as u64;
-        budget = budget.saturating_sub(decoding);
-        let mut prefilled = 0u64;
+        budget = budget.saturating_sub(decoding.len() as u64);
+        let (mut prefilled, mut attended) = (0u64, 0.0f64);
         let mut finishing_prefill = Vec::new();
-        for (i, s) in running.iter_mut().enumerate() {
-            if s.prefill_left == 0 || budget == 0 {
+        for (i, q) in s.running.iter_mut().enumerate() {
+            if q.prefill_left == 0 || budget == 0 {
                 continue;
             }
-            let take = s.prefill_left.min(budget);
-            s.prefill_left -= take;
+            let take = q.prefill_left.min(budget);
+            // Each token of the chunk attends to the context before it.
+            attended += take as f64 * (q.computed as f64 + take as f64 / 2.0);
+            q.prefill_left -= take;
+            q.computed += take;
             budget -= take;
             prefilled += take;
-            if s.prefill_left == 0 {
+            if q.prefill_left == 0 {
                 finishing_prefill.push(i);
             }
         }
         let step_us = p.step_overhead_us
             + p.prefill_us_per_token * prefilled as f64
-            + p.decode_us_per_seq * decoding as f64;
+            + p.prefill_us_per_token_per_kctx * attended / 1000.0
+            + p.decode_us_per_seq * decoding.len() as f64
+            + p.decode_us_per_kctx * context as f64 / 1000.0;
         deadline += Duration::from_nanos((step_us * 1000.0) as u64);
         let now = Instant::now();
         if now > deadline + Duration::from_millis(50) {
@@ -191,44 +367,48 @@ pub async fn run(
         }
         tokio::time::sleep_until(deadline).await;
 
-        // The step's tokens: one per decoding sequence, the first for each finished prompt.
+        // The step's tokens: one per decoding sequence, the first for each finished prompt (a
+        // resumed request goes on where it stopped).
         let mut emitted = 0u64;
-        for (i, s) in running.iter_mut().enumerate() {
+        for (i, q) in s.running.iter_mut().enumerate() {
             let first = finishing_prefill.binary_search(&i).is_ok();
-            let decoded = !first && s.prefill_left == 0 && s.generated > 0;
-            if !(first || decoded) {
+            if !first && q.prefill_left > 0 {
                 continue;
             }
-            s.generated += 1;
-            s.unsent += 1;
+            q.p.generated += 1;
+            q.unsent += 1;
             emitted += 1;
-            let done = s.generated >= s.job.max_tokens.max(1);
-            if first || done || s.unsent >= p.stream_interval.max(1) {
-                let n = std::mem::take(&mut s.unsent);
-                if s.job.out.send(Output::Tokens(n)).is_err() {
-                    s.generated = u32::MAX; // client gone: abort below
+            let done = q.p.generated >= q.p.job.max_tokens.max(1);
+            if first || done || q.unsent >= p.stream_interval.max(1) {
+                let n = std::mem::take(&mut q.unsent);
+                if q.p.job.out.send(Output::Tokens(n)).is_err() {
+                    q.p.generated = u32::MAX; // client gone: abort below
                 }
             }
         }
+        let c = &core.counters;
         c.generation_tokens.fetch_add(emitted, Ordering::Relaxed);
-        running.retain(|s| {
-            let aborted = s.generated == u32::MAX;
-            let done = aborted || s.generated >= s.job.max_tokens.max(1);
-            if done {
-                c.blocks_in_use.fetch_sub(s.blocks, Ordering::Relaxed);
-                if aborted {
-                    c.aborted.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    c.finished.fetch_add(1, Ordering::Relaxed);
-                    let _ = s.job.out.send(Output::Finished(Usage {
-                        prompt_tokens: s.prompt_tokens,
-                        cached_tokens: s.cached_tokens,
-                        completion_tokens: u64::from(s.generated),
-                    }));
-                }
+        let mut i = 0;
+        while i < s.running.len() {
+            let q = &s.running[i];
+            let aborted = q.p.generated == u32::MAX;
+            if !aborted && q.p.generated < q.p.job.max_tokens.max(1) {
+                i += 1;
+                continue;
             }
-            !done
-        });
-        c.running.store(running.len() as u64, Ordering::Relaxed);
+            let q = s.running.remove(i);
+            core.cache().release(q.holding);
+            if aborted {
+                c.aborted.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.finished.fetch_add(1, Ordering::Relaxed);
+                let _ = q.p.job.out.send(Output::Finished(Usage {
+                    prompt_tokens: q.prompt_tokens,
+                    cached_tokens: q.cached_tokens,
+                    completion_tokens: u64::from(q.p.generated),
+                }));
+            }
+        }
+        s.publish_counters();
     }
 }

@@ -1,7 +1,9 @@
 //! An engine's KV events, as vLLM publishes them: msgpack batches `[ts, [events], dp_rank]` with
 //! legacy tagged-array events on a ZMQ PUB socket (frames `topic, seq BE8, payload`), the last
 //! batches kept for a replay ROUTER (a DEALER sends `["", start_seq BE8]`; the reply is
-//! `["", topic, seq, payload]` per batch from `start_seq`, then `["", "", 0xFF×8, ""]`).
+//! `["", topic, seq, payload]` per batch from `start_seq`, then `["", "", 0xFF×8, ""]`). A batch
+//! that starts with [`CacheEvent::Cleared`] (an engine restart) is numbered 0 again, as a new
+//! publisher's first would be, with an empty replay buffer.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -47,6 +49,7 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: u32) -> Vec<u8> 
             &'static str,
         ),
         Removed(&'static str, &'a [u64], &'static str),
+        Cleared((&'static str,)),
     }
     let wire: Vec<Wire<'_>> = events
         .iter()
@@ -65,6 +68,7 @@ pub fn encode_batch(ts: f64, events: &[CacheEvent], block_size: u32) -> Vec<u8> 
                 "GPU",
             ),
             CacheEvent::Removed { hashes } => Wire::Removed("BlockRemoved", hashes, "GPU"),
+            CacheEvent::Cleared => Wire::Cleared(("AllBlocksCleared",)),
         })
         .collect();
     // Serializing plain arrays of numbers and strings cannot fail.
@@ -104,6 +108,11 @@ pub async fn start(
     tokio::spawn(async move {
         let mut seq = 0u64;
         while let Some(batch) = events.recv().await {
+            if batch.first() == Some(&CacheEvent::Cleared) {
+                // A restarted engine is a new publisher: numbers from 0, nothing to replay.
+                seq = 0;
+                buf.lock().unwrap_or_else(PoisonError::into_inner).clear();
+            }
             let ts = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());

@@ -17,7 +17,7 @@ use axum::Router;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::engine::{EngineCore, Job, Output, Usage};
+use super::engine::{Command, EngineCore, Job, Output, Usage};
 // The header naming the prefill engine of a disaggregated pick, as kvepp sets it.
 use kvepp::extproc::response::PREFILLER_HEADER;
 use kvepp::request::tokenize::ModelTokenizer;
@@ -32,7 +32,7 @@ pub type Peers = Arc<RwLock<HashMap<SocketAddr, Domains>>>;
 #[derive(Debug, Clone)]
 pub struct EngineApp {
     pub name: Arc<str>,
-    pub jobs: mpsc::UnboundedSender<Job>,
+    pub commands: mpsc::UnboundedSender<Command>,
     pub core: Arc<EngineCore>,
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     pub metadata: Arc<String>,
@@ -58,6 +58,7 @@ pub fn router(app: EngineApp) -> Router {
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok\n" }))
         .route("/debug/cache", get(debug_cache))
+        .route("/debug/restart", post(restart))
         .with_state(app)
 }
 
@@ -233,6 +234,21 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         .map_or(a.core.params.default_max_tokens, |m| {
             m.clamp(1, u64::from(u32::MAX)) as u32
         });
+    // vLLM refuses what cannot fit in the KV cache (its maximum context length).
+    let p = &a.core.params;
+    let limit = p.total_kv_blocks * u64::from(p.block_size);
+    let wanted = tokens.len() as u64 + u64::from(max_tokens);
+    if wanted > limit {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            format!(
+                "This model's maximum context length is {limit} tokens. However, you requested \
+                 {wanted} tokens ({} in the messages, {max_tokens} in the completion).",
+                tokens.len()
+            ),
+        );
+    }
     let stream = v.get("stream").and_then(|s| s.as_bool()) == Some(true);
     let include_usage = v
         .pointer("/stream_options/include_usage")
@@ -247,7 +263,7 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         out: tx,
         remote_cached_tokens: remote.map(|(_, cached)| cached),
     };
-    if a.jobs.send(job).is_err() {
+    if a.commands.send(Command::Job(job)).is_err() {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "ServiceUnavailableError",
@@ -411,7 +427,8 @@ async fn metrics(State(a): State<EngineApp>) -> impl IntoResponse {
          # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {hits}\n\
          # TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {queries}\n\
          # TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{{model_name=\"{m}\"}} {gen}\n\
-         # TYPE vllm:request_success counter\nvllm:request_success_total{{model_name=\"{m}\"}} {done}\n",
+         # TYPE vllm:request_success counter\nvllm:request_success_total{{model_name=\"{m}\"}} {done}\n\
+         # TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{model_name=\"{m}\"}} {preempted}\n",
         running = get(&c.running),
         waiting = get(&c.waiting),
         bs = p.block_size,
@@ -420,6 +437,7 @@ async fn metrics(State(a): State<EngineApp>) -> impl IntoResponse {
         hits = get(&c.cached_tokens),
         gen = get(&c.generation_tokens),
         done = get(&c.finished),
+        preempted = get(&c.preemptions),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
@@ -430,4 +448,21 @@ async fn debug_cache(State(a): State<EngineApp>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "application/json")],
         json!({"engine": &*a.name, "blocks": blocks}).to_string(),
     )
+}
+
+/// `POST /debug/restart`: the engine restarts (what `kubectl delete pod` does to a vLLM pod that
+/// comes back on the same address, minus the minutes of loading weights).
+async fn restart(State(a): State<EngineApp>) -> Response {
+    if a.commands.send(Command::Restart).is_err() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            "the engine is shutting down".into(),
+        );
+    }
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        json!({"engine": &*a.name, "restarted": true}).to_string(),
+    )
+        .into_response()
 }

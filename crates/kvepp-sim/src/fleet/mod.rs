@@ -2,8 +2,9 @@
 //! routing quality without GPUs.
 //!
 //! Each engine is one HTTP server (OpenAI `/v1/completions` and `/v1/chat/completions`, streamed
-//! or not; `/metadata`; vLLM-named Prometheus `/metrics`; `/health`; `/debug/cache`), a
-//! [`cache::PrefixCache`], a continuous-batching scheduler with a time model ([`engine`]) and a
+//! or not; `/metadata`; vLLM-named Prometheus `/metrics`; `/health`; `/debug/cache`;
+//! `POST /debug/restart`), a [`cache::KvPool`] (prefix cache with pinning, generated blocks
+//! cached), a continuous-batching scheduler with a time model and preemption ([`engine`]) and a
 //! vLLM KV-event publisher with a replay socket ([`events`]). The fleet writes a manifests
 //! directory (InferencePool, InferenceModel, one EndpointSlice per engine with ports `http` and
 //! `metadata`) that `kvepp serve --manifests-dir` reads.
@@ -50,8 +51,14 @@ pub struct SimParams {
     pub step_overhead_us: f64,
     /// Prefill cost per uncached prompt token (~25k tokens/s: 16 GFLOP/token at ~40% of 990 TFLOPS).
     pub prefill_us_per_token: f64,
-    /// Decode cost per running sequence per step (its KV reads): 64 sequences add ~4 ms.
+    /// Prefill attention cost per prompt token per 1,000 tokens of context before it: 4 × 32
+    /// layers × 4096 × 1,000 ≈ 0.5 GFLOP at ~500 TFLOPS (FlashAttention, half of the bf16 peak).
+    pub prefill_us_per_token_per_kctx: f64,
+    /// Decode cost per running sequence per step besides its KV reads (sampling, scheduling).
     pub decode_us_per_seq: f64,
+    /// Decode cost per 1,000 tokens of the batch's context per step: reading 1,000 tokens' KV
+    /// (125 MiB at 128 KiB a token) at ~2.2 TB/s, two thirds of the H100's 3.35 TB/s.
+    pub decode_us_per_kctx: f64,
     /// Output tokens per streamed chunk (vLLM `--stream-interval`); the first is sent at once.
     pub stream_interval: u32,
     /// `max_tokens` when a request gives none.
@@ -77,7 +84,9 @@ impl Default for SimParams {
             max_num_batched_tokens: 8192,
             step_overhead_us: 6000.0,
             prefill_us_per_token: 40.0,
-            decode_us_per_seq: 60.0,
+            prefill_us_per_token_per_kctx: 1.0,
+            decode_us_per_seq: 20.0,
+            decode_us_per_kctx: 60.0,
             stream_interval: 1,
             default_max_tokens: 16,
             // The router's default estimate of the network, as the simulated truth.
@@ -153,7 +162,9 @@ impl SimParams {
         let times = [
             self.step_overhead_us,
             self.prefill_us_per_token,
+            self.prefill_us_per_token_per_kctx,
             self.decode_us_per_seq,
+            self.decode_us_per_kctx,
         ];
         if times.iter().any(|t| !t.is_finite() || *t < 0.0) || self.step_overhead_us <= 0.0 {
             return bad("step_overhead_us must be > 0 and the per-token costs ≥ 0");
@@ -237,6 +248,16 @@ pub struct SimEngine {
     pub layout: EngineLayout,
     pub kv_events: events::Publisher,
     pub core: Arc<engine::EngineCore>,
+    commands: tokio::sync::mpsc::UnboundedSender<engine::Command>,
+}
+
+impl SimEngine {
+    /// Restarts the engine as a new process on the same address would come up: running and
+    /// waiting requests dropped, the cache empty, `AllBlocksCleared` published under sequence
+    /// numbers from 0.
+    pub fn restart(&self) {
+        let _ = self.commands.send(engine::Command::Restart);
+    }
 }
 
 /// A running fleet; engines stop when it is dropped.
@@ -270,11 +291,11 @@ impl Fleet {
             let layout = spec.layout.get(i).cloned().unwrap_or_default();
             let name = format!("sim-engine-{i}");
             let core = engine::EngineCore::new(spec.params.clone());
-            let (jobs_tx, jobs_rx) = tokio::sync::mpsc::unbounded_channel();
+            let (commands, commands_rx) = tokio::sync::mpsc::unbounded_channel();
             let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
             let kv_events =
                 events::start(spec.ip, String::new(), spec.params.block_size, events_rx).await?;
-            tasks.push(tokio::spawn(engine::run(core.clone(), jobs_rx, events_tx)));
+            tasks.push(tokio::spawn(engine::run(core.clone(), commands_rx, events_tx)));
             let listener = tokio::net::TcpListener::bind((spec.ip, 0))
                 .await
                 .map_err(|source| SimError::Bind {
@@ -291,10 +312,11 @@ impl Fleet {
                 layout: layout.clone(),
                 kv_events,
                 core: core.clone(),
+                commands: commands.clone(),
             };
             let app = http::router(http::EngineApp {
                 name: name.into(),
-                jobs: jobs_tx,
+                commands: commands.clone(),
                 core,
                 tokenizer: tokenizer.clone(),
                 metadata: Arc::new(metadata(&engine).to_string()),
