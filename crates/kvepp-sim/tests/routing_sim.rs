@@ -172,3 +172,174 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
     );
     assert!(precise <= ceiling + 1e-9, "{precise} > ceiling {ceiling}");
 }
+
+/// One completion through Envoy: (engine, cached tokens, completion tokens).
+async fn complete(envoy: std::net::SocketAddr, prompt: &[u32], max_tokens: u32) -> (String, u64) {
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens});
+    let r = http(
+        envoy,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], u64::from(max_tokens));
+    (
+        r.header(kvepp_sim::fleet::ENGINE_HEADER)
+            .expect("engine header")
+            .to_owned(),
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached tokens"),
+    )
+}
+
+async fn engines_metric(fleet: &Fleet, series: &str) -> f64 {
+    let mut sum = 0.0;
+    for e in &fleet.engines {
+        let r = http(e.http, "GET", "/metrics", &[], "").await;
+        sum += kvepp_test_support::find_sample(&String::from_utf8_lossy(&r.body), series)
+            .unwrap_or(0.0);
+    }
+    sum
+}
+
+/// Generated blocks cached and reused by the next turn, running requests' blocks pinned,
+/// preemption when the pool runs out, an engine restart: kvepp's index still equals the engines'
+/// caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_follows_generated_blocks_pinning_preemption_and_restarts() {
+    let fleet = Fleet::start(FleetSpec {
+        engines: 2,
+        params: params(24),
+        pool_name: "pool".into(),
+        ..FleetSpec::default()
+    })
+    .await
+    .expect("fleet");
+    let epp = Epp::start(&fleet.manifests(), |c| c.engine_metrics.enabled = false).await;
+    wait_for("KV event subscriptions to both engines", || async {
+        (epp.metric("kvepp_kv_event_subscriptions").await? >= 2.0).then_some(())
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+
+    // A conversation: the second turn carries the first prompt and its answer token for token,
+    // and finds both cached (precise routing sends it back to the engine that has them).
+    let first = tokens(1, 40);
+    let (engine, cached) = complete(envoy.addr, &first, 40).await;
+    assert_eq!(cached, 0);
+    let mut second = first.clone();
+    second.extend(kvepp_sim::fleet::cache::generated_tokens(&first, 40));
+    second.extend(tokens(2, 8));
+    let (again, cached) = complete(envoy.addr, &second, 4).await;
+    assert_eq!(again, engine, "the turn follows its cache");
+    // 80 tokens of prompt and answer, the last answer token never computed (as in vLLM): 79
+    // tokens of KV, 4 full blocks, the third and fourth filled by generated tokens.
+    assert_eq!(cached, 64);
+
+    // Eight requests at once, each 3 prompt blocks + 64 generated tokens (7 blocks when done):
+    // 56 blocks wanted on two 24-block engines, so running requests are preempted and resume.
+    let mut joins = Vec::new();
+    for i in 0..8u32 {
+        let addr = envoy.addr;
+        joins.push(tokio::spawn(async move {
+            complete(addr, &tokens(10 + i, 48), 64).await
+        }));
+    }
+    for j in joins {
+        j.await.expect("request");
+    }
+    let preemptions = engines_metric(&fleet, "vllm:num_preemptions_total{model_name=\"m\"}").await;
+    assert!(preemptions > 0.0, "no preemption");
+    let (index, caches) = wait_for("kvepp's index equal to the engines' caches", || async {
+        let (index, caches) = index_and_caches(&epp, &fleet).await;
+        (index == caches).then_some((index, caches))
+    })
+    .await;
+    assert!(caches.values().all(|c| !c.is_empty() && c.len() <= 24));
+
+    // A restart empties one engine; kvepp sees a new publisher and forgets that engine's blocks.
+    let restarted = &fleet.engines[0];
+    let r = http(restarted.http, "POST", "/debug/restart", &[], "").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    wait_for(
+        "the restarted engine's blocks gone from the index",
+        || async {
+            let (index, caches) = index_and_caches(&epp, &fleet).await;
+            (index == caches && index[&restarted.http.to_string()].is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert!(!index[&restarted.http.to_string()].is_empty());
+    // The engine serves again, and its new blocks reach the index under the new numbering.
+    let addr = envoy.addr;
+    for i in 0..4u32 {
+        complete(addr, &tokens(100 + i, 32), 20).await;
+    }
+    wait_for("index equal to the caches after the restart", || async {
+        let (index, caches) = index_and_caches(&epp, &fleet).await;
+        (index == caches && !index[&restarted.http.to_string()].is_empty()).then_some(())
+    })
+    .await;
+    assert!(
+        epp.metric("kvepp_kv_event_publisher_restarts_total")
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// Two kvepp replicas behind one Envoy, no replica sync, multi-turn conversations: each replica
+/// routes about half of a conversation's turns, so the approximate index (what this replica
+/// routed) often misses where the previous turn went, while the engines' KV events tell both
+/// replicas. Precise routing finds more of the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_precise_routing_beats_approximate_on_conversations() {
+    let requests = workload::multi_turn(&workload::MultiTurn {
+        rate: 6.0,
+        duration: Duration::from_secs(3),
+        turns: (2, 4),
+        system_prompts: 2,
+        system_tokens: 32,
+        user_tokens: (64, 128),
+        output_tokens: (16, 48),
+        think: Duration::from_millis(50),
+        direct_share: 0.0,
+        seed: 11,
+    });
+    let spec = BenchSpec {
+        layout: Vec::new(),
+        engines: 4,
+        params: params(400),
+        envoy: envoy_bin(),
+        speed: 1.0,
+        drain: Duration::from_secs(60),
+        kvepp: kvepp::config::Config::default(),
+        replicas: 2,
+        replica_sync: false,
+        restart_at: None,
+    };
+    let mut hits = Vec::new();
+    for policy in [Policy::ApproximatePrefix, Policy::Precise] {
+        let (records, engines) = routing_bench::run_policy(&spec, policy, &requests)
+            .await
+            .expect("replay");
+        let r = routing_bench::report::summarize(policy.name(), &records, &engines, 1000.0);
+        assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
+        hits.push(r.hit_ratio);
+    }
+    let ceiling = workload::hit_ceiling(&requests, 16);
+    let (approx, precise) = (hits[0], hits[1]);
+    eprintln!("hit ratio, 2 replicas without sync: approximate {approx:.3}, precise {precise:.3}, ceiling {ceiling:.3}");
+    assert!(
+        precise > approx + 0.1,
+        "precise {precise:.3} vs approximate {approx:.3} (ceiling {ceiling:.3})"
+    );
+    assert!(precise <= ceiling + 1e-9, "{precise} > ceiling {ceiling}");
+}

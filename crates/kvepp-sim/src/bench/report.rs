@@ -96,7 +96,12 @@ pub fn imbalance(records: &[Record], engines: &[String]) -> f64 {
 
 /// One policy's figures over the requests kvepp routed (a second client's direct requests count
 /// only in the imbalance, which is the engines' load).
-pub fn summarize(policy: &str, records: &[Record], engines: &[String], slo_ttft_ms: f64) -> PolicyResult {
+pub fn summarize(
+    policy: &str,
+    records: &[Record],
+    engines: &[String],
+    slo_ttft_ms: f64,
+) -> PolicyResult {
     let routed: Vec<&Record> = records.iter().filter(|r| !r.direct).collect();
     let ok: Vec<&Record> = routed
         .iter()
@@ -341,7 +346,10 @@ mod tests {
         assert!((r.output_tokens_per_s - 20.0 / 3.0).abs() < 1e-6);
         let table = markdown("w", 0.5, &[r.clone(), r]);
         assert!(table.contains("| x | 3 (1) |"), "{table}");
-        assert!(table.contains("TTFT ≤ 1000 ms") && table.contains("| 33% | 0.33 |"), "{table}");
+        assert!(
+            table.contains("TTFT ≤ 1000 ms") && table.contains("| 33% | 0.33 |"),
+            "{table}"
+        );
         assert!(table.contains("50.0% (100%)"), "{table}");
     }
 }

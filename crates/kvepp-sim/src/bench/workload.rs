@@ -241,9 +241,7 @@ pub fn multi_turn(m: &MultiTurn) -> Vec<Request> {
             let max_tokens = rng.u32(m.output_tokens.0..=m.output_tokens.1.max(m.output_tokens.0));
             let at = match previous {
                 None => Duration::from_secs_f64(t),
-                Some(_) => Duration::from_secs_f64(
-                    -(1.0 - rng.f64()).ln() * m.think.as_secs_f64(),
-                ),
+                Some(_) => Duration::from_secs_f64(-(1.0 - rng.f64()).ln() * m.think.as_secs_f64()),
             };
             out.push(Request {
                 at,
@@ -261,13 +259,13 @@ pub fn multi_turn(m: &MultiTurn) -> Vec<Request> {
 /// The workload's prefix-cache hit ceiling over the requests kvepp routes: the share of prompt
 /// tokens in full blocks whose prefix appeared in an earlier request's prompt or output (an
 /// infinite cache shared by everyone, requests in the order given; the last prompt token is
-/// always computed).
+/// always computed, the last output token never is).
 pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
     let mut seen = HashSet::new();
     let (mut hit, mut total) = (0u64, 0u64);
     for r in requests {
         let mut all = r.tokens.clone();
-        all.extend(generated_tokens(&r.tokens, r.max_tokens));
+        all.extend(generated_tokens(&r.tokens, r.max_tokens.saturating_sub(1)));
         let produced = sequence_hashes(&local_block_hashes(&all, block_size, None));
         if r.direct.is_some() {
             seen.extend(produced.iter().map(|h| h.0));
@@ -353,7 +351,10 @@ mod tests {
         };
         let r = multi_turn(&m);
         let follow: Vec<&Request> = r.iter().filter(|q| q.after.is_some()).collect();
-        assert!(follow.len() >= 2 * (r.len() - follow.len()), "3-6 turns each");
+        assert!(
+            follow.len() >= 2 * (r.len() - follow.len()),
+            "3-6 turns each"
+        );
         for q in follow {
             let prev = &r[q.after.unwrap()];
             let n = prev.tokens.len();
@@ -365,11 +366,17 @@ mod tests {
         }
         assert!(r.iter().any(|q| q.direct.is_some()) && r.iter().any(|q| q.direct.is_none()));
         // The answers are reusable: the ceiling counts them.
-        let routed: Vec<Request> = r.into_iter().map(|q| Request { direct: None, ..q }).collect();
+        let routed: Vec<Request> = r
+            .into_iter()
+            .map(|q| Request { direct: None, ..q })
+            .collect();
         let with = hit_ceiling(&routed, 16);
         let prompts_only: Vec<Request> = routed
             .iter()
-            .map(|q| Request { max_tokens: 0, ..q.clone() })
+            .map(|q| Request {
+                max_tokens: 0,
+                ..q.clone()
+            })
             .collect();
         assert!(with > hit_ceiling(&prompts_only, 16) + 0.05, "{with}");
     }

@@ -240,7 +240,10 @@ impl Scheduler {
                 Ok(a) => a,
                 Err(NoRoom) if self.running.is_empty() => {
                     // It cannot fit even alone (the HTTP front refuses such requests).
-                    tracing::warn!(tokens = tokens.len(), "request larger than the KV cache dropped");
+                    tracing::warn!(
+                        tokens = tokens.len(),
+                        "request larger than the KV cache dropped"
+                    );
                     self.waiting.pop_front();
                     self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
                     continue;

@@ -295,7 +295,11 @@ impl Fleet {
             let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
             let kv_events =
                 events::start(spec.ip, String::new(), spec.params.block_size, events_rx).await?;
-            tasks.push(tokio::spawn(engine::run(core.clone(), commands_rx, events_tx)));
+            tasks.push(tokio::spawn(engine::run(
+                core.clone(),
+                commands_rx,
+                events_tx,
+            )));
             let listener = tokio::net::TcpListener::bind((spec.ip, 0))
                 .await
                 .map_err(|source| SimError::Bind {
