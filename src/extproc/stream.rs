@@ -110,6 +110,8 @@ pub(super) struct StreamState {
     /// Priority at which the request waits (phase `Queued`).
     queued_at: i32,
     booking: Option<Booking>,
+    /// A 200 event stream is coming back: its first body chunk is the first token.
+    awaiting_first_token: bool,
     labels: Option<RequestLabels>,
     primary: Option<std::net::SocketAddr>,
     /// The InferenceObjective header's value, when sent.
@@ -132,6 +134,7 @@ impl StreamState {
             held: Held::Headers,
             queued_at: 0,
             booking: None,
+            awaiting_first_token: false,
             labels: None,
             primary: None,
             objective: None,
@@ -167,6 +170,12 @@ impl StreamState {
             }
             Msg::ResponseBody(b) => {
                 self.first_byte();
+                if self.awaiting_first_token && !b.body.is_empty() {
+                    self.awaiting_first_token = false;
+                    if let Some(booking) = &mut self.booking {
+                        booking.first_token(std::time::Instant::now());
+                    }
+                }
                 let eos = b.end_of_stream;
                 out.push(match self.response_mode {
                     Mode::Duplex => resp::response_body_chunk(b.body, eos),
@@ -565,9 +574,17 @@ impl StreamState {
 
     fn on_response_headers(&mut self, h: &HttpHeaders, served: Option<std::net::SocketAddr>) {
         self.first_byte();
-        if let (Some(labels), Some(code)) = (&mut self.labels, status_of(h.headers.as_ref())) {
+        let status = status_of(h.headers.as_ref());
+        if let (Some(labels), Some(code)) = (&mut self.labels, status) {
             labels.code = Outcome::Status(code);
         }
+        self.awaiting_first_token = status == Some(200)
+            && h.headers.as_ref().is_some_and(|m| {
+                m.headers.iter().any(|v| {
+                    v.key.eq_ignore_ascii_case("content-type")
+                        && header_str(v).is_some_and(|t| t.starts_with("text/event-stream"))
+                })
+            });
         let Some(served) = served else { return };
         if Some(served) == self.primary {
             return;

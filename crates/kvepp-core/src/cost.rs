@@ -30,6 +30,19 @@ pub struct CandidateLoad {
     pub active_requests: u32,
 }
 
+/// What the KV-aware picker minimises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostModel {
+    /// Dynamo's formula over blocks (this module's), as the selection service computes it.
+    #[default]
+    Dynamo,
+    /// Predicted time to first token in ms, learned online per endpoint
+    /// ([`crate::predict`]): queueing, the uncached prefill, decode interference and traffic
+    /// the engine reports beyond ours.
+    PredictedTtft,
+}
+
 /// The knobs, with Dynamo's names and defaults (in the config file: the `DYN_ROUTER_*` names in
 /// lower case without the prefix, every field optional, unknown fields rejected; the variables
 /// themselves are applied by kvepp's configuration loading).
@@ -49,6 +62,9 @@ pub struct CostWeights {
     pub decode_active_request_weight: f64,
     /// `DYN_ROUTER_TEMPERATURE` (0.0).
     pub temperature: f64,
+    /// kvepp's own: the EPP's picks by Dynamo's cost (default) or by predicted TTFT. The HTTP
+    /// selection service always uses Dynamo's.
+    pub cost_model: CostModel,
 }
 
 impl Default for CostWeights {
@@ -60,6 +76,7 @@ impl Default for CostWeights {
             prefill_load_scale: 1.0,
             decode_active_request_weight: 0.0,
             temperature: 0.0,
+            cost_model: CostModel::Dynamo,
         }
     }
 }

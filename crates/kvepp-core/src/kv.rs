@@ -34,7 +34,9 @@ use std::time::Instant;
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use super::cost::{CandidateLoad, CostWeights, Overlap};
+use super::cost::{CandidateLoad, CostModel, CostWeights, Overlap};
+use super::load::EndpointLoad;
+use super::predict::{TtftEstimator, TtftFeatures};
 use super::index::{EngineBlockHash, MatchScratch, RankOverlap, SharedIndex, Tier};
 use super::slots::{SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
@@ -107,6 +109,24 @@ impl Default for KvSettings {
     }
 }
 
+/// What the predicted-TTFT model reads for one candidate: the prefill queued there plus this
+/// prompt's uncached part, the decoding KV (with this request's), the engine's hidden requests.
+fn ttft_features(
+    w: &CostWeights,
+    bs: u32,
+    isl: u64,
+    c: &CandidateLoad,
+    load: &EndpointLoad,
+) -> TtftFeatures {
+    let own = w.effective_prefill_tokens(isl, bs, c.overlap);
+    let queued = c.potential_prefill_tokens.saturating_sub(isl);
+    TtftFeatures {
+        prefill_ktokens: (queued + own) as f64 / 1000.0,
+        decode_ktokens: c.potential_decode_blocks as f64 * f64::from(bs) / 1000.0,
+        hidden_requests: f64::from(load.hidden_requests()),
+    }
+}
+
 /// Tries of a pick whose booking found the chosen rank's load changed since the pick read it:
 /// the last one books regardless (the router's picks) or reads and books under one write lock
 /// (the HTTP services' select-and-reserve).
@@ -132,6 +152,9 @@ pub struct KvDecision {
     /// The chosen rank's load version when it was read (None: not registered yet): a booking
     /// checked against it books exactly the load this decision saw.
     pub load_version: Option<u64>,
+    /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
+    /// booking learns from the observed first token).
+    pub ttft: Option<TtftFeatures>,
 }
 
 /// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
@@ -598,12 +621,20 @@ impl KvState {
         let w = &self.settings.weights;
         let bs = self.block_size();
         sc.costs.clear();
-        sc.costs.extend(
-            sc.loads
-                .iter()
-                .enumerate()
-                .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0)),
-        );
+        let predicted = w.cost_model == CostModel::PredictedTtft;
+        if predicted {
+            sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
+                let f = ttft_features(w, bs, isl, c, &candidates[i].load);
+                candidates[i].load.ttft.predict(&f) + ctx.bias.get(i).copied().unwrap_or(0.0)
+            }));
+        } else {
+            sc.costs.extend(
+                sc.loads
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0)),
+            );
+        }
         let costs = &sc.costs;
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
@@ -630,6 +661,7 @@ impl KvState {
             potential_decode_blocks: c.potential_decode_blocks,
             active_requests: c.active_requests,
             load_version: sc.versions[best],
+            ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
         };
         self.return_scratch(pool, sc);
         (best, second, decision)
@@ -649,6 +681,7 @@ impl KvState {
             state: self.clone(),
             id: None,
             prefill_done: false,
+            learn: None,
         })
     }
 
@@ -661,14 +694,21 @@ impl KvState {
         decision: &KvDecision,
         now: Instant,
     ) -> Option<SlotGuard> {
-        let booked = self.book_inner(
-            endpoint,
-            prompt,
-            decision.effective_prefill_tokens,
-            decision.overlap.device,
-            Some(decision.load_version.unwrap_or(0)),
-            now,
-        );
+        let booked = self
+            .book_inner(
+                endpoint,
+                prompt,
+                decision.effective_prefill_tokens,
+                decision.overlap.device,
+                Some(decision.load_version.unwrap_or(0)),
+                now,
+            )
+            .map(|mut g| {
+                g.learn = decision
+                    .ttft
+                    .map(|f| (endpoint.load.ttft.clone(), f, now));
+                g
+            });
         if booked.is_none() {
             self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
         }
@@ -719,6 +759,7 @@ impl KvState {
             state: self.clone(),
             id: booked.is_ok().then_some(id),
             prefill_done: false,
+            learn: None,
         })
     }
 
@@ -977,9 +1018,19 @@ pub struct SlotGuard {
     /// The slot tracker's request id (None when booking failed).
     id: Option<String>,
     prefill_done: bool,
+    /// A pick by predicted TTFT: the endpoint's model, what the prediction read, when booked.
+    learn: Option<(Arc<TtftEstimator>, TtftFeatures, Instant)>,
 }
 
 impl SlotGuard {
+    /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
+    pub fn first_token(&mut self, now: Instant) {
+        if let Some((model, f, at)) = self.learn.take() {
+            let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
+            model.observe(&f, ms);
+        }
+    }
+
     pub fn first_byte(&mut self) {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;

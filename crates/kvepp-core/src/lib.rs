@@ -8,6 +8,7 @@
 //! - [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
 //!   (dense ranks, each rank's active blocks a tree, a load version per rank).
 //! - [`cost`]: the cost model over overlap and load, and the choice among candidates.
+//! - [`predict`]: the per-endpoint TTFT model learned online (the `predicted_ttft` cost).
 //! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
 //! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
 //! - [`pick`]: eligibility (subset), shedding and the [`Picker`]s.
@@ -31,6 +32,7 @@ pub mod kv;
 mod least_loaded;
 pub mod load;
 pub mod pick;
+pub mod predict;
 pub mod queue;
 mod round_robin;
 pub mod router;

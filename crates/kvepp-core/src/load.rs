@@ -29,6 +29,10 @@ pub struct EndpointLoad {
     pub(crate) slot_hint: AtomicU32,
     /// The engine's last scraped metrics and when they were read (None: never).
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
+    /// Requests the engine last reported (running + waiting), read without a lock.
+    engine_requests: AtomicU32,
+    /// The endpoint's TTFT model (the `predicted_ttft` cost).
+    pub ttft: std::sync::Arc<crate::predict::TtftEstimator>,
 }
 
 impl EndpointLoad {
@@ -48,7 +52,18 @@ impl EndpointLoad {
 
     /// Records a successful scrape of the engine's metrics.
     pub fn engine_update(&self, m: EngineMetrics, at: Instant) {
+        let requests = m.running.max(0.0) + m.waiting.max(0.0);
+        self.engine_requests
+            .store(requests.min(f64::from(u32::MAX)) as u32, Ordering::Relaxed);
         *self.engine.lock().unwrap_or_else(PoisonError::into_inner) = Some((m, at));
+    }
+
+    /// Requests the engine last reported beyond those routed here and not finished: another
+    /// client's traffic (0 without engine metrics).
+    pub fn hidden_requests(&self) -> u32 {
+        self.engine_requests
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.in_flight())
     }
 
     /// The engine's last metrics and their age at `now` (None: never scraped successfully).
@@ -112,6 +127,14 @@ impl Booking {
         if !self.first_byte_seen {
             self.first_byte_seen = true;
             self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The first token arrived at `now` (a streamed response's first chunk): a pick by predicted
+    /// TTFT teaches the endpoint's model what it took. Once.
+    pub fn first_token(&mut self, now: Instant) {
+        if let Some(s) = &mut self.slot {
+            s.first_token(now);
         }
     }
 

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use crate::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
 use kvepp::config::{Config, PickerKind};
+use kvepp_core::cost::CostModel;
 use kvepp_test_support::envoy::EnvoyProcess;
 pub use kvepp_test_support::wait_until;
 use kvepp_test_support::TempDir;
@@ -48,14 +49,17 @@ pub enum Policy {
     ApproximatePrefix,
     /// KV-aware cost over the engines' KV events.
     Precise,
+    /// The engines' KV events, candidates ranked by predicted TTFT learned online.
+    PreciseTtft,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 4] = [
+    pub const ALL: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastLoaded,
         Policy::ApproximatePrefix,
         Policy::Precise,
+        Policy::PreciseTtft,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,12 +68,16 @@ impl Policy {
             Policy::LeastLoaded => "least-loaded",
             Policy::ApproximatePrefix => "approximate-prefix",
             Policy::Precise => "precise-kv",
+            Policy::PreciseTtft => "precise-ttft",
         }
     }
 
     /// Whether the policy's picker books load in the slot tracker (what replica sync shares).
     pub fn picker_is_kv_aware(self) -> bool {
-        matches!(self, Policy::ApproximatePrefix | Policy::Precise)
+        matches!(
+            self,
+            Policy::ApproximatePrefix | Policy::Precise | Policy::PreciseTtft
+        )
     }
 
     pub fn picker(self) -> PickerKind {
@@ -77,8 +85,21 @@ impl Policy {
             Policy::RoundRobin => PickerKind::RoundRobin,
             Policy::LeastLoaded => PickerKind::LeastLoaded,
             Policy::ApproximatePrefix => PickerKind::ApproximatePrefix,
-            Policy::Precise => PickerKind::KvAware,
+            Policy::Precise | Policy::PreciseTtft => PickerKind::KvAware,
         }
+    }
+
+    /// What the KV-aware picker minimises under this policy.
+    pub fn cost_model(self) -> CostModel {
+        match self {
+            Policy::PreciseTtft => CostModel::PredictedTtft,
+            _ => CostModel::Dynamo,
+        }
+    }
+
+    /// Whether kvepp subscribes to the engines' KV events under this policy.
+    pub fn uses_kv_events(self) -> bool {
+        matches!(self, Policy::Precise | Policy::PreciseTtft)
     }
 }
 
@@ -164,6 +185,10 @@ impl Kvepp {
             log_level: "warn".into(),
             picker: policy.picker(),
             block_size: Some(block_size),
+            router: kvepp_core::cost::CostWeights {
+                cost_model: policy.cost_model(),
+                ..base.router
+            },
             ..base.clone()
         };
         cfg.validate().map_err(|e| {
@@ -272,7 +297,7 @@ pub async fn run_policy(
             .await
             .map_err(BenchError::Kvepp)?;
         }
-        if policy == Policy::Precise {
+        if policy.uses_kv_events() {
             wait_until(
                 "KV event subscriptions to every engine",
                 deadline,
