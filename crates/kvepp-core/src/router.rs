@@ -361,3 +361,6 @@ mod tests;
 
 #[cfg(test)]
 mod pd_tests;
+
+#[cfg(test)]
+mod ttft_tests;
