@@ -11,6 +11,6 @@ cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
-  --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy precise \
+  --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy precise-kv \
   --topology off,hard,soft,hard-soft --duration "${DURATION:-20}" --rate "${RATE:-12}" --groups 24 \
   --out bench/results/disaggregation "$@"

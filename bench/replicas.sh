@@ -10,5 +10,5 @@ for sync in true false; do
   out=bench/results/replicas-sync-$([ "$sync" = true ] && echo on || echo off)
   target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
     --workload shared-prefix --engines 4 --duration 30 --replicas 2 --replica-sync "$sync" \
-    --policy approximate-prefix --policy precise --out "$out"
+    --policy approximate-prefix --policy precise-kv --out "$out"
 done

@@ -573,18 +573,24 @@ impl StreamState {
     }
 
     fn on_response_headers(&mut self, h: &HttpHeaders, served: Option<std::net::SocketAddr>) {
-        self.first_byte();
         let status = status_of(h.headers.as_ref());
         if let (Some(labels), Some(code)) = (&mut self.labels, status) {
             labels.code = Outcome::Status(code);
         }
+        // An engine starts an event stream's headers as soon as it takes the request (vLLM does):
+        // its prefill ends with the first chunk, when the proxy sends us the body. Anything else
+        // is answered when it is done.
         self.awaiting_first_token = status == Some(200)
+            && self.response_mode != Mode::None
             && h.headers.as_ref().is_some_and(|m| {
                 m.headers.iter().any(|v| {
                     v.key.eq_ignore_ascii_case("content-type")
                         && header_str(v).is_some_and(|t| t.starts_with("text/event-stream"))
                 })
             });
+        if !self.awaiting_first_token {
+            self.first_byte();
+        }
         let Some(served) = served else { return };
         if Some(served) == self.primary {
             return;

@@ -29,8 +29,8 @@ pub struct EndpointLoad {
     pub(crate) slot_hint: AtomicU32,
     /// The engine's last scraped metrics and when they were read (None: never).
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
-    /// Requests the engine last reported (running + waiting), read without a lock.
-    engine_requests: AtomicU32,
+    /// Requests the engine reported at its last scrape beyond those routed here then.
+    hidden_requests: AtomicU32,
     /// The endpoint's TTFT model (the `predicted_ttft` cost).
     pub ttft: std::sync::Arc<crate::predict::TtftEstimator>,
 }
@@ -52,18 +52,18 @@ impl EndpointLoad {
 
     /// Records a successful scrape of the engine's metrics.
     pub fn engine_update(&self, m: EngineMetrics, at: Instant) {
+        // Compared with our in-flight count now, at the same moment (a later comparison would
+        // read stale engine figures against fresh counts).
         let requests = m.running.max(0.0) + m.waiting.max(0.0);
-        self.engine_requests
-            .store(requests.min(f64::from(u32::MAX)) as u32, Ordering::Relaxed);
+        let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(self.in_flight());
+        self.hidden_requests.store(hidden, Ordering::Relaxed);
         *self.engine.lock().unwrap_or_else(PoisonError::into_inner) = Some((m, at));
     }
 
-    /// Requests the engine last reported beyond those routed here and not finished: another
-    /// client's traffic (0 without engine metrics).
+    /// Requests the engine reported at its last scrape beyond those routed here and not finished
+    /// at that moment: another client's traffic (0 without engine metrics).
     pub fn hidden_requests(&self) -> u32 {
-        self.engine_requests
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.in_flight())
+        self.hidden_requests.load(Ordering::Relaxed)
     }
 
     /// The engine's last metrics and their age at `now` (None: never scraped successfully).

@@ -48,6 +48,7 @@ pub enum Policy {
     /// KV-aware cost over what kvepp routed (no KV events).
     ApproximatePrefix,
     /// KV-aware cost over the engines' KV events.
+    #[value(name = "precise-kv", alias = "precise")]
     Precise,
     /// The engines' KV events, candidates ranked by predicted TTFT learned online.
     PreciseTtft,
