@@ -132,10 +132,19 @@ async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
         .map(|e| {
             serde_json::json!({"addr": &*e.addr_str, "name": &*e.name, "role": e.role.as_str(),
                 "topology_domains": e.domains, "data_parallel_rank": e.dp_rank,
-                "in_flight": e.load.in_flight()})
+                "in_flight": e.load.in_flight(), "hidden_requests": e.load.hidden_requests(),
+                "ttft_speed_factor": e.load.ttft.factor(),
+                "ttft_observed": e.load.ttft.observed()})
         })
         .collect();
-    axum::Json(serde_json::json!({ "endpoints": list }))
+    let model = st.kv.as_ref().map(|kv| {
+        let m = kv.ttft_model();
+        let [base_ms, per_kprefill, per_kdecode, per_hidden] = m.coefficients();
+        serde_json::json!({"observed": m.observed(), "base_ms": base_ms,
+            "ms_per_1k_prefill_tokens": per_kprefill, "ms_per_1k_decoding_tokens": per_kdecode,
+            "ms_per_hidden_request": per_hidden})
+    });
+    axum::Json(serde_json::json!({ "endpoints": list, "ttft_model": model }))
 }
 
 /// The KV index snapshot another replica recovers from (`kvepp-index-dump/1`).

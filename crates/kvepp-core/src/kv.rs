@@ -35,9 +35,9 @@ use std::time::Instant;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::cost::{CandidateLoad, CostModel, CostWeights, Overlap};
-use super::load::EndpointLoad;
-use super::predict::{TtftEstimator, TtftFeatures};
 use super::index::{EngineBlockHash, MatchScratch, RankOverlap, SharedIndex, Tier};
+use super::load::EndpointLoad;
+use super::predict::{EndpointSpeed, TtftFeatures, TtftModel};
 use super::slots::{SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
 use crate::hash::{
@@ -121,6 +121,7 @@ fn ttft_features(
     let own = w.effective_prefill_tokens(isl, bs, c.overlap);
     let queued = c.potential_prefill_tokens.saturating_sub(isl);
     TtftFeatures {
+        uncached_ktokens: own as f64 / 1000.0,
         prefill_ktokens: (queued + own) as f64 / 1000.0,
         decode_ktokens: c.potential_decode_blocks as f64 * f64::from(bs) / 1000.0,
         hidden_requests: f64::from(load.hidden_requests()),
@@ -264,6 +265,8 @@ pub struct KvState {
     scratch: [Mutex<Vec<PickScratch>>; SCRATCH_POOLS],
     /// Set once at startup when replica sync runs.
     observer: std::sync::OnceLock<Arc<dyn BookingObserver>>,
+    /// The pool's TTFT model (the `predicted_ttft` cost).
+    ttft: TtftModel,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -384,6 +387,7 @@ impl KvState {
             base_model: RwLock::new(None),
             scratch: Default::default(),
             observer: std::sync::OnceLock::new(),
+            ttft: TtftModel::default(),
         }
     }
 
@@ -415,6 +419,11 @@ impl KvState {
 
     /// Bookings refused (and picked again) because the chosen rank's load changed between the
     /// pick and its booking.
+    /// The pool's TTFT model (shared coefficients; speeds are per endpoint).
+    pub fn ttft_model(&self) -> &TtftModel {
+        &self.ttft
+    }
+
     pub fn booking_conflicts(&self) -> u64 {
         self.booking_conflicts.load(Ordering::Relaxed)
     }
@@ -624,8 +633,9 @@ impl KvState {
         let predicted = w.cost_model == CostModel::PredictedTtft;
         if predicted {
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
-                let f = ttft_features(w, bs, isl, c, &candidates[i].load);
-                candidates[i].load.ttft.predict(&f) + ctx.bias.get(i).copied().unwrap_or(0.0)
+                let load = &candidates[i].load;
+                let f = ttft_features(w, bs, isl, c, load);
+                self.ttft.cost(&load.ttft, &f) + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
         } else {
             sc.costs.extend(
@@ -704,9 +714,7 @@ impl KvState {
                 now,
             )
             .map(|mut g| {
-                g.learn = decision
-                    .ttft
-                    .map(|f| (endpoint.load.ttft.clone(), f, now));
+                g.learn = decision.ttft.map(|f| (endpoint.load.ttft.clone(), f, now));
                 g
             });
         if booked.is_none() {
@@ -1018,16 +1026,16 @@ pub struct SlotGuard {
     /// The slot tracker's request id (None when booking failed).
     id: Option<String>,
     prefill_done: bool,
-    /// A pick by predicted TTFT: the endpoint's model, what the prediction read, when booked.
-    learn: Option<(Arc<TtftEstimator>, TtftFeatures, Instant)>,
+    /// A pick by predicted TTFT: the endpoint's speed, what the prediction read, when booked.
+    learn: Option<(Arc<EndpointSpeed>, TtftFeatures, Instant)>,
 }
 
 impl SlotGuard {
     /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
     pub fn first_token(&mut self, now: Instant) {
-        if let Some((model, f, at)) = self.learn.take() {
+        if let Some((speed, f, at)) = self.learn.take() {
             let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
-            model.observe(&f, ms);
+            self.state.ttft.observe(&speed, &f, ms);
         }
     }
 

@@ -31,8 +31,8 @@ pub struct EndpointLoad {
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
     /// Requests the engine reported at its last scrape beyond those routed here then.
     hidden_requests: AtomicU32,
-    /// The endpoint's TTFT model (the `predicted_ttft` cost).
-    pub ttft: std::sync::Arc<crate::predict::TtftEstimator>,
+    /// The endpoint's speed under the pool's TTFT model (the `predicted_ttft` cost).
+    pub ttft: std::sync::Arc<crate::predict::EndpointSpeed>,
 }
 
 impl EndpointLoad {

@@ -13,13 +13,16 @@
 //! - `hidden_requests`: requests the engine reports (running + waiting, from its metrics) beyond
 //!   those routed here: another client's traffic, which only the engine's own metrics show.
 //!
-//! θ starts from an 8B model on one H100 (≈25k prefill tokens/s) and is refit by recursive least
-//! squares with forgetting each time a streamed response's first chunk arrives (the observed
-//! TTFT of a request whose features were recorded at its pick), per endpoint, so each engine's
-//! own speed is learned. Invariants: predictions are never negative (coefficients are used
-//! clamped at ≥ 0); an observation's residual is clipped, so one request stuck behind an engine
-//! restart does not swing the model; the covariance is bounded (no wind-up along features that
-//! stay at 0).
+//! θ is the pool's ([`TtftModel`]): it starts from an 8B model on one H100 (≈25k prefill
+//! tokens/s) and is refit by recursive least squares with forgetting each time a streamed
+//! response's first chunk arrives (the observed TTFT of a request whose features were recorded at
+//! its pick); every endpoint also has a speed factor ([`EndpointSpeed`]) its predictions are
+//! multiplied by, learned from the same observations, so a slower engine is known as slower
+//! without splitting the data the shared fit needs. Invariants: coefficients stay ≥ 0 (projected
+//! after each update), so predictions are never negative and never fall with more work; an
+//! observation's residual is clipped, so one request stuck behind an engine restart does not
+//! swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
+//! factors stay within 0.1-10.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -27,6 +30,9 @@ use std::sync::{Mutex, PoisonError};
 /// What the model reads for one request on one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct TtftFeatures {
+    /// Of `prefill_ktokens`, this prompt's own uncached part (what it adds to the cache, evicting
+    /// as much where the cache is full).
+    pub uncached_ktokens: f64,
     pub prefill_ktokens: f64,
     pub decode_ktokens: f64,
     pub hidden_requests: f64,
@@ -88,8 +94,10 @@ impl Rls {
             return;
         }
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
+        // Projected onto θ ≥ 0: time never decreases with work (and intercept and decode
+        // load, nearly collinear, cannot trade places through negative values).
         for (t, ki) in self.theta.iter_mut().zip(k) {
-            *t += ki * residual;
+            *t = (*t + ki * residual).max(0.0);
         }
         for i in 0..N {
             for j in 0..N {
@@ -110,51 +118,111 @@ impl Rls {
 }
 
 fn predict_with(theta: &[f64; N], x: &[f64; N]) -> f64 {
-    theta.iter().zip(x).map(|(t, v)| t.max(0.0) * v).sum()
+    theta
+        .iter()
+        .zip(x)
+        .map(|(t, v)| t.max(0.0) * v)
+        .sum::<f64>()
+        .max(0.0)
 }
 
-/// One endpoint's TTFT model: read without locks on every pick, refit under a lock on every
+/// The pool's TTFT model (one per KV-aware picker): the coefficients every endpoint shares (the
+/// pool's average endpoint), read without locks on every pick, refit under a lock on every
 /// observed first token.
 #[derive(Debug)]
-pub struct TtftEstimator {
-    /// The coefficients in use (f64 bits).
+pub struct TtftModel {
+    /// The coefficients in use (f64 bits, each ≥ 0).
     published: [AtomicU64; N],
     fit: Mutex<Rls>,
 }
 
-impl Default for TtftEstimator {
+impl Default for TtftModel {
     fn default() -> Self {
-        TtftEstimator {
+        TtftModel {
             published: PRIOR.map(|v| AtomicU64::new(v.to_bits())),
             fit: Mutex::new(Rls::default()),
         }
     }
 }
 
-impl TtftEstimator {
-    /// The coefficients in use.
+/// How far one observation moves an endpoint's speed factor (in log space, the log-ratio
+/// clipped to ±1 first).
+const SPEED_RATE: f64 = 0.2;
+const SPEED_RANGE: (f64, f64) = (0.1, 10.0);
+
+/// One endpoint's speed relative to the pool's model: its predictions are the model's times this
+/// factor (1 to start; above 1, slower).
+#[derive(Debug)]
+pub struct EndpointSpeed {
+    factor: AtomicU64,
+    observed: AtomicU64,
+}
+
+impl Default for EndpointSpeed {
+    fn default() -> Self {
+        EndpointSpeed {
+            factor: AtomicU64::new(1.0f64.to_bits()),
+            observed: AtomicU64::new(0),
+        }
+    }
+}
+
+impl EndpointSpeed {
+    pub fn factor(&self) -> f64 {
+        f64::from_bits(self.factor.load(Ordering::Relaxed))
+    }
+
+    /// First tokens observed on this endpoint.
+    pub fn observed(&self) -> u64 {
+        self.observed.load(Ordering::Relaxed)
+    }
+}
+
+impl TtftModel {
+    /// The shared coefficients in use.
     pub fn coefficients(&self) -> [f64; N] {
         std::array::from_fn(|i| f64::from_bits(self.published[i].load(Ordering::Relaxed)))
     }
 
-    /// Predicted TTFT in ms (≥ 0).
-    pub fn predict(&self, f: &TtftFeatures) -> f64 {
-        predict_with(&self.coefficients(), &f.vector())
+    /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed`.
+    pub fn predict(&self, speed: &EndpointSpeed, f: &TtftFeatures) -> f64 {
+        speed.factor() * predict_with(&self.coefficients(), &f.vector())
     }
 
-    /// Refits with one observed TTFT for a request picked with features `f`.
-    pub fn observe(&self, f: &TtftFeatures, ttft_ms: f64) {
+    /// What a pick minimises: the predicted TTFT plus the time the prompt's uncached part will
+    /// cost others once it has evicted as much of the cache they would reuse (counted as its own
+    /// prefill time: a prefix moved to a cold endpoint is paid for twice).
+    pub fn cost(&self, speed: &EndpointSpeed, f: &TtftFeatures) -> f64 {
+        let theta = self.coefficients();
+        speed.factor() * (predict_with(&theta, &f.vector()) + theta[1] * f.uncached_ktokens)
+    }
+
+    /// Refits with one observed TTFT for a request picked with features `f` on an endpoint of
+    /// speed `speed`: the shared coefficients learn it as the pool's, the endpoint's factor moves
+    /// toward the ratio of what it took to what the shared model predicts.
+    pub fn observe(&self, speed: &EndpointSpeed, f: &TtftFeatures, ttft_ms: f64) {
         if !(ttft_ms.is_finite() && ttft_ms >= 0.0) {
             return;
         }
+        let x = f.vector();
+        let factor = speed.factor();
         let mut fit = self.fit.lock().unwrap_or_else(PoisonError::into_inner);
-        fit.update(&f.vector(), ttft_ms);
+        let base = predict_with(&fit.theta, &x);
+        if base > 1.0 && ttft_ms > 0.0 {
+            let target = (ttft_ms / base).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
+            let r = (target / factor).ln().clamp(-1.0, 1.0);
+            let next = (factor * (SPEED_RATE * r).exp()).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
+            speed.factor.store(next.to_bits(), Ordering::Relaxed);
+        }
+        speed.observed.fetch_add(1, Ordering::Relaxed);
+        // The shared fit learns the pool's average endpoint (factors then average about 1).
+        fit.update(&x, ttft_ms);
         for (slot, v) in self.published.iter().zip(fit.theta) {
             slot.store(v.to_bits(), Ordering::Relaxed);
         }
     }
 
-    /// First tokens observed so far.
+    /// First tokens observed over the pool.
     pub fn observed(&self) -> u64 {
         self.fit
             .lock()
@@ -169,6 +237,7 @@ mod tests {
 
     fn features(p: f64, d: f64, h: f64) -> TtftFeatures {
         TtftFeatures {
+            uncached_ktokens: 0.0,
             prefill_ktokens: p,
             decode_ktokens: d,
             hidden_requests: h,
@@ -177,42 +246,67 @@ mod tests {
 
     #[test]
     fn learns_an_engine_slower_than_the_prior() {
-        let e = TtftEstimator::default();
-        let before = e.predict(&features(4.0, 10.0, 0.0));
+        let m = TtftModel::default();
+        let e = EndpointSpeed::default();
+        let before = m.predict(&e, &features(4.0, 10.0, 0.0));
         assert!((before - (5.0 + 160.0 + 1.0)).abs() < 1e-9, "{before}");
         // The truth: 12 ms + 100 ms per 1k prompt tokens + 2 ms per 1k decoding tokens.
         let truth = |f: &TtftFeatures| 12.0 + 100.0 * f.prefill_ktokens + 2.0 * f.decode_ktokens;
         let mut rng = fastrand::Rng::with_seed(3);
         for _ in 0..400 {
             let f = features(rng.f64() * 8.0, rng.f64() * 40.0, 0.0);
-            e.observe(&f, truth(&f));
+            m.observe(&e, &f, truth(&f));
         }
         let f = features(4.0, 10.0, 0.0);
-        let after = e.predict(&f);
-        assert!((after - truth(&f)).abs() < 0.05 * truth(&f), "{after} vs {}", truth(&f));
-        assert_eq!(e.observed(), 400);
+        let after = m.predict(&e, &f);
+        assert!(
+            (after - truth(&f)).abs() < 0.05 * truth(&f),
+            "{after} vs {}",
+            truth(&f)
+        );
+        assert_eq!((m.observed(), e.observed()), (400, 400));
         // The never-seen feature kept its prior and the covariance stayed bounded.
-        assert!((e.coefficients()[3] - PRIOR[3]).abs() < 1.0);
+        assert!((m.coefficients()[3] - PRIOR[3]).abs() < 1.0);
+    }
+
+    #[test]
+    fn a_slower_endpoint_gets_a_larger_factor_from_the_same_model() {
+        let m = TtftModel::default();
+        let (fast, slow) = (EndpointSpeed::default(), EndpointSpeed::default());
+        let truth = |f: &TtftFeatures| 10.0 + 40.0 * f.prefill_ktokens;
+        let mut rng = fastrand::Rng::with_seed(4);
+        for _ in 0..300 {
+            let f = features(rng.f64() * 8.0, 0.0, 0.0);
+            m.observe(&fast, &f, truth(&f));
+            m.observe(&slow, &f, 3.0 * truth(&f));
+        }
+        let ratio = slow.factor() / fast.factor();
+        assert!((ratio - 3.0).abs() < 0.3, "{ratio}");
+        let f = features(2.0, 0.0, 0.0);
+        let (pf, ps) = (m.predict(&fast, &f), m.predict(&slow, &f));
+        assert!(ps > 2.5 * pf, "{ps} vs {pf}");
     }
 
     #[test]
     fn outliers_and_garbage_do_not_break_it() {
-        let e = TtftEstimator::default();
+        let m = TtftModel::default();
+        let e = EndpointSpeed::default();
         let f = features(1.0, 0.0, 0.0);
         for _ in 0..50 {
-            e.observe(&f, 45.0);
+            m.observe(&e, &f, 45.0);
         }
-        let steady = e.predict(&f);
-        e.observe(&f, 60_000.0);
-        e.observe(&f, f64::NAN);
-        e.observe(&f, -3.0);
-        let after = e.predict(&f);
+        let steady = m.predict(&e, &f);
+        m.observe(&e, &f, 60_000.0);
+        m.observe(&e, &f, f64::NAN);
+        m.observe(&e, &f, -3.0);
+        let after = m.predict(&e, &f);
         assert!(after < steady * 8.0, "{steady} → {after}");
-        assert!(e.coefficients().iter().all(|c| c.is_finite()));
-        // Predictions never go negative, whatever the fit.
+        assert!(m.coefficients().iter().all(|c| c.is_finite() && *c >= 0.0));
+        // Coefficients stay ≥ 0 whatever the data: predictions never go negative.
         for _ in 0..200 {
-            e.observe(&features(5.0, 0.0, 0.0), 0.0);
+            m.observe(&e, &features(5.0, 0.0, 0.0), 0.0);
         }
-        assert!(e.predict(&features(0.0, 0.0, 3.0)) >= 0.0);
+        assert!(m.coefficients().iter().all(|c| *c >= 0.0));
+        assert!(m.predict(&e, &features(0.0, 0.0, 3.0)) >= 0.0);
     }
 }

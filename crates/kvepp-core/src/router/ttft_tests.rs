@@ -41,7 +41,8 @@ fn prompt(question: u8) -> Vec<u8> {
 #[test]
 fn the_cached_endpoint_wins_until_its_queue_costs_more_than_the_prefill_it_saves() {
     let r = ttft_router();
-    let eps = vec![ep(1, 0), ep(2, 0)];
+    // Both already carry 20 requests (from elsewhere): the load bound stays out of the way.
+    let eps = vec![ep(1, 20), ep(2, 20)];
     let mut ctx = PickContext::seeded(1);
     // A first request caches the head at home and finishes.
     let first = r.route(&text(&prompt(1)), &eps, &mut ctx).unwrap();
@@ -70,10 +71,10 @@ fn the_cached_endpoint_wins_until_its_queue_costs_more_than_the_prefill_it_saves
         held.push(d);
         assert!(at_home < 20, "home never gave way");
     }
-    // k queued questions of 64 tokens plus its own at home against 320 uncached tokens
-    // elsewhere: home takes four (64 … 256 tokens to compute), the fifth (320, and more decoding
-    // KV) goes elsewhere.
-    assert_eq!(at_home, 4);
+    // At home k queued questions of 64 tokens, its own 64 and the 64 it adds to the cache;
+    // elsewhere 320 tokens to compute and 320 added to the cache: home takes eight (128 … 576),
+    // the ninth (640, and more decoding KV) goes elsewhere.
+    assert_eq!(at_home, 8);
     drop(held);
     // Idle again: the cache wins.
     let d = r.route(&text(&prompt(99)), &eps, &mut ctx).unwrap();
@@ -91,22 +92,29 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
     let slow = eps[0].addr;
     for i in 0..120u8 {
         let mut d = r.route(&text(&prompt(i)), &eps, &mut ctx).unwrap();
-        let took = if d.pick.primary.addr == slow { 2000 } else { 20 };
+        let took = if d.pick.primary.addr == slow {
+            2000
+        } else {
+            20
+        };
         d.booking.first_token(ctx.now + Duration::from_millis(took));
         // A second first token is ignored.
         d.booking.first_token(ctx.now + Duration::from_secs(60));
     }
     let (s, f) = (&eps[0].load.ttft, &eps[1].load.ttft);
     assert!(s.observed() >= 1 && f.observed() >= 1, "both were tried");
+    let model = r.kv.as_ref().unwrap().ttft_model();
     let probe = crate::predict::TtftFeatures {
         prefill_ktokens: 0.32,
         ..Default::default()
     };
     assert!(
-        s.predict(&probe) > 5.0 * f.predict(&probe),
-        "slow {} vs fast {}",
-        s.predict(&probe),
-        f.predict(&probe)
+        model.predict(s, &probe) > 2.0 * model.predict(f, &probe),
+        "slow {} vs fast {} (factors {} and {})",
+        model.predict(s, &probe),
+        model.predict(f, &probe),
+        s.factor(),
+        f.factor()
     );
     // Now even the slow endpoint's cached prefix does not bring requests back to it.
     for i in 0..10u8 {

@@ -411,6 +411,19 @@ pub async fn run_policy(
         }
     }
     let engines = answering.iter().map(|e| e.name.clone()).collect();
+    if policy.cost_model() == CostModel::PredictedTtft {
+        // What each endpoint's TTFT model learned (replica 0).
+        if let Ok((_, text)) =
+            kvepp_test_support::client::fetch(kvepps[0].0.metrics, "/debug/endpoints").await
+        {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                tracing::info!(model = %v["ttft_model"], "learned TTFT model");
+                for e in v["endpoints"].as_array().into_iter().flatten() {
+                    tracing::info!(endpoint = %e["name"], speed = %e["ttft_speed_factor"], "learned speed factor");
+                }
+            }
+        }
+    }
     envoy.stop().await;
     for kvepp in kvepps {
         kvepp.stop().await;
