@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The routing-quality benchmark behind the README's tables and charts: the synthetic shared-prefix
-# workload (4 engines with 64k-token caches, 24 req/s for 30 s) and the first 600 requests of the
-# Mooncake conversation trace at 4× speed (8 engines, H100 defaults), each under the four policies,
-# with kvepp configured by bench/kvepp.yaml. Release build; results in bench/results/<workload>/
-# (results.md, results.json, routing.png). About 10 minutes on 2 cores.
+# The routing-quality report behind the README's "Routing quality" section: one `bench-routing`
+# invocation runs every policy (round robin, least loaded, approximate prefix, precise KV with
+# Dynamo's cost, precise KV by predicted TTFT) on every workload (shared prefix, the Mooncake
+# trace's first 300 requests at 1× speed, multi-turn conversations with one and with two kvepp
+# replicas, the conversations mixed with a second client's direct traffic, and with an engine
+# restart halfway) on 4 simulated engines, with kvepp configured by bench/kvepp.yaml. Release
+# build; results in bench/results/routing/ (results.md, results.json, routing.png). About 40
+# minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-sim=target/release/kvepp-sim
-"$sim" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload shared-prefix \
-  --engines 4 --duration 30 --out bench/results/shared-prefix
-"$sim" bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload mooncake \
-  --engines 8 --trace-requests 600 --speed 4 --out bench/results/mooncake
+target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
+  --engines 4 --duration 30 --trace-requests 300 --speed 1 --out bench/results/routing "$@"

@@ -99,9 +99,9 @@ impl Rls {
         for (t, ki) in self.theta.iter_mut().zip(k) {
             *t = (*t + ki * residual).max(0.0);
         }
-        for i in 0..N {
-            for j in 0..N {
-                self.p[i][j] = (self.p[i][j] - k[i] * px[j]) / FORGET;
+        for (row, ki) in self.p.iter_mut().zip(k) {
+            for (v, pxj) in row.iter_mut().zip(px) {
+                *v = (*v - ki * pxj) / FORGET;
             }
         }
         let trace: f64 = (0..N).map(|i| self.p[i][i]).sum();

@@ -61,22 +61,29 @@ async fn index_and_caches(
     (index, caches)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn engine_caches_and_the_epp_index_agree_after_evictions() {
+/// `engines` engines with `blocks`-block caches, kvepp subscribed to all their KV events, and
+/// Envoy in front.
+async fn fleet_behind_envoy(engines: usize, blocks: u64) -> (Fleet, Epp, Envoy) {
     let fleet = Fleet::start(FleetSpec {
-        engines: 3,
-        params: params(40),
+        engines,
+        params: params(blocks),
         pool_name: "pool".into(),
         ..FleetSpec::default()
     })
     .await
     .expect("fleet");
     let epp = Epp::start(&fleet.manifests(), |c| c.engine_metrics.enabled = false).await;
-    wait_for("KV event subscriptions to the three engines", || async {
-        (epp.metric("kvepp_kv_event_subscriptions").await? >= 3.0).then_some(())
+    wait_for("KV event subscriptions to every engine", || async {
+        (epp.metric("kvepp_kv_event_subscriptions").await? >= engines as f64).then_some(())
     })
     .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    (fleet, epp, envoy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_caches_and_the_epp_index_agree_after_evictions() {
+    let (fleet, epp, envoy) = fleet_behind_envoy(3, 40).await;
     // 8 prompt families of 6-10 blocks, extended and revisited: 40-block caches must evict.
     let mut served = BTreeMap::<String, u32>::new();
     for i in 0..48u32 {
@@ -212,20 +219,7 @@ async fn engines_metric(fleet: &Fleet, series: &str) -> f64 {
 /// caches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_index_follows_generated_blocks_pinning_preemption_and_restarts() {
-    let fleet = Fleet::start(FleetSpec {
-        engines: 2,
-        params: params(24),
-        pool_name: "pool".into(),
-        ..FleetSpec::default()
-    })
-    .await
-    .expect("fleet");
-    let epp = Epp::start(&fleet.manifests(), |c| c.engine_metrics.enabled = false).await;
-    wait_for("KV event subscriptions to both engines", || async {
-        (epp.metric("kvepp_kv_event_subscriptions").await? >= 2.0).then_some(())
-    })
-    .await;
-    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let (fleet, epp, envoy) = fleet_behind_envoy(2, 24).await;
 
     // A conversation: the second turn carries the first prompt and its answer token for token,
     // and finds both cached (precise routing sends it back to the engine that has them).

@@ -21,7 +21,7 @@ fn approx_router(cap: usize, weights: CostWeights) -> Router {
     Router::kv_aware(kv, Saturation::in_flight(0))
 }
 
-fn text(bytes: &[u8]) -> RequestFacts<'_> {
+pub(super) fn text(bytes: &[u8]) -> RequestFacts<'_> {
     RequestFacts {
         model: Some("m"),
         prompt: Prompt::Text { scope: "m", bytes },

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use super::tests::text;
 use super::*;
 use crate::cost::{CostModel, CostWeights};
 use crate::kv::KvSettings;
@@ -21,14 +22,6 @@ fn ttft_router() -> Router {
         ..KvSettings::default()
     }));
     Router::kv_aware(kv, Saturation::in_flight(0))
-}
-
-fn text(bytes: &[u8]) -> RequestFacts<'_> {
-    RequestFacts {
-        model: Some("m"),
-        prompt: Prompt::Text { scope: "m", bytes },
-        ..RequestFacts::default()
-    }
 }
 
 /// A 256-token shared head and a 64-token question of its own.

@@ -290,23 +290,20 @@ impl KvPool {
         let sequence = SequenceHash::chain(h.last, self.local(&h.tail));
         let engine = Self::engine_hash(sequence);
         self.private -= 1;
-        if self.blocks.contains_key(&engine) {
-            self.pin(engine);
-        } else {
-            self.blocks.insert(
-                engine,
-                Block {
-                    refs: 1,
-                    tick: 0,
-                    sequence,
-                },
-            );
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.blocks.entry(engine) {
+            slot.insert(Block {
+                refs: 1,
+                tick: 0,
+                sequence,
+            });
             self.pinned += 1;
             events.push(CacheEvent::Stored {
                 parent: h.chain.last().copied(),
                 hashes: vec![engine],
                 token_ids: std::mem::take(&mut h.tail),
             });
+        } else {
+            self.pin(engine);
         }
         h.tail.clear();
         h.chain.push(engine);
@@ -518,7 +515,7 @@ mod tests {
         let mut mirror = std::collections::HashSet::new();
         let mut rng = fastrand::Rng::with_seed(7);
         let mut running: Vec<Holding> = Vec::new();
-        let mut apply = |events: Vec<CacheEvent>, mirror: &mut std::collections::HashSet<u64>| {
+        let apply = |events: Vec<CacheEvent>, mirror: &mut std::collections::HashSet<u64>| {
             for e in events {
                 match e {
                     CacheEvent::Stored { parent, hashes, .. } => {
