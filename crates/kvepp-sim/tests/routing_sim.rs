@@ -291,25 +291,27 @@ async fn the_index_follows_generated_blocks_pinning_preemption_and_restarts() {
 
 /// Two kvepp replicas behind one Envoy, no replica sync, multi-turn conversations: each replica
 /// routes about half of a conversation's turns, so the approximate index (what this replica
-/// routed) often misses where the previous turn went, while the engines' KV events tell both
-/// replicas. Precise routing finds more of the cache.
+/// routed) often misses where the previous turn went (a guess among 6 engines), while the
+/// engines' KV events tell both replicas. Precise routing finds more of the cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_two_replicas_precise_routing_beats_approximate_on_conversations() {
     let requests = workload::multi_turn(&workload::MultiTurn {
-        rate: 6.0,
+        rate: 8.0,
         duration: Duration::from_secs(3),
-        turns: (2, 4),
+        turns: (2, 3),
+        // Shorter than a block: conversations share nothing, so a replica that did not route the
+        // previous turn has no prefix to go by.
         system_prompts: 2,
-        system_tokens: 32,
-        user_tokens: (64, 128),
-        output_tokens: (16, 48),
+        system_tokens: 8,
+        user_tokens: (96, 160),
+        output_tokens: (32, 64),
         think: Duration::from_millis(50),
         direct_share: 0.0,
         seed: 11,
     });
     let spec = BenchSpec {
         layout: Vec::new(),
-        engines: 4,
+        engines: 6,
         params: params(400),
         envoy: envoy_bin(),
         speed: 1.0,
