@@ -135,6 +135,40 @@ async fn engine_caches_and_the_epp_index_agree_after_evictions() {
     epp.stop().await;
 }
 
+/// Replays `requests` under each policy on `engines` engines of `blocks`-block caches behind
+/// `replicas` kvepp replicas (no replica sync); every request must succeed. The hit ratios.
+async fn hit_ratios(
+    engines: usize,
+    blocks: u64,
+    replicas: usize,
+    policies: [Policy; 2],
+    requests: &[workload::Request],
+) -> Vec<f64> {
+    let spec = BenchSpec {
+        layout: Vec::new(),
+        engines,
+        params: params(blocks),
+        envoy: envoy_bin(),
+        speed: 1.0,
+        drain: Duration::from_secs(60),
+        kvepp: kvepp::config::Config::default(),
+        replicas,
+        replica_sync: false,
+        restart_at: None,
+    };
+    let mut hits = Vec::new();
+    for policy in policies {
+        let (records, names) = routing_bench::run_policy(&spec, policy, requests)
+            .await
+            .expect("replay");
+        let r = routing_bench::report::summarize(policy.name(), &records, &names, 1000.0);
+        assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
+        assert_eq!(r.requests, requests.len());
+        hits.push(r.hit_ratio);
+    }
+    hits
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
     // 6 system prompts of 32 blocks; each engine caches 80 blocks (two prompts and change), the
@@ -148,28 +182,7 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
         duration: Duration::from_secs(3),
         seed: 7,
     });
-    let spec = BenchSpec {
-        layout: Vec::new(),
-        engines: 3,
-        params: params(80),
-        envoy: envoy_bin(),
-        speed: 1.0,
-        drain: Duration::from_secs(60),
-        kvepp: kvepp::config::Config::default(),
-        replicas: 1,
-        replica_sync: false,
-        restart_at: None,
-    };
-    let mut hits = Vec::new();
-    for policy in [Policy::RoundRobin, Policy::Precise] {
-        let (records, engines) = routing_bench::run_policy(&spec, policy, &requests)
-            .await
-            .expect("replay");
-        let r = routing_bench::report::summarize(policy.name(), &records, &engines, 1000.0);
-        assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
-        assert_eq!(r.requests, requests.len());
-        hits.push(r.hit_ratio);
-    }
+    let hits = hit_ratios(3, 80, 1, [Policy::RoundRobin, Policy::Precise], &requests).await;
     let ceiling = workload::hit_ceiling(&requests, 16);
     let (rr, precise) = (hits[0], hits[1]);
     eprintln!("hit ratio: round robin {rr:.3}, precise {precise:.3}, ceiling {ceiling:.3}");
@@ -309,27 +322,14 @@ async fn with_two_replicas_precise_routing_beats_approximate_on_conversations() 
         direct_share: 0.0,
         seed: 11,
     });
-    let spec = BenchSpec {
-        layout: Vec::new(),
-        engines: 6,
-        params: params(400),
-        envoy: envoy_bin(),
-        speed: 1.0,
-        drain: Duration::from_secs(60),
-        kvepp: kvepp::config::Config::default(),
-        replicas: 2,
-        replica_sync: false,
-        restart_at: None,
-    };
-    let mut hits = Vec::new();
-    for policy in [Policy::ApproximatePrefix, Policy::Precise] {
-        let (records, engines) = routing_bench::run_policy(&spec, policy, &requests)
-            .await
-            .expect("replay");
-        let r = routing_bench::report::summarize(policy.name(), &records, &engines, 1000.0);
-        assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
-        hits.push(r.hit_ratio);
-    }
+    let hits = hit_ratios(
+        6,
+        400,
+        2,
+        [Policy::ApproximatePrefix, Policy::Precise],
+        &requests,
+    )
+    .await;
     let ceiling = workload::hit_ceiling(&requests, 16);
     let (approx, precise) = (hits[0], hits[1]);
     eprintln!("hit ratio, 2 replicas without sync: approximate {approx:.3}, precise {precise:.3}, ceiling {ceiling:.3}");
