@@ -46,7 +46,8 @@ class Stack:
         import os
         import subprocess
 
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.work, log), "w"))
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.work, log), "w"),
+                             stdin=subprocess.DEVNULL)
         self.procs.append(p)
         return p
 

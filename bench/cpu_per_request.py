@@ -14,14 +14,13 @@ measured by `examples/tokenize_cost` on the same machine in the same run."""
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import yaml
 
+from benchlib import Stack
 from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, parse_wrk
 
 TOKENIZER = os.path.join(ROOT, "tests/fixtures/tokenizer")
@@ -62,13 +61,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="approximate,token_ids,tokens")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="kvepp-cpu-")
-    procs = []
-
-    def spawn(cmd, log):
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, log), "w"), stdin=subprocess.DEVNULL)
-        procs.append(p)
-        return p
+    processes = Stack("kvepp-cpu-")
+    tmp, spawn = processes.work, processes.spawn
 
     try:
         config = os.path.join(tmp, "kvepp.yaml")
@@ -140,11 +134,7 @@ def main():
         with open(os.path.join(ROOT, "bench/out/cpu_per_request.md"), "w") as f:
             f.write(report + "\n")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        processes.stop()
 
 
 if __name__ == "__main__":

@@ -6,16 +6,14 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import urllib.request
 
 import yaml
 
-from benchlib import free_port, wait
+from benchlib import Stack, free_port, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KVEPP = os.path.join(ROOT, "target/release/kvepp")
@@ -154,13 +152,8 @@ def main():
     ap.add_argument("--sizes", default="4096,409600")
     args = ap.parse_args()
 
-    tmp = tempfile.mkdtemp(prefix="kvepp-bench-")
-    procs = []
-
-    def spawn(cmd, log):
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, log), "w"), stdin=subprocess.DEVNULL)
-        procs.append(p)
-        return p
+    processes = Stack("kvepp-bench-")
+    tmp, spawn = processes.work, processes.spawn
 
     try:
         stack = floor_stack(tmp, spawn)
@@ -229,11 +222,7 @@ def main():
         with open(os.path.join(ROOT, f"bench/out/extproc_overhead_{args.mode.lower()}{suffix}.md"), "w") as f:
             f.write(report + "\n")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        processes.stop()
 
 
 if __name__ == "__main__":
