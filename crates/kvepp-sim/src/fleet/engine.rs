@@ -67,8 +67,6 @@ pub enum Command {
 pub struct Counters {
     pub running: AtomicU64,
     pub waiting: AtomicU64,
-    /// KV blocks held by running sequences.
-    pub blocks_in_use: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
@@ -290,8 +288,6 @@ impl Scheduler {
             .store(self.running.len() as u64, Ordering::Relaxed);
         c.waiting
             .store(self.waiting.len() as u64, Ordering::Relaxed);
-        c.blocks_in_use
-            .store(self.core.cache().in_use() as u64, Ordering::Relaxed);
     }
 }
 

@@ -416,7 +416,8 @@ async fn metrics(State(a): State<EngineApp>) -> impl IntoResponse {
     let c = &a.core.counters;
     let p = &a.core.params;
     let get = |x: &std::sync::atomic::AtomicU64| x.load(Ordering::Relaxed);
-    let usage = get(&c.blocks_in_use) as f64 / p.total_kv_blocks.max(1) as f64;
+    // KV blocks held by running requests, from the pool itself.
+    let usage = a.core.cache().in_use() as f64 / p.total_kv_blocks.max(1) as f64;
     let m = &p.model;
     let text = format!(
         "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {running}\n\
