@@ -284,10 +284,11 @@ async fn the_index_follows_generated_blocks_pinning_preemption_and_restarts() {
     )
     .await;
     assert!(!index[&restarted.http.to_string()].is_empty());
-    // The engine serves again, and its new blocks reach the index under the new numbering.
-    let addr = envoy.addr;
+    // The engine serves again (sent to it directly: through Envoy, cold prompts could all go to
+    // the other engine), and its new blocks reach the index under the new numbering.
     for i in 0..4u32 {
-        complete(addr, &tokens(100 + i, 32), 20).await;
+        let (engine, _) = complete(restarted.http, &tokens(100 + i, 32), 20).await;
+        assert_eq!(engine, restarted.name);
     }
     wait_for("index equal to the caches after the restart", || async {
         let (index, caches) = index_and_caches(&epp, &fleet).await;
