@@ -406,6 +406,7 @@ mod tests {
             port: 5557,
             replay_port: Some(5558),
             topic: "kv".into(),
+            ..KvEventsConfig::default()
         };
         let v6 = sources_of(&endpoint("[fd00::1]:8000"), None, &cfg);
         assert_eq!(v6[0].1.endpoint, "tcp://[fd00::1]:5557");
@@ -440,6 +441,7 @@ mod tests {
             port: 5557,
             replay_port: Some(5600),
             topic: String::new(),
+            ..KvEventsConfig::default()
         };
         let mut rank1 = endpoint("10.0.0.7:8001");
         rank1.dp_rank = Some(1);

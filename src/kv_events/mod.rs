@@ -31,6 +31,11 @@ pub struct KvEventsConfig {
     pub replay_port: Option<u16>,
     /// Topic prefix to subscribe to (`""`: everything).
     pub topic: String,
+    /// The engines evict leaves first (vLLM, SGLang), so each holds a prefix-closed set of
+    /// blocks and a prompt's cached prefix can be found by searching for where its holders change
+    /// (a few dozen index lookups per distinct holder set) instead of reading every matched block.
+    /// `false`: read every block (engines that may keep a block whose parent they evicted).
+    pub prefix_closed: bool,
 }
 
 impl Default for KvEventsConfig {
@@ -40,6 +45,7 @@ impl Default for KvEventsConfig {
             port: 5557,
             replay_port: None,
             topic: String::new(),
+            prefix_closed: true,
         }
     }
 }

@@ -258,6 +258,7 @@ pub async fn run(
                 approximate_only,
                 // Prompts are untrusted: key the index tables randomly per process.
                 table_seed: fastrand::u64(..),
+                prefix_closed: cfg.kv_events.prefix_closed,
                 ..KvSettings::default()
             }));
             // Approximate prefix routing never reads the engines' KV events.

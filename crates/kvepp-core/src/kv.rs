@@ -92,6 +92,10 @@ pub struct KvSettings {
     pub approximate_only: bool,
     /// Key of the indexes' table hasher; servers pass a random one (prompts are untrusted).
     pub table_seed: u64,
+    /// The engines hold prefix-closed block sets (they evict leaves first, as vLLM and SGLang
+    /// do), so lookups in the KV-event index may search for where holders change instead of
+    /// reading every matched block ([`super::index::PrefixIndex::find_matches_jumping`]).
+    pub prefix_closed: bool,
 }
 
 impl Default for KvSettings {
@@ -105,6 +109,7 @@ impl Default for KvSettings {
             max_blocks_per_rank: super::index::DEFAULT_MAX_BLOCKS_PER_RANK,
             approximate_only: false,
             table_seed: super::index::DEFAULT_TABLE_SEED,
+            prefix_closed: true,
         }
     }
 }
@@ -545,6 +550,17 @@ impl KvState {
         }
     }
 
+    /// The KV-event index's overlaps of `hashes` into `sc.found` (jumping where the engines'
+    /// block sets are prefix-closed).
+    fn event_matches(&self, hashes: &[SequenceHash], sc: &mut PickScratch) {
+        let ix = self.index.read();
+        if self.settings.prefix_closed {
+            ix.find_matches_jumping(hashes, &mut sc.matching, &mut sc.found);
+        } else {
+            ix.find_matches(hashes, &mut sc.matching, &mut sc.found);
+        }
+    }
+
     /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
     fn candidate_loads(
         &self,
@@ -561,10 +577,7 @@ impl KvState {
                     &mut sc.matching,
                     &mut sc.found,
                 ),
-                _ => self
-                    .index
-                    .read()
-                    .find_matches(&p.hashes, &mut sc.matching, &mut sc.found),
+                _ => self.event_matches(&p.hashes, sc),
             }
         }
         sc.loads.clear();
@@ -833,9 +846,7 @@ impl KvState {
     /// block).
     pub fn rank_overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
         let (pool, mut sc) = self.take_scratch(hashes.len());
-        self.index
-            .read()
-            .find_matches(hashes, &mut sc.matching, &mut sc.found);
+        self.event_matches(hashes, &mut sc);
         let found = sc.found.clone();
         self.return_scratch(pool, sc);
         found

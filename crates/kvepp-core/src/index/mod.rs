@@ -173,6 +173,13 @@ const LINK_PREFETCH: usize = 8;
 /// Most table probes `find_matches` has in flight at once.
 const MAX_BATCH: usize = 64;
 
+/// Probes per round of [`PrefixIndex::find_matches_jumping`]'s search (issued together).
+const JUMP_FANOUT: usize = 16;
+
+/// Prompts shorter than this (in blocks) take the exact walk even where jumping is allowed: its
+/// batched probes cost less than the search's dependent rounds.
+pub const JUMP_MIN_BLOCKS: usize = 128;
+
 // ------------------------------------------------------------------------------------------ layout
 
 /// One rank's hold on one block: its slot and a reference count per tier.
@@ -216,11 +223,24 @@ impl HolderList<'_> {
     }
 }
 
-/// An order-independent digest of a holder list (its holders and their references): the walk
-/// of [`PrefixIndex::find_matches`] treats consecutive blocks with equal digests as held alike.
+/// What a walk reads of one holder: its rank and the fastest tier it holds the block in (3:
+/// device, 2: host, 1: only slower). Holders with equal identities extend the same runs.
+fn holder_ident(h: &Holder) -> u64 {
+    let level = if h.refs[0] > 0 {
+        3
+    } else if h.refs[1] > 0 {
+        2
+    } else {
+        1
+    };
+    u64::from(h.rank) | level << 16
+}
+
+/// An order-independent digest of a holder list (its holders' [`holder_ident`]s): the walks of
+/// [`PrefixIndex::find_matches`] treat blocks with equal digests (and list lengths) as held alike.
 fn fingerprint(list: &[Holder]) -> u64 {
     list.iter().fold(list.len() as u64, |fp, h| {
-        let x = Holders::One(*h).pack() ^ 0x9E37_79B9_7F4A_7C15;
+        let x = holder_ident(h) ^ 0x9E37_79B9_7F4A_7C15;
         let m = u128::from(x) * 0xBF58_476D_1CE4_E5B9_u128;
         fp.wrapping_add((m as u64) ^ ((m >> 64) as u64))
     })
@@ -276,6 +296,21 @@ pub struct MatchScratch {
     runs: Vec<Run>,
     touched: Vec<u16>,
     epoch: u32,
+}
+
+impl MatchScratch {
+    /// Starts a walk over an index of `ranks` rank slots: no run is current.
+    fn begin(&mut self, ranks: usize) {
+        self.touched.clear();
+        if self.runs.len() < ranks {
+            self.runs.resize(ranks, Run::default());
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            self.runs.fill(Run::default());
+            self.epoch = 1;
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -840,15 +875,7 @@ impl PrefixIndex {
         out: &mut Vec<RankOverlap>,
     ) {
         out.clear();
-        scratch.touched.clear();
-        if scratch.runs.len() < self.ranks.len() {
-            scratch.runs.resize(self.ranks.len(), Run::default());
-        }
-        scratch.epoch = scratch.epoch.wrapping_add(1);
-        if scratch.epoch == 0 {
-            scratch.runs.fill(Run::default());
-            scratch.epoch = 1;
-        }
+        scratch.begin(self.ranks.len());
         // The holders of the block that last extended the runs, and how many blocks since held
         // alike (their extension is applied when the holders change or the walk ends).
         let mut streak: Option<(u64, HolderList<'_>, u32)> = None;
@@ -870,13 +897,7 @@ impl PrefixIndex {
                 if word == 0 {
                     break 'walk;
                 }
-                let (ident, list) = match Holders::unpack(word) {
-                    Holders::One(h) => (word, HolderList::One(h)),
-                    Holders::Spill(i) => (
-                        self.spill_fp[i as usize],
-                        HolderList::Many(&self.spill[i as usize]),
-                    ),
-                };
+                let (ident, list) = self.holders_ident(word);
                 if let Some((id, prev, _)) = &streak {
                     if *id == ident && prev.as_slice().len() == list.as_slice().len() {
                         pending += 1;
@@ -899,6 +920,114 @@ impl PrefixIndex {
         if let Some((_, prev, at)) = streak {
             Self::extend_alike(scratch, prev.as_slice(), at, pending);
         }
+        self.collect_runs(scratch, out);
+    }
+
+    /// The holders of a non-empty table word, with the identity the walks compare
+    /// ([`holder_ident`] or the spilled list's [`fingerprint`]).
+    fn holders_ident(&self, word: u64) -> (u64, HolderList<'_>) {
+        match Holders::unpack(word) {
+            Holders::One(h) => (holder_ident(&h), HolderList::One(h)),
+            Holders::Spill(i) => (
+                self.spill_fp[i as usize],
+                HolderList::Many(&self.spill[i as usize]),
+            ),
+        }
+    }
+
+    /// [`Self::find_matches`] for an index whose ranks hold prefix-closed sets in each tier class
+    /// (a rank holding a block on device holds every block before it on device, and likewise for
+    /// device-or-host and for any tier): engines that evict leaves first (vLLM's LRU frees a
+    /// request's blocks tail first; SGLang's radix tree evicts leaves), and every index fed only by
+    /// their events. Then the holders' identities along the prompt change only where some rank's
+    /// run ends, so the walk searches for those points (a [`JUMP_FANOUT`]-ary search, its probes
+    /// issued together) instead of reading every block: a few dozen table lookups per distinct
+    /// holder set, however long the matched prefix. Equal to [`Self::find_matches`] on such
+    /// indexes (a differential test checks it); where a rank has a gap (lost removal events), a
+    /// run may extend over it. Prompts shorter than [`JUMP_MIN_BLOCKS`] take the exact walk.
+    pub fn find_matches_jumping(
+        &self,
+        hashes: &[SequenceHash],
+        scratch: &mut MatchScratch,
+        out: &mut Vec<RankOverlap>,
+    ) {
+        let n = hashes.len();
+        if n < JUMP_MIN_BLOCKS {
+            return self.find_matches(hashes, scratch, out);
+        }
+        out.clear();
+        scratch.begin(self.ranks.len());
+        let Some(word) = self.blocks.get(hashes[0].0) else {
+            return;
+        };
+        let (mut ident, mut list) = self.holders_ident(word);
+        let mut at = 0usize;
+        if Self::extend_runs(scratch, list.as_slice(), 0) {
+            loop {
+                let len = list.as_slice().len();
+                let (end, word) = self.first_unlike(hashes, ident, len, at);
+                Self::extend_alike(scratch, list.as_slice(), at as u32, (end - at - 1) as u32);
+                if end == n || word == 0 {
+                    break;
+                }
+                (ident, list) = self.holders_ident(word);
+                if !Self::extend_runs(scratch, list.as_slice(), end as u32) {
+                    break;
+                }
+                at = end;
+            }
+        }
+        self.collect_runs(scratch, out);
+    }
+
+    /// The first block after `at` whose holders are not those of block `at` (identity `ident`,
+    /// `len` holders), with its table word (0: nobody holds it); `hashes.len()` and 0 if every
+    /// later block is held alike. Assumes "held alike" is true up to a point and false after it
+    /// (see [`Self::find_matches_jumping`]).
+    fn first_unlike(
+        &self,
+        hashes: &[SequenceHash],
+        ident: u64,
+        len: usize,
+        at: usize,
+    ) -> (usize, u64) {
+        // Invariant: block `lo` is held alike; block `hi` is not (or `hi` is the end).
+        let (mut lo, mut hi, mut hi_word) = (at, hashes.len(), 0u64);
+        let mut keys = [0u64; JUMP_FANOUT];
+        let mut words = [0u64; JUMP_FANOUT];
+        let mut at_pos = [0usize; JUMP_FANOUT];
+        while hi - lo > 1 {
+            let gap = hi - lo;
+            let k = (gap - 1).min(JUMP_FANOUT);
+            for t in 0..k {
+                // k points spread over (lo, hi), strictly increasing because gap ≥ k + 1.
+                at_pos[t] = lo + (t + 1) * gap / (k + 1);
+                keys[t] = hashes[at_pos[t]].0;
+            }
+            self.blocks.get_batch(&keys[..k], &mut words[..k]);
+            let first_unlike = (0..k).find(|&t| {
+                let w = words[t];
+                w == 0 || {
+                    let (id, l) = self.holders_ident(w);
+                    id != ident || l.as_slice().len() != len
+                }
+            });
+            match first_unlike {
+                Some(t) => {
+                    hi = at_pos[t];
+                    hi_word = words[t];
+                    if t > 0 {
+                        lo = at_pos[t - 1];
+                    }
+                }
+                None => lo = at_pos[k - 1],
+            }
+        }
+        (hi, hi_word)
+    }
+
+    /// The runs the walk left in `scratch`, one per rank it touched, into `out`.
+    fn collect_runs(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
         out.extend(scratch.touched.iter().map(|&s| {
             let run = scratch.runs[usize::from(s)];
             RankOverlap {

@@ -73,6 +73,24 @@ pub(super) struct BlockTable {
 
 const MIN_CAPACITY: usize = 16;
 
+#[cfg(test)]
+thread_local! {
+    /// Keys looked up by `get` and `get_batch` on this thread (tests count a walk's probes).
+    static PROBES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Keys looked up on this thread so far (tests only).
+#[cfg(test)]
+pub(super) fn probes() -> u64 {
+    PROBES.with(std::cell::Cell::get)
+}
+
+#[inline(always)]
+fn count_probes(_n: usize) {
+    #[cfg(test)]
+    PROBES.with(|p| p.set(p.get() + _n as u64));
+}
+
 impl BlockTable {
     pub(super) fn new(build: KeyedBuild) -> Self {
         BlockTable {
@@ -111,6 +129,7 @@ impl BlockTable {
     }
 
     pub(super) fn get(&self, key: u64) -> Option<u64> {
+        count_probes(1);
         self.find(key).ok().map(|i| self.slots[i].val)
     }
 
@@ -124,6 +143,7 @@ impl BlockTable {
     pub(super) fn get_batch(&self, keys: &[u64], out: &mut [u64]) {
         let mut homes = [0usize; 64];
         let n = keys.len().min(out.len()).min(homes.len());
+        count_probes(n);
         for j in 0..n {
             homes[j] = self.home(keys[j]);
             prefetch(&self.slots[homes[j]]);
@@ -135,7 +155,7 @@ impl BlockTable {
             } else if s.key == keys[j] {
                 s.val
             } else {
-                self.get(keys[j]).unwrap_or(0)
+                self.find(keys[j]).map_or(0, |i| self.slots[i].val)
             };
         }
     }

@@ -472,3 +472,138 @@ fn shared_index_readers_see_whole_writes() {
     );
     assert_eq!(first[0].blocks.len(), 256);
 }
+
+/// The jumping walk against the exact one (and the reference) on prefix-closed contents: many
+/// ranks hold, per tier class, a prefix of one of a few long prompts that share a system prompt
+/// (device ⊆ device-or-host ⊆ any), some trimmed from the tail afterwards as an engine evicts,
+/// some storing blocks twice.
+#[test]
+fn jumping_walk_equals_the_exact_walk_on_prefix_closed_indexes() {
+    let system: Vec<u64> = (0..150).collect();
+    let families: Vec<Vec<u64>> = (0..4u64)
+        .map(|f| {
+            let mut p = system.clone();
+            p.extend((0..450).map(|i| 1_000 * (f + 1) + i));
+            p
+        })
+        .collect();
+    let hashes: Vec<Vec<SequenceHash>> = families.iter().map(|p| seqs(p)).collect();
+    let mut rng = fastrand::Rng::with_seed(23);
+    let mut jumped = 0;
+    for round in 0..30 {
+        let mut ix = PrefixIndex::new(u64::MAX);
+        let mut reference = ReferenceIndex::new(u64::MAX);
+        // Few distinct lengths, so many ranks share holder sets (long alike stretches).
+        let lengths = [0usize, 1, 100, 150, 151, 300, 599, 600];
+        for w in 0..60u64 {
+            let rank = wr(w, (w % 3) as u32);
+            for _ in 0..rng.usize(1..=2) {
+                let f = rng.usize(..families.len());
+                let mut cut = [0usize; 3];
+                for c in &mut cut {
+                    *c = lengths[rng.usize(..lengths.len())];
+                }
+                cut.sort_unstable();
+                let (d, h, a) = (cut[0], cut[1], cut[2]);
+                for (tier, range) in [(Tier::Device, 0..d), (Tier::Host, d..h), (Tier::Disk, h..a)]
+                {
+                    let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = range
+                        .clone()
+                        .map(|i| {
+                            (
+                                EngineBlockHash(hashes[f][i].0),
+                                LocalBlockHash(families[f][i]),
+                            )
+                        })
+                        .collect();
+                    let parent = range
+                        .start
+                        .checked_sub(1)
+                        .map(|i| EngineBlockHash(hashes[f][i].0));
+                    let copies = if rng.u8(..5) == 0 { 2 } else { 1 };
+                    for _ in 0..copies {
+                        let x = ix.store(rank, tier, parent, blocks.iter().copied());
+                        let y = reference.store(rank, tier, parent, blocks.iter().copied());
+                        assert_eq!(x, y);
+                    }
+                }
+                if d > 1 && rng.u8(..3) == 0 {
+                    // Evicted from the device tail first, as an engine does.
+                    let keep = rng.usize(1..d);
+                    let tail: Vec<EngineBlockHash> = hashes[f][keep..d]
+                        .iter()
+                        .rev()
+                        .map(|s| EngineBlockHash(s.0))
+                        .collect();
+                    ix.remove(rank, Tier::Device, tail.iter().copied());
+                    reference.remove(rank, Tier::Device, tail.iter().copied());
+                }
+            }
+        }
+        let mut scratch = MatchScratch::default();
+        let (mut exact, mut jumping) = (Vec::new(), Vec::new());
+        for q in &hashes {
+            for cut in [JUMP_MIN_BLOCKS, 149, 150, 151, 152, 301, 599, 600] {
+                let q = &q[..cut];
+                ix.find_matches(q, &mut scratch, &mut exact);
+                ix.find_matches_jumping(q, &mut scratch, &mut jumping);
+                let exact = sorted(exact.clone());
+                assert_eq!(
+                    exact,
+                    sorted(reference.overlaps(q)),
+                    "round {round}, {cut} blocks"
+                );
+                assert_eq!(
+                    sorted(jumping.clone()),
+                    exact,
+                    "round {round}, {cut} blocks"
+                );
+                jumped += usize::from(exact.iter().any(|o| o.overlap.disk > 100));
+            }
+        }
+    }
+    assert!(jumped > 100, "queries with long matches: {jumped}");
+}
+
+/// The jumping walk reads far fewer blocks than the prefix it matches: a 4,000-block prompt held
+/// whole by one rank and in part by others is found with a few hundred probes at most (counted
+/// through a table that records them).
+#[test]
+fn jumping_walk_finds_long_prefixes_with_few_probes() {
+    let prompt: Vec<u64> = (0..4000).collect();
+    let q = seqs(&prompt);
+    let mut ix = PrefixIndex::new(u64::MAX);
+    store_chain(&mut ix, wr(1, 0), Tier::Device, &prompt);
+    store_chain(&mut ix, wr(2, 0), Tier::Device, &prompt[..1000]);
+    store_chain(&mut ix, wr(3, 0), Tier::Host, &prompt[..2500]);
+    let mut scratch = MatchScratch::default();
+    let mut out = Vec::new();
+    let before = table::probes();
+    ix.find_matches_jumping(&q, &mut scratch, &mut out);
+    let probes = table::probes() - before;
+    assert_eq!(
+        sorted(out),
+        vec![
+            RankOverlap {
+                rank: wr(1, 0),
+                overlap: od(4000, 4000, 4000)
+            },
+            RankOverlap {
+                rank: wr(2, 0),
+                overlap: od(1000, 1000, 1000)
+            },
+            RankOverlap {
+                rank: wr(3, 0),
+                overlap: od(0, 2500, 2500)
+            },
+        ]
+    );
+    assert!(probes < 200, "{probes} probes for 4,000 matched blocks");
+    let before = table::probes();
+    ix.find_matches(&q, &mut scratch, &mut Vec::new());
+    assert_eq!(
+        table::probes() - before,
+        4000,
+        "the exact walk reads every block"
+    );
+}
