@@ -121,7 +121,10 @@ impl CostWeights {
     }
 
     pub fn cost(&self, block_size: u32, c: &CandidateLoad) -> f64 {
-        let prefill_blocks = c.potential_prefill_tokens as f64 / f64::from(block_size.max(1));
+        // A product with the reciprocal (hoisted out of a loop over candidates; exact for the
+        // power-of-two block sizes engines use).
+        let prefill_blocks =
+            c.potential_prefill_tokens as f64 * (1.0 / f64::from(block_size.max(1)));
         let adjusted = (prefill_blocks - self.overlap_credit(c.overlap)).max(0.0);
         self.prefill_load_scale * adjusted
             + c.potential_decode_blocks as f64

@@ -15,9 +15,12 @@
 //! otherwise the router picks again. So select-and-book is atomic per decision while picks do not
 //! queue behind one another.
 //!
-//! Cost of a pick over `n` candidates: one walk of the KV index and one of the slot tracker's
-//! active blocks over the prompt's matched prefix, O(1) per candidate (its dense load state and
-//! the walks' results by worker id), and O(n) arithmetic, in buffers reused from pick to pick.
+//! Cost of a pick over `n` candidates: one search of the KV-event index (a few dozen probes per
+//! distinct set of holders along the prompt, however long its cached prefix: see
+//! [`super::index::PrefixIndex::find_matches_jumping`]; the approximate index, whose FIFO evicts
+//! prefixes first, is walked block by block) and one walk of the slot tracker's active blocks,
+//! then O(1) per candidate (the walks' runs and its dense load state, each found through a slot
+//! hint its load counters keep), and O(n) arithmetic, in buffers reused from pick to pick.
 //!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
@@ -319,10 +322,6 @@ impl CandidateMap {
         }
     }
 
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     fn get(&self, w: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
@@ -345,13 +344,13 @@ impl CandidateMap {
 struct PickScratch {
     matching: MatchScratch,
     found: Vec<RankOverlap>,
-    /// Ranks holding the prompt's first blocks in active requests.
-    held: Vec<RankOverlap>,
+    /// The walk over the slot tracker's active blocks.
+    held_matching: MatchScratch,
     /// Candidate index by worker id (the first candidate of a worker).
     by_worker: CandidateMap,
-    /// Per candidate: best cached overlap over its worker's ranks, and the active prefix its
-    /// rank 0 holds.
-    overlaps: Vec<(Overlap, u64)>,
+    /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
+    /// exist).
+    best: Vec<Overlap>,
     loads: Vec<CandidateLoad>,
     versions: Vec<Option<u64>>,
     costs: Vec<f64>,
@@ -562,6 +561,12 @@ impl KvState {
     }
 
     /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
+    ///
+    /// Each walk (KV or approximate index, then the active blocks) leaves its runs in scratch
+    /// space indexed by the index's rank slots; a candidate reads its own through the slot hints
+    /// its load counters keep, so the cost per candidate is a few array reads. Only where an
+    /// index has data-parallel ranks other than 0 (whose best run counts for the endpoint) are
+    /// the runs gathered per worker instead.
     fn candidate_loads(
         &self,
         candidates: &[Arc<Endpoint>],
@@ -569,55 +574,50 @@ impl KvState {
         sc: &mut PickScratch,
     ) {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
-        sc.found.clear();
-        if let Some(p) = prompt.filter(|p| !p.hashes.is_empty()) {
-            match p.mode {
-                PrefixMode::Approximate => self.approx.index.read().find_matches(
-                    &p.hashes,
-                    &mut sc.matching,
-                    &mut sc.found,
-                ),
-                _ => self.event_matches(&p.hashes, sc),
+        let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
+        let index = (!hashes.is_empty()).then(|| {
+            if approximate {
+                self.approx.index.read()
+            } else {
+                self.index.read()
             }
+        });
+        let hint = usize::from(approximate);
+        if let Some(ix) = &index {
+            let jump = self.settings.prefix_closed && !approximate;
+            ix.walk(hashes, &mut sc.matching, jump);
         }
+        let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
+        if per_worker {
+            if let Some(ix) = &index {
+                ix.walked_all(&sc.matching, &mut sc.found);
+            }
+            self.best_per_worker(candidates, sc);
+        }
+        let slots = read(&self.slots);
+        slots.walk_held(hashes, &mut sc.held_matching);
         sc.loads.clear();
         sc.versions.clear();
-        sc.overlaps.clear();
-        sc.overlaps.resize(candidates.len(), Default::default());
-        let slots = read(&self.slots);
-        slots.held_prefixes(hashes, &mut sc.matching, &mut sc.held);
-        sc.by_worker.clear();
-        if !sc.found.is_empty() || !sc.held.is_empty() {
-            sc.by_worker.build(candidates.iter().map(|e| e.worker));
-            for o in &sc.found {
-                if let Some(i) = sc.by_worker.get(o.rank.worker) {
-                    let cur = &mut sc.overlaps[i].0;
-                    cur.device = cur.device.max(o.overlap.device);
-                    cur.host = cur.host.max(o.overlap.host);
-                    cur.disk = cur.disk.max(o.overlap.disk);
-                }
-            }
-            for o in sc.held.iter().filter(|o| o.rank.dp_rank == 0) {
-                if let Some(i) = sc.by_worker.get(o.rank.worker) {
-                    sc.overlaps[i].1 = o.overlap.disk;
-                }
-            }
-        }
+        let blocks = hashes.len() as u64;
         for (i, e) in candidates.iter().enumerate() {
-            // A worker named twice reads what its first candidate got.
-            let first = if sc.by_worker.is_empty() {
-                i
-            } else {
-                sc.by_worker.get(e.worker).unwrap_or(i)
-            };
-            let (overlap, held) = sc.overlaps[first];
-            // An unregistered rank counts as idle; booking registers it.
             let rank = WorkerRank {
                 worker: e.worker,
                 dp_rank: 0,
             };
-            let (l, version) =
-                slots.projection_hinted(rank, &e.load.slot_hint, hashes.len() as u64, held, isl);
+            let overlap = match &index {
+                _ if per_worker => sc.best[i],
+                Some(ix) => ix
+                    .walked(&sc.matching, rank, &e.load.index_hints[hint])
+                    .unwrap_or_default(),
+                None => Overlap::default(),
+            };
+            let held = if hashes.is_empty() {
+                0
+            } else {
+                slots.walked_held(&sc.held_matching, rank, &e.load.index_hints[2])
+            };
+            // An unregistered rank counts as idle; booking registers it.
+            let (l, version) = slots.projection_hinted(rank, &e.load.slot_hint, blocks, held, isl);
             sc.loads.push(CandidateLoad {
                 overlap,
                 potential_prefill_tokens: l.potential_prefill_tokens,
@@ -625,6 +625,31 @@ impl KvState {
                 active_requests: l.active_requests,
             });
             sc.versions.push(version);
+        }
+    }
+
+    /// `sc.best[i]`: candidate `i`'s best cached prefix over its worker's ranks, from the runs
+    /// in `sc.found` (a worker named twice reads what its first candidate got).
+    fn best_per_worker(&self, candidates: &[Arc<Endpoint>], sc: &mut PickScratch) {
+        sc.best.clear();
+        sc.best.resize(candidates.len(), Overlap::default());
+        sc.by_worker.clear();
+        if sc.found.is_empty() {
+            return;
+        }
+        sc.by_worker.build(candidates.iter().map(|e| e.worker));
+        for o in &sc.found {
+            if let Some(i) = sc.by_worker.get(o.rank.worker) {
+                let cur = &mut sc.best[i];
+                cur.device = cur.device.max(o.overlap.device);
+                cur.host = cur.host.max(o.overlap.host);
+                cur.disk = cur.disk.max(o.overlap.disk);
+            }
+        }
+        for (i, e) in candidates.iter().enumerate() {
+            if let Some(first) = sc.by_worker.get(e.worker).filter(|&f| f != i) {
+                sc.best[i] = sc.best[first];
+            }
         }
     }
 

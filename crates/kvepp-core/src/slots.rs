@@ -399,6 +399,26 @@ impl SlotTracker {
         self.active.find_matches(hashes, scratch, out);
     }
 
+    /// [`Self::held_prefixes`] without collecting: walks the active blocks into `scratch`, for
+    /// [`Self::walked_held`].
+    pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
+        self.active.walk(hashes, scratch, false);
+    }
+
+    /// After [`Self::walk_held`] with `scratch`: how many leading blocks `rank` holds active
+    /// (`hint` remembers its slot in the active index, as in [`PrefixIndex::walked`]).
+    #[inline]
+    pub fn walked_held(
+        &self,
+        scratch: &MatchScratch,
+        rank: WorkerRank,
+        hint: &std::sync::atomic::AtomicU32,
+    ) -> u64 {
+        self.active
+            .walked(scratch, rank, hint)
+            .map_or(0, |o| o.disk)
+    }
+
     /// A rank's load if it took a request of `blocks` prompt blocks whose first `held` it has
     /// active ([`Self::held_prefixes`]) and `new_isl_tokens` to prefill, with the rank's version
     /// (an unknown rank counts as idle, version None).
@@ -425,6 +445,7 @@ impl SlotTracker {
 
     /// [`Self::projection`] with a remembered dense id for `rank` (checked before use, updated
     /// when wrong): no hashing when the hint is right.
+    #[inline]
     pub fn projection_hinted(
         &self,
         rank: WorkerRank,

@@ -23,6 +23,14 @@
 //! - a spilled holder list's fingerprint ([`fingerprint`]) is recomputed with every change to it,
 //!   so the walk may treat consecutive blocks with equal fingerprints as held alike.
 //!
+//! Lookups: [`PrefixIndex::find_matches`] reads every block of the matched prefix (batched
+//! probes); [`PrefixIndex::find_matches_jumping`] searches for the points where the holders
+//! change, which is exact when each rank's blocks are prefix-closed per tier class (engines
+//! evicting leaves first) and costs a few dozen probes per distinct holder set instead of one per
+//! block. A walk leaves its runs in a [`MatchScratch`] indexed by rank slot; a caller reads one
+//! rank's with [`PrefixIndex::walked`] (a remembered slot hint, checked against a dense array of
+//! slot owners) or all of them with [`PrefixIndex::walked_all`].
+//!
 //! Clearing a rank scans the table (rare: engine restarts and departures). The same structure
 //! holds the slot tracker's active blocks ([`PrefixIndex::link_chain`]): there a device
 //! reference counts requests ending at a block and a host reference counts child blocks.
@@ -37,6 +45,7 @@ pub use self::shared::SharedIndex;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use self::table::BlockTable;
 use super::cost::Overlap;
@@ -284,6 +293,24 @@ struct RankSlot {
     engine: Map<EngineBlockHash, SequenceHash>,
 }
 
+/// A slot's rank, flat (16 bytes); `live` false for a free slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct SlotId {
+    worker: u64,
+    dp_rank: u32,
+    live: bool,
+}
+
+impl SlotId {
+    fn live(r: WorkerRank) -> Self {
+        SlotId {
+            worker: r.worker,
+            dp_rank: r.dp_rank,
+            live: true,
+        }
+    }
+}
+
 enum Removal {
     NotHeld,
     Decremented,
@@ -331,7 +358,12 @@ pub struct PrefixIndex {
     spill_fp: Vec<u64>,
     spill_free: Vec<u32>,
     ranks: Vec<Option<RankSlot>>,
-    rank_ids: HashMap<WorkerRank, u16>,
+    rank_ids: Map<WorkerRank, u16>,
+    /// Each slot's rank, densely: what [`Self::walked`] checks a hint against without touching
+    /// the slot itself.
+    slot_ids: Vec<SlotId>,
+    /// Live ranks whose data-parallel rank is not 0.
+    nonzero_dp_ranks: usize,
     free_ranks: Vec<u16>,
     max_blocks_per_rank: u64,
     stats: IndexStats,
@@ -359,7 +391,9 @@ impl PrefixIndex {
             spill_fp: Vec::new(),
             spill_free: Vec::new(),
             ranks: Vec::new(),
-            rank_ids: HashMap::new(),
+            rank_ids: HashMap::with_hasher(build),
+            slot_ids: Vec::new(),
+            nonzero_dp_ranks: 0,
             free_ranks: Vec::new(),
             max_blocks_per_rank,
             stats: IndexStats::default(),
@@ -531,6 +565,7 @@ impl PrefixIndex {
                     .filter(|&s| s < u16::MAX)
                     .ok_or(IndexError::TooManyRanks)?;
                 self.ranks.push(None);
+                self.slot_ids.push(SlotId::default());
                 s
             }
         };
@@ -540,6 +575,8 @@ impl PrefixIndex {
             engine: HashMap::with_hasher(self.build),
         });
         self.rank_ids.insert(rank, s);
+        self.slot_ids[usize::from(s)] = SlotId::live(rank);
+        self.nonzero_dp_ranks += usize::from(rank.dp_rank != 0);
         Ok(s)
     }
 
@@ -833,6 +870,8 @@ impl PrefixIndex {
         for s in gone {
             if let Some(slot) = self.ranks[usize::from(s)].take() {
                 self.rank_ids.remove(&slot.id);
+                self.slot_ids[usize::from(s)] = SlotId::default();
+                self.nonzero_dp_ranks -= usize::from(slot.id.dp_rank != 0);
             }
             self.free_ranks.push(s);
         }
@@ -874,8 +913,22 @@ impl PrefixIndex {
         scratch: &mut MatchScratch,
         out: &mut Vec<RankOverlap>,
     ) {
-        out.clear();
+        self.walk(hashes, scratch, false);
+        self.walked_all(scratch, out);
+    }
+
+    /// Walks `hashes` into `scratch` ([`Self::find_matches_jumping`]'s search where `jump`, else
+    /// [`Self::find_matches`]'s walk), for [`Self::walked`] and [`Self::walked_all`].
+    pub fn walk(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch, jump: bool) {
         scratch.begin(self.ranks.len());
+        if jump && hashes.len() >= JUMP_MIN_BLOCKS {
+            self.walk_jumping(hashes, scratch);
+        } else {
+            self.walk_exact(hashes, scratch);
+        }
+    }
+
+    fn walk_exact(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
         // The holders of the block that last extended the runs, and how many blocks since held
         // alike (their extension is applied when the holders change or the walk ends).
         let mut streak: Option<(u64, HolderList<'_>, u32)> = None;
@@ -920,7 +973,6 @@ impl PrefixIndex {
         if let Some((_, prev, at)) = streak {
             Self::extend_alike(scratch, prev.as_slice(), at, pending);
         }
-        self.collect_runs(scratch, out);
     }
 
     /// The holders of a non-empty table word, with the identity the walks compare
@@ -951,12 +1003,12 @@ impl PrefixIndex {
         scratch: &mut MatchScratch,
         out: &mut Vec<RankOverlap>,
     ) {
+        self.walk(hashes, scratch, true);
+        self.walked_all(scratch, out);
+    }
+
+    fn walk_jumping(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
         let n = hashes.len();
-        if n < JUMP_MIN_BLOCKS {
-            return self.find_matches(hashes, scratch, out);
-        }
-        out.clear();
-        scratch.begin(self.ranks.len());
         let Some(word) = self.blocks.get(hashes[0].0) else {
             return;
         };
@@ -977,7 +1029,6 @@ impl PrefixIndex {
                 at = end;
             }
         }
-        self.collect_runs(scratch, out);
     }
 
     /// The first block after `at` whose holders are not those of block `at` (identity `ident`,
@@ -1026,8 +1077,45 @@ impl PrefixIndex {
         (hi, hi_word)
     }
 
-    /// The runs the walk left in `scratch`, one per rank it touched, into `out`.
-    fn collect_runs(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
+    /// After [`Self::walk`] with `scratch` (and no change to the index since): `rank`'s cached
+    /// prefix (None: not even the first block). `hint` remembers the rank's slot: when it is
+    /// right, no hashing; when wrong, the slot is looked up and the hint corrected.
+    #[inline]
+    pub fn walked(
+        &self,
+        scratch: &MatchScratch,
+        rank: WorkerRank,
+        hint: &AtomicU32,
+    ) -> Option<Overlap> {
+        let at = hint.load(Ordering::Relaxed) as usize;
+        let s = match self.slot_ids.get(at) {
+            Some(id) if *id == SlotId::live(rank) => at,
+            _ => {
+                let s = usize::from(self.slot_of(rank)?);
+                hint.store(s as u32, Ordering::Relaxed);
+                s
+            }
+        };
+        let run = scratch
+            .runs
+            .get(s)
+            .filter(|r| r.epoch == scratch.epoch && r.any > 0)?;
+        Some(Overlap {
+            device: u64::from(run.device),
+            host: u64::from(run.host),
+            disk: u64::from(run.any),
+        })
+    }
+
+    /// Whether some rank here has a data-parallel rank other than 0.
+    pub fn has_nonzero_dp_ranks(&self) -> bool {
+        self.nonzero_dp_ranks > 0
+    }
+
+    /// The runs the last [`Self::walk`] with `scratch` found, one per rank it touched, into `out`
+    /// (cleared first).
+    pub fn walked_all(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
+        out.clear();
         out.extend(scratch.touched.iter().map(|&s| {
             let run = scratch.runs[usize::from(s)];
             RankOverlap {

@@ -19,10 +19,11 @@ fn endpoints(n: u8) -> Vec<Arc<Endpoint>> {
         .collect()
 }
 
-/// A prompt from one of four families: a shared stem of random length, then a private tail.
-fn prompt(rng: &mut fastrand::Rng, mode: PrefixMode) -> PromptBlocks {
+/// A prompt from one of four families: a shared stem of random length (below `stem`), then a
+/// private tail.
+fn prompt(rng: &mut fastrand::Rng, mode: PrefixMode, stem: u64) -> PromptBlocks {
     let family = rng.u64(..4);
-    let mut locals: Vec<LocalBlockHash> = (0..rng.u64(..40))
+    let mut locals: Vec<LocalBlockHash> = (0..rng.u64(..stem))
         .map(|i| LocalBlockHash(family * 1000 + i))
         .collect();
     locals.extend((0..rng.u64(..6)).map(|_| LocalBlockHash(rng.u64(..) | 1 << 63)));
@@ -76,24 +77,43 @@ fn reference_scores(
         .collect()
 }
 
+/// Short prompts on two data-parallel ranks per endpoint with evictions in the middle of chains
+/// (the exact walk; runs gathered per worker).
 #[test]
 fn kv_aware_scores_equal_a_from_scratch_reference() {
+    differential(7, 2, true, 40);
+}
+
+/// Long prompts on rank 0 only, evicted from the tail, endpoints leaving the index and their slots
+/// reused (the jumping search; each candidate's runs read through its slot hints).
+#[test]
+fn kv_aware_scores_equal_a_from_scratch_reference_with_jumping_and_slot_hints() {
+    differential(8, 1, false, 400);
+}
+
+/// Random KV events, picks, bookings and ends; every pick's score per candidate must equal the
+/// reference's. `dp_ranks`: ranks per endpoint in the events; `gaps`: evictions anywhere in a
+/// chain (else from its tail, as engines evict); `stem`: longest shared prompt stem in blocks.
+fn differential(seed: u64, dp_ranks: u32, gaps: bool, stem: u64) {
     let kv = Arc::new(KvState::new(KvSettings::default()));
     let eps = endpoints(24);
     let refs: &[Arc<Endpoint>] = &eps;
     let mut reference = ReferenceIndex::new(u64::MAX);
-    let mut rng = fastrand::Rng::with_seed(7);
+    let mut rng = fastrand::Rng::with_seed(seed);
     let mut booked: Vec<Booked> = Vec::new();
     let now = Instant::now();
     let mut compared = 0;
+    let mut long_matches = 0;
+    // The chains stored per rank and tier (what tail evictions may take back).
+    let mut stored: Vec<(WorkerRank, Tier, Vec<SequenceHash>)> = Vec::new();
     for step in 0..4000u64 {
         match rng.u8(..8) {
             0 | 1 => {
                 // A KV event: a prompt's chain stored on some rank of some endpoint.
-                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let p = prompt(&mut rng, PrefixMode::TokenIds, stem);
                 let rank = WorkerRank {
                     worker: eps[rng.usize(..eps.len())].worker,
-                    dp_rank: rng.u32(..2),
+                    dp_rank: rng.u32(..dp_ranks),
                 };
                 let tier = [Tier::Device, Tier::Host][rng.usize(..2)];
                 let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = p
@@ -107,22 +127,55 @@ fn kv_aware_scores_equal_a_from_scratch_reference() {
                     .write(|ix| ix.store(rank, tier, None, blocks.iter().copied()));
                 let b = reference.store(rank, tier, None, blocks.iter().copied());
                 assert_eq!(a.is_ok(), b.is_ok());
+                stored.push((rank, tier, p.hashes.clone()));
             }
-            2 => {
+            2 if gaps => {
                 // An eviction somewhere in a chain (leaves a gap).
-                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let p = prompt(&mut rng, PrefixMode::TokenIds, stem);
                 if let Some(h) = p.hashes.get(rng.usize(..p.hashes.len().max(1))) {
                     let rank = WorkerRank {
                         worker: eps[rng.usize(..eps.len())].worker,
-                        dp_rank: rng.u32(..2),
+                        dp_rank: rng.u32(..dp_ranks),
                     };
                     let gone = [EngineBlockHash(h.0)];
                     kv.index().write(|ix| ix.remove(rank, Tier::Device, gone));
                     reference.remove(rank, Tier::Device, gone);
                 }
             }
+            2 if rng.u8(..8) == 0 => {
+                // An endpoint leaves the index (its slot is freed, later reused by another).
+                let w = eps[rng.usize(..eps.len())].worker;
+                kv.index().write(|ix| ix.remove_worker(w));
+                reference.remove_worker(w);
+                stored.retain(|(r, _, _)| r.worker != w);
+            }
+            2 if !stored.is_empty() => {
+                // An eviction from the tail of a stored chain, as an engine evicts (leaves
+                // first: blocks other chains share keep their references).
+                let (rank, tier, hashes) = stored.swap_remove(rng.usize(..stored.len()));
+                let keep = rng.usize(..hashes.len().max(1));
+                let tail: Vec<EngineBlockHash> = hashes[keep..]
+                    .iter()
+                    .rev()
+                    .map(|h| EngineBlockHash(h.0))
+                    .collect();
+                kv.index()
+                    .write(|ix| ix.remove(rank, tier, tail.iter().copied()));
+                reference.remove(rank, tier, tail.iter().copied());
+                stored.push((rank, tier, hashes[..keep].to_vec()));
+            }
             3..=5 => {
-                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                if booked.len() >= 48 {
+                    // Bounded, so the reference's recount stays cheap.
+                    booked.swap_remove(rng.usize(..booked.len()));
+                }
+                let p = prompt(&mut rng, PrefixMode::TokenIds, stem);
+                long_matches += usize::from(
+                    reference
+                        .overlaps(&p.hashes)
+                        .iter()
+                        .any(|o| o.overlap.disk >= crate::index::JUMP_MIN_BLOCKS as u64),
+                );
                 let mut ctx = PickContext::seeded(step).with_scores();
                 let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
                 let want = reference_scores(&kv, &reference, &eps, &booked, &p);
@@ -157,6 +210,12 @@ fn kv_aware_scores_equal_a_from_scratch_reference() {
         }
     }
     assert!(compared > 1000);
+    if stem > 2 * crate::index::JUMP_MIN_BLOCKS as u64 {
+        assert!(
+            long_matches > 100,
+            "picks with a long cached prefix: {long_matches}"
+        );
+    }
     drop(booked);
     assert_eq!(kv.active_count(), 0);
     assert!(kv
@@ -172,7 +231,7 @@ fn a_booking_is_refused_when_the_load_it_read_changed() {
     let kv = Arc::new(KvState::new(KvSettings::default()));
     let eps = endpoints(2);
     let refs: &[Arc<Endpoint>] = &eps;
-    let p = prompt(&mut fastrand::Rng::with_seed(1), PrefixMode::TokenIds);
+    let p = prompt(&mut fastrand::Rng::with_seed(1), PrefixMode::TokenIds, 40);
     let mut ctx = PickContext::seeded(1);
     let (best, _, first) = kv.rank(refs, Some(&p), &mut ctx);
     let (again, _, second) = kv.rank(refs, Some(&p), &mut ctx);
@@ -205,7 +264,7 @@ fn concurrent_picks_book_exactly() {
             let mut rng = fastrand::Rng::with_seed(99);
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) || n < 50 {
-                let p = prompt(&mut rng, PrefixMode::TokenIds);
+                let p = prompt(&mut rng, PrefixMode::TokenIds, 40);
                 let rank = WorkerRank {
                     worker: eps[rng.usize(..eps.len())].worker,
                     dp_rank: 0,
@@ -231,7 +290,7 @@ fn concurrent_picks_book_exactly() {
                 let mut rng = fastrand::Rng::with_seed(t);
                 let mut kept = Vec::new();
                 for i in 0..400u64 {
-                    let p = prompt(&mut rng, PrefixMode::TokenIds);
+                    let p = prompt(&mut rng, PrefixMode::TokenIds, 40);
                     let mut ctx = PickContext::seeded(t * 1000 + i);
                     // The router's loop: pick again while the chosen load changed.
                     let guard = loop {
