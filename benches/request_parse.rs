@@ -74,5 +74,52 @@ fn ratios(_: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, parse, ratios);
+/// A completions body whose prompt is `n` token ids (the `token_ids` prefix mode).
+fn token_ids_body(n: u32) -> Vec<u8> {
+    let ids: Vec<String> = (0..n)
+        .map(|i| (i.wrapping_mul(2_654_435_761) % 128_000).to_string())
+        .collect();
+    format!(
+        "{{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"max_tokens\":128,\"prompt\":[{}]}}",
+        ids.join(",")
+    )
+    .into_bytes()
+}
+
+/// A token-id prompt of 100k ids: parsing the body and reading the ids (what kvepp does per
+/// request in `token_ids` mode), against a full `serde_json::Value` parse.
+fn token_id_ratios(_: &mut Criterion) {
+    let b = token_ids_body(100_000);
+    let iters = 100;
+    let time = |f: &dyn Fn() -> usize| {
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            black_box(f());
+        }
+        start.elapsed().as_secs_f64() / f64::from(iters)
+    };
+    let parse =
+        time(&|| kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len()));
+    let ids = time(&|| {
+        let parsed = kvepp::request::parse_body(black_box(&b)).expect("valid body");
+        match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
+            kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
+            _ => 0,
+        }
+    });
+    let base = time(&|| {
+        serde_json::from_slice::<serde_json::Value>(black_box(&b))
+            .map_or(0, |v| v["prompt"].as_array().map_or(0, Vec::len))
+    });
+    println!(
+        "ratio token_ids/{} bytes: parse_body {:.0} µs, parse_body + ids {:.0} µs, serde_json::Value {:.0} µs = {:.2}×",
+        b.len(),
+        parse * 1e6,
+        ids * 1e6,
+        base * 1e6,
+        ids / base
+    );
+}
+
+criterion_group!(benches, parse, ratios, token_id_ratios);
 criterion_main!(benches);

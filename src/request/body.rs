@@ -1,16 +1,21 @@
 //! Zero-copy scan of an OpenAI-style JSON request body.
 //!
 //! The whole body is validated as JSON (so malformed input is rejected before it reaches a model
-//! server), but only the top-level `model` value is materialised: every other value is skipped with
-//! `IgnoredAny`. The byte span of the `model` value is kept so a target-model rewrite can splice a
-//! new value in without touching the rest of the body.
+//! server), but only the top-level `model` value is materialised. The top-level object is walked
+//! here, each member's value handed to serde_json (`&RawValue`: validated, borrowed, never
+//! built), except a `prompt` that is an array of plain integers: that one is read into token ids
+//! in the same pass that validates it (serde's skip of 100k integers costs more than reading
+//! them). Anything unusual in such an array (signs, fractions, exponents, values beyond u32)
+//! sends it back to serde, whose answer it is. The byte span of the `model` value is kept so a
+//! target-model rewrite can splice a new value in without touching the rest of the body.
+//!
+//! Invariants: a body is accepted iff it is one valid JSON object (with a non-empty string
+//! `model`), as serde_json accepts it (a differential test checks it on mutated bodies); for
+//! duplicate keys the last one wins, as in Python's `json` module that the engines use.
 
 use std::borrow::Cow;
-use std::fmt;
 use std::ops::Range;
 
-use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
-use serde::Deserializer;
 use serde_json::value::RawValue;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
@@ -26,6 +31,15 @@ pub enum BodyError {
     ModelNotString,
 }
 
+/// A completions `prompt` as the body gives it.
+#[derive(Debug)]
+pub enum RawPrompt<'a> {
+    /// A flat array of integers that fit u32, read while the body was validated.
+    Ids(Vec<u32>),
+    /// Any other value, raw.
+    Json(&'a RawValue),
+}
+
 /// The parts of a body the EPP needs, borrowed from the body bytes.
 #[derive(Debug)]
 pub struct ParsedBody<'a> {
@@ -33,23 +47,18 @@ pub struct ParsedBody<'a> {
     pub model: Cow<'a, str>,
     /// Byte range of the `model` value (including its quotes) in the body.
     pub model_span: Range<usize>,
-    /// The raw JSON of `prompt` (completions) and `messages` (chat), borrowed from the body.
-    pub prompt: Option<&'a RawValue>,
+    /// `prompt` (completions) and the raw JSON of `messages` (chat).
+    pub prompt: Option<RawPrompt<'a>>,
     pub messages: Option<&'a RawValue>,
 }
 
 /// Scans `body` and returns the model name and its location.
 pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let raw = de
-        .deserialize_any(TopLevel)
-        .map_err(|e| classify(e, body))?;
-    de.end().map_err(|e| BodyError::Malformed(e.to_string()))?;
     let Fields {
         model,
         prompt,
         messages,
-    } = raw;
+    } = scan(body)?;
     let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
@@ -71,79 +80,164 @@ pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
     })
 }
 
-fn classify(e: serde_json::Error, body: &[u8]) -> BodyError {
-    if e.is_data() && body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        BodyError::NotAnObject
-    } else {
-        BodyError::Malformed(e.to_string())
-    }
-}
-
-/// The top-level values kvepp reads, captured raw (no copy). Last one wins, as in Python's `json`
-/// module that the engines use.
+/// The top-level values kvepp reads. Last one wins.
 #[derive(Default)]
-struct Fields<'de> {
-    model: Option<&'de RawValue>,
-    prompt: Option<&'de RawValue>,
-    messages: Option<&'de RawValue>,
+struct Fields<'a> {
+    model: Option<&'a RawValue>,
+    prompt: Option<RawPrompt<'a>>,
+    messages: Option<&'a RawValue>,
 }
 
-/// The top level of the body: a map.
-struct TopLevel;
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
 
-impl<'de> Visitor<'de> for TopLevel {
-    type Value = Fields<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON object")
+/// The first non-whitespace position at or after `i`.
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(|&c| is_ws(c)) {
+        i += 1;
     }
+    i
+}
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut fields = Fields::default();
-        while let Some(key) = map.next_key_seed(KeyKind::Other)? {
-            let slot = match key {
-                KeyKind::Model => &mut fields.model,
-                KeyKind::Prompt => &mut fields.prompt,
-                KeyKind::Messages => &mut fields.messages,
-                KeyKind::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                    continue;
+fn malformed_at(what: &str, at: usize) -> BodyError {
+    BodyError::Malformed(format!("{what} at byte {at}"))
+}
+
+/// One JSON value of type `T` starting at byte `at` (whitespace first allowed), and the offset
+/// just past it.
+fn value_at<'a, T: serde::Deserialize<'a>>(
+    body: &'a [u8],
+    at: usize,
+) -> Result<(T, usize), serde_json::Error> {
+    let mut values = serde_json::Deserializer::from_slice(&body[at..]).into_iter::<T>();
+    match values.next() {
+        Some(Ok(v)) => Ok((v, at + values.byte_offset())),
+        Some(Err(e)) => Err(e),
+        None => Err(serde::de::Error::custom("EOF while parsing a value")),
+    }
+}
+
+fn malformed(e: &serde_json::Error, at: usize) -> BodyError {
+    BodyError::Malformed(format!("{e} (in the value at byte {at})"))
+}
+
+/// Walks the top-level object.
+fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
+    let mut i = skip_ws(body, 0);
+    match body.get(i) {
+        Some(b'{') => i += 1,
+        // Another kind of value: valid JSON is not an object; anything else is malformed.
+        _ => {
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => BodyError::NotAnObject,
+                    Err(e) => BodyError::Malformed(e.to_string()),
+                },
+            )
+        }
+    }
+    let mut fields = Fields::default();
+    i = skip_ws(body, i);
+    if body.get(i) == Some(&b'}') {
+        i += 1;
+    } else {
+        loop {
+            i = skip_ws(body, i);
+            if body.get(i) != Some(&b'"') {
+                return Err(malformed_at("expected a string key", i));
+            }
+            let (key, after): (Cow<'_, str>, usize) = match value_at::<&str>(body, i) {
+                Ok((k, n)) => (Cow::Borrowed(k), n),
+                // Escapes in the key: decoded (rare).
+                Err(_) => {
+                    let (k, n) = value_at::<String>(body, i).map_err(|e| malformed(&e, i))?;
+                    (Cow::Owned(k), n)
                 }
             };
-            *slot = Some(map.next_value::<&'de RawValue>()?);
+            i = skip_ws(body, after);
+            if body.get(i) != Some(&b':') {
+                return Err(malformed_at("expected `:`", i));
+            }
+            i = skip_ws(body, i + 1);
+            match &*key {
+                "prompt" => {
+                    let ids = (body.get(i) == Some(&b'[')).then(|| int_array(&body[i..]));
+                    if let Some(Some((ids, n))) = ids {
+                        fields.prompt = Some(RawPrompt::Ids(ids));
+                        i += n;
+                    } else {
+                        let (v, n) = raw_at(body, i)?;
+                        fields.prompt = Some(RawPrompt::Json(v));
+                        i = n;
+                    }
+                }
+                "model" => (fields.model, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
+                "messages" => (fields.messages, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
+                _ => i = raw_at(body, i)?.1,
+            }
+            i = skip_ws(body, i);
+            match body.get(i) {
+                Some(b',') => i += 1,
+                Some(b'}') => {
+                    i += 1;
+                    break;
+                }
+                Some(_) => return Err(malformed_at("expected `,` or `}`", i)),
+                None => return Err(malformed_at("EOF while parsing an object", i)),
+            }
         }
-        Ok(fields)
     }
+    let end = skip_ws(body, i);
+    if end != body.len() {
+        return Err(malformed_at("trailing characters", end));
+    }
+    Ok(fields)
 }
 
-/// Which top-level key this is, read without allocating.
-#[derive(Clone, Copy)]
-enum KeyKind {
-    Model,
-    Prompt,
-    Messages,
-    Other,
+fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
+    value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
 }
 
-impl<'de> DeserializeSeed<'de> for KeyKind {
-    type Value = KeyKind;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<KeyKind, D::Error> {
-        d.deserialize_str(self)
+/// Reads the JSON array at the start of `b` (`b[0] == b'['`) when it holds only plain integers
+/// (no sign, fraction or exponent; no leading zero) that fit u32: the ids and the bytes the array
+/// takes. None for anything else, valid or not (serde decides).
+fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
+    // Ids take at least two bytes each ("1,"): room for all of them, at most once regrown.
+    let mut ids = Vec::with_capacity((b.len() / 6).min(1 << 20));
+    let mut i = skip_ws(b, 1);
+    if b.get(i) == Some(&b']') {
+        return Some((ids, i + 1));
     }
-}
-
-impl<'de> Visitor<'de> for KeyKind {
-    type Value = KeyKind;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object key")
-    }
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyKind, E> {
-        Ok(match v {
-            "model" => KeyKind::Model,
-            "prompt" => KeyKind::Prompt,
-            "messages" => KeyKind::Messages,
-            _ => KeyKind::Other,
-        })
+    loop {
+        let first = *b.get(i)?;
+        let mut value = u64::from(first.wrapping_sub(b'0'));
+        if value > 9 {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while let Some(&c) = b.get(i) {
+            let d = c.wrapping_sub(b'0');
+            if d > 9 {
+                break;
+            }
+            value = value * 10 + u64::from(d);
+            i += 1;
+            if i - start > 10 {
+                return None; // beyond u32
+            }
+        }
+        if first == b'0' && i - start > 1 {
+            return None; // a leading zero: not JSON
+        }
+        ids.push(u32::try_from(value).ok()?);
+        i = skip_ws(b, i);
+        match b.get(i)? {
+            b',' => i = skip_ws(b, i + 1),
+            b']' => return Some((ids, i + 1)),
+            _ => return None,
+        }
     }
 }
 
@@ -334,14 +428,16 @@ mod tests {
     /// and a rewrite changes nothing else.
     #[test]
     fn agrees_with_a_full_parse_on_mutated_bodies() {
-        let seeds: [&[u8]; 4] = [
+        let seeds: [&[u8]; 6] = [
             br#"{"model":"m","prompt":"hi \"there\" \u00e9","max_tokens":3,"stream":true}"#,
+            br#"{"model":"m","prompt":[101, 2023,0 ,19,4294967295],"max_tokens":3}"#,
+            br#"{"prompt":[7,8,9],"model":"m","prompt":[1,20,300]}"#,
             br#"{"messages":[{"role":"user","content":"a"}],"model":"meta-llama/Llama-3.1-8B","n":[1,2.5e3,null,false]}"#,
             br#" { "model" : "x" , "model" : "y" , "nested" : { "model" : "z" } } "#,
             br#"{"model":"\ud83d\ude00 emoji","temperature":0.7}"#,
         ];
         let mut rng = fastrand::Rng::with_seed(7);
-        let (mut accepted, mut rejected) = (0, 0);
+        let (mut accepted, mut rejected, mut ids_read) = (0, 0, 0);
         for _ in 0..20_000 {
             let mut b = seeds[rng.usize(..seeds.len())].to_vec();
             for _ in 0..rng.usize(0..3) {
@@ -366,6 +462,20 @@ mod tests {
             match (parse_body(&b), reference) {
                 (Ok(p), Some(model)) => {
                     assert_eq!(p.model, model, "{}", String::from_utf8_lossy(&b));
+                    let want_prompt =
+                        serde_json::from_slice::<serde_json::Value>(&b).unwrap()["prompt"].clone();
+                    match &p.prompt {
+                        Some(RawPrompt::Ids(ids)) => {
+                            let want: Vec<u32> = serde_json::from_value(want_prompt).unwrap();
+                            assert_eq!(ids, &want, "{}", String::from_utf8_lossy(&b));
+                            ids_read += 1;
+                        }
+                        Some(RawPrompt::Json(raw)) => {
+                            let got: serde_json::Value = serde_json::from_str(raw.get()).unwrap();
+                            assert_eq!(got, want_prompt);
+                        }
+                        None => assert!(want_prompt.is_null()),
+                    }
                     let out = Rewrite::new(&b, p.model_span.clone(), "rewritten").to_vec();
                     let mut before: serde_json::Value = serde_json::from_slice(&b).unwrap();
                     let mut after: serde_json::Value = serde_json::from_slice(&out).unwrap();
@@ -383,9 +493,45 @@ mod tests {
             }
         }
         assert!(
-            accepted > 1000 && rejected > 1000,
-            "{accepted} accepted, {rejected} rejected"
+            accepted > 1000 && rejected > 1000 && ids_read > 300,
+            "{accepted} accepted, {rejected} rejected, {ids_read} token-id prompts read"
         );
+    }
+
+    #[test]
+    fn integer_arrays_read_in_one_pass() {
+        assert_eq!(int_array(b"[1, 2 ,3] tail"), Some((vec![1, 2, 3], 9)));
+        assert_eq!(int_array(b"[ ]"), Some((vec![], 3)));
+        assert_eq!(
+            int_array(b"[0,4294967295]"),
+            Some((vec![0, 4_294_967_295], 14))
+        );
+        for unusual in [
+            &b"[-1]"[..],
+            b"[4294967296]",
+            b"[01]",
+            b"[1.5]",
+            b"[1e3]",
+            b"[1,]",
+            b"[1 2]",
+            b"[\"1\"]",
+            b"[1",
+            b"[",
+        ] {
+            assert_eq!(
+                int_array(unusual),
+                None,
+                "{}",
+                String::from_utf8_lossy(unusual)
+            );
+        }
+        // Left to serde, which decides: `-0` is 0 there; `[01]` is not JSON.
+        let p = parse_body(br#"{"model":"m","prompt":[-0]}"#).unwrap();
+        assert!(matches!(p.prompt, Some(RawPrompt::Json(r)) if r.get() == "[-0]"));
+        assert!(matches!(
+            parse_body(br#"{"model":"m","prompt":[01]}"#),
+            Err(BodyError::Malformed(_))
+        ));
     }
 
     #[test]

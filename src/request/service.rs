@@ -275,7 +275,7 @@ impl RouteRequest for RequestRouter {
                 target_label: self.no_model.clone(),
             });
         };
-        let parsed = parse_body(body)?;
+        let mut parsed = parse_body(body)?;
         let unlisted = self.pass_through_unknown.then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted) {
             Ok(m) => m,
@@ -300,7 +300,7 @@ impl RouteRequest for RequestRouter {
         let prompt = if self.router.wants_prompt() {
             prompt_for_routing(
                 self.tokenizers.get(served).map(|t| &**t),
-                prompt_input(&parsed),
+                prompt_input(parsed.messages, parsed.prompt.take()),
                 served,
                 &m.target_label,
             )
