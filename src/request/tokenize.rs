@@ -136,13 +136,14 @@ impl ModelTokenizer {
     /// The chat template applied to `messages` (JSON, as in the body), with the generation prompt.
     pub fn render_chat(&self, messages: &RawValue) -> Result<String, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        let messages: serde_json::Value = serde_json::from_str(messages.get())
+        // Straight into the template's values (no serde_json::Value in between to convert).
+        let messages: minijinja::Value = serde_json::from_str(messages.get())
             .map_err(|e| TokenizeError::Prompt(e.to_string()))?;
         let t = env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         t.render(minijinja::context! {
-            messages => minijinja::Value::from_serialize(&messages),
+            messages => messages,
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
