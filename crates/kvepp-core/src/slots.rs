@@ -13,7 +13,7 @@
 //!
 //! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank);
 //! the active blocks of every rank live in one [`PrefixIndex`], so a projection
-//! ([`SlotTracker::held_prefixes`]) is one walk over the prompt's blocks that some rank holds
+//! ([`SlotTracker::walk_held`]) is one walk over the prompt's blocks that some rank holds
 //! actively, costing one lookup per block plus one step per rank where the holders change, not
 //! ranks × blocks. A rank's active blocks form a tree (sequence hashes chain, the contract of both
 //! the picker and the slot-tracker API): each (block, rank) keeps how many of the rank's requests
@@ -30,8 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
 use crate::index::{
-    KeyedBuild, MatchScratch, PrefixIndex, RankOverlap, DEFAULT_MAX_BLOCKS_PER_RANK,
-    DEFAULT_TABLE_SEED,
+    KeyedBuild, MatchScratch, PrefixIndex, DEFAULT_MAX_BLOCKS_PER_RANK, DEFAULT_TABLE_SEED,
 };
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
@@ -388,18 +387,8 @@ impl SlotTracker {
         self.state(rank).map(RankState::load)
     }
 
-    /// How many leading blocks of `hashes` each rank holding the first one has active, into
-    /// `out` (overlap `disk`; cleared first): one walk for every rank.
-    pub fn held_prefixes(
-        &self,
-        hashes: &[SequenceHash],
-        scratch: &mut MatchScratch,
-        out: &mut Vec<RankOverlap>,
-    ) {
-        self.active.find_matches(hashes, scratch, out);
-    }
-
-    /// [`Self::held_prefixes`] without collecting: walks the active blocks into `scratch`, for
+    /// How many leading blocks of `hashes` each rank holding the first one has active: one walk
+    /// over the active blocks into `scratch`, for every rank; read one with
     /// [`Self::walked_held`].
     pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
         self.active.walk(hashes, scratch, false);
@@ -420,7 +409,7 @@ impl SlotTracker {
     }
 
     /// A rank's load if it took a request of `blocks` prompt blocks whose first `held` it has
-    /// active ([`Self::held_prefixes`]) and `new_isl_tokens` to prefill, with the rank's version
+    /// active ([`Self::walk_held`]) and `new_isl_tokens` to prefill, with the rank's version
     /// (an unknown rank counts as idle, version None).
     pub fn projection(
         &self,
