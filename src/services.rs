@@ -113,6 +113,9 @@ fn kv_settings() -> Result<KvSettings, ServiceError> {
     Ok(KvSettings {
         weights,
         table_seed: fastrand::u64(..),
+        // Dynamo's own indexer reads every block up to the first gap; the standalone services are
+        // its drop-in, so they keep that exact walk whatever the workers' eviction order.
+        prefix_closed: false,
         ..KvSettings::default()
     })
 }
