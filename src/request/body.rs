@@ -203,7 +203,8 @@ fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
 /// (no sign, fraction or exponent; no leading zero) that fit u32: the ids and the bytes the array
 /// takes. None for anything else, valid or not (serde decides).
 fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
-    // Ids take at least two bytes each ("1,"): room for all of them, at most once regrown.
+    // A token id of a large vocabulary takes about 6 bytes ("12345,"): room for that many
+    // (only the pages written are touched); shorter ids regrow it.
     let mut ids = Vec::with_capacity((b.len() / 6).min(1 << 20));
     let mut i = skip_ws(b, 1);
     if b.get(i) == Some(&b']') {

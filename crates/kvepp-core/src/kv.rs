@@ -279,6 +279,11 @@ pub struct KvState {
 
 const SCRATCH_POOLS: usize = 8;
 
+/// Which of an endpoint's `index_hints` remembers its slot in which index.
+const HINT_EVENT_INDEX: usize = 0;
+const HINT_APPROX_INDEX: usize = 1;
+const HINT_ACTIVE: usize = 2;
+
 /// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
 /// addresses, no allocation once grown).
 #[derive(Debug, Default)]
@@ -549,15 +554,28 @@ impl KvState {
         }
     }
 
-    /// The KV-event index's overlaps of `hashes` into `sc.found` (jumping where the engines'
-    /// block sets are prefix-closed).
-    fn event_matches(&self, hashes: &[SequenceHash], sc: &mut PickScratch) {
-        let ix = self.index.read();
-        if self.settings.prefix_closed {
-            ix.find_matches_jumping(hashes, &mut sc.matching, &mut sc.found);
+    /// Walks `hashes` into `scratch` over the index their mode reads (the approximate one, or
+    /// the KV-event one, jumping where the engines' block sets are prefix-closed) and returns
+    /// that index, for reading the runs.
+    fn walk_index(
+        &self,
+        hashes: &[SequenceHash],
+        approximate: bool,
+        scratch: &mut MatchScratch,
+    ) -> arc_swap::Guard<Arc<super::index::PrefixIndex>> {
+        let ix = if approximate {
+            self.approx.index.read()
         } else {
-            ix.find_matches(hashes, &mut sc.matching, &mut sc.found);
-        }
+            self.index.read()
+        };
+        ix.walk(hashes, scratch, self.settings.prefix_closed && !approximate);
+        ix
+    }
+
+    /// The KV-event index's overlaps of `hashes` into `sc.found`.
+    fn event_matches(&self, hashes: &[SequenceHash], sc: &mut PickScratch) {
+        self.walk_index(hashes, false, &mut sc.matching)
+            .walked_all(&sc.matching, &mut sc.found);
     }
 
     /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
@@ -575,18 +593,13 @@ impl KvState {
     ) {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
-        let index = (!hashes.is_empty()).then(|| {
-            if approximate {
-                self.approx.index.read()
-            } else {
-                self.index.read()
-            }
-        });
-        let hint = usize::from(approximate);
-        if let Some(ix) = &index {
-            let jump = self.settings.prefix_closed && !approximate;
-            ix.walk(hashes, &mut sc.matching, jump);
-        }
+        let index =
+            (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
+        let hint = if approximate {
+            HINT_APPROX_INDEX
+        } else {
+            HINT_EVENT_INDEX
+        };
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
         if per_worker {
             if let Some(ix) = &index {
@@ -614,7 +627,7 @@ impl KvState {
             let held = if hashes.is_empty() {
                 0
             } else {
-                slots.walked_held(&sc.held_matching, rank, &e.load.index_hints[2])
+                slots.walked_held(&sc.held_matching, rank, &e.load.index_hints[HINT_ACTIVE])
             };
             // An unregistered rank counts as idle; booking registers it.
             let (l, version) = slots.projection_hinted(rank, &e.load.slot_hint, blocks, held, isl);

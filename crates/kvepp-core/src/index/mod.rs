@@ -348,6 +348,16 @@ struct Run {
     any: u32,
 }
 
+impl Run {
+    fn overlap(&self) -> Overlap {
+        Overlap {
+            device: u64::from(self.device),
+            host: u64::from(self.host),
+            disk: u64::from(self.any),
+        }
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
@@ -1096,15 +1106,11 @@ impl PrefixIndex {
                 s
             }
         };
-        let run = scratch
+        scratch
             .runs
             .get(s)
-            .filter(|r| r.epoch == scratch.epoch && r.any > 0)?;
-        Some(Overlap {
-            device: u64::from(run.device),
-            host: u64::from(run.host),
-            disk: u64::from(run.any),
-        })
+            .filter(|r| r.epoch == scratch.epoch && r.any > 0)
+            .map(Run::overlap)
     }
 
     /// Whether some rank here has a data-parallel rank other than 0.
@@ -1116,16 +1122,9 @@ impl PrefixIndex {
     /// (cleared first).
     pub fn walked_all(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
         out.clear();
-        out.extend(scratch.touched.iter().map(|&s| {
-            let run = scratch.runs[usize::from(s)];
-            RankOverlap {
-                rank: self.slot(s).id,
-                overlap: Overlap {
-                    device: u64::from(run.device),
-                    host: u64::from(run.host),
-                    disk: u64::from(run.any),
-                },
-            }
+        out.extend(scratch.touched.iter().map(|&s| RankOverlap {
+            rank: self.slot(s).id,
+            overlap: scratch.runs[usize::from(s)].overlap(),
         }));
     }
 
