@@ -30,6 +30,15 @@ pub struct CandidateLoad {
     pub active_requests: u32,
 }
 
+impl CandidateLoad {
+    /// Takes the load part of a slot-tracker projection.
+    pub fn set_load(&mut self, l: &crate::slots::PotentialLoad) {
+        self.potential_prefill_tokens = l.potential_prefill_tokens;
+        self.potential_decode_blocks = l.potential_decode_blocks;
+        self.active_requests = l.active_requests;
+    }
+}
+
 /// What the KV-aware picker minimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -41,7 +41,7 @@ use super::cost::{CandidateLoad, CostModel, CostWeights, Overlap};
 use super::index::{EngineBlockHash, MatchScratch, RankOverlap, SharedIndex, Tier};
 use super::load::EndpointLoad;
 use super::predict::{EndpointSpeed, TtftFeatures, TtftModel};
-use super::slots::{SlotTracker, WorkerRank};
+use super::slots::{project, HeldScratch, RankView, SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
 use crate::hash::{
     block_seed, local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash, XXH3_SEED,
@@ -282,7 +282,6 @@ const SCRATCH_POOLS: usize = 8;
 /// Which of an endpoint's `index_hints` remembers its slot in which index.
 const HINT_EVENT_INDEX: usize = 0;
 const HINT_APPROX_INDEX: usize = 1;
-const HINT_ACTIVE: usize = 2;
 
 /// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
 /// addresses, no allocation once grown).
@@ -350,7 +349,9 @@ struct PickScratch {
     matching: MatchScratch,
     found: Vec<RankOverlap>,
     /// The walk over the slot tracker's active blocks.
-    held_matching: MatchScratch,
+    held: HeldScratch,
+    /// The ranks' loads, copied out of the slot tracker.
+    views: Vec<RankView>,
     /// Candidate index by worker id (the first candidate of a worker).
     by_worker: CandidateMap,
     /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
@@ -607,11 +608,18 @@ impl KvState {
             }
             self.best_per_worker(candidates, sc);
         }
-        let slots = read(&self.slots);
-        slots.walk_held(hashes, &mut sc.held_matching);
+        // The slot tracker's read lock covers one walk and one copy of the ranks' loads, not
+        // the pass over the candidates: bookings wait as little as possible (the indexes are
+        // snapshots, read without a lock).
+        {
+            let slots = read(&self.slots);
+            slots.walk_held(hashes, &mut sc.held);
+            slots.views_into(&mut sc.views);
+        }
+        let blocks = hashes.len() as u64;
+        let mut misses = false;
         sc.loads.clear();
         sc.versions.clear();
-        let blocks = hashes.len() as u64;
         for (i, e) in candidates.iter().enumerate() {
             let rank = WorkerRank {
                 worker: e.worker,
@@ -624,20 +632,48 @@ impl KvState {
                     .unwrap_or_default(),
                 None => Overlap::default(),
             };
-            let held = if hashes.is_empty() {
-                0
-            } else {
-                slots.walked_held(&sc.held_matching, rank, &e.load.index_hints[HINT_ACTIVE])
-            };
-            // An unregistered rank counts as idle; booking registers it.
-            let (l, version) = slots.projection_hinted(rank, &e.load.slot_hint, blocks, held, isl);
-            sc.loads.push(CandidateLoad {
+            let mut c = CandidateLoad {
                 overlap,
-                potential_prefill_tokens: l.potential_prefill_tokens,
-                potential_decode_blocks: l.potential_decode_blocks,
-                active_requests: l.active_requests,
-            });
+                ..CandidateLoad::default()
+            };
+            let slot = e.load.slot_hint.load(Ordering::Relaxed);
+            let version = match project(&sc.views, &sc.held, rank, slot, blocks, isl) {
+                Some((l, v)) => {
+                    c.set_load(&l);
+                    Some(v)
+                }
+                None => {
+                    misses = true;
+                    None
+                }
+            };
+            sc.loads.push(c);
             sc.versions.push(version);
+        }
+        if misses {
+            // Endpoints whose dense id is not remembered yet (first picks, re-registrations).
+            let slots = read(&self.slots);
+            for ((c, version), e) in sc.loads.iter_mut().zip(&mut sc.versions).zip(candidates) {
+                let rank = WorkerRank {
+                    worker: e.worker,
+                    dp_rank: 0,
+                };
+                if version.is_some() {
+                    continue;
+                }
+                let found = slots.dense_id(rank).and_then(|id| {
+                    e.load.slot_hint.store(id, Ordering::Relaxed);
+                    project(&sc.views, &sc.held, rank, id, blocks, isl)
+                });
+                // An unregistered rank (or one registered since the copy) counts as idle;
+                // booking registers it.
+                let (l, v) = found.map_or_else(
+                    || (slots.projection(rank, blocks, 0, isl).0, None),
+                    |(l, v)| (l, Some(v)),
+                );
+                c.set_load(&l);
+                *version = v;
+            }
         }
     }
 

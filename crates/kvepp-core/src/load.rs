@@ -27,9 +27,9 @@ pub struct EndpointLoad {
     /// Where the KV-aware picker's slot tracker keeps this endpoint's load (a dense id, checked
     /// before use): saves hashing the endpoint's identity on every pick.
     pub(crate) slot_hint: AtomicU32,
-    /// Its rank-0 slots in the KV-event index, the approximate index and the slot tracker's
-    /// active blocks (checked before use, like `slot_hint`).
-    pub(crate) index_hints: [AtomicU32; 3],
+    /// Its rank-0 slots in the KV-event index and the approximate index (checked before use,
+    /// like `slot_hint`).
+    pub(crate) index_hints: [AtomicU32; 2],
     /// The engine's last scraped metrics and when they were read (None: never).
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
     /// Requests the engine reported at its last scrape beyond those routed here then.

@@ -12,26 +12,25 @@
 //!   read ([`SlotTracker::add_if_unchanged`]).
 //!
 //! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank);
-//! the active blocks of every rank live in one [`PrefixIndex`], so a projection
-//! ([`SlotTracker::walk_held`]) is one walk over the prompt's blocks that some rank holds
-//! actively, costing one lookup per block plus one step per rank where the holders change, not
-//! ranks × blocks. A rank's active blocks form a tree (sequence hashes chain, the contract of both
-//! the picker and the slot-tracker API): each (block, rank) keeps how many of the rank's requests
-//! end there (device references) and how many child blocks the rank holds below it (host
-//! references). Booking a request therefore touches only the blocks new to its rank, and
-//! releasing it only the blocks no other request of the rank still reaches. Hash lists that do
-//! not chain (the same hash under two parents) still never leak: a rank left without active
-//! requests is cleared.
+//! the active requests' prompts live in one trie ([`active`]), whose nodes count each rank's
+//! requests through them. A projection ([`SlotTracker::walk_held`]) is one walk down the trie along
+//! the prompt, writing how far each rank on the path holds it into a dense scratch array (no
+//! ranks × blocks); booking and releasing a request touch one count per node on its path and
+//! compare hashes along it, never a table entry per block.
 //!
 //! The clock is passed in, so nothing here sleeps or reads time.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
-use crate::index::{
-    KeyedBuild, MatchScratch, PrefixIndex, DEFAULT_MAX_BLOCKS_PER_RANK, DEFAULT_TABLE_SEED,
-};
+use crate::index::{KeyedBuild, DEFAULT_TABLE_SEED};
+
+mod active;
+
+use active::ActiveTrie;
+pub use active::HeldScratch;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
@@ -59,6 +58,41 @@ pub struct PotentialLoad {
     pub active_requests: u32,
 }
 
+/// A rank's load copied out of the tracker ([`SlotTracker::views_into`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankView {
+    /// None: a free dense id.
+    rank: Option<WorkerRank>,
+    version: u64,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+    active_requests: u32,
+}
+
+/// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to prefill,
+/// from the views and the walk ([`SlotTracker::walk_held`]) of one read of the tracker, with its
+/// version; `hint` is the rank's remembered dense id. None: the hint is wrong (resolve it with
+/// [`SlotTracker::dense_id`] and call again).
+#[inline]
+pub fn project(
+    views: &[RankView],
+    held: &HeldScratch,
+    rank: WorkerRank,
+    hint: u32,
+    blocks: u64,
+    new_isl_tokens: u64,
+) -> Option<(PotentialLoad, u64)> {
+    let at = hint as usize;
+    let v = views.get(at).filter(|v| v.rank == Some(rank))?;
+    let load = PotentialLoad {
+        rank,
+        potential_prefill_tokens: v.prefill_tokens + new_isl_tokens,
+        potential_decode_blocks: v.decode_blocks + blocks.saturating_sub(held.get(at)),
+        active_requests: v.active_requests,
+    };
+    Some((load, v.version))
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SlotError {
     #[error("worker {} rank {} is not registered", .0.worker, .0.dp_rank)]
@@ -76,7 +110,7 @@ struct RankState {
     id: WorkerRank,
     active_requests: u32,
     prefill_tokens: u64,
-    /// Distinct active prompt blocks (the rank's pairs in the active index).
+    /// Distinct active prompt blocks (the lengths of the trie nodes the rank is present in).
     blocks: u64,
     /// Output blocks of active requests, each weighted by its decay fraction.
     output_blocks: f64,
@@ -127,7 +161,8 @@ impl RankState {
 #[derive(Debug)]
 struct Active {
     rank: u32,
-    hashes: Vec<SequenceHash>,
+    /// The trie node its prompt's path ends at.
+    end: u32,
     /// Tokens still in prefill (0 once prefill completed).
     prefill_tokens: u64,
     /// Sum of this request's output-block weights.
@@ -142,8 +177,8 @@ pub struct SlotTracker {
     ids: Map<WorkerRank, u32>,
     free_ids: Vec<u32>,
     requests: HashMap<String, Active>,
-    /// Every rank's active prompt blocks, as trees (see the module documentation).
-    active: PrefixIndex,
+    /// Every active request's prompt blocks (see the module documentation).
+    active: ActiveTrie,
     stale_after: Duration,
 }
 
@@ -166,7 +201,7 @@ impl SlotTracker {
             ids: HashMap::with_hasher(KeyedBuild::with_key(seed)),
             free_ids: Vec::new(),
             requests: HashMap::new(),
-            active: PrefixIndex::with_seed(DEFAULT_MAX_BLOCKS_PER_RANK, seed),
+            active: ActiveTrie::with_seed(seed),
             stale_after,
         }
     }
@@ -212,8 +247,17 @@ impl SlotTracker {
             }
             self.free_ids.push(id);
         }
-        self.requests.retain(|_, a| !gone.contains(&a.rank));
-        self.active.remove_worker(worker);
+        let mut dropped = Vec::new();
+        self.requests.retain(|_, a| {
+            let keep = !gone.contains(&a.rank);
+            if !keep {
+                dropped.push((a.rank, a.end));
+            }
+            keep
+        });
+        for (rank, end) in dropped {
+            self.active.remove(rank, end);
+        }
     }
 
     pub fn ranks(&self) -> impl Iterator<Item = WorkerRank> + '_ {
@@ -273,16 +317,12 @@ impl SlotTracker {
         state.version += 1;
         state.active_requests += 1;
         state.prefill_tokens += new_isl_tokens;
-        // From the last block back to the first block the rank already has: only new blocks cost.
-        if let Err(e) = self.active.link_chain(rank, hashes) {
-            // Only past 65,535 ranks or 4 Mi active blocks on one rank: the request is booked,
-            // its blocks before this one are not counted.
-            tracing::warn!(error = %e, "active blocks not tracked");
-        }
-        state.blocks = self.active.rank_blocks(rank);
+        // Only the blocks new to the rank count; the list is copied once and shared by the trie.
+        let (end, added) = self.active.insert(id, &Arc::from(hashes));
+        state.blocks += added;
         let active = Active {
             rank: id,
-            hashes: hashes.to_vec(),
+            end,
             prefill_tokens: new_isl_tokens,
             output_blocks: 0.0,
             added: now,
@@ -340,7 +380,7 @@ impl SlotTracker {
         true
     }
 
-    fn release(ranks: &mut [Option<RankState>], index: &mut PrefixIndex, active: Active) {
+    fn release(ranks: &mut [Option<RankState>], trie: &mut ActiveTrie, active: Active) {
         let Some(state) = ranks[active.rank as usize].as_mut() else {
             return;
         };
@@ -351,18 +391,10 @@ impl SlotTracker {
         if state.active_requests == 0 {
             state.output_blocks = 0.0; // no float drift once idle
         }
-        // From the last block back, while the blocks go with this request.
-        index.unlink_chain(state.id, &active.hashes);
-        if state.active_requests == 0 && index.rank_blocks(state.id) > 0 {
-            // Only hash lists that do not chain leave blocks behind; an idle rank has none.
-            tracing::warn!(
-                worker = state.id.worker,
-                dp_rank = state.id.dp_rank,
-                "active blocks left by unchained sequence hashes cleared"
-            );
-            index.clear_rank(state.id);
-        }
-        state.blocks = index.rank_blocks(state.id);
+        let freed = trie.remove(active.rank, active.end);
+        debug_assert!(freed <= state.blocks, "a rank frees only blocks it counted");
+        state.blocks = state.blocks.saturating_sub(freed);
+        debug_assert!(state.active_requests > 0 || state.blocks == 0);
     }
 
     /// Drops requests older than the stale limit; returns how many.
@@ -387,25 +419,17 @@ impl SlotTracker {
         self.state(rank).map(RankState::load)
     }
 
-    /// How many leading blocks of `hashes` each rank holding the first one has active: one walk
-    /// over the active blocks into `scratch`, for every rank; read one with
-    /// [`Self::walked_held`].
-    pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
-        self.active.walk(hashes, scratch, false);
+    /// How many leading blocks of `hashes` every rank has active: one walk down the active
+    /// requests' trie into `scratch`; [`Self::projection_hinted`] reads it.
+    pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
+        self.active.walk(hashes, scratch, self.ranks.len());
     }
 
-    /// After [`Self::walk_held`] with `scratch`: how many leading blocks `rank` holds active
-    /// (`hint` remembers its slot in the active index, as in [`PrefixIndex::walked`]).
-    #[inline]
-    pub fn walked_held(
-        &self,
-        scratch: &MatchScratch,
-        rank: WorkerRank,
-        hint: &std::sync::atomic::AtomicU32,
-    ) -> u64 {
-        self.active
-            .walked(scratch, rank, hint)
-            .map_or(0, |o| o.disk)
+    /// After [`Self::walk_held`] with `scratch`: how many leading blocks `rank` has active.
+    fn held_in(&self, scratch: &HeldScratch, rank: WorkerRank) -> u64 {
+        self.ids
+            .get(&rank)
+            .map_or(0, |&id| scratch.get(id as usize))
     }
 
     /// A rank's load if it took a request of `blocks` prompt blocks whose first `held` it has
@@ -432,39 +456,25 @@ impl SlotTracker {
         }
     }
 
-    /// [`Self::projection`] with a remembered dense id for `rank` (checked before use, updated
-    /// when wrong): no hashing when the hint is right.
-    #[inline]
-    pub fn projection_hinted(
-        &self,
-        rank: WorkerRank,
-        hint: &std::sync::atomic::AtomicU32,
-        blocks: u64,
-        held: u64,
-        new_isl_tokens: u64,
-    ) -> (PotentialLoad, Option<u64>) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let at = hint.load(Relaxed) as usize;
-        let state = match self.ranks.get(at).and_then(Option::as_ref) {
-            Some(s) if s.id == rank => Some(s),
-            _ => self.ids.get(&rank).and_then(|&id| {
-                hint.store(id, Relaxed);
-                self.ranks.get(id as usize)?.as_ref()
-            }),
-        };
-        match state {
-            Some(s) => (s.potential(blocks, held, new_isl_tokens), Some(s.version)),
-            None => self.projection(rank, blocks, held, new_isl_tokens),
-        }
+    /// Every rank's load as a pick reads it, into `out` (by dense id; cleared first): copied out
+    /// under the caller's read lock so that the pass over the candidates runs without it.
+    pub fn views_into(&self, out: &mut Vec<RankView>) {
+        out.clear();
+        out.extend(self.ranks.iter().map(|s| match s {
+            Some(s) => RankView {
+                rank: Some(s.id),
+                version: s.version,
+                prefill_tokens: s.prefill_tokens,
+                decode_blocks: s.decode_blocks(),
+                active_requests: s.active_requests,
+            },
+            None => RankView::default(),
+        }));
     }
 
-    /// How many leading blocks of `hashes` each rank holding the first one has active (one walk).
-    fn held_by_rank(&self, hashes: &[SequenceHash]) -> HashMap<WorkerRank, u64> {
-        self.active
-            .overlaps(hashes)
-            .into_iter()
-            .map(|o| (o.rank, o.overlap.disk))
-            .collect()
+    /// The dense id of `rank` (for a hint that [`project`] found wrong).
+    pub fn dense_id(&self, rank: WorkerRank) -> Option<u32> {
+        self.ids.get(&rank).copied()
     }
 
     /// Each of `ranks`' load if it took a request with these prompt blocks and prefill tokens
@@ -476,11 +486,12 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> Vec<(PotentialLoad, Option<u64>)> {
-        let held = self.held_by_rank(hashes);
+        let mut held = HeldScratch::default();
+        self.walk_held(hashes, &mut held);
         ranks
             .into_iter()
             .map(|r| {
-                let h = held.get(&r).copied().unwrap_or(0);
+                let h = self.held_in(&held, r);
                 self.projection(r, hashes.len() as u64, h, new_isl_tokens)
             })
             .collect()
@@ -494,7 +505,9 @@ impl SlotTracker {
         hashes: &[SequenceHash],
         new_isl_tokens: u64,
     ) -> PotentialLoad {
-        let held = self.held_by_rank(hashes).get(&rank).copied().unwrap_or(0);
+        let mut held = HeldScratch::default();
+        self.walk_held(hashes, &mut held);
+        let held = self.held_in(&held, rank);
         self.projection(rank, hashes.len() as u64, held, new_isl_tokens)
             .0
     }

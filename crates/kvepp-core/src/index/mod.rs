@@ -31,9 +31,7 @@
 //! rank's with [`PrefixIndex::walked`] (a remembered slot hint, checked against a dense array of
 //! slot owners) or all of them with [`PrefixIndex::walked_all`].
 //!
-//! Clearing a rank scans the table (rare: engine restarts and departures). The same structure
-//! holds the slot tracker's active blocks ([`PrefixIndex::link_chain`]): there a device
-//! reference counts requests ending at a block and a host reference counts child blocks.
+//! Clearing a rank scans the table (rare: engine restarts and departures).
 
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
@@ -174,10 +172,6 @@ impl Hasher for KeyedHasher {
 }
 
 type Map<K, V> = HashMap<K, V, KeyedBuild>;
-
-/// How many blocks ahead [`PrefixIndex::link_chain`] and [`PrefixIndex::unlink_chain`] start
-/// their probes.
-const LINK_PREFETCH: usize = 8;
 
 /// Most table probes `find_matches` has in flight at once.
 const MAX_BATCH: usize = 64;
@@ -798,57 +792,6 @@ impl PrefixIndex {
             self.stats.removed += 1;
         }
         dropped
-    }
-
-    /// Links a chain of blocks (our hashes, from the first) into `rank`'s tree of active blocks
-    /// (the slot tracker's use of an index): one device reference on the last block (a request
-    /// ends there), one host reference per child on each block before it; walking back from the
-    /// end, it stops at the first block the rank already holds. Touches only the new blocks.
-    pub fn link_chain(
-        &mut self,
-        rank: WorkerRank,
-        hashes: &[SequenceHash],
-    ) -> Result<(), IndexError> {
-        if hashes.is_empty() {
-            return Ok(());
-        }
-        let s = self.slot_or_insert(rank)?;
-        for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = self.chain_step(hashes, i);
-            let before = self.slot(s).blocks;
-            self.add(s, h, tier)?;
-            if self.slot(s).blocks == before {
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    /// Undoes [`Self::link_chain`] for one request: walking back from the end, drops the blocks
-    /// no other request of the rank still reaches.
-    pub fn unlink_chain(&mut self, rank: WorkerRank, hashes: &[SequenceHash]) {
-        let Some(s) = self.slot_of(rank) else { return };
-        for (i, &h) in hashes.iter().enumerate().rev() {
-            let tier = self.chain_step(hashes, i);
-            match self.release(s, h, tier.idx()) {
-                Removal::Dropped => Self::slot_mut(&mut self.ranks, s).blocks -= 1,
-                Removal::Decremented | Removal::NotHeld => break,
-            }
-        }
-    }
-
-    /// One step of [`Self::link_chain`] / [`Self::unlink_chain`] at block `i` (they walk back
-    /// from the end): starts the probe of the block a few steps ahead, and returns the tier that
-    /// counts this block's reference (device: a request ends here; host: a child below it).
-    fn chain_step(&self, hashes: &[SequenceHash], i: usize) -> Tier {
-        if let Some(ahead) = i.checked_sub(LINK_PREFETCH).map(|j| hashes[j]) {
-            self.blocks.prefetch_key(ahead.0);
-        }
-        if i + 1 == hashes.len() {
-            Tier::Device
-        } else {
-            Tier::Host
-        }
     }
 
     /// Applies `AllBlocksCleared`: the rank holds nothing (it stays registered).

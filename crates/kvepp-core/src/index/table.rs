@@ -133,11 +133,6 @@ impl BlockTable {
         self.find(key).ok().map(|i| self.slots[i].val)
     }
 
-    /// Starts loading `key`'s home slot (a hint for a lookup or insert soon after).
-    pub(super) fn prefetch_key(&self, key: u64) {
-        prefetch(&self.slots[self.home(key)]);
-    }
-
     /// Looks up `keys` with their first probes issued back to back (no dependency between them),
     /// then finishes any longer probe runs. `out[j]` is the value of `keys[j]` (0: absent).
     pub(super) fn get_batch(&self, keys: &[u64], out: &mut [u64]) {
