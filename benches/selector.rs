@@ -167,5 +167,27 @@ fn approximate(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, index, selection, approximate);
+/// Token ids → block hashes (token-id and tokens modes), beside one xxh3 pass over the same bytes.
+fn token_hash(c: &mut Criterion) {
+    let mut g = c.benchmark_group("token_hash");
+    let ids: Vec<u32> = (0..100_000u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) >> 15)
+        .collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let kv = KvState::new(KvSettings::default());
+    g.throughput(Throughput::Elements(ids.len() as u64));
+    g.bench_function("100k_ids/kvepp_blocks_from_tokens", |b| {
+        b.iter(|| {
+            kv.blocks_from_tokens(black_box(&ids), None, PrefixMode::TokenIds)
+                .hashes
+                .len()
+        })
+    });
+    g.bench_function("100k_ids/baseline_one_xxh3_pass", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(&bytes)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, index, selection, approximate, token_hash);
 criterion_main!(benches);

@@ -55,12 +55,15 @@ pub fn local_block_hashes(
         return Vec::new();
     }
     let seed = block_seed(lora_name);
-    let mut bytes = Vec::with_capacity(block_size * 4);
+    // One buffer of the block's little-endian bytes, overwritten in place (a plain loop over
+    // fixed 4-byte chunks, which the compiler vectorises).
+    let mut bytes = vec![0u8; block_size * 4];
     tokens
         .chunks_exact(block_size)
         .map(|block| {
-            bytes.clear();
-            bytes.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+            for (dst, t) in bytes.chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
             LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
         })
         .collect()
