@@ -375,6 +375,7 @@ fn endpoint(
         addr,
         name,
         worker: kvepp_core::kv::worker_id(&addr_str),
+        hints: Default::default(),
         addr_str,
         zone: inst.zone.clone(),
         node: inst.node.clone(),

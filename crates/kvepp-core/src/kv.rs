@@ -628,7 +628,7 @@ impl KvState {
             let overlap = match &index {
                 _ if per_worker => sc.best[i],
                 Some(ix) => ix
-                    .walked(&sc.matching, rank, &e.load.index_hints[hint])
+                    .walked(&sc.matching, rank, &e.hints.index[hint])
                     .unwrap_or_default(),
                 None => Overlap::default(),
             };
@@ -636,7 +636,7 @@ impl KvState {
                 overlap,
                 ..CandidateLoad::default()
             };
-            let slot = e.load.slot_hint.load(Ordering::Relaxed);
+            let slot = e.hints.slot.load(Ordering::Relaxed);
             let version = match project(&sc.views, &sc.held, rank, slot, blocks, isl) {
                 Some((l, v)) => {
                     c.set_load(&l);
@@ -662,7 +662,7 @@ impl KvState {
                     continue;
                 }
                 let found = slots.dense_id(rank).and_then(|id| {
-                    e.load.slot_hint.store(id, Ordering::Relaxed);
+                    e.hints.slot.store(id, Ordering::Relaxed);
                     project(&sc.views, &sc.held, rank, id, blocks, isl)
                 });
                 // An unregistered rank (or one registered since the copy) counts as idle;

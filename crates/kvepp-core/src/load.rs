@@ -24,12 +24,6 @@ pub struct EndpointLoad {
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
-    /// Where the KV-aware picker's slot tracker keeps this endpoint's load (a dense id, checked
-    /// before use): saves hashing the endpoint's identity on every pick.
-    pub(crate) slot_hint: AtomicU32,
-    /// Its rank-0 slots in the KV-event index and the approximate index (checked before use,
-    /// like `slot_hint`).
-    pub(crate) index_hints: [AtomicU32; 2],
     /// The engine's last scraped metrics and when they were read (None: never).
     engine: Mutex<Option<(EngineMetrics, Instant)>>,
     /// Requests the engine reported at its last scrape beyond those routed here then.

@@ -14,6 +14,7 @@
 //!   saturated (flow control queues it otherwise);
 //! - scores, when asked for, are higher for better candidates and in `[0, 1]`.
 
+use std::sync::atomic::AtomicU32;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,15 +53,29 @@ impl Criticality {
     }
 }
 
+/// Where the KV-aware picker last found an endpoint in its dense tables (its rank-0 slot in the
+/// KV-event index and in the approximate index, its id in the slot tracker): checked before use
+/// and corrected when wrong, so a pick reads them instead of hashing the endpoint's identity.
+#[derive(Debug, Default)]
+pub struct PickHints {
+    pub(crate) index: [AtomicU32; 2],
+    pub(crate) slot: AtomicU32,
+}
+
 /// A ready model-server endpoint as the selector sees it.
+///
+/// `worker` and `hints` come first and together (`repr(C)`): they are what a pick over
+/// thousands of candidates reads from each, so they share one cache line.
 #[derive(Debug)]
+#[repr(C)]
 pub struct Endpoint {
-    pub addr: SocketAddr,
-    /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
-    pub addr_str: Arc<str>,
     /// [`crate::kv::worker_id`] of `addr_str`, computed once: the key of its load and cached
     /// blocks in the KV-aware picker.
     pub worker: u64,
+    pub hints: PickHints,
+    pub addr: SocketAddr,
+    /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
+    pub addr_str: Arc<str>,
     /// Instance id (the Pod name from `targetRef`, else the address).
     pub name: Arc<str>,
     pub zone: Option<Arc<str>>,
@@ -86,6 +101,7 @@ impl Endpoint {
         Endpoint {
             addr,
             worker: crate::kv::worker_id(&addr_str),
+            hints: PickHints::default(),
             addr_str,
             name: name.into(),
             zone: None,
