@@ -10,17 +10,20 @@
 //!
 //! Concurrency: both prefix indexes are [`SharedIndex`]es, so a pick's lookup never waits for KV
 //! events (or another pick's routed blocks) being applied. The slot tracker sits behind a
-//! read-write lock: picks read loads together, and a booking takes the write lock only to add the
-//! request, and only if the chosen rank's load is still the one the pick read (its version);
-//! otherwise the router picks again. So select-and-book is atomic per decision while picks do not
-//! queue behind one another.
+//! read-write lock: a pick holds it shared only to walk the active requests' trie and copy the
+//! ranks' loads (a few bytes each), then scores its candidates without it; a booking takes the
+//! write lock only to add the request (one count per trie node on its path), and only if the
+//! chosen rank's load is still the one the pick read (its version); otherwise the router picks
+//! again. So select-and-book is atomic per decision while picks and bookings hardly wait for one
+//! another.
 //!
 //! Cost of a pick over `n` candidates: one search of the KV-event index (a few dozen probes per
 //! distinct set of holders along the prompt, however long its cached prefix: see
 //! [`super::index::PrefixIndex::find_matches_jumping`]; the approximate index, whose FIFO evicts
-//! prefixes first, is walked block by block) and one walk of the slot tracker's active blocks,
-//! then O(1) per candidate (the walks' runs and its dense load state, each found through a slot
-//! hint its load counters keep), and O(n) arithmetic, in buffers reused from pick to pick.
+//! prefixes first, is walked block by block), one walk down the slot tracker's trie and one copy
+//! of its ranks' loads, then O(1) per candidate (the walks' results and its load, each found
+//! through a hint kept in the endpoint beside its worker id), and O(n) arithmetic, in buffers
+//! reused from pick to pick.
 //!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
@@ -581,11 +584,12 @@ impl KvState {
 
     /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
     ///
-    /// Each walk (KV or approximate index, then the active blocks) leaves its runs in scratch
-    /// space indexed by the index's rank slots; a candidate reads its own through the slot hints
-    /// its load counters keep, so the cost per candidate is a few array reads. Only where an
-    /// index has data-parallel ranks other than 0 (whose best run counts for the endpoint) are
-    /// the runs gathered per worker instead.
+    /// Each walk (KV or approximate index, then the slot tracker's trie) leaves its results in
+    /// scratch space indexed by dense ids, and the ranks' loads are copied beside them under the
+    /// tracker's read lock; a candidate reads its own through the hints kept in its endpoint, so
+    /// the cost per candidate is a few array reads, without the lock. Only where an index has
+    /// data-parallel ranks other than 0 (whose best run counts for the endpoint) are the runs
+    /// gathered per worker instead.
     fn candidate_loads(
         &self,
         candidates: &[Arc<Endpoint>],

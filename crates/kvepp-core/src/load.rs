@@ -4,7 +4,7 @@
 //! path (normal end, client abort, proxy reset, EPP error) gives the slot back exactly once.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Load signals an engine publishes about itself (its Prometheus `/metrics`).
@@ -24,8 +24,10 @@ pub struct EndpointLoad {
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
-    /// The engine's last scraped metrics and when they were read (None: never).
-    engine: Mutex<Option<(EngineMetrics, Instant)>>,
+    /// The engine's last scraped metrics and when they were read (None: never). Swapped whole
+    /// by each scrape and read without a lock (every pick with flow control reads it for every
+    /// candidate).
+    engine: arc_swap::ArcSwapOption<(EngineMetrics, Instant)>,
     /// Requests the engine reported at its last scrape beyond those routed here then.
     hidden_requests: AtomicU32,
     /// The endpoint's speed under the pool's TTFT model (the `predicted_ttft` cost).
@@ -54,7 +56,7 @@ impl EndpointLoad {
         let requests = m.running.max(0.0) + m.waiting.max(0.0);
         let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(self.in_flight());
         self.hidden_requests.store(hidden, Ordering::Relaxed);
-        *self.engine.lock().unwrap_or_else(PoisonError::into_inner) = Some((m, at));
+        self.engine.store(Some(Arc::new((m, at))));
     }
 
     /// Requests the engine reported at its last scrape beyond those routed here and not finished
@@ -66,9 +68,9 @@ impl EndpointLoad {
     /// The engine's last metrics and their age at `now` (None: never scraped successfully).
     pub fn engine(&self, now: Instant) -> Option<(EngineMetrics, Duration)> {
         self.engine
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .map(|(m, at)| (m, now.saturating_duration_since(at)))
+            .load()
+            .as_deref()
+            .map(|&(m, at)| (m, now.saturating_duration_since(at)))
     }
 
     /// Books one request on this endpoint.

@@ -14,8 +14,8 @@
 //!   saturated (flow control queues it otherwise);
 //! - scores, when asked for, are higher for better candidates and in `[0, 1]`.
 
-use std::sync::atomic::AtomicU32;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -322,15 +322,20 @@ impl Selector {
         let unsaturated: Vec<Arc<Endpoint>>;
         match req.admission {
             Admission::Unsaturated => {
-                unsaturated = candidates
-                    .iter()
-                    .filter(|e| !self.saturation.is_saturated(e, ctx.now))
-                    .cloned()
-                    .collect();
-                if unsaturated.is_empty() {
-                    return Err(PickError::Saturated(eligible));
+                // Copied (one reference count per candidate) only when some candidate is
+                // saturated: the common case reads each once and picks from the list as it is.
+                let saturated = |e: &Arc<Endpoint>| self.saturation.is_saturated(e, ctx.now);
+                if let Some(first) = candidates.iter().position(saturated) {
+                    unsaturated = candidates[..first]
+                        .iter()
+                        .chain(candidates[first + 1..].iter().filter(|e| !saturated(e)))
+                        .cloned()
+                        .collect();
+                    if unsaturated.is_empty() {
+                        return Err(PickError::Saturated(eligible));
+                    }
+                    candidates = &unsaturated;
                 }
-                candidates = &unsaturated;
             }
             Admission::Shed => {
                 if is_sheddable(req.priority)
@@ -507,6 +512,28 @@ pub(crate) mod tests {
         let eps = vec![ep(1, 4), ep(2, 5), ep(3, 3)];
         for _ in 0..20 {
             assert_eq!(s.pick_t(&eps, &req).unwrap().primary.addr, eps[2].addr);
+        }
+        // Saturated ones (the least loaded among them, by their engines' KV-cache usage) between
+        // free ones: neither the pick nor its fallback is one of them.
+        let by_cache = Selector::new(
+            Box::new(LeastLoaded),
+            Saturation {
+                kv_cache_threshold: 0.8,
+                ..Saturation::in_flight(4)
+            },
+        );
+        let full_cache = crate::load::EngineMetrics {
+            kv_cache_usage: 0.9,
+            ..crate::load::EngineMetrics::default()
+        };
+        let mixed = vec![ep(1, 3), ep(2, 0), ep(3, 1), ep(4, 2), ep(5, 6)];
+        for e in &mixed[1..3] {
+            e.load.engine_update(full_cache, Instant::now());
+        }
+        for _ in 0..20 {
+            let p = by_cache.pick_t(&mixed, &req).unwrap();
+            assert_eq!(p.primary.addr, mixed[3].addr);
+            assert_eq!(p.fallback.map(|f| f.addr), Some(mixed[0].addr));
         }
         let full = vec![ep(1, 4), ep(2, 4)];
         assert_eq!(s.pick_t(&full, &req).unwrap_err(), PickError::Saturated(2));
