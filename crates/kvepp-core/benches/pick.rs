@@ -32,7 +32,8 @@ use kvepp_core::hash::{local_block_hashes, sequence_hashes, LocalBlockHash};
 use kvepp_core::index::{EngineBlockHash, Tier};
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{
-    Endpoint, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode, PromptBlocks,
+    Admission, Endpoint, EngineMetrics, KvPicker, KvSettings, KvState, LeastLoaded, PickContext,
+    PickRequest, Picker, PrefixMode, PromptBlocks, Saturation, Selector,
 };
 
 const BLOCK: usize = 16;
@@ -199,6 +200,61 @@ fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
             .collect();
         println!("- {}k tokens: {}", tokens >> 10, row.join(", "));
     }
+}
+
+/// The whole selector (eligibility, admission, the KV-aware pick) over 1000 endpoints whose
+/// engines all reported fresh, unsaturated metrics, with the default admission (`Shed`) and with
+/// flow control's (`Unsaturated`, which checks every candidate's saturation on every pick).
+fn admission(tokens: usize, budget: Duration) {
+    let n = 1000;
+    let s = setup(n, tokens);
+    let now = Instant::now();
+    let metrics = EngineMetrics {
+        waiting: 0.0,
+        running: 1.0,
+        kv_cache_usage: 0.3,
+        ..EngineMetrics::default()
+    };
+    for e in &s.eps {
+        e.load.engine_update(metrics, now);
+    }
+    // kvepp's defaults (`engine_metrics`: queue 5, KV cache 0.8, stale after 2 s).
+    let saturation = Saturation {
+        max_in_flight: 0,
+        queue_threshold: 5,
+        kv_cache_threshold: 0.8,
+        stale_after: Some(Duration::from_secs(2)),
+    };
+    let selector = Selector::new(Box::new(KvPicker(s.kv.clone())), saturation);
+    let mut ctx = PickContext::seeded(1);
+    let iters = ((budget.as_secs_f64() / 30e-6) as usize).clamp(200, 20_000);
+    let mut run = |admission: Admission| {
+        let req = PickRequest {
+            admission,
+            prompt: Some(&s.prompt),
+            ..PickRequest::default()
+        };
+        let picked = selector.pick(&s.eps, &req, &mut ctx);
+        assert!(picked.is_ok(), "no endpoint is saturated: {picked:?}");
+        time(iters, || {
+            black_box(selector.pick(black_box(&s.eps), &req, &mut ctx).is_ok());
+        })
+    };
+    let shed = run(Admission::Shed);
+    let unsat = run(Admission::Unsaturated);
+    println!(
+        "\n## Selector::pick over {n} endpoints, {}k-token prompt: admission without and with flow control (µs)\n",
+        tokens >> 10
+    );
+    println!("| admission | p50 | p99 | p50 ÷ Shed |");
+    println!("|---|---:|---:|---:|");
+    println!("| Shed (default) | {:.2} | {:.2} | 1.00× |", shed.0, shed.1);
+    println!(
+        "| Unsaturated (flow control) | {:.2} | {:.2} | {:.2}× |",
+        unsat.0,
+        unsat.1,
+        unsat.0 / shed.0
+    );
 }
 
 /// Picks/s from `threads` threads for `seconds`, with KV events at `event_rate` blocks/s applied
@@ -374,6 +430,7 @@ fn main() {
     let budget = Duration::from_secs_f64(arg(&args, "--budget").unwrap_or(0.4));
     if !args.iter().any(|a| a == "--no-latency") {
         latency(&sizes, &tokens, budget);
+        admission(32 << 10, budget);
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = list(

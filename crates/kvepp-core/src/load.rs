@@ -3,8 +3,8 @@
 //! A [`Booking`] is taken when a request is routed and released when it is dropped, so every exit
 //! path (normal end, client abort, proxy reset, EPP error) gives the slot back exactly once.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 /// Load signals an engine publishes about itself (its Prometheus `/metrics`).
@@ -18,6 +18,18 @@ pub struct EngineMetrics {
     pub num_gpu_blocks: Option<u64>,
 }
 
+/// The instant scrape times are counted from (any instant converts, before it or after).
+static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// `t` in nanoseconds from [`ORIGIN`] (negative before it; saturating at ±292 years).
+pub(crate) fn clock_nanos(t: Instant) -> i64 {
+    let origin = *ORIGIN;
+    match t.checked_duration_since(origin) {
+        Some(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+        None => -i64::try_from(origin.duration_since(t).as_nanos()).unwrap_or(i64::MAX),
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct EndpointLoad {
     in_flight: AtomicU32,
@@ -28,6 +40,13 @@ pub struct EndpointLoad {
     /// by each scrape and read without a lock (every pick with flow control reads it for every
     /// candidate).
     engine: arc_swap::ArcSwapOption<(EngineMetrics, Instant)>,
+    /// What saturation reads of the last scrape, in plain atomics (a flow-controlled pick checks
+    /// every candidate): waiting requests and KV-cache usage as f64 bits, the scrape's time as
+    /// nanoseconds from [`ORIGIN`]; `scraped` is set once they hold a scrape.
+    scraped: AtomicBool,
+    scraped_waiting: AtomicU64,
+    scraped_kv_usage: AtomicU64,
+    scraped_at: AtomicI64,
     /// Requests the engine reported at its last scrape beyond those routed here then.
     hidden_requests: AtomicU32,
     /// The endpoint's speed under the pool's TTFT model (the `predicted_ttft` cost).
@@ -57,6 +76,12 @@ impl EndpointLoad {
         let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(self.in_flight());
         self.hidden_requests.store(hidden, Ordering::Relaxed);
         self.engine.store(Some(Arc::new((m, at))));
+        self.scraped_waiting
+            .store(m.waiting.to_bits(), Ordering::Relaxed);
+        self.scraped_kv_usage
+            .store(m.kv_cache_usage.to_bits(), Ordering::Relaxed);
+        self.scraped_at.store(clock_nanos(at), Ordering::Relaxed);
+        self.scraped.store(true, Ordering::Release);
     }
 
     /// Requests the engine reported at its last scrape beyond those routed here and not finished
@@ -71,6 +96,27 @@ impl EndpointLoad {
             .load()
             .as_deref()
             .map(|&(m, at)| (m, now.saturating_duration_since(at)))
+    }
+
+    /// The last scrape's waiting requests and KV-cache usage, and its age at `now` (None: never
+    /// scraped successfully): what saturation reads, without touching the full metrics.
+    pub fn saturation_inputs(&self, now: Instant) -> Option<(f64, f64, Duration)> {
+        self.saturation_inputs_at(clock_nanos(now))
+    }
+
+    /// [`Self::saturation_inputs`] with `now` already converted by [`clock_nanos`] (once per
+    /// pick, not once per candidate).
+    #[inline]
+    pub(crate) fn saturation_inputs_at(&self, now: i64) -> Option<(f64, f64, Duration)> {
+        if !self.scraped.load(Ordering::Acquire) {
+            return None;
+        }
+        let age = now.saturating_sub(self.scraped_at.load(Ordering::Relaxed));
+        Some((
+            f64::from_bits(self.scraped_waiting.load(Ordering::Relaxed)),
+            f64::from_bits(self.scraped_kv_usage.load(Ordering::Relaxed)),
+            Duration::from_nanos(u64::try_from(age).unwrap_or(0)),
+        ))
     }
 
     /// Books one request on this endpoint.
@@ -197,5 +243,32 @@ mod tests {
         );
         drop(b);
         assert_eq!(other.in_flight(), 0);
+    }
+
+    #[test]
+    fn saturation_inputs_are_the_last_scrape_with_its_age_on_either_side_of_the_origin() {
+        let load = EndpointLoad::default();
+        let now = Instant::now();
+        assert_eq!(load.saturation_inputs(now), None, "never scraped");
+        let m = EngineMetrics {
+            waiting: 3.0,
+            kv_cache_usage: 0.5,
+            ..EngineMetrics::default()
+        };
+        // An instant before the clock's origin (set at first use) and one after it.
+        let before = now.checked_sub(Duration::from_millis(1500)).unwrap_or(now);
+        load.engine_update(m, before);
+        let (w, kv, age) = load.saturation_inputs(now).unwrap();
+        assert_eq!((w, kv), (3.0, 0.5));
+        assert_eq!(age, now.duration_since(before));
+        let later = now + Duration::from_secs(7);
+        load.engine_update(EngineMetrics { waiting: 9.0, ..m }, later);
+        let (w, _, age) = load
+            .saturation_inputs(later + Duration::from_millis(250))
+            .unwrap();
+        assert_eq!((w, age), (9.0, Duration::from_millis(250)));
+        // A scrape "after" now (clock skew between threads) reads as age 0, never negative.
+        assert_eq!(load.saturation_inputs(now).unwrap().2, Duration::ZERO);
+        assert_eq!(load.engine(later).map(|(m, _)| m.waiting), Some(9.0));
     }
 }

@@ -266,16 +266,21 @@ impl Saturation {
 
     /// Whether `ep` is saturated at `now`.
     pub fn is_saturated(&self, ep: &Endpoint, now: Instant) -> bool {
+        self.saturated_at(ep, crate::load::clock_nanos(now))
+    }
+
+    /// [`Self::is_saturated`] with `now` converted once for a whole candidate list.
+    fn saturated_at(&self, ep: &Endpoint, now: i64) -> bool {
         if self.max_in_flight > 0 && ep.load.in_flight() >= self.max_in_flight {
             return true;
         }
         // An engine never scraped (or not a vLLM engine) is judged by the in-flight rule alone.
-        let Some((m, age)) = ep.load.engine(now) else {
+        let Some((waiting, kv_cache_usage, age)) = ep.load.saturation_inputs_at(now) else {
             return false;
         };
         self.stale_after.is_some_and(|s| age > s)
-            || (self.queue_threshold > 0 && m.waiting >= f64::from(self.queue_threshold))
-            || m.kv_cache_usage >= self.kv_cache_threshold
+            || (self.queue_threshold > 0 && waiting >= f64::from(self.queue_threshold))
+            || kv_cache_usage >= self.kv_cache_threshold
     }
 }
 
@@ -320,11 +325,12 @@ impl Selector {
         };
         let eligible = candidates.len();
         let unsaturated: Vec<Arc<Endpoint>>;
+        let now = crate::load::clock_nanos(ctx.now);
         match req.admission {
             Admission::Unsaturated => {
                 // Copied (one reference count per candidate) only when some candidate is
                 // saturated: the common case reads each once and picks from the list as it is.
-                let saturated = |e: &Arc<Endpoint>| self.saturation.is_saturated(e, ctx.now);
+                let saturated = |e: &Arc<Endpoint>| self.saturation.saturated_at(e, now);
                 if let Some(first) = candidates.iter().position(saturated) {
                     unsaturated = candidates[..first]
                         .iter()
@@ -341,7 +347,7 @@ impl Selector {
                 if is_sheddable(req.priority)
                     && candidates
                         .iter()
-                        .all(|e| self.saturation.is_saturated(e, ctx.now))
+                        .all(|e| self.saturation.saturated_at(e, now))
                 {
                     return Err(PickError::Saturated(eligible));
                 }
@@ -390,9 +396,10 @@ impl Selector {
         endpoints: impl IntoIterator<Item = &'a Arc<Endpoint>>,
         now: Instant,
     ) -> bool {
+        let now = crate::load::clock_nanos(now);
         endpoints
             .into_iter()
-            .any(|e| !self.saturation.is_saturated(e, now))
+            .any(|e| !self.saturation.saturated_at(e, now))
     }
 }
 
