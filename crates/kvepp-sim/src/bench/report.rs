@@ -54,8 +54,12 @@ fn p50_90_99(mut v: Vec<f64>) -> [f64; 3] {
     ]
 }
 
-/// Time-averaged max/mean of requests active per engine (sent, not yet finished), sampled every
-/// 50 ms over the replay, counting only instants with at least one request active.
+/// Time-averaged ratio of the busiest engine's active requests (sent, not yet finished) to the
+/// fewest the busiest engine could have had at that instant (the mean rounded up: requests are
+/// whole), sampled every 50 ms over the replay, counting only instants with at least one request
+/// active. 1.0 is a perfect spread at any load; at high load it is max/mean. (Plain max/mean
+/// cannot reach 1 while fewer requests than engines are active: 2 requests on 2 of 4 engines read
+/// 2.0.)
 pub fn imbalance(records: &[Record], engines: &[String]) -> f64 {
     let spans: Vec<(f64, f64, usize)> = records
         .iter()
@@ -80,9 +84,9 @@ pub fn imbalance(records: &[Record], engines: &[String]) -> f64 {
         }
         let total: u32 = active.iter().sum();
         if total > 0 {
-            let mean = f64::from(total) / engines.len() as f64;
+            let best = total.div_ceil(engines.len() as u32);
             let max = active.iter().copied().max().unwrap_or(0);
-            sum += f64::from(max) / mean;
+            sum += f64::from(max) / f64::from(best);
             n += 1;
         }
         t += 0.05;
@@ -324,9 +328,16 @@ mod tests {
         // Balanced: one request on each engine at all times.
         let even = [rec(0, 1000, "a"), rec(0, 1000, "b")];
         assert!((imbalance(&even, &engines) - 1.0).abs() < 1e-9);
-        // Everything on one engine: max/mean = 2.
+        // Everything on one engine: 2 where 1 was possible.
         let skewed = [rec(0, 1000, "a"), rec(0, 1000, "a")];
         assert!((imbalance(&skewed, &engines) - 2.0).abs() < 1e-9);
+        // Fewer requests than engines, spread: perfect (plain max/mean would read 2).
+        let four: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let spread = [rec(0, 1000, "a"), rec(0, 1000, "c")];
+        assert!((imbalance(&spread, &four) - 1.0).abs() < 1e-9);
+        // Three requests on 4 engines, two of them together: 2 where 1 was possible.
+        let paired = [rec(0, 1000, "a"), rec(0, 1000, "a"), rec(0, 1000, "b")];
+        assert!((imbalance(&paired, &four) - 2.0).abs() < 1e-9);
         let mut failed = rec(0, 10, "a");
         failed.outcome.error = Some("HTTP 503".into());
         let mut direct = rec(0, 1000, "b");
