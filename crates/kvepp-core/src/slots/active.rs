@@ -194,7 +194,9 @@ impl ActiveTrie {
                 return (leaf, added + (seq.len() - pos) as u64);
             };
             let c = self.node(child);
-            let m = common_prefix(c.run(), &seq[pos..]);
+            // ≥ 1: the edge's key is the run's first hash (the floor only guards the loop's
+            // progress should that ever not hold).
+            let m = common_prefix(c.run(), &seq[pos..]).max(1);
             let child = if (m as u64) < c.len() {
                 self.split(node, child, m)
             } else {
