@@ -282,7 +282,7 @@ pub struct KvState {
 
 const SCRATCH_POOLS: usize = 8;
 
-/// Which of an endpoint's `index_hints` remembers its slot in which index.
+/// Which of an endpoint's `hints.index` remembers its slot in which index.
 const HINT_EVENT_INDEX: usize = 0;
 const HINT_APPROX_INDEX: usize = 1;
 

@@ -36,13 +36,10 @@ pub struct EndpointLoad {
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
-    /// The engine's last scraped metrics and when they were read (None: never). Swapped whole
-    /// by each scrape and read without a lock (every pick with flow control reads it for every
-    /// candidate).
-    engine: arc_swap::ArcSwapOption<(EngineMetrics, Instant)>,
-    /// What saturation reads of the last scrape, in plain atomics (a flow-controlled pick checks
-    /// every candidate): waiting requests and KV-cache usage as f64 bits, the scrape's time as
-    /// nanoseconds from [`ORIGIN`]; `scraped` is set once they hold a scrape.
+    /// What saturation reads of the engine's last successful scrape, in plain atomics (a
+    /// flow-controlled pick checks every candidate): waiting requests and KV-cache usage as f64
+    /// bits, the scrape's time as nanoseconds from [`ORIGIN`]; `scraped` is set once they hold a
+    /// scrape.
     scraped: AtomicBool,
     scraped_waiting: AtomicU64,
     scraped_kv_usage: AtomicU64,
@@ -75,7 +72,6 @@ impl EndpointLoad {
         let requests = m.running.max(0.0) + m.waiting.max(0.0);
         let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(self.in_flight());
         self.hidden_requests.store(hidden, Ordering::Relaxed);
-        self.engine.store(Some(Arc::new((m, at))));
         self.scraped_waiting
             .store(m.waiting.to_bits(), Ordering::Relaxed);
         self.scraped_kv_usage
@@ -88,14 +84,6 @@ impl EndpointLoad {
     /// at that moment: another client's traffic (0 without engine metrics).
     pub fn hidden_requests(&self) -> u32 {
         self.hidden_requests.load(Ordering::Relaxed)
-    }
-
-    /// The engine's last metrics and their age at `now` (None: never scraped successfully).
-    pub fn engine(&self, now: Instant) -> Option<(EngineMetrics, Duration)> {
-        self.engine
-            .load()
-            .as_deref()
-            .map(|&(m, at)| (m, now.saturating_duration_since(at)))
     }
 
     /// The last scrape's waiting requests and KV-cache usage, and its age at `now` (None: never
@@ -269,6 +257,5 @@ mod tests {
         assert_eq!((w, age), (9.0, Duration::from_millis(250)));
         // A scrape "after" now (clock skew between threads) reads as age 0, never negative.
         assert_eq!(load.saturation_inputs(now).unwrap().2, Duration::ZERO);
-        assert_eq!(load.engine(later).map(|(m, _)| m.waiting), Some(9.0));
     }
 }

@@ -84,13 +84,29 @@ pub fn project(
 ) -> Option<(PotentialLoad, u64)> {
     let at = hint as usize;
     let v = views.get(at).filter(|v| v.rank == Some(rank))?;
-    let load = PotentialLoad {
-        rank,
-        potential_prefill_tokens: v.prefill_tokens + new_isl_tokens,
-        potential_decode_blocks: v.decode_blocks + blocks.saturating_sub(held.get(at)),
-        active_requests: v.active_requests,
-    };
-    Some((load, v.version))
+    Some((
+        v.potential(rank, blocks, held.get(at), new_isl_tokens),
+        v.version,
+    ))
+}
+
+impl RankView {
+    /// The rank's load with a request of `blocks` prompt blocks whose first `held` it already has
+    /// active, and `new_isl_tokens` to prefill (the default view is an idle rank).
+    fn potential(
+        &self,
+        rank: WorkerRank,
+        blocks: u64,
+        held: u64,
+        new_isl_tokens: u64,
+    ) -> PotentialLoad {
+        PotentialLoad {
+            rank,
+            potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
+            potential_decode_blocks: self.decode_blocks + blocks.saturating_sub(held),
+            active_requests: self.active_requests,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -147,12 +163,13 @@ impl RankState {
         }
     }
 
-    /// With a request of `blocks` prompt blocks whose first `held` it already has active.
-    fn potential(&self, blocks: u64, held: u64, new_isl_tokens: u64) -> PotentialLoad {
-        PotentialLoad {
-            rank: self.id,
-            potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
-            potential_decode_blocks: self.decode_blocks() + blocks.saturating_sub(held),
+    /// Its load as a pick reads it.
+    fn view(&self) -> RankView {
+        RankView {
+            rank: Some(self.id),
+            version: self.version,
+            prefill_tokens: self.prefill_tokens,
+            decode_blocks: self.decode_blocks(),
             active_requests: self.active_requests,
         }
     }
@@ -420,7 +437,7 @@ impl SlotTracker {
     }
 
     /// How many leading blocks of `hashes` every rank has active: one walk down the active
-    /// requests' trie into `scratch`; [`Self::projection_hinted`] reads it.
+    /// requests' trie into `scratch`; [`project`] reads it.
     pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
         self.active.walk(hashes, scratch, self.ranks.len());
     }
@@ -443,14 +460,12 @@ impl SlotTracker {
         new_isl_tokens: u64,
     ) -> (PotentialLoad, Option<u64>) {
         match self.state(rank) {
-            Some(s) => (s.potential(blocks, held, new_isl_tokens), Some(s.version)),
+            Some(s) => (
+                s.view().potential(rank, blocks, held, new_isl_tokens),
+                Some(s.version),
+            ),
             None => (
-                PotentialLoad {
-                    rank,
-                    potential_prefill_tokens: new_isl_tokens,
-                    potential_decode_blocks: blocks,
-                    active_requests: 0,
-                },
+                RankView::default().potential(rank, blocks, 0, new_isl_tokens),
                 None,
             ),
         }
@@ -460,16 +475,11 @@ impl SlotTracker {
     /// under the caller's read lock so that the pass over the candidates runs without it.
     pub fn views_into(&self, out: &mut Vec<RankView>) {
         out.clear();
-        out.extend(self.ranks.iter().map(|s| match s {
-            Some(s) => RankView {
-                rank: Some(s.id),
-                version: s.version,
-                prefill_tokens: s.prefill_tokens,
-                decode_blocks: s.decode_blocks(),
-                active_requests: s.active_requests,
-            },
-            None => RankView::default(),
-        }));
+        out.extend(
+            self.ranks
+                .iter()
+                .map(|s| s.as_ref().map_or_else(RankView::default, RankState::view)),
+        );
     }
 
     /// The dense id of `rank` (for a hint that [`project`] found wrong).
