@@ -582,7 +582,9 @@ impl KvState {
             .walked_all(&sc.matching, &mut sc.found);
     }
 
-    /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`.
+    /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`,
+    /// and with `dynamo` (the weights, the block size and the per-candidate bias) `sc.costs` by
+    /// Dynamo's formula in the same pass.
     ///
     /// Each walk (KV or approximate index, then the slot tracker's trie) leaves its results in
     /// scratch space indexed by dense ids, and the ranks' loads are copied beside them under the
@@ -594,10 +596,14 @@ impl KvState {
         &self,
         candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
+        dynamo: Option<(&CostWeights, u32, &[f64])>,
         sc: &mut PickScratch,
     ) {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
+        let cost = |i: usize, c: &CandidateLoad| {
+            dynamo.map(|(w, bs, bias)| w.cost(bs, c) + bias.get(i).copied().unwrap_or(0.0))
+        };
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
         let hint = if approximate {
@@ -624,6 +630,7 @@ impl KvState {
         let mut misses = false;
         sc.loads.clear();
         sc.versions.clear();
+        sc.costs.clear();
         for (i, e) in candidates.iter().enumerate() {
             let rank = WorkerRank {
                 worker: e.worker,
@@ -651,13 +658,23 @@ impl KvState {
                     None
                 }
             };
+            if let Some(cost) = cost(i, &c) {
+                // A miss's placeholder is replaced below.
+                sc.costs.push(cost);
+            }
             sc.loads.push(c);
             sc.versions.push(version);
         }
         if misses {
             // Endpoints whose dense id is not remembered yet (first picks, re-registrations).
             let slots = read(&self.slots);
-            for ((c, version), e) in sc.loads.iter_mut().zip(&mut sc.versions).zip(candidates) {
+            for (i, ((c, version), e)) in sc
+                .loads
+                .iter_mut()
+                .zip(&mut sc.versions)
+                .zip(candidates)
+                .enumerate()
+            {
                 let rank = WorkerRank {
                     worker: e.worker,
                     dp_rank: 0,
@@ -677,6 +694,9 @@ impl KvState {
                 );
                 c.set_load(&l);
                 *version = v;
+                if let (Some(cost), Some(slot)) = (cost(i, c), sc.costs.get_mut(i)) {
+                    *slot = cost;
+                }
             }
         }
     }
@@ -716,36 +736,24 @@ impl KvState {
         // Any per-thread-ish number spreads picks over the buffer pools; the stack address is.
         let hint = (std::ptr::from_ref(ctx) as usize) >> 8;
         let (pool, mut sc) = self.take_scratch(hint);
-        self.candidate_loads(candidates, prompt, &mut sc);
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let w = &self.settings.weights;
         let bs = self.block_size();
-        sc.costs.clear();
         let predicted = w.cost_model == CostModel::PredictedTtft;
+        let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
+        self.candidate_loads(candidates, prompt, dynamo, &mut sc);
         if predicted {
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
                 let load = &candidates[i].load;
                 let f = ttft_features(w, bs, isl, c, load);
                 self.ttft.cost(&load.ttft, &f) + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
-        } else {
-            sc.costs.extend(
-                sc.loads
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| w.cost(bs, c) + ctx.bias.get(i).copied().unwrap_or(0.0)),
-            );
         }
         let costs = &sc.costs;
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
         let in_flight = |i: usize| candidates[i].load.in_flight();
-        let best = w.choose_with_tiebreak(costs, in_flight, &mut ctx.rng);
-        let second = (0..costs.len()).filter(|&i| i != best).min_by(|&a, &b| {
-            costs[a]
-                .total_cmp(&costs[b])
-                .then_with(|| in_flight(a).cmp(&in_flight(b)))
-        });
+        let (best, second) = w.choose_two(costs, in_flight, &mut ctx.rng);
         if let Some(scores) = &mut ctx.scores {
             // Costs are non-negative block counts: 1 / (1 + cost) keeps the order, in (0, 1].
             scores.clear();
