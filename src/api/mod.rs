@@ -126,6 +126,7 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
 /// their `/metadata`).
 async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
     let snap = st.store.snapshot();
+    let now = std::time::Instant::now();
     let list: Vec<serde_json::Value> = snap
         .endpoints
         .iter()
@@ -133,7 +134,7 @@ async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
             serde_json::json!({"addr": &*e.addr_str, "name": &*e.name, "role": e.role.as_str(),
                 "topology_domains": e.domains, "data_parallel_rank": e.dp_rank,
                 "in_flight": e.load.in_flight(), "hidden_requests": e.load.hidden_requests(),
-                "ttft_speed_factor": e.load.ttft.factor(),
+                "ttft_speed_factor": e.load.ttft.factor_at(now),
                 "ttft_observed": e.load.ttft.observed()})
         })
         .collect();

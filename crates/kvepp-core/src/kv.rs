@@ -743,10 +743,11 @@ impl KvState {
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
         self.candidate_loads(candidates, prompt, dynamo, &mut sc);
         if predicted {
+            let now = super::load::clock_nanos(ctx.now);
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
                 let load = &candidates[i].load;
                 let f = ttft_features(w, bs, isl, c, load);
-                self.ttft.cost(&load.ttft, &f) + ctx.bias.get(i).copied().unwrap_or(0.0)
+                self.ttft.cost(&load.ttft, &f, now) + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
         }
         let costs = &sc.costs;
@@ -1132,7 +1133,7 @@ impl SlotGuard {
     pub fn first_token(&mut self, now: Instant) {
         if let Some((speed, f, at)) = self.learn.take() {
             let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
-            self.state.ttft.observe(&speed, &f, ms);
+            self.state.ttft.observe(&speed, &f, ms, now);
         }
     }
 

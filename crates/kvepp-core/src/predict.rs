@@ -18,14 +18,20 @@
 //! response's first chunk arrives (the observed TTFT of a request whose features were recorded at
 //! its pick); every endpoint also has a speed factor ([`EndpointSpeed`]) its predictions are
 //! multiplied by, learned from the same observations, so a slower engine is known as slower
-//! without splitting the data the shared fit needs. Invariants: coefficients stay ≥ 0 (projected
+//! without splitting the data the shared fit needs. A factor decays back toward 1 while its
+//! endpoint gives no observations (an endpoint avoided because it once looked slow would
+//! otherwise never be tried again, its neighbours taking all its traffic: herding), so it holds
+//! only while traffic keeps confirming it. Invariants: coefficients stay ≥ 0 (projected
 //! after each update), so predictions are never negative and never fall with more work; an
 //! observation's residual is clipped, so one request stuck behind an engine restart does not
 //! swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
 //! factors stay within 0.1-10.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
+
+use crate::load::clock_nanos;
 
 /// What the model reads for one request on one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -149,27 +155,53 @@ impl Default for TtftModel {
 /// clipped to ±1 first).
 const SPEED_RATE: f64 = 0.2;
 const SPEED_RANGE: (f64, f64) = (0.1, 10.0);
+/// Seconds without observations after which a factor's logarithm has halved (it goes on toward
+/// 0, i.e. a factor of 1, as `1 / (1 + age / SPEED_HALF_LIFE_S)`: no exponential per candidate).
+/// An endpoint observed every second keeps about 80% of the log of its true ratio (3× slower
+/// reads as ~2.4×); one avoided for half a minute is back within ~1.4× of the others.
+pub const SPEED_HALF_LIFE_S: f64 = 10.0;
 
 /// One endpoint's speed relative to the pool's model: its predictions are the model's times this
-/// factor (1 to start; above 1, slower).
+/// factor (1 to start; above 1, slower), decaying toward 1 from when it was last learned.
 #[derive(Debug)]
 pub struct EndpointSpeed {
-    factor: AtomicU64,
+    /// ln of the factor as last learned (f64 bits).
+    log_factor: AtomicU64,
+    /// When it was learned ([`clock_nanos`]).
+    learned_at: AtomicI64,
     observed: AtomicU64,
 }
 
 impl Default for EndpointSpeed {
     fn default() -> Self {
         EndpointSpeed {
-            factor: AtomicU64::new(1.0f64.to_bits()),
+            log_factor: AtomicU64::new(0.0f64.to_bits()),
+            learned_at: AtomicI64::new(i64::MIN),
             observed: AtomicU64::new(0),
         }
     }
 }
 
 impl EndpointSpeed {
+    /// The factor as last learned.
     pub fn factor(&self) -> f64 {
-        f64::from_bits(self.factor.load(Ordering::Relaxed))
+        f64::from_bits(self.log_factor.load(Ordering::Relaxed)).exp()
+    }
+
+    /// The factor in use at `now`: the learned one, decayed toward 1 for the time since.
+    pub fn factor_at(&self, now: Instant) -> f64 {
+        self.factor_at_nanos(clock_nanos(now))
+    }
+
+    /// [`Self::factor_at`] with `now` converted once per pick.
+    pub(crate) fn factor_at_nanos(&self, now: i64) -> f64 {
+        let log = f64::from_bits(self.log_factor.load(Ordering::Relaxed));
+        if log == 0.0 {
+            return 1.0;
+        }
+        let age_ns = now.saturating_sub(self.learned_at.load(Ordering::Relaxed));
+        let age_s = age_ns.max(0) as f64 * 1e-9;
+        (log / (1.0 + age_s / SPEED_HALF_LIFE_S)).exp()
     }
 
     /// First tokens observed on this endpoint.
@@ -184,35 +216,42 @@ impl TtftModel {
         std::array::from_fn(|i| f64::from_bits(self.published[i].load(Ordering::Relaxed)))
     }
 
-    /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed`.
-    pub fn predict(&self, speed: &EndpointSpeed, f: &TtftFeatures) -> f64 {
-        speed.factor() * predict_with(&self.coefficients(), &f.vector())
+    /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed` at `now`.
+    pub fn predict(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: Instant) -> f64 {
+        speed.factor_at(now) * predict_with(&self.coefficients(), &f.vector())
     }
 
-    /// What a pick minimises: the predicted TTFT plus the time the prompt's uncached part will
-    /// cost others once it has evicted as much of the cache they would reuse (counted as its own
-    /// prefill time: a prefix moved to a cold endpoint is paid for twice).
-    pub fn cost(&self, speed: &EndpointSpeed, f: &TtftFeatures) -> f64 {
+    /// What a pick at `now` ([`clock_nanos`]) minimises: the predicted TTFT plus the time the
+    /// prompt's uncached part will cost others once it has evicted as much of the cache they
+    /// would reuse (counted as its own prefill time: a prefix moved to a cold endpoint is paid
+    /// for twice).
+    pub(crate) fn cost(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: i64) -> f64 {
         let theta = self.coefficients();
-        speed.factor() * (predict_with(&theta, &f.vector()) + theta[1] * f.uncached_ktokens)
+        speed.factor_at_nanos(now)
+            * (predict_with(&theta, &f.vector()) + theta[1] * f.uncached_ktokens)
     }
 
-    /// Refits with one observed TTFT for a request picked with features `f` on an endpoint of
-    /// speed `speed`: the shared coefficients learn it as the pool's, the endpoint's factor moves
-    /// toward the ratio of what it took to what the shared model predicts.
-    pub fn observe(&self, speed: &EndpointSpeed, f: &TtftFeatures, ttft_ms: f64) {
+    /// Refits with one observed TTFT, arrived at `now`, for a request picked with features `f`
+    /// on an endpoint of speed `speed`: the shared coefficients learn it as the pool's, the
+    /// endpoint's factor (as it stands at `now`) moves toward the ratio of what it took to what
+    /// the shared model predicts.
+    pub fn observe(&self, speed: &EndpointSpeed, f: &TtftFeatures, ttft_ms: f64, now: Instant) {
         if !(ttft_ms.is_finite() && ttft_ms >= 0.0) {
             return;
         }
         let x = f.vector();
-        let factor = speed.factor();
+        let now = clock_nanos(now);
+        let factor = speed.factor_at_nanos(now);
         let mut fit = self.fit.lock().unwrap_or_else(PoisonError::into_inner);
         let base = predict_with(&fit.theta, &x);
         if base > 1.0 && ttft_ms > 0.0 {
             let target = (ttft_ms / base).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
             let r = (target / factor).ln().clamp(-1.0, 1.0);
             let next = (factor * (SPEED_RATE * r).exp()).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
-            speed.factor.store(next.to_bits(), Ordering::Relaxed);
+            speed
+                .log_factor
+                .store(next.ln().to_bits(), Ordering::Relaxed);
+            speed.learned_at.store(now, Ordering::Relaxed);
         }
         speed.observed.fetch_add(1, Ordering::Relaxed);
         // The shared fit learns the pool's average endpoint (factors then average about 1).
@@ -247,18 +286,19 @@ mod tests {
     #[test]
     fn learns_an_engine_slower_than_the_prior() {
         let m = TtftModel::default();
+        let t0 = Instant::now();
         let e = EndpointSpeed::default();
-        let before = m.predict(&e, &features(4.0, 10.0, 0.0));
+        let before = m.predict(&e, &features(4.0, 10.0, 0.0), t0);
         assert!((before - (5.0 + 160.0 + 1.0)).abs() < 1e-9, "{before}");
         // The truth: 12 ms + 100 ms per 1k prompt tokens + 2 ms per 1k decoding tokens.
         let truth = |f: &TtftFeatures| 12.0 + 100.0 * f.prefill_ktokens + 2.0 * f.decode_ktokens;
         let mut rng = fastrand::Rng::with_seed(3);
         for _ in 0..400 {
             let f = features(rng.f64() * 8.0, rng.f64() * 40.0, 0.0);
-            m.observe(&e, &f, truth(&f));
+            m.observe(&e, &f, truth(&f), t0);
         }
         let f = features(4.0, 10.0, 0.0);
-        let after = m.predict(&e, &f);
+        let after = m.predict(&e, &f, t0);
         assert!(
             (after - truth(&f)).abs() < 0.05 * truth(&f),
             "{after} vs {}",
@@ -272,41 +312,75 @@ mod tests {
     #[test]
     fn a_slower_endpoint_gets_a_larger_factor_from_the_same_model() {
         let m = TtftModel::default();
+        let t0 = Instant::now();
         let (fast, slow) = (EndpointSpeed::default(), EndpointSpeed::default());
         let truth = |f: &TtftFeatures| 10.0 + 40.0 * f.prefill_ktokens;
         let mut rng = fastrand::Rng::with_seed(4);
         for _ in 0..300 {
             let f = features(rng.f64() * 8.0, 0.0, 0.0);
-            m.observe(&fast, &f, truth(&f));
-            m.observe(&slow, &f, 3.0 * truth(&f));
+            m.observe(&fast, &f, truth(&f), t0);
+            m.observe(&slow, &f, 3.0 * truth(&f), t0);
         }
         let ratio = slow.factor() / fast.factor();
         assert!((ratio - 3.0).abs() < 0.3, "{ratio}");
         let f = features(2.0, 0.0, 0.0);
-        let (pf, ps) = (m.predict(&fast, &f), m.predict(&slow, &f));
+        let (pf, ps) = (m.predict(&fast, &f, t0), m.predict(&slow, &f, t0));
         assert!(ps > 2.5 * pf, "{ps} vs {pf}");
     }
 
     #[test]
     fn outliers_and_garbage_do_not_break_it() {
         let m = TtftModel::default();
+        let t0 = Instant::now();
         let e = EndpointSpeed::default();
         let f = features(1.0, 0.0, 0.0);
         for _ in 0..50 {
-            m.observe(&e, &f, 45.0);
+            m.observe(&e, &f, 45.0, t0);
         }
-        let steady = m.predict(&e, &f);
-        m.observe(&e, &f, 60_000.0);
-        m.observe(&e, &f, f64::NAN);
-        m.observe(&e, &f, -3.0);
-        let after = m.predict(&e, &f);
+        let steady = m.predict(&e, &f, t0);
+        m.observe(&e, &f, 60_000.0, t0);
+        m.observe(&e, &f, f64::NAN, t0);
+        m.observe(&e, &f, -3.0, t0);
+        let after = m.predict(&e, &f, t0);
         assert!(after < steady * 8.0, "{steady} → {after}");
         assert!(m.coefficients().iter().all(|c| c.is_finite() && *c >= 0.0));
         // Coefficients stay ≥ 0 whatever the data: predictions never go negative.
         for _ in 0..200 {
-            m.observe(&e, &features(5.0, 0.0, 0.0), 0.0);
+            m.observe(&e, &features(5.0, 0.0, 0.0), 0.0, t0);
         }
         assert!(m.coefficients().iter().all(|c| *c >= 0.0));
-        assert!(m.predict(&e, &features(0.0, 0.0, 3.0)) >= 0.0);
+        assert!(m.predict(&e, &features(0.0, 0.0, 3.0), t0) >= 0.0);
+    }
+
+    #[test]
+    fn a_factor_decays_toward_one_without_observations_and_relearns_from_there() {
+        let m = TtftModel::default();
+        let t0 = Instant::now();
+        let (slow, fast) = (EndpointSpeed::default(), EndpointSpeed::default());
+        let f = features(2.0, 0.0, 0.0);
+        let truth = 5.0 + 40.0 * 2.0;
+        for _ in 0..100 {
+            m.observe(&slow, &f, 3.0 * truth, t0);
+            m.observe(&fast, &f, truth / 2.0, t0);
+        }
+        let learned = slow.factor();
+        assert!(learned > 1.5 && (slow.factor_at(t0) - learned).abs() < 1e-12);
+        let at = |s: f64| t0 + std::time::Duration::from_secs_f64(s);
+        // Half the log after one half-life, a third after two; faster endpoints come back up.
+        let half = slow.factor_at(at(SPEED_HALF_LIFE_S));
+        assert!((half.ln() - learned.ln() / 2.0).abs() < 1e-9, "{half}");
+        assert!(
+            (slow.factor_at(at(2.0 * SPEED_HALF_LIFE_S)).ln() - learned.ln() / 3.0).abs() < 1e-9
+        );
+        assert!(fast.factor() < 0.8 && fast.factor_at(at(600.0)) > 0.95);
+        // Times before the last observation read the factor as learned.
+        assert_eq!(
+            slow.factor_at(t0 - std::time::Duration::from_secs(5)),
+            learned
+        );
+        // An observation after a while moves the decayed factor, not the stale one.
+        m.observe(&slow, &f, truth, at(100.0));
+        assert!(slow.factor() < half, "{}", slow.factor());
+        assert_eq!(slow.observed(), 101);
     }
 }

@@ -102,10 +102,10 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
         ..Default::default()
     };
     assert!(
-        model.predict(s, &probe) > 2.0 * model.predict(f, &probe),
+        model.predict(s, &probe, ctx.now) > 2.0 * model.predict(f, &probe, ctx.now),
         "slow {} vs fast {} (factors {} and {})",
-        model.predict(s, &probe),
-        model.predict(f, &probe),
+        model.predict(s, &probe, ctx.now),
+        model.predict(f, &probe, ctx.now),
         s.factor(),
         f.factor()
     );
@@ -114,4 +114,21 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
         let d = r.route(&text(&prompt(200 + i)), &eps, &mut ctx).unwrap();
         assert_ne!(d.pick.primary.addr, slow);
     }
+    // Left without observations, its factor decays: two minutes on, requests that pile up on
+    // the fast endpoint spill over to it sooner (and it is relearned from what it does then)
+    // instead of it starving for good.
+    let spilled = |ctx: &mut PickContext, first: u8| {
+        let held: Vec<_> = (first..first + 20)
+            .map(|i| r.route(&text(&prompt(i)), &eps, ctx).unwrap())
+            .collect();
+        held.iter().filter(|d| d.pick.primary.addr == slow).count()
+    };
+    let now = spilled(&mut ctx, 120);
+    ctx.now += Duration::from_secs(120);
+    let later = spilled(&mut ctx, 140);
+    assert!(
+        later > now,
+        "{later} vs {now}, factor now {}",
+        s.factor_at(ctx.now)
+    );
 }

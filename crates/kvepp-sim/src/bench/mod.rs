@@ -738,12 +738,23 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     let mut md = String::new();
     for kind in &args.workload {
         let sc = scenario(*kind, &args)?;
-        let ceiling = workload::hit_ceiling(&sc.requests, sc.params.block_size as usize);
+        let bs = sc.params.block_size as usize;
+        let capacity_blocks = sc.params.total_kv_blocks * args.engines as u64;
+        let ceilings = report::Ceilings {
+            infinite: workload::hit_ceiling(&sc.requests, bs),
+            capacity: workload::hit_ceiling_with_capacity(
+                &sc.requests,
+                bs,
+                usize::try_from(capacity_blocks).unwrap_or(usize::MAX),
+            ),
+            capacity_blocks,
+        };
         eprintln!(
-            "== {}: {} requests, hit ceiling {:.1}%",
+            "== {}: {} requests, hit ceiling {:.1}% (with the fleet's KV capacity {:.1}%)",
             sc.title,
             sc.requests.len(),
-            ceiling * 100.0
+            ceilings.infinite * 100.0,
+            ceilings.capacity * 100.0
         );
         let disaggregated = args.prefill_engines > 0;
         let spec = BenchSpec {
@@ -819,23 +830,27 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                 results.push(r);
             }
         }
-        md += &report::markdown(&sc.title, ceiling, &results);
+        md += &report::markdown(&sc.title, ceilings, &results);
         if !notes.is_empty() {
             md += &format!("\n{notes}");
         }
         md.push('\n');
-        all.push((kind.name().to_owned(), sc.title, results));
+        all.push((kind.name().to_owned(), sc.title, ceilings, results));
     }
     println!("{md}");
     std::fs::write(args.out.join("results.md"), &md).map_err(io)?;
     let json: Vec<serde_json::Value> = all
         .iter()
-        .map(|(k, t, r)| serde_json::json!({"workload": k, "title": t, "results": r}))
+        .map(|(k, t, c, r)| {
+            serde_json::json!({"workload": k, "title": t, "ceilings": c, "results": r})
+        })
         .collect();
     let json = serde_json::to_string_pretty(&json).map_err(|e| BenchError::Io(e.to_string()))?;
     std::fs::write(args.out.join("results.json"), json).map_err(io)?;
-    let short: Vec<(String, Vec<PolicyResult>)> =
-        all.iter().map(|(k, _, r)| (k.clone(), r.clone())).collect();
+    let short: Vec<(String, Vec<PolicyResult>)> = all
+        .iter()
+        .map(|(k, _, _, r)| (k.clone(), r.clone()))
+        .collect();
     if let Err(e) = report::chart(&args.out.join("routing.png"), &short) {
         eprintln!("chart not written: {e}");
     }

@@ -157,13 +157,34 @@ pub fn summarize(
     }
 }
 
+/// What the workload allows of prefix-cache hits: with an infinite cache, and with the fleet's
+/// KV capacity as one LRU cache ([`super::workload::hit_ceiling_with_capacity`]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Ceilings {
+    pub infinite: f64,
+    pub capacity: f64,
+    /// The fleet's KV blocks (engines × blocks per engine).
+    pub capacity_blocks: u64,
+}
+
+fn share(part: f64, of: f64) -> String {
+    if of > 0.0 {
+        format!("{:.0}%", 100.0 * part / of)
+    } else {
+        "-".into()
+    }
+}
+
 /// The Markdown table of one workload's results, with ratios against the first policy.
-pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
+pub fn markdown(title: &str, ceilings: Ceilings, results: &[PolicyResult]) -> String {
     let mut s = format!(
-        "### {title}\n\nPrefix-cache hit ceiling of the workload: {:.1}%\n\n\
-         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling) | imbalance | TTFT ≤ {:.0} ms | goodput req/s | p90 TTFT vs {} |\n\
+        "### {title}\n\nPrefix-cache hit ceiling of the workload: {:.1}% with an infinite cache, \
+         {:.1}% with the fleet's {} KV blocks as one LRU cache (the capacity ceiling)\n\n\
+         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling / of capacity ceiling) | imbalance | TTFT ≤ {:.0} ms | goodput req/s | p90 TTFT vs {} |\n\
          |---|---|---|---|---|---|---|---|---|---|\n",
-        ceiling * 100.0,
+        ceilings.infinite * 100.0,
+        ceilings.capacity * 100.0,
+        ceilings.capacity_blocks,
         results.first().map_or(0.0, |r| r.slo_ttft_ms),
         results.first().map_or("-", |r| r.policy.as_str()),
     );
@@ -174,11 +195,11 @@ pub fn markdown(title: &str, ceiling: f64, results: &[PolicyResult]) -> String {
         } else {
             "-".into()
         };
-        let of = if ceiling > 0.0 {
-            format!(" ({:.0}%)", 100.0 * r.hit_ratio / ceiling)
-        } else {
-            String::new()
-        };
+        let of = format!(
+            " ({} / {})",
+            share(r.hit_ratio, ceilings.infinite),
+            share(r.hit_ratio, ceilings.capacity)
+        );
         s += &format!(
             "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {:.0}% | {:.2} | {} |\n",
             r.policy,
@@ -355,12 +376,21 @@ mod tests {
         assert_eq!(r.e2e_ms[2], 3000.0);
         assert!((r.hit_ratio - 0.5).abs() < 1e-9);
         assert!((r.output_tokens_per_s - 20.0 / 3.0).abs() < 1e-6);
-        let table = markdown("w", 0.5, &[r.clone(), r]);
+        let ceilings = Ceilings {
+            infinite: 0.5,
+            capacity: 0.625,
+            capacity_blocks: 64,
+        };
+        let table = markdown("w", ceilings, &[r.clone(), r]);
         assert!(table.contains("| x | 3 (1) |"), "{table}");
         assert!(
             table.contains("TTFT ≤ 1000 ms") && table.contains("| 33% | 0.33 |"),
             "{table}"
         );
-        assert!(table.contains("50.0% (100%)"), "{table}");
+        assert!(table.contains("50.0% (100% / 80%)"), "{table}");
+        assert!(
+            table.contains("62.5% with the fleet's 64 KV blocks"),
+            "{table}"
+        );
     }
 }

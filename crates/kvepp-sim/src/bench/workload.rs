@@ -5,7 +5,7 @@
 //! a share of the conversations sent straight to the engines by a second client. Request bodies
 //! are built before the replay starts.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::time::Duration;
 
@@ -261,25 +261,34 @@ pub fn multi_turn(m: &MultiTurn) -> Vec<Request> {
 /// infinite cache shared by everyone, requests in the order given; the last prompt token is
 /// always computed, the last output token never is).
 pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
-    let mut seen = HashSet::new();
+    hit_ceiling_with_capacity(requests, block_size, usize::MAX)
+}
+
+/// [`hit_ceiling`] for one shared prefix cache of `capacity` blocks that evicts the least
+/// recently used block (a request's blocks are used leaf first, so its tail goes before its
+/// head, as vLLM frees them): what the fleet's KV memory keeps of the workload if every request
+/// could use all of it. A reference for routing, not a bound: it ignores the blocks running
+/// requests pin, and caches split by engine can keep other sets than one LRU does.
+pub fn hit_ceiling_with_capacity(requests: &[Request], block_size: usize, capacity: usize) -> f64 {
+    let mut cache = Lru::new(capacity);
     let (mut hit, mut total) = (0u64, 0u64);
     for r in requests {
         let mut all = r.tokens.clone();
         all.extend(generated_tokens(&r.tokens, r.max_tokens.saturating_sub(1)));
         let produced = sequence_hashes(&local_block_hashes(&all, block_size, None));
-        if r.direct.is_some() {
-            seen.extend(produced.iter().map(|h| h.0));
-            continue;
+        if r.direct.is_none() {
+            let hashes = sequence_hashes(&local_block_hashes(&r.tokens, block_size, None));
+            let reusable = r.tokens.len().saturating_sub(1) / block_size.max(1);
+            let run = hashes[..reusable.min(hashes.len())]
+                .iter()
+                .take_while(|h| cache.contains(h.0))
+                .count();
+            hit += (run * block_size) as u64;
+            total += r.tokens.len() as u64;
         }
-        let hashes = sequence_hashes(&local_block_hashes(&r.tokens, block_size, None));
-        let reusable = r.tokens.len().saturating_sub(1) / block_size.max(1);
-        let run = hashes[..reusable.min(hashes.len())]
-            .iter()
-            .take_while(|h| seen.contains(&h.0))
-            .count();
-        hit += (run * block_size) as u64;
-        total += r.tokens.len() as u64;
-        seen.extend(produced.iter().map(|h| h.0));
+        for h in produced.iter().rev() {
+            cache.touch(h.0);
+        }
     }
     if total == 0 {
         0.0
@@ -288,9 +297,53 @@ pub fn hit_ceiling(requests: &[Request], block_size: usize) -> f64 {
     }
 }
 
+/// Block hashes in least-recently-used order, at most `capacity` of them: the last use of each
+/// block in a map, every use in a log read from its oldest end when something must go (a use
+/// superseded by a later one is skipped there).
+struct Lru {
+    capacity: usize,
+    clock: u64,
+    last_use: HashMap<u64, u64>,
+    log: VecDeque<(u64, u64)>,
+}
+
+impl Lru {
+    fn new(capacity: usize) -> Self {
+        Lru {
+            capacity,
+            clock: 0,
+            last_use: HashMap::new(),
+            log: VecDeque::new(),
+        }
+    }
+
+    fn contains(&self, h: u64) -> bool {
+        self.last_use.contains_key(&h)
+    }
+
+    fn touch(&mut self, h: u64) {
+        self.clock += 1;
+        self.last_use.insert(h, self.clock);
+        if self.capacity == usize::MAX {
+            // Nothing is ever evicted: no log to keep.
+            return;
+        }
+        self.log.push_back((self.clock, h));
+        while self.last_use.len() > self.capacity {
+            let Some((at, old)) = self.log.pop_front() else {
+                break;
+            };
+            if self.last_use.get(&old) == Some(&at) {
+                self.last_use.remove(&old);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn equal_hash_ids_give_equal_tokens_and_the_ceiling_counts_them() {
@@ -311,6 +364,13 @@ mod tests {
         assert_eq!(r[1].max_tokens, 100);
         // The second request reuses the 512 tokens of id 7: 512 of 2024 prompt tokens.
         assert!((hit_ceiling(&r, 16) - 512.0 / 2024.0).abs() < 1e-9);
+        // Room for all 70 blocks of the first request's prompt and output, or for just the 32
+        // of the shared 512 tokens (its head, used last, stays longest): the same; with 31, one
+        // block less; with none, nothing.
+        assert!((hit_ceiling_with_capacity(&r, 16, 128) - 512.0 / 2024.0).abs() < 1e-9);
+        assert!((hit_ceiling_with_capacity(&r, 16, 32) - 512.0 / 2024.0).abs() < 1e-9);
+        assert_eq!(hit_ceiling_with_capacity(&r, 16, 31), 31.0 * 16.0 / 2024.0);
+        assert_eq!(hit_ceiling_with_capacity(&r, 16, 0), 0.0);
         let bad = dir.path().join("bad.jsonl");
         std::fs::write(&bad, "{\"timestamp\": 0}\n").unwrap();
         let e = mooncake(&bad, 10, 100).unwrap_err().to_string();
