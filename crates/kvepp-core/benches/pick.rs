@@ -4,6 +4,8 @@
 //! cargo bench -p kvepp-core --bench pick                      # latency table + 1/2-thread scaling
 //! cargo bench -p kvepp-core --bench pick -- --threads 1,2,8,16 --seconds 3
 //! cargo bench -p kvepp-core --bench pick -- --no-latency --events-per-second 0   # picks alone
+//! valgrind --tool=callgrind target/release/deps/pick-* --bench --endpoints 1000 --tokens-k 128 \
+//!     --iterations 300 --no-scaling   # instruction counts, comparable between builds
 //! ```
 //!
 //! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
@@ -139,7 +141,25 @@ fn time(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
     (percentile(&d, 0.5), percentile(&d, 0.99))
 }
 
-fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
+/// How many timed iterations a table row takes: a fixed count, or as many as fit the budget.
+#[derive(Clone, Copy)]
+enum Sample {
+    Budget(Duration),
+    Iterations(usize),
+}
+
+impl Sample {
+    fn iters(self, one: Duration) -> usize {
+        match self {
+            Sample::Budget(b) => {
+                ((b.as_secs_f64() / one.as_secs_f64()) as usize).clamp(200, 20_000)
+            }
+            Sample::Iterations(n) => n,
+        }
+    }
+}
+
+fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample) {
     println!(
         "## KV-aware pick latency (µs), against the load-only pick over the same candidates\n"
     );
@@ -155,7 +175,7 @@ fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
             let t = Instant::now();
             black_box(s.kv.rank(refs, Some(&s.prompt), &mut ctx));
             let one = t.elapsed().max(Duration::from_nanos(200));
-            let iters = ((budget.as_secs_f64() / one.as_secs_f64()) as usize).clamp(200, 20_000);
+            let iters = sample.iters(one);
             let kv = time(iters, || {
                 black_box(s.kv.rank(black_box(refs), Some(&s.prompt), &mut ctx));
             });
@@ -205,7 +225,7 @@ fn latency(sizes: &[usize], token_sizes: &[usize], budget: Duration) {
 /// The whole selector (eligibility, admission, the KV-aware pick) over 1000 endpoints whose
 /// engines all reported fresh, unsaturated metrics, with the default admission (`Shed`) and with
 /// flow control's (`Unsaturated`, which checks every candidate's saturation on every pick).
-fn admission(tokens: usize, budget: Duration) {
+fn admission(tokens: usize, sample: Sample) {
     let n = 1000;
     let s = setup(n, tokens);
     let now = Instant::now();
@@ -227,7 +247,7 @@ fn admission(tokens: usize, budget: Duration) {
     };
     let selector = Selector::new(Box::new(KvPicker(s.kv.clone())), saturation);
     let mut ctx = PickContext::seeded(1);
-    let iters = ((budget.as_secs_f64() / 30e-6) as usize).clamp(200, 20_000);
+    let iters = sample.iters(Duration::from_micros(30));
     let mut run = |admission: Admission| {
         let req = PickRequest {
             admission,
@@ -427,10 +447,17 @@ fn main() {
         .into_iter()
         .map(|k| k << 10)
         .collect();
-    let budget = Duration::from_secs_f64(arg(&args, "--budget").unwrap_or(0.4));
+    // `--iterations N`: a fixed sample (e.g. under `valgrind --tool=callgrind`, whose
+    // instruction counts are then comparable between builds); else `--budget` seconds a row.
+    let sample = match arg(&args, "--iterations") {
+        Some(n) => Sample::Iterations(n),
+        None => Sample::Budget(Duration::from_secs_f64(
+            arg(&args, "--budget").unwrap_or(0.4),
+        )),
+    };
     if !args.iter().any(|a| a == "--no-latency") {
-        latency(&sizes, &tokens, budget);
-        admission(32 << 10, budget);
+        latency(&sizes, &tokens, sample);
+        admission(32 << 10, sample);
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = list(

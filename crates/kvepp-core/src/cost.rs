@@ -167,9 +167,11 @@ impl CostWeights {
     /// the others in the total order of `f64`, ties going to the lowest `tiebreak`, then to the
     /// lowest index (None: one candidate). `costs` must not be empty.
     ///
-    /// At temperature 0 it reads `costs` twice in full (the lowest costs, then the runner-up)
-    /// and calls `tiebreak` only for candidates tied at one of the two lowest costs, so it stays
-    /// a few nanoseconds a candidate when `tiebreak` reads memory elsewhere.
+    /// At temperature 0 it reads `costs` three times (the lowest cost, the ties at it, the
+    /// runner-up) with plain float comparisons, and calls `tiebreak` only for candidates tied at
+    /// the lowest cost or at the runner-up's, so it stays a few nanoseconds a candidate when
+    /// `tiebreak` reads memory elsewhere; costs with NaN or -0.0 (where float comparisons and the
+    /// total order part) take the exact, slower runner-up pass.
     pub fn choose_two(
         &self,
         costs: &[f64],
@@ -180,16 +182,14 @@ impl CostWeights {
             let best = self.choose(costs, || rng.f64());
             return (best, runner_up(costs, best, &tiebreak));
         }
-        // The lowest cost as `<=` sees it (NaN never ties), and the two lowest keys in the
-        // total order, counting repeats (`k2 == k1` when two candidates hold the lowest), without
-        // branches.
+        // The lowest cost as `<=` sees it (NaN never ties), and whether any cost is NaN.
         let mut min = f64::INFINITY;
-        let (mut k1, mut k2) = (i64::MAX, i64::MAX);
+        let mut nan = false;
         for &c in costs {
-            min = min.min(c);
-            let k = total_key(c);
-            k2 = k2.min(k1.max(k));
-            k1 = k1.min(k);
+            if c < min {
+                min = c;
+            }
+            nan |= c.is_nan();
         }
         let mut least = u32::MAX;
         let mut n = 0usize;
@@ -211,18 +211,19 @@ impl CostWeights {
             .filter(|&(i, &c)| c <= min && tiebreak(i) == least)
             .nth(k)
             .map_or(0, |(i, _)| i);
-        // The others' lowest key: the lowest, unless `best` held it alone.
-        let target = if total_key(costs[best]) == k1 { k2 } else { k1 };
-        let mut second: Option<(u32, usize)> = None;
-        for (i, &c) in costs.iter().enumerate() {
-            if i != best && total_key(c) == target {
-                let t = tiebreak(i);
-                if second.is_none_or(|(s, _)| t < s) {
-                    second = Some((t, i));
-                }
-            }
+        // Without NaN, float order is the total order but for -0.0 against 0.0: one pass over
+        // the others (before `best`, then after it), `tiebreak` read only where a cost equals the
+        // runner-up's so far; a runner-up at zero is redone exactly.
+        let mut second = Runner::default();
+        if !nan {
+            second.scan(costs, 0..best, &tiebreak);
+            second.scan(costs, best + 1..costs.len(), &tiebreak);
         }
-        (best, second.map(|(_, i)| i))
+        match second.at {
+            Some(i) if !nan && costs[i] != 0.0 => (best, Some(i)),
+            None if !nan => (best, None),
+            _ => (best, runner_up(costs, best, &tiebreak)),
+        }
     }
 
     /// Index of the chosen candidate (`costs` must not be empty). `roll` returns uniform numbers in
@@ -262,11 +263,60 @@ fn float(x: u64) -> f64 {
     x.min(i64::MAX as u64) as i64 as f64
 }
 
-/// `x`'s place in the total order of `f64` ([`f64::total_cmp`]) as an integer.
-#[inline]
-fn total_key(x: f64) -> i64 {
-    let bits = x.to_bits() as i64;
-    bits ^ ((((bits >> 63) as u64) >> 1) as i64)
+/// The runner-up so far in [`CostWeights::choose_two`]'s pass: its index, cost and (once read)
+/// tiebreak.
+struct Runner {
+    at: Option<usize>,
+    cost: f64,
+    tiebreak: Option<u32>,
+}
+
+impl Default for Runner {
+    fn default() -> Self {
+        Runner {
+            at: None,
+            cost: f64::INFINITY,
+            tiebreak: None,
+        }
+    }
+}
+
+impl Runner {
+    /// Takes the cheapest of `costs[range]` (no NaN) against the one so far: lower cost, then
+    /// lower tiebreak, then the earlier index.
+    fn scan(
+        &mut self,
+        costs: &[f64],
+        range: std::ops::Range<usize>,
+        tiebreak: impl Fn(usize) -> u32,
+    ) {
+        let start = range.start;
+        for (k, &c) in costs[range].iter().enumerate() {
+            let i = start + k;
+            if c < self.cost {
+                *self = Runner {
+                    at: Some(i),
+                    cost: c,
+                    tiebreak: None,
+                };
+            } else if c == self.cost {
+                let Some(j) = self.at else {
+                    // The first of the others at +inf.
+                    self.at = Some(i);
+                    continue;
+                };
+                let held = *self.tiebreak.get_or_insert_with(|| tiebreak(j));
+                let t = tiebreak(i);
+                if t < held {
+                    *self = Runner {
+                        at: Some(i),
+                        cost: c,
+                        tiebreak: Some(t),
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// The cheapest of `costs` other than `best` in the total order, ties to the lowest
