@@ -360,9 +360,24 @@ struct PickScratch {
     /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
     /// exist).
     best: Vec<Overlap>,
+    /// Per candidate, under the predicted-TTFT cost only (Dynamo's keeps just the costs and
+    /// reads the chosen one's load again).
     loads: Vec<CandidateLoad>,
     versions: Vec<Option<u64>>,
     costs: Vec<f64>,
+    /// Candidates whose tracker hint missed, with the load resolved for them under the lock.
+    resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
+}
+
+/// What one pick's walks left for reading a candidate's load ([`KvState::load_of`]).
+struct Walked {
+    index: Option<arc_swap::Guard<Arc<super::index::PrefixIndex>>>,
+    /// Which of an endpoint's index hints the index read uses.
+    hint: usize,
+    /// The index has data-parallel ranks other than 0: overlaps were gathered per worker.
+    per_worker: bool,
+    blocks: u64,
+    isl: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -582,23 +597,25 @@ impl KvState {
             .walked_all(&sc.matching, &mut sc.found);
     }
 
-    /// Fills `sc.loads` (overlap and projected load per candidate, in order) and `sc.versions`,
-    /// and with `dynamo` (the weights, the block size and the per-candidate bias) `sc.costs` by
-    /// Dynamo's formula in the same pass.
+    /// Walks the indexes and the slot tracker for `prompt`, then fills `sc.costs` (Dynamo's
+    /// formula, with `dynamo`'s weights, block size and per-candidate bias), or without
+    /// `dynamo` `sc.loads` and `sc.versions` (overlap, projected load and its version per
+    /// candidate, in order) for the caller's own cost.
     ///
     /// Each walk (KV or approximate index, then the slot tracker's trie) leaves its results in
     /// scratch space indexed by dense ids, and the ranks' loads are copied beside them under the
     /// tracker's read lock; a candidate reads its own through the hints kept in its endpoint, so
     /// the cost per candidate is a few array reads, without the lock. Only where an index has
     /// data-parallel ranks other than 0 (whose best run counts for the endpoint) are the runs
-    /// gathered per worker instead.
+    /// gathered per worker instead. Candidates whose tracker hint misses (first picks,
+    /// re-registrations) are resolved afterwards under the lock, into `sc.resolved`.
     fn candidate_loads(
         &self,
         candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         dynamo: Option<(&CostWeights, u32, &[f64])>,
         sc: &mut PickScratch,
-    ) {
+    ) -> Walked {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
         let cost = |i: usize, c: &CandidateLoad| {
@@ -606,14 +623,20 @@ impl KvState {
         };
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
-        let hint = if approximate {
-            HINT_APPROX_INDEX
-        } else {
-            HINT_EVENT_INDEX
-        };
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
+        let walked = Walked {
+            index,
+            hint: if approximate {
+                HINT_APPROX_INDEX
+            } else {
+                HINT_EVENT_INDEX
+            },
+            per_worker,
+            blocks: hashes.len() as u64,
+            isl,
+        };
         if per_worker {
-            if let Some(ix) = &index {
+            if let Some(ix) = &walked.index {
                 ix.walked_all(&sc.matching, &mut sc.found);
             }
             self.best_per_worker(candidates, sc);
@@ -626,79 +649,130 @@ impl KvState {
             slots.walk_held(hashes, &mut sc.held);
             slots.views_into(&mut sc.views);
         }
-        let blocks = hashes.len() as u64;
-        let mut misses = false;
         sc.loads.clear();
         sc.versions.clear();
         sc.costs.clear();
+        sc.resolved.clear();
         for (i, e) in candidates.iter().enumerate() {
-            let rank = WorkerRank {
-                worker: e.worker,
-                dp_rank: 0,
-            };
-            let overlap = match &index {
-                _ if per_worker => sc.best[i],
-                Some(ix) => ix
-                    .walked(&sc.matching, rank, &e.hints.index[hint])
-                    .unwrap_or_default(),
-                None => Overlap::default(),
-            };
-            let mut c = CandidateLoad {
-                overlap,
-                ..CandidateLoad::default()
-            };
-            let slot = e.hints.slot.load(Ordering::Relaxed);
-            let version = match project(&sc.views, &sc.held, rank, slot, blocks, isl) {
-                Some((l, v)) => {
-                    c.set_load(&l);
-                    Some(v)
-                }
+            let found = Self::load_of(&walked, sc, i, e);
+            // A miss's placeholders are replaced below.
+            let (c, version) = found.map_or_else(
+                || {
+                    sc.resolved.push((i, CandidateLoad::default(), None));
+                    (CandidateLoad::default(), None)
+                },
+                |(c, v)| (c, Some(v)),
+            );
+            match cost(i, &c) {
+                Some(cost) => sc.costs.push(cost),
                 None => {
-                    misses = true;
-                    None
+                    sc.loads.push(c);
+                    sc.versions.push(version);
                 }
-            };
-            if let Some(cost) = cost(i, &c) {
-                // A miss's placeholder is replaced below.
-                sc.costs.push(cost);
             }
-            sc.loads.push(c);
-            sc.versions.push(version);
         }
-        if misses {
-            // Endpoints whose dense id is not remembered yet (first picks, re-registrations).
+        if !sc.resolved.is_empty() {
             let slots = read(&self.slots);
-            for (i, ((c, version), e)) in sc
-                .loads
-                .iter_mut()
-                .zip(&mut sc.versions)
-                .zip(candidates)
-                .enumerate()
-            {
+            let mut resolved = std::mem::take(&mut sc.resolved);
+            for (i, c, v) in &mut resolved {
+                let Some(e) = candidates.get(*i) else {
+                    continue;
+                };
                 let rank = WorkerRank {
                     worker: e.worker,
                     dp_rank: 0,
                 };
-                if version.is_some() {
-                    continue;
-                }
                 let found = slots.dense_id(rank).and_then(|id| {
                     e.hints.slot.store(id, Ordering::Relaxed);
-                    project(&sc.views, &sc.held, rank, id, blocks, isl)
+                    project(&sc.views, &sc.held, rank, id, walked.blocks, isl)
                 });
                 // An unregistered rank (or one registered since the copy) counts as idle;
                 // booking registers it.
-                let (l, v) = found.map_or_else(
-                    || (slots.projection(rank, blocks, 0, isl).0, None),
+                let (l, version) = found.map_or_else(
+                    || (slots.projection(rank, walked.blocks, 0, isl).0, None),
                     |(l, v)| (l, Some(v)),
                 );
+                c.overlap = Self::overlap_of(&walked, sc, *i, e);
                 c.set_load(&l);
-                *version = v;
-                if let (Some(cost), Some(slot)) = (cost(i, c), sc.costs.get_mut(i)) {
-                    *slot = cost;
+                *v = version;
+                match cost(*i, c) {
+                    Some(cost) => {
+                        if let Some(slot) = sc.costs.get_mut(*i) {
+                            *slot = cost;
+                        }
+                    }
+                    None => {
+                        if let (Some(slot), Some(version)) =
+                            (sc.loads.get_mut(*i), sc.versions.get_mut(*i))
+                        {
+                            *slot = *c;
+                            *version = *v;
+                        }
+                    }
                 }
             }
+            sc.resolved = resolved;
         }
+        walked
+    }
+
+    /// Candidate `i`'s cached prefix, from the walks.
+    #[inline(always)]
+    fn overlap_of(w: &Walked, sc: &PickScratch, i: usize, e: &Endpoint) -> Overlap {
+        match &w.index {
+            _ if w.per_worker => sc.best.get(i).copied().unwrap_or_default(),
+            Some(ix) => ix
+                .walked(
+                    &sc.matching,
+                    WorkerRank {
+                        worker: e.worker,
+                        dp_rank: 0,
+                    },
+                    &e.hints.index[w.hint],
+                )
+                .unwrap_or_default(),
+            None => Overlap::default(),
+        }
+    }
+
+    /// Candidate `i`'s overlap and projected load with its load version, from the walks and the
+    /// copied views; None: its tracker hint missed.
+    #[inline(always)]
+    fn load_of(
+        w: &Walked,
+        sc: &PickScratch,
+        i: usize,
+        e: &Endpoint,
+    ) -> Option<(CandidateLoad, u64)> {
+        let rank = WorkerRank {
+            worker: e.worker,
+            dp_rank: 0,
+        };
+        let slot = e.hints.slot.load(Ordering::Relaxed);
+        let (l, version) = project(&sc.views, &sc.held, rank, slot, w.blocks, w.isl)?;
+        let mut c = CandidateLoad {
+            overlap: Self::overlap_of(w, sc, i, e),
+            ..CandidateLoad::default()
+        };
+        c.set_load(&l);
+        Some((c, version))
+    }
+
+    /// After [`Self::candidate_loads`]: candidate `i`'s load and version as its cost read them.
+    fn chosen_load(
+        &self,
+        w: &Walked,
+        sc: &PickScratch,
+        i: usize,
+        e: &Endpoint,
+    ) -> (CandidateLoad, Option<u64>) {
+        if let (Some(c), Some(v)) = (sc.loads.get(i), sc.versions.get(i)) {
+            return (*c, *v);
+        }
+        if let Some(&(_, c, v)) = sc.resolved.iter().find(|r| r.0 == i) {
+            return (c, v);
+        }
+        Self::load_of(w, sc, i, e).map_or((CandidateLoad::default(), None), |(c, v)| (c, Some(v)))
     }
 
     /// `sc.best[i]`: candidate `i`'s best cached prefix over its worker's ranks, from the runs
@@ -741,7 +815,7 @@ impl KvState {
         let bs = self.block_size();
         let predicted = w.cost_model == CostModel::PredictedTtft;
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
-        self.candidate_loads(candidates, prompt, dynamo, &mut sc);
+        let walked = self.candidate_loads(candidates, prompt, dynamo, &mut sc);
         if predicted {
             let now = super::load::clock_nanos(ctx.now);
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
@@ -760,7 +834,8 @@ impl KvState {
             scores.clear();
             scores.extend(costs.iter().map(|c| 1.0 / (1.0 + c.max(0.0))));
         }
-        let c = sc.loads[best];
+        let (c, load_version) = self.chosen_load(&walked, &sc, best, &candidates[best]);
+        drop(walked);
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),
             prompt_blocks: hashes.len() as u64,
@@ -770,7 +845,7 @@ impl KvState {
             potential_prefill_tokens: c.potential_prefill_tokens,
             potential_decode_blocks: c.potential_decode_blocks,
             active_requests: c.active_requests,
-            load_version: sc.versions[best],
+            load_version,
             ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
         };
         self.return_scratch(pool, sc);

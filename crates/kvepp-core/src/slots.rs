@@ -191,6 +191,9 @@ struct Active {
 pub struct SlotTracker {
     /// Dense rank states; a rank's id is its position (`None`: a freed id).
     ranks: Vec<Option<RankState>>,
+    /// `views[id]` is `ranks[id]`'s load as a pick reads it (the default for a freed id), kept
+    /// in step by every change of a rank's state, so a pick copies them in one `memcpy`.
+    views: Vec<RankView>,
     ids: Map<WorkerRank, u32>,
     free_ids: Vec<u32>,
     requests: HashMap<String, Active>,
@@ -215,12 +218,35 @@ impl SlotTracker {
     pub fn with_seed(stale_after: Duration, seed: u64) -> Self {
         SlotTracker {
             ranks: Vec::new(),
+            views: Vec::new(),
             ids: HashMap::with_hasher(KeyedBuild::with_key(seed)),
             free_ids: Vec::new(),
             requests: HashMap::new(),
             active: ActiveTrie::with_seed(seed),
             stale_after,
         }
+    }
+
+    /// Brings `views[id]` in step with `ranks[id]`.
+    fn sync_view(&mut self, id: u32) {
+        let id = id as usize;
+        if self.views.len() < self.ranks.len() {
+            self.views.resize(self.ranks.len(), RankView::default());
+        }
+        if let (Some(v), Some(s)) = (self.views.get_mut(id), self.ranks.get(id)) {
+            *v = s.as_ref().map_or_else(RankView::default, RankState::view);
+        }
+    }
+
+    /// Whether every view equals its rank's state (tests).
+    #[cfg(test)]
+    pub(crate) fn views_are_current(&self) -> bool {
+        self.views.len() == self.ranks.len()
+            && self
+                .ranks
+                .iter()
+                .zip(&self.views)
+                .all(|(s, v)| *v == s.as_ref().map_or_else(RankView::default, RankState::view))
     }
 
     fn state(&self, rank: WorkerRank) -> Option<&RankState> {
@@ -245,6 +271,7 @@ impl SlotTracker {
             }
         };
         self.ids.insert(rank, id);
+        self.sync_view(id);
     }
 
     /// Removes every rank of `worker` and its active requests.
@@ -263,6 +290,7 @@ impl SlotTracker {
                 self.ids.remove(&state.id);
             }
             self.free_ids.push(id);
+            self.sync_view(id);
         }
         let mut dropped = Vec::new();
         self.requests.retain(|_, a| {
@@ -345,6 +373,7 @@ impl SlotTracker {
             added: now,
         };
         self.requests.insert(request_id.to_owned(), active);
+        self.sync_view(id);
         Ok(true)
     }
 
@@ -356,10 +385,12 @@ impl SlotTracker {
             .get_mut(request_id)
             .ok_or_else(|| SlotError::UnknownRequest(request_id.to_owned()))?;
         let tokens = std::mem::take(&mut active.prefill_tokens);
-        if let Some(state) = self.ranks[active.rank as usize].as_mut() {
+        let id = active.rank;
+        if let Some(state) = self.ranks[id as usize].as_mut() {
             state.prefill_tokens -= tokens;
             state.version += 1;
         }
+        self.sync_view(id);
         Ok(())
     }
 
@@ -381,10 +412,12 @@ impl SlotTracker {
             1.0
         };
         active.output_blocks += w;
-        if let Some(state) = self.ranks[active.rank as usize].as_mut() {
+        let id = active.rank;
+        if let Some(state) = self.ranks[id as usize].as_mut() {
             state.output_blocks += w;
             state.version += 1;
         }
+        self.sync_view(id);
         Ok(())
     }
 
@@ -393,7 +426,9 @@ impl SlotTracker {
         let Some(active) = self.requests.remove(request_id) else {
             return false;
         };
+        let id = active.rank;
         Self::release(&mut self.ranks, &mut self.active, active);
+        self.sync_view(id);
         true
     }
 
@@ -426,7 +461,9 @@ impl SlotTracker {
             if let Some(active) = self.requests.remove(id) {
                 let rank = self.ranks[active.rank as usize].as_ref().map(|s| s.id);
                 tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
+                let dense = active.rank;
                 Self::release(&mut self.ranks, &mut self.active, active);
+                self.sync_view(dense);
             }
         }
         stale.len()
@@ -475,11 +512,7 @@ impl SlotTracker {
     /// under the caller's read lock so that the pass over the candidates runs without it.
     pub fn views_into(&self, out: &mut Vec<RankView>) {
         out.clear();
-        out.extend(
-            self.ranks
-                .iter()
-                .map(|s| s.as_ref().map_or_else(RankView::default, RankState::view)),
-        );
+        out.extend_from_slice(&self.views);
     }
 
     /// The dense id of `rank` (for a hint that [`project`] found wrong).
@@ -570,6 +603,7 @@ mod tests {
         t.add_output_block("a", Some(7.0)).unwrap(); // clamped to 1
                                                      // 2 prompt blocks + (1 + 0.5 + 1) output blocks, rounded.
         assert_eq!(t.load(A).unwrap().active_decode_blocks, 2 + 3);
+        assert!(t.views_are_current());
         assert_eq!(
             t.add_output_block("nope", None),
             Err(SlotError::UnknownRequest("nope".into()))
@@ -678,6 +712,7 @@ mod tests {
         assert_eq!(t.load(A), None);
         assert!(!t.free("new"), "the request went with its worker");
         assert_eq!(t.ranks().count(), 0);
+        assert!(t.views_are_current());
     }
 
     /// Differential test against the simple reference: loads recomputed from scratch from the list of
@@ -743,6 +778,7 @@ mod tests {
                 }
                 _ => assert_eq!(t.free(&id), reference.remove(&id).is_some()),
             }
+            assert!(t.views_are_current(), "step {step}");
             for rank in ranks {
                 let mine: Vec<&Req> = reference.values().filter(|r| r.rank == rank).collect();
                 let mut blocks: Vec<SequenceHash> =

@@ -224,6 +224,32 @@ fn differential(seed: u64, dp_ranks: u32, gaps: bool, stem: u64) {
         .all(|(_, l)| *l == crate::slots::RankLoad::default()));
 }
 
+/// A decision reports the load its cost read, also for a candidate the slot tracker has never
+/// seen (its hint misses and it counts as idle) and for one seen since (resolved by its id).
+#[test]
+fn the_decision_carries_the_chosen_load_also_for_endpoints_new_to_the_tracker() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(3);
+    let refs: &[Arc<Endpoint>] = &eps;
+    let p = prompt(&mut fastrand::Rng::with_seed(2), PrefixMode::TokenIds, 40);
+    let mut ctx = PickContext::seeded(3);
+    let (_, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+    assert_eq!(d.load_version, None, "never registered");
+    assert_eq!(d.potential_prefill_tokens, p.isl_tokens);
+    assert_eq!(d.potential_decode_blocks, p.hashes.len() as u64);
+    // Registered after the endpoints' hints were last read: found through the tracker's ids.
+    for e in &eps {
+        kv.register_rank(WorkerRank {
+            worker: e.worker,
+            dp_rank: 0,
+        });
+    }
+    let (_, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+    assert!(d.load_version.is_some());
+    assert_eq!(d.potential_prefill_tokens, p.isl_tokens);
+    assert_eq!(d.potential_decode_blocks, p.hashes.len() as u64);
+}
+
 /// A booking checked against the version its pick read is refused once another booking changed
 /// that endpoint's load, and goes through when nothing did.
 #[test]
