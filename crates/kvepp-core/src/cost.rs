@@ -178,6 +178,9 @@ impl CostWeights {
         tiebreak: impl Fn(usize) -> u32,
         rng: &mut fastrand::Rng,
     ) -> (usize, Option<usize>) {
+        if costs.is_empty() {
+            return (0, None);
+        }
         if self.temperature > 0.0 {
             let best = self.choose(costs, || rng.f64());
             return (best, runner_up(costs, best, &tiebreak));
@@ -455,6 +458,12 @@ mod tests {
 
     #[test]
     fn choose_two_agrees_with_the_simple_choice() {
+        // Not a caller's case (candidates are never empty), but no panic either.
+        let w = CostWeights::default();
+        assert_eq!(
+            w.choose_two(&[], |_| 0, &mut fastrand::Rng::with_seed(1)),
+            (0, None)
+        );
         let mut gen = fastrand::Rng::with_seed(17);
         let odd = [f64::NAN, f64::INFINITY, -0.0, 0.0, -1.0, f64::NEG_INFINITY];
         for round in 0..20_000 {
