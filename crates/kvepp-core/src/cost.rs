@@ -122,6 +122,10 @@ impl CostWeights {
 
     /// The cached prefix, in blocks, weighted by tier.
     pub fn overlap_credit(&self, o: Overlap) -> f64 {
+        if o.host <= o.device && o.disk <= o.device {
+            // Device blocks only (no host or disk tier beyond them): the other terms are 0.
+            return self.overlap_score_credit * float(o.device);
+        }
         let host_only = o.host.saturating_sub(o.device);
         let disk_only = o.disk.saturating_sub(o.host.max(o.device));
         self.overlap_score_credit * float(o.device)

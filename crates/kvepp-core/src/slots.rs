@@ -61,12 +61,24 @@ pub struct PotentialLoad {
 /// A rank's load copied out of the tracker ([`SlotTracker::views_into`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RankView {
-    /// None: a free dense id.
-    rank: Option<WorkerRank>,
+    /// The rank's worker and data-parallel rank + 1 (0: a free dense id), apart rather than an
+    /// `Option<WorkerRank>`: 40 bytes a view instead of 56, for the copy every pick makes.
+    worker: u64,
+    dp_rank_plus_one: u32,
+    active_requests: u32,
     version: u64,
     prefill_tokens: u64,
     decode_blocks: u64,
-    active_requests: u32,
+}
+
+impl RankView {
+    /// Whether this is `rank`'s view (never a free id's; a data-parallel rank of `u32::MAX`
+    /// never matches, and is read from the tracker's states instead).
+    fn is(&self, rank: WorkerRank) -> bool {
+        self.dp_rank_plus_one != 0
+            && self.worker == rank.worker
+            && self.dp_rank_plus_one == rank.dp_rank.wrapping_add(1)
+    }
 }
 
 /// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to prefill,
@@ -83,7 +95,7 @@ pub fn project(
     new_isl_tokens: u64,
 ) -> Option<(PotentialLoad, u64)> {
     let at = hint as usize;
-    let v = views.get(at).filter(|v| v.rank == Some(rank))?;
+    let v = views.get(at).filter(|v| v.is(rank))?;
     Some((
         v.potential(rank, blocks, held.get(at), new_isl_tokens),
         v.version,
@@ -166,7 +178,8 @@ impl RankState {
     /// Its load as a pick reads it.
     fn view(&self) -> RankView {
         RankView {
-            rank: Some(self.id),
+            worker: self.id.worker,
+            dp_rank_plus_one: self.id.dp_rank.wrapping_add(1),
             version: self.version,
             prefill_tokens: self.prefill_tokens,
             decode_blocks: self.decode_blocks(),
