@@ -9,7 +9,9 @@
 //! - every request is counted on exactly one rank until freed, its rank is unregistered, or it is
 //!   older than the stale-request limit (300 s by default);
 //! - a rank's `version` changes whenever its load changes, so a pick can book exactly the load it
-//!   read ([`SlotTracker::add_if_unchanged`]).
+//!   read ([`SlotTracker::add_if_unchanged`]);
+//! - each rank's view (what a pick reads: load and version, [`RankView`]) is kept in step with its
+//!   state by every change, so a pick copies all of them at once ([`SlotTracker::views_into`]).
 //!
 //! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank);
 //! the active requests' prompts live in one trie ([`active`]), whose nodes count each rank's
