@@ -21,8 +21,11 @@
 //! without splitting the data the shared fit needs. A factor decays back toward 1 while its
 //! endpoint gives no observations (an endpoint avoided because it once looked slow would
 //! otherwise never be tried again, its neighbours taking all its traffic: herding), so it holds
-//! only while traffic keeps confirming it. Invariants: coefficients stay ≥ 0 (projected
-//! after each update), so predictions are never negative and never fall with more work; an
+//! only while traffic keeps confirming it. Invariants: coefficients stay ≥ 0 and ≤ 20× their
+//! prior (projected after each update: predictions are never negative and never fall with more
+//! work, and TTFTs of a saturated engine, mostly queueing the features do not see, cannot blow
+//! the fit up until decode load outweighs the cache; an engine slower than that is its factor's
+//! to learn); an
 //! observation's residual is clipped, so one request stuck behind an engine restart does not
 //! swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
 //! factors stay within 0.1-10.
@@ -66,6 +69,11 @@ const PRIOR_VARIANCE: [f64; N] = [100.0, 400.0, 4.0, 400.0];
 const FORGET: f64 = 0.99;
 /// The covariance's trace is kept below this multiple of the prior's.
 const MAX_TRACE_FACTOR: f64 = 10.0;
+/// Each coefficient stays below this multiple of its prior. Under saturation, TTFTs are mostly
+/// queueing the features do not see, and an unbounded fit blew up (×2,400 the prior per prefill
+/// token, ×130,000 per decoding token, seen in the simulator), weighing decode load far above the
+/// cache and herding.
+const MAX_PRIOR_FACTOR: f64 = 20.0;
 
 #[derive(Debug, Clone)]
 struct Rls {
@@ -102,8 +110,8 @@ impl Rls {
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
         // Projected onto θ ≥ 0: time never decreases with work (and intercept and decode
         // load, nearly collinear, cannot trade places through negative values).
-        for (t, ki) in self.theta.iter_mut().zip(k) {
-            *t = (*t + ki * residual).max(0.0);
+        for ((t, ki), prior) in self.theta.iter_mut().zip(k).zip(PRIOR) {
+            *t = (*t + ki * residual).clamp(0.0, MAX_PRIOR_FACTOR * prior);
         }
         for (row, ki) in self.p.iter_mut().zip(k) {
             for (v, pxj) in row.iter_mut().zip(px) {
@@ -382,5 +390,28 @@ mod tests {
         m.observe(&slow, &f, truth, at(100.0));
         assert!(slow.factor() < half, "{}", slow.factor());
         assert_eq!(slow.observed(), 101);
+    }
+
+    #[test]
+    fn saturation_cannot_blow_the_coefficients_up() {
+        // TTFTs of a saturated engine: seconds of queueing the features barely see, growing with
+        // the decoding KV that piles up meanwhile.
+        let m = TtftModel::default();
+        let e = EndpointSpeed::default();
+        let t0 = Instant::now();
+        let mut rng = fastrand::Rng::with_seed(9);
+        for _ in 0..2_000 {
+            let f = features(rng.f64() * 5.0, rng.f64() * 400.0, 0.0);
+            m.observe(&e, &f, 2_000.0 + 500.0 * f.decode_ktokens, t0);
+        }
+        let theta = m.coefficients();
+        for (i, (t, prior)) in theta.iter().zip(PRIOR).enumerate() {
+            assert!(
+                *t >= 0.0 && *t <= MAX_PRIOR_FACTOR * prior + 1e-9,
+                "coefficient {i}: {t} (prior {prior})"
+            );
+        }
+        // Pinned at the cap, the decode weight stays well below the prefill one.
+        assert!(theta[2] < theta[1], "{theta:?}");
     }
 }
