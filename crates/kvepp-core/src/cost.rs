@@ -164,7 +164,7 @@ impl CostWeights {
         tiebreak: impl Fn(usize) -> u32,
         rng: &mut fastrand::Rng,
     ) -> usize {
-        self.choose_two(costs, tiebreak, rng).0
+        self.cheapest(costs, tiebreak, rng).0
     }
 
     /// The chosen candidate ([`Self::choose_with_tiebreak`]) and the runner-up: the cheapest of
@@ -185,9 +185,32 @@ impl CostWeights {
         if costs.is_empty() {
             return (0, None);
         }
-        if self.temperature > 0.0 {
-            let best = self.choose(costs, || rng.f64());
+        let (best, exact_only) = self.cheapest(costs, &tiebreak, rng);
+        if exact_only {
             return (best, runner_up(costs, best, &tiebreak));
+        }
+        // Without NaN, float order is the total order but for -0.0 against 0.0: one pass over
+        // the others (before `best`, then after it), `tiebreak` read only where a cost equals the
+        // runner-up's so far; a runner-up at zero is redone exactly.
+        let mut second = Runner::default();
+        second.scan(costs, 0..best, &tiebreak);
+        second.scan(costs, best + 1..costs.len(), &tiebreak);
+        match second.at {
+            Some(i) if costs[i] == 0.0 => (best, runner_up(costs, best, &tiebreak)),
+            at => (best, at),
+        }
+    }
+
+    /// [`Self::choose_with_tiebreak`]'s choice, and whether only the exact (total order)
+    /// runner-up pass may follow it: above temperature 0, or when some cost is NaN.
+    fn cheapest(
+        &self,
+        costs: &[f64],
+        tiebreak: impl Fn(usize) -> u32,
+        rng: &mut fastrand::Rng,
+    ) -> (usize, bool) {
+        if self.temperature > 0.0 {
+            return (self.choose(costs, || rng.f64()), true);
         }
         // The lowest cost as `<=` sees it (NaN never ties), and whether any cost is NaN.
         let mut min = f64::INFINITY;
@@ -218,19 +241,7 @@ impl CostWeights {
             .filter(|&(i, &c)| c <= min && tiebreak(i) == least)
             .nth(k)
             .map_or(0, |(i, _)| i);
-        // Without NaN, float order is the total order but for -0.0 against 0.0: one pass over
-        // the others (before `best`, then after it), `tiebreak` read only where a cost equals the
-        // runner-up's so far; a runner-up at zero is redone exactly.
-        let mut second = Runner::default();
-        if !nan {
-            second.scan(costs, 0..best, &tiebreak);
-            second.scan(costs, best + 1..costs.len(), &tiebreak);
-        }
-        match second.at {
-            Some(i) if !nan && costs[i] != 0.0 => (best, Some(i)),
-            None if !nan => (best, None),
-            _ => (best, runner_up(costs, best, &tiebreak)),
-        }
+        (best, nan)
     }
 
     /// Index of the chosen candidate (`costs` must not be empty). `roll` returns uniform numbers in

@@ -760,7 +760,6 @@ impl KvState {
 
     /// After [`Self::candidate_loads`]: candidate `i`'s load and version as its cost read them.
     fn chosen_load(
-        &self,
         w: &Walked,
         sc: &PickScratch,
         i: usize,
@@ -834,7 +833,7 @@ impl KvState {
             scores.clear();
             scores.extend(costs.iter().map(|c| 1.0 / (1.0 + c.max(0.0))));
         }
-        let (c, load_version) = self.chosen_load(&walked, &sc, best, &candidates[best]);
+        let (c, load_version) = Self::chosen_load(&walked, &sc, best, &candidates[best]);
         drop(walked);
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),

@@ -81,6 +81,23 @@ impl RankView {
             && self.worker == rank.worker
             && self.dp_rank_plus_one == rank.dp_rank.wrapping_add(1)
     }
+
+    /// The rank's load with a request of `blocks` prompt blocks whose first `held` it already has
+    /// active, and `new_isl_tokens` to prefill (the default view is an idle rank).
+    fn potential(
+        &self,
+        rank: WorkerRank,
+        blocks: u64,
+        held: u64,
+        new_isl_tokens: u64,
+    ) -> PotentialLoad {
+        PotentialLoad {
+            rank,
+            potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
+            potential_decode_blocks: self.decode_blocks + blocks.saturating_sub(held),
+            active_requests: self.active_requests,
+        }
+    }
 }
 
 /// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to prefill,
@@ -102,25 +119,6 @@ pub fn project(
         v.potential(rank, blocks, held.get(at), new_isl_tokens),
         v.version,
     ))
-}
-
-impl RankView {
-    /// The rank's load with a request of `blocks` prompt blocks whose first `held` it already has
-    /// active, and `new_isl_tokens` to prefill (the default view is an idle rank).
-    fn potential(
-        &self,
-        rank: WorkerRank,
-        blocks: u64,
-        held: u64,
-        new_isl_tokens: u64,
-    ) -> PotentialLoad {
-        PotentialLoad {
-            rank,
-            potential_prefill_tokens: self.prefill_tokens + new_isl_tokens,
-            potential_decode_blocks: self.decode_blocks + blocks.saturating_sub(held),
-            active_requests: self.active_requests,
-        }
-    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -190,6 +188,12 @@ impl RankState {
     }
 }
 
+/// A dense slot's view: its rank's, or the default for a freed id.
+fn view_of(slot: &Option<RankState>) -> RankView {
+    slot.as_ref()
+        .map_or_else(RankView::default, RankState::view)
+}
+
 #[derive(Debug)]
 struct Active {
     rank: u32,
@@ -249,7 +253,7 @@ impl SlotTracker {
             self.views.resize(self.ranks.len(), RankView::default());
         }
         if let (Some(v), Some(s)) = (self.views.get_mut(id), self.ranks.get(id)) {
-            *v = s.as_ref().map_or_else(RankView::default, RankState::view);
+            *v = view_of(s);
         }
     }
 
@@ -261,7 +265,7 @@ impl SlotTracker {
                 .ranks
                 .iter()
                 .zip(&self.views)
-                .all(|(s, v)| *v == s.as_ref().map_or_else(RankView::default, RankState::view))
+                .all(|(s, v)| *v == view_of(s))
     }
 
     fn state(&self, rank: WorkerRank) -> Option<&RankState> {
