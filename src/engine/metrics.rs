@@ -122,13 +122,16 @@ pub struct ScrapeSettings {
 
 /// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each `interval` (concurrently, each bounded by `timeout`) and
 /// records the result on the endpoint's load. `on_block_size` gets each `cache_config_info`
-/// block size (to learn it when it is not configured).
+/// block size (to learn it when it is not configured); `tracked` gives the requests the slot
+/// tracker holds on a worker (its own and replica peers' bookings), so that only the rest counts
+/// as hidden traffic.
 pub async fn run_scraper(
     pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     protocol: impl Fn() -> super::HttpVersion + Send + 'static,
     settings: ScrapeSettings,
     errors: prometheus_client::metrics::counter::Counter,
     on_block_size: impl Fn(u32) + Send + 'static,
+    tracked: impl Fn(u64) -> Option<u32> + Send + 'static,
     shutdown: watch::Receiver<bool>,
 ) {
     let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
@@ -162,7 +165,8 @@ pub async fn run_scraper(
                     if let Some(bs) = m.block_size {
                         on_block_size(bs);
                     }
-                    ep.load.engine_update(m, Instant::now());
+                    ep.load
+                        .engine_update_known(m, Instant::now(), tracked(ep.worker));
                     warned.remove(&ep.addr);
                 }
                 Err(e) => {

@@ -308,6 +308,7 @@ pub async fn run(
     }
     if em.enabled {
         let learn = kv.clone();
+        let tracked = kv.clone();
         let pool_store = store.clone();
         tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
             store.watch(),
@@ -330,6 +331,7 @@ pub async fn run(
                     kv.learn_block_size(bs);
                 }
             },
+            move |worker| tracked.as_ref().and_then(|kv| kv.worker_requests(worker)),
             stop_rx.clone(),
         )));
     }

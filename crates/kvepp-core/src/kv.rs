@@ -1189,6 +1189,13 @@ impl KvState {
     pub fn rank_loads(&self) -> Vec<(WorkerRank, super::slots::RankLoad)> {
         read(&self.slots).loads().collect()
     }
+
+    /// Requests the slot tracker holds on `worker`'s rank 0 (the rank the picker books):
+    /// this process's bookings and, with replica sync, its peers'. None: not registered.
+    pub fn worker_requests(&self, worker: u64) -> Option<u32> {
+        let rank = WorkerRank { worker, dp_rank: 0 };
+        read(&self.slots).load(rank).map(|l| l.active_requests)
+    }
 }
 
 /// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.

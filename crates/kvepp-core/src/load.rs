@@ -67,10 +67,20 @@ impl EndpointLoad {
 
     /// Records a successful scrape of the engine's metrics.
     pub fn engine_update(&self, m: EngineMetrics, at: Instant) {
-        // Compared with our in-flight count now, at the same moment (a later comparison would
-        // read stale engine figures against fresh counts).
+        self.engine_update_known(m, at, None);
+    }
+
+    /// [`Self::engine_update`], with `tracked` the requests kvepp's slot tracker holds on this
+    /// engine at the same moment: this process's bookings and, with replica sync, its peer
+    /// replicas'. Those are known load, not hidden traffic (counting a peer's requests both as
+    /// booked load and as hidden requests weighed them twice, and the hidden count is as stale
+    /// as the last scrape).
+    pub fn engine_update_known(&self, m: EngineMetrics, at: Instant, tracked: Option<u32>) {
+        // Compared with our counts now, at the same moment (a later comparison would read stale
+        // engine figures against fresh counts).
         let requests = m.running.max(0.0) + m.waiting.max(0.0);
-        let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(self.in_flight());
+        let known = self.in_flight().max(tracked.unwrap_or(0));
+        let hidden = (requests.min(f64::from(u32::MAX)) as u32).saturating_sub(known);
         self.hidden_requests.store(hidden, Ordering::Relaxed);
         self.scraped_waiting
             .store(m.waiting.to_bits(), Ordering::Relaxed);
@@ -80,8 +90,9 @@ impl EndpointLoad {
         self.scraped.store(true, Ordering::Release);
     }
 
-    /// Requests the engine reported at its last scrape beyond those routed here and not finished
-    /// at that moment: another client's traffic (0 without engine metrics).
+    /// Requests the engine reported at its last scrape beyond those kvepp knew of on it at that
+    /// moment (routed here and not finished, or booked by a peer replica): another client's
+    /// traffic (0 without engine metrics).
     pub fn hidden_requests(&self) -> u32 {
         self.hidden_requests.load(Ordering::Relaxed)
     }
@@ -257,5 +268,27 @@ mod tests {
         assert_eq!((w, age), (9.0, Duration::from_millis(250)));
         // A scrape "after" now (clock skew between threads) reads as age 0, never negative.
         assert_eq!(load.saturation_inputs(now).unwrap().2, Duration::ZERO);
+    }
+
+    #[test]
+    fn hidden_requests_are_those_neither_routed_here_nor_tracked() {
+        let load = Arc::new(EndpointLoad::default());
+        let _mine = load.book();
+        let m = EngineMetrics {
+            running: 5.0,
+            waiting: 2.0,
+            ..EngineMetrics::default()
+        };
+        let now = Instant::now();
+        load.engine_update(m, now);
+        assert_eq!(load.hidden_requests(), 6, "7 on the engine, 1 routed here");
+        // The slot tracker also holds a peer replica's 4 (and this one's).
+        load.engine_update_known(m, now, Some(5));
+        assert_eq!(load.hidden_requests(), 2);
+        // A tracker that lags this process's own count: the larger one is known.
+        load.engine_update_known(m, now, Some(0));
+        assert_eq!(load.hidden_requests(), 6);
+        load.engine_update_known(m, now, Some(9));
+        assert_eq!(load.hidden_requests(), 0, "never below zero");
     }
 }

@@ -11,7 +11,8 @@
 //! - `decode_ktokens`: thousands of tokens of KV the endpoint's decoding requests read every step
 //!   (what slows each step that carries the prefill);
 //! - `hidden_requests`: requests the engine reports (running + waiting, from its metrics) beyond
-//!   those routed here: another client's traffic, which only the engine's own metrics show.
+//!   those kvepp knows of there (routed here, or booked by a peer replica and shared by replica
+//!   sync): another client's traffic, which only the engine's own metrics show.
 //!
 //! θ is the pool's ([`TtftModel`]): it starts from an 8B model on one H100 (≈25k prefill
 //! tokens/s) and is refit by recursive least squares with forgetting each time a streamed

@@ -367,3 +367,32 @@ fn concurrent_picks_book_exactly() {
         .iter()
         .all(|(_, l)| *l == crate::slots::RankLoad::default()));
 }
+
+/// What the metrics scraper compares an engine's own request count with: this process's
+/// bookings and a peer replica's (applied by replica sync as a reservation), on rank 0.
+#[test]
+fn worker_requests_count_local_and_peer_bookings() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(2);
+    assert_eq!(
+        kv.worker_requests(eps[0].worker),
+        None,
+        "not registered yet"
+    );
+    let p = prompt(&mut fastrand::Rng::with_seed(4), PrefixMode::TokenIds, 40);
+    let now = Instant::now();
+    let mine = kv.book(&eps[0], Some(&p), p.isl_tokens, now);
+    assert_eq!(kv.worker_requests(eps[0].worker), Some(1));
+    let rank = WorkerRank {
+        worker: eps[0].worker,
+        dp_rank: 0,
+    };
+    kv.reserve("peer-1", rank, &p.hashes, p.isl_tokens, now)
+        .unwrap();
+    assert_eq!(kv.worker_requests(eps[0].worker), Some(2));
+    assert_eq!(kv.worker_requests(eps[1].worker), None);
+    drop(mine);
+    assert_eq!(kv.worker_requests(eps[0].worker), Some(1));
+    assert!(kv.free("peer-1"));
+    assert_eq!(kv.worker_requests(eps[0].worker), Some(0));
+}
