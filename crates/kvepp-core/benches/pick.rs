@@ -6,6 +6,8 @@
 //! cargo bench -p kvepp-core --bench pick -- --no-latency --events-per-second 0   # picks alone
 //! valgrind --tool=callgrind target/release/deps/pick-* --bench --endpoints 1000 --tokens-k 128 \
 //!     --iterations 300 --no-scaling   # instruction counts, comparable between builds
+//! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
+//!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's
 //! ```
 //!
 //! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
@@ -127,7 +129,20 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 /// Times `f` once per iteration: (p50, p99) in µs.
-fn time(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
+fn time(iters: usize, f: impl FnMut()) -> (f64, f64) {
+    let d = timings(iters, f);
+    (percentile(&d, 0.5), percentile(&d, 0.99))
+}
+
+/// The shape of a latency distribution, µs: p10, p50, p90, p95, p98, p99, p99.9.
+fn shape(sorted: &[Duration]) -> String {
+    [0.1, 0.5, 0.9, 0.95, 0.98, 0.99, 0.999]
+        .map(|p| format!("{:.2}", percentile(sorted, p)))
+        .join(" | ")
+}
+
+/// Times `f` once per iteration (after a warm-up of a tenth as many): the times, sorted.
+fn timings(iters: usize, mut f: impl FnMut()) -> Vec<Duration> {
     for _ in 0..iters / 10 + 1 {
         f();
     }
@@ -138,7 +153,7 @@ fn time(iters: usize, mut f: impl FnMut()) -> (f64, f64) {
         d.push(t.elapsed());
     }
     d.sort_unstable();
-    (percentile(&d, 0.5), percentile(&d, 0.99))
+    d
 }
 
 /// How many timed iterations a table row takes: a fixed count, or as many as fit the budget.
@@ -159,13 +174,16 @@ impl Sample {
     }
 }
 
-fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample) {
+/// `shapes`: also print each row's distribution (`--percentiles`), to tell a slow tail of the
+/// pick from the machine's own (the load-only pick shares the machine, not the work).
+fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool) {
     println!(
         "## KV-aware pick latency (µs), against the load-only pick over the same candidates\n"
     );
     println!("| endpoints | prompt tokens | KV-aware p50 | KV-aware p99 | load-only p50 | load-only p99 | KV-aware ÷ load-only (p50) | pick+book+release p50 | p99 |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut p50 = std::collections::BTreeMap::new();
+    let mut distributions = Vec::new();
     for &n in sizes {
         for &tokens in token_sizes {
             let s = setup(n, tokens);
@@ -176,12 +194,22 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample) {
             black_box(s.kv.rank(refs, Some(&s.prompt), &mut ctx));
             let one = t.elapsed().max(Duration::from_nanos(200));
             let iters = sample.iters(one);
-            let kv = time(iters, || {
+            let kv_times = timings(iters, || {
                 black_box(s.kv.rank(black_box(refs), Some(&s.prompt), &mut ctx));
             });
-            let base = time(iters, || {
+            let base_times = timings(iters, || {
                 black_box(LeastLoaded.rank(black_box(refs), None, &mut ctx));
             });
+            let kv = (percentile(&kv_times, 0.5), percentile(&kv_times, 0.99));
+            let base = (percentile(&base_times, 0.5), percentile(&base_times, 0.99));
+            if shapes {
+                let k = tokens >> 10;
+                distributions.push(format!("| {n} | {k}k | KV-aware | {} |", shape(&kv_times)));
+                distributions.push(format!(
+                    "| {n} | {k}k | load-only | {} |",
+                    shape(&base_times)
+                ));
+            }
             let booked = time(iters, || {
                 let (best, _, d) = s.kv.rank(refs, Some(&s.prompt), &mut ctx);
                 let g =
@@ -219,6 +247,16 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample) {
             })
             .collect();
         println!("- {}k tokens: {}", tokens >> 10, row.join(", "));
+    }
+    if !distributions.is_empty() {
+        println!("\nDistributions (µs):\n");
+        println!(
+            "| endpoints | prompt tokens | pick | p10 | p50 | p90 | p95 | p98 | p99 | p99.9 |"
+        );
+        println!("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        for row in distributions {
+            println!("{row}");
+        }
     }
 }
 
@@ -456,7 +494,12 @@ fn main() {
         )),
     };
     if !args.iter().any(|a| a == "--no-latency") {
-        latency(&sizes, &tokens, sample);
+        latency(
+            &sizes,
+            &tokens,
+            sample,
+            args.iter().any(|a| a == "--percentiles"),
+        );
         admission(32 << 10, sample);
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
