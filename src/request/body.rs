@@ -221,14 +221,15 @@ fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
         .and_then(|r| r.iter().position(|&c| c == b','))
         .map(|p| mid + p)
     else {
-        let mut ids = Vec::with_capacity(b.len() / 6);
+        let mut ids = Vec::with_capacity((b.len() / 6).min(1 << 20));
         let end = read_ids(b, Next::Id(first), &mut ids, None)?;
         return Some((ids, end.1 + 1));
     };
     // A token id of a large vocabulary takes about 6 bytes ("12345,"): room for that many
-    // (only the pages written are touched); shorter ids regrow it.
-    let mut head = Vec::with_capacity((stop - first) / 6 + 1);
-    let mut tail = Vec::with_capacity((b.len() - stop) / 6 + 1);
+    // (only the pages written are touched; at most 2 MiB each, the rest of a body may not be
+    // the array); shorter ids regrow it.
+    let mut head = Vec::with_capacity(((stop - first) / 6 + 1).min(1 << 19));
+    let mut tail = Vec::with_capacity(((b.len() - stop) / 6 + 1).min(1 << 19));
     let (mut a, mut c) = (first, skip_ws(b, stop + 1));
     // Both stretches an id at a time while both ids are short and followed by a comma (the
     // head's not at `stop`).
