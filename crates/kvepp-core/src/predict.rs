@@ -26,9 +26,8 @@
 //! prior (projected after each update: predictions are never negative and never fall with more
 //! work, and TTFTs of a saturated engine, mostly queueing the features do not see, cannot blow
 //! the fit up until decode load outweighs the cache; an engine slower than that is its factor's
-//! to learn); an
-//! observation's residual is clipped, so one request stuck behind an engine restart does not
-//! swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
+//! to learn); an observation's residual is clipped, so one request stuck behind an engine
+//! restart does not swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
 //! factors stay within 0.1-10.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
