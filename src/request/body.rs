@@ -44,6 +44,17 @@ pub enum RawPrompt<'a> {
     Json(&'a RawValue),
 }
 
+/// A chat request's `messages`, borrowed from the body.
+#[derive(Debug)]
+pub struct RawMessages<'a> {
+    /// The whole value's JSON text.
+    pub text: &'a [u8],
+    /// Its elements, raw, when it is an array (None: another kind of value), found in the pass
+    /// that validates it, so a chat template's input can be built (or found cached) message by
+    /// message.
+    pub items: Option<Vec<&'a RawValue>>,
+}
+
 /// The parts of a body the EPP needs, borrowed from the body bytes.
 #[derive(Debug)]
 pub struct ParsedBody<'a> {
@@ -53,7 +64,7 @@ pub struct ParsedBody<'a> {
     pub model_span: Range<usize>,
     /// `prompt` (completions) and the raw JSON of `messages` (chat).
     pub prompt: Option<RawPrompt<'a>>,
-    pub messages: Option<&'a RawValue>,
+    pub messages: Option<RawMessages<'a>>,
 }
 
 /// Scans `body` and returns the model name and its location.
@@ -89,7 +100,7 @@ pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
 struct Fields<'a> {
     model: Option<&'a RawValue>,
     prompt: Option<RawPrompt<'a>>,
-    messages: Option<&'a RawValue>,
+    messages: Option<RawMessages<'a>>,
 }
 
 fn is_ws(b: u8) -> bool {
@@ -177,7 +188,9 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
                     }
                 }
                 "model" => (fields.model, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
-                "messages" => (fields.messages, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
+                "messages" => {
+                    (fields.messages, i) = messages_at(body, i).map(|(v, n)| (Some(v), n))?
+                }
                 _ => i = raw_at(body, i)?.1,
             }
             i = skip_ws(body, i);
@@ -201,6 +214,39 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
 
 fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
     value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
+}
+
+/// The `messages` value at `at` (no whitespace first): an array is walked here, element by element
+/// (each validated by serde as any other value), so its elements come out of the same pass.
+fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {
+    if body.get(at) != Some(&b'[') {
+        let (raw, n) = raw_at(body, at)?;
+        let messages = RawMessages {
+            text: raw.get().as_bytes(),
+            items: None,
+        };
+        return Ok((messages, n));
+    }
+    let mut items = Vec::new();
+    let mut i = skip_ws(body, at + 1);
+    if body.get(i) != Some(&b']') {
+        loop {
+            let (item, n) = raw_at(body, i)?;
+            items.push(item);
+            i = skip_ws(body, n);
+            match body.get(i) {
+                Some(b',') => i = skip_ws(body, i + 1),
+                Some(b']') => break,
+                Some(_) => return Err(malformed_at("expected `,` or `]`", i)),
+                None => return Err(malformed_at("EOF while parsing a list", i)),
+            }
+        }
+    }
+    let messages = RawMessages {
+        text: &body[at..=i],
+        items: Some(items),
+    };
+    Ok((messages, i + 1))
 }
 
 /// A body with its `model` value replaced, as three borrowed/owned parts that are written out in
@@ -387,11 +433,12 @@ mod tests {
 
     /// Differential test against the simple reference (a full `serde_json::Value` parse): on many
     /// mutated bodies the scanner accepts exactly what the reference accepts, finds the same model,
-    /// and a rewrite changes nothing else.
+    /// prompt and messages (and the same message elements), and a rewrite changes nothing else.
     #[test]
     fn agrees_with_a_full_parse_on_mutated_bodies() {
-        let seeds: [&[u8]; 6] = [
+        let seeds: [&[u8]; 7] = [
             br#"{"model":"m","prompt":"hi \"there\" \u00e9","max_tokens":3,"stream":true}"#,
+            br#"{"model":"m","messages":[ {"role":"system","content":"x"} ,{"role":"user","content":"\"y\""},[1],"z" ] }"#,
             br#"{"model":"m","prompt":[101, 2023,0 ,19,4294967295],"max_tokens":3}"#,
             br#"{"prompt":[7,8,9],"model":"m","prompt":[1,20,300]}"#,
             br#"{"messages":[{"role":"user","content":"a"}],"model":"meta-llama/Llama-3.1-8B","n":[1,2.5e3,null,false]}"#,
@@ -399,7 +446,7 @@ mod tests {
             br#"{"model":"\ud83d\ude00 emoji","temperature":0.7}"#,
         ];
         let mut rng = fastrand::Rng::with_seed(7);
-        let (mut accepted, mut rejected, mut ids_read) = (0, 0, 0);
+        let (mut accepted, mut rejected, mut ids_read, mut messages_split) = (0, 0, 0, 0);
         for _ in 0..20_000 {
             let mut b = seeds[rng.usize(..seeds.len())].to_vec();
             for _ in 0..rng.usize(0..3) {
@@ -438,6 +485,24 @@ mod tests {
                         }
                         None => assert!(want_prompt.is_null()),
                     }
+                    let want_messages = serde_json::from_slice::<serde_json::Value>(&b).unwrap()
+                        ["messages"]
+                        .clone();
+                    match &p.messages {
+                        Some(m) => {
+                            let text: serde_json::Value = serde_json::from_slice(m.text).unwrap();
+                            assert_eq!(text, want_messages);
+                            let items = m.items.as_ref().map(|items| {
+                                items
+                                    .iter()
+                                    .map(|i| serde_json::from_str(i.get()).unwrap())
+                                    .collect::<Vec<serde_json::Value>>()
+                            });
+                            assert_eq!(items.as_ref(), want_messages.as_array());
+                            messages_split += usize::from(items.is_some_and(|i| i.len() > 1));
+                        }
+                        None => assert!(want_messages.is_null()),
+                    }
                     let out = Rewrite::new(&b, p.model_span.clone(), "rewritten").to_vec();
                     let mut before: serde_json::Value = serde_json::from_slice(&b).unwrap();
                     let mut after: serde_json::Value = serde_json::from_slice(&out).unwrap();
@@ -455,8 +520,9 @@ mod tests {
             }
         }
         assert!(
-            accepted > 1000 && rejected > 1000 && ids_read > 300,
-            "{accepted} accepted, {rejected} rejected, {ids_read} token-id prompts read"
+            accepted > 1000 && rejected > 1000 && ids_read > 300 && messages_split > 300,
+            "{accepted} accepted, {rejected} rejected, {ids_read} token-id prompts read, \
+             {messages_split} message arrays split"
         );
     }
 

@@ -10,13 +10,14 @@
 
 mod body;
 pub mod flow;
+mod generations;
 mod model;
 mod prompt;
 pub mod segments;
 pub mod service;
 pub mod tokenize;
 
-pub use body::{parse_body, BodyError, ParsedBody, Rewrite};
+pub use body::{parse_body, BodyError, ParsedBody, RawMessages, Rewrite};
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};

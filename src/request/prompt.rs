@@ -2,7 +2,7 @@
 
 use serde_json::value::RawValue;
 
-use super::body::RawPrompt;
+use super::body::{RawMessages, RawPrompt};
 use super::tokenize::ModelTokenizer;
 use kvepp_core::Prompt;
 
@@ -15,7 +15,7 @@ pub enum PromptInput<'a> {
     /// A completions `prompt` given as token ids (used as is, no tokenizer).
     TokenIds(Vec<u32>),
     /// The raw JSON of a chat request's `messages`.
-    Messages(&'a RawValue),
+    Messages(RawMessages<'a>),
     /// The raw JSON of a completions `prompt` that is not token ids (a string, or a batch).
     Prompt(&'a RawValue),
     /// No prompt in the body.
@@ -26,7 +26,8 @@ impl<'a> PromptInput<'a> {
     /// The raw JSON text (what approximate prefix hashing reads).
     pub fn raw_bytes(&self) -> Option<&'a [u8]> {
         match self {
-            PromptInput::Messages(r) | PromptInput::Prompt(r) => Some(r.get().as_bytes()),
+            PromptInput::Messages(m) => Some(m.text),
+            PromptInput::Prompt(r) => Some(r.get().as_bytes()),
             _ => None,
         }
     }
@@ -36,7 +37,7 @@ impl<'a> PromptInput<'a> {
 /// (messages win: a chat request's prompt is its conversation). Takes the body's prompt (its ids
 /// move, no copy).
 pub fn prompt_input<'a>(
-    messages: Option<&'a RawValue>,
+    messages: Option<RawMessages<'a>>,
     prompt: Option<RawPrompt<'a>>,
 ) -> PromptInput<'a> {
     if let Some(m) = messages {
@@ -70,7 +71,7 @@ pub fn prompt_for_routing<'a>(
 ) -> Prompt<'a> {
     let tokens = match (&input, tokenizer) {
         (PromptInput::Absent, _) => return Prompt::None,
-        (PromptInput::Messages(raw), Some(t)) => Some(offload(raw.get().len(), || t.chat_ids(raw))),
+        (PromptInput::Messages(m), Some(t)) => Some(offload(m.text.len(), || t.messages_ids(m))),
         (PromptInput::Prompt(raw), Some(t)) => {
             Some(offload(raw.get().len(), || t.completion_ids(raw)))
         }
@@ -115,7 +116,10 @@ mod tests {
         let parsed = parse_body(body.as_bytes()).unwrap();
         match prompt_input(parsed.messages, parsed.prompt) {
             PromptInput::TokenIds(ids) => ("ids", Some(format!("{ids:?}"))),
-            PromptInput::Messages(r) => ("messages", Some(r.get().to_owned())),
+            PromptInput::Messages(m) => (
+                "messages",
+                Some(String::from_utf8_lossy(m.text).into_owned()),
+            ),
             PromptInput::Prompt(r) => ("prompt", Some(r.get().to_owned())),
             PromptInput::Absent => ("absent", None),
         }

@@ -10,10 +10,9 @@
 //! whose added tokens match raw text exactly (no `lstrip`/`rstrip`/`single_word`/`normalized`),
 //! with no normalizer and a byte-level pre-tokenizer that adds no prefix space (GPT-2, Llama 3,
 //! Qwen style); [`SegmentTokenizer::new`] returns None for any other, and the caller tokenizes
-//! whole. The cache holds about `capacity` token ids at most (two generations: when the newer
-//! one holds half, the older is dropped, so recently used segments survive).
+//! whole. The cache holds about `capacity` token ids at most ([`super::generations`]: recently
+//! used segments survive).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
@@ -22,35 +21,23 @@ use xxhash_rust::xxh3::xxh3_128;
 /// Segments shorter than this are tokenized every time (cheaper than hashing and locking).
 const MIN_CACHED_BYTES: usize = 64;
 
-#[derive(Debug, Default)]
-struct Generations {
-    current: HashMap<u128, Arc<[u32]>>,
-    /// Token ids held by `current`.
-    current_ids: usize,
-    previous: HashMap<u128, Arc<[u32]>>,
-}
-
-/// Hit and miss counts, for tests and benchmarks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SegmentStats {
-    pub hits: u64,
-    pub misses: u64,
-}
+pub use super::generations::CacheStats as SegmentStats;
+use super::generations::Generations;
 
 pub struct SegmentTokenizer {
     matcher: AhoCorasick,
     /// Token id of each matcher pattern.
     ids: Vec<u32>,
-    cache: Mutex<(Generations, SegmentStats)>,
-    /// Token ids per generation.
-    half: usize,
+    /// Segment text hash → its ids, weighed in ids.
+    cache: Mutex<Generations<Arc<[u32]>>>,
+    capacity: usize,
 }
 
 impl std::fmt::Debug for SegmentTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SegmentTokenizer")
             .field("added_tokens", &self.ids.len())
-            .field("capacity", &(self.half * 2))
+            .field("capacity", &self.capacity)
             .finish()
     }
 }
@@ -97,44 +84,17 @@ impl SegmentTokenizer {
         Some(SegmentTokenizer {
             matcher,
             ids: added.into_iter().map(|(id, _)| id).collect(),
-            cache: Mutex::default(),
-            half: (capacity / 2).max(1),
+            cache: Mutex::new(Generations::new(capacity)),
+            capacity,
         })
     }
 
     pub fn stats(&self) -> SegmentStats {
-        self.cache.lock().unwrap_or_else(PoisonError::into_inner).1
+        self.lock().stats()
     }
 
-    fn cached(&self, key: u128) -> Option<Arc<[u32]>> {
-        let mut guard = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let (g, stats) = &mut *guard;
-        let found = match g.current.get(&key) {
-            Some(ids) => Some(ids.clone()),
-            None => g.previous.remove(&key).inspect(|ids| {
-                g.current_ids += ids.len();
-                g.current.insert(key, ids.clone());
-            }),
-        };
-        match found {
-            Some(_) => stats.hits += 1,
-            None => stats.misses += 1,
-        }
-        found
-    }
-
-    fn remember(&self, key: u128, ids: Arc<[u32]>) {
-        let mut guard = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let g = &mut guard.0;
-        if ids.len() > self.half {
-            return; // larger than a generation: never kept
-        }
-        if g.current_ids + ids.len() > self.half {
-            g.previous = std::mem::take(&mut g.current);
-            g.current_ids = 0;
-        }
-        g.current_ids += ids.len();
-        g.current.insert(key, ids);
+    fn lock(&self) -> std::sync::MutexGuard<'_, Generations<Arc<[u32]>>> {
+        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The ids of `text` (no special tokens added), a segment at a time; `encode` tokenizes one
@@ -144,9 +104,9 @@ impl SegmentTokenizer {
         text: &str,
         mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
     ) -> Result<Vec<u32>, E> {
-        // About one id per 3-4 bytes of text: sized once rather than grown (and copied) ~20 times
-        // on a 100k-token prompt.
-        let mut out = Vec::with_capacity(text.len() / 3 + 16);
+        // Sized once rather than grown (and copied) on a 100k-token prompt: text runs 2.5-4 bytes
+        // an id (English with byte-level BPE); pages reserved beyond what is written stay untouched.
+        let mut out = Vec::with_capacity(text.len() / 2 + 16);
         let mut at = 0;
         let mut piece = |seg: &str, out: &mut Vec<u32>| -> Result<(), E> {
             if seg.is_empty() {
@@ -157,13 +117,13 @@ impl SegmentTokenizer {
                 return Ok(());
             }
             let key = xxh3_128(seg.as_bytes());
-            if let Some(ids) = self.cached(key) {
+            if let Some(ids) = self.lock().get(key) {
                 out.extend_from_slice(&ids);
                 return Ok(());
             }
             let ids: Arc<[u32]> = encode(seg)?.into();
             out.extend_from_slice(&ids);
-            self.remember(key, ids);
+            self.lock().insert(key, ids.clone(), ids.len());
             Ok(())
         };
         for m in self.matcher.find_iter(text) {
@@ -286,14 +246,7 @@ mod tests {
         for i in 0..200 {
             seg.encode(&doc(i), enc).unwrap();
         }
-        let held: usize = {
-            let g = seg.cache.lock().unwrap();
-            g.0.current
-                .values()
-                .chain(g.0.previous.values())
-                .map(|v| v.len())
-                .sum()
-        };
+        let held = seg.lock().weight();
         assert!(held <= 2_000, "{held} ids held");
         let before = seg.stats();
         seg.encode(&doc(199), enc).unwrap();

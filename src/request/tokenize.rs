@@ -7,11 +7,21 @@
 //! As vLLM does: a completions prompt is encoded with the tokenizer's special tokens (e.g. BOS); a
 //! rendered chat prompt without them (the template writes its own), a segment at a time with the
 //! segments between added tokens cached when that is exact for the tokenizer ([`super::segments`]).
+//!
+//! A chat's messages become the template's values one message at a time, and each message's value
+//! is kept in a bounded cache keyed by a 128-bit hash of its raw JSON: the same bytes always give
+//! the same value, so a conversation's earlier turns (and their long documents) are not decoded
+//! again on every turn. The template itself is rendered over the whole conversation every time.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
-use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_128;
+
+use super::body::RawMessages;
+use super::generations::{CacheStats, Generations};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -30,12 +40,21 @@ pub enum TokenizeError {
 /// Token ids the segment cache of one model keeps at most (16 MiB).
 pub const SEGMENT_CACHE_IDS: usize = 4 << 20;
 
+/// Raw JSON bytes of messages the message cache of one model keeps at most (their values take
+/// about as much).
+pub const MESSAGE_CACHE_BYTES: usize = 32 << 20;
+
+/// Messages shorter than this are decoded every time (cheaper than hashing and locking).
+const MIN_CACHED_MESSAGE_BYTES: usize = 256;
+
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// Chat prompts segment by segment (None: not exact for this tokenizer; whole prompts).
     segments: Option<super::segments::SegmentTokenizer>,
     env: Option<Environment<'static>>,
+    /// Raw message JSON hash → the message as a template value, weighed in bytes.
+    messages: Mutex<Generations<Value>>,
     bos: String,
     eos: String,
 }
@@ -99,6 +118,7 @@ impl ModelTokenizer {
             segments,
             tokenizer,
             env,
+            messages: Mutex::new(Generations::new(MESSAGE_CACHE_BYTES)),
             bos: token_text(cfg.get("bos_token")),
             eos: token_text(cfg.get("eos_token")),
         })
@@ -135,10 +155,23 @@ impl ModelTokenizer {
 
     /// The chat template applied to `messages` (JSON, as in the body), with the generation prompt.
     pub fn render_chat(&self, messages: &RawValue) -> Result<String, TokenizeError> {
+        self.render_messages(&split(messages))
+    }
+
+    /// [`Self::render_chat`] of messages the body scanner has already split.
+    pub fn render_messages(&self, messages: &RawMessages<'_>) -> Result<String, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        // Straight into the template's values (no serde_json::Value in between to convert).
-        let messages: minijinja::Value = serde_json::from_str(messages.get())
-            .map_err(|e| TokenizeError::Prompt(e.to_string()))?;
+        let messages = match &messages.items {
+            Some(items) => Value::from(
+                items
+                    .iter()
+                    .map(|m| self.message_value(m))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            // Not an array: whatever it is, the template decides what to make of it.
+            None => serde_json::from_slice(messages.text)
+                .map_err(|e| TokenizeError::Prompt(e.to_string()))?,
+        };
         let t = env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
@@ -151,9 +184,43 @@ impl ModelTokenizer {
         .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
+    /// One message as a template value (straight from JSON, no serde_json::Value in between), from
+    /// the cache when these bytes were seen recently.
+    fn message_value(&self, raw: &RawValue) -> Result<Value, TokenizeError> {
+        let decode = || {
+            serde_json::from_str::<Value>(raw.get())
+                .map_err(|e| TokenizeError::Prompt(e.to_string()))
+        };
+        let bytes = raw.get().as_bytes();
+        if bytes.len() < MIN_CACHED_MESSAGE_BYTES {
+            return decode();
+        }
+        let key = xxh3_128(bytes);
+        if let Some(v) = self.lock_messages().get(key) {
+            return Ok(v);
+        }
+        let v = decode()?;
+        self.lock_messages().insert(key, v.clone(), bytes.len());
+        Ok(v)
+    }
+
+    fn lock_messages(&self) -> std::sync::MutexGuard<'_, Generations<Value>> {
+        self.messages.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The message cache's counters.
+    pub fn message_stats(&self) -> CacheStats {
+        self.lock_messages().stats()
+    }
+
     /// Token ids of a chat request's `messages`.
     pub fn chat_ids(&self, messages: &RawValue) -> Result<Vec<u32>, TokenizeError> {
-        let text = self.render_chat(messages)?;
+        self.messages_ids(&split(messages))
+    }
+
+    /// [`Self::chat_ids`] of messages the body scanner has already split.
+    pub fn messages_ids(&self, messages: &RawMessages<'_>) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_messages(messages)?;
         self.text_ids(&text)
     }
 
@@ -174,5 +241,91 @@ impl ModelTokenizer {
     /// The segment cache's counters (None: this tokenizer tokenizes whole).
     pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
+    }
+}
+
+/// `messages` split into its elements when it is an array.
+fn split(messages: &RawValue) -> RawMessages<'_> {
+    RawMessages {
+        text: messages.get().as_bytes(),
+        items: serde_json::from_str::<Vec<&RawValue>>(messages.get()).ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> ModelTokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        ModelTokenizer::load(&dir).expect("fixture tokenizer")
+    }
+
+    /// The simple reference: the whole `messages` decoded at once, nothing cached.
+    fn render_whole(t: &ModelTokenizer, raw: &RawValue) -> String {
+        let messages: Value = serde_json::from_str(raw.get()).expect("json");
+        let env = t.env.as_ref().expect("template");
+        env.get_template("chat")
+            .expect("chat")
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => &t.bos,
+                eos_token => &t.eos,
+            })
+            .expect("render")
+    }
+
+    /// Conversations growing turn by turn (long and short messages, escapes, non-ASCII, and now
+    /// and then an earlier message edited at its end or repeated under another role): rendering message by message with the cache
+    /// gives exactly the whole-value rendering, and later turns reuse earlier messages.
+    #[test]
+    fn messages_rendered_one_by_one_with_the_cache_equal_the_whole_rendering() {
+        let t = fixture();
+        let mut rng = fastrand::Rng::with_seed(11);
+        const WORDS: &[&str] = &[
+            "the",
+            " cache",
+            "\n",
+            "\"quoted\"",
+            " é",
+            " 中文",
+            "\t",
+            "\\",
+            " KV",
+        ];
+        let mut text = |words: usize| -> String {
+            (0..words)
+                .map(|_| WORDS[rng.usize(..WORDS.len())])
+                .collect()
+        };
+        let mut renders = 0;
+        for _ in 0..10 {
+            let mut messages = vec![serde_json::json!({"role": "system", "content": text(200)})];
+            for turn in 0..8 {
+                let role = if turn % 2 == 0 { "user" } else { "assistant" };
+                let words = [5, 40, 150][turn % 3];
+                messages.push(serde_json::json!({"role": role, "content": text(words)}));
+                if turn == 5 {
+                    // An earlier message edited at its end, and one repeated under another role:
+                    // bytes that differ only near their end, so new values.
+                    let edited = format!("{}!", messages[0]["content"].as_str().unwrap_or(""));
+                    messages[0]["content"] = edited.into();
+                    let repeated = messages[0]["content"].clone();
+                    messages.push(serde_json::json!({"role": "user", "content": repeated}));
+                }
+                let raw =
+                    RawValue::from_string(serde_json::Value::from(messages.clone()).to_string())
+                        .expect("raw");
+                assert_eq!(t.render_chat(&raw).expect("render"), render_whole(&t, &raw));
+                renders += 1;
+            }
+        }
+        let s = t.message_stats();
+        assert_eq!(renders, 80);
+        assert!(
+            s.hits > 2 * s.misses,
+            "earlier turns come from the cache: {s:?}"
+        );
     }
 }

@@ -1,0 +1,127 @@
+//! A bounded cache keyed by 128-bit content hashes, kept in two generations: entries go into the
+//! current one; a hit in the previous one moves the entry back into the current one; when the
+//! current one holds half the capacity (by the weight each entry declares) the previous one is
+//! dropped and the current one becomes the previous. So what was used within the last half
+//! capacity survives, without per-entry recency bookkeeping.
+//!
+//! Invariants: the weights held never exceed the capacity (an entry heavier than half of it is
+//! never kept); hits and misses are counted by [`Generations::get`].
+
+use std::collections::HashMap;
+
+/// Hit and miss counts, for tests, benchmarks and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+#[derive(Debug)]
+pub struct Generations<V> {
+    current: HashMap<u128, (V, usize)>,
+    /// Weight held by `current`.
+    current_weight: usize,
+    previous: HashMap<u128, (V, usize)>,
+    /// Weight per generation.
+    half: usize,
+    stats: CacheStats,
+}
+
+impl<V: Clone> Generations<V> {
+    /// A cache holding at most `capacity` weight.
+    pub fn new(capacity: usize) -> Self {
+        Generations {
+            current: HashMap::new(),
+            current_weight: 0,
+            previous: HashMap::new(),
+            half: (capacity / 2).max(1),
+            stats: CacheStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// The value under `key`, counted as a hit or a miss.
+    pub fn get(&mut self, key: u128) -> Option<V> {
+        let found = match self.current.get(&key) {
+            Some((v, _)) => Some(v.clone()),
+            None => self.previous.remove(&key).map(|(v, w)| {
+                self.admit(key, v.clone(), w);
+                v
+            }),
+        };
+        match found {
+            Some(_) => self.stats.hits += 1,
+            None => self.stats.misses += 1,
+        }
+        found
+    }
+
+    /// Keeps `value` (of `weight`) under `key`, unless it weighs more than a generation.
+    pub fn insert(&mut self, key: u128, value: V, weight: usize) {
+        if weight <= self.half {
+            self.admit(key, value, weight);
+        }
+    }
+
+    fn admit(&mut self, key: u128, value: V, weight: usize) {
+        // One copy of a key at most, in either generation.
+        if let Some((_, old)) = self.current.remove(&key) {
+            self.current_weight -= old;
+        }
+        self.previous.remove(&key);
+        if self.current_weight + weight > self.half {
+            self.previous = std::mem::take(&mut self.current);
+            self.current_weight = 0;
+        }
+        self.current_weight += weight;
+        self.current.insert(key, (value, weight));
+    }
+
+    /// Total weight held (both generations).
+    #[cfg(test)]
+    pub fn weight(&self) -> usize {
+        self.current
+            .values()
+            .chain(self.previous.values())
+            .map(|(_, w)| w)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_and_recent_entries_survive() {
+        let mut g = Generations::new(100);
+        for k in 0..1_000u128 {
+            g.insert(k, k, 7);
+            assert!(g.weight() <= 100, "{} after {k}", g.weight());
+            // The entry just added and the one before it are still there.
+            assert_eq!(g.get(k), Some(k));
+            if k > 0 {
+                assert_eq!(g.get(k - 1), Some(k - 1));
+            }
+        }
+        assert_eq!(g.get(0), None, "the oldest is gone");
+        let s = g.stats();
+        assert_eq!((s.hits, s.misses), (1_999, 1));
+        g.insert(5_000, 5_000, 51);
+        assert_eq!(g.get(5_000), None, "heavier than a generation: never kept");
+    }
+
+    #[test]
+    fn a_reinserted_key_is_weighed_once() {
+        let mut g = Generations::new(100);
+        for _ in 0..10 {
+            g.insert(1, 'a', 30);
+        }
+        assert_eq!(g.weight(), 30);
+        g.insert(2, 'b', 20);
+        assert_eq!((g.get(1), g.get(2)), (Some('a'), Some('b')));
+    }
+}
