@@ -5,11 +5,13 @@ conversation that goes on rather than one repeated request):
 - approximate: /v1/completions with a ~400 KB text prompt (no tokenizer for the model: byte blocks);
 - token_ids: /v1/completions with a prompt of 100k token ids;
 - tokens: /v1/chat/completions of a ~100k-token conversation (fixture tokenizer): the same system
-  document and turns, a different last user message per variant (the segment cache serves the
-  rest).
+  document and turns, and a last user message that differs on every request (a counter in it), so
+  kvepp tokenizes that message every time, as it would a real conversation's new turn, while the
+  message and segment caches serve the rest.
 For each mode: kvepp and the floor EPP behind the same Envoy bootstrap, interleaved, median of the
 repeats. The tokenizer's own cost for the new segment (the last message, tokenized alone) is
-measured by `examples/tokenize_cost` on the same machine in the same run."""
+measured by `examples/tokenize_cost` on the same machine in the same run, before any process of the
+stack starts (three times, the median: under load its wall time would count the waits for a core)."""
 
 import argparse
 import json
@@ -25,6 +27,8 @@ from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, p
 
 TOKENIZER = os.path.join(ROOT, "tests/fixtures/tokenizer")
 COST = os.path.join(ROOT, "target/release/examples/tokenize_cost")
+# Replaced by the request counter in each tokens-mode request (see `lua_script`).
+NEW = "@@N@@"
 WORDS = ["kv", " cache", " routing", " prefill", " decode", " block", "\n", " 42", ","]
 
 
@@ -46,7 +50,7 @@ def bodies(mode, n):
                 {"role": "system", "content": "Answer from this document.\n" + document(60_000)},
                 {"role": "user", "content": "What does the document say about prefill?"},
                 {"role": "assistant", "content": "It says prefill happens before decode, block by block."},
-                {"role": "user", "content": f"And about decode? Question {i}: " + "tell me more about blocks. " * 20},
+                {"role": "user", "content": f"And about decode? Question {NEW}{i}: " + "tell me more about blocks. " * 20},
             ]
             out.append(({"model": "chat-model", "messages": messages}, "/v1/chat/completions"))
     return out
@@ -68,11 +72,16 @@ def main():
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
             yaml.safe_dump({"tokenizers": {"chat-model": TOKENIZER}, "engine_metrics": {"enabled": False}}, f)
+        segment_us = None
+        if "tokens" in args.modes.split(","):
+            last = bodies("tokens", 1)[0][0]["messages"][-1]["content"].replace(NEW, "123456")
+            runs = [subprocess.run([COST, TOKENIZER, last], check=True, capture_output=True, text=True).stdout
+                    for _ in range(3)]
+            segment_us = statistics.median(float(out.split()[0]) for out in runs)
         stack = floor_stack(tmp, spawn, models=("text-model", "ids-model", "chat-model"), kvepp_args=("--config", config))
         backend = stack["backend"]
         epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
         results = {}
-        segment_us = None
         for mode in args.modes.split(","):
             variants = bodies(mode, 16)
             files = []
@@ -81,10 +90,6 @@ def main():
                 with open(path, "w") as f:
                     json.dump(body, f)
                 files.append(path)
-            if mode == "tokens":
-                last = variants[0][0]["messages"][-1]["content"]
-                out = subprocess.run([COST, TOKENIZER, last], check=True, capture_output=True, text=True).stdout
-                segment_us = float(out.split()[0])
             script = os.path.join(tmp, f"{mode}.lua")
             with open(script, "w") as f:
                 f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
@@ -94,7 +99,15 @@ def main():
                 f.write(f"local path = {json.dumps(variants[0][1])}\n")
                 f.write("local headers = {['content-type'] = 'application/json', "
                         f"['x-gateway-destination-endpoint'] = {json.dumps(backend)}}}\n")
-                f.write("request = function() n = n + 1; return wrk.format('POST', path, headers, bodies[n % #bodies + 1]) end\n")
+                # A body with the NEW marker gets the request counter there (a new last message on
+                # every request); the others go out as written.
+                f.write(f"local marker = {json.dumps(NEW)}\n")
+                f.write("local heads, tails = {}, {}\n")
+                f.write("for i, b in ipairs(bodies) do local at = string.find(b, marker, 1, true); "
+                        "if at then heads[i] = b:sub(1, at - 1); tails[i] = b:sub(at + #marker) end end\n")
+                f.write("request = function() n = n + 1; local i = n % #bodies + 1; "
+                        "local body = bodies[i]; if heads[i] then body = heads[i] .. n .. tails[i] end; "
+                        "return wrk.format('POST', path, headers, body) end\n")
             size = os.path.getsize(files[0])
             for rep in range(args.repeat):
                 for variant in ["floor", "kvepp"]:

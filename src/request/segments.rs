@@ -18,9 +18,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use xxhash_rust::xxh3::xxh3_128;
 
-/// Segments shorter than this are tokenized every time (cheaper than hashing and locking).
-const MIN_CACHED_BYTES: usize = 64;
-
 pub use super::generations::CacheStats as SegmentStats;
 use super::generations::Generations;
 
@@ -112,10 +109,8 @@ impl SegmentTokenizer {
             if seg.is_empty() {
                 return Ok(());
             }
-            if seg.len() < MIN_CACHED_BYTES {
-                out.extend(encode(seg)?);
-                return Ok(());
-            }
+            // Short segments too: the fixture tokenizer takes 2.7 µs for one letter and 27 µs for a
+            // 49-byte question, a lookup tens of nanoseconds.
             let key = xxh3_128(seg.as_bytes());
             if let Some(ids) = self.lock().get(key) {
                 out.extend_from_slice(&ids);

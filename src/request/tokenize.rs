@@ -44,9 +44,6 @@ pub const SEGMENT_CACHE_IDS: usize = 4 << 20;
 /// about as much).
 pub const MESSAGE_CACHE_BYTES: usize = 32 << 20;
 
-/// Messages shorter than this are decoded every time (cheaper than hashing and locking).
-const MIN_CACHED_MESSAGE_BYTES: usize = 256;
-
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -128,7 +125,26 @@ impl ModelTokenizer {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(|state, value, method, args| {
+            match untrimmed(value, method, args.is_empty()) {
+                Some(same) => Ok(same),
+                None => {
+                    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+                }
+            }
+        });
+        env.add_filter(
+            "trim",
+            |state: &minijinja::State, value: Value, chars: Option<std::borrow::Cow<'_, str>>| {
+                match untrimmed(&value, "strip", chars.is_none()) {
+                    Some(same) => Ok(same),
+                    None => Ok(minijinja::filters::trim(
+                        minijinja::value::StringInput::new(state, &value)?,
+                        chars,
+                    )),
+                }
+            },
+        );
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, JinjaError> {
@@ -192,9 +208,6 @@ impl ModelTokenizer {
                 .map_err(|e| TokenizeError::Prompt(e.to_string()))
         };
         let bytes = raw.get().as_bytes();
-        if bytes.len() < MIN_CACHED_MESSAGE_BYTES {
-            return decode();
-        }
         let key = xxh3_128(bytes);
         if let Some(v) = self.lock_messages().get(key) {
             return Ok(v);
@@ -242,6 +255,20 @@ impl ModelTokenizer {
     pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
     }
+}
+
+/// A string that `.strip()`, `.lstrip()`, `.rstrip()` or `| trim` without arguments leaves as it
+/// is (`bare`: no arguments given): the value itself, where Python-compatible methods and the
+/// builtin filter would copy it (a long document, on every turn). None: let them do their work.
+fn untrimmed(value: &Value, method: &str, bare: bool) -> Option<Value> {
+    let s = value.as_str().filter(|_| bare)?;
+    let trimmed = match method {
+        "strip" => s.trim(),
+        "lstrip" => s.trim_start(),
+        "rstrip" => s.trim_end(),
+        _ => return None,
+    };
+    (trimmed.len() == s.len()).then(|| value.clone())
 }
 
 /// `messages` split into its elements when it is an array.
@@ -327,5 +354,39 @@ mod tests {
             s.hits > 2 * s.misses,
             "earlier turns come from the cache: {s:?}"
         );
+    }
+
+    /// `.strip()`, `.lstrip()`, `.rstrip()` and `| trim` answer as minijinja's own filter and the
+    /// Python-compatible methods do, on strings with and without whitespace to strip, with
+    /// arguments, on safe strings and on other kinds of values.
+    #[test]
+    fn strip_and_trim_without_copies_answer_as_before() {
+        let template = "{% for v in values %}[{{ v.strip() }}|{{ v.lstrip() }}|{{ v.rstrip() }}|\
+            {{ v | trim }}|{{ v.strip('x') }}|{{ v | trim('x') }}|{{ (v | trim) is safe }}]{% endfor %}\
+            {{ (safe | trim) is safe }}{{ safe.strip() }}{{ 7 | trim }}{{ none | trim }}";
+        let ours = ModelTokenizer::environment(template.to_owned()).expect("template");
+        let mut reference = Environment::new();
+        reference.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        reference
+            .add_template_owned("chat", template.to_owned())
+            .expect("template");
+        let ctx = minijinja::context! {
+            values => ["plain", "  padded\n", "xx", "\tlead", "trail \u{3000}", "", "x in x"],
+            safe => Value::from_safe_string("<b>ok</b> ".to_owned()),
+        };
+        let render =
+            |env: &Environment<'_>| env.get_template("chat").unwrap().render(&ctx).unwrap();
+        let want = render(&reference);
+        assert!(want.contains("[padded|padded\n|  padded|padded|"), "{want}");
+        assert_eq!(render(&ours), want);
+        // Undefined stays an error either way (strict or not, as the reference says).
+        let undefined = "{{ missing | trim }}";
+        let ours = ModelTokenizer::environment(undefined.to_owned()).expect("template");
+        let mut reference = Environment::new();
+        reference
+            .add_template_owned("chat", undefined.to_owned())
+            .expect("template");
+        let render = |env: &Environment<'_>| env.get_template("chat").unwrap().render(()).ok();
+        assert_eq!(render(&ours), render(&reference));
     }
 }
