@@ -10,8 +10,9 @@ conversation that goes on rather than one repeated request):
   message and segment caches serve the rest.
 For each mode: kvepp and the floor EPP behind the same Envoy bootstrap, interleaved, median of the
 repeats. The tokenizer's own cost for the new segment (the last message, tokenized alone) is
-measured by `examples/tokenize_cost` on the same machine in the same run, before any process of the
-stack starts (three times, the median: under load its wall time would count the waits for a core)."""
+measured by `examples/tokenize_cost` (the CPU time of its calls) on the same machine in the same run:
+before the stack starts and before each repeat, with the stack idle (under load its wall time would
+count the waits for a core; run beside the loaded stack its CPU time read the same as idle)."""
 
 import argparse
 import json
@@ -72,12 +73,19 @@ def main():
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
             yaml.safe_dump({"tokenizers": {"chat-model": TOKENIZER}, "engine_metrics": {"enabled": False}}, f)
-        segment_us = None
+        # The yardstick for tokens mode: the tokenizer's CPU time on the new message alone, one
+        # second before the stack starts and one before each repeat (the stack idle), the median
+        # (this VM's speed drifts by up to 2× over minutes: sampled beside the runs it tracks them).
+        last = bodies("tokens", 1)[0][0]["messages"][-1]["content"].replace(NEW, "123456")
+        segment_samples = []
+
+        def sample_segment_cost():
+            out = subprocess.run([COST, TOKENIZER, last, "--seconds", "1"], check=True, capture_output=True,
+                                 text=True).stdout
+            segment_samples.append(float(out.split("; ")[1].split()[0]))
+
         if "tokens" in args.modes.split(","):
-            last = bodies("tokens", 1)[0][0]["messages"][-1]["content"].replace(NEW, "123456")
-            runs = [subprocess.run([COST, TOKENIZER, last], check=True, capture_output=True, text=True).stdout
-                    for _ in range(3)]
-            segment_us = statistics.median(float(out.split()[0]) for out in runs)
+            sample_segment_cost()
         stack = floor_stack(tmp, spawn, models=("text-model", "ids-model", "chat-model"), kvepp_args=("--config", config))
         backend = stack["backend"]
         epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
@@ -110,6 +118,8 @@ def main():
                         "return wrk.format('POST', path, headers, body) end\n")
             size = os.path.getsize(files[0])
             for rep in range(args.repeat):
+                if mode == "tokens":
+                    sample_segment_cost()
                 for variant in ["floor", "kvepp"]:
                     proc, port = epps[variant]
                     out, (c0,), (c1,) = load_through_envoy(
@@ -136,10 +146,13 @@ def main():
             lines.append(f"| {mode} | {results[(mode, 'size')] // 1024} KiB | {k[3]:.0f} | {f_[3]:.0f} | {k[3] - f_[3]:.0f} | "
                          f"{k[0]:.0f} | {f_[0]:.0f} | {k[2]:.2f} | {f_[2]:.2f} |")
         lines += ["", "The reference EPP's operations guide: ~350,000 µs of CPU per request at 100k-token prompts."]
-        if segment_us is not None:
+        if segment_samples:
+            segment_us = statistics.median(segment_samples)
             k = statistics.median(x[3] for x in results[("tokens", "kvepp")])
             f_ = statistics.median(x[3] for x in results[("tokens", "floor")])
-            lines.append(f"Tokens mode: the tokenizer alone on the new segment (the last user message) takes {segment_us:.0f} µs; "
+            lines.append(f"Tokens mode: the tokenizer alone on the new segment (the last user message) takes {segment_us:.0f} µs "
+                         f"of CPU (median of {len(segment_samples)} one-second samples: "
+                         f"{', '.join(f'{x:.0f}' for x in segment_samples)}); "
                          f"kvepp's CPU over the floor's is {k - f_:.0f} µs per request, {(k - f_) / segment_us:.1f}× that.")
         report = "\n".join(lines)
         print(report)

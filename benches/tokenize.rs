@@ -22,9 +22,17 @@ fn conversation(doc_words: usize, question: usize) -> Box<RawValue> {
         {"role": "system", "content": format!("Answer from this document.\n{doc}")},
         {"role": "user", "content": "What does the document say about prefill?"},
         {"role": "assistant", "content": "It says prefill happens before decode, block by block."},
-        {"role": "user", "content": format!("And about decode? (question {question})")},
+        {"role": "user", "content": question_text(question)},
     ]);
     RawValue::from_string(messages.to_string()).unwrap()
+}
+
+/// The new message of each turn (as bench/cpu_per_request.py sends it).
+fn question_text(question: usize) -> String {
+    format!(
+        "And about decode? Question {question}: {}",
+        "tell me more about blocks. ".repeat(20)
+    )
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -36,11 +44,12 @@ fn main() {
     let bench = std::env::args().any(|a| a == "--bench");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
     let t = ModelTokenizer::load(&dir).unwrap();
-    let (doc_words, runs) = if bench { (60_000, 9) } else { (2_000, 1) };
+    let (doc_words, runs) = if bench { (60_000, 21) } else { (2_000, 1) };
     // The first turn fills the cache with the document's segment.
     let first = t.render_chat(&conversation(doc_words, 0)).unwrap();
     let tokens = t.text_ids(&first).unwrap().len();
-    let (mut whole, mut segmented, mut rendered) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut whole, mut segmented, mut rendered, mut alone) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 1..=runs {
         // A new question each time: its segment is never cached.
         let messages = conversation(doc_words, i);
@@ -54,10 +63,22 @@ fn main() {
         let b = t.text_ids(&text).unwrap();
         segmented.push(start.elapsed());
         assert_eq!(a, b, "segment ids equal whole-prompt ids");
+        let start = Instant::now();
+        t.text_ids_whole(&question_text(i)).unwrap();
+        alone.push(start.elapsed());
     }
-    let (w, s, r) = (median(whole), median(segmented), median(rendered));
+    let (w, s, r, q) = (
+        median(whole),
+        median(segmented),
+        median(rendered),
+        median(alone),
+    );
     println!(
         "second turn of a {tokens}-token conversation: whole {w:?}, segment cache {s:?}: {:.0}x less tokenizer time (median of {runs}); rendering the chat template first: {r:?}",
         w.as_secs_f64() / s.as_secs_f64().max(1e-9)
+    );
+    println!(
+        "the new message tokenized alone: {q:?}; rendering + segment cache: {:.1}x that",
+        (r + s).as_secs_f64() / q.as_secs_f64().max(1e-9)
     );
 }
