@@ -173,14 +173,28 @@ fn token_hash(c: &mut Criterion) {
     let ids: Vec<u32> = (0..100_000u32)
         .map(|t| t.wrapping_mul(2_654_435_761) >> 15)
         .collect();
+    // Two prompts that share their first 98k tokens (as two variants of a conversation's turn do).
+    let mut other = ids.clone();
+    for t in &mut other[98_000..] {
+        *t ^= 1;
+    }
     let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
     let kv = KvState::new(KvSettings::default());
     g.throughput(Throughput::Elements(ids.len() as u64));
-    g.bench_function("100k_ids/kvepp_blocks_from_tokens", |b| {
+    let mut turn = 0usize;
+    g.bench_function("100k_ids_98k_shared/kvepp_blocks_from_tokens", |b| {
         b.iter(|| {
-            kv.blocks_from_tokens(black_box(&ids), None, PrefixMode::TokenIds)
+            turn += 1;
+            let prompt = if turn % 2 == 0 { &ids } else { &other };
+            kv.blocks_from_tokens(black_box(prompt), None, PrefixMode::TokenIds)
                 .hashes
                 .len()
+        })
+    });
+    g.bench_function("100k_ids/every_block_hashed", |b| {
+        b.iter(|| {
+            let locals = local_block_hashes(black_box(&ids), 16, None);
+            sequence_hashes(&locals).len()
         })
     });
     g.bench_function("100k_ids/baseline_one_xxh3_pass", |b| {

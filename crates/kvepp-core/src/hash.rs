@@ -10,6 +10,9 @@
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+mod memo;
+pub use memo::PrefixMemo;
+
 /// Dynamo's XXH3 seed.
 pub const XXH3_SEED: u64 = 1337;
 
@@ -54,19 +57,38 @@ pub fn local_block_hashes(
     if block_size == 0 {
         return Vec::new();
     }
-    let seed = block_seed(lora_name);
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    push_local_hashes(tokens, block_size, block_seed(lora_name), &mut out);
+    out
+}
+
+/// Appends the local hashes of the full blocks of `tokens` (`block_size` > 0) under `seed`.
+fn push_local_hashes(tokens: &[u32], block_size: usize, seed: u64, out: &mut Vec<LocalBlockHash>) {
     // One buffer of the block's little-endian bytes, overwritten in place (a plain loop over
     // fixed 4-byte chunks, which the compiler vectorises).
     let mut bytes = vec![0u8; block_size * 4];
-    tokens
-        .chunks_exact(block_size)
-        .map(|block| {
-            for (dst, t) in bytes.chunks_exact_mut(4).zip(block) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
-        })
-        .collect()
+    out.extend(tokens.chunks_exact(block_size).map(|block| {
+        for (dst, t) in bytes.chunks_exact_mut(4).zip(block) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        LocalBlockHash(xxh3_64_with_seed(&bytes, seed))
+    }));
+}
+
+/// Extends a prompt's hashes: `locals` and `hashes` hold its first blocks (equal lengths), and
+/// `tokens` are its full blocks after them (`block_size` > 0, `seed` from [`block_seed`]).
+pub fn extend_block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    locals: &mut Vec<LocalBlockHash>,
+    hashes: &mut Vec<SequenceHash>,
+) {
+    let from = locals.len();
+    push_local_hashes(tokens, block_size, seed, locals);
+    for &local in &locals[from..] {
+        hashes.push(SequenceHash::chain(hashes.last().copied(), local));
+    }
 }
 
 impl SequenceHash {

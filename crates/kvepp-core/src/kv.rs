@@ -46,9 +46,7 @@ use super::load::EndpointLoad;
 use super::predict::{EndpointSpeed, TtftFeatures, TtftModel};
 use super::slots::{project, HeldScratch, RankView, SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
-use crate::hash::{
-    block_seed, local_block_hashes, sequence_hashes, LocalBlockHash, SequenceHash, XXH3_SEED,
-};
+use crate::hash::{block_seed, LocalBlockHash, PrefixMemo, SequenceHash, XXH3_SEED};
 
 /// How the prefix of a request was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -278,6 +276,8 @@ pub struct KvState {
     observer: std::sync::OnceLock<Arc<dyn BookingObserver>>,
     /// The pool's TTFT model (the `predicted_ttft` cost).
     ttft: TtftModel,
+    /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
+    memo: PrefixMemo,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -416,6 +416,7 @@ impl KvState {
             scratch: Default::default(),
             observer: std::sync::OnceLock::new(),
             ttft: TtftModel::default(),
+            memo: PrefixMemo::default(),
         }
     }
 
@@ -515,8 +516,7 @@ impl KvState {
         lora: Option<&str>,
         mode: PrefixMode,
     ) -> PromptBlocks {
-        let locals = local_block_hashes(tokens, self.block_size() as usize, lora);
-        let hashes = sequence_hashes(&locals);
+        let (locals, hashes) = self.memo.hashes(tokens, self.block_size() as usize, lora);
         PromptBlocks {
             mode: if self.settings.approximate_only {
                 PrefixMode::Approximate

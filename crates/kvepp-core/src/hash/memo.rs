@@ -1,0 +1,264 @@
+//! The block hashes of recent token prompts, so that a prompt which starts like one of them (a
+//! conversation's next turn carries the whole previous turn; many requests share a long system
+//! prompt) hashes only its blocks after the common part. On a 100k-token prompt that turns ~6,000
+//! xxh3 calls into one comparison of the two token arrays (memcmp speed) and the new blocks.
+//!
+//! Prompts are spread over a few entries by their first block's local hash; each entry keeps the
+//! last prompt seen there (tokens, local and sequence hashes), updated in place (the common part
+//! stays, the rest is replaced).
+//!
+//! Invariants: [`PrefixMemo::hashes`] returns exactly what [`super::local_block_hashes`] and
+//! [`super::sequence_hashes`] return for the same input (a differential test checks it); an
+//! entry's hashes are reused only for blocks whose tokens, seed and block size equal the prompt's
+//! (compared token for token, not by hash); an entry another pick is using is skipped, never
+//! waited for; memory is bounded by `ENTRIES × MAX_TOKENS` tokens and their hashes.
+
+use std::sync::Mutex;
+
+use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
+
+/// Entries (prompts remembered at once).
+const ENTRIES: usize = 16;
+/// Prompts with fewer full blocks are hashed directly (the memo would save little).
+const MIN_BLOCKS: usize = 32;
+/// Prompts with more tokens than this are hashed but not remembered (memory bound: 1 MiB of
+/// tokens and 0.5 MiB of hashes an entry at block size 16).
+const MAX_TOKENS: usize = 256 << 10;
+
+#[derive(Debug, Default)]
+struct Entry {
+    seed: u64,
+    block_size: usize,
+    /// The full blocks of the prompt remembered here.
+    tokens: Vec<u32>,
+    locals: Vec<LocalBlockHash>,
+    hashes: Vec<SequenceHash>,
+}
+
+/// Recent prompts' block hashes (see the module doc).
+#[derive(Debug)]
+pub struct PrefixMemo {
+    entries: Box<[Mutex<Entry>]>,
+}
+
+impl Default for PrefixMemo {
+    fn default() -> Self {
+        PrefixMemo {
+            entries: (0..ENTRIES).map(|_| Mutex::default()).collect(),
+        }
+    }
+}
+
+/// Whole blocks that `a` and `b` share from their start.
+fn common_blocks(a: &[u32], b: &[u32], block_size: usize) -> usize {
+    let end = a.len().min(b.len()) / block_size * block_size;
+    // Long runs first (one memcmp each), then block by block inside the run that differs.
+    let run = 64 * block_size;
+    let mut i = 0;
+    while i + run <= end && a[i..i + run] == b[i..i + run] {
+        i += run;
+    }
+    while i + block_size <= end && a[i..i + block_size] == b[i..i + block_size] {
+        i += block_size;
+    }
+    i / block_size
+}
+
+impl PrefixMemo {
+    /// Local and sequence hashes of the full blocks of `tokens` (Dynamo's, seeded by `lora`), from
+    /// the remembered prompt that shares the most leading blocks, and remembered for the next.
+    pub fn hashes(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<&str>,
+    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+        let (mut locals, mut hashes) = (Vec::new(), Vec::new());
+        if block_size == 0 {
+            return (locals, hashes);
+        }
+        let blocks = tokens.len() / block_size;
+        let full = &tokens[..blocks * block_size];
+        let seed = block_seed(lora);
+        locals.reserve_exact(blocks);
+        hashes.reserve_exact(blocks);
+        if blocks < MIN_BLOCKS {
+            extend_block_hashes(full, block_size, seed, &mut locals, &mut hashes);
+            return (locals, hashes);
+        }
+        // The first block picks the entry (its hash is needed anyway).
+        extend_block_hashes(
+            &full[..block_size],
+            block_size,
+            seed,
+            &mut locals,
+            &mut hashes,
+        );
+        let at = (locals[0].0 >> 32) as usize % self.entries.len();
+        let Some(mut entry) = self.entries.get(at).and_then(|e| e.try_lock().ok()) else {
+            // Another pick is on this entry (or it was poisoned): hash without it.
+            extend_block_hashes(
+                &full[block_size..],
+                block_size,
+                seed,
+                &mut locals,
+                &mut hashes,
+            );
+            return (locals, hashes);
+        };
+        let same = entry.seed == seed && entry.block_size == block_size;
+        let reuse = if same {
+            common_blocks(&entry.tokens, full, block_size)
+        } else {
+            0
+        };
+        if reuse > 1 {
+            locals.extend_from_slice(&entry.locals[1..reuse]);
+            hashes.extend_from_slice(&entry.hashes[1..reuse]);
+        }
+        let done = locals.len();
+        extend_block_hashes(
+            &full[done * block_size..],
+            block_size,
+            seed,
+            &mut locals,
+            &mut hashes,
+        );
+        if full.len() <= MAX_TOKENS {
+            let e = &mut *entry;
+            // The entry's blocks that equal the prompt's stay; the rest is the prompt's.
+            let keep = if same { reuse } else { 0 };
+            e.seed = seed;
+            e.block_size = block_size;
+            e.tokens.truncate(keep * block_size);
+            e.tokens.extend_from_slice(&full[keep * block_size..]);
+            e.locals.truncate(keep);
+            e.locals.extend_from_slice(&locals[keep..]);
+            e.hashes.truncate(keep);
+            e.hashes.extend_from_slice(&hashes[keep..]);
+        }
+        (locals, hashes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{local_block_hashes, sequence_hashes};
+
+    fn plain(
+        tokens: &[u32],
+        bs: usize,
+        lora: Option<&str>,
+    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+        let l = local_block_hashes(tokens, bs, lora);
+        let s = sequence_hashes(&l);
+        (l, s)
+    }
+
+    /// Differential test against hashing every prompt from scratch: conversations that grow turn
+    /// by turn, share a system prompt (or land in an entry that holds another one), edit an early
+    /// token, switch LoRA or block size, shrink, and prompts too short or too long to remember.
+    #[test]
+    fn memo_hashes_equal_plain_hashes() {
+        let memo = PrefixMemo::default();
+        let mut rng = fastrand::Rng::with_seed(3);
+        // 40 system prompts over 16 entries: prompts with other first blocks meet in an entry.
+        let systems: Vec<Vec<u32>> = (0..40)
+            .map(|_| (0..40 * 16).map(|_| rng.u32(..50_000)).collect())
+            .collect();
+        let mut conversations: Vec<Vec<u32>> = (0..60)
+            .map(|i| systems[i % systems.len()].clone())
+            .collect();
+        let mut reused = 0;
+        for step in 0..3_000 {
+            let c = rng.usize(..conversations.len());
+            let conv = &mut conversations[c];
+            match rng.u8(..10) {
+                0 => {
+                    // An early edit: everything after it differs.
+                    let i = rng.usize(..conv.len());
+                    conv[i] ^= 1;
+                }
+                1 => conv.truncate(rng.usize(..conv.len() + 1)),
+                _ => {
+                    let n = rng.usize(1..300);
+                    conv.extend((0..n).map(|_| rng.u32(..50_000)));
+                }
+            }
+            let bs = if step % 50 == 49 { 8 } else { 16 };
+            let lora = [None, None, None, Some("adapter")][rng.usize(..4)];
+            let want = plain(conv, bs, lora);
+            let got = memo.hashes(conv, bs, lora);
+            assert_eq!(
+                got,
+                want,
+                "step {step}: conversation {c}, {} tokens",
+                conv.len()
+            );
+            reused += usize::from(conv.len() / bs >= MIN_BLOCKS);
+        }
+        assert!(
+            reused > 1_500,
+            "{reused} prompts long enough to use the memo"
+        );
+        // Too long to remember, and block size 0.
+        let long: Vec<u32> = (0..MAX_TOKENS as u32 + 100).collect();
+        assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
+        assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
+        assert_eq!(memo.hashes(&long, 0, None), (vec![], vec![]));
+    }
+
+    /// Two prompts that differ only in their first block and meet in one entry: each is hashed as
+    /// itself, whichever came before (the entry keeps no block of the other's).
+    #[test]
+    fn prompts_differing_only_in_their_first_block_do_not_mix() {
+        let memo = PrefixMemo::default();
+        let entry =
+            |t: &[u32]| (local_block_hashes(&t[..16], 16, None)[0].0 >> 32) as usize % ENTRIES;
+        let rest: Vec<u32> = (100..100 + 16 * 40).collect();
+        let x: Vec<u32> = (0..16).chain(rest.iter().copied()).collect();
+        let y = (1_000u32..)
+            .map(|k| {
+                (k..k + 16)
+                    .chain(rest.iter().copied())
+                    .collect::<Vec<u32>>()
+            })
+            .find(|y| entry(y) == entry(&x))
+            .expect("a first block for the same entry");
+        for t in [&x, &y, &x, &y, &y, &x] {
+            assert_eq!(memo.hashes(t, 16, None), plain(t, 16, None));
+        }
+    }
+
+    #[test]
+    fn common_blocks_counts_whole_equal_blocks_from_the_start() {
+        let a: Vec<u32> = (0..10_000).collect();
+        let mut b = a.clone();
+        assert_eq!(common_blocks(&a, &b, 16), 625);
+        assert_eq!(common_blocks(&a, &b[..1_000], 16), 62);
+        b[5_000] = 0;
+        assert_eq!(common_blocks(&a, &b, 16), 312);
+        b[0] = 1;
+        assert_eq!(common_blocks(&a, &b, 16), 0);
+        assert_eq!(common_blocks(&a, &[], 16), 0);
+    }
+
+    /// The memo is used: the second turn of a conversation copies the first turn's hashes (seen
+    /// through an entry that holds the second turn afterwards).
+    #[test]
+    fn a_next_turn_is_remembered_in_place() {
+        let memo = PrefixMemo::default();
+        let turn1: Vec<u32> = (0..64 * 16).collect();
+        let mut turn2 = turn1.clone();
+        turn2.extend(5_000..5_000 + 16 * 8);
+        memo.hashes(&turn1, 16, None);
+        memo.hashes(&turn2, 16, None);
+        let held: Vec<usize> = memo
+            .entries
+            .iter()
+            .map(|e| e.lock().map(|e| e.tokens.len()).unwrap_or(0))
+            .collect();
+        assert_eq!(held.iter().sum::<usize>(), turn2.len(), "{held:?}");
+    }
+}
