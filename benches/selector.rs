@@ -185,7 +185,7 @@ fn token_hash(c: &mut Criterion) {
     g.bench_function("100k_ids_98k_shared/kvepp_blocks_from_tokens", |b| {
         b.iter(|| {
             turn += 1;
-            let prompt = if turn % 2 == 0 { &ids } else { &other };
+            let prompt = if turn.is_multiple_of(2) { &ids } else { &other };
             kv.blocks_from_tokens(black_box(prompt), None, PrefixMode::TokenIds)
                 .hashes
                 .len()
