@@ -32,51 +32,37 @@
 //!
 //! Every endpoint is one worker (`worker_id` of its address) with rank 0 for load; its cached
 //! prefix is the best over the data-parallel ranks its events came from.
+//!
+//! Beside the pick here: `prompt` (a prompt's blocks), `scratch` (a pick's reused buffers),
+//! `approx` (approximate mode's record of what was routed), `ranks` (the rank-level operations
+//! the HTTP services call) and `guard` (a booking held for a request's life).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::cost::{CandidateLoad, CostModel, CostWeights, Overlap};
-use super::index::{EngineBlockHash, MatchScratch, RankOverlap, SharedIndex, Tier};
+use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
-use super::predict::{EndpointSpeed, TtftFeatures, TtftModel};
-use super::slots::{project, HeldScratch, RankView, SlotTracker, WorkerRank};
+use super::predict::{TtftFeatures, TtftModel};
+use super::slots::{project, SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext};
-use crate::hash::{block_seed, LocalBlockHash, PrefixMemo, SequenceHash, XXH3_SEED};
+use crate::hash::{LocalBlockHash, PrefixMemo, SequenceHash};
 
-/// How the prefix of a request was found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PrefixMode {
-    TokenIds,
-    Tokens,
-    Approximate,
-    None,
-}
+mod approx;
+mod guard;
+mod prompt;
+mod ranks;
+mod scratch;
 
-impl PrefixMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PrefixMode::TokenIds => "token_ids",
-            PrefixMode::Tokens => "tokens",
-            PrefixMode::Approximate => "approximate",
-            PrefixMode::None => "none",
-        }
-    }
-}
-
-/// A request's prompt as blocks.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PromptBlocks {
-    pub mode: PrefixMode,
-    pub locals: Vec<LocalBlockHash>,
-    pub hashes: Vec<SequenceHash>,
-    /// Prompt length in tokens (estimated in approximate mode).
-    pub isl_tokens: u64,
-}
+use approx::Approx;
+pub use guard::SlotGuard;
+pub use prompt::{PrefixMode, PromptBlocks};
+pub use ranks::{RankChoice, SelectError};
+use scratch::PickScratch;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvSettings {
@@ -167,76 +153,6 @@ pub struct KvDecision {
     pub ttft: Option<TtftFeatures>,
 }
 
-/// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
-/// prefix index. Only the blocks beyond the prefix the endpoint already held get references, so a
-/// prompt routed again costs what it adds; a hot prefix ages out after `cap` newer blocks and is
-/// recorded again by the next request that routes it.
-#[derive(Debug)]
-struct Approx {
-    index: SharedIndex,
-    fifo: Mutex<HashMap<u64, VecDeque<SequenceHash>>>,
-    cap: usize,
-}
-
-impl Approx {
-    /// Records `p`'s leading blocks (at most `cap`) after the first `held` as routed to `worker`,
-    /// first evicting the oldest references so they fit: the rank's distinct blocks never exceed
-    /// its references, so the index always has room and the FIFO keeps learning under pressure.
-    fn record(&self, worker: u64, p: &PromptBlocks, held: usize) {
-        let rank = WorkerRank { worker, dp_rank: 0 };
-        let n = p.hashes.len().min(self.cap);
-        let skip = held.min(n);
-        if skip == n {
-            // Everything is there already: no write, so readers and other writers never wait.
-            return;
-        }
-        let mut fifos = lock(&self.fifo);
-        let fifo = fifos.entry(worker).or_default();
-        let evict = (fifo.len() + n - skip)
-            .saturating_sub(self.cap)
-            .min(fifo.len());
-        let evicted: Vec<SequenceHash> = fifo.drain(..evict).collect();
-        let parent = skip.checked_sub(1).map(|i| EngineBlockHash(p.hashes[i].0));
-        let stored = self.index.write(|ix| {
-            ix.remove(
-                rank,
-                Tier::Device,
-                evicted.iter().map(|h| EngineBlockHash(h.0)),
-            );
-            let blocks = p.hashes[skip..n]
-                .iter()
-                .zip(&p.locals[skip..n])
-                .map(|(s, l)| (EngineBlockHash(s.0), *l));
-            // Cannot be full after the eviction above. A refusal (full, or the held prefix
-            // evicted meanwhile by another record) only loses this request's blocks, never leaks
-            // index entries outside the FIFO.
-            ix.store(rank, Tier::Device, parent, blocks).unwrap_or(0)
-        });
-        fifo.extend(p.hashes[skip..skip + stored].iter().copied());
-    }
-
-    /// How many leading blocks of `p` the approximate index holds for `worker`.
-    fn held(&self, worker: u64, p: &PromptBlocks) -> usize {
-        self.index
-            .read()
-            .overlaps(&p.hashes)
-            .iter()
-            .find(|o| o.rank.worker == worker && o.rank.dp_rank == 0)
-            .map_or(0, |o| o.overlap.device as usize)
-    }
-
-    /// Forgets `workers`' routed blocks (index and FIFOs together).
-    fn forget(&self, workers: &[u64]) {
-        let mut fifos = lock(&self.fifo);
-        self.index.write(|ix| {
-            for &w in workers {
-                ix.remove_worker(w);
-            }
-        });
-        fifos.retain(|w, _| !workers.contains(w));
-    }
-}
-
 /// Told about every booking the KV-aware picker makes and ends, and every prompt it records as
 /// routed in approximate mode (replica sync publishes them to the other replicas). Called after
 /// the state's locks are released; implementations must not block.
@@ -285,89 +201,6 @@ const SCRATCH_POOLS: usize = 8;
 /// Which of an endpoint's `hints.index` remembers its slot in which index.
 const HINT_EVENT_INDEX: usize = 0;
 const HINT_APPROX_INDEX: usize = 1;
-
-/// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
-/// addresses, no allocation once grown).
-#[derive(Debug, Default)]
-struct CandidateMap {
-    keys: Vec<u64>,
-    /// Candidate index + 1; 0: empty.
-    vals: Vec<u32>,
-    len: usize,
-}
-
-impl CandidateMap {
-    fn slot(&self, key: u64) -> usize {
-        // Worker ids are already hashes of the address: one multiply spreads them.
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (self.keys.len() - 1)
-    }
-
-    fn clear(&mut self) {
-        if self.len > 0 {
-            self.vals.fill(0);
-            self.len = 0;
-        }
-    }
-
-    fn build(&mut self, workers: impl ExactSizeIterator<Item = u64>) {
-        let cap = (workers.len() * 2).next_power_of_two().max(16);
-        if self.keys.len() != cap {
-            self.keys = vec![0; cap];
-            self.vals = vec![0; cap];
-        }
-        let mask = cap - 1;
-        for (i, w) in workers.enumerate() {
-            let mut at = self.slot(w);
-            while self.vals[at] != 0 && self.keys[at] != w {
-                at = (at + 1) & mask;
-            }
-            if self.vals[at] == 0 {
-                self.keys[at] = w;
-                self.vals[at] = i as u32 + 1;
-                self.len += 1;
-            }
-        }
-    }
-
-    fn get(&self, w: u64) -> Option<usize> {
-        if self.len == 0 {
-            return None;
-        }
-        let mask = self.keys.len() - 1;
-        let mut at = self.slot(w);
-        loop {
-            match self.vals[at] {
-                0 => return None,
-                v if self.keys[at] == w => return Some(v as usize - 1),
-                _ => at = (at + 1) & mask,
-            }
-        }
-    }
-}
-
-/// Reusable buffers of one pick (taken from and returned to a pool, so a pick allocates none of
-/// them in steady state).
-#[derive(Debug, Default)]
-struct PickScratch {
-    matching: MatchScratch,
-    found: Vec<RankOverlap>,
-    /// The walk over the slot tracker's active blocks.
-    held: HeldScratch,
-    /// The ranks' loads, copied out of the slot tracker.
-    views: Vec<RankView>,
-    /// Candidate index by worker id (the first candidate of a worker).
-    by_worker: CandidateMap,
-    /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
-    /// exist).
-    best: Vec<Overlap>,
-    /// Per candidate, under the predicted-TTFT cost only (Dynamo's keeps just the costs and
-    /// reads the chosen one's load again).
-    loads: Vec<CandidateLoad>,
-    versions: Vec<Option<u64>>,
-    costs: Vec<f64>,
-    /// Candidates whose tracker hint missed, with the load resolved for them under the lock.
-    resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
-}
 
 /// What one pick's walks left for reading a candidate's load ([`KvState::load_of`]).
 struct Walked {
@@ -505,50 +338,6 @@ impl KvState {
         match base.as_deref() {
             Some(b) if b != model => Some(model.into()),
             _ => None,
-        }
-    }
-
-    /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded); in approximate-only mode they
-    /// are matched against what was routed.
-    pub fn blocks_from_tokens(
-        &self,
-        tokens: &[u32],
-        lora: Option<&str>,
-        mode: PrefixMode,
-    ) -> PromptBlocks {
-        let (locals, hashes) = self.memo.hashes(tokens, self.block_size() as usize, lora);
-        PromptBlocks {
-            mode: if self.settings.approximate_only {
-                PrefixMode::Approximate
-            } else {
-                mode
-            },
-            locals,
-            hashes,
-            isl_tokens: tokens.len() as u64,
-        }
-    }
-
-    /// Approximate blocks of a prompt's bytes: chained xxh3 over blocks of
-    /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model).
-    pub fn blocks_from_text(&self, scope: &str, text: &[u8]) -> PromptBlocks {
-        let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
-        let chunk = (self.block_size() as usize) * per_token;
-        let seed = block_seed(Some(scope)) ^ XXH3_SEED;
-        let n = text.len() / chunk;
-        let mut locals = Vec::with_capacity(n);
-        let mut hashes = Vec::with_capacity(n);
-        for block in text.chunks_exact(chunk) {
-            let local = LocalBlockHash(xxh3_64_with_seed(block, seed));
-            let seq = SequenceHash::chain(hashes.last().copied(), local);
-            locals.push(local);
-            hashes.push(seq);
-        }
-        PromptBlocks {
-            mode: PrefixMode::Approximate,
-            locals,
-            hashes,
-            isl_tokens: (text.len() / per_token) as u64,
         }
     }
 
@@ -976,267 +765,6 @@ impl KvState {
             worker: worker_id(addr),
             dp_rank: 0,
         })
-    }
-}
-
-/// One rank's standing for one request in a rank-level selection.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankChoice {
-    pub rank: WorkerRank,
-    /// Cached prefix on the rank, in blocks (KV-event index).
-    pub overlap: Overlap,
-    pub cost: f64,
-    /// Prompt tokens the rank still has to prefill given its cache (what a reservation books).
-    pub effective_prefill_tokens: u64,
-    pub load: CandidateLoad,
-}
-
-/// Why a rank-level selection or reservation failed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum SelectError {
-    #[error("no schedulable worker")]
-    NoCandidates,
-    #[error(transparent)]
-    Slot(#[from] super::slots::SlotError),
-}
-
-/// Rank-level operations: what the HTTP selection and slot-tracker services call. They share the
-/// cost model and the slot tracker with the endpoint-level [`KvState::rank`]/[`KvState::book`].
-impl KvState {
-    /// Cached prefix of `hashes` per rank in the KV-event index (only ranks holding its first
-    /// block).
-    pub fn rank_overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
-        let (pool, mut sc) = self.take_scratch(hashes.len());
-        self.event_matches(hashes, &mut sc);
-        let found = sc.found.clone();
-        self.return_scratch(pool, sc);
-        found
-    }
-
-    /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
-    /// and, when `reserve` names a request, books it on the chosen rank atomically: only if the
-    /// rank's load is still the one the choice read (else it chooses again; the last of
-    /// [`BOOKING_ATTEMPTS`] tries reads and books under one write lock). `found` is
-    /// [`KvState::rank_overlaps`] of `hashes` (the caller keeps it for its own report). The ranks
-    /// must be registered.
-    pub fn select_rank(
-        &self,
-        ranks: &[WorkerRank],
-        hashes: &[SequenceHash],
-        found: &[RankOverlap],
-        isl_tokens: u64,
-        reserve: Option<(&str, Instant)>,
-        rng: &mut fastrand::Rng,
-    ) -> Result<RankChoice, SelectError> {
-        if ranks.is_empty() {
-            return Err(SelectError::NoCandidates);
-        }
-        let Some((id, now)) = reserve else {
-            return Ok(self
-                .choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng)
-                .0);
-        };
-        for _ in 1..BOOKING_ATTEMPTS {
-            let (choice, version) =
-                self.choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng);
-            let booked = write(&self.slots).add_if_unchanged(
-                id,
-                choice.rank,
-                hashes,
-                choice.effective_prefill_tokens,
-                now,
-                Some(version.unwrap_or(0)),
-            )?;
-            if booked {
-                return Ok(choice);
-            }
-            self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut slots = write(&self.slots);
-        let (choice, _) = self.choose_rank(&slots, ranks, hashes, found, isl_tokens, rng);
-        slots.add(
-            id,
-            choice.rank,
-            hashes,
-            choice.effective_prefill_tokens,
-            now,
-        )?;
-        Ok(choice)
-    }
-
-    /// The cheapest of `ranks` in `slots`, with its load version.
-    fn choose_rank(
-        &self,
-        slots: &SlotTracker,
-        ranks: &[WorkerRank],
-        hashes: &[SequenceHash],
-        found: &[RankOverlap],
-        isl_tokens: u64,
-        rng: &mut fastrand::Rng,
-    ) -> (RankChoice, Option<u64>) {
-        let overlap_of = |r: WorkerRank| {
-            found
-                .iter()
-                .find(|o| o.rank == r)
-                .map_or(Overlap::default(), |o| o.overlap)
-        };
-        let w = &self.settings.weights;
-        let bs = self.block_size();
-        let projected = slots.projections(ranks.iter().copied(), hashes, isl_tokens);
-        let loads: Vec<CandidateLoad> = ranks
-            .iter()
-            .zip(&projected)
-            .map(|(&r, (l, _))| CandidateLoad {
-                overlap: overlap_of(r),
-                potential_prefill_tokens: l.potential_prefill_tokens,
-                potential_decode_blocks: l.potential_decode_blocks,
-                active_requests: l.active_requests,
-            })
-            .collect();
-        let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
-        let best = w.choose_with_tiebreak(&costs, |i| loads[i].active_requests, rng);
-        let c = loads[best];
-        let choice = RankChoice {
-            rank: ranks[best],
-            overlap: c.overlap,
-            cost: costs[best],
-            effective_prefill_tokens: w.effective_prefill_tokens(isl_tokens, bs, c.overlap),
-            load: c,
-        };
-        (choice, projected[best].1)
-    }
-
-    /// Each rank's load if it took this request (unregistered ranks count as idle).
-    pub fn potential_loads(
-        &self,
-        ranks: &[WorkerRank],
-        hashes: &[SequenceHash],
-        isl_tokens: u64,
-    ) -> Vec<super::slots::PotentialLoad> {
-        read(&self.slots)
-            .projections(ranks.iter().copied(), hashes, isl_tokens)
-            .into_iter()
-            .map(|(l, _)| l)
-            .collect()
-    }
-
-    /// Makes a rank schedulable in the slot tracker (idempotent).
-    pub fn register_rank(&self, rank: WorkerRank) {
-        write(&self.slots).register(rank);
-    }
-
-    /// Removes a worker's ranks, active requests and cached blocks.
-    pub fn remove_worker(&self, worker: u64) {
-        self.remove_workers(&[worker]);
-    }
-
-    /// [`Self::remove_worker`] for several at once (one write of each index).
-    fn remove_workers(&self, workers: &[u64]) {
-        if workers.is_empty() {
-            return;
-        }
-        self.index.write(|ix| {
-            for &w in workers {
-                ix.remove_worker(w);
-            }
-        });
-        self.approx.forget(workers);
-        let mut slots = write(&self.slots);
-        for &w in workers {
-            slots.unregister_worker(w);
-        }
-    }
-
-    /// Books a request on a registered rank until [`KvState::free`].
-    pub fn reserve(
-        &self,
-        id: &str,
-        rank: WorkerRank,
-        hashes: &[SequenceHash],
-        prefill_tokens: u64,
-        now: Instant,
-    ) -> Result<(), super::slots::SlotError> {
-        write(&self.slots).add(id, rank, hashes, prefill_tokens, now)
-    }
-
-    pub fn prefill_complete(&self, id: &str) -> Result<(), super::slots::SlotError> {
-        write(&self.slots).prefill_complete(id)
-    }
-
-    pub fn output_block(
-        &self,
-        id: &str,
-        decay_fraction: Option<f64>,
-    ) -> Result<(), super::slots::SlotError> {
-        write(&self.slots).add_output_block(id, decay_fraction)
-    }
-
-    /// Releases a reservation; whether it was active.
-    pub fn free(&self, id: &str) -> bool {
-        write(&self.slots).free(id)
-    }
-
-    pub fn is_active(&self, id: &str) -> bool {
-        read(&self.slots).is_active(id)
-    }
-
-    /// Requests booked in the slot tracker.
-    pub fn active_count(&self) -> usize {
-        read(&self.slots).active_count()
-    }
-
-    /// Every registered rank's load.
-    pub fn rank_loads(&self) -> Vec<(WorkerRank, super::slots::RankLoad)> {
-        read(&self.slots).loads().collect()
-    }
-
-    /// Requests the slot tracker holds on `worker`'s rank 0 (the rank the picker books):
-    /// this process's bookings and, with replica sync, its peers'. None: not registered.
-    pub fn worker_requests(&self, worker: u64) -> Option<u32> {
-        let rank = WorkerRank { worker, dp_rank: 0 };
-        read(&self.slots).load(rank).map(|l| l.active_requests)
-    }
-}
-
-/// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.
-#[derive(Debug)]
-pub struct SlotGuard {
-    state: Arc<KvState>,
-    /// The slot tracker's request id (None when booking failed).
-    id: Option<String>,
-    prefill_done: bool,
-    /// A pick by predicted TTFT: the endpoint's speed, what the prediction read, when booked.
-    learn: Option<(Arc<EndpointSpeed>, TtftFeatures, Instant)>,
-}
-
-impl SlotGuard {
-    /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
-    pub fn first_token(&mut self, now: Instant) {
-        if let Some((speed, f, at)) = self.learn.take() {
-            let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
-            self.state.ttft.observe(&speed, &f, ms, now);
-        }
-    }
-
-    pub fn first_byte(&mut self) {
-        if let (Some(id), false) = (&self.id, self.prefill_done) {
-            self.prefill_done = true;
-            let _ = write(&self.state.slots).prefill_complete(id);
-            if let Some(o) = self.state.observer.get() {
-                o.prefill_complete(id);
-            }
-        }
-    }
-}
-
-impl Drop for SlotGuard {
-    fn drop(&mut self) {
-        if let Some(id) = &self.id {
-            write(&self.state.slots).free(id);
-            if let Some(o) = self.state.observer.get() {
-                o.freed(id);
-            }
-        }
     }
 }
 

@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use super::*;
 use crate::hash::sequence_hashes;
 use crate::index::reference::ReferenceIndex;
+use crate::index::{EngineBlockHash, Tier};
 
 fn endpoints(n: u8) -> Vec<Arc<Endpoint>> {
     (0..n)

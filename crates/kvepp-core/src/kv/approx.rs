@@ -1,0 +1,82 @@
+//! Approximate mode's memory of what was routed where (see [`Approx`]).
+//!
+//! Invariants: at most `cap` references per endpoint, the oldest evicted first (before new blocks
+//! are stored); a forgotten endpoint leaves nothing behind.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use super::{lock, PromptBlocks};
+use crate::hash::SequenceHash;
+use crate::index::{EngineBlockHash, SharedIndex, Tier};
+use crate::slots::WorkerRank;
+
+/// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
+/// prefix index. Only the blocks beyond the prefix the endpoint already held get references, so a
+/// prompt routed again costs what it adds; a hot prefix ages out after `cap` newer blocks and is
+/// recorded again by the next request that routes it.
+#[derive(Debug)]
+pub(super) struct Approx {
+    pub(super) index: SharedIndex,
+    pub(super) fifo: Mutex<HashMap<u64, VecDeque<SequenceHash>>>,
+    pub(super) cap: usize,
+}
+
+impl Approx {
+    /// Records `p`'s leading blocks (at most `cap`) after the first `held` as routed to `worker`,
+    /// first evicting the oldest references so they fit: the rank's distinct blocks never exceed
+    /// its references, so the index always has room and the FIFO keeps learning under pressure.
+    pub(super) fn record(&self, worker: u64, p: &PromptBlocks, held: usize) {
+        let rank = WorkerRank { worker, dp_rank: 0 };
+        let n = p.hashes.len().min(self.cap);
+        let skip = held.min(n);
+        if skip == n {
+            // Everything is there already: no write, so readers and other writers never wait.
+            return;
+        }
+        let mut fifos = lock(&self.fifo);
+        let fifo = fifos.entry(worker).or_default();
+        let evict = (fifo.len() + n - skip)
+            .saturating_sub(self.cap)
+            .min(fifo.len());
+        let evicted: Vec<SequenceHash> = fifo.drain(..evict).collect();
+        let parent = skip.checked_sub(1).map(|i| EngineBlockHash(p.hashes[i].0));
+        let stored = self.index.write(|ix| {
+            ix.remove(
+                rank,
+                Tier::Device,
+                evicted.iter().map(|h| EngineBlockHash(h.0)),
+            );
+            let blocks = p.hashes[skip..n]
+                .iter()
+                .zip(&p.locals[skip..n])
+                .map(|(s, l)| (EngineBlockHash(s.0), *l));
+            // Cannot be full after the eviction above. A refusal (full, or the held prefix
+            // evicted meanwhile by another record) only loses this request's blocks, never leaks
+            // index entries outside the FIFO.
+            ix.store(rank, Tier::Device, parent, blocks).unwrap_or(0)
+        });
+        fifo.extend(p.hashes[skip..skip + stored].iter().copied());
+    }
+
+    /// How many leading blocks of `p` the approximate index holds for `worker`.
+    pub(super) fn held(&self, worker: u64, p: &PromptBlocks) -> usize {
+        self.index
+            .read()
+            .overlaps(&p.hashes)
+            .iter()
+            .find(|o| o.rank.worker == worker && o.rank.dp_rank == 0)
+            .map_or(0, |o| o.overlap.device as usize)
+    }
+
+    /// Forgets `workers`' routed blocks (index and FIFOs together).
+    pub(super) fn forget(&self, workers: &[u64]) {
+        let mut fifos = lock(&self.fifo);
+        self.index.write(|ix| {
+            for &w in workers {
+                ix.remove_worker(w);
+            }
+        });
+        fifos.retain(|w, _| !workers.contains(w));
+    }
+}

@@ -1,0 +1,52 @@
+//! A pick's booking, held for the request's life: [`SlotGuard`].
+//!
+//! Invariants: the booking is freed exactly once (on drop), prefill completes at most once, and the
+//! TTFT model learns from a request at most once; the replica observer hears each of them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{write, KvState};
+use crate::predict::{EndpointSpeed, TtftFeatures};
+
+/// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.
+#[derive(Debug)]
+pub struct SlotGuard {
+    pub(super) state: Arc<KvState>,
+    /// The slot tracker's request id (None when booking failed).
+    pub(super) id: Option<String>,
+    pub(super) prefill_done: bool,
+    /// A pick by predicted TTFT: the endpoint's speed, what the prediction read, when booked.
+    pub(super) learn: Option<(Arc<EndpointSpeed>, TtftFeatures, Instant)>,
+}
+
+impl SlotGuard {
+    /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
+    pub fn first_token(&mut self, now: Instant) {
+        if let Some((speed, f, at)) = self.learn.take() {
+            let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
+            self.state.ttft.observe(&speed, &f, ms, now);
+        }
+    }
+
+    pub fn first_byte(&mut self) {
+        if let (Some(id), false) = (&self.id, self.prefill_done) {
+            self.prefill_done = true;
+            let _ = write(&self.state.slots).prefill_complete(id);
+            if let Some(o) = self.state.observer.get() {
+                o.prefill_complete(id);
+            }
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if let Some(id) = &self.id {
+            write(&self.state.slots).free(id);
+            if let Some(o) = self.state.observer.get() {
+                o.freed(id);
+            }
+        }
+    }
+}

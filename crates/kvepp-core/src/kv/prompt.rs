@@ -1,0 +1,88 @@
+//! A request's prompt as blocks: how its prefix is found ([`PrefixMode`]) and the block hashes a
+//! pick looks up ([`PromptBlocks`]), from token ids (Dynamo's hashes, through the memo of recent
+//! prompts) or from raw bytes (approximate mode).
+//!
+//! Invariants: token blocks are exactly [`crate::hash::local_block_hashes`] and
+//! [`crate::hash::sequence_hashes`] of the prompt; approximate blocks are chained xxh3 over
+//! fixed-size byte blocks seeded by the model, and never meet token blocks (other seed).
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::KvState;
+use crate::hash::{block_seed, LocalBlockHash, SequenceHash, XXH3_SEED};
+
+/// How the prefix of a request was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PrefixMode {
+    TokenIds,
+    Tokens,
+    Approximate,
+    None,
+}
+
+impl PrefixMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixMode::TokenIds => "token_ids",
+            PrefixMode::Tokens => "tokens",
+            PrefixMode::Approximate => "approximate",
+            PrefixMode::None => "none",
+        }
+    }
+}
+
+/// A request's prompt as blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptBlocks {
+    pub mode: PrefixMode,
+    pub locals: Vec<LocalBlockHash>,
+    pub hashes: Vec<SequenceHash>,
+    /// Prompt length in tokens (estimated in approximate mode).
+    pub isl_tokens: u64,
+}
+
+impl KvState {
+    /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded); in approximate-only mode they
+    /// are matched against what was routed.
+    pub fn blocks_from_tokens(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+        mode: PrefixMode,
+    ) -> PromptBlocks {
+        let (locals, hashes) = self.memo.hashes(tokens, self.block_size() as usize, lora);
+        PromptBlocks {
+            mode: if self.settings.approximate_only {
+                PrefixMode::Approximate
+            } else {
+                mode
+            },
+            locals,
+            hashes,
+            isl_tokens: tokens.len() as u64,
+        }
+    }
+
+    /// Approximate blocks of a prompt's bytes: chained xxh3 over blocks of
+    /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model).
+    pub fn blocks_from_text(&self, scope: &str, text: &[u8]) -> PromptBlocks {
+        let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
+        let chunk = (self.block_size() as usize) * per_token;
+        let seed = block_seed(Some(scope)) ^ XXH3_SEED;
+        let n = text.len() / chunk;
+        let mut locals = Vec::with_capacity(n);
+        let mut hashes = Vec::with_capacity(n);
+        for block in text.chunks_exact(chunk) {
+            let local = LocalBlockHash(xxh3_64_with_seed(block, seed));
+            let seq = SequenceHash::chain(hashes.last().copied(), local);
+            locals.push(local);
+            hashes.push(seq);
+        }
+        PromptBlocks {
+            mode: PrefixMode::Approximate,
+            locals,
+            hashes,
+            isl_tokens: (text.len() / per_token) as u64,
+        }
+    }
+}
