@@ -94,7 +94,7 @@ fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
         .count()
 }
 
-/// Reusable buffer of [`ActiveTrie::walk`]: per dense rank id, the walk that last wrote it and
+/// Reusable buffer of `ActiveTrie::walk`: per dense rank id, the walk that last wrote it and
 /// how many leading blocks of that walk's prompt the rank has active.
 #[derive(Debug, Default)]
 pub struct HeldScratch {
