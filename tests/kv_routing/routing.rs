@@ -1,0 +1,299 @@
+//! Envoy's picks: prefix holders, chat templates, publisher metadata, late and restarted
+//! publishers.
+
+use super::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
+    let (a, b, epp) = two_engines(|_| {}).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let engines = [("a", &a), ("b", &b)];
+    let other = |n: &str| if n == "a" { "b" } else { "a" };
+
+    // A first prompt of 4 blocks goes somewhere; its engine publishes the blocks.
+    let shared = tokens(1, 4 * BLOCK);
+    let holder = served_by(&envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+
+    // Longer prompts sharing the prefix all go to the engine holding it.
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(10 + k, 2 * BLOCK));
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            holder,
+            "prompt {k} sharing the prefix"
+        );
+    }
+
+    // A long-running stream on the holder keeps its load booked while it runs...
+    let mut held = shared.clone();
+    held.extend(tokens(20, BLOCK));
+    let mut stream = TcpStreamRequest::start(envoy.addr, prompt(&held, true)).await;
+    let first = stream.first_chunk().await;
+    assert!(
+        first.contains(&format!("\"engine\":\"{holder}\"")),
+        "{first}"
+    );
+    assert_eq!(epp.metric("kvepp_in_flight_requests").await, Some(1.0));
+    // ...so cold prompts (no cached prefix anywhere) go to the other, less loaded engine.
+    for k in 0..3 {
+        assert_eq!(
+            served_by(&envoy, &tokens(30 + k, 4 * BLOCK)).await,
+            other(&holder),
+            "cold prompt {k} while the holder streams"
+        );
+    }
+    // The stream ends: its booking is released.
+    let holder_engine = engines
+        .iter()
+        .find(|(n, _)| *n == holder)
+        .expect("holder")
+        .1;
+    holder_engine.state.release.notify_one();
+    let rest = stream.rest().await;
+    assert_eq!(rest, "done\n");
+    wait_for("booking released", || async {
+        (epp.metric("kvepp_in_flight_requests").await? == 0.0).then_some(())
+    })
+    .await;
+    let mode = epp
+        .metric("kvepp_kv_prefix_mode_total{mode=\"token_ids\"}")
+        .await
+        .expect("mode metric");
+    assert_eq!(mode, 9.0, "every pick counted in token-id mode");
+    drop(envoy);
+    epp.stop().await;
+}
+
+async fn chat_served_by(envoy: &Envoy, messages: &serde_json::Value) -> String {
+    let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+    let r = http(
+        envoy.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["engine"].as_str().expect("engine").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompts_are_tokenized_with_the_model_template() {
+    // kvepp has the model's tokenizer and chat template; the engines tokenize the same way, so
+    // a conversation's later turns find the blocks its first turn left on one engine.
+    let (_a, _b, epp) = two_engines(|c| {
+        c.engine_metrics.enabled = false;
+        c.tokenizers.insert("m".into(), fixture_tokenizer());
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let system = "You are a helpful assistant. Answer briefly and precisely. ".repeat(8);
+    let mut conversation = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is KV cache aware routing?"}
+    ]);
+    let holder = chat_served_by(&envoy, &conversation).await;
+    wait_for("the conversation in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    for turn in 0..3 {
+        let turns = conversation.as_array_mut().expect("array");
+        turns.push(serde_json::json!({"role": "assistant", "content": "It sends a request to the pod holding its prefix."}));
+        turns.push(
+            serde_json::json!({"role": "user", "content": format!("Follow-up question {turn}?")}),
+        );
+        assert_eq!(
+            chat_served_by(&envoy, &conversation).await,
+            holder,
+            "turn {turn}"
+        );
+    }
+    let tokens_mode = epp
+        .metric("kvepp_kv_prefix_mode_total{mode=\"tokens\"}")
+        .await
+        .expect("mode metric");
+    assert_eq!(tokens_mode, 4.0);
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// An EndpointSlice whose endpoint serves `/metadata` on the same port (named `metadata`).
+fn slice_with_metadata(slice: &str, addr: SocketAddr) -> String {
+    format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {slice}, labels: {{kubernetes.io/service-name: pool}}}}\naddressType: IPv4\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\nports: [{{name: http, port: {port}}}, {{name: metadata, port: {port}}}]\n",
+        ip = addr.ip(),
+        port = addr.port()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_names_the_publishers_and_the_block_size() {
+    // KV events are off in the configuration and the block size unset: both come from each
+    // engine's /metadata (publishers on different ports of 127.0.0.1, blocks of 32 tokens).
+    let block = 32;
+    let a = Engine::start_with("a", [127, 0, 0, 1].into(), free_port(), block).await;
+    let b = Engine::start_with("b", [127, 0, 0, 1].into(), free_port(), block).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_with_metadata("a", a.http);
+    m += &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+    })
+    .await;
+    wait_for("block size from metadata", || async {
+        (epp.metric("kvepp_kv_block_size").await? == block as f64).then_some(())
+    })
+    .await;
+    until_engines_publish(&epp, &[&a, &b]).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let shared = tokens(2, 3 * block);
+    let holder = served_by(&envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 3.0).then_some(())
+    })
+    .await;
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(40 + k, block));
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            holder,
+            "prompt {k} sharing the prefix"
+        );
+    }
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// A vLLM engine whose publisher binds after kvepp is running, publishes one batch and goes quiet:
+/// kvepp catches it up from the replay socket, and the prefix routes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_that_binds_late_and_goes_quiet_is_routed_to() {
+    let (port, replay) = (free_port(), free_port());
+    let events = format!("tcp://127.0.0.1:{port}");
+    let a = Engine::start("a", [127, 0, 0, 1].into(), free_port()).await;
+    let b = Engine::start_silent("b", &events, &format!("tcp://127.0.0.1:{replay}")).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_with_metadata("a", a.http);
+    m += &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+        c.block_size = Some(BLOCK as u32);
+    })
+    .await;
+    until_engines_publish(&epp, &[&a]).await;
+    // kvepp is subscribed to a and retrying b's publisher, which is not there yet.
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    let shared = tokens(7, 4 * BLOCK);
+    p.publish(0, &stored_batch("b", BLOCK, &shared)).await;
+    wait_for("b's one batch in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    for k in 0..4u32 {
+        let mut t = shared.clone();
+        t.extend(tokens(70 + k, BLOCK));
+        assert_eq!(
+            served_by(&envoy, &t).await,
+            "b",
+            "prompt {k} sharing b's prefix"
+        );
+    }
+    p.quit().await;
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// The EPP hashes kvepp's index holds for endpoint `addr` (rank 0).
+async fn indexed(epp: &Epp, addr: SocketAddr) -> Vec<u64> {
+    let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
+    let mut blocks: Vec<u64> = r.json()["endpoints"][addr.to_string()]["blocks"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+        .unwrap_or_default();
+    blocks.sort_unstable();
+    blocks
+}
+
+fn epp_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h: Vec<u64> = kvepp_core::hash::sequence_hashes(&kvepp_core::hash::local_block_hashes(
+        tokens, BLOCK, None,
+    ))
+    .iter()
+    .map(|s| s.0)
+    .collect();
+    h.sort_unstable();
+    h
+}
+
+/// Faults on the KV-event path, through kvepp's own subscription: a gap larger than the
+/// publisher's replay buffer (a removal lost for good) and a publisher restart. Each time kvepp's
+/// index for the engine equals what the batches the publisher still holds build: stale entries go.
+#[tokio::test]
+async fn lost_batches_and_publisher_restarts_leave_no_stale_entries() {
+    let (port, replay) = (free_port(), free_port());
+    let events = format!("tcp://127.0.0.1:{port}");
+    let b = Engine::start_silent("b", &events, &format!("tcp://127.0.0.1:{replay}")).await;
+    let m = pool_yaml("pool") + &standard_models() + &slice_with_metadata("b", b.http);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.enabled = false;
+        c.block_size = Some(BLOCK as u32);
+    })
+    .await;
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    let (x, y, z) = (
+        tokens(1, 4 * BLOCK),
+        tokens(2, 3 * BLOCK),
+        tokens(3, 2 * BLOCK),
+    );
+    p.publish(0, &stored_batch("b", BLOCK, &x)).await;
+    wait_for("x indexed", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&x)).then_some(())
+    })
+    .await;
+
+    // The engine evicts x and stores y, but kvepp misses both batches, and by the time it notices
+    // the replay buffer holds only the second: x's removal is gone for good.
+    let removed = removed_batch("b", BLOCK, &x);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    p.cmd(&format!("skiphex 1 {}", hex(&removed))).await;
+    p.cmd(&format!("skiphex 2 {}", hex(&stored_batch("b", BLOCK, &y))))
+        .await;
+    p.cmd("evict 2").await;
+    p.publish(3, &rmp_serde::to_vec(&(1.0f64, Vec::<()>::new())).unwrap())
+        .await;
+    wait_for("the loss noticed", || async {
+        (epp.metric("kvepp_kv_event_lost_batches_total").await? >= 1.0).then_some(())
+    })
+    .await;
+    wait_for("only what the publisher holds", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&y)).then_some(())
+    })
+    .await;
+
+    // The engine restarts (empty cache, numbering from 0) and stores z.
+    p.quit().await;
+    let mut p = publisher::Publisher::start(port, replay, "vllm").await;
+    p.publish(0, &stored_batch("b", BLOCK, &z)).await;
+    wait_for("the restart noticed", || async {
+        (epp.metric("kvepp_kv_event_publisher_restarts_total")
+            .await?
+            >= 1.0)
+            .then_some(())
+    })
+    .await;
+    wait_for("only what the restarted engine stored", || async {
+        (indexed(&epp, b.http).await == epp_hashes(&z)).then_some(())
+    })
+    .await;
+    p.quit().await;
+    epp.stop().await;
+}
