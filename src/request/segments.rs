@@ -18,6 +18,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use xxhash_rust::xxh3::xxh3_128;
 
+/// What an entry weighs beyond its ids (its key, table slot and allocation: ~64 bytes), so many
+/// short segments cannot hold more memory than the capacity says.
+const ENTRY_OVERHEAD_IDS: usize = 16;
+
 pub use super::generations::CacheStats as SegmentStats;
 use super::generations::Generations;
 
@@ -118,7 +122,8 @@ impl SegmentTokenizer {
             }
             let ids: Arc<[u32]> = encode(seg)?.into();
             out.extend_from_slice(&ids);
-            self.lock().insert(key, ids.clone(), ids.len());
+            self.lock()
+                .insert(key, ids.clone(), ids.len() + ENTRY_OVERHEAD_IDS);
             Ok(())
         };
         for m in self.matcher.find_iter(text) {

@@ -41,8 +41,12 @@ pub enum TokenizeError {
 pub const SEGMENT_CACHE_IDS: usize = 4 << 20;
 
 /// Raw JSON bytes of messages the message cache of one model keeps at most (their values take
-/// about as much).
+/// about as much), each message weighing [`MESSAGE_OVERHEAD_BYTES`] more than its JSON.
 pub const MESSAGE_CACHE_BYTES: usize = 32 << 20;
+
+/// What a cached message weighs beyond its JSON: its key, table slot and the template value's own
+/// structure (a map of a few entries), so a flood of short messages stays within the capacity.
+pub const MESSAGE_OVERHEAD_BYTES: usize = 256;
 
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
@@ -213,7 +217,8 @@ impl ModelTokenizer {
             return Ok(v);
         }
         let v = decode()?;
-        self.lock_messages().insert(key, v.clone(), bytes.len());
+        self.lock_messages()
+            .insert(key, v.clone(), bytes.len() + MESSAGE_OVERHEAD_BYTES);
         Ok(v)
     }
 
