@@ -49,9 +49,9 @@ pub enum RawPrompt<'a> {
 pub struct RawMessages<'a> {
     /// The whole value's JSON text.
     pub text: &'a [u8],
-    /// Its elements, raw, when it is an array (None: another kind of value), found in the pass
-    /// that validates it, so a chat template's input can be built (or found cached) message by
-    /// message.
+    /// Its elements, raw, when it is an array of at most [`MAX_SPLIT_MESSAGES`] (None: another
+    /// kind of value, or a longer array), found in the pass that validates it, so a chat
+    /// template's input can be built (or found cached) message by message.
     pub items: Option<Vec<&'a RawValue>>,
 }
 
@@ -216,37 +216,59 @@ fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
     value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
 }
 
-/// The `messages` value at `at` (no whitespace first): an array is walked here, element by element
-/// (each validated by serde as any other value), so its elements come out of the same pass.
-fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {
-    if body.get(at) != Some(&b'[') {
-        let (raw, n) = raw_at(body, at)?;
-        let messages = RawMessages {
-            text: raw.get().as_bytes(),
-            items: None,
-        };
-        return Ok((messages, n));
-    }
-    let mut items = Vec::new();
-    let mut i = skip_ws(body, at + 1);
-    if body.get(i) != Some(&b']') {
-        loop {
-            let (item, n) = raw_at(body, i)?;
-            items.push(item);
-            i = skip_ws(body, n);
-            match body.get(i) {
-                Some(b',') => i = skip_ws(body, i + 1),
-                Some(b']') => break,
-                Some(_) => return Err(malformed_at("expected `,` or `]`", i)),
-                None => return Err(malformed_at("EOF while parsing a list", i)),
+/// A `messages` array with more elements than this is not split (its elements are not kept: a
+/// body of millions of tiny elements would cost ~50 ns each to keep); the tokenizer then decodes it
+/// whole, as it would any value that is not an array.
+pub const MAX_SPLIT_MESSAGES: usize = 16_384;
+
+/// The elements of an array, raw, up to [`MAX_SPLIT_MESSAGES`] (None beyond: the rest is only
+/// validated).
+struct Items<'a>(Option<Vec<&'a RawValue>>);
+
+impl<'de> serde::Deserialize<'de> for Items<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Items<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Items<'de>, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<&RawValue>()? {
+                    if items.len() == MAX_SPLIT_MESSAGES {
+                        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                        return Ok(Items(None));
+                    }
+                    items.push(item);
+                }
+                Ok(Items(Some(items)))
             }
         }
+        d.deserialize_seq(Visit)
     }
+}
+
+/// The `messages` value at `at` (no whitespace first): an array is read by serde as a list of raw
+/// values, so its elements come out of the pass that validates it.
+fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {
+    if body.get(at) == Some(&b'[') {
+        let (Items(items), end) = value_at::<Items<'_>>(body, at).map_err(|e| malformed(&e, at))?;
+        let messages = RawMessages {
+            text: &body[at..end],
+            items,
+        };
+        return Ok((messages, end));
+    }
+    let (raw, end) = raw_at(body, at)?;
     let messages = RawMessages {
-        text: &body[at..=i],
-        items: Some(items),
+        text: raw.get().as_bytes(),
+        items: None,
     };
-    Ok((messages, i + 1))
+    Ok((messages, end))
 }
 
 /// A body with its `model` value replaced, as three borrowed/owned parts that are written out in
@@ -406,6 +428,31 @@ mod tests {
         );
         assert!(matches!(
             parse_body(unbalanced.as_bytes()),
+            Err(BodyError::Malformed(_))
+        ));
+    }
+
+    /// Arrays up to the cap are split; longer ones are not (their elements are not kept) but are
+    /// validated all the same.
+    #[test]
+    fn message_arrays_are_split_up_to_the_cap() {
+        let body = |n: usize, tail: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{}{tail}]}}"#,
+                vec![r#"{"role":"user","content":"x"}"#; n].join(",")
+            )
+        };
+        let at_cap = body(MAX_SPLIT_MESSAGES, "");
+        let p = parse_body(at_cap.as_bytes()).unwrap();
+        let m = p.messages.unwrap();
+        assert_eq!(m.items.map(|i| i.len()), Some(MAX_SPLIT_MESSAGES));
+        let over = body(MAX_SPLIT_MESSAGES + 1, "");
+        let p = parse_body(over.as_bytes()).unwrap();
+        let m = p.messages.unwrap();
+        assert!(m.items.is_none());
+        assert!(m.text.starts_with(b"[{") && m.text.ends_with(b"}]"));
+        assert!(matches!(
+            parse_body(body(MAX_SPLIT_MESSAGES + 5, ",}").as_bytes()),
             Err(BodyError::Malformed(_))
         ));
     }
