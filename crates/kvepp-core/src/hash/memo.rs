@@ -231,6 +231,30 @@ mod tests {
         }
     }
 
+    /// Picks on several threads at once (entries busy, skipped, updated by whoever holds them):
+    /// every answer still equals hashing from scratch.
+    #[test]
+    fn concurrent_picks_get_exact_hashes() {
+        let memo = PrefixMemo::default();
+        let system: Vec<u32> = (0..64 * 16).map(|i| i * 7 + 1).collect();
+        std::thread::scope(|scope| {
+            for t in 0..4u32 {
+                let (memo, system) = (&memo, &system);
+                scope.spawn(move || {
+                    let mut rng = fastrand::Rng::with_seed(u64::from(t));
+                    let mut conv = system.clone();
+                    for _ in 0..300 {
+                        if rng.u8(..8) == 0 {
+                            conv.truncate(system.len());
+                        }
+                        conv.extend((0..rng.usize(1..100)).map(|_| rng.u32(..50_000)));
+                        assert_eq!(memo.hashes(&conv, 16, None), plain(&conv, 16, None));
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn common_blocks_counts_whole_equal_blocks_from_the_start() {
         let a: Vec<u32> = (0..10_000).collect();
