@@ -137,9 +137,44 @@ pub struct KvEventMetrics {
     pub block_size: Gauge,
 }
 
+/// A cache's lookups by result.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CacheLabels {
+    pub model: Arc<str>,
+    /// `messages` (chat messages as template values) or `segments` (token ids of the text between
+    /// added tokens).
+    pub cache: &'static str,
+    /// `hit` or `miss`.
+    pub result: &'static str,
+}
+
+/// The running counts of one cache whose counters live with the cache (read at each scrape).
+#[derive(Debug, Clone)]
+pub struct CacheSample {
+    pub model: Arc<str>,
+    pub cache: &'static str,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+type CacheSource = Box<dyn Fn() -> Vec<CacheSample> + Send + Sync>;
+
+/// Where the cache counters come from (the tokenizers' caches), read at each scrape.
+#[derive(Default)]
+struct CacheSources(std::sync::Mutex<Vec<CacheSource>>);
+
+impl std::fmt::Debug for CacheSources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CacheSources")
+    }
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Tokenizer cache lookups by model, cache and result (brought up to date at each scrape).
+    pub cache_lookups: Family<CacheLabels, Counter>,
+    cache_sources: CacheSources,
     pub requests: Family<RequestLabels, Counter>,
     pub pick_duration: Histogram,
     pub ready_endpoints: Gauge,
@@ -392,6 +427,13 @@ impl Metrics {
             "Prompt KV blocks the picked endpoint had cached (device, host or disk), by prefix mode",
             prefix_matched_blocks.clone(),
         );
+        let cache_lookups = Family::<CacheLabels, Counter>::default();
+        registry.register(
+            "tokenizer_cache_lookups",
+            "Lookups in a model's tokenizer caches (messages: chat messages as template values; \
+             segments: token ids of the text between added tokens), by result",
+            cache_lookups.clone(),
+        );
         let endpoint_in_flight = Family::<EndpointLabels, Gauge>::default();
         registry.register(
             "endpoint_in_flight_requests",
@@ -415,6 +457,8 @@ impl Metrics {
             flow.outcomes.clone(),
         );
         Arc::new(Metrics {
+            cache_lookups,
+            cache_sources: CacheSources::default(),
             prefix_blocks,
             prefix_matched_blocks,
             endpoint_in_flight,
@@ -469,6 +513,34 @@ impl Metrics {
         self.prefix_matched_blocks
             .get_or_create(&l)
             .inc_by(matched.min(prompt));
+    }
+
+    /// Adds a source of cache counts, read at each scrape.
+    pub fn add_cache_source(&self, source: CacheSource) {
+        self.cache_sources
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(source);
+    }
+
+    /// Brings the cache counters up to their sources' counts (which only grow).
+    pub fn collect_caches(&self) {
+        let sources = self
+            .cache_sources
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for sample in sources.iter().flat_map(|source| source()) {
+            for (result, count) in [("hit", sample.hits), ("miss", sample.misses)] {
+                let counter = self.cache_lookups.get_or_create(&CacheLabels {
+                    model: sample.model.clone(),
+                    cache: sample.cache,
+                    result,
+                });
+                counter.inc_by(count.saturating_sub(counter.get()));
+            }
+        }
     }
 
     /// Prometheus text format.

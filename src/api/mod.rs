@@ -63,6 +63,7 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
             })
             .set(i64::from(e.load.in_flight()));
     }
+    st.metrics.collect_caches();
     st.metrics.runtime_alive_tasks.set(
         tokio::runtime::Handle::current()
             .metrics()

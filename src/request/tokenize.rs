@@ -21,7 +21,8 @@ use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_128;
 
 use super::body::RawMessages;
-use super::generations::{CacheStats, Generations};
+pub use super::generations::CacheStats;
+use super::generations::Generations;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {

@@ -373,7 +373,9 @@ pub async fn run(
             source,
         })?;
         tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
-        routing = routing.with_tokenizer(model.clone(), Arc::new(t));
+        let t = Arc::new(t);
+        metrics.add_cache_source(cache_source(model, &t));
+        routing = routing.with_tokenizer(model.clone(), t);
     }
     let settings = Settings {
         destination_list: cfg.destination_endpoint_list,
@@ -486,6 +488,28 @@ pub async fn run(
             Ok(())
         }
     }
+}
+
+/// The counts of a model's tokenizer caches, as the metrics read them at each scrape.
+fn cache_source(
+    model: &str,
+    tokenizer: &Arc<ModelTokenizer>,
+) -> Box<dyn Fn() -> Vec<crate::metrics::CacheSample> + Send + Sync> {
+    let (model, tokenizer): (Arc<str>, _) = (model.into(), Arc::downgrade(tokenizer));
+    Box::new(move || {
+        let Some(t) = tokenizer.upgrade() else {
+            return Vec::new();
+        };
+        let sample = |cache, s: crate::request::tokenize::CacheStats| crate::metrics::CacheSample {
+            model: model.clone(),
+            cache,
+            hits: s.hits,
+            misses: s.misses,
+        };
+        let mut out = vec![sample("messages", t.message_stats())];
+        out.extend(t.segment_stats().map(|s| sample("segments", s)));
+        out
+    })
 }
 
 fn flatten(

@@ -120,6 +120,24 @@ async fn chat_prompts_are_tokenized_with_the_model_template() {
         .await
         .expect("mode metric");
     assert_eq!(tokens_mode, 4.0);
+    // The caches served the earlier turns: the first request's two messages were misses, each
+    // later turn found the messages before its new one.
+    let lookups = |cache: &str, result: &str| {
+        let series = format!(
+            "kvepp_tokenizer_cache_lookups_total{{model=\"m\",cache=\"{cache}\",result=\"{result}\"}}"
+        );
+        let epp = &epp;
+        async move { epp.metric(&series).await.unwrap_or(0.0) }
+    };
+    let (hits, misses) = (
+        lookups("messages", "hit").await,
+        lookups("messages", "miss").await,
+    );
+    assert!(
+        misses >= 2.0 && hits > misses,
+        "messages: {hits} hits, {misses} misses"
+    );
+    assert!(lookups("segments", "hit").await > 0.0, "segments hit");
     drop(envoy);
     epp.stop().await;
 }
