@@ -148,6 +148,13 @@ pub struct CacheLabels {
     pub result: &'static str,
 }
 
+/// How a token prompt's block hashes were found.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct HashSourceLabels {
+    /// `reused` (copied from the recent prompt that starts the same way) or `hashed`.
+    pub source: &'static str,
+}
+
 /// The running counts of one cache whose counters live with the cache (read at each scrape).
 #[derive(Debug, Clone)]
 pub struct CacheSample {
@@ -175,6 +182,8 @@ pub struct Metrics {
     /// Tokenizer cache lookups by model, cache and result (brought up to date at each scrape).
     pub cache_lookups: Family<CacheLabels, Counter>,
     cache_sources: CacheSources,
+    /// Full blocks of token prompts by how their hashes were found (set at each scrape).
+    pub prompt_hash_blocks: Family<HashSourceLabels, Counter>,
     pub requests: Family<RequestLabels, Counter>,
     pub pick_duration: Histogram,
     pub ready_endpoints: Gauge,
@@ -427,6 +436,13 @@ impl Metrics {
             "Prompt KV blocks the picked endpoint had cached (device, host or disk), by prefix mode",
             prefix_matched_blocks.clone(),
         );
+        let prompt_hash_blocks = Family::<HashSourceLabels, Counter>::default();
+        registry.register(
+            "kv_prompt_hash_blocks",
+            "Full blocks of token prompts by how their hashes were found: reused from the recent \
+             prompt that starts the same way, or hashed",
+            prompt_hash_blocks.clone(),
+        );
         let cache_lookups = Family::<CacheLabels, Counter>::default();
         registry.register(
             "tokenizer_cache_lookups",
@@ -459,6 +475,7 @@ impl Metrics {
         Arc::new(Metrics {
             cache_lookups,
             cache_sources: CacheSources::default(),
+            prompt_hash_blocks,
             prefix_blocks,
             prefix_matched_blocks,
             endpoint_in_flight,
@@ -540,6 +557,19 @@ impl Metrics {
                 });
                 counter.inc_by(count.saturating_sub(counter.get()));
             }
+        }
+    }
+
+    /// Brings the prompt-hash counters up to the routing core's counts (which only grow).
+    pub fn collect_prompt_hashes(&self, stats: kvepp_core::hash::MemoStats) {
+        for (source, count) in [
+            ("reused", stats.blocks_reused),
+            ("hashed", stats.blocks_hashed),
+        ] {
+            let counter = self
+                .prompt_hash_blocks
+                .get_or_create(&HashSourceLabels { source });
+            counter.inc_by(count.saturating_sub(counter.get()));
         }
     }
 

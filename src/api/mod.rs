@@ -64,6 +64,9 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
             .set(i64::from(e.load.in_flight()));
     }
     st.metrics.collect_caches();
+    if let Some(kv) = &st.kv {
+        st.metrics.collect_prompt_hashes(kv.prompt_hash_stats());
+    }
     st.metrics.runtime_alive_tasks.set(
         tokio::runtime::Handle::current()
             .metrics()

@@ -138,6 +138,12 @@ async fn chat_prompts_are_tokenized_with_the_model_template() {
         "messages: {hits} hits, {misses} misses"
     );
     assert!(lookups("segments", "hit").await > 0.0, "segments hit");
+    // Short prompts are hashed directly (the memo starts at 32 blocks), and counted.
+    let hashed = epp
+        .metric("kvepp_kv_prompt_hash_blocks_total{source=\"hashed\"}")
+        .await
+        .expect("prompt hash metric");
+    assert!(hashed >= 4.0, "{hashed} blocks hashed");
     drop(envoy);
     epp.stop().await;
 }

@@ -286,6 +286,11 @@ impl KvState {
         &self.ttft
     }
 
+    /// How token prompts got their block hashes: reused from a recent prompt, or hashed.
+    pub fn prompt_hash_stats(&self) -> crate::hash::MemoStats {
+        self.memo.stats()
+    }
+
     pub fn booking_conflicts(&self) -> u64 {
         self.booking_conflicts.load(Ordering::Relaxed)
     }

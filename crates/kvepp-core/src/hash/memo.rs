@@ -13,6 +13,7 @@
 //! (compared token for token, not by hash); an entry another pick is using is skipped, never
 //! waited for; memory is bounded by `ENTRIES × MAX_TOKENS` tokens and their hashes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
@@ -39,12 +40,24 @@ struct Entry {
 #[derive(Debug)]
 pub struct PrefixMemo {
     entries: Box<[Mutex<Entry>]>,
+    /// Blocks whose hashes were copied from an entry, and blocks hashed.
+    reused: AtomicU64,
+    hashed: AtomicU64,
+}
+
+/// How a [`PrefixMemo`]'s prompts got their block hashes, since it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoStats {
+    pub blocks_reused: u64,
+    pub blocks_hashed: u64,
 }
 
 impl Default for PrefixMemo {
     fn default() -> Self {
         PrefixMemo {
             entries: (0..ENTRIES).map(|_| Mutex::default()).collect(),
+            reused: AtomicU64::new(0),
+            hashed: AtomicU64::new(0),
         }
     }
 }
@@ -73,9 +86,31 @@ impl PrefixMemo {
         block_size: usize,
         lora: Option<&str>,
     ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+        let (locals, hashes, reused) = self.hashes_counting_reuse(tokens, block_size, lora);
+        self.reused.fetch_add(reused as u64, Ordering::Relaxed);
+        self.hashed
+            .fetch_add((locals.len() - reused) as u64, Ordering::Relaxed);
+        (locals, hashes)
+    }
+
+    /// How this memo's prompts got their block hashes so far.
+    pub fn stats(&self) -> MemoStats {
+        MemoStats {
+            blocks_reused: self.reused.load(Ordering::Relaxed),
+            blocks_hashed: self.hashed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// [`Self::hashes`], and how many blocks' hashes came from an entry.
+    fn hashes_counting_reuse(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<&str>,
+    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>, usize) {
         let (mut locals, mut hashes) = (Vec::new(), Vec::new());
         if block_size == 0 {
-            return (locals, hashes);
+            return (locals, hashes, 0);
         }
         let blocks = tokens.len() / block_size;
         let full = &tokens[..blocks * block_size];
@@ -84,7 +119,7 @@ impl PrefixMemo {
         hashes.reserve_exact(blocks);
         if blocks < MIN_BLOCKS {
             extend_block_hashes(full, block_size, seed, &mut locals, &mut hashes);
-            return (locals, hashes);
+            return (locals, hashes, 0);
         }
         // The first block picks the entry (its hash is needed anyway).
         extend_block_hashes(
@@ -104,7 +139,7 @@ impl PrefixMemo {
                 &mut locals,
                 &mut hashes,
             );
-            return (locals, hashes);
+            return (locals, hashes, 0);
         };
         let same = entry.seed == seed && entry.block_size == block_size;
         let reuse = if same {
@@ -117,6 +152,7 @@ impl PrefixMemo {
             hashes.extend_from_slice(&entry.hashes[1..reuse]);
         }
         let done = locals.len();
+        let copied = done - 1;
         extend_block_hashes(
             &full[done * block_size..],
             block_size,
@@ -137,7 +173,7 @@ impl PrefixMemo {
             e.hashes.truncate(keep);
             e.hashes.extend_from_slice(&hashes[keep..]);
         }
-        (locals, hashes)
+        (locals, hashes, copied)
     }
 }
 
@@ -170,7 +206,7 @@ mod tests {
         let mut conversations: Vec<Vec<u32>> = (0..60)
             .map(|i| systems[i % systems.len()].clone())
             .collect();
-        let mut reused = 0;
+        let (mut reused, mut blocks) = (0, 0);
         for step in 0..3_000 {
             let c = rng.usize(..conversations.len());
             let conv = &mut conversations[c];
@@ -190,6 +226,7 @@ mod tests {
             let lora = [None, None, None, Some("adapter")][rng.usize(..4)];
             let want = plain(conv, bs, lora);
             let got = memo.hashes(conv, bs, lora);
+            blocks += want.0.len() as u64;
             assert_eq!(
                 got,
                 want,
@@ -202,6 +239,11 @@ mod tests {
             reused > 1_500,
             "{reused} prompts long enough to use the memo"
         );
+        let stats = memo.stats();
+        assert_eq!(stats.blocks_reused + stats.blocks_hashed, blocks);
+        // 60 conversations over 16 entries, in random order: most turns find another
+        // conversation in their entry, so reuse is the shared system prompt's at best.
+        assert!(stats.blocks_reused > blocks / 10, "{stats:?} of {blocks}");
         // Too long to remember, and block size 0.
         let long: Vec<u32> = (0..MAX_TOKENS as u32 + 100).collect();
         assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
@@ -284,5 +326,14 @@ mod tests {
             .map(|e| e.lock().map(|e| e.tokens.len()).unwrap_or(0))
             .collect();
         assert_eq!(held.iter().sum::<usize>(), turn2.len(), "{held:?}");
+        // The second turn copied the first turn's 64 blocks but its first (hashed to find the
+        // entry), and hashed its first block and its 8 new ones.
+        assert_eq!(
+            memo.stats(),
+            MemoStats {
+                blocks_reused: 63,
+                blocks_hashed: 64 + 9
+            }
+        );
     }
 }
