@@ -5,7 +5,10 @@
 //!
 //! Prompts are spread over a few entries by their first block's local hash; each entry keeps the
 //! last prompt seen there (tokens, local and sequence hashes), updated in place (the common part
-//! stays, the rest is replaced).
+//! stays, the rest is replaced). So a long shared start (a document, a system prompt) is reused
+//! by every prompt that has it, but a conversation's own history only when its previous turn was
+//! the last prompt of its entry: many conversations interleaving behind one system prompt reuse
+//! that prompt's blocks and hash their own.
 //!
 //! Invariants: [`PrefixMemo::hashes`] returns exactly what [`super::local_block_hashes`] and
 //! [`super::sequence_hashes`] return for the same input (a differential test checks it); an
