@@ -110,13 +110,11 @@ async fn http_doors_share_state_with_envoy_picks() {
     engine.state.release.notify_one();
     assert_eq!(stream.rest().await, "done\n");
     wait_for("the Envoy pick released in /loads", || async {
-        let v = json_req(slots, "GET", "/loads".into(), serde_json::Value::Null)
-            .await
-            .json();
-        v.as_array()?
-            .iter()
-            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
-            .then_some(())
+        all_idle(
+            &json_req(slots, "GET", "/loads".into(), serde_json::Value::Null)
+                .await
+                .json(),
+        )
     })
     .await;
     // Workers come from discovery: the doors do not register any.
@@ -134,12 +132,7 @@ async fn http_doors_share_state_with_envoy_picks() {
 
 /// Two kvepp replicas with replica sync on, each behind its own Envoy, over the same two engines.
 async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, Engine, Epp, Epp) {
-    let events_port = free_port();
-    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
-    let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
-    let mut m = pool_yaml("pool") + &standard_models();
-    m += &slice_yaml("a", a.http, true);
-    m += &slice_yaml("b", b.http, true);
+    let (a, b, m, events_port) = engine_pair().await;
     let (p1, p2) = (free_port(), free_port());
     let replica = |own: u16, peer: u16, picker| {
         move |c: &mut kvepp::config::Config| {
@@ -177,13 +170,11 @@ async fn until_replicas_synced(envoy: &Envoy, other: &Epp) {
     })
     .await;
     wait_for("the other replica's loads back to idle", || async {
-        let v = http(other.slot_tracker?, "GET", "/loads", &[], "")
-            .await
-            .json();
-        v.as_array()?
-            .iter()
-            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
-            .then_some(())
+        all_idle(
+            &http(other.slot_tracker?, "GET", "/loads", &[], "")
+                .await
+                .json(),
+        )
     })
     .await;
 }
@@ -230,11 +221,7 @@ async fn replicas_share_picks_and_releases() {
     engine.state.release.notify_one();
     assert_eq!(stream.rest().await, "done\n");
     wait_for("the release reaches replica two", || async {
-        let v = http(slots2, "GET", "/loads", &[], "").await.json();
-        v.as_array()?
-            .iter()
-            .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
-            .then_some(())
+        all_idle(&http(slots2, "GET", "/loads", &[], "").await.json())
     })
     .await;
     drop((envoy1, envoy2));
@@ -431,11 +418,7 @@ async fn replicas_behind_one_envoy_each_see_the_total_load() {
     for epp in [&one, &two] {
         let slots = epp.slot_tracker.expect("door");
         wait_for("all released on this replica", || async {
-            let v = http(slots, "GET", "/loads", &[], "").await.json();
-            v.as_array()?
-                .iter()
-                .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
-                .then_some(())
+            all_idle(&http(slots, "GET", "/loads", &[], "").await.json())
         })
         .await;
     }

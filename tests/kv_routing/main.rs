@@ -224,15 +224,31 @@ async fn served_by(envoy: &Envoy, tokens: &[u32]) -> String {
     r.json()["engine"].as_str().expect("engine").to_owned()
 }
 
-/// Engines a (127.0.0.2) and b (127.0.0.3) publishing on the same port number (kvepp subscribes
-/// to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods), and kvepp subscribed to both.
-async fn two_engines(tweak: impl FnOnce(&mut kvepp::config::Config)) -> (Engine, Engine, Epp) {
+/// Engines a (127.0.0.2) and b (127.0.0.3) publishing KV events on one port number, and the
+/// manifests of a pool holding both, and that port.
+async fn engine_pair() -> (Engine, Engine, String, u16) {
     let events_port = free_port();
     let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
     let b = Engine::start("b", [127, 0, 0, 3].into(), events_port).await;
     let mut m = pool_yaml("pool") + &standard_models();
     m += &slice_yaml("a", a.http, true);
     m += &slice_yaml("b", b.http, true);
+    (a, b, m, events_port)
+}
+
+/// A slot tracker's `GET /loads` answer with no decode blocks left on any rank.
+fn all_idle(loads: &serde_json::Value) -> Option<()> {
+    loads
+        .as_array()?
+        .iter()
+        .all(|r| r["active_decode_blocks"] == serde_json::json!(0))
+        .then_some(())
+}
+
+/// Engines a (127.0.0.2) and b (127.0.0.3) publishing on the same port number (kvepp subscribes
+/// to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods), and kvepp subscribed to both.
+async fn two_engines(tweak: impl FnOnce(&mut kvepp::config::Config)) -> (Engine, Engine, Epp) {
+    let (a, b, m, events_port) = engine_pair().await;
     let epp = Epp::start(&m, |c| {
         c.kv_events.enabled = true;
         c.kv_events.port = events_port;
