@@ -3,26 +3,28 @@
 //! prompt) hashes only its blocks after the common part. On a 100k-token prompt that turns ~6,000
 //! xxh3 calls into one comparison of the two token arrays (memcmp speed) and the new blocks.
 //!
-//! Prompts are spread over a few entries by their first block's local hash; each entry keeps the
-//! last prompt seen there (tokens, local and sequence hashes), updated in place (the common part
-//! stays, the rest is replaced). So a long shared start (a document, a system prompt) is reused
-//! by every prompt that has it, but a conversation's own history only when its previous turn was
-//! the last prompt of its entry: many conversations interleaving behind one system prompt reuse
-//! that prompt's blocks and hash their own.
+//! Prompts are spread over a few sets by their first block's local hash; a set keeps the last
+//! few prompts seen there (tokens, local and sequence hashes). A prompt reads from the one that
+//! is a prefix of it (its previous turn: the last block checked first, then every token), else
+//! from the set's most recently used one (a shared document or system prompt), and is remembered
+//! in place of the one it extends, else in place of the least recently used. So a long shared
+//! start is reused by every prompt that has it, and up to `WAYS` conversations interleaving behind
+//! one system prompt each reuse their own history.
 //!
 //! Invariants: [`PrefixMemo::hashes`] returns exactly what [`super::local_block_hashes`] and
 //! [`super::sequence_hashes`] return for the same input (a differential test checks it); an
 //! entry's hashes are reused only for blocks whose tokens, seed and block size equal the prompt's
 //! (compared token for token, not by hash); an entry another pick is using is skipped, never
-//! waited for; memory is bounded by `ENTRIES × MAX_TOKENS` tokens and their hashes.
+//! waited for; memory is bounded by `SETS × WAYS × MAX_TOKENS` tokens and their hashes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
 
-/// Entries (prompts remembered at once).
-const ENTRIES: usize = 16;
+/// Sets (chosen by a prompt's first block) and prompts remembered per set.
+const SETS: usize = 4;
+const WAYS: usize = 4;
 /// Prompts with fewer full blocks are hashed directly (the memo would save little).
 const MIN_BLOCKS: usize = 32;
 /// Prompts with more tokens than this are hashed but not remembered (memory bound: 1 MiB of
@@ -37,12 +39,37 @@ struct Entry {
     tokens: Vec<u32>,
     locals: Vec<LocalBlockHash>,
     hashes: Vec<SequenceHash>,
+    /// The set's clock when it was last read or written (0: never).
+    used: u64,
+}
+
+impl Entry {
+    /// Whether its hashes can serve a prompt under `seed` and `block_size`.
+    fn fits(&self, seed: u64, block_size: usize) -> bool {
+        self.used > 0 && self.seed == seed && self.block_size == block_size
+    }
+
+    /// Whether it may be a prefix of `full`: it fits and its last block equals `full`'s block at
+    /// the same position (the token-for-token comparison decides).
+    fn may_lead(&self, full: &[u32], seed: u64, block_size: usize) -> bool {
+        let n = self.tokens.len();
+        self.fits(seed, block_size)
+            && n >= block_size
+            && n <= full.len()
+            && self.tokens[n - block_size..] == full[n - block_size..n]
+    }
+}
+
+#[derive(Debug, Default)]
+struct Set {
+    ways: [Entry; WAYS],
+    clock: u64,
 }
 
 /// Recent prompts' block hashes (see the module doc).
 #[derive(Debug)]
 pub struct PrefixMemo {
-    entries: Box<[Mutex<Entry>]>,
+    sets: Box<[Mutex<Set>]>,
     /// Blocks whose hashes were copied from an entry, and blocks hashed.
     reused: AtomicU64,
     hashed: AtomicU64,
@@ -58,7 +85,7 @@ pub struct MemoStats {
 impl Default for PrefixMemo {
     fn default() -> Self {
         PrefixMemo {
-            entries: (0..ENTRIES).map(|_| Mutex::default()).collect(),
+            sets: (0..SETS).map(|_| Mutex::default()).collect(),
             reused: AtomicU64::new(0),
             hashed: AtomicU64::new(0),
         }
@@ -132,9 +159,9 @@ impl PrefixMemo {
             &mut locals,
             &mut hashes,
         );
-        let at = (locals[0].0 >> 32) as usize % self.entries.len();
-        let Some(mut entry) = self.entries.get(at).and_then(|e| e.try_lock().ok()) else {
-            // Another pick is on this entry (or it was poisoned): hash without it.
+        let at = (locals[0].0 >> 32) as usize % self.sets.len();
+        let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock().ok()) else {
+            // Another pick is on this set (or it was poisoned): hash without it.
             extend_block_hashes(
                 &full[block_size..],
                 block_size,
@@ -144,15 +171,23 @@ impl PrefixMemo {
             );
             return (locals, hashes, 0);
         };
-        let same = entry.seed == seed && entry.block_size == block_size;
-        let reuse = if same {
-            common_blocks(&entry.tokens, full, block_size)
-        } else {
-            0
-        };
-        if reuse > 1 {
-            locals.extend_from_slice(&entry.locals[1..reuse]);
-            hashes.extend_from_slice(&entry.hashes[1..reuse]);
+        let set = &mut *set;
+        set.clock += 1;
+        let ways = &mut set.ways;
+        // Read from the longest prompt that may lead this one, else the most recently used.
+        let read = (0..WAYS)
+            .filter(|&w| ways[w].may_lead(full, seed, block_size))
+            .max_by_key(|&w| ways[w].tokens.len())
+            .or_else(|| {
+                (0..WAYS)
+                    .filter(|&w| ways[w].fits(seed, block_size))
+                    .max_by_key(|&w| ways[w].used)
+            });
+        let reuse = read.map_or(0, |w| common_blocks(&ways[w].tokens, full, block_size));
+        if let (Some(w), true) = (read, reuse > 1) {
+            locals.extend_from_slice(&ways[w].locals[1..reuse]);
+            hashes.extend_from_slice(&ways[w].hashes[1..reuse]);
+            ways[w].used = set.clock;
         }
         let done = locals.len();
         let copied = done - 1;
@@ -164,9 +199,14 @@ impl PrefixMemo {
             &mut hashes,
         );
         if full.len() <= MAX_TOKENS {
-            let e = &mut *entry;
-            // The entry's blocks that equal the prompt's stay; the rest is the prompt's.
-            let keep = if same { reuse } else { 0 };
+            // In place of the prompt this one extends, else of the least recently used.
+            let extended = read.filter(|&w| reuse == ways[w].locals.len());
+            let target = extended
+                .or_else(|| (0..WAYS).min_by_key(|&w| ways[w].used))
+                .unwrap_or(0);
+            // The target's blocks that equal the prompt's stay; the rest is the prompt's.
+            let keep = if read == Some(target) { reuse } else { 0 };
+            let e = &mut ways[target];
             e.seed = seed;
             e.block_size = block_size;
             e.tokens.truncate(keep * block_size);
@@ -175,6 +215,7 @@ impl PrefixMemo {
             e.locals.extend_from_slice(&locals[keep..]);
             e.hashes.truncate(keep);
             e.hashes.extend_from_slice(&hashes[keep..]);
+            e.used = set.clock;
         }
         (locals, hashes, copied)
     }
@@ -193,6 +234,27 @@ mod tests {
         let l = local_block_hashes(tokens, bs, lora);
         let s = sequence_hashes(&l);
         (l, s)
+    }
+
+    /// Every remembered prompt's hashes are those of its own tokens (what makes reusing them
+    /// exact).
+    fn assert_consistent(memo: &PrefixMemo) {
+        for set in memo.sets.iter() {
+            let set = set.lock().expect("set");
+            for e in set.ways.iter().filter(|e| e.used > 0) {
+                let lora_free = e.seed == block_seed(None);
+                let (l, h) = if lora_free {
+                    plain(&e.tokens, e.block_size, None)
+                } else {
+                    plain(&e.tokens, e.block_size, Some("adapter"))
+                };
+                assert_eq!(
+                    (&e.locals, &e.hashes),
+                    (&l, &h),
+                    "an entry's hashes are its tokens'"
+                );
+            }
+        }
     }
 
     /// Differential test against hashing every prompt from scratch: conversations that grow turn
@@ -230,6 +292,9 @@ mod tests {
             let want = plain(conv, bs, lora);
             let got = memo.hashes(conv, bs, lora);
             blocks += want.0.len() as u64;
+            if step % 50 == 0 {
+                assert_consistent(&memo);
+            }
             assert_eq!(
                 got,
                 want,
@@ -259,8 +324,7 @@ mod tests {
     #[test]
     fn prompts_differing_only_in_their_first_block_do_not_mix() {
         let memo = PrefixMemo::default();
-        let entry =
-            |t: &[u32]| (local_block_hashes(&t[..16], 16, None)[0].0 >> 32) as usize % ENTRIES;
+        let entry = |t: &[u32]| (local_block_hashes(&t[..16], 16, None)[0].0 >> 32) as usize % SETS;
         let rest: Vec<u32> = (100..100 + 16 * 40).collect();
         let x: Vec<u32> = (0..16).chain(rest.iter().copied()).collect();
         let y = (1_000u32..)
@@ -300,6 +364,32 @@ mod tests {
         });
     }
 
+    /// Four conversations taking turns behind one long system prompt each keep their own history:
+    /// after their first turns, every turn hashes only its new blocks (and the first).
+    #[test]
+    fn interleaved_conversations_keep_their_own_history() {
+        let memo = PrefixMemo::default();
+        let system: Vec<u32> = (0..100 * 16).map(|i| i * 3 + 7).collect();
+        let mut conversations: Vec<Vec<u32>> = vec![system.clone(); WAYS];
+        let mut rng = fastrand::Rng::with_seed(9);
+        for round in 0..10 {
+            for conv in conversations.iter_mut() {
+                conv.extend((0..16 * 5).map(|_| rng.u32(..50_000)));
+                let before = memo.stats();
+                assert_eq!(memo.hashes(conv, 16, None), plain(conv, 16, None));
+                assert_consistent(&memo);
+                let after = memo.stats();
+                if round > 0 {
+                    assert_eq!(
+                        after.blocks_hashed - before.blocks_hashed,
+                        1 + 5,
+                        "round {round}: only the first block and the 5 new ones hashed"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn common_blocks_counts_whole_equal_blocks_from_the_start() {
         let a: Vec<u32> = (0..10_000).collect();
@@ -324,9 +414,12 @@ mod tests {
         memo.hashes(&turn1, 16, None);
         memo.hashes(&turn2, 16, None);
         let held: Vec<usize> = memo
-            .entries
+            .sets
             .iter()
-            .map(|e| e.lock().map(|e| e.tokens.len()).unwrap_or(0))
+            .flat_map(|s| {
+                let s = s.lock().expect("set");
+                s.ways.iter().map(|e| e.tokens.len()).collect::<Vec<_>>()
+            })
             .collect();
         assert_eq!(held.iter().sum::<usize>(), turn2.len(), "{held:?}");
         // The second turn copied the first turn's 64 blocks but its first (hashed to find the
