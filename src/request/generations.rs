@@ -4,10 +4,17 @@
 //! dropped and the current one becomes the previous. So what was used within the last half
 //! capacity survives, without per-entry recency bookkeeping.
 //!
+//! [`ContentCache`] shares one between threads, keyed by a 128-bit hash of each value's source
+//! bytes (the segment and message caches of a model's tokenizer).
+//!
 //! Invariants: the weights held never exceed the capacity (an entry heavier than half of it is
-//! never kept); hits and misses are counted by [`Generations::get`].
+//! never kept); hits and misses are counted by [`Generations::get`]; a value is made outside the
+//! lock, so a miss never holds up other lookups.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use xxhash_rust::xxh3::xxh3_128;
 
 /// Hit and miss counts, for tests, benchmarks and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,7 +24,7 @@ pub struct CacheStats {
 }
 
 #[derive(Debug)]
-pub struct Generations<V> {
+struct Generations<V> {
     current: HashMap<u128, (V, usize)>,
     /// Weight held by `current`.
     current_weight: usize,
@@ -82,12 +89,62 @@ impl<V: Clone> Generations<V> {
 
     /// Total weight held (both generations).
     #[cfg(test)]
-    pub fn weight(&self) -> usize {
+    fn weight(&self) -> usize {
         self.current
             .values()
             .chain(self.previous.values())
             .map(|(_, w)| w)
             .sum()
+    }
+}
+
+/// Values made from content bytes, remembered by the bytes' xxh3-128 (same bytes, same value)
+/// in a bounded [`Generations`] behind a lock.
+#[derive(Debug)]
+pub struct ContentCache<V> {
+    inner: Mutex<Generations<V>>,
+    /// What an entry weighs beyond its value's own weight (key, table slot, allocation).
+    overhead: usize,
+}
+
+impl<V: Clone> ContentCache<V> {
+    /// A cache holding at most `capacity` weight, each entry weighing `overhead` more than its
+    /// value.
+    pub fn new(capacity: usize, overhead: usize) -> Self {
+        ContentCache {
+            inner: Mutex::new(Generations::new(capacity)),
+            overhead,
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.lock().stats()
+    }
+
+    /// The value made from `content`: remembered, or made by `make` (the value and its weight)
+    /// without the lock held, then remembered.
+    pub fn get_or_make<E>(
+        &self,
+        content: &[u8],
+        make: impl FnOnce() -> Result<(V, usize), E>,
+    ) -> Result<V, E> {
+        let key = xxh3_128(content);
+        if let Some(v) = self.lock().get(key) {
+            return Ok(v);
+        }
+        let (v, weight) = make()?;
+        self.lock().insert(key, v.clone(), weight + self.overhead);
+        Ok(v)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Generations<V>> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Total weight held.
+    #[cfg(test)]
+    pub fn weight(&self) -> usize {
+        self.lock().weight()
     }
 }
 

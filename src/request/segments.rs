@@ -13,24 +13,23 @@
 //! whole. The cache holds about `capacity` token ids at most ([`super::generations`]: recently
 //! used segments survive).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use xxhash_rust::xxh3::xxh3_128;
 
 /// What an entry weighs beyond its ids (its key, table slot and allocation: ~64 bytes), so many
 /// short segments cannot hold more memory than the capacity says.
 const ENTRY_OVERHEAD_IDS: usize = 16;
 
 pub use super::generations::CacheStats as SegmentStats;
-use super::generations::Generations;
+use super::generations::ContentCache;
 
 pub struct SegmentTokenizer {
     matcher: AhoCorasick,
     /// Token id of each matcher pattern.
     ids: Vec<u32>,
     /// Segment text hash → its ids, weighed in ids.
-    cache: Mutex<Generations<Arc<[u32]>>>,
+    cache: ContentCache<Arc<[u32]>>,
     capacity: usize,
 }
 
@@ -85,17 +84,13 @@ impl SegmentTokenizer {
         Some(SegmentTokenizer {
             matcher,
             ids: added.into_iter().map(|(id, _)| id).collect(),
-            cache: Mutex::new(Generations::new(capacity)),
+            cache: ContentCache::new(capacity, ENTRY_OVERHEAD_IDS),
             capacity,
         })
     }
 
     pub fn stats(&self) -> SegmentStats {
-        self.lock().stats()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Generations<Arc<[u32]>>> {
-        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+        self.cache.stats()
     }
 
     /// The ids of `text` (no special tokens added), a segment at a time; `encode` tokenizes one
@@ -115,15 +110,12 @@ impl SegmentTokenizer {
             }
             // Short segments too: the fixture tokenizer takes 2.7 µs for one letter and 27 µs for a
             // 49-byte question, a lookup tens of nanoseconds.
-            let key = xxh3_128(seg.as_bytes());
-            if let Some(ids) = self.lock().get(key) {
-                out.extend_from_slice(&ids);
-                return Ok(());
-            }
-            let ids: Arc<[u32]> = encode(seg)?.into();
+            let ids = self.cache.get_or_make(seg.as_bytes(), || {
+                let ids: Arc<[u32]> = encode(seg)?.into();
+                let n = ids.len();
+                Ok((ids, n))
+            })?;
             out.extend_from_slice(&ids);
-            self.lock()
-                .insert(key, ids.clone(), ids.len() + ENTRY_OVERHEAD_IDS);
             Ok(())
         };
         for m in self.matcher.find_iter(text) {
@@ -246,7 +238,7 @@ mod tests {
         for i in 0..200 {
             seg.encode(&doc(i), enc).unwrap();
         }
-        let held = seg.lock().weight();
+        let held = seg.cache.weight();
         assert!(held <= 2_000, "{held} ids held");
         let before = seg.stats();
         seg.encode(&doc(199), enc).unwrap();

@@ -14,15 +14,13 @@
 //! again on every turn. The template itself is rendered over the whole conversation every time.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
 
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::xxh3_128;
 
 use super::body::RawMessages;
 pub use super::generations::CacheStats;
-use super::generations::Generations;
+use super::generations::ContentCache;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -56,7 +54,7 @@ pub struct ModelTokenizer {
     segments: Option<super::segments::SegmentTokenizer>,
     env: Option<Environment<'static>>,
     /// Raw message JSON hash → the message as a template value, weighed in bytes.
-    messages: Mutex<Generations<Value>>,
+    messages: ContentCache<Value>,
     bos: String,
     eos: String,
 }
@@ -120,7 +118,7 @@ impl ModelTokenizer {
             segments,
             tokenizer,
             env,
-            messages: Mutex::new(Generations::new(MESSAGE_CACHE_BYTES)),
+            messages: ContentCache::new(MESSAGE_CACHE_BYTES, MESSAGE_OVERHEAD_BYTES),
             bos: token_text(cfg.get("bos_token")),
             eos: token_text(cfg.get("eos_token")),
         })
@@ -208,28 +206,17 @@ impl ModelTokenizer {
     /// One message as a template value (straight from JSON, no serde_json::Value in between), from
     /// the cache when these bytes were seen recently.
     fn message_value(&self, raw: &RawValue) -> Result<Value, TokenizeError> {
-        let decode = || {
-            serde_json::from_str::<Value>(raw.get())
-                .map_err(|e| TokenizeError::Prompt(e.to_string()))
-        };
         let bytes = raw.get().as_bytes();
-        let key = xxh3_128(bytes);
-        if let Some(v) = self.lock_messages().get(key) {
-            return Ok(v);
-        }
-        let v = decode()?;
-        self.lock_messages()
-            .insert(key, v.clone(), bytes.len() + MESSAGE_OVERHEAD_BYTES);
-        Ok(v)
-    }
-
-    fn lock_messages(&self) -> std::sync::MutexGuard<'_, Generations<Value>> {
-        self.messages.lock().unwrap_or_else(PoisonError::into_inner)
+        self.messages.get_or_make(bytes, || {
+            serde_json::from_str::<Value>(raw.get())
+                .map(|v| (v, bytes.len()))
+                .map_err(|e| TokenizeError::Prompt(e.to_string()))
+        })
     }
 
     /// The message cache's counters.
     pub fn message_stats(&self) -> CacheStats {
-        self.lock_messages().stats()
+        self.messages.stats()
     }
 
     /// Token ids of a chat request's `messages`.
