@@ -148,6 +148,11 @@ pub struct CacheLabels {
     pub result: &'static str,
 }
 
+/// Brings a counter that mirrors a count kept elsewhere (which only grows) up to it.
+fn catch_up(counter: &Counter, count: u64) {
+    counter.inc_by(count.saturating_sub(counter.get()));
+}
+
 /// How a token prompt's block hashes were found.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct HashSourceLabels {
@@ -555,7 +560,7 @@ impl Metrics {
                     cache: sample.cache,
                     result,
                 });
-                counter.inc_by(count.saturating_sub(counter.get()));
+                catch_up(&counter, count);
             }
         }
     }
@@ -569,7 +574,7 @@ impl Metrics {
             let counter = self
                 .prompt_hash_blocks
                 .get_or_create(&HashSourceLabels { source });
-            counter.inc_by(count.saturating_sub(counter.get()));
+            catch_up(&counter, count);
         }
     }
 
