@@ -147,8 +147,18 @@ impl PrefixMemo {
         let seed = block_seed(lora);
         locals.reserve_exact(blocks);
         hashes.reserve_exact(blocks);
+        // Hashes the blocks after those already in `locals`.
+        let hash_rest = |locals: &mut Vec<LocalBlockHash>, hashes: &mut Vec<SequenceHash>| {
+            extend_block_hashes(
+                &full[locals.len() * block_size..],
+                block_size,
+                seed,
+                locals,
+                hashes,
+            )
+        };
         if blocks < MIN_BLOCKS {
-            extend_block_hashes(full, block_size, seed, &mut locals, &mut hashes);
+            hash_rest(&mut locals, &mut hashes);
             return (locals, hashes, 0);
         }
         // The first block picks the entry (its hash is needed anyway).
@@ -162,13 +172,7 @@ impl PrefixMemo {
         let at = (locals[0].0 >> 32) as usize % self.sets.len();
         let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock().ok()) else {
             // Another pick is on this set (or it was poisoned): hash without it.
-            extend_block_hashes(
-                &full[block_size..],
-                block_size,
-                seed,
-                &mut locals,
-                &mut hashes,
-            );
+            hash_rest(&mut locals, &mut hashes);
             return (locals, hashes, 0);
         };
         let set = &mut *set;
@@ -189,15 +193,8 @@ impl PrefixMemo {
             hashes.extend_from_slice(&ways[w].hashes[1..reuse]);
             ways[w].used = set.clock;
         }
-        let done = locals.len();
-        let copied = done - 1;
-        extend_block_hashes(
-            &full[done * block_size..],
-            block_size,
-            seed,
-            &mut locals,
-            &mut hashes,
-        );
+        let copied = locals.len() - 1;
+        hash_rest(&mut locals, &mut hashes);
         if full.len() <= MAX_TOKENS {
             // In place of the prompt this one extends, else of the least recently used.
             let extended = read.filter(|&w| reuse == ways[w].locals.len());
