@@ -252,6 +252,19 @@ impl<'de> serde::Deserialize<'de> for Items<'de> {
     }
 }
 
+impl<'a> RawMessages<'a> {
+    /// A `messages` value given on its own (already valid JSON), split as the body scanner splits
+    /// it.
+    pub fn of(messages: &'a RawValue) -> Self {
+        let text = messages.get().as_bytes();
+        match messages_at(text, 0) {
+            Ok((m, _)) => m,
+            // Unreachable for valid JSON; whole, as any value that is not an array.
+            Err(_) => RawMessages { text, items: None },
+        }
+    }
+}
+
 /// The `messages` value at `at` (no whitespace first): an array is read by serde as a list of raw
 /// values, so its elements come out of the pass that validates it.
 fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {

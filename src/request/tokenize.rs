@@ -174,7 +174,7 @@ impl ModelTokenizer {
 
     /// The chat template applied to `messages` (JSON, as in the body), with the generation prompt.
     pub fn render_chat(&self, messages: &RawValue) -> Result<String, TokenizeError> {
-        self.render_messages(&split(messages))
+        self.render_messages(&RawMessages::of(messages))
     }
 
     /// [`Self::render_chat`] of messages the body scanner has already split.
@@ -221,7 +221,7 @@ impl ModelTokenizer {
 
     /// Token ids of a chat request's `messages`.
     pub fn chat_ids(&self, messages: &RawValue) -> Result<Vec<u32>, TokenizeError> {
-        self.messages_ids(&split(messages))
+        self.messages_ids(&RawMessages::of(messages))
     }
 
     /// [`Self::chat_ids`] of messages the body scanner has already split.
@@ -262,14 +262,6 @@ fn untrimmed(value: &Value, method: &str, bare: bool) -> Option<Value> {
         _ => return None,
     };
     (trimmed.len() == s.len()).then(|| value.clone())
-}
-
-/// `messages` split into its elements when it is an array.
-fn split(messages: &RawValue) -> RawMessages<'_> {
-    RawMessages {
-        text: messages.get().as_bytes(),
-        items: serde_json::from_str::<Vec<&RawValue>>(messages.get()).ok(),
-    }
 }
 
 #[cfg(test)]
