@@ -199,6 +199,8 @@ pub struct Metrics {
     pub prefix_mode: Family<ModeLabels, Counter>,
     /// KV-aware picks made again because the chosen endpoint's load changed before the booking.
     pub repicks: Counter,
+    /// KV-aware picks where bounded loads (`router.load_bound`) passed over a cheaper endpoint.
+    pub load_bounded: Counter,
     /// Prompt blocks of KV-aware picks, and of those the picked endpoint had cached, by mode.
     pub prefix_blocks: Family<ModeLabels, Counter>,
     pub prefix_matched_blocks: Family<ModeLabels, Counter>,
@@ -312,6 +314,12 @@ impl Metrics {
             "kv_repicks",
             "KV-aware picks made again because the chosen endpoint's load changed before the booking (a concurrent pick booked it or a request there ended)",
             repicks.clone(),
+        );
+        let load_bounded = Counter::default();
+        registry.register(
+            "kv_load_bounded_picks",
+            "KV-aware picks where bounded loads (router.load_bound) passed over a cheaper endpoint holding more than its share of requests",
+            load_bounded.clone(),
         );
         let kv = KvEventMetrics::default();
         for (name, help, metric) in [
@@ -498,6 +506,7 @@ impl Metrics {
             served_elsewhere,
             prefix_mode,
             repicks,
+            load_bounded,
             kv,
             engine_scrape_errors,
             watch,

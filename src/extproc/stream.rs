@@ -519,6 +519,9 @@ impl StreamState {
             let mode = routed.mode.as_str();
             shared.metrics.count_prefix_mode(mode);
             shared.metrics.repicks.inc_by(u64::from(routed.repicks));
+            if kv.load_bounded {
+                shared.metrics.load_bounded.inc();
+            }
             shared
                 .metrics
                 .count_prefix_blocks(mode, kv.prompt_blocks, kv.overlap.disk);

@@ -10,6 +10,14 @@
 //!
 //! Temperature 0 picks the cheapest (ties at random); above 0 it samples a softmax over the
 //! normalised negative costs. What a pick books as prefill is `effective_prefill_tokens`.
+//!
+//! kvepp's own addition, bounded loads ([`CostWeights::bound_loads`], off unless `load_bound` is
+//! set): before the choice, candidates that would hold more than `load_bound` × the mean number
+//! of requests (this one included, rounded up) cost more than every candidate within the bound,
+//! so requests the cache does not tie to one engine spread by count, and a popular prefix spills
+//! over to the next best engine instead of queueing on one. A candidate holding at least
+//! `load_bound_exempt_cached` of the prompt is exempt. The least loaded candidate is always within
+//! the bound, so the choice never runs out of candidates.
 
 /// Cached prefix of a request on one rank, in blocks, cumulative over tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,6 +82,25 @@ pub struct CostWeights {
     /// kvepp's own: the EPP's picks by Dynamo's cost (default) or by predicted TTFT. The HTTP
     /// selection service always uses Dynamo's.
     pub cost_model: CostModel,
+    /// kvepp's own: bounded loads for the EPP's picks (0 turns it off; otherwise ≥ 1). A
+    /// candidate whose requests (active there, plus those its engine reports beyond them) would
+    /// exceed `load_bound` × the mean over the candidates, this request included and rounded up,
+    /// is passed over while another is within the bound ([`Self::bound_loads`]). The HTTP
+    /// selection service, Dynamo's contract, does not apply it.
+    pub load_bound: f64,
+    /// kvepp's own: the share of the prompt's blocks (0-1) an endpoint must hold cached to be
+    /// exempt from `load_bound` (such a hit saves at least that share of the prefill, more than
+    /// an extra request in the queue costs on any workload we measured); above 1 none is.
+    pub load_bound_exempt_cached: f64,
+}
+
+/// What bounded loads read of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BoundInput {
+    /// Requests the candidate holds.
+    pub requests: u32,
+    /// Never passed over by the bound (it holds enough of the prompt cached).
+    pub exempt: bool,
 }
 
 impl Default for CostWeights {
@@ -86,6 +113,8 @@ impl Default for CostWeights {
             decode_active_request_weight: 0.0,
             temperature: 0.0,
             cost_model: CostModel::Dynamo,
+            load_bound: 0.0,
+            load_bound_exempt_cached: 0.5,
         }
     }
 }
@@ -110,6 +139,7 @@ impl CostWeights {
                 self.decode_active_request_weight,
             ),
             ("temperature", self.temperature),
+            ("load_bound_exempt_cached", self.load_bound_exempt_cached),
         ]
         .into_iter()
         .filter(|(_, v)| !(v.is_finite() && *v >= 0.0))
@@ -117,7 +147,56 @@ impl CostWeights {
             name,
             message: format!("{v} must be a finite number ≥ 0"),
         })
+        .chain(
+            (!(self.load_bound == 0.0 || (self.load_bound.is_finite() && self.load_bound >= 1.0)))
+                .then(|| KnobError {
+                    name: "load_bound",
+                    message: format!(
+                        "{} must be 0 (off) or a finite number ≥ 1 (a multiple of the mean load)",
+                        self.load_bound
+                    ),
+                }),
+        )
         .collect()
+    }
+
+    /// Bounded loads: with `inputs[i].requests` the requests candidate `i` holds, raises the cost
+    /// of every candidate that is not exempt and would hold more than
+    /// `ceil(load_bound × (Σ requests + 1) / n)` with this request above the cost of every
+    /// candidate within that bound (their order among themselves kept). Returns whether a candidate over the bound was cheaper than every one
+    /// within it (the choice moved elsewhere). Nothing changes when `load_bound` is 0, with one candidate, or when
+    /// the slices differ in length. A least-loaded candidate is always within the bound: it holds
+    /// at most `floor(Σ / n)`, and `ceil(b·(Σ + 1) / n) ≥ floor(Σ / n) + 1` for any `b ≥ 1`.
+    pub fn bound_loads(&self, costs: &mut [f64], inputs: &[BoundInput]) -> bool {
+        let n = costs.len();
+        if self.load_bound < 1.0 || n < 2 || inputs.len() != n {
+            return false;
+        }
+        let total: u64 = inputs.iter().map(|b| u64::from(b.requests)).sum();
+        let cap = (self.load_bound * (total + 1) as f64 / n as f64).ceil();
+        let over = |i: usize| !inputs[i].exempt && f64::from(inputs[i].requests) + 1.0 > cap;
+        let (mut within_min, mut within_max, mut over_min) =
+            (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY);
+        for (i, &c) in costs.iter().enumerate() {
+            if over(i) {
+                over_min = over_min.min(c);
+            } else {
+                within_min = within_min.min(c);
+                within_max = within_max.max(c);
+            }
+        }
+        if over_min == f64::INFINITY || within_max == f64::NEG_INFINITY {
+            return false;
+        }
+        let shift = within_max - over_min + 1.0;
+        if shift > 0.0 {
+            for (i, c) in costs.iter_mut().enumerate() {
+                if over(i) {
+                    *c += shift;
+                }
+            }
+        }
+        over_min < within_min
     }
 
     /// The cached prefix, in blocks, weighted by tier.
@@ -503,6 +582,98 @@ mod tests {
             assert_eq!(got, want, "costs {costs:?}, ties {ties:?}");
             // Same draws: the pick after this one sees the same random numbers.
             assert_eq!(a.u64(..), b.u64(..));
+        }
+    }
+
+    /// Bounded loads against the plain definition: the cheapest candidate among those exempt or
+    /// holding at most `ceil(b·(Σ + 1) / n)` requests with this one, on random costs and loads.
+    #[test]
+    fn bounded_loads_choose_the_cheapest_within_the_bound() {
+        let mut gen = fastrand::Rng::with_seed(5);
+        let mut moved = 0;
+        for round in 0..20_000 {
+            let n = gen.usize(1..10);
+            let mut costs: Vec<f64> = (0..n).map(|_| f64::from(gen.u16(..500))).collect();
+            let requests: Vec<u32> = (0..n).map(|_| gen.u32(..8)).collect();
+            let inputs: Vec<BoundInput> = requests
+                .iter()
+                .map(|&requests| BoundInput {
+                    requests,
+                    exempt: gen.u8(..5) == 0,
+                })
+                .collect();
+            let bound = [1.0, 1.1, 1.25, 1.5, 3.0][round % 5];
+            let w = CostWeights {
+                load_bound: bound,
+                ..CostWeights::default()
+            };
+            let total: u32 = requests.iter().sum();
+            let cap = (bound * f64::from(total + 1) / n as f64).ceil();
+            let within: Vec<usize> = (0..n)
+                .filter(|&i| inputs[i].exempt || f64::from(requests[i] + 1) <= cap)
+                .collect();
+            assert!(
+                !within.is_empty(),
+                "a least-loaded candidate is always within"
+            );
+            let best_within = within
+                .iter()
+                .map(|&i| costs[i])
+                .fold(f64::INFINITY, f64::min);
+            let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            let original = costs.clone();
+            let passed_over = w.bound_loads(&mut costs, &inputs);
+            assert_eq!(
+                passed_over,
+                cheapest < best_within,
+                "{original:?} {requests:?}"
+            );
+            moved += usize::from(passed_over);
+            let mut rng = fastrand::Rng::with_seed(round as u64);
+            let chosen = w.choose_with_tiebreak(&costs, |_| 0, &mut rng);
+            assert!(
+                within.contains(&chosen),
+                "{original:?} {requests:?} → {chosen}"
+            );
+            assert_eq!(original[chosen], best_within);
+            // Within the bound nothing changed, and over it the order is kept.
+            for i in 0..n {
+                if within.contains(&i) {
+                    assert_eq!(costs[i], original[i]);
+                }
+                for j in 0..n {
+                    if original[i] < original[j] && !within.contains(&i) && !within.contains(&j) {
+                        assert!(costs[i] < costs[j]);
+                    }
+                }
+            }
+        }
+        assert!(moved > 1000, "the bound moved {moved} choices");
+        // Off, or one candidate: untouched.
+        let mut costs = vec![1.0, 5.0];
+        let inputs = [9, 0].map(|requests| BoundInput {
+            requests,
+            exempt: false,
+        });
+        assert!(!CostWeights::default().bound_loads(&mut costs, &inputs));
+        assert_eq!(costs, [1.0, 5.0]);
+    }
+
+    #[test]
+    fn load_bound_is_zero_or_at_least_one() {
+        for (bound, ok) in [
+            (0.0, true),
+            (1.0, true),
+            (1.3, true),
+            (0.5, false),
+            (f64::NAN, false),
+            (f64::INFINITY, false),
+        ] {
+            let w = CostWeights {
+                load_bound: bound,
+                ..CostWeights::default()
+            };
+            assert_eq!(w.validate().is_empty(), ok, "{bound}");
         }
     }
 }

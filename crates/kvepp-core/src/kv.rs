@@ -44,7 +44,7 @@ use std::time::Instant;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::cost::{CandidateLoad, CostModel, CostWeights, Overlap};
+use super::cost::{BoundInput, CandidateLoad, CostModel, CostWeights, Overlap};
 use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
 use super::predict::{TtftFeatures, TtftModel};
@@ -148,6 +148,9 @@ pub struct KvDecision {
     /// The chosen rank's load version when it was read (None: not registered yet): a booking
     /// checked against it books exactly the load this decision saw.
     pub load_version: Option<u64>,
+    /// Bounded loads ([`CostWeights::bound_loads`]) passed over a cheaper candidate that held
+    /// more than its share of requests.
+    pub load_bounded: bool,
     /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
     /// booking learns from the observed first token).
     pub ttft: Option<TtftFeatures>,
@@ -418,6 +421,7 @@ impl KvState {
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
+        let cached_share = self.settings.weights.load_bound_exempt_cached;
         let walked = Walked {
             index,
             hint: if approximate {
@@ -446,6 +450,7 @@ impl KvState {
         sc.loads.clear();
         sc.versions.clear();
         sc.costs.clear();
+        sc.requests.clear();
         sc.resolved.clear();
         for (i, e) in candidates.iter().enumerate() {
             let found = Self::load_of(&walked, sc, i, e);
@@ -457,6 +462,7 @@ impl KvState {
                 },
                 |(c, v)| (c, Some(v)),
             );
+            sc.requests.push(Self::bound_input(&c, e, walked.blocks, cached_share));
             match cost(i, &c) {
                 Some(cost) => sc.costs.push(cost),
                 None => {
@@ -489,6 +495,9 @@ impl KvState {
                 c.overlap = Self::overlap_of(&walked, sc, *i, e);
                 c.set_load(&l);
                 *v = version;
+                if let Some(r) = sc.requests.get_mut(*i) {
+                    *r = Self::bound_input(c, e, walked.blocks, cached_share);
+                }
                 match cost(*i, c) {
                     Some(cost) => {
                         if let Some(slot) = sc.costs.get_mut(*i) {
@@ -508,6 +517,17 @@ impl KvState {
             sc.resolved = resolved;
         }
         walked
+    }
+
+    /// What bounded loads read of a candidate: the requests it holds (active in the slot
+    /// tracker, plus those its engine reports beyond them), and whether it holds at least
+    /// `cached_share` of the prompt's blocks (exempt from the bound).
+    #[inline(always)]
+    fn bound_input(c: &CandidateLoad, e: &Endpoint, blocks: u64, cached_share: f64) -> BoundInput {
+        BoundInput {
+            requests: c.active_requests.saturating_add(e.load.hidden_requests()),
+            exempt: blocks > 0 && c.overlap.device as f64 >= cached_share * blocks as f64,
+        }
     }
 
     /// Candidate `i`'s cached prefix, from the walks.
@@ -617,6 +637,7 @@ impl KvState {
                 self.ttft.cost(&load.ttft, &f, now) + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
         }
+        let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests);
         let costs = &sc.costs;
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.
@@ -639,6 +660,7 @@ impl KvState {
             potential_decode_blocks: c.potential_decode_blocks,
             active_requests: c.active_requests,
             load_version,
+            load_bounded,
             ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
         };
         self.return_scratch(pool, sc);

@@ -397,3 +397,101 @@ fn worker_requests_count_local_and_peer_bookings() {
     assert!(kv.free("peer-1"));
     assert_eq!(kv.worker_requests(eps[0].worker), Some(0));
 }
+
+/// Requests that stay active (decoding) while more arrive, with bounded loads at `load_bound`
+/// and `exempt` (the exempting cached share): each prompt comes from `next`. Returns the
+/// requests per endpoint, the highest ratio of a chosen endpoint's requests (this one included)
+/// to the bound's cap, and how many decisions the bound moved.
+fn bounded_run(
+    load_bound: f64,
+    exempt: f64,
+    mut next: impl FnMut(&mut fastrand::Rng) -> PromptBlocks,
+) -> ([u32; 4], f64, u32) {
+    let settings = KvSettings {
+        weights: CostWeights {
+            load_bound,
+            load_bound_exempt_cached: exempt,
+            ..CostWeights::default()
+        },
+        ..KvSettings::default()
+    };
+    let kv = Arc::new(KvState::new(settings));
+    let eps = endpoints(4);
+    let refs: &[Arc<Endpoint>] = &eps;
+    let mut rng = fastrand::Rng::with_seed(9);
+    let mut ctx = PickContext::seeded(4);
+    let now = Instant::now();
+    let mut held = Vec::new();
+    let mut counts = [0u32; 4];
+    let (mut worst, mut bounded) = (0.0f64, 0);
+    for k in 0..24u32 {
+        let p = next(&mut rng);
+        let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+        let cap = (load_bound * f64::from(k + 1) / 4.0).ceil().max(1.0);
+        worst = worst.max(f64::from(counts[best] + 1) / cap);
+        bounded += u32::from(d.load_bounded);
+        counts[best] += 1;
+        let mut guard = kv.book_decision(&eps[best], Some(&p), &d, now);
+        assert!(guard.is_some());
+        // Prefilled: only its decode blocks stay (shared ones counted once).
+        if let Some(g) = &mut guard {
+            g.first_byte();
+        }
+        held.push(guard);
+    }
+    (counts, worst, bounded)
+}
+
+/// One prompt sent again and again: without bounded loads its routed prefix keeps the requests
+/// on one endpoint; with the bound and no exemption each pick goes to an endpoint then holding at
+/// most `ceil(b·(Σ + 1) / n)`, and the decision says when the bound moved it; with the default
+/// exemption (half the prompt cached) the holder keeps them.
+#[test]
+fn bounded_loads_spill_a_hot_prefix_over_unless_its_cache_exempts_it() {
+    let mut hot = None;
+    let mut same = |rng: &mut fastrand::Rng| {
+        hot.get_or_insert_with(|| loop {
+            let p = prompt(rng, PrefixMode::Approximate, 400);
+            if p.hashes.len() >= 64 {
+                break p;
+            }
+        })
+        .clone()
+    };
+    let (counts, _, bounded) = bounded_run(0.0, 0.5, &mut same);
+    assert_eq!(bounded, 0);
+    assert!(counts.contains(&24), "without the bound: {counts:?}");
+    for b in [1.0, 1.25, 1.5] {
+        let (counts, worst, bounded) = bounded_run(b, 2.0, &mut same);
+        assert!(worst <= 1.0, "bound {b}: {counts:?}");
+        assert!(bounded > 0, "bound {b}: the bound moved no pick");
+        let (counts, _, bounded) = bounded_run(b, 0.5, &mut same);
+        assert_eq!((counts.contains(&24), bounded), (true, 0), "bound {b}, exempt");
+    }
+}
+
+/// Prompts of very different lengths with nothing cached: Dynamo's cost balances their blocks,
+/// so the counts drift apart; a bound of 1 keeps every endpoint within one request of the others.
+#[test]
+fn bounded_loads_spread_uncached_requests_by_count() {
+    let mut n = 0u64;
+    let mut fresh = |rng: &mut fastrand::Rng| {
+        n += 1;
+        let blocks = if n % 4 == 0 { 400 } else { 4 };
+        let locals: Vec<LocalBlockHash> = (0..blocks)
+            .map(|_| LocalBlockHash(rng.u64(..) | 1 << 63))
+            .collect();
+        let hashes = sequence_hashes(&locals);
+        PromptBlocks {
+            mode: PrefixMode::TokenIds,
+            isl_tokens: blocks * 16,
+            locals,
+            hashes,
+        }
+    };
+    let (counts, worst, _) = bounded_run(0.0, 0.5, &mut fresh);
+    assert!(worst > 1.0, "without the bound the counts drift: {counts:?}");
+    let (counts, worst, bounded) = bounded_run(1.0, 0.5, &mut fresh);
+    assert!(worst <= 1.0 && bounded > 0, "{counts:?}");
+    assert_eq!(counts, [6; 4]);
+}

@@ -4,7 +4,7 @@
 //! Invariants: a [`CandidateMap`] maps each worker id to its first candidate's index, and is empty
 //! after `clear`; buffers keep their capacity between picks.
 
-use crate::cost::{CandidateLoad, Overlap};
+use crate::cost::{BoundInput, CandidateLoad, Overlap};
 use crate::index::{MatchScratch, RankOverlap};
 use crate::slots::{HeldScratch, RankView};
 
@@ -87,6 +87,8 @@ pub(super) struct PickScratch {
     pub(super) loads: Vec<CandidateLoad>,
     pub(super) versions: Vec<Option<u64>>,
     pub(super) costs: Vec<f64>,
+    /// Per candidate: what bounded loads read (requests held, exempt by its cached prefix).
+    pub(super) requests: Vec<BoundInput>,
     /// Candidates whose tracker hint missed, with the load resolved for them under the lock.
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
 }

@@ -480,6 +480,10 @@ pub struct BenchArgs {
     pub speed: f64,
     #[arg(long, default_value_t = 512)]
     pub max_output: u32,
+    /// Mooncake workload: simulated engines (`--engines` when unset). Its reuse spans a minute
+    /// and more, which four engines' caches cannot hold at 1× speed.
+    #[arg(long)]
+    pub trace_engines: Option<usize>,
     /// Multi-turn workloads: new conversations per second over `--duration` seconds, and the
     /// share of conversations the second client sends straight to the engines (`mixed`).
     #[arg(long, default_value_t = 3.0)]
@@ -540,7 +544,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     for kind in &args.workload {
         let sc = scenario(*kind, &args)?;
         let bs = sc.params.block_size as usize;
-        let capacity_blocks = sc.params.total_kv_blocks * args.engines as u64;
+        let capacity_blocks = sc.params.total_kv_blocks * sc.engines as u64;
         let ceilings = report::Ceilings {
             infinite: workload::hit_ceiling(&sc.requests, bs),
             capacity: workload::hit_ceiling_with_capacity(
@@ -560,12 +564,12 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
         let disaggregated = args.prefill_engines > 0;
         let spec = BenchSpec {
             layout: if disaggregated {
-                let p = args.prefill_engines.min(args.engines);
-                EngineLayout::disaggregated(p, args.engines - p, &args.zones)
+                let p = args.prefill_engines.min(sc.engines);
+                EngineLayout::disaggregated(p, sc.engines - p, &args.zones)
             } else {
                 Vec::new()
             },
-            engines: args.engines,
+            engines: sc.engines,
             params: sc.params.clone(),
             envoy: args.envoy.clone(),
             speed: sc.speed,

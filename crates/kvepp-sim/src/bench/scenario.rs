@@ -86,6 +86,8 @@ pub(super) struct Scenario {
     pub(super) requests: Vec<Request>,
     pub(super) params: SimParams,
     pub(super) speed: f64,
+    /// Simulated engines.
+    pub(super) engines: usize,
     pub(super) replicas: usize,
     /// Replica sync settings to compare (KV-aware policies run once per entry).
     pub(super) sync: Vec<bool>,
@@ -114,6 +116,7 @@ pub(super) fn scenario(kind: WorkloadKind, args: &BenchArgs) -> Result<Scenario,
         requests: Vec::new(),
         params: shared_prefix_params(),
         speed: 1.0,
+        engines: args.engines,
         replicas: args.replicas,
         sync: vec![args.replica_sync],
         restart_at: None,
@@ -135,11 +138,12 @@ pub(super) fn scenario(kind: WorkloadKind, args: &BenchArgs) -> Result<Scenario,
         }
         WorkloadKind::Mooncake => {
             s.requests = workload::mooncake(&args.trace, args.trace_requests, args.max_output)?;
+            s.engines = args.trace_engines.unwrap_or(args.engines);
             s.title = format!(
                 "Mooncake conversation trace: first {} requests at {}× speed, {} engines{}",
                 s.requests.len(),
                 args.speed,
-                args.engines,
+                s.engines,
                 disaggregation_note(args)
             );
             s.params = h100;
