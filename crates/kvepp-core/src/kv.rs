@@ -462,7 +462,8 @@ impl KvState {
                 },
                 |(c, v)| (c, Some(v)),
             );
-            sc.requests.push(Self::bound_input(&c, e, walked.blocks, cached_share));
+            sc.requests
+                .push(Self::bound_input(&c, e, walked.blocks, cached_share));
             match cost(i, &c) {
                 Some(cost) => sc.costs.push(cost),
                 None => {

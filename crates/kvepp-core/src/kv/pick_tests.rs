@@ -466,7 +466,11 @@ fn bounded_loads_spill_a_hot_prefix_over_unless_its_cache_exempts_it() {
         assert!(worst <= 1.0, "bound {b}: {counts:?}");
         assert!(bounded > 0, "bound {b}: the bound moved no pick");
         let (counts, _, bounded) = bounded_run(b, 0.5, &mut same);
-        assert_eq!((counts.contains(&24), bounded), (true, 0), "bound {b}, exempt");
+        assert_eq!(
+            (counts.contains(&24), bounded),
+            (true, 0),
+            "bound {b}, exempt"
+        );
     }
 }
 
@@ -490,7 +494,10 @@ fn bounded_loads_spread_uncached_requests_by_count() {
         }
     };
     let (counts, worst, _) = bounded_run(0.0, 0.5, &mut fresh);
-    assert!(worst > 1.0, "without the bound the counts drift: {counts:?}");
+    assert!(
+        worst > 1.0,
+        "without the bound the counts drift: {counts:?}"
+    );
     let (counts, worst, bounded) = bounded_run(1.0, 0.5, &mut fresh);
     assert!(worst <= 1.0 && bounded > 0, "{counts:?}");
     assert_eq!(counts, [6; 4]);
