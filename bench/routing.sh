@@ -4,12 +4,13 @@
 # Dynamo's cost, precise KV by predicted TTFT) on every workload (shared prefix, the Mooncake
 # trace's first 300 requests at 1× speed, multi-turn conversations with one and with two kvepp
 # replicas, the conversations mixed with a second client's direct traffic, and with an engine
-# restart halfway) on 4 simulated engines, with kvepp configured by bench/kvepp.yaml. Release
-# build; results in bench/results/routing/ (results.md, results.json, routing.png). About 40
+# restart halfway) on 4 simulated engines, the Mooncake trace on 8 (four engines' caches cannot
+# hold the reuse it comes back to a minute later), with kvepp configured by bench/kvepp.yaml. Release
+# build; results in bench/results/routing/ (results.md, results.json, routing.png). About 50
 # minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
-  --engines 4 --duration 30 --trace-requests 300 --speed 1 --out bench/results/routing "$@"
+  --engines 4 --trace-engines 8 --duration 30 --trace-requests 300 --speed 1 --out bench/results/routing "$@"

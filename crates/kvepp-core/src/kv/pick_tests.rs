@@ -481,7 +481,7 @@ fn bounded_loads_spread_uncached_requests_by_count() {
     let mut n = 0u64;
     let mut fresh = |rng: &mut fastrand::Rng| {
         n += 1;
-        let blocks = if n % 4 == 0 { 400 } else { 4 };
+        let blocks = if n.is_multiple_of(4) { 400 } else { 4 };
         let locals: Vec<LocalBlockHash> = (0..blocks)
             .map(|_| LocalBlockHash(rng.u64(..) | 1 << 63))
             .collect();
