@@ -489,6 +489,34 @@ mod tests {
     }
 
     #[test]
+    fn load_bound_from_the_file_and_its_errors() {
+        let cfg: Config = serde_yaml::from_str("router:\n  load_bound: 1.25\n").unwrap();
+        assert_eq!(cfg.router.load_bound, 1.25);
+        assert_eq!(cfg.router.load_bound_exempt_cached, 0.5, "its default");
+        let router_errors = |c: &Config| {
+            c.validate()
+                .err()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| e.field == "router")
+                .count()
+        };
+        assert_eq!(router_errors(&cfg), 0);
+        let bad: Config =
+            serde_yaml::from_str("router:\n  load_bound: 0.5\n  load_bound_exempt_cached: -1\n")
+                .unwrap();
+        let text = ConfigError::Invalid(bad.validate().unwrap_err()).to_string();
+        assert!(
+            text.contains("load_bound: 0.5 must be 0 (off) or a finite number ≥ 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("load_bound_exempt_cached: -1 must be a finite number ≥ 0"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn env_knobs_like_dynamo() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
             move |k: &str| {

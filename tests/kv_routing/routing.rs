@@ -69,6 +69,54 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
     epp.stop().await;
 }
 
+/// `router.load_bound` through Envoy: while a stream holds the engine that caches a prefix, a
+/// prompt with less than half of its blocks cached there is passed over to the idle engine (the
+/// cost alone would keep it), a prompt with most of it cached is exempt and stays, and the
+/// passed-over pick is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_loads_pass_over_a_busy_holder_unless_the_prompt_is_mostly_cached_there() {
+    let (a, b, epp) = two_engines(|c| c.router.load_bound = 1.0).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let other = |n: &str| if n == "a" { "b" } else { "a" };
+    let shared = tokens(1, 4 * BLOCK);
+    let holder = served_by(&envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    // One stream held on the holder: with one request in the pool the bound is one per engine.
+    let mut held = shared.clone();
+    held.extend(tokens(2, BLOCK));
+    let mut stream = TcpStreamRequest::start(envoy.addr, prompt(&held, true)).await;
+    let first = stream.first_chunk().await;
+    assert!(
+        first.contains(&format!("\"engine\":\"{holder}\"")),
+        "{first}"
+    );
+    // 4 of 6 blocks cached on the holder: exempt, the holder keeps it.
+    let mut mostly = shared.clone();
+    mostly.extend(tokens(4, 2 * BLOCK));
+    assert_eq!(served_by(&envoy, &mostly).await, holder);
+    assert_eq!(
+        epp.metric("kvepp_kv_load_bounded_picks_total").await,
+        Some(0.0)
+    );
+    // 4 of 10 cached there: Dynamo's cost prefers the holder (6 blocks to prefill and 11
+    // decoding against 10 and 10), the bound moves it.
+    let mut partly = shared.clone();
+    partly.extend(tokens(3, 6 * BLOCK));
+    assert_eq!(served_by(&envoy, &partly).await, other(&holder));
+    assert_eq!(
+        epp.metric("kvepp_kv_load_bounded_picks_total").await,
+        Some(1.0)
+    );
+    let engine = if holder == "a" { &a } else { &b };
+    engine.state.release.notify_one();
+    assert_eq!(stream.rest().await, "done\n");
+    drop(envoy);
+    epp.stop().await;
+}
+
 async fn chat_served_by(envoy: &Envoy, messages: &serde_json::Value) -> String {
     let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
     let r = http(

@@ -7,7 +7,8 @@
 //! valgrind --tool=callgrind target/release/deps/pick-* --bench --endpoints 1000 --tokens-k 128 \
 //!     --iterations 300 --no-scaling   # instruction counts, comparable between builds
 //! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
-//!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's
+//!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's and
+//!                                     # fixed work of the same median (the machine's own tail)
 //! ```
 //!
 //! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
@@ -156,6 +157,29 @@ fn timings(iters: usize, mut f: impl FnMut()) -> Vec<Duration> {
     d
 }
 
+/// A fixed amount of arithmetic on registers (no memory traffic, no branches that depend on
+/// data), `rounds` times.
+fn fixed_work(rounds: u64) -> u64 {
+    let mut x = black_box(0x9E37_79B9_7F4A_7C15u64);
+    for i in 0..rounds {
+        x = (x ^ (x >> 29))
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+            .wrapping_add(i);
+    }
+    x
+}
+
+/// Times of [`fixed_work`] sized so that its median is `p50_us`: what the machine alone does to
+/// the tail of a job that length (preemption, interrupts, frequency), to read a pick's tail
+/// against. Every iteration does exactly the same work.
+fn fixed_work_times(iters: usize, p50_us: f64) -> Vec<Duration> {
+    let mut rounds = 1024u64;
+    let mut median = || percentile(&timings(101, || drop(black_box(fixed_work(rounds)))), 0.5);
+    let per_round = median() / 1024.0;
+    rounds = ((p50_us / per_round.max(1e-6)) as u64).max(1);
+    timings(iters, || drop(black_box(fixed_work(black_box(rounds)))))
+}
+
 /// How many timed iterations a table row takes: a fixed count, or as many as fit the budget.
 #[derive(Clone, Copy)]
 enum Sample {
@@ -208,6 +232,11 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
                 distributions.push(format!(
                     "| {n} | {k}k | load-only | {} |",
                     shape(&base_times)
+                ));
+                let fixed = fixed_work_times(iters, kv.0);
+                distributions.push(format!(
+                    "| {n} | {k}k | fixed work, same p50 | {} |",
+                    shape(&fixed)
                 ));
             }
             let booked = time(iters, || {
