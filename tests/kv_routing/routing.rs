@@ -3,6 +3,18 @@
 
 use super::*;
 
+/// A first prompt of 4 blocks sent through Envoy, and the engine that served it once kvepp's
+/// index holds its blocks: (the prompt, that engine).
+async fn four_blocks_held(envoy: &Envoy, epp: &Epp) -> (Vec<u32>, String) {
+    let shared = tokens(1, 4 * BLOCK);
+    let holder = served_by(envoy, &shared).await;
+    wait_for("the prefix in kvepp's index", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
+    })
+    .await;
+    (shared, holder)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
     let (a, b, epp) = two_engines(|_| {}).await;
@@ -11,12 +23,7 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
     let other = |n: &str| if n == "a" { "b" } else { "a" };
 
     // A first prompt of 4 blocks goes somewhere; its engine publishes the blocks.
-    let shared = tokens(1, 4 * BLOCK);
-    let holder = served_by(&envoy, &shared).await;
-    wait_for("the prefix in kvepp's index", || async {
-        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
-    })
-    .await;
+    let (shared, holder) = four_blocks_held(&envoy, &epp).await;
 
     // Longer prompts sharing the prefix all go to the engine holding it.
     for k in 0..4u32 {
@@ -78,12 +85,7 @@ async fn bounded_loads_pass_over_a_busy_holder_unless_the_prompt_is_mostly_cache
     let (a, b, epp) = two_engines(|c| c.router.load_bound = 1.0).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let other = |n: &str| if n == "a" { "b" } else { "a" };
-    let shared = tokens(1, 4 * BLOCK);
-    let holder = served_by(&envoy, &shared).await;
-    wait_for("the prefix in kvepp's index", || async {
-        (epp.metric("kvepp_kv_event_blocks_stored_total").await? >= 4.0).then_some(())
-    })
-    .await;
+    let (shared, holder) = four_blocks_held(&envoy, &epp).await;
     // One stream held on the holder: with one request in the pool the bound is one per engine.
     let mut held = shared.clone();
     held.extend(tokens(2, BLOCK));
