@@ -173,11 +173,14 @@ fn fixed_work(rounds: u64) -> u64 {
 /// the tail of a job that length (preemption, interrupts, frequency), to read a pick's tail
 /// against. Every iteration does exactly the same work.
 fn fixed_work_times(iters: usize, p50_us: f64) -> Vec<Duration> {
-    let mut rounds = 1024u64;
-    let mut median = || percentile(&timings(101, || drop(black_box(fixed_work(rounds)))), 0.5);
-    let per_round = median() / 1024.0;
-    rounds = ((p50_us / per_round.max(1e-6)) as u64).max(1);
-    timings(iters, || drop(black_box(fixed_work(black_box(rounds)))))
+    let probe = timings(101, || {
+        black_box(fixed_work(black_box(1024)));
+    });
+    let per_round = percentile(&probe, 0.5) / 1024.0;
+    let rounds = ((p50_us / per_round.max(1e-6)) as u64).max(1);
+    timings(iters, || {
+        black_box(fixed_work(black_box(rounds)));
+    })
 }
 
 /// How many timed iterations a table row takes: a fixed count, or as many as fit the budget.
