@@ -225,12 +225,23 @@ impl Kvepp {
     }
 }
 
-/// Replays `requests` under `policy`; returns every request's record and the engines' names.
+/// What one policy's replay gives back.
+pub struct Replay {
+    pub records: Vec<Record>,
+    /// The engines that answered clients, by name.
+    pub engines: Vec<String>,
+    /// With a restart and KV events: how long after the restart kvepp had dropped the restarted
+    /// engine's blocks (its publisher seen restarting), polled every 20 ms; None when not seen
+    /// within 5 s.
+    pub restart_cleared_after: Option<Duration>,
+}
+
+/// Replays `requests` under `policy`: every request's record and the engines' names.
 pub async fn run_policy(
     spec: &BenchSpec,
     policy: Policy,
     requests: &[Request],
-) -> Result<(Vec<Record>, Vec<String>), BenchError> {
+) -> Result<Replay, BenchError> {
     let fleet = Fleet::start(FleetSpec {
         engines: spec.engines,
         params: spec.params.clone(),
@@ -384,10 +395,25 @@ pub async fn run_policy(
             }
         }));
     }
+    let mut restart_cleared_after = None;
     if let Some(at) = spec.restart_at {
         if let Some(e) = answering.first() {
             tokio::time::sleep_until(start + at.div_f64(spec.speed.max(1e-6))).await;
+            const RESTARTS: &str = "kvepp_kv_event_publisher_restarts_total";
+            let seen = kvepps[0].metric(RESTARTS).await.unwrap_or(0.0);
+            let restarted = Instant::now();
             e.restart();
+            if policy.uses_kv_events() {
+                restart_cleared_after = wait_until(
+                    "kvepp to drop the restarted engine's blocks",
+                    Duration::from_secs(5),
+                    || async {
+                        (kvepps[0].metric(RESTARTS).await? > seen).then(|| restarted.elapsed())
+                    },
+                )
+                .await
+                .ok();
+            }
         }
     }
     let last_arrival = requests
@@ -433,7 +459,11 @@ pub async fn run_policy(
         kvepp.stop().await;
     }
     drop(fleet);
-    Ok((records, engines))
+    Ok(Replay {
+        records,
+        engines,
+        restart_cleared_after,
+    })
 }
 
 fn failed(error: String) -> Record {
@@ -608,7 +638,11 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                         name += if on { " / sync" } else { " / no sync" };
                     }
                 }
-                let (records, engines) = run_policy(&spec, policy, &sc.requests).await?;
+                let Replay {
+                    records,
+                    engines,
+                    restart_cleared_after,
+                } = run_policy(&spec, policy, &sc.requests).await?;
                 let r = report::summarize(&name, &records, &engines, args.slo_ttft_ms);
                 eprintln!(
                     "   {:<26} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  SLO met {:>3.0}%  failed {}{}",
@@ -626,8 +660,18 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                 if let (Some(at), Some(engine)) = (sc.restart_at, engines.first()) {
                     let at = at.div_f64(sc.speed.max(1e-6));
                     let (orphans, back) = orphaned_turns(&sc.requests, &records, engine, at);
+                    let cleared = match (policy.uses_kv_events(), restart_cleared_after) {
+                        (false, _) => String::new(),
+                        (true, Some(d)) => format!(
+                            "; kvepp dropped its blocks {} ms after the restart",
+                            d.as_millis()
+                        ),
+                        (true, None) => {
+                            "; kvepp had not dropped its blocks 5 s after the restart".into()
+                        }
+                    };
                     let line = format!(
-                        "- {name}: {back} of {orphans} turns whose conversation lived on the restarted engine were sent back to it\n"
+                        "- {name}: {back} of {orphans} turns whose conversation lived on the restarted engine were sent back to it{cleared}\n"
                     );
                     eprint!("   {line}");
                     notes += &line;
