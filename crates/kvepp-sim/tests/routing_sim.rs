@@ -159,9 +159,14 @@ async fn hit_ratios(
     };
     let mut hits = Vec::new();
     for policy in policies {
-        let (records, names) = routing_bench::run_policy(&spec, policy, requests)
+        let routing_bench::Replay {
+            records,
+            engines: names,
+            restart_cleared_after,
+        } = routing_bench::run_policy(&spec, policy, requests)
             .await
             .expect("replay");
+        assert_eq!(restart_cleared_after, None, "no restart in this replay");
         let r = routing_bench::report::summarize(policy.name(), &records, &names, 1000.0);
         assert_eq!(r.failed, 0, "{policy:?}: {:?}", r.first_error);
         assert_eq!(r.requests, requests.len());
