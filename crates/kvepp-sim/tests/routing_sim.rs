@@ -135,6 +135,23 @@ async fn engine_caches_and_the_epp_index_agree_after_evictions() {
     epp.stop().await;
 }
 
+/// A replay on `engines` engines of `blocks`-block caches behind `replicas` kvepp replicas (no
+/// replica sync), the first engine restarting at `restart_at` if given.
+fn spec(engines: usize, blocks: u64, replicas: usize, restart_at: Option<Duration>) -> BenchSpec {
+    BenchSpec {
+        layout: Vec::new(),
+        engines,
+        params: params(blocks),
+        envoy: envoy_bin(),
+        speed: 1.0,
+        drain: Duration::from_secs(60),
+        kvepp: kvepp::config::Config::default(),
+        replicas,
+        replica_sync: false,
+        restart_at,
+    }
+}
+
 /// Replays `requests` under each policy on `engines` engines of `blocks`-block caches behind
 /// `replicas` kvepp replicas (no replica sync); every request must succeed, and the second
 /// policy stays within the workload's hit ceiling. The hit ratios and the ceiling.
@@ -145,18 +162,7 @@ async fn hit_ratios(
     policies: [Policy; 2],
     requests: &[workload::Request],
 ) -> (Vec<f64>, f64) {
-    let spec = BenchSpec {
-        layout: Vec::new(),
-        engines,
-        params: params(blocks),
-        envoy: envoy_bin(),
-        speed: 1.0,
-        drain: Duration::from_secs(60),
-        kvepp: kvepp::config::Config::default(),
-        replicas,
-        replica_sync: false,
-        restart_at: None,
-    };
+    let spec = spec(engines, blocks, replicas, None);
     let mut hits = Vec::new();
     for policy in policies {
         let routing_bench::Replay {
@@ -198,6 +204,35 @@ async fn precise_routing_finds_more_cached_prefix_than_round_robin() {
         precise > rr + 0.2,
         "precise {precise:.3} vs round robin {rr:.3} (ceiling {ceiling:.3})"
     );
+}
+
+/// The replay's restart measurement: with KV events, the report learns when kvepp dropped the
+/// restarted engine's blocks (a restart it would not see leaves it None); without them it does
+/// not ask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_reports_when_kvepp_dropped_a_restarted_engine() {
+    let requests = workload::shared_prefix(&workload::SharedPrefix {
+        groups: 3,
+        system_tokens: 256,
+        user_tokens: 32,
+        output_tokens: (2, 4),
+        rate: 20.0,
+        duration: Duration::from_secs(2),
+        seed: 3,
+    });
+    let spec = spec(2, 400, 1, Some(Duration::from_secs(1)));
+    for (policy, measured) in [(Policy::Precise, true), (Policy::ApproximatePrefix, false)] {
+        let replay = routing_bench::run_policy(&spec, policy, &requests)
+            .await
+            .expect("replay");
+        assert_eq!(
+            replay.restart_cleared_after.is_some(),
+            measured,
+            "{policy:?}: {:?}",
+            replay.restart_cleared_after
+        );
+        assert_eq!(replay.records.len(), requests.len());
+    }
 }
 
 /// One completion through Envoy: (engine, cached tokens, completion tokens).
