@@ -421,7 +421,9 @@ impl KvState {
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
-        let cached_share = self.settings.weights.load_bound_exempt_cached;
+        // Bounded loads on: the exempting share (what they read is gathered only then).
+        let weights = &self.settings.weights;
+        let bound = (weights.load_bound >= 1.0).then_some(weights.load_bound_exempt_cached);
         let walked = Walked {
             index,
             hint: if approximate {
@@ -462,8 +464,10 @@ impl KvState {
                 },
                 |(c, v)| (c, Some(v)),
             );
-            sc.requests
-                .push(Self::bound_input(&c, e, walked.blocks, cached_share));
+            if let Some(share) = bound {
+                sc.requests
+                    .push(Self::bound_input(&c, e, walked.blocks, share));
+            }
             match cost(i, &c) {
                 Some(cost) => sc.costs.push(cost),
                 None => {
@@ -496,8 +500,8 @@ impl KvState {
                 c.overlap = Self::overlap_of(&walked, sc, *i, e);
                 c.set_load(&l);
                 *v = version;
-                if let Some(r) = sc.requests.get_mut(*i) {
-                    *r = Self::bound_input(c, e, walked.blocks, cached_share);
+                if let (Some(share), Some(r)) = (bound, sc.requests.get_mut(*i)) {
+                    *r = Self::bound_input(c, e, walked.blocks, share);
                 }
                 match cost(*i, c) {
                     Some(cost) => {

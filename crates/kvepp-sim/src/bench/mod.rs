@@ -400,10 +400,14 @@ pub async fn run_policy(
         if let Some(e) = answering.first() {
             tokio::time::sleep_until(start + at.div_f64(spec.speed.max(1e-6))).await;
             const RESTARTS: &str = "kvepp_kv_event_publisher_restarts_total";
-            let seen = kvepps[0].metric(RESTARTS).await.unwrap_or(0.0);
+            let seen = if policy.uses_kv_events() {
+                Some(kvepps[0].metric(RESTARTS).await.unwrap_or(0.0))
+            } else {
+                None
+            };
             let restarted = Instant::now();
             e.restart();
-            if policy.uses_kv_events() {
+            if let Some(seen) = seen {
                 restart_cleared_after = wait_until(
                     "kvepp to drop the restarted engine's blocks",
                     Duration::from_secs(5),
