@@ -12,13 +12,19 @@ For each mode: kvepp and the floor EPP behind the same Envoy bootstrap, interlea
 repeats. The tokenizer's own cost for the new segment (the last message, tokenized alone) is
 measured by `examples/tokenize_cost` (the CPU time of its calls) on the same machine in the same run:
 before the stack starts and before each repeat, with the stack idle (under load its wall time would
-count the waits for a core; run beside the loaded stack its CPU time read the same as idle)."""
+count the waits for a core; run beside the loaded stack its CPU time read the same as idle), once
+as it is (its tables warm in the CPU caches from the previous call) and once with 32 MiB written
+before every call (`--evict-mib 32`: the tables out of the caches). Inside kvepp the tokenizer's
+CPU time is read from its metrics (`kvepp_tokenizer_cpu_seconds_total`, the thread CPU time of
+each call) around the measured run: what the same work costs in a process that moves ~1 MB of
+body, ids and hashes per request, beside Envoy and the load generator."""
 
 import argparse
 import json
 import os
 import statistics
 import subprocess
+import urllib.request
 import sys
 
 import yaml
@@ -77,18 +83,32 @@ def main():
         # second before the stack starts and one before each repeat (the stack idle), the median
         # (this VM's speed drifts by up to 2× over minutes: sampled beside the runs it tracks them).
         last = bodies("tokens", 1)[0][0]["messages"][-1]["content"].replace(NEW, "123456")
-        segment_samples = []
+        segment_samples, evicted_samples = [], []
 
         def sample_segment_cost():
-            out = subprocess.run([COST, TOKENIZER, last, "--seconds", "1"], check=True, capture_output=True,
-                                 text=True).stdout
-            segment_samples.append(float(out.split("; ")[1].split()[0]))
+            for extra, samples in (([], segment_samples), (["--evict-mib", "32"], evicted_samples)):
+                out = subprocess.run([COST, TOKENIZER, last, "--seconds", "1", *extra], check=True,
+                                     capture_output=True, text=True).stdout
+                samples.append(float(out.split("; ")[1].split()[0]))
 
         if "tokens" in args.modes.split(","):
             sample_segment_cost()
         stack = floor_stack(tmp, spawn, models=("text-model", "ids-model", "chat-model"), kvepp_args=("--config", config))
         backend = stack["backend"]
         epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
+        metrics_url = stack["kvepp_metrics"]
+
+        def tokenizer_cpu():
+            """kvepp's tokenizer CPU seconds and calls so far (all models)."""
+            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+            total = {"kvepp_tokenizer_cpu_seconds_total": 0.0, "kvepp_tokenizer_calls_total": 0.0}
+            for line in text.splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in total:
+                    total[name] += float(line.rsplit(" ", 1)[1])
+            return total["kvepp_tokenizer_cpu_seconds_total"], total["kvepp_tokenizer_calls_total"]
+
+        inside = []
         results = {}
         for mode in args.modes.split(","):
             variants = bodies(mode, 16)
@@ -103,7 +123,12 @@ def main():
                 f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
                 f.write("local bodies = {}\n")
                 f.write("for i, p in ipairs(files) do local h = io.open(p, 'rb'); bodies[i] = h:read('*a'); h:close() end\n")
-                f.write("local n = 0\n")
+                # Counted on from the clock: every wrk run (warm-up, each repeat, each EPP) starts a
+                # new Lua state, and a counter from 0 would send the messages of the previous runs
+                # again, which kvepp's caches then serve without tokenizing (runs start seconds
+                # apart and send under 10^4 requests a second; the numbers stay below 10^14, which
+                # Lua prints whole).
+                f.write("local n = (os.time() % 1000000) * 10000\n")
                 f.write(f"local path = {json.dumps(variants[0][1])}\n")
                 f.write("local headers = {['content-type'] = 'application/json', "
                         f"['x-gateway-destination-endpoint'] = {json.dumps(backend)}}}\n")
@@ -122,12 +147,16 @@ def main():
                     sample_segment_cost()
                 for variant in ["floor", "kvepp"]:
                     proc, port = epps[variant]
-                    out, (c0,), (c1,) = load_through_envoy(
+                    probe = tokenizer_cpu if (mode, variant) == ("tokens", "kvepp") else None
+                    out, (c0, *t0), (c1, *t1) = load_through_envoy(
                         args.envoy, tmp, bootstrap(variant, "FULL_DUPLEX_STREAMED", 0, 0, port), 1,
-                        ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc])
+                        ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc], probe)
                     rps, p50, p99, errors, total = parse_wrk(out)
                     if errors:
                         sys.exit(f"bench: {mode} {variant}: {errors} errors\n{out}")
+                    if probe:
+                        (s0, n0), (s1, n1) = t0[0], t1[0]
+                        inside.append(((s1 - s0) * 1e6 / total, (n1 - n0) / total))
                     cpu_us = (c1 - c0) * 1e6 / total
                     results.setdefault((mode, variant), []).append((rps, p50, p99, cpu_us))
                     print(f"  {mode} rep={rep} {variant:<6} rps={rps:8.0f} p50={p50:7.2f}ms p99={p99:7.2f}ms epp cpu/req={cpu_us:8.1f}us",
@@ -154,6 +183,14 @@ def main():
                          f"of CPU (median of {len(segment_samples)} one-second samples: "
                          f"{', '.join(f'{x:.0f}' for x in segment_samples)}); "
                          f"kvepp's CPU over the floor's is {k - f_:.0f} µs per request, {(k - f_) / segment_us:.1f}× that.")
+            evicted_us = statistics.median(evicted_samples)
+            lines.append(f"With its tables out of the CPU caches (32 MiB written before each call) the same call takes "
+                         f"{evicted_us:.0f} µs (samples: {', '.join(f'{x:.0f}' for x in evicted_samples)}): "
+                         f"kvepp − floor is {(k - f_) / evicted_us:.1f}× that.")
+        if inside:
+            cpu_us, calls = (statistics.median(x[i] for x in inside) for i in range(2))
+            lines.append(f"Inside kvepp under the load its tokenizer took {cpu_us:.0f} µs of CPU per request "
+                         f"({calls:.2f} calls per request; repeats: {', '.join(f'{x[0]:.0f}' for x in inside)}).")
         report = "\n".join(lines)
         print(report)
         os.makedirs(os.path.join(ROOT, "bench/out"), exist_ok=True)

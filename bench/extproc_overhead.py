@@ -110,13 +110,15 @@ ports: [{{name: http, port: {backend_port}}}]
                    "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
     wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
     wait("backend", lambda: http_ok(f"http://{backend}/"))
-    return {"backend": backend, "backend_proc": backend_proc, "floor": (floor, floor_port), "kvepp": (kvepp, kp[0])}
+    return {"backend": backend, "backend_proc": backend_proc, "floor": (floor, floor_port), "kvepp": (kvepp, kp[0]),
+            "kvepp_metrics": f"http://127.0.0.1:{kp[2]}/metrics"}
 
 
-def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured):
+def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured, probe=None):
     """Envoy on `boot` (listener and admin ports filled in here) under wrk (`wrk_args`, e.g. a
     script) for a warm-up, then `duration` seconds; returns wrk's output and the CPU seconds of
-    `measured` processes (Envoy where None) before and after the measured run."""
+    `measured` processes (Envoy where None) before and after the measured run, each list followed
+    by `probe()`'s value at that moment where a probe is given."""
     listen, admin = free_port(), free_port()
     boot["admin"]["address"]["socket_address"]["port_value"] = admin
     boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
@@ -130,9 +132,9 @@ def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connection
         wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
         wrk = ["wrk", f"-t{workers}", f"-c{connections}", "--latency", *wrk_args, f"http://127.0.0.1:{listen}{path}"]
         subprocess.run(wrk[:2] + [f"-d{warmup}s"] + wrk[2:], check=True, capture_output=True)
-        before = [cpu_seconds(p) for p in pids]
+        before = [cpu_seconds(p) for p in pids] + ([probe()] if probe else [])
         out = subprocess.run(wrk[:2] + [f"-d{duration}s"] + wrk[2:], check=True, capture_output=True, text=True).stdout
-        after = [cpu_seconds(p) for p in pids]
+        after = [cpu_seconds(p) for p in pids] + ([probe()] if probe else [])
     finally:
         envoy.terminate()
         envoy.wait()

@@ -1,16 +1,18 @@
-//! The tokenizer's own cost for one piece of text: `tokenize_cost DIR TEXT [--seconds S]`
-//! tokenizes TEXT alone with the HuggingFace tokenizer in DIR (as kvepp loads it), 201 times or
-//! for S seconds, and prints the median wall-clock µs of a call and the thread's CPU µs per call
-//! (Linux: `/proc/thread-self/schedstat`; elsewhere wall time). bench/cpu_per_request.py compares
-//! tokens mode's extra CPU per request with the CPU figure.
+//! The tokenizer's own cost for one piece of text: `tokenize_cost DIR TEXT [--seconds S]
+//! [--evict-mib M]` tokenizes TEXT alone with the HuggingFace tokenizer in DIR (as kvepp loads
+//! it), 201 times or for S seconds, and prints the median wall-clock µs of a call and the thread's
+//! CPU µs per call (the thread's CPU clock). bench/cpu_per_request.py compares tokens mode's extra
+//! CPU per request with the CPU figure.
+//!
+//! With `--evict-mib M`, M MiB are written (a byte per cache line) before every call, so the
+//! tokenizer's tables are no longer in the CPU caches when it starts, as in a process that moves
+//! large bodies between two calls; the CPU figure then covers the calls alone (read around each).
 
 use std::time::{Duration, Instant};
 
-/// This thread's CPU time so far, where the kernel tells it.
-fn thread_cpu() -> Option<Duration> {
-    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let ns: u64 = s.split_whitespace().next()?.parse().ok()?;
-    Some(Duration::from_nanos(ns))
+/// This thread's CPU time so far.
+fn thread_cpu() -> Duration {
+    Duration::from_nanos(kvepp::request::tokenize::thread_cpu_nanos())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,22 +28,40 @@ fn main() -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let evict_mib: usize = match args.iter().position(|a| a == "--evict-mib") {
+        Some(i) => args
+            .get(i + 1)
+            .ok_or_else(|| anyhow::anyhow!("--evict-mib needs a value"))?
+            .parse()?,
+        None => 0,
+    };
+    let mut junk = vec![0u8; evict_mib << 20];
+    let mut calls_cpu = Duration::ZERO;
     let t = kvepp::request::tokenize::ModelTokenizer::load(std::path::Path::new(dir))?;
     let n = t.text_ids_whole(text)?.len();
     let until = seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
     let mut times = Vec::with_capacity(201);
-    let (wall0, cpu0) = (Instant::now(), thread_cpu());
+    let cpu0 = thread_cpu();
     while match until {
         Some(u) => Instant::now() < u || times.is_empty(),
         None => times.len() < 201,
     } {
-        let start = Instant::now();
+        let round = times.len() as u8;
+        for b in junk.iter_mut().step_by(64) {
+            *b = b.wrapping_add(round);
+        }
+        std::hint::black_box(&junk);
+        let (start, cpu_start) = (Instant::now(), thread_cpu());
         t.text_ids_whole(text)?;
-        times.push(start.elapsed());
+        let wall = start.elapsed();
+        times.push(wall);
+        calls_cpu += thread_cpu().saturating_sub(cpu_start);
     }
-    let cpu = match (cpu0, thread_cpu()) {
-        (Some(a), Some(b)) => b.saturating_sub(a),
-        _ => wall0.elapsed(),
+    // Without eviction the whole loop is the calls.
+    let cpu = if junk.is_empty() {
+        thread_cpu().saturating_sub(cpu0)
+    } else {
+        calls_cpu
     };
     times.sort();
     println!(

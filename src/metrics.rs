@@ -1,5 +1,6 @@
 //! Prometheus metrics: the registry and every family kvepp exposes (text exposition served by the `api` module).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -160,24 +161,32 @@ pub struct HashSourceLabels {
     pub source: &'static str,
 }
 
-/// The running counts of one cache whose counters live with the cache (read at each scrape).
-#[derive(Debug, Clone)]
-pub struct CacheSample {
+/// A model's tokenizer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ModelLabels {
     pub model: Arc<str>,
-    pub cache: &'static str,
-    pub hits: u64,
-    pub misses: u64,
 }
 
-type CacheSource = Box<dyn Fn() -> Vec<CacheSample> + Send + Sync>;
+/// The running counts of one model's tokenizer, kept with it (read at each scrape).
+#[derive(Debug, Clone)]
+pub struct TokenizerSample {
+    pub model: Arc<str>,
+    /// Each cache's name, hits and misses.
+    pub caches: Vec<(&'static str, u64, u64)>,
+    /// Calls into the tokenizer and the thread CPU time they took.
+    pub calls: u64,
+    pub cpu_nanos: u64,
+}
 
-/// Where the cache counters come from (the tokenizers' caches), read at each scrape.
+type TokenizerSource = Box<dyn Fn() -> Option<TokenizerSample> + Send + Sync>;
+
+/// Where the tokenizer counters come from (the models' tokenizers), read at each scrape.
 #[derive(Default)]
-struct CacheSources(std::sync::Mutex<Vec<CacheSource>>);
+struct TokenizerSources(std::sync::Mutex<Vec<TokenizerSource>>);
 
-impl std::fmt::Debug for CacheSources {
+impl std::fmt::Debug for TokenizerSources {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CacheSources")
+        f.write_str("TokenizerSources")
     }
 }
 
@@ -186,7 +195,10 @@ pub struct Metrics {
     registry: Registry,
     /// Tokenizer cache lookups by model, cache and result (brought up to date at each scrape).
     pub cache_lookups: Family<CacheLabels, Counter>,
-    cache_sources: CacheSources,
+    /// Calls into each model's tokenizer and the CPU time they took (up to date at each scrape).
+    pub tokenizer_calls: Family<ModelLabels, Counter>,
+    pub tokenizer_cpu: Family<ModelLabels, Counter<f64, AtomicU64>>,
+    tokenizer_sources: TokenizerSources,
     /// Full blocks of token prompts by how their hashes were found (set at each scrape).
     pub prompt_hash_blocks: Family<HashSourceLabels, Counter>,
     pub requests: Family<RequestLabels, Counter>,
@@ -463,6 +475,19 @@ impl Metrics {
              segments: token ids of the text between added tokens), by result",
             cache_lookups.clone(),
         );
+        let tokenizer_calls = Family::<ModelLabels, Counter>::default();
+        registry.register(
+            "tokenizer_calls",
+            "Calls into a model's tokenizer (a completions prompt, or a chat segment the segment \
+             cache did not hold)",
+            tokenizer_calls.clone(),
+        );
+        let tokenizer_cpu = Family::<ModelLabels, Counter<f64, AtomicU64>>::default();
+        registry.register(
+            "tokenizer_cpu_seconds",
+            "CPU time the threads calling a model's tokenizer spent in it",
+            tokenizer_cpu.clone(),
+        );
         let endpoint_in_flight = Family::<EndpointLabels, Gauge>::default();
         registry.register(
             "endpoint_in_flight_requests",
@@ -487,7 +512,9 @@ impl Metrics {
         );
         Arc::new(Metrics {
             cache_lookups,
-            cache_sources: CacheSources::default(),
+            tokenizer_calls,
+            tokenizer_cpu,
+            tokenizer_sources: TokenizerSources::default(),
             prompt_hash_blocks,
             prefix_blocks,
             prefix_matched_blocks,
@@ -546,31 +573,40 @@ impl Metrics {
             .inc_by(matched.min(prompt));
     }
 
-    /// Adds a source of cache counts, read at each scrape.
-    pub fn add_cache_source(&self, source: CacheSource) {
-        self.cache_sources
+    /// Adds a source of tokenizer counts, read at each scrape.
+    pub fn add_tokenizer_source(&self, source: TokenizerSource) {
+        self.tokenizer_sources
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(source);
     }
 
-    /// Brings the cache counters up to their sources' counts (which only grow).
-    pub fn collect_caches(&self) {
+    /// Brings the tokenizer counters up to their sources' counts (which only grow).
+    pub fn collect_tokenizers(&self) {
         let sources = self
-            .cache_sources
+            .tokenizer_sources
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for sample in sources.iter().flat_map(|source| source()) {
-            for (result, count) in [("hit", sample.hits), ("miss", sample.misses)] {
-                let counter = self.cache_lookups.get_or_create(&CacheLabels {
-                    model: sample.model.clone(),
-                    cache: sample.cache,
-                    result,
-                });
-                catch_up(&counter, count);
+        for sample in sources.iter().filter_map(|source| source()) {
+            for &(cache, hits, misses) in &sample.caches {
+                for (result, count) in [("hit", hits), ("miss", misses)] {
+                    let counter = self.cache_lookups.get_or_create(&CacheLabels {
+                        model: sample.model.clone(),
+                        cache,
+                        result,
+                    });
+                    catch_up(&counter, count);
+                }
             }
+            let model = ModelLabels {
+                model: sample.model.clone(),
+            };
+            catch_up(&self.tokenizer_calls.get_or_create(&model), sample.calls);
+            let cpu = self.tokenizer_cpu.get_or_create(&model);
+            let seconds = sample.cpu_nanos as f64 / 1e9;
+            cpu.inc_by((seconds - cpu.get()).max(0.0));
         }
     }
 

@@ -63,7 +63,7 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
             })
             .set(i64::from(e.load.in_flight()));
     }
-    st.metrics.collect_caches();
+    st.metrics.collect_tokenizers();
     if let Some(kv) = &st.kv {
         st.metrics.collect_prompt_hashes(kv.prompt_hash_stats());
     }

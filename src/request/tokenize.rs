@@ -12,8 +12,13 @@
 //! is kept in a bounded cache keyed by a 128-bit hash of its raw JSON: the same bytes always give
 //! the same value, so a conversation's earlier turns (and their long documents) are not decoded
 //! again on every turn. The template itself is rendered over the whole conversation every time.
+//!
+//! Every call into the tokenizer is counted with the CPU time its thread spent in it
+//! ([`ModelTokenizer::tokenizer_stats`]): what tokenization costs inside the running process,
+//! where its tables compete for the CPU caches with everything else the machine does.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::value::RawValue;
@@ -57,6 +62,23 @@ pub struct ModelTokenizer {
     messages: ContentCache<Value>,
     bos: String,
     eos: String,
+    /// Calls into the tokenizer and the thread CPU time they took (ns).
+    calls: AtomicU64,
+    cpu_nanos: AtomicU64,
+}
+
+/// A model tokenizer's own work so far: calls into the tokenizer and the CPU time their threads
+/// spent in them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenizerStats {
+    pub calls: u64,
+    pub cpu_nanos: u64,
+}
+
+/// This thread's CPU time (ns): the clock only this thread's running advances.
+pub fn thread_cpu_nanos() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -121,6 +143,8 @@ impl ModelTokenizer {
             messages: ContentCache::new(MESSAGE_CACHE_BYTES, MESSAGE_OVERHEAD_BYTES),
             bos: token_text(cfg.get("bos_token")),
             eos: token_text(cfg.get("eos_token")),
+            calls: AtomicU64::new(0),
+            cpu_nanos: AtomicU64::new(0),
         })
     }
 
@@ -159,10 +183,24 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
+        let start = thread_cpu_nanos();
+        let ids = self
+            .tokenizer
             .encode_fast(text, special)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+            .map_err(|e| TokenizeError::Encode(e.to_string()));
+        self.cpu_nanos
+            .fetch_add(thread_cpu_nanos().saturating_sub(start), Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        ids
+    }
+
+    /// Calls into the tokenizer so far and the CPU time they took.
+    pub fn tokenizer_stats(&self) -> TokenizerStats {
+        TokenizerStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            cpu_nanos: self.cpu_nanos.load(Ordering::Relaxed),
+        }
     }
 
     /// Token ids of a completions `prompt` string (JSON, as in the body).

@@ -374,7 +374,7 @@ pub async fn run(
         })?;
         tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
         let t = Arc::new(t);
-        metrics.add_cache_source(cache_source(model, &t));
+        metrics.add_tokenizer_source(tokenizer_source(model, &t));
         routing = routing.with_tokenizer(model.clone(), t);
     }
     let settings = Settings {
@@ -490,25 +490,23 @@ pub async fn run(
     }
 }
 
-/// The counts of a model's tokenizer caches, as the metrics read them at each scrape.
-fn cache_source(
+/// The counts of a model's tokenizer and its caches, as the metrics read them at each scrape.
+fn tokenizer_source(
     model: &str,
     tokenizer: &Arc<ModelTokenizer>,
-) -> Box<dyn Fn() -> Vec<crate::metrics::CacheSample> + Send + Sync> {
+) -> Box<dyn Fn() -> Option<crate::metrics::TokenizerSample> + Send + Sync> {
     let (model, tokenizer): (Arc<str>, _) = (model.into(), Arc::downgrade(tokenizer));
     Box::new(move || {
-        let Some(t) = tokenizer.upgrade() else {
-            return Vec::new();
-        };
-        let sample = |cache, s: crate::request::tokenize::CacheStats| crate::metrics::CacheSample {
+        let t = tokenizer.upgrade()?;
+        let (m, work) = (t.message_stats(), t.tokenizer_stats());
+        let mut caches = vec![("messages", m.hits, m.misses)];
+        caches.extend(t.segment_stats().map(|s| ("segments", s.hits, s.misses)));
+        Some(crate::metrics::TokenizerSample {
             model: model.clone(),
-            cache,
-            hits: s.hits,
-            misses: s.misses,
-        };
-        let mut out = vec![sample("messages", t.message_stats())];
-        out.extend(t.segment_stats().map(|s| sample("segments", s)));
-        out
+            caches,
+            calls: work.calls,
+            cpu_nanos: work.cpu_nanos,
+        })
     })
 }
 

@@ -188,6 +188,14 @@ async fn chat_prompts_are_tokenized_with_the_model_template() {
         "messages: {hits} hits, {misses} misses"
     );
     assert!(lookups("segments", "hit").await > 0.0, "segments hit");
+    // The tokenizer ran once per segment the cache did not hold, and its CPU time was counted.
+    let calls = epp.metric("kvepp_tokenizer_calls_total{model=\"m\"}").await;
+    assert_eq!(calls, Some(lookups("segments", "miss").await));
+    let cpu = epp
+        .metric("kvepp_tokenizer_cpu_seconds_total{model=\"m\"}")
+        .await
+        .expect("tokenizer CPU metric");
+    assert!(cpu > 0.0, "tokenizer CPU {cpu} s");
     // Short prompts are hashed directly (the memo starts at 32 blocks), and counted.
     let hashed = epp
         .metric("kvepp_kv_prompt_hash_blocks_total{source=\"hashed\"}")
