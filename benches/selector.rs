@@ -191,6 +191,29 @@ fn token_hash(c: &mut Criterion) {
                 .len()
         })
     });
+    // The request path makes each prompt's ids (parsing or tokenizing) and is done with them
+    // after hashing: lent, the memo copies them; handed over, it keeps them. A copy of the ids
+    // stands for making them, in both.
+    for owned in [false, true] {
+        let name = if owned {
+            "100k_ids_98k_shared/ids_made_then_handed_over"
+        } else {
+            "100k_ids_98k_shared/ids_made_then_lent"
+        };
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                turn += 1;
+                let prompt = if turn.is_multiple_of(2) { &ids } else { &other };
+                let made = black_box(prompt).clone();
+                let blocks = if owned {
+                    kv.blocks_from_owned_tokens(made, None, PrefixMode::TokenIds)
+                } else {
+                    kv.blocks_from_tokens(&made, None, PrefixMode::TokenIds)
+                };
+                blocks.hashes.len()
+            })
+        });
+    }
     g.bench_function("100k_ids/every_block_hashed", |b| {
         b.iter(|| {
             let locals = local_block_hashes(black_box(&ids), 16, None);

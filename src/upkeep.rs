@@ -98,7 +98,7 @@ mod tests {
         };
         let held = router
             .route(
-                &facts,
+                facts.clone(),
                 std::slice::from_ref(&a),
                 &mut PickContext::seeded(1),
             )
@@ -119,7 +119,7 @@ mod tests {
         // Its approximate prefix is gone too: the same prompt finds nothing cached on it.
         let again = router
             .route(
-                &facts,
+                facts,
                 std::slice::from_ref(&a),
                 &mut PickContext::seeded(1),
             )

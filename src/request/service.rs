@@ -263,7 +263,7 @@ impl RouteRequest for RequestRouter {
             };
             let d = self
                 .router
-                .route(&facts, &snap.endpoints, &mut ctx)
+                .route(facts, &snap.endpoints, &mut ctx)
                 .map_err(|e| Rejection::from_pick(e, priority))?;
             return Ok(Routed {
                 pick: d.pick,
@@ -316,7 +316,7 @@ impl RouteRequest for RequestRouter {
         };
         let d = self
             .router
-            .route(&facts, &snap.endpoints, &mut ctx)
+            .route(facts, &snap.endpoints, &mut ctx)
             .map_err(|e| with_labels(Rejection::from_pick(e, priority)))?;
         Ok(Routed {
             pick: d.pick,

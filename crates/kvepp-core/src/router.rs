@@ -118,20 +118,23 @@ impl Router {
     /// Hashes the prompt, picks among `endpoints` and books the primary. In a disaggregated pool
     /// (some endpoint only prefills or only decodes) the primary is the decode worker and the
     /// pick's [`Pick::pairing`] names the prefill worker; both are booked.
+    ///
+    /// The facts are consumed: a prompt's token ids end in the memo of recent prompts, not copied.
     pub fn route(
         &self,
-        facts: &RequestFacts<'_>,
+        mut facts: RequestFacts<'_>,
         endpoints: &[Arc<Endpoint>],
         ctx: &mut PickContext,
     ) -> Result<Decision, PickError> {
+        let prompt = std::mem::take(&mut facts.prompt);
         let prompt = self
             .kv
             .as_ref()
-            .and_then(|kv| prompt_blocks(kv, facts.model, &facts.prompt));
+            .and_then(|kv| prompt_blocks(kv, facts.model, prompt));
         if TransferSettings::is_disaggregated(endpoints) {
-            return self.route_disaggregated(facts, endpoints, prompt.as_ref(), ctx);
+            return self.route_disaggregated(&facts, endpoints, prompt.as_ref(), ctx);
         }
-        self.route_among(facts, endpoints, prompt.as_ref(), ctx)
+        self.route_among(&facts, endpoints, prompt.as_ref(), ctx)
     }
 
     /// One pick among `endpoints`, booked with its full prefill. A KV-aware pick books exactly
@@ -342,15 +345,15 @@ impl Router {
 
 /// The prompt as KV blocks in the router's block size: token ids seeded by the LoRA adapter (when
 /// `model` is one), or approximate blocks of the raw bytes.
-fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: &Prompt<'_>) -> Option<PromptBlocks> {
+fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Option<PromptBlocks> {
     let lora = || model.and_then(|m| kv.lora_for(m));
     match prompt {
         Prompt::None => None,
         Prompt::TokenIds(ids) => {
-            Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::TokenIds))
+            Some(kv.blocks_from_owned_tokens(ids, lora().as_deref(), PrefixMode::TokenIds))
         }
         Prompt::Tokens(ids) => {
-            Some(kv.blocks_from_tokens(ids, lora().as_deref(), PrefixMode::Tokens))
+            Some(kv.blocks_from_owned_tokens(ids, lora().as_deref(), PrefixMode::Tokens))
         }
         Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
     }

@@ -50,7 +50,31 @@ impl KvState {
         lora: Option<&str>,
         mode: PrefixMode,
     ) -> PromptBlocks {
-        let (locals, hashes) = self.memo.hashes(tokens, self.block_size() as usize, lora);
+        let hashed = self.memo.hashes(tokens, self.block_size() as usize, lora);
+        self.token_blocks(hashed, tokens.len(), mode)
+    }
+
+    /// [`Self::blocks_from_tokens`] of tokens the caller is done with: the memo of recent prompts
+    /// keeps them instead of a copy.
+    pub fn blocks_from_owned_tokens(
+        &self,
+        tokens: Vec<u32>,
+        lora: Option<&str>,
+        mode: PrefixMode,
+    ) -> PromptBlocks {
+        let isl = tokens.len();
+        let hashed = self
+            .memo
+            .hashes_owned(tokens, self.block_size() as usize, lora);
+        self.token_blocks(hashed, isl, mode)
+    }
+
+    fn token_blocks(
+        &self,
+        (locals, hashes): (Vec<LocalBlockHash>, Vec<SequenceHash>),
+        isl: usize,
+        mode: PrefixMode,
+    ) -> PromptBlocks {
         PromptBlocks {
             mode: if self.settings.approximate_only {
                 PrefixMode::Approximate
@@ -59,7 +83,7 @@ impl KvState {
             },
             locals,
             hashes,
-            isl_tokens: tokens.len() as u64,
+            isl_tokens: isl as u64,
         }
     }
 

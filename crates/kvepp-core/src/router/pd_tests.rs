@@ -55,7 +55,7 @@ fn pairs(r: &Router, eps: &[Arc<Endpoint>], n: usize) -> Vec<(Option<u16>, u16)>
     let mut held = Vec::new();
     let mut out = Vec::new();
     for _ in 0..n {
-        let d = r.route(&facts(), eps, &mut ctx).unwrap();
+        let d = r.route(facts(), eps, &mut ctx).unwrap();
         out.push((
             d.pick.pairing.as_ref().map(|p| p.prefill.addr.port()),
             d.pick.primary.addr.port(),
@@ -116,7 +116,7 @@ fn no_same_domain_decode_fail_refuses_fallback_crosses() {
         w(21, Role::Decode, Some("b"), "h2"),
     ];
     let err = router(zone_level(MismatchPolicy::Fail))
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
+        .route(facts(), &eps, &mut PickContext::seeded(1))
         .unwrap_err();
     assert_eq!(
         err,
@@ -128,7 +128,7 @@ fn no_same_domain_decode_fail_refuses_fallback_crosses() {
     );
     assert!(err.to_string().contains("zone \"a\""), "{err}");
     let d = router(zone_level(MismatchPolicy::Fallback))
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
+        .route(facts(), &eps, &mut PickContext::seeded(1))
         .unwrap();
     let p = d.pick.pairing.as_ref().unwrap();
     assert_eq!((p.prefill.addr.port(), d.pick.primary.addr.port()), (1, 21));
@@ -158,11 +158,11 @@ fn worker_missing_the_level() {
         w(30, Role::Decode, None, "h3"),
     ];
     assert!(matches!(
-        router(zone_level(MismatchPolicy::Fail)).route(&facts(), &eps, &mut PickContext::seeded(1)),
+        router(zone_level(MismatchPolicy::Fail)).route(facts(), &eps, &mut PickContext::seeded(1)),
         Err(PickError::TopologyMismatch { .. })
     ));
     let d = router(zone_level(MismatchPolicy::Fallback))
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
+        .route(facts(), &eps, &mut PickContext::seeded(1))
         .unwrap();
     assert_eq!(d.pick.primary.addr.port(), 30);
     assert!(d.pick.pairing.unwrap().crossed);
@@ -172,7 +172,7 @@ fn worker_missing_the_level() {
         w(11, Role::Decode, Some("a"), "h2"),
     ];
     let err = router(zone_level(MismatchPolicy::Fail))
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
+        .route(facts(), &eps, &mut PickContext::seeded(1))
         .unwrap_err();
     assert!(
         matches!(&err, PickError::TopologyMismatch { domain: None, .. }),
@@ -220,7 +220,7 @@ fn sequence(r: &Router, eps: &[Arc<Endpoint>]) -> Vec<(Option<u16>, u16, Option<
             },
             ..RequestFacts::default()
         };
-        let d = r.route(&f, eps, &mut ctx).unwrap();
+        let d = r.route(f, eps, &mut ctx).unwrap();
         out.push((
             d.pick.pairing.as_ref().map(|p| p.prefill.addr.port()),
             d.pick.primary.addr.port(),
@@ -288,7 +288,7 @@ fn soft_preference_prefers_near_decode_workers_within_the_filter() {
     assert_eq!(on[0], (Some(1), 11));
     // The hard filter removes zone b; the soft cost ranks the survivors.
     let d = router(soft(10.0, Some("zone")))
-        .route(&facts(), &eps, &mut PickContext::seeded(3))
+        .route(facts(), &eps, &mut PickContext::seeded(3))
         .unwrap();
     let p = d.pick.pairing.unwrap();
     assert_eq!(d.pick.primary.addr.port(), 11);
@@ -313,9 +313,7 @@ fn both_legs_are_booked_and_released() {
     ];
     let r = router(zone_level(MismatchPolicy::Fail));
     let kv = r.kv().unwrap().clone();
-    let mut d = r
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
-        .unwrap();
+    let mut d = r.route(facts(), &eps, &mut PickContext::seeded(1)).unwrap();
     assert_eq!((eps[0].load.in_flight(), eps[1].load.in_flight()), (1, 1));
     assert!(kv.load("127.0.0.1:1").unwrap().active_requests == 1);
     assert!(kv.load("127.0.0.1:11").unwrap().active_requests == 1);
@@ -331,9 +329,7 @@ fn both_legs_are_booked_and_released() {
     assert_eq!(eps[1].load.in_flight(), 0);
     assert_eq!(kv.load("127.0.0.1:11").unwrap().active_requests, 0);
     // An abort before the first byte releases both.
-    let d = r
-        .route(&facts(), &eps, &mut PickContext::seeded(2))
-        .unwrap();
+    let d = r.route(facts(), &eps, &mut PickContext::seeded(2)).unwrap();
     drop(d);
     assert_eq!((eps[0].load.in_flight(), eps[1].load.in_flight()), (0, 0));
 }
@@ -345,9 +341,7 @@ fn short_prompts_and_pools_without_prefill_or_decode_workers() {
         prefill_threshold_tokens: 1000,
         ..zone_level(MismatchPolicy::Fail)
     });
-    let d = r
-        .route(&facts(), &eps, &mut PickContext::seeded(1))
-        .unwrap();
+    let d = r.route(facts(), &eps, &mut PickContext::seeded(1)).unwrap();
     assert!(d.pick.pairing.is_none(), "short prompt: decode alone");
     assert_eq!(d.pick.primary.role, Role::Decode);
     assert!(
@@ -359,7 +353,7 @@ fn short_prompts_and_pools_without_prefill_or_decode_workers() {
         w(3, Role::Both, Some("b"), "h2"),
     ];
     let d = router(TransferSettings::default())
-        .route(&facts(), &decode_only, &mut PickContext::seeded(1))
+        .route(facts(), &decode_only, &mut PickContext::seeded(1))
         .unwrap();
     // The `both` worker may prefill for a decode worker, or serve alone.
     if let Some(p) = &d.pick.pairing {
@@ -368,13 +362,13 @@ fn short_prompts_and_pools_without_prefill_or_decode_workers() {
     let prefill_only = vec![w(1, Role::Prefill, Some("a"), "h1")];
     assert_eq!(
         router(TransferSettings::default())
-            .route(&facts(), &prefill_only, &mut PickContext::seeded(1))
+            .route(facts(), &prefill_only, &mut PickContext::seeded(1))
             .unwrap_err(),
         PickError::NoDecodeEndpoints
     );
     // No prompt (decided at the headers): a decode worker, no pairing.
     let d = router(TransferSettings::default())
-        .route(&RequestFacts::default(), &eps, &mut PickContext::seeded(1))
+        .route(RequestFacts::default(), &eps, &mut PickContext::seeded(1))
         .unwrap();
     assert!(d.pick.pairing.is_none());
     assert_eq!(d.pick.primary.role, Role::Decode);

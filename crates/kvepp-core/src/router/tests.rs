@@ -32,7 +32,7 @@ pub(super) fn text(bytes: &[u8]) -> RequestFacts<'_> {
 /// Cached blocks of `bytes` on the primary of a fresh pick among `eps` (booking dropped at once).
 fn overlap_on(r: &Router, eps: &[Arc<Endpoint>], bytes: &[u8]) -> (SocketAddr, u64) {
     let d = r
-        .route(&text(bytes), eps, &mut PickContext::seeded(9))
+        .route(text(bytes), eps, &mut PickContext::seeded(9))
         .unwrap();
     let kv = d.pick.kv.unwrap();
     (d.pick.primary.addr, kv.overlap.device)
@@ -45,7 +45,7 @@ fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
     let eps = vec![ep(1, 3), ep(2, 0), ep(3, 5)];
     let mut ctx = PickContext::seeded(1);
     for _ in 0..50 {
-        let d = r.route(&RequestFacts::default(), &eps, &mut ctx).unwrap();
+        let d = r.route(RequestFacts::default(), &eps, &mut ctx).unwrap();
         assert_eq!(d.pick.primary.addr, eps[1].addr);
         assert_eq!(d.mode, PrefixMode::None);
     }
@@ -53,7 +53,7 @@ fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
     let eps = vec![ep(1, 2), ep(2, 2)];
     let mut seen = [0u32; 2];
     for _ in 0..200 {
-        let d = r.route(&RequestFacts::default(), &eps, &mut ctx).unwrap();
+        let d = r.route(RequestFacts::default(), &eps, &mut ctx).unwrap();
         let i = usize::from(d.pick.primary.addr != eps[0].addr);
         seen[i] += 1;
         assert_ne!(
@@ -71,14 +71,14 @@ fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
     let eps = vec![ep(1, 0), ep(2, 0)];
     let prompt = [7u8; 64]; // 16 blocks of 4 bytes
     let first = r
-        .route(&text(&prompt), &eps, &mut PickContext::seeded(3))
+        .route(text(&prompt), &eps, &mut PickContext::seeded(3))
         .unwrap();
     let home = first.pick.primary.addr;
     drop(first);
     for seed in 0..20 {
         let (addr, overlap) = {
             let d = r
-                .route(&text(&prompt), &eps, &mut PickContext::seeded(seed))
+                .route(text(&prompt), &eps, &mut PickContext::seeded(seed))
                 .unwrap();
             (d.pick.primary.addr, d.pick.kv.unwrap().overlap.device)
         };
@@ -94,13 +94,13 @@ fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
         },
     );
     let d = hot
-        .route(&text(&prompt), &eps, &mut PickContext::seeded(3))
+        .route(text(&prompt), &eps, &mut PickContext::seeded(3))
         .unwrap();
     let home = d.pick.primary.addr;
     drop(d);
     let away = (0..200)
         .filter(|&s| {
-            hot.route(&text(&prompt), &eps, &mut PickContext::seeded(s))
+            hot.route(text(&prompt), &eps, &mut PickContext::seeded(s))
                 .unwrap()
                 .pick
                 .primary
@@ -117,14 +117,14 @@ fn approximate_memory_is_bounded_per_endpoint() {
     let eps = vec![ep(1, 0)];
     let a = [1u8; 8]; // 2 blocks
     drop(
-        r.route(&text(&a), &eps, &mut PickContext::seeded(1))
+        r.route(text(&a), &eps, &mut PickContext::seeded(1))
             .unwrap(),
     );
     assert_eq!(overlap_on(&r, &eps, &a).1, 2);
     // Two other 2-block prompts push a's four references out of the 4-block FIFO.
     for other in [[2u8; 8], [3u8; 8], [4u8; 8]] {
         drop(
-            r.route(&text(&other), &eps, &mut PickContext::seeded(1))
+            r.route(text(&other), &eps, &mut PickContext::seeded(1))
                 .unwrap(),
         );
     }
@@ -138,7 +138,7 @@ fn forgetting_an_endpoint_drops_its_prefixes_and_load() {
     let eps = vec![ep(1, 0)];
     let p = [5u8; 16];
     let held = r
-        .route(&text(&p), &eps, &mut PickContext::seeded(1))
+        .route(text(&p), &eps, &mut PickContext::seeded(1))
         .unwrap();
     let kv = r.kv().unwrap().clone();
     let addr = eps[0].addr_str.clone();
@@ -158,7 +158,7 @@ fn booking_is_released_once_on_drop_and_stale_ones_expire() {
     let addr = eps[0].addr_str.clone();
     let now = Instant::now();
     let mut ctx = PickContext::new(fastrand::Rng::with_seed(1), now);
-    let mut d = r.route(&text(&[9u8; 16]), &eps, &mut ctx).unwrap();
+    let mut d = r.route(text(&[9u8; 16]), &eps, &mut ctx).unwrap();
     assert_eq!(eps[0].load.in_flight(), 1);
     let l = kv.load(&addr).unwrap();
     assert_eq!((l.active_requests, l.active_prefill_tokens), (1, 16));
@@ -169,7 +169,7 @@ fn booking_is_released_once_on_drop_and_stale_ones_expire() {
     assert_eq!(kv.load(&addr).unwrap().active_requests, 0);
 
     // A request whose end is never seen is expired by upkeep, in approximate mode too.
-    let lost = r.route(&text(&[9u8; 16]), &eps, &mut ctx).unwrap();
+    let lost = r.route(text(&[9u8; 16]), &eps, &mut ctx).unwrap();
     std::mem::forget(lost);
     assert_eq!(r.maintain(now + Duration::from_secs(1)), 0);
     assert_eq!(
@@ -185,7 +185,7 @@ fn load_only_router_books_in_flight_without_prompt_work() {
     assert!(!r.wants_prompt());
     let eps = vec![ep(1, 2), ep(2, 1)];
     let mut ctx = PickContext::seeded(1);
-    let d = r.route(&text(&[1u8; 16]), &eps, &mut ctx).unwrap();
+    let d = r.route(text(&[1u8; 16]), &eps, &mut ctx).unwrap();
     assert_eq!(d.pick.primary.addr, eps[1].addr);
     assert!(d.pick.kv.is_none());
     assert_eq!(eps[1].load.in_flight(), 2);
@@ -194,7 +194,7 @@ fn load_only_router_books_in_flight_without_prompt_work() {
         ..RequestFacts::default()
     };
     assert_eq!(
-        r.route(&shed, &eps, &mut ctx).unwrap_err(),
+        r.route(shed, &eps, &mut ctx).unwrap_err(),
         PickError::Saturated(2)
     );
     drop(d);
@@ -209,14 +209,14 @@ fn retain_keeps_only_live_endpoints() {
     let p = [6u8; 16];
     let held = r
         .route(
-            &text(&p),
+            text(&p),
             std::slice::from_ref(&a),
             &mut PickContext::seeded(1),
         )
         .unwrap();
     drop(
         r.route(
-            &text(&p),
+            text(&p),
             std::slice::from_ref(&b),
             &mut PickContext::seeded(1),
         )

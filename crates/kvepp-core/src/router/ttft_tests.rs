@@ -38,7 +38,7 @@ fn the_cached_endpoint_wins_until_its_queue_costs_more_than_the_prefill_it_saves
     let eps = vec![ep(1, 20), ep(2, 20)];
     let mut ctx = PickContext::seeded(1);
     // A first request caches the head at home and finishes.
-    let first = r.route(&text(&prompt(1)), &eps, &mut ctx).unwrap();
+    let first = r.route(text(&prompt(1)), &eps, &mut ctx).unwrap();
     let home = first.pick.primary.addr;
     assert!(
         first.pick.kv.unwrap().ttft.is_some(),
@@ -50,7 +50,7 @@ fn the_cached_endpoint_wins_until_its_queue_costs_more_than_the_prefill_it_saves
     let mut at_home = 0;
     loop {
         let d = r
-            .route(&text(&prompt(2 + held.len() as u8)), &eps, &mut ctx)
+            .route(text(&prompt(2 + held.len() as u8)), &eps, &mut ctx)
             .unwrap();
         let kv = d.pick.kv.unwrap();
         if d.pick.primary.addr != home {
@@ -70,7 +70,7 @@ fn the_cached_endpoint_wins_until_its_queue_costs_more_than_the_prefill_it_saves
     assert_eq!(at_home, 8);
     drop(held);
     // Idle again: the cache wins.
-    let d = r.route(&text(&prompt(99)), &eps, &mut ctx).unwrap();
+    let d = r.route(text(&prompt(99)), &eps, &mut ctx).unwrap();
     let other = d.pick.primary.addr;
     drop(d);
     assert!(eps.iter().any(|e| e.addr == other));
@@ -84,7 +84,7 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
     // The slow endpoint takes 2 s to a first token, the fast one 20 ms, for any prompt.
     let slow = eps[0].addr;
     for i in 0..120u8 {
-        let mut d = r.route(&text(&prompt(i)), &eps, &mut ctx).unwrap();
+        let mut d = r.route(text(&prompt(i)), &eps, &mut ctx).unwrap();
         let took = if d.pick.primary.addr == slow {
             2000
         } else {
@@ -114,7 +114,7 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
     );
     // Now even the slow endpoint's cached prefix does not bring requests back to it.
     for i in 0..10u8 {
-        let d = r.route(&text(&prompt(200 + i)), &eps, &mut ctx).unwrap();
+        let d = r.route(text(&prompt(200 + i)), &eps, &mut ctx).unwrap();
         assert_ne!(d.pick.primary.addr, slow);
     }
     // Left without observations, its factor decays: two minutes on, requests that pile up on
@@ -122,7 +122,7 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
     // instead of it starving for good.
     let spilled = |ctx: &mut PickContext, first: u8| {
         let held: Vec<_> = (first..first + 20)
-            .map(|i| r.route(&text(&prompt(i)), &eps, ctx).unwrap())
+            .map(|i| r.route(text(&prompt(i)), &eps, ctx).unwrap())
             .collect();
         held.iter().filter(|d| d.pick.primary.addr == slow).count()
     };
