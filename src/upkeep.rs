@@ -118,11 +118,7 @@ mod tests {
         }
         // Its approximate prefix is gone too: the same prompt finds nothing cached on it.
         let again = router
-            .route(
-                facts,
-                std::slice::from_ref(&a),
-                &mut PickContext::seeded(1),
-            )
+            .route(facts, std::slice::from_ref(&a), &mut PickContext::seeded(1))
             .expect("routed");
         assert_eq!(again.pick.kv.map(|d| d.overlap.device), Some(0));
         drop((held, again));
