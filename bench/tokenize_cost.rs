@@ -6,7 +6,7 @@
 //!
 //! With `--evict-mib M`, M MiB are written (a byte per cache line) before every call, so the
 //! tokenizer's tables are no longer in the CPU caches when it starts, as in a process that moves
-//! large bodies between two calls; the CPU figure then covers the calls alone (read around each).
+//! large bodies between two calls. The CPU figure covers the calls alone (read around each).
 
 use std::time::{Duration, Instant};
 
@@ -41,7 +41,6 @@ fn main() -> anyhow::Result<()> {
     let n = t.text_ids_whole(text)?.len();
     let until = seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
     let mut times = Vec::with_capacity(201);
-    let cpu0 = thread_cpu();
     while match until {
         Some(u) => Instant::now() < u || times.is_empty(),
         None => times.len() < 201,
@@ -57,17 +56,11 @@ fn main() -> anyhow::Result<()> {
         times.push(wall);
         calls_cpu += thread_cpu().saturating_sub(cpu_start);
     }
-    // Without eviction the whole loop is the calls.
-    let cpu = if junk.is_empty() {
-        thread_cpu().saturating_sub(cpu0)
-    } else {
-        calls_cpu
-    };
     times.sort();
     println!(
         "{:.2} µs for {n} tokens (median wall); {:.2} µs CPU per call over {} calls",
         times[times.len() / 2].as_secs_f64() * 1e6,
-        cpu.as_secs_f64() * 1e6 / times.len() as f64,
+        calls_cpu.as_secs_f64() * 1e6 / times.len() as f64,
         times.len()
     );
     Ok(())

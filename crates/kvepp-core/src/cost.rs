@@ -160,16 +160,22 @@ impl CostWeights {
         .collect()
     }
 
+    /// Whether bounded loads are on (`load_bound` ≥ 1; 0 is off).
+    pub fn bounds_loads(&self) -> bool {
+        self.load_bound >= 1.0
+    }
+
     /// Bounded loads: with `inputs[i].requests` the requests candidate `i` holds, raises the cost
     /// of every candidate that is not exempt and would hold more than
     /// `ceil(load_bound × (Σ requests + 1) / n)` with this request above the cost of every
-    /// candidate within that bound (their order among themselves kept). Returns whether a candidate over the bound was cheaper than every one
-    /// within it (the choice moved elsewhere). Nothing changes when `load_bound` is 0, with one candidate, or when
-    /// the slices differ in length. A least-loaded candidate is always within the bound: it holds
-    /// at most `floor(Σ / n)`, and `ceil(b·(Σ + 1) / n) ≥ floor(Σ / n) + 1` for any `b ≥ 1`.
+    /// candidate within that bound (their order among themselves kept). Returns whether a
+    /// candidate over the bound was cheaper than every one within it (the choice moved
+    /// elsewhere). Nothing changes when bounded loads are off, with one candidate, or when the
+    /// slices differ in length. A least-loaded candidate is always within the bound: it holds at
+    /// most `floor(Σ / n)`, and `ceil(b·(Σ + 1) / n) ≥ floor(Σ / n) + 1` for any `b ≥ 1`.
     pub fn bound_loads(&self, costs: &mut [f64], inputs: &[BoundInput]) -> bool {
         let n = costs.len();
-        if self.load_bound < 1.0 || n < 2 || inputs.len() != n {
+        if !self.bounds_loads() || n < 2 || inputs.len() != n {
             return false;
         }
         let total: u64 = inputs.iter().map(|b| u64::from(b.requests)).sum();

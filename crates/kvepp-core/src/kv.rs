@@ -423,7 +423,9 @@ impl KvState {
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
         // Bounded loads on: the exempting share (what they read is gathered only then).
         let weights = &self.settings.weights;
-        let bound = (weights.load_bound >= 1.0).then_some(weights.load_bound_exempt_cached);
+        let bound = weights
+            .bounds_loads()
+            .then_some(weights.load_bound_exempt_cached);
         let walked = Walked {
             index,
             hint: if approximate {
