@@ -490,8 +490,11 @@ mod tests {
 
     #[test]
     fn load_bound_from_the_file_and_its_errors() {
-        let cfg: Config = serde_yaml::from_str("router:\n  load_bound: 1.25\n").unwrap();
+        let cfg: Config =
+            serde_yaml::from_str("router:\n  load_bound: 1.25\n  load_bound_cached: 1.5\n")
+                .unwrap();
         assert_eq!(cfg.router.load_bound, 1.25);
+        assert_eq!(cfg.router.load_bound_cached, 1.5);
         assert_eq!(cfg.router.load_bound_exempt_cached, 0.5, "its default");
         let router_errors = |c: &Config| {
             c.validate()
@@ -502,9 +505,10 @@ mod tests {
                 .count()
         };
         assert_eq!(router_errors(&cfg), 0);
-        let bad: Config =
-            serde_yaml::from_str("router:\n  load_bound: 0.5\n  load_bound_exempt_cached: -1\n")
-                .unwrap();
+        let bad: Config = serde_yaml::from_str(
+            "router:\n  load_bound: 0.5\n  load_bound_exempt_cached: -1\n  load_bound_cached: 0.8\n",
+        )
+        .unwrap();
         let text = ConfigError::Invalid(bad.validate().unwrap_err()).to_string();
         assert!(
             text.contains("load_bound: 0.5 must be 0 (off) or a finite number ≥ 1"),
@@ -512,6 +516,10 @@ mod tests {
         );
         assert!(
             text.contains("load_bound_exempt_cached: -1 must be a finite number ≥ 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("load_bound_cached: 0.8 must be 0 (unbounded) or a finite number ≥ 1"),
             "{text}"
         );
     }

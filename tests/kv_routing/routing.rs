@@ -82,7 +82,25 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
 /// passed-over pick is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_loads_pass_over_a_busy_holder_unless_the_prompt_is_mostly_cached_there() {
-    let (a, b, epp) = two_engines(|c| c.router.load_bound = 1.0).await;
+    busy_holder_under_bounded_loads(0.0).await;
+}
+
+/// `router.load_bound_cached` through Envoy: the same busy holder, but the exempt prompt has a
+/// bound of its own (1 × the mean, one request per engine here), so the idle engine takes the
+/// prefix over too, and both passed-over picks are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cached_bound_lets_an_idle_engine_take_a_busy_holders_prefix_over() {
+    busy_holder_under_bounded_loads(1.0).await;
+}
+
+/// Bounded loads at 1.0 with `load_bound_cached` at `cached`: a stream holds the prefix holder,
+/// then a prompt with 4 of its 6 blocks cached there (exempt) and one with 4 of 10 (not).
+async fn busy_holder_under_bounded_loads(cached: f64) {
+    let (a, b, epp) = two_engines(|c| {
+        c.router.load_bound = 1.0;
+        c.router.load_bound_cached = cached;
+    })
+    .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let other = |n: &str| if n == "a" { "b" } else { "a" };
     let (shared, holder) = four_blocks_held(&envoy, &epp).await;
@@ -95,23 +113,35 @@ async fn bounded_loads_pass_over_a_busy_holder_unless_the_prompt_is_mostly_cache
         first.contains(&format!("\"engine\":\"{holder}\"")),
         "{first}"
     );
-    // 4 of 6 blocks cached on the holder: exempt, the holder keeps it.
+    // 4 of 6 blocks cached on the holder: exempt, the holder keeps it unless the cached bound
+    // (one request per engine) passes it over.
     let mut mostly = shared.clone();
     mostly.extend(tokens(4, 2 * BLOCK));
-    assert_eq!(served_by(&envoy, &mostly).await, holder);
+    let (expected, moved) = if cached > 0.0 {
+        (other(&holder), 1.0)
+    } else {
+        (holder.as_str(), 0.0)
+    };
+    assert_eq!(
+        served_by(&envoy, &mostly).await,
+        expected,
+        "cached bound {cached}"
+    );
     assert_eq!(
         epp.metric("kvepp_kv_load_bounded_picks_total").await,
-        Some(0.0)
+        Some(moved)
     );
     // 4 of 10 cached there: Dynamo's cost prefers the holder (6 blocks to prefill and 11
-    // decoding against 10 and 10), the bound moves it.
+    // decoding against 10 and 10), the bound moves it. (With the cached bound the other engine
+    // served `mostly` and holds its blocks by now or soon; either way the holder is over.)
     let mut partly = shared.clone();
     partly.extend(tokens(3, 6 * BLOCK));
     assert_eq!(served_by(&envoy, &partly).await, other(&holder));
-    assert_eq!(
-        epp.metric("kvepp_kv_load_bounded_picks_total").await,
-        Some(1.0)
-    );
+    let bounded = epp
+        .metric("kvepp_kv_load_bounded_picks_total")
+        .await
+        .unwrap_or(0.0);
+    assert!(bounded >= moved, "{bounded}");
     let engine = if holder == "a" { &a } else { &b };
     engine.state.release.notify_one();
     assert_eq!(stream.rest().await, "done\n");

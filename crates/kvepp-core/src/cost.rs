@@ -16,8 +16,12 @@
 //! of requests (this one included, rounded up) cost more than every candidate within the bound,
 //! so requests the cache does not tie to one engine spread by count, and a popular prefix spills
 //! over to the next best engine instead of queueing on one. A candidate holding at least
-//! `load_bound_exempt_cached` of the prompt is exempt. The least loaded candidate is always within
-//! the bound, so the choice never runs out of candidates.
+//! `load_bound_exempt_cached` of the prompt more than the candidate holding least (so a prefix
+//! every candidate holds exempts none) is exempt from that bound, but not from
+//! `load_bound_cached` when set (a looser bound, ≥ `load_bound`, for the engines the cache ties the
+//! request to: the holder of a hot prefix keeps it until it holds that many more requests than its
+//! share, then a second engine takes the prefix over). The least loaded candidate is always
+//! within both bounds, so the choice never runs out of candidates.
 
 /// Cached prefix of a request on one rank, in blocks, cumulative over tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,10 +92,15 @@ pub struct CostWeights {
     /// is passed over while another is within the bound ([`Self::bound_loads`]). The HTTP
     /// selection service, Dynamo's contract, does not apply it.
     pub load_bound: f64,
-    /// kvepp's own: the share of the prompt's blocks (0-1) an endpoint must hold cached to be
-    /// exempt from `load_bound` (such a hit saves at least that share of the prefill, more than
-    /// an extra request in the queue costs on any workload we measured); above 1 none is.
+    /// kvepp's own: the share of the prompt's blocks (0-1) an endpoint must hold cached, beyond
+    /// what the candidate holding least has, to be exempt from `load_bound` (such a hit saves at
+    /// least that share of the prefill, more than an extra request in the queue costs on any
+    /// workload we measured; a prefix every candidate holds saves nothing by going to one of
+    /// them); above 1 none is.
     pub load_bound_exempt_cached: f64,
+    /// kvepp's own: the bound for candidates exempt by `load_bound_exempt_cached`, as a multiple
+    /// of the same mean (0, the default: they are unbounded; otherwise ≥ `load_bound` and ≥ 1).
+    pub load_bound_cached: f64,
 }
 
 /// What bounded loads read of one candidate.
@@ -99,8 +108,10 @@ pub struct CostWeights {
 pub struct BoundInput {
     /// Requests the candidate holds.
     pub requests: u32,
-    /// Never passed over by the bound (it holds enough of the prompt cached).
-    pub exempt: bool,
+    /// The prompt's blocks it holds cached (device tier). What every candidate holds does not
+    /// tie the request to any of them: a candidate is exempt from `load_bound` when it holds at
+    /// least `load_bound_exempt_cached` of the prompt more than the candidate holding least.
+    pub cached: u64,
 }
 
 impl Default for CostWeights {
@@ -115,6 +126,7 @@ impl Default for CostWeights {
             cost_model: CostModel::Dynamo,
             load_bound: 0.0,
             load_bound_exempt_cached: 0.5,
+            load_bound_cached: 0.0,
         }
     }
 }
@@ -140,6 +152,7 @@ impl CostWeights {
             ),
             ("temperature", self.temperature),
             ("load_bound_exempt_cached", self.load_bound_exempt_cached),
+            ("load_bound_cached", self.load_bound_cached),
         ]
         .into_iter()
         .filter(|(_, v)| !(v.is_finite() && *v >= 0.0))
@@ -157,6 +170,18 @@ impl CostWeights {
                     ),
                 }),
         )
+        .chain(
+            (!(self.load_bound_cached == 0.0
+                || (self.load_bound_cached.is_finite()
+                    && self.load_bound_cached >= self.load_bound.max(1.0))))
+            .then(|| KnobError {
+                name: "load_bound_cached",
+                message: format!(
+                    "{} must be 0 (unbounded) or a finite number ≥ 1 and ≥ load_bound ({})",
+                    self.load_bound_cached, self.load_bound
+                ),
+            }),
+        )
         .collect()
     }
 
@@ -166,21 +191,36 @@ impl CostWeights {
     }
 
     /// Bounded loads: with `inputs[i].requests` the requests candidate `i` holds, raises the cost
-    /// of every candidate that is not exempt and would hold more than
-    /// `ceil(load_bound × (Σ requests + 1) / n)` with this request above the cost of every
-    /// candidate within that bound (their order among themselves kept). Returns whether a
-    /// candidate over the bound was cheaper than every one within it (the choice moved
+    /// of every candidate that would hold more than `ceil(b × (Σ requests + 1) / n)` with this
+    /// request, `b` being `load_bound`, or for an exempt candidate `load_bound_cached` (no bound
+    /// when that is 0), above the cost of every candidate within its bound (their order among
+    /// themselves kept). A candidate is exempt when it holds at least `load_bound_exempt_cached`
+    /// of the prompt's `blocks` cached beyond what the candidate holding least has: a prefix
+    /// every candidate holds (a system prompt all traffic shares) exempts none. Returns whether
+    /// a candidate over its bound was cheaper than every one within (the choice moved
     /// elsewhere). Nothing changes when bounded loads are off, with one candidate, or when the
-    /// slices differ in length. A least-loaded candidate is always within the bound: it holds at
+    /// slices differ in length. A least-loaded candidate is always within its bound: it holds at
     /// most `floor(Σ / n)`, and `ceil(b·(Σ + 1) / n) ≥ floor(Σ / n) + 1` for any `b ≥ 1`.
-    pub fn bound_loads(&self, costs: &mut [f64], inputs: &[BoundInput]) -> bool {
+    pub fn bound_loads(&self, costs: &mut [f64], inputs: &[BoundInput], blocks: u64) -> bool {
         let n = costs.len();
         if !self.bounds_loads() || n < 2 || inputs.len() != n {
             return false;
         }
         let total: u64 = inputs.iter().map(|b| u64::from(b.requests)).sum();
-        let cap = (self.load_bound * (total + 1) as f64 / n as f64).ceil();
-        let over = |i: usize| !inputs[i].exempt && f64::from(inputs[i].requests) + 1.0 > cap;
+        let least_cached = inputs.iter().map(|b| b.cached).min().unwrap_or(0);
+        let exempting = self.load_bound_exempt_cached * blocks as f64;
+        let exempt = |i: usize| blocks > 0 && (inputs[i].cached - least_cached) as f64 >= exempting;
+        let cap = |b: f64| (b * (total + 1) as f64 / n as f64).ceil();
+        let plain = cap(self.load_bound);
+        let cached = if self.load_bound_cached > 0.0 {
+            cap(self.load_bound_cached.max(self.load_bound))
+        } else {
+            f64::INFINITY
+        };
+        let over = |i: usize| {
+            let bound = if exempt(i) { cached } else { plain };
+            f64::from(inputs[i].requests) + 1.0 > bound
+        };
         let (mut within_min, mut within_max, mut over_min) =
             (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY);
         for (i, &c) in costs.iter().enumerate() {
@@ -591,8 +631,9 @@ mod tests {
         }
     }
 
-    /// Bounded loads against the plain definition: the cheapest candidate among those exempt or
-    /// holding at most `ceil(b·(Σ + 1) / n)` requests with this one, on random costs and loads.
+    /// Bounded loads against the plain definition: the cheapest candidate among those holding at
+    /// most `ceil(b·(Σ + 1) / n)` requests with this one, `b` the plain bound or for exempt ones
+    /// the cached bound (none when 0), on random costs and loads.
     #[test]
     fn bounded_loads_choose_the_cheapest_within_the_bound() {
         let mut gen = fastrand::Rng::with_seed(5);
@@ -601,23 +642,37 @@ mod tests {
             let n = gen.usize(1..10);
             let mut costs: Vec<f64> = (0..n).map(|_| f64::from(gen.u16(..500))).collect();
             let requests: Vec<u32> = (0..n).map(|_| gen.u32(..8)).collect();
+            // A prompt of 10 blocks; every candidate holds `floor` of them, some hold more.
+            let (blocks, floor) = (10u64, gen.u64(..=3));
             let inputs: Vec<BoundInput> = requests
                 .iter()
                 .map(|&requests| BoundInput {
                     requests,
-                    exempt: gen.u8(..5) == 0,
+                    cached: floor + gen.u64(..=7),
                 })
                 .collect();
+            let exempt_share = [0.0, 0.25, 0.5, 1.0, 1.5][(round / 15) % 5];
             let bound = [1.0, 1.1, 1.25, 1.5, 3.0][round % 5];
+            let cached = [0.0, bound, 1.5 * bound][(round / 5) % 3];
             let w = CostWeights {
                 load_bound: bound,
+                load_bound_cached: cached,
+                load_bound_exempt_cached: exempt_share,
                 ..CostWeights::default()
             };
+            assert!(w.validate().is_empty());
             let total: u32 = requests.iter().sum();
-            let cap = (bound * f64::from(total + 1) / n as f64).ceil();
-            let within: Vec<usize> = (0..n)
-                .filter(|&i| inputs[i].exempt || f64::from(requests[i] + 1) <= cap)
-                .collect();
+            let cap = |b: f64| (b * f64::from(total + 1) / n as f64).ceil();
+            // Exempt: at least the share of the prompt cached beyond the least any candidate
+            // holds (with one candidate there is nothing to bound).
+            let least = inputs.iter().map(|b| b.cached).min().unwrap_or(0);
+            let exempt = |i: usize| (inputs[i].cached - least) as f64 >= exempt_share * 10.0;
+            let within_bound = |i: usize| match (exempt(i), cached) {
+                (true, 0.0) => true,
+                (true, c) => f64::from(requests[i] + 1) <= cap(c),
+                (false, _) => f64::from(requests[i] + 1) <= cap(bound),
+            };
+            let within: Vec<usize> = (0..n).filter(|&i| within_bound(i)).collect();
             assert!(
                 !within.is_empty(),
                 "a least-loaded candidate is always within"
@@ -628,7 +683,7 @@ mod tests {
                 .fold(f64::INFINITY, f64::min);
             let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
             let original = costs.clone();
-            let passed_over = w.bound_loads(&mut costs, &inputs);
+            let passed_over = w.bound_loads(&mut costs, &inputs, blocks);
             assert_eq!(
                 passed_over,
                 cheapest < best_within,
@@ -659,9 +714,9 @@ mod tests {
         let mut costs = vec![1.0, 5.0];
         let inputs = [9, 0].map(|requests| BoundInput {
             requests,
-            exempt: false,
+            cached: 0,
         });
-        assert!(!CostWeights::default().bound_loads(&mut costs, &inputs));
+        assert!(!CostWeights::default().bound_loads(&mut costs, &inputs, 10));
         assert_eq!(costs, [1.0, 5.0]);
     }
 
@@ -680,6 +735,29 @@ mod tests {
                 ..CostWeights::default()
             };
             assert_eq!(w.validate().is_empty(), ok, "{bound}");
+        }
+        // The cached bound: 0 (none) or at least 1 and at least the plain bound.
+        for (bound, cached, ok) in [
+            (1.0, 0.0, true),
+            (1.0, 1.0, true),
+            (1.25, 1.5, true),
+            (0.0, 1.5, true),
+            (1.5, 1.25, false),
+            (0.0, 0.5, false),
+            (1.0, f64::NAN, false),
+            (1.0, -1.0, false),
+        ] {
+            let w = CostWeights {
+                load_bound: bound,
+                load_bound_cached: cached,
+                ..CostWeights::default()
+            };
+            let errors = w.validate();
+            assert_eq!(errors.is_empty(), ok, "{bound} {cached}: {errors:?}");
+            assert!(
+                errors.iter().all(|e| e.name == "load_bound_cached"),
+                "{errors:?}"
+            );
         }
     }
 }

@@ -421,11 +421,8 @@ impl KvState {
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
-        // Bounded loads on: the exempting share (what they read is gathered only then).
-        let weights = &self.settings.weights;
-        let bound = weights
-            .bounds_loads()
-            .then_some(weights.load_bound_exempt_cached);
+        // Bounded loads on: what they read is gathered only then.
+        let bound = self.settings.weights.bounds_loads();
         let walked = Walked {
             index,
             hint: if approximate {
@@ -466,9 +463,8 @@ impl KvState {
                 },
                 |(c, v)| (c, Some(v)),
             );
-            if let Some(share) = bound {
-                sc.requests
-                    .push(Self::bound_input(&c, e, walked.blocks, share));
+            if bound {
+                sc.requests.push(Self::bound_input(&c, e));
             }
             match cost(i, &c) {
                 Some(cost) => sc.costs.push(cost),
@@ -502,8 +498,8 @@ impl KvState {
                 c.overlap = Self::overlap_of(&walked, sc, *i, e);
                 c.set_load(&l);
                 *v = version;
-                if let (Some(share), Some(r)) = (bound, sc.requests.get_mut(*i)) {
-                    *r = Self::bound_input(c, e, walked.blocks, share);
+                if let Some(r) = sc.requests.get_mut(*i).filter(|_| bound) {
+                    *r = Self::bound_input(c, e);
                 }
                 match cost(*i, c) {
                     Some(cost) => {
@@ -527,13 +523,13 @@ impl KvState {
     }
 
     /// What bounded loads read of a candidate: the requests it holds (active in the slot
-    /// tracker, plus those its engine reports beyond them), and whether it holds at least
-    /// `cached_share` of the prompt's blocks (exempt from the bound).
+    /// tracker, plus those its engine reports beyond them), and the prompt's blocks it holds
+    /// cached (which, against the other candidates', decides whether it is exempt).
     #[inline(always)]
-    fn bound_input(c: &CandidateLoad, e: &Endpoint, blocks: u64, cached_share: f64) -> BoundInput {
+    fn bound_input(c: &CandidateLoad, e: &Endpoint) -> BoundInput {
         BoundInput {
             requests: c.active_requests.saturating_add(e.load.hidden_requests()),
-            exempt: blocks > 0 && c.overlap.device as f64 >= cached_share * blocks as f64,
+            cached: c.overlap.device,
         }
     }
 
@@ -644,7 +640,7 @@ impl KvState {
                 self.ttft.cost(&load.ttft, &f, now) + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
         }
-        let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests);
+        let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests, hashes.len() as u64);
         let costs = &sc.costs;
         // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
         // fewer requests in flight, then at random: load must still spread when the cost is blind.

@@ -398,19 +398,29 @@ fn worker_requests_count_local_and_peer_bookings() {
     assert_eq!(kv.worker_requests(eps[0].worker), Some(0));
 }
 
-/// Requests that stay active (decoding) while more arrive, with bounded loads at `load_bound`
-/// and `exempt` (the exempting cached share): each prompt comes from `next`. Returns the
-/// requests per endpoint, the highest ratio of a chosen endpoint's requests (this one included)
-/// to the bound's cap, and how many decisions the bound moved.
+/// Requests that stay active (decoding) while more arrive, with bounded loads at `load_bound`,
+/// `exempt` (the exempting cached share) and `cached` (the exempt ones' bound): each prompt comes
+/// from `next`. Returns the requests per endpoint, the highest ratio of a chosen endpoint's
+/// requests (this one included) to the bound's cap, and how many decisions the bound moved.
 fn bounded_run(
-    load_bound: f64,
-    exempt: f64,
+    knobs: (f64, f64, f64),
+    next: impl FnMut(&mut fastrand::Rng) -> PromptBlocks,
+) -> ([u32; 4], f64, u32) {
+    bounded_run_after(knobs, None, next)
+}
+
+/// [`bounded_run`], after `everywhere` (an approximate-mode prompt) was routed once to every
+/// endpoint and finished, so each holds it.
+fn bounded_run_after(
+    (load_bound, exempt, cached): (f64, f64, f64),
+    everywhere: Option<&PromptBlocks>,
     mut next: impl FnMut(&mut fastrand::Rng) -> PromptBlocks,
 ) -> ([u32; 4], f64, u32) {
     let settings = KvSettings {
         weights: CostWeights {
             load_bound,
             load_bound_exempt_cached: exempt,
+            load_bound_cached: cached,
             ..CostWeights::default()
         },
         ..KvSettings::default()
@@ -421,6 +431,14 @@ fn bounded_run(
     let mut rng = fastrand::Rng::with_seed(9);
     let mut ctx = PickContext::seeded(4);
     let now = Instant::now();
+    for e in everywhere
+        .iter()
+        .flat_map(|p| eps.iter().map(move |e| (p, e)))
+    {
+        let (p, e) = e;
+        let (_, _, d) = kv.rank(std::slice::from_ref(e), Some(p), &mut ctx);
+        assert!(kv.book_decision(e, Some(p), &d, now).is_some());
+    }
     let mut held = Vec::new();
     let mut counts = [0u32; 4];
     let (mut worst, mut bounded) = (0.0f64, 0);
@@ -458,18 +476,33 @@ fn bounded_loads_spill_a_hot_prefix_over_unless_its_cache_exempts_it() {
         })
         .clone()
     };
-    let (counts, _, bounded) = bounded_run(0.0, 0.5, &mut same);
+    let (counts, _, bounded) = bounded_run((0.0, 0.5, 0.0), &mut same);
     assert_eq!(bounded, 0);
     assert!(counts.contains(&24), "without the bound: {counts:?}");
     for b in [1.0, 1.25, 1.5] {
-        let (counts, worst, bounded) = bounded_run(b, 2.0, &mut same);
+        let (counts, worst, bounded) = bounded_run((b, 2.0, 0.0), &mut same);
         assert!(worst <= 1.0, "bound {b}: {counts:?}");
         assert!(bounded > 0, "bound {b}: the bound moved no pick");
-        let (counts, _, bounded) = bounded_run(b, 0.5, &mut same);
+        let (counts, _, bounded) = bounded_run((b, 0.5, 0.0), &mut same);
         assert_eq!(
             (counts.contains(&24), bounded),
             (true, 0),
             "bound {b}, exempt"
+        );
+    }
+    // Exempt, but under the cached bound: the holder keeps the prefix until it would hold more
+    // than `ceil(c·(Σ + 1) / n)`, then a second engine takes it over (and, holding it too, is
+    // bounded likewise); no endpoint ends above `ceil(c · 24 / 4)`.
+    for c in [1.0, 1.5, 2.0] {
+        let (counts, _, bounded) = bounded_run((1.0, 0.5, c), &mut same);
+        let most = counts.iter().copied().max().unwrap_or(0);
+        assert!(
+            f64::from(most) <= (c * 6.0).ceil() && bounded > 0,
+            "cached bound {c}: {counts:?}, {bounded} moved"
+        );
+        assert!(
+            c == 1.0 || most > 6,
+            "cached bound {c} keeps affinity: {counts:?}"
         );
     }
 }
@@ -493,12 +526,50 @@ fn bounded_loads_spread_uncached_requests_by_count() {
             hashes,
         }
     };
-    let (counts, worst, _) = bounded_run(0.0, 0.5, &mut fresh);
+    let (counts, worst, _) = bounded_run((0.0, 0.5, 0.0), &mut fresh);
     assert!(
         worst > 1.0,
         "without the bound the counts drift: {counts:?}"
     );
-    let (counts, worst, bounded) = bounded_run(1.0, 0.5, &mut fresh);
+    let (counts, worst, bounded) = bounded_run((1.0, 0.5, 0.0), &mut fresh);
     assert!(worst <= 1.0 && bounded > 0, "{counts:?}");
+    assert_eq!(counts, [6; 4]);
+}
+
+/// A prefix every endpoint holds (a system prompt all traffic shares) ties the request to none
+/// of them: prompts that are mostly that prefix are not exempt from the bound, which spreads
+/// them by count as it does cold ones. Before, holding a quarter of the prompt anywhere exempted
+/// every endpoint, and Dynamo's cost (which balances blocks) let the counts drift.
+#[test]
+fn a_prefix_every_endpoint_holds_exempts_none() {
+    let stem: Vec<LocalBlockHash> = (0..64).map(LocalBlockHash).collect();
+    let with_tail = |tail: Vec<LocalBlockHash>| {
+        let locals: Vec<LocalBlockHash> = stem.iter().copied().chain(tail).collect();
+        let hashes = sequence_hashes(&locals);
+        PromptBlocks {
+            mode: PrefixMode::Approximate,
+            isl_tokens: hashes.len() as u64 * 16,
+            locals,
+            hashes,
+        }
+    };
+    let system = with_tail(Vec::new());
+    let mut n = 0u64;
+    let mut turns = |rng: &mut fastrand::Rng| {
+        n += 1;
+        let blocks = if n.is_multiple_of(4) { 160 } else { 4 };
+        with_tail(
+            (0..blocks)
+                .map(|_| LocalBlockHash(rng.u64(..) | 1 << 63))
+                .collect(),
+        )
+    };
+    // Without the bound the counts drift; with it, although each endpoint holds over a quarter
+    // of every prompt (64 of 68 or of 224 blocks; the exempting share is 0.25), the spread is
+    // exact.
+    let (counts, worst, _) = bounded_run_after((0.0, 0.25, 0.0), Some(&system), &mut turns);
+    assert!(worst > 1.0, "without the bound: {counts:?}");
+    let (counts, worst, bounded) = bounded_run_after((1.0, 0.25, 0.0), Some(&system), &mut turns);
+    assert!(worst <= 1.0 && bounded > 0, "{counts:?}, {bounded} moved");
     assert_eq!(counts, [6; 4]);
 }

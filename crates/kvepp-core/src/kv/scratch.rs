@@ -87,8 +87,8 @@ pub(super) struct PickScratch {
     pub(super) loads: Vec<CandidateLoad>,
     pub(super) versions: Vec<Option<u64>>,
     pub(super) costs: Vec<f64>,
-    /// Per candidate, with bounded loads on: what they read (requests held, exempt by its cached
-    /// prefix); empty when they are off.
+    /// Per candidate, with bounded loads on: what they read (requests held, prompt blocks
+    /// cached); empty when they are off.
     pub(super) requests: Vec<BoundInput>,
     /// Candidates whose tracker hint missed, with the load resolved for them under the lock.
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,

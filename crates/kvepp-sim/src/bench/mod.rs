@@ -535,7 +535,8 @@ pub struct BenchArgs {
     /// manifests directory are set for each policy.
     #[arg(long)]
     pub kvepp_config: Option<PathBuf>,
-    /// Where to write results.json, results.md and routing.png.
+    /// Where to write results.json, results.md, requests.csv (every request's outcome) and
+    /// routing.png.
     #[arg(long, default_value = "bench/results")]
     pub out: PathBuf,
     /// kvepp replicas behind the one Envoy.
@@ -575,6 +576,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     };
     let mut all = Vec::new();
     let mut md = String::new();
+    let mut csv = String::from(report::CSV_HEADER);
     for kind in &args.workload {
         let sc = scenario(*kind, &args)?;
         let bs = sc.params.block_size as usize;
@@ -648,6 +650,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                     restart_cleared_after,
                 } = run_policy(&spec, policy, &sc.requests).await?;
                 let r = report::summarize(&name, &records, &engines, args.slo_ttft_ms);
+                report::csv_rows(&mut csv, kind.name(), &name, &records);
                 eprintln!(
                     "   {:<26} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  SLO met {:>3.0}%  failed {}{}",
                     r.policy,
@@ -692,6 +695,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     }
     println!("{md}");
     std::fs::write(args.out.join("results.md"), &md).map_err(io)?;
+    std::fs::write(args.out.join("requests.csv"), &csv).map_err(io)?;
     let json: Vec<serde_json::Value> = all
         .iter()
         .map(|(k, t, c, r)| {

@@ -157,6 +157,34 @@ pub fn summarize(
     }
 }
 
+/// The first line of `requests.csv`: one row per replayed request of every policy on every
+/// workload, times in ms (empty where the request failed before that point).
+pub const CSV_HEADER: &str =
+    "workload,policy,sent_ms,direct,engine,status,ttft_ms,e2e_ms,prompt_tokens,cached_tokens,completion_tokens\n";
+
+/// Appends one [`CSV_HEADER`] row per record.
+pub fn csv_rows(out: &mut String, workload: &str, policy: &str, records: &[Record]) {
+    use std::fmt::Write;
+    let ms = |d: Option<Duration>| d.map(|d| format!("{:.1}", d.as_secs_f64() * 1000.0));
+    for r in records {
+        let o = &r.outcome;
+        // Engine names are the simulator's (`sim-engine-N`): no commas or quotes to escape.
+        let _ = writeln!(
+            out,
+            "{workload},{policy},{:.1},{},{},{},{},{},{},{},{}",
+            r.sent.as_secs_f64() * 1000.0,
+            r.direct,
+            o.engine.as_deref().unwrap_or(""),
+            o.status,
+            ms(o.ttft).unwrap_or_default(),
+            ms(o.e2e).unwrap_or_default(),
+            o.prompt_tokens,
+            o.cached_tokens,
+            o.completion_tokens,
+        );
+    }
+}
+
 /// What the workload allows of prefix-cache hits: with an infinite cache, and with the fleet's
 /// KV capacity as one LRU cache ([`super::workload::hit_ceiling_with_capacity`]).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
@@ -392,5 +420,34 @@ mod tests {
             table.contains("62.5% with the fleet's 64 KV blocks"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn requests_csv_has_one_row_per_record_under_its_header() {
+        let mut failed = rec(5, 0, "a");
+        failed.outcome = Outcome {
+            status: 503,
+            error: Some("HTTP 503".into()),
+            ..Outcome::default()
+        };
+        let mut csv = String::from(CSV_HEADER);
+        csv_rows(
+            &mut csv,
+            "shared-prefix",
+            "precise-kv",
+            &[rec(0, 1000, "a"), failed],
+        );
+        let lines: Vec<&str> = csv.lines().collect();
+        let columns = CSV_HEADER.trim_end().split(',').count();
+        assert_eq!(lines.len(), 3, "{csv}");
+        assert!(
+            lines.iter().all(|l| l.split(',').count() == columns),
+            "{csv}"
+        );
+        assert_eq!(
+            lines[1],
+            "shared-prefix,precise-kv,0.0,false,a,200,500.0,1000.0,100,50,10"
+        );
+        assert_eq!(lines[2], "shared-prefix,precise-kv,5.0,false,,503,,,0,0,0");
     }
 }
