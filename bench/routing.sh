@@ -6,7 +6,7 @@
 # replicas, the conversations mixed with a second client's direct traffic, and with an engine
 # restart halfway) on 4 simulated engines, the Mooncake trace on 8 (four engines' caches cannot
 # hold the reuse it comes back to a minute later), with kvepp configured by bench/kvepp.yaml. Release
-# build; results in bench/results/routing/ (results.md, results.json, routing.png). About 40
+# build; results in bench/results/routing/ (results.md, results.json, requests.csv, routing.png). About 40
 # minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
