@@ -498,7 +498,8 @@ impl KvState {
                 c.overlap = Self::overlap_of(&walked, sc, *i, e);
                 c.set_load(&l);
                 *v = version;
-                if let Some(r) = sc.requests.get_mut(*i).filter(|_| bound) {
+                // Empty unless bounded loads are on.
+                if let Some(r) = sc.requests.get_mut(*i) {
                     *r = Self::bound_input(c, e);
                 }
                 match cost(*i, c) {
