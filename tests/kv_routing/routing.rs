@@ -87,7 +87,7 @@ async fn bounded_loads_pass_over_a_busy_holder_unless_the_prompt_is_mostly_cache
 
 /// `router.load_bound_cached` through Envoy: the same busy holder, but the exempt prompt has a
 /// bound of its own (1 × the mean, one request per engine here), so the idle engine takes the
-/// prefix over too, and both passed-over picks are counted.
+/// prefix over too, and that passed-over pick is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cached_bound_lets_an_idle_engine_take_a_busy_holders_prefix_over() {
     busy_holder_under_bounded_loads(1.0).await;

@@ -19,9 +19,9 @@
 //! `load_bound_exempt_cached` of the prompt more than the candidate holding least (so a prefix
 //! every candidate holds exempts none) is exempt from that bound, but not from
 //! `load_bound_cached` when set (a looser bound, ≥ `load_bound`, for the engines the cache ties the
-//! request to: the holder of a hot prefix keeps it until it holds that many more requests than its
-//! share, then a second engine takes the prefix over). The least loaded candidate is always
-//! within both bounds, so the choice never runs out of candidates.
+//! request to: the holder of a hot prefix keeps it until it would hold more than
+//! `load_bound_cached` × the mean, then a second engine takes the prefix over). The least loaded
+//! candidate is always within both bounds, so the choice never runs out of candidates.
 
 /// Cached prefix of a request on one rank, in blocks, cumulative over tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

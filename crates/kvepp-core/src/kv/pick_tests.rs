@@ -431,13 +431,11 @@ fn bounded_run_after(
     let mut rng = fastrand::Rng::with_seed(9);
     let mut ctx = PickContext::seeded(4);
     let now = Instant::now();
-    for e in everywhere
-        .iter()
-        .flat_map(|p| eps.iter().map(move |e| (p, e)))
-    {
-        let (p, e) = e;
-        let (_, _, d) = kv.rank(std::slice::from_ref(e), Some(p), &mut ctx);
-        assert!(kv.book_decision(e, Some(p), &d, now).is_some());
+    if let Some(p) = everywhere {
+        for e in &eps {
+            let (_, _, d) = kv.rank(std::slice::from_ref(e), Some(p), &mut ctx);
+            assert!(kv.book_decision(e, Some(p), &d, now).is_some());
+        }
     }
     let mut held = Vec::new();
     let mut counts = [0u32; 4];
