@@ -218,14 +218,14 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             let mut ctx = PickContext::seeded(1);
             // Size the sample to the budget from one timed pick.
             let t = Instant::now();
-            black_box(s.kv.rank(refs, Some(&s.prompt), &mut ctx));
+            black_box(s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx));
             let one = t.elapsed().max(Duration::from_nanos(200));
             let iters = sample.iters(one);
             let kv_times = timings(iters, || {
-                black_box(s.kv.rank(black_box(refs), Some(&s.prompt), &mut ctx));
+                black_box(s.kv.rank(black_box(refs), &PickRequest::prompt(Some(&s.prompt)), &mut ctx));
             });
             let base_times = timings(iters, || {
-                black_box(LeastLoaded.rank(black_box(refs), None, &mut ctx));
+                black_box(LeastLoaded.rank(black_box(refs), &PickRequest::prompt(None), &mut ctx));
             });
             let kv = (percentile(&kv_times, 0.5), percentile(&kv_times, 0.99));
             let base = (percentile(&base_times, 0.5), percentile(&base_times, 0.99));
@@ -243,7 +243,7 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
                 ));
             }
             let booked = time(iters, || {
-                let (best, _, d) = s.kv.rank(refs, Some(&s.prompt), &mut ctx);
+                let (best, _, d) = s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx);
                 let g =
                     s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now);
                 drop(black_box(g));
@@ -398,12 +398,12 @@ fn scaling_run(
                 while !stop.load(Ordering::Relaxed) {
                     let p = &s.prompts[(n as usize + t * 3) % s.prompts.len()];
                     if !book {
-                        black_box(s.kv.rank(refs, Some(p), &mut ctx));
+                        black_box(s.kv.rank(refs, &PickRequest::prompt(Some(p)), &mut ctx));
                         n += 1;
                         continue;
                     }
                     let guard = loop {
-                        let (best, _, d) = s.kv.rank(refs, Some(p), &mut ctx);
+                        let (best, _, d) = s.kv.rank(refs, &PickRequest::prompt(Some(p)), &mut ctx);
                         if let Some(g) = s.kv.book_decision(&s.eps[best], Some(p), &d, ctx.now) {
                             break g;
                         }
@@ -502,7 +502,7 @@ fn main() {
         let s = setup(100, 1024);
         let refs: &[Arc<Endpoint>] = &s.eps;
         let (best, _, d) =
-            s.kv.rank(refs, Some(&s.prompt), &mut PickContext::seeded(1));
+            s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut PickContext::seeded(1));
         assert_eq!(
             best, 0,
             "the endpoint caching 7/8 of the prompt wins: {d:?}"

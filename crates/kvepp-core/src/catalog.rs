@@ -13,18 +13,45 @@
 //! - a reservation id is active in at most one scope; the catalog remembers which (bounded by
 //!   [`Limits::max_reservations`]), and forgets it when freed or expired.
 //!
-//! Selection, reservation and the load views all go through [`KvState`]'s rank-level operations:
-//! nothing here ranks candidates or counts load.
+//! - every reservation this process decides is a [`Booking`] held in the catalog's map until it is
+//!   freed or expires: dropping it is the only way its load is released, and its drop tells the
+//!   scope's listeners (replica sync); a peer's reservation is recorded by id and freed by id.
+//!
+//! Selection and reservation go through each scope's [`Router`] (the core's one transaction) over
+//! the scope's candidates: one [`Endpoint::for_rank`] per registered rank, or in pooled mode the
+//! pool's own endpoints under the ext_proc door's own router, so both doors answer alike. Nothing
+//! here ranks candidates, books load or retries.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use crate::cost::Overlap;
+use crate::booking::Booking;
+use crate::cost::{CandidateLoad, Overlap};
 use crate::hash::SequenceHash;
 use crate::index::RankDump;
-use crate::kv::{KvSettings, KvState, RankChoice, SelectError};
+use crate::kv::{KvSettings, KvState};
+use crate::listen::Listener;
+use crate::pick::{Endpoint, PickContext, PickError, Saturation};
+use crate::router::{Decision, Prompt, RequestFacts, Router};
 use crate::slots::{PotentialLoad, RankLoad, SlotError, WorkerRank};
+
+mod reservations;
+
+pub use reservations::Origin;
+use reservations::{choice_of, pick_error, Held, Key};
+
+/// One rank's standing for one request in a selection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankChoice {
+    pub rank: WorkerRank,
+    /// Cached prefix on the rank, in blocks.
+    pub overlap: Overlap,
+    pub cost: f64,
+    /// Prompt tokens the rank still has to prefill given its cache (what a reservation books).
+    pub effective_prefill_tokens: u64,
+    pub load: CandidateLoad,
+}
 
 /// The (model, tenant) pair that scopes workers, the index and load.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -113,6 +140,9 @@ pub enum CatalogError {
     TooManyReservations(usize),
     #[error("workers come from discovery here; they cannot be registered or removed over HTTP")]
     Pooled,
+    /// The pool refused the request (pooled mode: topology, saturation of sheddable requests).
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl From<SlotError> for CatalogError {
@@ -133,9 +163,46 @@ impl From<SlotError> for CatalogError {
 pub struct Tracker {
     pub kv: Arc<KvState>,
     pub workers: BTreeMap<u64, Worker>,
+    /// The one transaction over `kv` (pooled mode: the ext_proc door's own router).
+    router: Arc<Router>,
+    /// What a selection picks among: one candidate per registered rank, or the pool's endpoints.
+    candidates: Vec<Arc<Endpoint>>,
 }
 
 impl Tracker {
+    fn new(kv: Arc<KvState>) -> Self {
+        Tracker {
+            router: Arc::new(Router::kv_aware(kv.clone(), Saturation::in_flight(0))),
+            kv,
+            workers: BTreeMap::new(),
+            candidates: Vec::new(),
+        }
+    }
+
+    /// One candidate per registered rank, keeping the candidates (and their load counters) of
+    /// ranks registered before.
+    fn rebuild_candidates(&mut self) {
+        let old: HashMap<WorkerRank, Arc<Endpoint>> =
+            self.candidates.drain(..).map(|e| (e.rank(), e)).collect();
+        let mut fresh = Vec::new();
+        for w in self.workers.values() {
+            let name = w.endpoint.clone().unwrap_or_else(|| w.worker_id.to_string());
+            for r in w.ranks() {
+                let e = old
+                    .get(&r)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(Endpoint::for_rank(r, name.as_str())));
+                fresh.push(e);
+            }
+        }
+        self.candidates = fresh;
+    }
+
+    /// The candidate of `rank`, when it is registered.
+    fn candidate(&self, rank: WorkerRank) -> Option<&Arc<Endpoint>> {
+        self.candidates.iter().find(|e| e.rank() == rank)
+    }
+
     pub fn block_size(&self) -> u32 {
         self.kv.block_size()
     }
@@ -163,18 +230,31 @@ pub struct PromptRef<'a> {
     pub isl_tokens: u64,
 }
 
+/// Makes the listener of a new scope's bookings (replica sync publishes them under the scope).
+pub type ListenerFor = Arc<dyn Fn(&Scope) -> Option<Arc<dyn Listener>> + Send + Sync>;
+
 /// Workers, their scopes' state and the reservations.
-#[derive(Debug)]
 pub struct Catalog {
     settings: KvSettings,
     limits: Limits,
     scopes: BTreeMap<Scope, Tracker>,
     /// Pooled mode: every scope resolves to this one.
     pooled: Option<Tracker>,
-    reservations: Mutex<HashMap<String, Scope>>,
+    reservations: Mutex<HashMap<Key, Held>>,
+    listener_for: Option<ListenerFor>,
     /// Recovered index content of scopes with no worker yet: applied when the scope's first worker
     /// registers with the same block size.
     pending: HashMap<Scope, (u32, Vec<RankDump>)>,
+}
+
+impl std::fmt::Debug for Catalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Catalog")
+            .field("scopes", &self.scopes.keys().collect::<Vec<_>>())
+            .field("pooled", &self.pooled.is_some())
+            .field("reservations", &self.reservation_count())
+            .finish()
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -191,24 +271,36 @@ impl Catalog {
             scopes: BTreeMap::new(),
             pooled: None,
             reservations: Mutex::new(HashMap::new()),
+            listener_for: None,
             pending: HashMap::new(),
         }
     }
 
-    /// One scope shared with the ext_proc picker: every (model, tenant) resolves to `kv`, its
-    /// workers are set by [`Catalog::set_pool`].
-    pub fn pooled(kv: Arc<KvState>, limits: Limits) -> Self {
-        Catalog {
+    /// Every scope created from now on gets `f`'s listener (replica sync).
+    pub fn with_listeners(mut self, f: ListenerFor) -> Self {
+        self.listener_for = Some(f);
+        self
+    }
+
+    /// One scope shared with the ext_proc door: every (model, tenant) resolves to `router`'s
+    /// KV-aware state and picks through `router` itself; its workers are the endpoints
+    /// [`Catalog::set_pool`] is given. None when the router is not KV-aware.
+    pub fn pooled(router: Arc<Router>, limits: Limits) -> Option<Self> {
+        let kv = router.kv()?.clone();
+        Some(Catalog {
             settings: *kv.settings(),
             limits,
             scopes: BTreeMap::new(),
             pooled: Some(Tracker {
                 kv,
                 workers: BTreeMap::new(),
+                router,
+                candidates: Vec::new(),
             }),
             reservations: Mutex::new(HashMap::new()),
+            listener_for: None,
             pending: HashMap::new(),
-        }
+        })
     }
 
     /// Applies a peer's index content for `scope` (recovery): into the scope's index now, or when
@@ -234,13 +326,30 @@ impl Catalog {
         self.pooled.is_some()
     }
 
-    /// Pooled mode: the discovered workers (one rank each); their ranks become schedulable.
-    pub fn set_pool(&mut self, workers: impl IntoIterator<Item = Worker>) {
+    /// Pooled mode: the pool's ready endpoints (one worker of one rank each) are the candidates;
+    /// their ranks become schedulable.
+    pub fn set_pool(&mut self, endpoints: Vec<Arc<Endpoint>>) {
         if let Some(pool) = &mut self.pooled {
-            pool.workers = workers.into_iter().map(|w| (w.worker_id, w)).collect();
+            let block_size = pool.kv.block_size();
+            pool.workers = endpoints
+                .iter()
+                .map(|e| {
+                    let w = Worker {
+                        worker_id: e.worker,
+                        block_size,
+                        dp_start: 0,
+                        dp_size: 1,
+                        endpoint: Some(format!("http://{}", e.addr_str)),
+                        kv_events_endpoints: BTreeMap::new(),
+                        replay_endpoint: None,
+                    };
+                    (e.worker, w)
+                })
+                .collect();
             for r in pool.ranks() {
                 pool.kv.register_rank(r);
             }
+            pool.candidates = endpoints;
         }
     }
 
@@ -317,9 +426,13 @@ impl Catalog {
             ..self.settings
         };
         let pending = self.pending.remove(&scope);
-        let tracker = self.scopes.entry(scope).or_insert_with(|| Tracker {
-            kv: Arc::new(KvState::new(settings)),
-            workers: BTreeMap::new(),
+        let listener = self.listener_for.as_ref().and_then(|f| f(&scope));
+        let tracker = self.scopes.entry(scope).or_insert_with(|| {
+            let kv = Arc::new(KvState::new(settings));
+            if let Some(l) = listener {
+                kv.hub().listen(l);
+            }
+            Tracker::new(kv)
         });
         if let Some((bs, dumps)) = pending.filter(|(bs, _)| *bs == worker.block_size) {
             if let Err(e) = tracker.kv.index().write(|ix| ix.restore(&dumps)) {
@@ -336,6 +449,7 @@ impl Catalog {
             tracker.kv.register_rank(r);
         }
         tracker.workers.insert(worker.worker_id, worker);
+        tracker.rebuild_candidates();
         Ok(())
     }
 
@@ -353,6 +467,7 @@ impl Catalog {
             .remove(&worker_id)
             .ok_or(CatalogError::UnknownWorker(worker_id))?;
         tracker.kv.remove_worker(worker_id);
+        tracker.rebuild_candidates();
         if tracker.workers.is_empty() {
             self.scopes.remove(scope);
         }
@@ -368,7 +483,8 @@ impl Catalog {
             .collect()
     }
 
-    /// Chooses a rank for the prompt in `scope`; with `reserve`, books it atomically.
+    /// Chooses a rank for the prompt in `scope`; with `reserve`, books it atomically (the
+    /// reservation held until [`Catalog::free`] or it expires).
     pub fn select(
         &self,
         scope: &Scope,
@@ -377,32 +493,18 @@ impl Catalog {
         rng: &mut fastrand::Rng,
     ) -> Result<Selection, CatalogError> {
         let tracker = self.tracker(scope)?;
-        let ranks = tracker.ranks();
-        let mut reservations = reserve.map(|_| lock(&self.reservations));
-        if let (Some(map), Some((id, _))) = (&reservations, reserve) {
-            self.check_room(map, id)?;
-        }
         let found = tracker.kv.rank_overlaps(prompt.hashes);
-        let choice = tracker
-            .kv
-            .select_rank(
-                &ranks,
-                prompt.hashes,
-                &found,
-                prompt.isl_tokens,
-                reserve,
-                rng,
-            )
-            .map_err(|e| match e {
-                SelectError::NoCandidates => CatalogError::UnknownScope {
-                    model: scope.model.clone(),
-                    tenant: scope.tenant.clone(),
-                },
-                SelectError::Slot(s) => s.into(),
-            })?;
-        if let (Some(map), Some((id, _))) = (&mut reservations, reserve) {
-            map.insert(id.to_owned(), scope.clone());
-        }
+        let facts = RequestFacts {
+            prompt: Prompt::Hashes {
+                hashes: prompt.hashes.to_vec(),
+                isl_tokens: prompt.isl_tokens,
+            },
+            booking_id: reserve.map(|(id, _)| id),
+            ..RequestFacts::default()
+        };
+        let now = reserve.map_or_else(Instant::now, |(_, now)| now);
+        let d = self.decide(scope, tracker, facts, &tracker.candidates, reserve, now, rng)?;
+        let choice = choice_of(&d, prompt.isl_tokens);
         let worker = tracker
             .workers
             .get(&choice.rank.worker)
@@ -426,9 +528,40 @@ impl Catalog {
         })
     }
 
-    fn check_room(&self, map: &HashMap<String, Scope>, id: &str) -> Result<(), CatalogError> {
-        if map.contains_key(id) {
-            return Err(CatalogError::DuplicateReservation(id.to_owned()));
+    /// Runs the scope's transaction among `candidates`; with `reserve`, keeps the booking under
+    /// its id (checked for room and duplicates under the map's lock, so two reservations of one
+    /// id cannot both book).
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &self,
+        scope: &Scope,
+        tracker: &Tracker,
+        facts: RequestFacts<'_>,
+        candidates: &[Arc<Endpoint>],
+        reserve: Option<(&str, Instant)>,
+        now: Instant,
+        rng: &mut fastrand::Rng,
+    ) -> Result<Decision, CatalogError> {
+        let mut ctx = PickContext::new(std::mem::replace(rng, fastrand::Rng::with_seed(0)), now);
+        let Some((id, _)) = reserve else {
+            let d = tracker.router.preview(facts, candidates, &mut ctx);
+            *rng = ctx.rng;
+            return d.map_err(|e| pick_error(scope, e));
+        };
+        let key = Key::global(id);
+        let mut map = lock(&self.reservations);
+        self.check_room(&map, &key)?;
+        let d = tracker.router.route(facts, candidates, &mut ctx);
+        *rng = ctx.rng;
+        let mut d = d.map_err(|e| pick_error(scope, e))?;
+        let booking = std::mem::replace(&mut d.booking, Booking::none());
+        map.insert(key, Held::local(scope, booking));
+        Ok(d)
+    }
+
+    fn check_room(&self, map: &HashMap<Key, Held>, key: &Key) -> Result<(), CatalogError> {
+        if map.contains_key(key) {
+            return Err(CatalogError::DuplicateReservation(key.id.clone()));
         }
         if map.len() >= self.limits.max_reservations {
             return Err(CatalogError::TooManyReservations(
@@ -452,16 +585,8 @@ impl Catalog {
     ) -> Result<u64, CatalogError> {
         let (tracker, prefill) =
             self.check_booking(scope, rank, prompt, effective_prefill_tokens)?;
-        let mut map = lock(&self.reservations);
-        self.check_room(&map, id)?;
-        tracker.kv.reserve(id, rank, prompt.hashes, prefill, now)?;
-        map.insert(id.to_owned(), scope.clone());
+        self.book_on(scope, tracker, Key::global(id), rank, prompt, prefill, now)?;
         Ok(prefill)
-    }
-
-    /// The (model, tenant) a reservation was booked in, while it is known.
-    pub fn reservation_scope(&self, id: &str) -> Option<Scope> {
-        lock(&self.reservations).get(id).cloned()
     }
 
     /// Books a request on a given rank with ids scoped by (model, tenant) (slot tracker: every
@@ -480,12 +605,47 @@ impl Catalog {
             isl_tokens: prefill_tokens,
         };
         let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
-        if tracker.kv.active_count() >= self.limits.max_reservations {
-            return Err(CatalogError::TooManyReservations(
-                self.limits.max_reservations,
-            ));
-        }
-        Ok(tracker.kv.reserve(id, rank, hashes, prefill, now)?)
+        let key = Key::scoped(scope, id);
+        self.book_on(scope, tracker, key, rank, prompt, prefill, now)
+    }
+
+    /// The transaction with `rank`'s candidate alone, booking `prefill` tokens under `key`.
+    #[allow(clippy::too_many_arguments)]
+    fn book_on(
+        &self,
+        scope: &Scope,
+        tracker: &Tracker,
+        key: Key,
+        rank: WorkerRank,
+        prompt: PromptRef<'_>,
+        prefill: u64,
+        now: Instant,
+    ) -> Result<(), CatalogError> {
+        let candidate = tracker
+            .candidate(rank)
+            .cloned()
+            .ok_or(CatalogError::UnknownRank {
+                worker: rank.worker,
+                dp_rank: rank.dp_rank,
+            })?;
+        let facts = RequestFacts {
+            prompt: Prompt::Hashes {
+                hashes: prompt.hashes.to_vec(),
+                isl_tokens: prompt.isl_tokens,
+            },
+            booking_id: Some(&key.id),
+            prefill_tokens: Some(prefill),
+            ..RequestFacts::default()
+        };
+        let mut map = lock(&self.reservations);
+        self.check_room(&map, &key)?;
+        let mut ctx = PickContext::new(fastrand::Rng::with_seed(0), now);
+        let d = tracker
+            .router
+            .route(facts, std::slice::from_ref(&candidate), &mut ctx)
+            .map_err(|e| pick_error(scope, e))?;
+        map.insert(key, Held::local(scope, d.booking));
+        Ok(())
     }
 
     fn check_booking(
@@ -519,63 +679,41 @@ impl Catalog {
         Ok((tracker, prefill))
     }
 
-    /// The scope a reservation was booked in (forgetting it when it is no longer active).
-    fn reservation_tracker(&self, id: &str) -> Result<&Tracker, CatalogError> {
+    /// Records a peer replica's booking (replica sync): by id, never told to the listeners.
+    /// `scoped`: the id is scoped by (model, tenant) (the slot tracker's), else global.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_peer(
+        &self,
+        scope: &Scope,
+        id: &str,
+        rank: WorkerRank,
+        hashes: &[SequenceHash],
+        prefill_tokens: u64,
+        scoped: bool,
+        now: Instant,
+    ) -> Result<(), CatalogError> {
+        let prompt = PromptRef {
+            hashes,
+            isl_tokens: prefill_tokens,
+        };
+        let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
+        let key = if scoped {
+            Key::scoped(scope, id)
+        } else {
+            Key::global(id)
+        };
         let mut map = lock(&self.reservations);
-        let unknown = || CatalogError::UnknownReservation(id.to_owned());
-        let scope = map.get(id).ok_or_else(unknown)?;
-        match self.tracker(scope) {
-            Ok(t) if t.kv.is_active(id) => Ok(t),
-            _ => {
-                map.remove(id);
-                Err(unknown())
-            }
-        }
+        self.check_room(&map, &key)?;
+        tracker.kv.reserve(id, rank, hashes, prefill, now)?;
+        map.insert(key, Held::peer(scope));
+        Ok(())
     }
 
-    pub fn prefill_complete(&self, id: &str) -> Result<(), CatalogError> {
-        Ok(self.reservation_tracker(id)?.kv.prefill_complete(id)?)
-    }
-
-    pub fn output_block(&self, id: &str, decay_fraction: Option<f64>) -> Result<(), CatalogError> {
-        Ok(self
-            .reservation_tracker(id)?
-            .kv
-            .output_block(id, decay_fraction)?)
-    }
-
-    /// Frees a reservation; whether it was active.
-    pub fn free(&self, id: &str) -> bool {
-        let Ok(tracker) = self.reservation_tracker(id) else {
-            return false;
-        };
-        let freed = tracker.kv.free(id);
-        lock(&self.reservations).remove(id);
-        freed
-    }
-
-    /// Drops stale requests in every scope and forgets reservations no longer active.
-    pub fn expire(&self, now: Instant) -> usize {
-        let pool_scope = Scope {
-            model: String::new(),
-            tenant: String::new(),
-        };
-        let expired = self
-            .trackers(&pool_scope)
-            .map(|(_, t)| t.kv.expire_stale(now))
-            .sum();
-        if expired > 0 {
-            lock(&self.reservations).retain(|id, scope| {
-                self.tracker(scope)
-                    .map(|t| t.kv.is_active(id))
-                    .unwrap_or(false)
-            });
-        }
-        expired
-    }
-
-    pub fn reservation_count(&self) -> usize {
-        lock(&self.reservations).len()
+    /// The (model, tenant) a reservation was booked in, while it is known.
+    pub fn reservation_scope(&self, id: &str) -> Option<Scope> {
+        lock(&self.reservations)
+            .get(&Key::global(id))
+            .map(|h| h.scope.clone())
     }
 
     /// Current load of every rank of `scope`'s workers.

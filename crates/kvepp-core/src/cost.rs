@@ -23,15 +23,8 @@
 //! `load_bound_cached` × the mean, then a second engine takes the prefix over). The least loaded
 //! candidate is always within both bounds, so the choice never runs out of candidates.
 
-/// Cached prefix of a request on one rank, in blocks, cumulative over tiers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Overlap {
-    pub device: u64,
-    /// Blocks cached on device or host (≥ `device`).
-    pub host: u64,
-    /// Blocks cached anywhere (≥ `host`).
-    pub disk: u64,
-}
+
+pub use crate::types::Overlap;
 
 /// What the cost model needs to know about one rank for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -18,52 +18,15 @@
 //! - the transfer cost is 0 when `kv_transfer_weight` is 0, else
 //!   `weight × (latency_ms + kv_bytes / bytes_per_ms)` of the narrowest level the pair shares.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::pick::{Endpoint, PickError};
+pub use crate::endpoint::{Domains, Role};
+use crate::endpoint::Endpoint;
+pub use crate::pick::Pairing;
+use crate::pick::PickError;
 
-/// What an endpoint does in a disaggregated pool (`/metadata` `role`, or the pod label the
-/// worker-agent publishes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
-pub enum Role {
-    /// Prefill and decode (an aggregated engine: the default).
-    #[default]
-    Both,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    /// `prefill`, `decode`, `both` (llm-d's `llm-d.ai/role` values) and vLLM's KV-transfer roles
-    /// (`kv_producer`, `kv_consumer`, `kv_both`); None for anything else.
-    pub fn parse(s: &str) -> Option<Role> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "both" | "prefill_and_decode" | "prefill-decode" | "kv_both" | "" => Some(Role::Both),
-            "prefill" | "kv_producer" => Some(Role::Prefill),
-            "decode" | "kv_consumer" => Some(Role::Decode),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Both => "both",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-
-    pub fn prefills(self) -> bool {
-        self != Role::Decode
-    }
-
-    pub fn decodes(self) -> bool {
-        self != Role::Prefill
-    }
-}
 
 /// `kv_transfer_mismatch_policy`: what happens when no decode worker shares the prefill worker's
 /// domain.
@@ -332,8 +295,6 @@ impl TransferSettings {
     }
 }
 
-/// Topology domains of an endpoint: level → value.
-pub type Domains = BTreeMap<String, String>;
 
 /// The link between two workers with domains `a` and `b`: the first level of `table` whose value
 /// they share, else `cross`.
@@ -344,18 +305,3 @@ pub fn link_between(table: &[LevelQos], cross: LinkQos, a: &Domains, b: &Domains
         .map_or(cross, LevelQos::qos)
 }
 
-/// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
-/// (the pick's primary) takes over. The KV-aware reasons for the prefill worker are the pick's
-/// `kv`.
-#[derive(Debug, Clone)]
-pub struct Pairing {
-    pub prefill: Arc<Endpoint>,
-    /// The configured level's value on each side (None: no level configured, or the worker
-    /// lacks it).
-    pub prefill_domain: Option<String>,
-    pub decode_domain: Option<String>,
-    /// The decode worker is outside the prefill worker's domain (fallback policy).
-    pub crossed: bool,
-    /// Estimated transfer time between the two, in milliseconds (the QoS table).
-    pub transfer_ms: f64,
-}

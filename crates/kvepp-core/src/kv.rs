@@ -49,7 +49,8 @@ use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
 use super::predict::{TtftFeatures, TtftModel};
 use super::slots::{project, SlotTracker, WorkerRank};
-use super::{Endpoint, PickContext};
+use super::{Endpoint, PickContext, PickRequest};
+use crate::listen::{Admitted, Hub};
 use crate::hash::{LocalBlockHash, PrefixMemo, SequenceHash};
 
 mod approx;
@@ -61,7 +62,7 @@ mod scratch;
 use approx::Approx;
 pub use guard::SlotGuard;
 pub use prompt::{PrefixMode, PromptBlocks};
-pub use ranks::{RankChoice, SelectError};
+
 use scratch::PickScratch;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -123,14 +124,25 @@ fn ttft_features(
     }
 }
 
-/// Tries of a pick whose booking found the chosen rank's load changed since the pick read it:
-/// the last one books regardless (the router's picks) or reads and books under one write lock
-/// (the HTTP services' select-and-reserve).
-pub const BOOKING_ATTEMPTS: usize = 4;
-
 /// The worker id of an endpoint (stable across discovery updates).
 pub fn worker_id(addr: &str) -> u64 {
     xxh3_64(addr.as_bytes())
+}
+
+/// What a booking books in the slot tracker ([`KvState::book`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SlotBooking<'a> {
+    /// The slot tracker's id: a client's reservation id, or None for a process-local one.
+    pub id: Option<&'a str>,
+    /// Prefill tokens the request loads its rank with until its first byte.
+    pub prefill_tokens: u64,
+    /// Blocks of the prompt the rank holds (approximate mode records the rest as routed).
+    pub held: u64,
+    /// Book only if the rank's load is still this version; None: whatever it is.
+    pub expected: Option<u64>,
+    /// A pick by predicted TTFT: what its prediction read (the guard learns from the first token).
+    pub learn: Option<TtftFeatures>,
+    pub now: Instant,
 }
 
 /// What the picker decided for the chosen candidate (logged at debug level, booked).
@@ -156,25 +168,6 @@ pub struct KvDecision {
     pub ttft: Option<TtftFeatures>,
 }
 
-/// Told about every booking the KV-aware picker makes and ends, and every prompt it records as
-/// routed in approximate mode (replica sync publishes them to the other replicas). Called after
-/// the state's locks are released; implementations must not block.
-pub trait BookingObserver: Send + Sync + std::fmt::Debug {
-    /// A pick booked `id` (a process-local id) on `rank`.
-    fn admitted(
-        &self,
-        id: &str,
-        rank: WorkerRank,
-        block_size: u32,
-        hashes: &[SequenceHash],
-        prefill_tokens: u64,
-    );
-    fn prefill_complete(&self, id: &str);
-    fn freed(&self, id: &str);
-    /// Approximate mode: the prompt's blocks were recorded as routed to `worker`.
-    fn routed(&self, worker: u64, prompt: &PromptBlocks);
-}
-
 /// Shared state of the KV-aware picker: the index fed by KV events, the approximate index, and
 /// the slot tracker.
 #[derive(Debug)]
@@ -191,8 +184,8 @@ pub struct KvState {
     base_model: RwLock<Option<Arc<str>>>,
     /// Pick buffers, reused: a few pools so concurrent picks rarely meet on one lock.
     scratch: [Mutex<Vec<PickScratch>>; SCRATCH_POOLS],
-    /// Set once at startup when replica sync runs.
-    observer: std::sync::OnceLock<Arc<dyn BookingObserver>>,
+    /// Who hears of this state's bookings (the router over it shares the hub).
+    hub: Arc<Hub>,
     /// The pool's TTFT model (the `predicted_ttft` cost).
     ttft: TtftModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
@@ -250,7 +243,7 @@ impl KvState {
             block_size: AtomicU32::new(settings.block_size.max(1)),
             base_model: RwLock::new(None),
             scratch: Default::default(),
-            observer: std::sync::OnceLock::new(),
+            hub: Arc::default(),
             ttft: TtftModel::default(),
             memo: PrefixMemo::default(),
         }
@@ -260,9 +253,10 @@ impl KvState {
         &self.settings
     }
 
-    /// Installs the observer of bookings (once; false if one was already installed).
-    pub fn observe(&self, observer: Arc<dyn BookingObserver>) -> bool {
-        self.observer.set(observer).is_ok()
+    /// Who hears of this state's bookings: admissions, prefill completions, frees, and in
+    /// approximate mode the prompts recorded as routed.
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
     }
 
     /// Approximate mode: records a prompt's blocks as routed to `worker` (a peer replica's pick).
@@ -481,10 +475,7 @@ impl KvState {
                 let Some(e) = candidates.get(*i) else {
                     continue;
                 };
-                let rank = WorkerRank {
-                    worker: e.worker,
-                    dp_rank: 0,
-                };
+                let rank = e.rank();
                 let found = slots.dense_id(rank).and_then(|id| {
                     e.hints.slot.store(id, Ordering::Relaxed);
                     project(&sc.views, &sc.held, rank, id, walked.blocks, isl)
@@ -538,16 +529,12 @@ impl KvState {
     #[inline(always)]
     fn overlap_of(w: &Walked, sc: &PickScratch, i: usize, e: &Endpoint) -> Overlap {
         match &w.index {
-            _ if w.per_worker => sc.best.get(i).copied().unwrap_or_default(),
+            // A rank-level candidate's prefix is its own rank's.
+            _ if w.per_worker && e.exact_rank.is_none() => {
+                sc.best.get(i).copied().unwrap_or_default()
+            }
             Some(ix) => ix
-                .walked(
-                    &sc.matching,
-                    WorkerRank {
-                        worker: e.worker,
-                        dp_rank: 0,
-                    },
-                    &e.hints.index[w.hint],
-                )
+                .walked(&sc.matching, e.rank(), &e.hints.index[w.hint])
                 .unwrap_or_default(),
             None => Overlap::default(),
         }
@@ -562,10 +549,7 @@ impl KvState {
         i: usize,
         e: &Endpoint,
     ) -> Option<(CandidateLoad, u64)> {
-        let rank = WorkerRank {
-            worker: e.worker,
-            dp_rank: 0,
-        };
+        let rank = e.rank();
         let slot = e.hints.slot.load(Ordering::Relaxed);
         let (l, version) = project(&sc.views, &sc.held, rank, slot, w.blocks, w.isl)?;
         let mut c = CandidateLoad {
@@ -621,9 +605,10 @@ impl KvState {
     pub fn rank(
         &self,
         candidates: &[Arc<Endpoint>],
-        prompt: Option<&PromptBlocks>,
+        req: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> (usize, Option<usize>, KvDecision) {
+        let prompt = req.prompt;
         // Any per-thread-ish number spreads picks over the buffer pools; the stack address is.
         let hint = (std::ptr::from_ref(ctx) as usize) >> 8;
         let (pool, mut sc) = self.take_scratch(hint);
@@ -671,26 +656,63 @@ impl KvState {
         (best, second, decision)
     }
 
-    /// Books the request on the endpoint: slot-tracker load until the guard drops, and in
-    /// approximate mode the prompt's blocks as routed there.
+    /// Books the request on `endpoint`'s rank: slot-tracker load until the guard drops, and in
+    /// approximate mode the prompt's blocks as routed there. With `slot.expected`, only if the
+    /// rank's load is still that version (what the pick read); `Ok(None)`: it changed, nothing was
+    /// booked (the router picks again). An id the slot tracker holds already is refused.
     pub fn book(
         self: &Arc<Self>,
         endpoint: &Endpoint,
         prompt: Option<&PromptBlocks>,
-        effective_prefill_tokens: u64,
-        now: Instant,
-    ) -> SlotGuard {
-        let booked = self.book_inner(endpoint, prompt, effective_prefill_tokens, 0, None, now);
-        booked.unwrap_or_else(|| SlotGuard {
+        slot: SlotBooking<'_>,
+    ) -> Result<Option<SlotGuard>, crate::slots::SlotError> {
+        let rank = endpoint.rank();
+        // A NUL-led id: never one a client of the HTTP services can have booked.
+        let id = match slot.id {
+            Some(id) => id.to_owned(),
+            None => format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed)),
+        };
+        let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
+        let booked = {
+            let mut slots = write(&self.slots);
+            slots.register(rank);
+            slots.add_if_unchanged(&id, rank, hashes, slot.prefill_tokens, slot.now, slot.expected)
+        };
+        match booked {
+            Ok(false) => {
+                self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Ok(true) => {
+                let a = Admitted {
+                    id: &id,
+                    rank,
+                    block_size: self.block_size(),
+                    hashes,
+                    prefill_tokens: slot.prefill_tokens,
+                };
+                self.hub.each(|l| l.admitted(&a));
+            }
+            Err(e) if slot.id.is_some() => return Err(e),
+            // A process-local id cannot collide; the unknown-rank case cannot happen either
+            // (registered above): book the load alone.
+            Err(_) => {}
+        }
+        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
+            self.approx.record(endpoint.worker, p, slot.held as usize);
+            self.hub.each(|l| l.routed(endpoint.worker, p));
+        }
+        Ok(Some(SlotGuard {
             state: self.clone(),
-            id: None,
+            id: booked.is_ok().then_some(id),
             prefill_done: false,
-            learn: None,
-        })
+            learn: slot.learn.map(|f| (endpoint.load.ttft.clone(), f, slot.now)),
+        }))
     }
 
-    /// Books what `decision` decided on `endpoint`, but only if the endpoint's load is still the
-    /// one the decision read; None (nothing booked): pick again.
+    /// Books what `decision` ([`Self::rank`]) decided on `endpoint`, only if its load is still the
+    /// one the decision read (None: it changed). For benchmarks and tests that time or check the
+    /// two halves of the router's transaction; front doors call [`crate::Router::route`].
     pub fn book_decision(
         self: &Arc<Self>,
         endpoint: &Endpoint,
@@ -698,71 +720,15 @@ impl KvState {
         decision: &KvDecision,
         now: Instant,
     ) -> Option<SlotGuard> {
-        let booked = self
-            .book_inner(
-                endpoint,
-                prompt,
-                decision.effective_prefill_tokens,
-                decision.overlap.device,
-                Some(decision.load_version.unwrap_or(0)),
-                now,
-            )
-            .map(|mut g| {
-                g.learn = decision.ttft.map(|f| (endpoint.load.ttft.clone(), f, now));
-                g
-            });
-        if booked.is_none() {
-            self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
-        }
-        booked
-    }
-
-    fn book_inner(
-        self: &Arc<Self>,
-        endpoint: &Endpoint,
-        prompt: Option<&PromptBlocks>,
-        effective_prefill_tokens: u64,
-        held: u64,
-        expected: Option<u64>,
-        now: Instant,
-    ) -> Option<SlotGuard> {
-        let worker = endpoint.worker;
-        let rank = WorkerRank { worker, dp_rank: 0 };
-        // A NUL-led id: never one a client of the HTTP services can have booked.
-        let id = format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed));
-        let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
-        let booked = {
-            let mut slots = write(&self.slots);
-            slots.register(rank);
-            slots.add_if_unchanged(&id, rank, hashes, effective_prefill_tokens, now, expected)
+        let slot = SlotBooking {
+            id: None,
+            prefill_tokens: decision.effective_prefill_tokens,
+            held: decision.overlap.device,
+            expected: Some(decision.load_version.unwrap_or(0)),
+            learn: decision.ttft,
+            now,
         };
-        match booked {
-            Ok(false) => return None,
-            Ok(true) => {
-                if let Some(o) = self.observer.get() {
-                    o.admitted(
-                        &id,
-                        rank,
-                        self.block_size(),
-                        hashes,
-                        effective_prefill_tokens,
-                    );
-                }
-            }
-            Err(_) => {}
-        }
-        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
-            self.approx.record(worker, p, held as usize);
-            if let Some(o) = self.observer.get() {
-                o.routed(worker, p);
-            }
-        }
-        Some(SlotGuard {
-            state: self.clone(),
-            id: booked.is_ok().then_some(id),
-            prefill_done: false,
-            learn: None,
-        })
+        self.book(endpoint, prompt, slot).ok().flatten()
     }
 
     /// Drops bookings older than the stale-request limit at `now` (requests whose end was never
@@ -807,10 +773,10 @@ impl super::Picker for KvPicker {
     fn rank(
         &self,
         candidates: &[Arc<Endpoint>],
-        prompt: Option<&PromptBlocks>,
+        req: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> super::Ranked {
-        let (best, second, kv) = self.0.rank(candidates, prompt, ctx);
+        let (best, second, kv) = self.0.rank(candidates, req, ctx);
         super::Ranked {
             best,
             second,

@@ -2,8 +2,7 @@
 
 use std::sync::Arc;
 
-use super::kv::PromptBlocks;
-use super::{Endpoint, PickContext, Picker, Ranked};
+use super::{Endpoint, PickContext, PickRequest, Picker, Ranked};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct LeastLoaded;
@@ -12,7 +11,7 @@ impl Picker for LeastLoaded {
     fn rank(
         &self,
         candidates: &[Arc<Endpoint>],
-        _: Option<&PromptBlocks>,
+        _: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> Ranked {
         // Requests in flight, plus the caller's bias (a decode pick's transfer cost) when given.
@@ -74,7 +73,7 @@ mod tests {
         let mut ctx = PickContext::seeded(7);
         let mut seen = [0u32; 4];
         for _ in 0..3000 {
-            let Ranked { best, second, .. } = LeastLoaded.rank(refs, None, &mut ctx);
+            let Ranked { best, second, .. } = LeastLoaded.rank(refs, &PickRequest::default(), &mut ctx);
             assert_ne!(Some(best), second);
             assert_ne!(second, Some(3));
             seen[best] += 1;
@@ -89,7 +88,7 @@ mod tests {
     fn single_candidate() {
         let eps = [ep(1, 0)];
         let mut ctx = PickContext::seeded(7);
-        let r = LeastLoaded.rank(&eps, None, &mut ctx);
+        let r = LeastLoaded.rank(&eps, &PickRequest::default(), &mut ctx);
         assert_eq!((r.best, r.second), (0, None));
     }
 }

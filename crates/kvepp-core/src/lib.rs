@@ -23,9 +23,11 @@
 //! drop); a KV-aware booking books the load its pick read or nothing (then the router picks
 //! again); randomness and time come from the caller, never from globals or thread-locals.
 
+pub mod booking;
 pub mod catalog;
 pub mod cost;
 pub mod disagg;
+pub mod endpoint;
 pub mod hash;
 pub mod index;
 pub mod kv;
@@ -37,12 +39,16 @@ pub mod queue;
 mod round_robin;
 pub mod router;
 pub mod slots;
+pub mod types;
+pub mod listen;
 
 pub use disagg::{MismatchPolicy, Pairing, Role, TransferSettings};
 pub use hash::{LocalBlockHash, SequenceHash};
 pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;
-pub use load::{Booking, EndpointLoad, EngineMetrics};
+pub use booking::Booking;
+pub use listen::{Admitted, Hub, Listener};
+pub use load::{EndpointLoad, EngineMetrics};
 pub use pick::{
     is_sheddable, Admission, Criticality, Endpoint, Pick, PickContext, PickError, PickRequest,
     Picker, Ranked, Saturation, Selector,

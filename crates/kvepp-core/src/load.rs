@@ -1,10 +1,11 @@
 //! Per-endpoint in-flight accounting: admitted → first response byte → end of stream or abort.
 //!
-//! A [`Booking`] is taken when a request is routed and released when it is dropped, so every exit
-//! path (normal end, client abort, proxy reset, EPP error) gives the slot back exactly once.
+//! The counters are moved only by a [`crate::booking::Booking`] (taken when a request is routed,
+//! released when dropped), so every exit path gives the slot back exactly once.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+
+pub(crate) use crate::types::clock_nanos;
 use std::time::{Duration, Instant};
 
 /// Load signals an engine publishes about itself (its Prometheus `/metrics`).
@@ -18,17 +19,6 @@ pub struct EngineMetrics {
     pub num_gpu_blocks: Option<u64>,
 }
 
-/// The instant scrape times are counted from (any instant converts, before it or after).
-static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
-
-/// `t` in nanoseconds from [`ORIGIN`] (negative before it; saturating at ±292 years).
-pub(crate) fn clock_nanos(t: Instant) -> i64 {
-    let origin = *ORIGIN;
-    match t.checked_duration_since(origin) {
-        Some(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
-        None => -i64::try_from(origin.duration_since(t).as_nanos()).unwrap_or(i64::MAX),
-    }
-}
 
 #[derive(Debug, Default)]
 pub struct EndpointLoad {
@@ -118,99 +108,31 @@ impl EndpointLoad {
         ))
     }
 
-    /// Books one request on this endpoint.
-    pub fn book(self: &Arc<Self>) -> Booking {
+    /// Counts one more request routed here (a [`crate::booking::Booking`] was made).
+    pub(crate) fn admit(&self) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.waiting_first_byte.fetch_add(1, Ordering::Relaxed);
         self.routed_total.fetch_add(1, Ordering::Relaxed);
-        Booking {
-            load: self.clone(),
-            first_byte_seen: false,
-            slot: None,
-            prefill: None,
-        }
-    }
-}
-
-/// One request's slot on an endpoint. Dropping it ends the request.
-#[derive(Debug)]
-pub struct Booking {
-    load: Arc<EndpointLoad>,
-    first_byte_seen: bool,
-    /// The KV-aware picker's slot-tracker booking, when it picked.
-    slot: Option<super::kv::SlotGuard>,
-    /// A disaggregated pick's prefill leg: released when the response starts (the prefill worker
-    /// has handed the KV cache over by then) or with this booking.
-    prefill: Option<Box<Booking>>,
-}
-
-impl Booking {
-    /// Adds the slot-tracker booking of a KV-aware pick (released with this booking).
-    pub fn with_slot(mut self, slot: super::kv::SlotGuard) -> Self {
-        self.slot = Some(slot);
-        self
     }
 
-    /// Adds the prefill leg of a disaggregated pick (released at the first response byte).
-    pub fn with_prefill(mut self, prefill: Booking) -> Self {
-        self.prefill = Some(Box::new(prefill));
-        self
+    /// A request routed here got its first response byte.
+    pub(crate) fn first_byte_done(&self) {
+        self.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Whether the prefill leg of a disaggregated pick is still booked.
-    pub fn prefill_pending(&self) -> bool {
-        self.prefill.is_some()
-    }
-
-    /// The response has started (prefill is over, in engine terms). Idempotent.
-    pub fn first_byte(&mut self) {
-        self.prefill = None;
-        if let Some(s) = &mut self.slot {
-            s.first_byte();
+    /// A request routed here ended (`first_byte_seen`: whether [`Self::first_byte_done`] ran).
+    pub(crate) fn finish(&self, first_byte_seen: bool) {
+        if !first_byte_seen {
+            self.first_byte_done();
         }
-        if !self.first_byte_seen {
-            self.first_byte_seen = true;
-            self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-
-    /// The first token arrived at `now` (a streamed response's first chunk): a pick by predicted
-    /// TTFT teaches the endpoint's model what it took. Once.
-    pub fn first_token(&mut self, now: Instant) {
-        if let Some(s) = &mut self.slot {
-            s.first_token(now);
-        }
-    }
-
-    /// Moves the booking to another endpoint (the proxy reported it served the request elsewhere).
-    /// A slot-tracker booking is released (it was computed for the endpoint the picker chose).
-    pub fn move_to(&mut self, other: &Arc<EndpointLoad>) {
-        if Arc::ptr_eq(&self.load, other) {
-            return;
-        }
-        let seen = self.first_byte_seen;
-        let mut moved = other.book();
-        if seen {
-            moved.first_byte();
-        }
-        // The prefill leg ran (or runs) where it was booked, whoever decodes.
-        moved.prefill = self.prefill.take();
-        *self = moved;
-    }
-}
-
-impl Drop for Booking {
-    fn drop(&mut self) {
-        if !self.first_byte_seen {
-            self.load.waiting_first_byte.fetch_sub(1, Ordering::Relaxed);
-        }
-        self.load.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn lifecycle_counts_once() {

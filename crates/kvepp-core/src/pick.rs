@@ -15,13 +15,11 @@
 //! - scores, when asked for, are higher for better candidates and in `[0, 1]`.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::disagg::{Domains, Pairing, Role};
+pub use crate::endpoint::{Endpoint, PickHints};
 use crate::kv::{KvDecision, PromptBlocks};
-use crate::load::EndpointLoad;
 
 /// How important a request is (InferenceModel `spec.criticality`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -53,72 +51,7 @@ impl Criticality {
     }
 }
 
-/// Where the KV-aware picker last found an endpoint in its dense tables (its rank-0 slot in the
-/// KV-event index and in the approximate index, its id in the slot tracker): checked before use
-/// and corrected when wrong, so a pick reads them instead of hashing the endpoint's identity.
-#[derive(Debug, Default)]
-pub struct PickHints {
-    pub(crate) index: [AtomicU32; 2],
-    pub(crate) slot: AtomicU32,
-}
 
-/// A ready model-server endpoint as the selector sees it.
-///
-/// `worker` and `hints` come first and together (`repr(C)`): they are what a pick over
-/// thousands of candidates reads from each, so they share one cache line.
-#[derive(Debug)]
-#[repr(C)]
-pub struct Endpoint {
-    /// [`crate::kv::worker_id`] of `addr_str`, computed once: the key of its load and cached
-    /// blocks in the KV-aware picker.
-    pub worker: u64,
-    pub hints: PickHints,
-    pub addr: SocketAddr,
-    /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
-    pub addr_str: Arc<str>,
-    /// Instance id (the Pod name from `targetRef`, else the address).
-    pub name: Arc<str>,
-    pub zone: Option<Arc<str>>,
-    pub node: Option<Arc<str>>,
-    /// The port named `metadata` in its EndpointSlice: where the engine serves `/metadata`.
-    pub metadata_port: Option<u16>,
-    /// Live load counters; shared across discovery updates for the same address.
-    pub load: Arc<EndpointLoad>,
-    /// Prefill, decode or both (from its metadata; both unless told).
-    pub role: Role,
-    /// Topology domains (level → value): its metadata's `topology_domains`, else the
-    /// EndpointSlice's `zone` and `nodeName` as `zone` and `host`.
-    pub domains: Domains,
-    /// The data-parallel rank this endpoint is, when the pool lists one target port per rank.
-    pub dp_rank: Option<u32>,
-}
-
-impl Endpoint {
-    /// An endpoint at `addr` named `name`, with fresh load counters and no zone, node or metadata
-    /// port (discovery fills those in itself).
-    pub fn new(addr: SocketAddr, name: impl Into<Arc<str>>) -> Self {
-        let addr_str: Arc<str> = addr.to_string().into();
-        Endpoint {
-            addr,
-            worker: crate::kv::worker_id(&addr_str),
-            hints: PickHints::default(),
-            addr_str,
-            name: name.into(),
-            zone: None,
-            node: None,
-            metadata_port: None,
-            load: Arc::new(EndpointLoad::default()),
-            role: Role::Both,
-            domains: Domains::new(),
-            dp_rank: None,
-        }
-    }
-
-    /// The endpoint's value of topology level `level`, when it has one.
-    pub fn domain(&self, level: &str) -> Option<&str> {
-        self.domains.get(level).map(String::as_str)
-    }
-}
 
 /// How a request is admitted when endpoints are saturated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -147,6 +80,35 @@ pub struct PickRequest<'a> {
     pub subset: Option<&'a [SocketAddr]>,
     /// The prompt as KV blocks, when the request has one.
     pub prompt: Option<&'a PromptBlocks>,
+    /// Extra cost per endpoint (in the order of the endpoints picked among), added to the
+    /// picker's own: a decode pick's KV-transfer cost. Empty: none.
+    pub bias: &'a [f64],
+}
+
+/// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
+/// (the pick's primary) takes over. The KV-aware reasons for the prefill worker are the pick's
+/// `kv`.
+#[derive(Debug, Clone)]
+pub struct Pairing {
+    pub prefill: Arc<Endpoint>,
+    /// The configured level's value on each side (None: no level configured, or the worker
+    /// lacks it).
+    pub prefill_domain: Option<String>,
+    pub decode_domain: Option<String>,
+    /// The decode worker is outside the prefill worker's domain (fallback policy).
+    pub crossed: bool,
+    /// Estimated transfer time between the two, in milliseconds (the QoS table).
+    pub transfer_ms: f64,
+}
+
+impl<'a> PickRequest<'a> {
+    /// A request with `prompt` and nothing else (benchmarks and tests of a picker alone).
+    pub fn prompt(prompt: Option<&'a PromptBlocks>) -> Self {
+        PickRequest {
+            prompt,
+            ..PickRequest::default()
+        }
+    }
 }
 
 /// The outcome of a successful pick.
@@ -182,6 +144,8 @@ pub enum PickError {
     Saturated(usize),
     #[error("no ready decode endpoint in the disaggregated pool")]
     NoDecodeEndpoints,
+    #[error("booking id {0:?} is already active")]
+    DuplicateBooking(String),
     #[error("no decode worker in the prefill worker {prefill}'s {level} {}; kv_transfer_mismatch_policy is fail", .domain.as_deref().map_or_else(|| "(it has no such topology domain)".to_owned(), |d| format!("{d:?}")))]
     TopologyMismatch {
         level: String,
@@ -200,8 +164,8 @@ pub struct PickContext {
     pub now: Instant,
     /// `Some`: the picker writes every candidate's score here (one per candidate, in order).
     pub scores: Option<Vec<f64>>,
-    /// Extra cost per candidate (in order), added to the picker's own (a decode pick's KV
-    /// transfer cost); empty: none. Consumed by the pick.
+    /// The pick's buffer for [`PickRequest::bias`] as it applies to the candidates left after
+    /// the filters (what the picker reads); empty outside a pick.
     pub bias: Vec<f64>,
 }
 
@@ -235,7 +199,7 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
     fn rank(
         &self,
         candidates: &[Arc<Endpoint>],
-        prompt: Option<&PromptBlocks>,
+        req: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> Ranked;
 }
@@ -353,21 +317,20 @@ impl Selector {
                 }
             }
         }
-        if !ctx.bias.is_empty() && candidates.len() != endpoints.len() {
+        ctx.bias.clear();
+        if candidates.len() == endpoints.len() {
+            ctx.bias.extend_from_slice(req.bias);
+        } else if !req.bias.is_empty() {
             // The bias follows `endpoints`; keep each surviving candidate's own.
-            let bias = std::mem::take(&mut ctx.bias);
-            ctx.bias = candidates
-                .iter()
-                .map(|c| {
-                    endpoints
-                        .iter()
-                        .position(|e| Arc::ptr_eq(e, c))
-                        .and_then(|i| bias.get(i).copied())
-                        .unwrap_or(0.0)
-                })
-                .collect();
+            ctx.bias.extend(candidates.iter().map(|c| {
+                endpoints
+                    .iter()
+                    .position(|e| Arc::ptr_eq(e, c))
+                    .and_then(|i| req.bias.get(i).copied())
+                    .unwrap_or(0.0)
+            }));
         }
-        let r = self.picker.rank(candidates, req.prompt, ctx);
+        let r = self.picker.rank(candidates, req, ctx);
         let primary = candidates[r.best].clone();
         let fallback = r
             .second

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use crate::load::clock_nanos;
+use crate::types::clock_nanos;
 
 /// What the model reads for one request on one endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -4,8 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::kv::PromptBlocks;
-use super::{Endpoint, PickContext, Picker, Ranked};
+use super::{Endpoint, PickContext, PickRequest, Picker, Ranked};
 
 #[derive(Debug, Default)]
 pub struct RoundRobin {
@@ -16,7 +15,7 @@ impl Picker for RoundRobin {
     fn rank(
         &self,
         candidates: &[Arc<Endpoint>],
-        _: Option<&PromptBlocks>,
+        _: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> Ranked {
         let n = candidates.len();
@@ -48,7 +47,7 @@ mod tests {
         let rr = RoundRobin::default();
         let picks: Vec<(usize, Option<usize>)> = (0..6)
             .map(|_| {
-                let r = rr.rank(refs, None, &mut ctx);
+                let r = rr.rank(refs, &PickRequest::default(), &mut ctx);
                 (r.best, r.second)
             })
             .collect();
@@ -63,6 +62,6 @@ mod tests {
                 (2, Some(0))
             ]
         );
-        assert_eq!(rr.rank(&refs[..1], None, &mut ctx).second, None);
+        assert_eq!(rr.rank(&refs[..1], &PickRequest::default(), &mut ctx).second, None);
     }
 }

@@ -1,14 +1,18 @@
-//! The one entry point of the routing core: a request's facts and the pool's ready endpoints in,
-//! a [`Decision`] out, already booked.
+//! The one transaction of the routing core: a request's facts and its candidates in, a
+//! [`Decision`] out, already booked.
 //!
-//! Every front door (the ext_proc stream, HTTP selection services, replica sync) calls
-//! [`Router::route`]; none of them hashes prompts, ranks candidates or books load itself. What a
-//! decision holds:
-//! - the pick: primary, second-best fallback, and for the KV-aware picker its reasons (overlap per
-//!   tier, cost, effective prefill tokens, the load terms);
-//! - the booking: the endpoint's in-flight count and, for KV-aware picks, the slot-tracker entry.
-//!   Both are released exactly once, when the [`Booking`] is dropped (or moved with
-//!   [`Booking::move_to`]).
+//! Every front door calls [`Router::route`] (or [`Router::preview`], which decides without
+//! booking): the ext_proc stream with the pool's endpoints, the HTTP selection services with their
+//! registered ranks (or, in `kvepp serve`, the same pool endpoints), for a reservation on a given
+//! rank with that one rank. None of them hashes prompts, ranks candidates, books load or retries.
+//! The pipeline, in order: the prompt as blocks → candidates (a disaggregated pool's prefill and
+//! decode workers) → filters (subset hint, saturation and admission) → one cost (the picker's:
+//! Dynamo's terms with the bias and bounded loads, or predicted TTFT) → choice (temperature,
+//! tie-break) → booking. A KV-aware booking books exactly the load its pick read: if the chosen
+//! rank's load changed in between, the pipeline runs again, at most [`BOOKING_ATTEMPTS`] times,
+//! the last one booking whatever changed. The [`Booking`] it returns is the only way the load is
+//! released; its drop (and its first byte) tells the router's [`Hub`]: flow control, replica
+//! sync, metrics.
 //!
 //! Background upkeep goes through the same object: [`Router::retain`] with the pool's live
 //! endpoints whenever it changes (or [`Router::forget`] for one), and [`Router::maintain`] on a
@@ -18,12 +22,18 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::booking::Booking;
 use crate::disagg::{Pairing, TransferSettings};
-use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks, BOOKING_ATTEMPTS};
-use crate::load::Booking;
+use crate::hash::SequenceHash;
+use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks, SlotBooking};
+use crate::listen::{Hub, Listener};
 use crate::pick::{
     Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
+
+/// Runs of the pipeline for one decision whose booking found the chosen rank's load changed since
+/// its pick read it: the last one books whatever changed.
+pub const BOOKING_ATTEMPTS: u32 = 4;
 
 /// A request's prompt as the request path found it (not hashed yet: the block size is the
 /// router's).
@@ -38,6 +48,12 @@ pub enum Prompt<'a> {
     Tokens(Vec<u32>),
     /// The prompt's raw bytes (no tokenizer): approximate blocks, kept apart per `scope`.
     Text { scope: &'a str, bytes: &'a [u8] },
+    /// The prompt's chained block hashes, computed by the client in the router's block size (the
+    /// HTTP selection services), and its length in tokens.
+    Hashes {
+        hashes: Vec<SequenceHash>,
+        isl_tokens: u64,
+    },
 }
 
 /// What the router needs to know about one request.
@@ -53,6 +69,12 @@ pub struct RequestFacts<'a> {
     /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
     pub prompt: Prompt<'a>,
+    /// The booking's slot-tracker id: a client's reservation id (the HTTP services); None: a
+    /// process-local id. An id already active is refused ([`PickError::DuplicateBooking`]).
+    pub booking_id: Option<&'a str>,
+    /// Prefill tokens to book instead of what the cost computed (a client's own figure for a
+    /// reservation on a given rank).
+    pub prefill_tokens: Option<u64>,
 }
 
 /// A routing decision and the load it booked.
@@ -61,7 +83,7 @@ pub struct Decision {
     pub pick: Pick,
     /// How the prompt's cached prefix was looked up (`None` for load-only pickers or no prompt).
     pub mode: PrefixMode,
-    /// Released (in-flight count, slot tracker) when dropped.
+    /// Released (in-flight count, slot tracker) when dropped; holds nothing for a preview.
     pub booking: Booking,
     /// Picks made again because the chosen endpoint's load changed before the booking.
     pub repicks: u32,
@@ -73,6 +95,8 @@ pub struct Router {
     selector: Selector,
     kv: Option<Arc<KvState>>,
     disagg: TransferSettings,
+    /// Who hears of this router's bookings (the KV-aware state's hub, when there is one).
+    hub: Arc<Hub>,
 }
 
 impl Router {
@@ -80,6 +104,7 @@ impl Router {
     pub fn kv_aware(kv: Arc<KvState>, saturation: Saturation) -> Self {
         Router {
             selector: Selector::new(Box::new(KvPicker(kv.clone())), saturation),
+            hub: kv.hub().clone(),
             kv: Some(kv),
             disagg: TransferSettings::default(),
         }
@@ -91,6 +116,7 @@ impl Router {
             selector: Selector::new(picker, saturation),
             kv: None,
             disagg: TransferSettings::default(),
+            hub: Arc::default(),
         }
     }
 
@@ -103,6 +129,12 @@ impl Router {
 
     pub fn disaggregation(&self) -> &TransferSettings {
         &self.disagg
+    }
+
+    /// Adds a listener to every booking this router makes from now on (flow control, replica
+    /// sync, metrics).
+    pub fn listen(&self, l: Arc<dyn Listener>) {
+        self.hub.listen(l);
     }
 
     /// The KV-aware state, when the picker is KV-aware (event ingestion feeds its index).
@@ -122,9 +154,30 @@ impl Router {
     /// The facts are consumed: a prompt's token ids end in the memo of recent prompts, not copied.
     pub fn route(
         &self,
+        facts: RequestFacts<'_>,
+        endpoints: &[Arc<Endpoint>],
+        ctx: &mut PickContext,
+    ) -> Result<Decision, PickError> {
+        self.decide(facts, endpoints, ctx, true)
+    }
+
+    /// [`Self::route`] without the booking: the decision as it would be now (the selection
+    /// service's `/select`). Its booking holds nothing.
+    pub fn preview(
+        &self,
+        facts: RequestFacts<'_>,
+        endpoints: &[Arc<Endpoint>],
+        ctx: &mut PickContext,
+    ) -> Result<Decision, PickError> {
+        self.decide(facts, endpoints, ctx, false)
+    }
+
+    fn decide(
+        &self,
         mut facts: RequestFacts<'_>,
         endpoints: &[Arc<Endpoint>],
         ctx: &mut PickContext,
+        book: bool,
     ) -> Result<Decision, PickError> {
         let prompt = std::mem::take(&mut facts.prompt);
         let prompt = self
@@ -132,76 +185,81 @@ impl Router {
             .as_ref()
             .and_then(|kv| prompt_blocks(kv, facts.model, prompt));
         if TransferSettings::is_disaggregated(endpoints) {
-            return self.route_disaggregated(&facts, endpoints, prompt.as_ref(), ctx);
+            return self.route_disaggregated(&facts, endpoints, prompt.as_ref(), ctx, book);
         }
-        self.route_among(&facts, endpoints, prompt.as_ref(), ctx)
+        self.route_among(&facts, endpoints, prompt.as_ref(), &[], ctx, book)
     }
 
-    /// One pick among `endpoints`, booked with its full prefill. A KV-aware pick books exactly
-    /// the load it read: if the chosen endpoint's load changed in between (a concurrent pick
-    /// booked it, or a request there ended), it picks again, at most [`BOOKING_ATTEMPTS`] times,
-    /// the last one booked whatever changed.
+    /// One pick among `endpoints` (with `bias`, a decode pick's transfer costs, in their order),
+    /// booked with its full prefill unless `book` is false. The only retry loop of the core: a
+    /// KV-aware pick books exactly the load it read, or picks again (see [`BOOKING_ATTEMPTS`]).
     fn route_among(
         &self,
         facts: &RequestFacts<'_>,
         endpoints: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
+        bias: &[f64],
         ctx: &mut PickContext,
+        book: bool,
     ) -> Result<Decision, PickError> {
-        // A decode pick's transfer costs: the pick consumes them, a second try needs them again.
-        let bias = (!ctx.bias.is_empty()).then(|| ctx.bias.clone());
-        let mut attempt = 1;
+        let req = PickRequest {
+            priority: facts.priority,
+            admission: facts.admission,
+            subset: facts.subset,
+            prompt,
+            bias,
+        };
+        let mut repicks = 0;
         loop {
-            let pick = self.selector.pick(
-                endpoints,
-                &PickRequest {
-                    priority: facts.priority,
-                    admission: facts.admission,
-                    subset: facts.subset,
-                    prompt,
-                },
-                ctx,
-            )?;
-            let booking = match (&self.kv, &pick.kv) {
-                (Some(kv), Some(d)) if attempt < BOOKING_ATTEMPTS => kv
-                    .book_decision(&pick.primary, prompt, d, ctx.now)
-                    .map(|slot| pick.primary.load.book().with_slot(slot)),
-                _ => Some(self.book(
-                    &pick.primary,
-                    prompt,
-                    pick.kv.map(|d| d.effective_prefill_tokens),
-                    ctx,
-                )),
-            };
-            if let Some(booking) = booking {
-                return Ok(Decision {
-                    mode: pick.kv.map_or(PrefixMode::None, |d| d.mode),
-                    pick,
-                    booking,
-                    repicks: attempt as u32 - 1,
-                });
+            let pick = self.selector.pick(endpoints, &req, ctx)?;
+            let mode = pick.kv.map_or(PrefixMode::None, |d| d.mode);
+            if !book {
+                let booking = Booking::none();
+                return Ok(Decision { pick, mode, booking, repicks });
             }
-            attempt += 1;
-            if let Some(b) = &bias {
-                ctx.bias.clone_from(b);
+            let checked = repicks + 1 < BOOKING_ATTEMPTS;
+            let slot = pick.kv.as_ref().map(|d| SlotBooking {
+                id: facts.booking_id,
+                prefill_tokens: facts
+                    .prefill_tokens
+                    .unwrap_or(d.effective_prefill_tokens),
+                held: d.overlap.device,
+                expected: checked.then(|| d.load_version.unwrap_or(0)),
+                learn: d.ttft,
+                now: ctx.now,
+            });
+            if let Some(booking) = self.book(&pick.primary, prompt, slot)? {
+                return Ok(Decision { pick, mode, booking, repicks });
             }
+            repicks += 1;
         }
     }
 
-    /// Books `ep`: its in-flight count and, for a KV-aware pick (`effective` prefill tokens
-    /// known), the slot tracker.
+    /// Books `ep`: its in-flight count and, for a KV-aware pick (`slot`), the slot tracker.
+    /// `Ok(None)`: the slot's expected load version changed; nothing was booked.
     fn book(
         &self,
         ep: &Arc<Endpoint>,
         prompt: Option<&PromptBlocks>,
-        effective: Option<u64>,
-        ctx: &PickContext,
-    ) -> Booking {
-        let booking = ep.load.book();
-        match (&self.kv, effective) {
-            (Some(kv), Some(tokens)) => booking.with_slot(kv.book(ep, prompt, tokens, ctx.now)),
-            _ => booking,
-        }
+        slot: Option<SlotBooking<'_>>,
+    ) -> Result<Option<Booking>, PickError> {
+        let guard = match (&self.kv, slot) {
+            (Some(kv), Some(slot)) => match kv.book(ep, prompt, slot) {
+                Ok(Some(g)) => Some(g),
+                Ok(None) => return Ok(None),
+                Err(crate::slots::SlotError::DuplicateRequest(id)) => {
+                    return Err(PickError::DuplicateBooking(id))
+                }
+                // Registered as it books: cannot happen; the load alone is booked.
+                Err(_) => None,
+            },
+            _ => None,
+        };
+        let booking = Booking::new(&ep.load, Some(self.hub.clone()));
+        Ok(Some(match guard {
+            Some(g) => booking.with_slot(g),
+            None => booking,
+        }))
     }
 
     /// A disaggregated pick: the prefill worker by the KV-aware cost (among those with a decode
@@ -214,6 +272,7 @@ impl Router {
         endpoints: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         ctx: &mut PickContext,
+        book: bool,
     ) -> Result<Decision, PickError> {
         let decode: Vec<Arc<Endpoint>> = endpoints
             .iter()
@@ -230,7 +289,7 @@ impl Router {
             .cloned()
             .collect();
         if prefill.is_empty() || prompt.is_none() || isl < self.disagg.prefill_threshold_tokens {
-            return self.route_among(facts, &decode, prompt, ctx);
+            return self.route_among(facts, &decode, prompt, &[], ctx, book);
         }
         let prefill = self.disagg.prefill_candidates(prefill, &decode);
         // The subset hint names where the proxy may send the request: the decode worker. Scores,
@@ -243,13 +302,13 @@ impl Router {
                 admission: facts.admission,
                 subset: None,
                 prompt,
+                bias: &[],
             },
             ctx,
         );
         ctx.scores = scores;
         let p = p?;
         let cands = self.disagg.decode_candidates(&p.primary, &decode, isl)?;
-        ctx.bias = cands.bias;
         // Decode cost: the decode worker's active load (and the transfer), not the prompt's
         // prefill, which the prefill worker does.
         let mut pick = self.selector.pick(
@@ -259,46 +318,52 @@ impl Router {
                 admission: facts.admission,
                 subset: facts.subset,
                 prompt: None,
+                bias: &cands.bias,
             },
             ctx,
         )?;
         let prefill_kv = p.kv;
         let mode = prefill_kv.map_or(PrefixMode::None, |d| d.mode);
-        if pick.primary.addr == p.primary.addr {
+        // Both legs are booked as picked (no second run: the pair was chosen together).
+        let leg = |id, tokens: u64| SlotBooking {
+            id,
+            prefill_tokens: tokens,
+            held: 0,
+            expected: None,
+            learn: None,
+            now: ctx.now,
+        };
+        let one_worker = pick.primary.addr == p.primary.addr;
+        let booking = if !book {
+            Booking::none()
+        } else if one_worker {
             // One worker does both: no transfer, an ordinary booking.
-            pick.kv = prefill_kv;
-            let booking = self.book(
-                &pick.primary,
-                prompt,
-                prefill_kv.map(|d| d.effective_prefill_tokens),
-                ctx,
-            );
-            return Ok(Decision {
-                pick,
-                mode,
-                booking,
-                repicks: 0,
+            let slot = prefill_kv.as_ref().map(|d| {
+                let tokens = facts.prefill_tokens.unwrap_or(d.effective_prefill_tokens);
+                leg(facts.booking_id, tokens)
+            });
+            self.booked(&pick.primary, prompt, slot)?
+        } else {
+            let slot = prefill_kv
+                .as_ref()
+                .map(|d| leg(None, d.effective_prefill_tokens));
+            let prefill_booking = self.booked(&p.primary, prompt, slot)?;
+            let slot = prefill_kv.as_ref().map(|_| leg(facts.booking_id, 0));
+            self.booked(&pick.primary, prompt, slot)?
+                .with_prefill(prefill_booking)
+        };
+        if !one_worker {
+            let level = self.disagg.kv_transfer_topology_level.as_deref();
+            let domain = |e: &Endpoint| level.and_then(|l| e.domain(l)).map(str::to_owned);
+            let bytes = isl as f64 * self.disagg.kv_bytes_per_token as f64;
+            pick.pairing = Some(Pairing {
+                prefill_domain: domain(&p.primary),
+                decode_domain: domain(&pick.primary),
+                crossed: cands.crossed,
+                transfer_ms: self.disagg.transfer_ms(&p.primary, &pick.primary, bytes),
+                prefill: p.primary,
             });
         }
-        let prefill_booking = self.book(
-            &p.primary,
-            prompt,
-            prefill_kv.map(|d| d.effective_prefill_tokens),
-            ctx,
-        );
-        let booking = self
-            .book(&pick.primary, prompt, prefill_kv.map(|_| 0), ctx)
-            .with_prefill(prefill_booking);
-        let level = self.disagg.kv_transfer_topology_level.as_deref();
-        let domain = |e: &Endpoint| level.and_then(|l| e.domain(l)).map(str::to_owned);
-        let bytes = isl as f64 * self.disagg.kv_bytes_per_token as f64;
-        pick.pairing = Some(Pairing {
-            prefill_domain: domain(&p.primary),
-            decode_domain: domain(&pick.primary),
-            crossed: cands.crossed,
-            transfer_ms: self.disagg.transfer_ms(&p.primary, &pick.primary, bytes),
-            prefill: p.primary,
-        });
         pick.kv = prefill_kv;
         Ok(Decision {
             pick,
@@ -306,6 +371,18 @@ impl Router {
             booking,
             repicks: 0,
         })
+    }
+
+    /// [`Self::book`] of an unchecked slot, which always books.
+    fn booked(
+        &self,
+        ep: &Arc<Endpoint>,
+        prompt: Option<&PromptBlocks>,
+        slot: Option<SlotBooking<'_>>,
+    ) -> Result<Booking, PickError> {
+        Ok(self
+            .book(ep, prompt, slot)?
+            .unwrap_or_else(|| Booking::new(&ep.load, Some(self.hub.clone()))))
     }
 
     /// An endpoint left the pool: its cached blocks (precise and approximate) and load go.
@@ -356,6 +433,12 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
             Some(kv.blocks_from_owned_tokens(ids, lora().as_deref(), PrefixMode::Tokens))
         }
         Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
+        Prompt::Hashes { hashes, isl_tokens } => Some(PromptBlocks {
+            mode: PrefixMode::TokenIds,
+            locals: Vec::new(),
+            hashes,
+            isl_tokens,
+        }),
     }
 }
 

@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::hash::SequenceHash;
-use crate::index::{KeyedBuild, DEFAULT_TABLE_SEED};
+pub use crate::types::WorkerRank;
+use crate::types::{KeyedBuild, DEFAULT_TABLE_SEED};
 
 mod active;
 
@@ -37,11 +38,6 @@ pub use active::HeldScratch;
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct WorkerRank {
-    pub worker: u64,
-    pub dp_rank: u32,
-}
 
 /// The current load of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -217,12 +217,17 @@ fn explicit_reservations_are_checked() {
 #[test]
 fn pooled_catalog_shares_the_pickers_state() {
     let kv = Arc::new(KvState::new(KvSettings::default()));
-    let mut c = Catalog::pooled(kv.clone(), Limits::default());
+    let router = Arc::new(Router::kv_aware(kv.clone(), Saturation::in_flight(0)));
+    let mut c = Catalog::pooled(router, Limits::default()).unwrap();
     assert_eq!(
         c.register(scope("m"), worker(1, 16, 0, 1)),
         Err(CatalogError::Pooled)
     );
-    c.set_pool([worker(7, 16, 0, 1)]);
+    let rank = WorkerRank {
+        worker: 7,
+        dp_rank: 0,
+    };
+    c.set_pool(vec![Arc::new(Endpoint::for_rank(rank, "w7"))]);
     let hashes = [SequenceHash(1)];
     let prompt = PromptRef {
         hashes: &hashes,

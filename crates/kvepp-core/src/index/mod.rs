@@ -46,12 +46,11 @@ pub use self::shared::SharedIndex;
 pub use self::walk::MatchScratch;
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use self::table::BlockTable;
-use super::cost::Overlap;
-use super::slots::WorkerRank;
+pub use crate::types::{KeyedBuild, KeyedHasher, RankOverlap, DEFAULT_TABLE_SEED};
+use crate::types::{Overlap, WorkerRank};
 use crate::hash::{LocalBlockHash, SequenceHash};
 
 /// The engine's own block hash: only an opaque key to resolve later removals (vLLM's hash cannot be
@@ -79,12 +78,6 @@ impl Tier {
     }
 }
 
-/// Cached prefix of a request on one rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankOverlap {
-    pub rank: WorkerRank,
-    pub overlap: Overlap,
-}
 
 /// One rank's content, enough to rebuild an equal index elsewhere ([`PrefixIndex::dump`],
 /// [`PrefixIndex::restore`]).
@@ -131,49 +124,6 @@ pub struct IndexStats {
 
 // ------------------------------------------------------------------------------------------ hasher
 
-/// Table hasher for keys that are already hashes: one folded multiply with a per-index key (a
-/// random key, given by the caller, keeps crafted prompts from aiming at one bucket while costing
-/// ~1 ns).
-#[derive(Debug, Clone, Copy)]
-pub struct KeyedBuild(u64);
-
-impl KeyedBuild {
-    pub(crate) fn with_key(key: u64) -> Self {
-        KeyedBuild(key | 1)
-    }
-}
-
-/// The table key of [`PrefixIndex::new`]; servers pass a random one to [`PrefixIndex::with_seed`].
-pub const DEFAULT_TABLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
-
-#[derive(Debug, Clone, Copy)]
-pub struct KeyedHasher {
-    key: u64,
-    h: u64,
-}
-
-impl BuildHasher for KeyedBuild {
-    type Hasher = KeyedHasher;
-    fn build_hasher(&self) -> KeyedHasher {
-        KeyedHasher { key: self.0, h: 0 }
-    }
-}
-
-impl Hasher for KeyedHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        self.h = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.key ^ self.h);
-    }
-    fn write_u64(&mut self, v: u64) {
-        let m = u128::from(v ^ self.key ^ self.h) * 0x9E37_79B9_7F4A_7C15_u128;
-        self.h = (m as u64) ^ ((m >> 64) as u64);
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(u64::from(v));
-    }
-    fn finish(&self) -> u64 {
-        self.h
-    }
-}
 
 type Map<K, V> = HashMap<K, V, KeyedBuild>;
 

@@ -5,9 +5,8 @@
 use std::collections::HashMap;
 
 use super::{EngineBlockHash, IndexError, RankOverlap, Tier};
-use crate::cost::Overlap;
 use crate::hash::{LocalBlockHash, SequenceHash};
-use crate::slots::WorkerRank;
+use crate::types::{Overlap, WorkerRank};
 
 #[derive(Debug, Default)]
 struct RefRank {

@@ -250,7 +250,7 @@ mod tests {
         // A tiny key space on a small table forces long runs, wrap-around and many shifts.
         for seed in 0..20 {
             let mut rng = fastrand::Rng::with_seed(seed);
-            let mut t = BlockTable::new(KeyedBuild(rng.u64(..) | 1));
+            let mut t = BlockTable::new(KeyedBuild::with_key(rng.u64(..)));
             let mut m: HashMap<u64, u64> = HashMap::new();
             for _ in 0..5000 {
                 let key = rng.u64(0..200);

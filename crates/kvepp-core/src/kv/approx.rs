@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use super::{lock, PromptBlocks};
 use crate::hash::SequenceHash;
 use crate::index::{EngineBlockHash, SharedIndex, Tier};
-use crate::slots::WorkerRank;
+use crate::types::WorkerRank;
 
 /// Blocks we routed, per endpoint, for approximate mode: a FIFO of references per endpoint in a
 /// prefix index. Only the blocks beyond the prefix the endpoint already held get references, so a

@@ -1,7 +1,8 @@
-//! A pick's booking, held for the request's life: [`SlotGuard`].
+//! A pick's slot-tracker booking, held for the request's life: [`SlotGuard`].
 //!
 //! Invariants: the booking is freed exactly once (on drop), prefill completes at most once, and the
-//! TTFT model learns from a request at most once; the replica observer hears each of them.
+//! TTFT model learns from a request at most once; the state's listeners hear each of them (a free
+//! only when the entry was still there: one that expired was not freed by this guard).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,6 +22,11 @@ pub struct SlotGuard {
 }
 
 impl SlotGuard {
+    /// The slot tracker's id of this booking.
+    pub fn id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+
     /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
     pub fn first_token(&mut self, now: Instant) {
         if let Some((speed, f, at)) = self.learn.take() {
@@ -33,9 +39,15 @@ impl SlotGuard {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
             let _ = write(&self.state.slots).prefill_complete(id);
-            if let Some(o) = self.state.observer.get() {
-                o.prefill_complete(id);
-            }
+            self.state.hub.each(|l| l.prefill_complete(id));
+        }
+    }
+
+    /// One more output block (decode load grows); local only, never published.
+    pub fn output_block(&self, decay_fraction: Option<f64>) -> Result<(), crate::slots::SlotError> {
+        match &self.id {
+            Some(id) => write(&self.state.slots).add_output_block(id, decay_fraction),
+            None => Ok(()),
         }
     }
 }
@@ -43,9 +55,8 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(id) = &self.id {
-            write(&self.state.slots).free(id);
-            if let Some(o) = self.state.observer.get() {
-                o.freed(id);
+            if write(&self.state.slots).free(id) {
+                self.state.hub.each(|l| l.freed(id));
             }
         }
     }

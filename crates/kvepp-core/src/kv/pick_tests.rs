@@ -178,7 +178,7 @@ fn differential(seed: u64, dp_ranks: u32, gaps: bool, stem: u64) {
                         .any(|o| o.overlap.disk >= crate::index::JUMP_MIN_BLOCKS as u64),
                 );
                 let mut ctx = PickContext::seeded(step).with_scores();
-                let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+                let (best, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
                 let want = reference_scores(&kv, &reference, &eps, &booked, &p);
                 let got = ctx.scores.take().expect("asked for scores");
                 assert_eq!(got.len(), want.len());
@@ -234,7 +234,7 @@ fn the_decision_carries_the_chosen_load_also_for_endpoints_new_to_the_tracker() 
     let refs: &[Arc<Endpoint>] = &eps;
     let p = prompt(&mut fastrand::Rng::with_seed(2), PrefixMode::TokenIds, 40);
     let mut ctx = PickContext::seeded(3);
-    let (_, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+    let (_, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
     assert_eq!(d.load_version, None, "never registered");
     assert_eq!(d.potential_prefill_tokens, p.isl_tokens);
     assert_eq!(d.potential_decode_blocks, p.hashes.len() as u64);
@@ -245,7 +245,7 @@ fn the_decision_carries_the_chosen_load_also_for_endpoints_new_to_the_tracker() 
             dp_rank: 0,
         });
     }
-    let (_, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+    let (_, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
     assert!(d.load_version.is_some());
     assert_eq!(d.potential_prefill_tokens, p.isl_tokens);
     assert_eq!(d.potential_decode_blocks, p.hashes.len() as u64);
@@ -260,8 +260,8 @@ fn a_booking_is_refused_when_the_load_it_read_changed() {
     let refs: &[Arc<Endpoint>] = &eps;
     let p = prompt(&mut fastrand::Rng::with_seed(1), PrefixMode::TokenIds, 40);
     let mut ctx = PickContext::seeded(1);
-    let (best, _, first) = kv.rank(refs, Some(&p), &mut ctx);
-    let (again, _, second) = kv.rank(refs, Some(&p), &mut ctx);
+    let (best, _, first) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
+    let (again, _, second) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
     assert_eq!(first.load_version, second.load_version);
     let now = Instant::now();
     let held = kv.book_decision(&eps[best], Some(&p), &first, now);
@@ -273,7 +273,7 @@ fn a_booking_is_refused_when_the_load_it_read_changed() {
         assert_eq!(kv.booking_conflicts(), 1);
     }
     // Read again: books.
-    let (b, _, third) = kv.rank(refs, Some(&p), &mut ctx);
+    let (b, _, third) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
     assert!(kv.book_decision(&eps[b], Some(&p), &third, now).is_some());
 }
 
@@ -321,7 +321,7 @@ fn concurrent_picks_book_exactly() {
                     let mut ctx = PickContext::seeded(t * 1000 + i);
                     // The router's loop: pick again while the chosen load changed.
                     let guard = loop {
-                        let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+                        let (best, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
                         if let Some(g) = kv.book_decision(&eps[best], Some(&p), &d, Instant::now())
                         {
                             break (g, eps[best].worker, d.effective_prefill_tokens);
@@ -382,7 +382,15 @@ fn worker_requests_count_local_and_peer_bookings() {
     );
     let p = prompt(&mut fastrand::Rng::with_seed(4), PrefixMode::TokenIds, 40);
     let now = Instant::now();
-    let mine = kv.book(&eps[0], Some(&p), p.isl_tokens, now);
+    let slot = SlotBooking {
+        id: None,
+        prefill_tokens: p.isl_tokens,
+        held: 0,
+        expected: None,
+        learn: None,
+        now,
+    };
+    let mine = kv.book(&eps[0], Some(&p), slot);
     assert_eq!(kv.worker_requests(eps[0].worker), Some(1));
     let rank = WorkerRank {
         worker: eps[0].worker,
@@ -433,7 +441,7 @@ fn bounded_run_after(
     let now = Instant::now();
     if let Some(p) = everywhere {
         for e in &eps {
-            let (_, _, d) = kv.rank(std::slice::from_ref(e), Some(p), &mut ctx);
+            let (_, _, d) = kv.rank(std::slice::from_ref(e), &PickRequest::prompt(Some(p)), &mut ctx);
             assert!(kv.book_decision(e, Some(p), &d, now).is_some());
         }
     }
@@ -442,7 +450,7 @@ fn bounded_run_after(
     let (mut worst, mut bounded) = (0.0f64, 0);
     for k in 0..24u32 {
         let p = next(&mut rng);
-        let (best, _, d) = kv.rank(refs, Some(&p), &mut ctx);
+        let (best, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
         let cap = (load_bound * f64::from(k + 1) / 4.0).ceil().max(1.0);
         worst = worst.max(f64::from(counts[best] + 1) / cap);
         bounded += u32::from(d.load_bounded);

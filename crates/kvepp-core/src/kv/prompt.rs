@@ -10,36 +10,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::KvState;
 use crate::hash::{block_seed, LocalBlockHash, SequenceHash, XXH3_SEED};
+pub use crate::types::{PrefixMode, PromptBlocks};
 
-/// How the prefix of a request was found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PrefixMode {
-    TokenIds,
-    Tokens,
-    Approximate,
-    None,
-}
-
-impl PrefixMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PrefixMode::TokenIds => "token_ids",
-            PrefixMode::Tokens => "tokens",
-            PrefixMode::Approximate => "approximate",
-            PrefixMode::None => "none",
-        }
-    }
-}
-
-/// A request's prompt as blocks.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PromptBlocks {
-    pub mode: PrefixMode,
-    pub locals: Vec<LocalBlockHash>,
-    pub hashes: Vec<SequenceHash>,
-    /// Prompt length in tokens (estimated in approximate mode).
-    pub isl_tokens: u64,
-}
 
 impl KvState {
     /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded); in approximate-only mode they

@@ -1,33 +1,14 @@
-//! Rank-level selection and booking: what the HTTP selection and slot-tracker services call
-//! (Dynamo's API works on worker ranks, not endpoints). Same cost model, slot tracker and booking
-//! rules as the endpoint-level pick in [`super`].
+//! Rank-level inspection and records: what the HTTP selection and slot-tracker services read
+//! (Dynamo's API works on worker ranks, not endpoints: overlaps per rank, loads, projections), and
+//! the slot-tracker entries of bookings this process did not decide (a peer replica's, applied by
+//! replica sync), which are recorded and freed by id without telling the hub. Selection and
+//! reservation are not here: they go through the router's one transaction over rank-level
+//! candidates ([`crate::Endpoint::for_rank`]).
 
 // The rank-level half of `KvState`: its helpers and types are this module's too.
 use super::*;
 
-/// One rank's standing for one request in a rank-level selection.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankChoice {
-    pub rank: WorkerRank,
-    /// Cached prefix on the rank, in blocks (KV-event index).
-    pub overlap: Overlap,
-    pub cost: f64,
-    /// Prompt tokens the rank still has to prefill given its cache (what a reservation books).
-    pub effective_prefill_tokens: u64,
-    pub load: CandidateLoad,
-}
-
-/// Why a rank-level selection or reservation failed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum SelectError {
-    #[error("no schedulable worker")]
-    NoCandidates,
-    #[error(transparent)]
-    Slot(#[from] crate::slots::SlotError),
-}
-
-/// Rank-level operations: what the HTTP selection and slot-tracker services call. They share the
-/// cost model and the slot tracker with the endpoint-level [`KvState::rank`]/[`KvState::book`].
+/// Rank-level operations: inspection, and records of bookings decided elsewhere.
 impl KvState {
     /// Cached prefix of `hashes` per rank in the KV-event index (only ranks holding its first
     /// block).
@@ -37,99 +18,6 @@ impl KvState {
         let found = sc.found.clone();
         self.return_scratch(pool, sc);
         found
-    }
-
-    /// Chooses among `ranks` with the KV-aware cost (ties: fewer active requests, then at random)
-    /// and, when `reserve` names a request, books it on the chosen rank atomically: only if the
-    /// rank's load is still the one the choice read (else it chooses again; the last of
-    /// [`BOOKING_ATTEMPTS`] tries reads and books under one write lock). `found` is
-    /// [`KvState::rank_overlaps`] of `hashes` (the caller keeps it for its own report). The ranks
-    /// must be registered.
-    pub fn select_rank(
-        &self,
-        ranks: &[WorkerRank],
-        hashes: &[SequenceHash],
-        found: &[RankOverlap],
-        isl_tokens: u64,
-        reserve: Option<(&str, Instant)>,
-        rng: &mut fastrand::Rng,
-    ) -> Result<RankChoice, SelectError> {
-        if ranks.is_empty() {
-            return Err(SelectError::NoCandidates);
-        }
-        let Some((id, now)) = reserve else {
-            return Ok(self
-                .choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng)
-                .0);
-        };
-        for _ in 1..BOOKING_ATTEMPTS {
-            let (choice, version) =
-                self.choose_rank(&read(&self.slots), ranks, hashes, found, isl_tokens, rng);
-            let booked = write(&self.slots).add_if_unchanged(
-                id,
-                choice.rank,
-                hashes,
-                choice.effective_prefill_tokens,
-                now,
-                Some(version.unwrap_or(0)),
-            )?;
-            if booked {
-                return Ok(choice);
-            }
-            self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut slots = write(&self.slots);
-        let (choice, _) = self.choose_rank(&slots, ranks, hashes, found, isl_tokens, rng);
-        slots.add(
-            id,
-            choice.rank,
-            hashes,
-            choice.effective_prefill_tokens,
-            now,
-        )?;
-        Ok(choice)
-    }
-
-    /// The cheapest of `ranks` in `slots`, with its load version.
-    fn choose_rank(
-        &self,
-        slots: &SlotTracker,
-        ranks: &[WorkerRank],
-        hashes: &[SequenceHash],
-        found: &[RankOverlap],
-        isl_tokens: u64,
-        rng: &mut fastrand::Rng,
-    ) -> (RankChoice, Option<u64>) {
-        let overlap_of = |r: WorkerRank| {
-            found
-                .iter()
-                .find(|o| o.rank == r)
-                .map_or(Overlap::default(), |o| o.overlap)
-        };
-        let w = &self.settings.weights;
-        let bs = self.block_size();
-        let projected = slots.projections(ranks.iter().copied(), hashes, isl_tokens);
-        let loads: Vec<CandidateLoad> = ranks
-            .iter()
-            .zip(&projected)
-            .map(|(&r, (l, _))| CandidateLoad {
-                overlap: overlap_of(r),
-                potential_prefill_tokens: l.potential_prefill_tokens,
-                potential_decode_blocks: l.potential_decode_blocks,
-                active_requests: l.active_requests,
-            })
-            .collect();
-        let costs: Vec<f64> = loads.iter().map(|c| w.cost(bs, c)).collect();
-        let best = w.choose_with_tiebreak(&costs, |i| loads[i].active_requests, rng);
-        let c = loads[best];
-        let choice = RankChoice {
-            rank: ranks[best],
-            overlap: c.overlap,
-            cost: costs[best],
-            effective_prefill_tokens: w.effective_prefill_tokens(isl_tokens, bs, c.overlap),
-            load: c,
-        };
-        (choice, projected[best].1)
     }
 
     /// Each rank's load if it took this request (unregistered ranks count as idle).
@@ -173,7 +61,8 @@ impl KvState {
         }
     }
 
-    /// Books a request on a registered rank until [`KvState::free`].
+    /// Records a booking decided elsewhere (a peer replica's) on a registered rank, until
+    /// [`KvState::free`]. Not told to the hub: it is someone else's.
     pub fn reserve(
         &self,
         id: &str,

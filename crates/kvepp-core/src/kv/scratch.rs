@@ -4,8 +4,9 @@
 //! Invariants: a [`CandidateMap`] maps each worker id to its first candidate's index, and is empty
 //! after `clear`; buffers keep their capacity between picks.
 
-use crate::cost::{BoundInput, CandidateLoad, Overlap};
-use crate::index::{MatchScratch, RankOverlap};
+use crate::cost::{BoundInput, CandidateLoad};
+use crate::index::MatchScratch;
+use crate::types::{Overlap, RankOverlap};
 use crate::slots::{HeldScratch, RankView};
 
 /// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of

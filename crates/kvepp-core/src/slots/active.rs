@@ -30,7 +30,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::hash::SequenceHash;
-use crate::index::KeyedBuild;
+use crate::types::KeyedBuild;
 
 const ROOT: u32 = 0;
 
