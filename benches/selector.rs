@@ -16,7 +16,9 @@ use kvepp_core::index::reference::ReferenceIndex;
 use kvepp_core::index::{EngineBlockHash, MatchScratch, PrefixIndex, Tier};
 use kvepp_core::kv::worker_id;
 use kvepp_core::slots::WorkerRank;
-use kvepp_core::{Endpoint, KvSettings, KvState, LeastLoaded, PickContext, Picker, PrefixMode};
+use kvepp_core::{
+    Endpoint, KvSettings, KvState, LeastLoaded, PickContext, PickRequest, Picker, PrefixMode,
+};
 
 fn chain(seed: u64, n: usize) -> (Vec<LocalBlockHash>, Vec<EngineBlockHash>) {
     let locals: Vec<LocalBlockHash> = (0..n as u64)
@@ -140,12 +142,25 @@ fn selection(c: &mut Criterion) {
             let id = format!("{n}_endpoints/{}k_tokens", tokens >> 10);
             let mut ctx = PickContext::seeded(1);
             g.bench_with_input(BenchmarkId::new("kv_aware", &id), &(), |b, _| {
-                b.iter(|| kv.rank(black_box(refs), Some(&prompt), &mut ctx).0)
+                b.iter(|| {
+                    kv.rank(
+                        black_box(refs),
+                        &PickRequest::prompt(Some(&prompt)),
+                        &mut ctx,
+                    )
+                    .0
+                })
             });
             g.bench_with_input(
                 BenchmarkId::new("baseline_least_loaded", &id),
                 &(),
-                |b, _| b.iter(|| LeastLoaded.rank(black_box(refs), None, &mut ctx).best),
+                |b, _| {
+                    b.iter(|| {
+                        LeastLoaded
+                            .rank(black_box(refs), &PickRequest::default(), &mut ctx)
+                            .best
+                    })
+                },
             );
         }
     }

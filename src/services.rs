@@ -25,9 +25,10 @@ use crate::api::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::metrics::Metrics;
+use crate::replica::observer::PublishBookings;
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::Replica;
-use kvepp_core::catalog::{Catalog, Limits};
+use kvepp_core::catalog::{Catalog, Limits, Scope};
 use kvepp_core::cost::CostWeights;
 use kvepp_core::KvSettings;
 
@@ -167,7 +168,8 @@ async fn serve_router(
 }
 
 /// Replica sync for a service's catalog: PUB on `bind` (when set), SUB to the peer list as it
-/// changes, peers' events applied to the catalog.
+/// changes, peers' events applied to the catalog, and every scope's bookings published (a
+/// listener on each scope's state, under that scope).
 pub async fn start_replica(
     bind: Option<&str>,
     peers: &SharedPeers,
@@ -180,9 +182,19 @@ pub async fn start_replica(
         ids,
     });
     let stats = Metrics::new().replica.clone();
-    crate::replica::start(bind, peers.subscribe(), sink, stats, stop.clone())
+    let replica = crate::replica::start(bind, peers.subscribe(), sink, stats, stop.clone())
         .await
-        .map_err(|e| ServiceError::Invalid(e.to_string()))
+        .map_err(|e| ServiceError::Invalid(e.to_string()))?;
+    if replica.bound.is_some() {
+        let outbox = replica.outbox.clone();
+        crate::api::json::write(catalog).set_listeners(Arc::new(move |scope: &Scope| {
+            Some(Arc::new(PublishBookings {
+                outbox: outbox.clone(),
+                scope: scope.clone(),
+            }) as Arc<dyn kvepp_core::Listener>)
+        }));
+    }
+    Ok(replica)
 }
 
 /// Validates the selection service's flags; returns the peer list they seed.
@@ -216,8 +228,8 @@ pub async fn run_select(
         }
     }
     let bind = args.replica_sync_port.map(|p| format!("tcp://*:{p}"));
-    let replica = start_replica(bind.as_deref(), &peers, &catalog, Ids::Global, &stop_rx).await?;
-    let state = Arc::new(SelectState::new(catalog.clone(), peers, replica.outbox));
+    start_replica(bind.as_deref(), &peers, &catalog, Ids::Global, &stop_rx).await?;
+    let state = Arc::new(SelectState::new(catalog.clone(), peers));
     let subs = tokio::spawn(crate::kv_events::apply::run_registered(
         state.subscriptions.subscribe(),
         Metrics::new(),
@@ -269,11 +281,10 @@ pub async fn run_slot_tracker(
     let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
     let bind = args.replica_sync_bind.as_deref();
-    let replica = start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;
+    start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;
     let state = Arc::new(SlotTrackerState {
         catalog: catalog.clone(),
         peers,
-        outbox: replica.outbox,
     });
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
     tracing::info!(addr = ?listener.local_addr().ok(), "slot tracker listening");

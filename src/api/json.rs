@@ -67,6 +67,7 @@ impl From<CatalogError> for ApiError {
             | E::UnknownRank { .. }
             | E::UnknownReservation(_) => StatusCode::NOT_FOUND,
             E::TooManyWorkers(_) | E::TooManyReservations(_) => StatusCode::TOO_MANY_REQUESTS,
+            E::Refused(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, e.to_string())
     }

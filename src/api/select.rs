@@ -29,7 +29,6 @@ use super::peers::SharedPeers;
 use super::slot_tracker::{load_rows, pool_scope, potential_rows};
 use crate::kv_events::apply::Subscribe;
 use crate::kv_events::Source;
-use crate::replica::Outbox;
 use kvepp_core::catalog::{Catalog, CatalogError, PromptRef, Scope, Selection, Tracker, Worker};
 use kvepp_core::cost::Overlap;
 use kvepp_core::hash::{sequence_hashes as chain_locals, LocalBlockHash};
@@ -43,20 +42,17 @@ pub struct SelectState {
     /// The KV-event subscriptions the registered workers ask for (consumed by
     /// [`crate::kv_events::apply::run_registered`]).
     pub subscriptions: watch::Sender<Vec<Subscribe>>,
-    /// Admissions, prefill completions and frees go to the replica-sync peers.
-    pub outbox: Outbox,
     rng: Mutex<fastrand::Rng>,
     id_prefix: u64,
     next_id: AtomicU64,
 }
 
 impl SelectState {
-    pub fn new(catalog: Arc<RwLock<Catalog>>, peers: Arc<SharedPeers>, outbox: Outbox) -> Self {
+    pub fn new(catalog: Arc<RwLock<Catalog>>, peers: Arc<SharedPeers>) -> Self {
         let mut rng = fastrand::Rng::new();
         SelectState {
             catalog,
             peers,
-            outbox,
             subscriptions: watch::channel(Vec::new()).0,
             id_prefix: rng.u64(..),
             rng: Mutex::new(rng),
@@ -550,16 +546,6 @@ fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response,
             &mut rng,
         )?
     };
-    if let Some((id, _)) = booking {
-        st.outbox.admission(
-            &scope,
-            id,
-            selection.choice.rank,
-            selection.block_size,
-            &hashes,
-            selection.choice.effective_prefill_tokens,
-        );
-    }
     let view = selection_view(selection, scope, b.selection_id, reservation_id);
     Ok(Json(view).into_response())
 }
@@ -588,7 +574,7 @@ async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, A
         worker,
         dp_rank: b.dp_rank.unwrap_or(0),
     };
-    let prefill = catalog.reserve(
+    catalog.reserve(
         &scope,
         &id,
         rank,
@@ -599,7 +585,6 @@ async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, A
         b.effective_prefill_tokens,
         Instant::now(),
     )?;
-    st.outbox.admission(&scope, &id, rank, bs, &hashes, prefill);
     Ok((
         StatusCode::CREATED,
         Json(serde_json::json!({"status": "ok", "reservation_id": id})),
@@ -608,12 +593,7 @@ async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, A
 }
 
 async fn prefill_complete(State(st): St, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let catalog = read(&st.catalog);
-    let scope = catalog.reservation_scope(&id);
-    catalog.prefill_complete(&id)?;
-    if let Some(scope) = scope {
-        st.outbox.prefill_complete(&scope, &id);
-    }
+    read(&st.catalog).prefill_complete(&id)?;
     Ok(ok(StatusCode::OK))
 }
 
@@ -652,12 +632,7 @@ async fn output_block(
 }
 
 async fn free(State(st): St, Path(id): Path<String>) -> Result<Response, ApiError> {
-    let catalog = read(&st.catalog);
-    let scope = catalog.reservation_scope(&id);
-    if catalog.free(&id) {
-        if let Some(scope) = scope {
-            st.outbox.free(&scope, &id);
-        }
+    if read(&st.catalog).free(&id) {
         Ok(ok(StatusCode::OK))
     } else {
         Err(CatalogError::UnknownReservation(id).into())

@@ -21,8 +21,7 @@ use super::json::{
     ScopeFilter,
 };
 use super::peers::SharedPeers;
-use crate::replica::Outbox;
-use kvepp_core::catalog::{Catalog, Scope, Worker};
+use kvepp_core::catalog::{Catalog, Origin, Scope, Worker};
 use kvepp_core::slots::WorkerRank;
 
 /// Shared by the routes (and by `kvepp serve` when it opens this door over its own state).
@@ -30,8 +29,6 @@ use kvepp_core::slots::WorkerRank;
 pub struct SlotTrackerState {
     pub catalog: Arc<RwLock<Catalog>>,
     pub peers: Arc<SharedPeers>,
-    /// Admissions, prefill completions and frees go to the replica-sync peers.
-    pub outbox: Outbox,
 }
 
 type St = State<Arc<SlotTrackerState>>;
@@ -204,8 +201,7 @@ async fn add(State(st): St, Body(b): Body<AddBody>) -> Result<Response, ApiError
         worker: b.worker_id,
         dp_rank: b.dp_rank,
     };
-    let catalog = read(&st.catalog);
-    catalog.add_scoped(
+    read(&st.catalog).add_scoped(
         &scope,
         &b.request_id,
         rank,
@@ -213,15 +209,6 @@ async fn add(State(st): St, Body(b): Body<AddBody>) -> Result<Response, ApiError
         b.new_isl_tokens,
         Instant::now(),
     )?;
-    let block_size = catalog.tracker(&scope)?.block_size();
-    st.outbox.admission(
-        &scope,
-        &b.request_id,
-        rank,
-        block_size,
-        &hashes,
-        b.new_isl_tokens,
-    );
     Ok(ok(StatusCode::CREATED))
 }
 
@@ -244,20 +231,18 @@ impl RequestRef {
 
 async fn prefill_complete(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiError> {
     let catalog = read(&st.catalog);
-    let tracker = catalog.tracker(&b.scope())?;
-    tracker
-        .kv
-        .prefill_complete(&b.request_id)
-        .map_err(kvepp_core::catalog::CatalogError::from)?;
-    st.outbox.prefill_complete(&b.scope(), &b.request_id);
+    let scope = b.scope();
+    catalog.tracker(&scope)?;
+    catalog.prefill_complete_by(Some(&scope), &b.request_id, Origin::Client)?;
     Ok(ok(StatusCode::OK))
 }
 
 async fn free(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiError> {
     let catalog = read(&st.catalog);
-    let tracker = catalog.tracker(&b.scope())?;
-    tracker.kv.free(&b.request_id);
-    st.outbox.free(&b.scope(), &b.request_id);
+    let scope = b.scope();
+    catalog.tracker(&scope)?;
+    // Freeing an unknown request is not an error (the seed's contract).
+    catalog.free_by(Some(&scope), &b.request_id, Origin::Client);
     Ok(ok(StatusCode::OK))
 }
 

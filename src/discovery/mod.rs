@@ -384,6 +384,7 @@ fn endpoint(
         role: facts.map_or(Role::Both, |f| f.role),
         domains,
         dp_rank,
+        exact_rank: None,
     })
 }
 

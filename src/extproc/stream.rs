@@ -192,13 +192,10 @@ impl StreamState {
         }
     }
 
-    /// Releases the booking (if any) and tells flow control capacity may have freed.
+    /// Releases the booking (if any); its drop tells the router's listeners (flow control's
+    /// dispatcher among them).
     fn release(&mut self) {
-        if self.booking.take().is_some() {
-            if let Some(flow) = &self.shared.flow {
-                flow.capacity_freed();
-            }
-        }
+        self.booking = None;
     }
 
     /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.

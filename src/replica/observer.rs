@@ -1,49 +1,41 @@
-//! `kvepp serve`'s side of replica sync: the picker's own bookings (ext_proc picks) published to
-//! the other replicas, under ids made global by this process's origin.
+//! Replica sync's listener on bookings: every booking this process decides (ext_proc picks, and
+//! the HTTP doors' reservations) published to the other replicas, under ids made global.
 //!
-//! Invariant: a local booking id (`\0<n>`, never one a client can send) becomes `<origin>-<n>` on
-//! the wire, the same for its admission, prefill completion and free.
+//! Invariant: a process-local booking id (`\0<n>`, never one a client can send) becomes
+//! `<origin>-<n>` on the wire, the same for its admission, prefill completion and free; a client's
+//! reservation id goes out as it is (its lifecycle routes name it on every replica).
 
 use kvepp_core::catalog::Scope;
-use kvepp_core::kv::{BookingObserver, PromptBlocks};
-use kvepp_core::slots::WorkerRank;
-use kvepp_core::SequenceHash;
+use kvepp_core::kv::PromptBlocks;
+use kvepp_core::{Admitted, Listener};
 
 use super::Outbox;
 
 #[derive(Debug)]
 pub struct PublishBookings {
     pub outbox: Outbox,
-    /// The scope the pool's events travel under.
+    /// The scope the bookings' events travel under.
     pub scope: Scope,
 }
 
 impl PublishBookings {
-    fn global(&self, id: &str) -> String {
-        format!(
-            "{:016x}-{}",
-            self.outbox.origin(),
-            id.trim_start_matches('\0')
-        )
+    fn global<'a>(&self, id: &'a str) -> std::borrow::Cow<'a, str> {
+        match id.strip_prefix('\0') {
+            Some(n) => format!("{:016x}-{n}", self.outbox.origin()).into(),
+            None => id.into(),
+        }
     }
 }
 
-impl BookingObserver for PublishBookings {
-    fn admitted(
-        &self,
-        id: &str,
-        rank: WorkerRank,
-        block_size: u32,
-        hashes: &[SequenceHash],
-        prefill_tokens: u64,
-    ) {
+impl Listener for PublishBookings {
+    fn admitted(&self, a: &Admitted<'_>) {
         self.outbox.admission(
             &self.scope,
-            &self.global(id),
-            rank,
-            block_size,
-            hashes,
-            prefill_tokens,
+            &self.global(a.id),
+            a.rank,
+            a.block_size,
+            a.hashes,
+            a.prefill_tokens,
         );
     }
 

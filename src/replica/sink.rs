@@ -1,14 +1,16 @@
 //! Applying peers' lifecycle events to a worker catalog (the selection service, the slot tracker,
 //! and `kvepp serve`'s pooled catalog). An event is applied only to what this process already knows:
 //! a registered (model, tenant) with the same block size, a registered worker and rank; replica
-//! traffic never creates workers.
+//! traffic never creates workers. A peer's booking is recorded by id ([`Catalog::record_peer`]),
+//! never through the router's transaction: it was decided on the peer, and recording it tells no
+//! listener, so it is never published back.
 
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use super::{Refused, Sink};
 use crate::api::json::read;
-use kvepp_core::catalog::{Catalog, CatalogError, PromptRef, Scope};
+use kvepp_core::catalog::{Catalog, CatalogError, Origin, Scope};
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
 
@@ -25,6 +27,13 @@ pub enum Ids {
 pub struct CatalogSink {
     pub catalog: Arc<RwLock<Catalog>>,
     pub ids: Ids,
+}
+
+impl CatalogSink {
+    /// The scope a request id lives in: its (model, tenant) for scoped ids, none for global ones.
+    fn scope_of_ids<'a>(&self, scope: &'a Scope) -> Option<&'a Scope> {
+        (self.ids == Ids::Scoped).then_some(scope)
+    }
 }
 
 fn refused(e: CatalogError) -> Refused {
@@ -49,46 +58,27 @@ impl Sink for CatalogSink {
         if tracker.block_size() != block_size {
             return Err(Refused::Unknown);
         }
-        let now = Instant::now();
-        match self.ids {
-            Ids::Scoped => catalog.add_scoped(scope, request_id, rank, hashes, prefill_tokens, now),
-            Ids::Global => catalog
-                .reserve(
-                    scope,
-                    request_id,
-                    rank,
-                    PromptRef {
-                        hashes,
-                        isl_tokens: prefill_tokens,
-                    },
-                    Some(prefill_tokens),
-                    now,
-                )
-                .map(|_| ()),
-        }
-        .map(|_| ())
-        .map_err(refused)
+        catalog
+            .record_peer(
+                scope,
+                request_id,
+                rank,
+                hashes,
+                prefill_tokens,
+                self.ids == Ids::Scoped,
+                Instant::now(),
+            )
+            .map_err(refused)
     }
 
     fn prefill_complete(&self, scope: &Scope, request_id: &str) -> Result<(), Refused> {
-        let catalog = read(&self.catalog);
-        match self.ids {
-            Ids::Scoped => catalog
-                .tracker(scope)
-                .map_err(refused)?
-                .kv
-                .prefill_complete(request_id)
-                .map_err(|_| Refused::Unknown),
-            Ids::Global => catalog.prefill_complete(request_id).map_err(refused),
-        }
+        read(&self.catalog)
+            .prefill_complete_by(self.scope_of_ids(scope), request_id, Origin::Peer)
+            .map_err(|_| Refused::Unknown)
     }
 
     fn free(&self, scope: &Scope, request_id: &str) -> Result<(), Refused> {
-        let catalog = read(&self.catalog);
-        let freed = match self.ids {
-            Ids::Scoped => catalog.tracker(scope).map_err(refused)?.kv.free(request_id),
-            Ids::Global => catalog.free(request_id),
-        };
+        let freed = read(&self.catalog).free_by(self.scope_of_ids(scope), request_id, Origin::Peer);
         if freed {
             Ok(())
         } else {

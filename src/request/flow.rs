@@ -267,6 +267,13 @@ impl FlowControl {
     }
 }
 
+/// Flow control listens to the router's bookings: each release may have freed capacity.
+impl kvepp_core::Listener for FlowControl {
+    fn released(&self) {
+        self.capacity_freed();
+    }
+}
+
 impl Ticket {
     /// Waits for this request's turn, at most until `max_wait_ms` after it was queued.
     pub async fn turn(&mut self) -> Turn {

@@ -92,6 +92,10 @@ impl Rejection {
             PickError::TopologyMismatch { .. } => {
                 Rejection::new(503, "topology_mismatch", e.to_string())
             }
+            // Process-local booking ids never collide: a bug, answered rather than routed twice.
+            PickError::DuplicateBooking(_) => {
+                Rejection::new(500, "duplicate_booking", e.to_string())
+            }
         }
     }
 }
@@ -313,6 +317,8 @@ impl RouteRequest for RequestRouter {
             admission: admission(hints.admit),
             subset: hints.subset,
             prompt,
+            booking_id: None,
+            prefill_tokens: None,
         };
         let d = self
             .router

@@ -364,7 +364,7 @@ pub async fn run(
     )));
     let mut routing = RequestRouter::new(
         store.clone(),
-        router,
+        router.clone(),
         cfg.unknown_models == UnknownModels::PassThrough,
     );
     for (model, dir) in &cfg.tokenizers {
@@ -388,6 +388,8 @@ pub async fn run(
         Shared::new(routing.clone(), metrics.clone(), settings).with_readiness(store.ready());
     if cfg.flow_control.enabled {
         let flow = FlowControl::new(cfg.flow_control.clone(), metrics.flow.clone());
+        // Every booking's release wakes the dispatcher: capacity may have freed.
+        router.listen(flow.clone());
         tasks.push(tokio::spawn(
             flow.clone().dispatch(routing.clone(), stop_rx.clone()),
         ));
@@ -412,10 +414,10 @@ pub async fn run(
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
     let doors = match &kv {
-        Some(kv) => {
+        Some(_) => {
             crate::server::shared::start(
                 &cfg,
-                kv,
+                &router,
                 &store,
                 replica_discovery,
                 (listeners.select_service, listeners.slot_tracker),

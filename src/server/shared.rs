@@ -20,51 +20,45 @@ use crate::config::Config;
 use crate::discovery::{Datastore, ServiceDiscovery};
 use crate::replica::observer::PublishBookings;
 use crate::replica::sink::{CatalogSink, Ids};
-use crate::replica::{Outbox, SyncStats};
-use kvepp_core::catalog::{Catalog, Limits, Worker};
-use kvepp_core::KvState;
+use crate::replica::SyncStats;
+use kvepp_core::catalog::{Catalog, Limits};
+use kvepp_core::Router;
 
 type Tasks = Vec<tokio::task::JoinHandle<()>>;
 
-/// A catalog over `kv` whose workers follow the pool's ready endpoints.
+/// A catalog over `router` (its KV-aware state and its own transaction) whose candidates follow
+/// the pool's ready endpoints.
 fn pooled_catalog(
-    kv: &Arc<KvState>,
+    router: &Arc<Router>,
     store: &Arc<Datastore>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Tasks,
-) -> Arc<RwLock<Catalog>> {
-    let catalog = Arc::new(RwLock::new(Catalog::pooled(kv.clone(), Limits::default())));
+) -> Option<Arc<RwLock<Catalog>>> {
+    let catalog = Arc::new(RwLock::new(Catalog::pooled(
+        router.clone(),
+        Limits::default(),
+    )?));
     let sync = catalog.clone();
-    let kv = kv.clone();
     let mut pool = store.watch();
     let mut stop = stop.clone();
     tasks.push(tokio::spawn(async move {
         loop {
             let endpoints = pool.borrow_and_update().clone();
-            let workers = endpoints.iter().map(|e| Worker {
-                worker_id: e.worker,
-                block_size: kv.block_size(),
-                dp_start: 0,
-                dp_size: 1,
-                endpoint: Some(format!("http://{}", e.addr_str)),
-                kv_events_endpoints: Default::default(),
-                replay_endpoint: None,
-            });
-            crate::api::json::write(&sync).set_pool(workers);
+            crate::api::json::write(&sync).set_pool(endpoints.to_vec());
             tokio::select! {
                 r = pool.changed() => if r.is_err() { return },
                 _ = stop.changed() => if *stop.borrow() { return },
             }
         }
     }));
-    catalog
+    Some(catalog)
 }
 
 /// Starts what is configured among replica sync and the HTTP doors; returns the doors' servers.
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     cfg: &Config,
-    kv: &Arc<KvState>,
+    router: &Arc<Router>,
     store: &Arc<Datastore>,
     discovery: Arc<dyn ServiceDiscovery>,
     (select, slots): (Option<TcpListener>, Option<TcpListener>),
@@ -77,7 +71,9 @@ pub async fn start(
     if rs.bind.is_none() && select.is_none() && slots.is_none() {
         return Ok(Vec::new());
     }
-    let catalog = pooled_catalog(kv, store, stop, tasks);
+    let Some(catalog) = pooled_catalog(router, store, stop, tasks) else {
+        return Ok(Vec::new());
+    };
     let peers = Arc::new(SharedPeers::new(
         Peers::new(rs.peers.clone(), rs.advertise.clone()).map_err(|message| {
             ServerError::Serve {
@@ -100,7 +96,7 @@ pub async fn start(
     .await?;
     let outbox = replica.outbox.clone();
     if replica.bound.is_some() {
-        kv.observe(Arc::new(PublishBookings {
+        router.listen(Arc::new(PublishBookings {
             outbox: outbox.clone(),
             scope: pool_scope(),
         }));
@@ -117,7 +113,7 @@ pub async fn start(
         }
     }
     Ok(open_http_doors(
-        &catalog, select, slots, access, &outbox, &peers, stop,
+        &catalog, select, slots, access, &peers, stop,
     ))
 }
 
@@ -127,7 +123,6 @@ fn open_http_doors(
     select: Option<TcpListener>,
     slots: Option<TcpListener>,
     access: &Access,
-    outbox: &Outbox,
     peers: &Arc<SharedPeers>,
     stop: &watch::Receiver<bool>,
 ) -> Vec<tokio::task::JoinHandle<std::io::Result<()>>> {
@@ -137,11 +132,7 @@ fn open_http_doors(
     let mut doors = Vec::new();
     if let Some(l) = select {
         tracing::info!(addr = ?l.local_addr().ok(), "selection service door open");
-        let state = Arc::new(SelectState::new(
-            catalog.clone(),
-            peers.clone(),
-            outbox.clone(),
-        ));
+        let state = Arc::new(SelectState::new(catalog.clone(), peers.clone()));
         let app = crate::api::select::router(state, access);
         let shutdown = stopped(stop.clone());
         doors.push(tokio::spawn(async move {
@@ -153,7 +144,6 @@ fn open_http_doors(
         let state = Arc::new(SlotTrackerState {
             catalog: catalog.clone(),
             peers: peers.clone(),
-            outbox: outbox.clone(),
         });
         let app = crate::api::slot_tracker::router(state, access);
         let shutdown = stopped(stop.clone());

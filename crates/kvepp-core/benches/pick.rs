@@ -222,7 +222,11 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             let one = t.elapsed().max(Duration::from_nanos(200));
             let iters = sample.iters(one);
             let kv_times = timings(iters, || {
-                black_box(s.kv.rank(black_box(refs), &PickRequest::prompt(Some(&s.prompt)), &mut ctx));
+                black_box(s.kv.rank(
+                    black_box(refs),
+                    &PickRequest::prompt(Some(&s.prompt)),
+                    &mut ctx,
+                ));
             });
             let base_times = timings(iters, || {
                 black_box(LeastLoaded.rank(black_box(refs), &PickRequest::prompt(None), &mut ctx));
@@ -243,7 +247,8 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
                 ));
             }
             let booked = time(iters, || {
-                let (best, _, d) = s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx);
+                let (best, _, d) =
+                    s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx);
                 let g =
                     s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now);
                 drop(black_box(g));
@@ -501,8 +506,11 @@ fn main() {
         // `cargo test`: a small case, checked.
         let s = setup(100, 1024);
         let refs: &[Arc<Endpoint>] = &s.eps;
-        let (best, _, d) =
-            s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut PickContext::seeded(1));
+        let (best, _, d) = s.kv.rank(
+            refs,
+            &PickRequest::prompt(Some(&s.prompt)),
+            &mut PickContext::seeded(1),
+        );
         assert_eq!(
             best, 0,
             "the endpoint caching 7/8 of the prompt wins: {d:?}"

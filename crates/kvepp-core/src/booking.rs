@@ -107,10 +107,7 @@ impl Booking {
 
     /// One more output block was generated (the selection services' `output_block`): the
     /// slot tracker's decode load grows (`decay_fraction`: Dynamo's decay of older blocks).
-    pub fn output_block(
-        &self,
-        decay_fraction: Option<f64>,
-    ) -> Result<(), crate::slots::SlotError> {
+    pub fn output_block(&self, decay_fraction: Option<f64>) -> Result<(), crate::slots::SlotError> {
         match &self.slot {
             Some(s) => s.output_block(decay_fraction),
             None => Ok(()),

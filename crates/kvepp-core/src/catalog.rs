@@ -186,7 +186,10 @@ impl Tracker {
             self.candidates.drain(..).map(|e| (e.rank(), e)).collect();
         let mut fresh = Vec::new();
         for w in self.workers.values() {
-            let name = w.endpoint.clone().unwrap_or_else(|| w.worker_id.to_string());
+            let name = w
+                .endpoint
+                .clone()
+                .unwrap_or_else(|| w.worker_id.to_string());
             for r in w.ranks() {
                 let e = old
                     .get(&r)
@@ -277,9 +280,8 @@ impl Catalog {
     }
 
     /// Every scope created from now on gets `f`'s listener (replica sync).
-    pub fn with_listeners(mut self, f: ListenerFor) -> Self {
+    pub fn set_listeners(&mut self, f: ListenerFor) {
         self.listener_for = Some(f);
-        self
     }
 
     /// One scope shared with the ext_proc door: every (model, tenant) resolves to `router`'s
@@ -503,7 +505,15 @@ impl Catalog {
             ..RequestFacts::default()
         };
         let now = reserve.map_or_else(Instant::now, |(_, now)| now);
-        let d = self.decide(scope, tracker, facts, &tracker.candidates, reserve, now, rng)?;
+        let d = self.decide(
+            scope,
+            tracker,
+            facts,
+            &tracker.candidates,
+            reserve,
+            now,
+            rng,
+        )?;
         let choice = choice_of(&d, prompt.isl_tokens);
         let worker = tracker
             .workers

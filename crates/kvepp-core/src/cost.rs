@@ -23,7 +23,6 @@
 //! `load_bound_cached` × the mean, then a second engine takes the prefix over). The least loaded
 //! candidate is always within both bounds, so the choice never runs out of candidates.
 
-
 pub use crate::types::Overlap;
 
 /// What the cost model needs to know about one rank for one request.

@@ -22,11 +22,10 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::endpoint::{Domains, Role};
 use crate::endpoint::Endpoint;
+pub use crate::endpoint::{Domains, Role};
 pub use crate::pick::Pairing;
 use crate::pick::PickError;
-
 
 /// `kv_transfer_mismatch_policy`: what happens when no decode worker shares the prefill worker's
 /// domain.
@@ -295,7 +294,6 @@ impl TransferSettings {
     }
 }
 
-
 /// The link between two workers with domains `a` and `b`: the first level of `table` whose value
 /// they share, else `cross`.
 pub fn link_between(table: &[LevelQos], cross: LinkQos, a: &Domains, b: &Domains) -> LinkQos {
@@ -304,4 +302,3 @@ pub fn link_between(table: &[LevelQos], cross: LinkQos, a: &Domains, b: &Domains
         .find(|l| a.get(&l.level).is_some_and(|v| b.get(&l.level) == Some(v)))
         .map_or(cross, LevelQos::qos)
 }
-

@@ -50,8 +50,8 @@ use super::load::EndpointLoad;
 use super::predict::{TtftFeatures, TtftModel};
 use super::slots::{project, SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext, PickRequest};
-use crate::listen::{Admitted, Hub};
 use crate::hash::{LocalBlockHash, PrefixMemo, SequenceHash};
+use crate::listen::{Admitted, Hub};
 
 mod approx;
 mod guard;
@@ -676,7 +676,14 @@ impl KvState {
         let booked = {
             let mut slots = write(&self.slots);
             slots.register(rank);
-            slots.add_if_unchanged(&id, rank, hashes, slot.prefill_tokens, slot.now, slot.expected)
+            slots.add_if_unchanged(
+                &id,
+                rank,
+                hashes,
+                slot.prefill_tokens,
+                slot.now,
+                slot.expected,
+            )
         };
         match booked {
             Ok(false) => {
@@ -706,7 +713,9 @@ impl KvState {
             state: self.clone(),
             id: booked.is_ok().then_some(id),
             prefill_done: false,
-            learn: slot.learn.map(|f| (endpoint.load.ttft.clone(), f, slot.now)),
+            learn: slot
+                .learn
+                .map(|f| (endpoint.load.ttft.clone(), f, slot.now)),
         }))
     }
 

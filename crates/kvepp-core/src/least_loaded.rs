@@ -73,7 +73,8 @@ mod tests {
         let mut ctx = PickContext::seeded(7);
         let mut seen = [0u32; 4];
         for _ in 0..3000 {
-            let Ranked { best, second, .. } = LeastLoaded.rank(refs, &PickRequest::default(), &mut ctx);
+            let Ranked { best, second, .. } =
+                LeastLoaded.rank(refs, &PickRequest::default(), &mut ctx);
             assert_ne!(Some(best), second);
             assert_ne!(second, Some(3));
             seen[best] += 1;

@@ -32,6 +32,7 @@ pub mod hash;
 pub mod index;
 pub mod kv;
 mod least_loaded;
+pub mod listen;
 pub mod load;
 pub mod pick;
 pub mod predict;
@@ -40,13 +41,12 @@ mod round_robin;
 pub mod router;
 pub mod slots;
 pub mod types;
-pub mod listen;
 
+pub use booking::Booking;
 pub use disagg::{MismatchPolicy, Pairing, Role, TransferSettings};
 pub use hash::{LocalBlockHash, SequenceHash};
 pub use kv::{KvDecision, KvPicker, KvSettings, KvState, PrefixMode, PromptBlocks};
 pub use least_loaded::LeastLoaded;
-pub use booking::Booking;
 pub use listen::{Admitted, Hub, Listener};
 pub use load::{EndpointLoad, EngineMetrics};
 pub use pick::{

@@ -19,7 +19,6 @@ pub struct EngineMetrics {
     pub num_gpu_blocks: Option<u64>,
 }
 
-
 #[derive(Debug, Default)]
 pub struct EndpointLoad {
     in_flight: AtomicU32,

@@ -51,8 +51,6 @@ impl Criticality {
     }
 }
 
-
-
 /// How a request is admitted when endpoints are saturated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Admission {

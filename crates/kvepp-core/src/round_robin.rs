@@ -62,6 +62,10 @@ mod tests {
                 (2, Some(0))
             ]
         );
-        assert_eq!(rr.rank(&refs[..1], &PickRequest::default(), &mut ctx).second, None);
+        assert_eq!(
+            rr.rank(&refs[..1], &PickRequest::default(), &mut ctx)
+                .second,
+            None
+        );
     }
 }

@@ -215,21 +215,29 @@ impl Router {
             let mode = pick.kv.map_or(PrefixMode::None, |d| d.mode);
             if !book {
                 let booking = Booking::none();
-                return Ok(Decision { pick, mode, booking, repicks });
+                return Ok(Decision {
+                    pick,
+                    mode,
+                    booking,
+                    repicks,
+                });
             }
             let checked = repicks + 1 < BOOKING_ATTEMPTS;
             let slot = pick.kv.as_ref().map(|d| SlotBooking {
                 id: facts.booking_id,
-                prefill_tokens: facts
-                    .prefill_tokens
-                    .unwrap_or(d.effective_prefill_tokens),
+                prefill_tokens: facts.prefill_tokens.unwrap_or(d.effective_prefill_tokens),
                 held: d.overlap.device,
                 expected: checked.then(|| d.load_version.unwrap_or(0)),
                 learn: d.ttft,
                 now: ctx.now,
             });
             if let Some(booking) = self.book(&pick.primary, prompt, slot)? {
-                return Ok(Decision { pick, mode, booking, repicks });
+                return Ok(Decision {
+                    pick,
+                    mode,
+                    booking,
+                    repicks,
+                });
             }
             repicks += 1;
         }

@@ -38,7 +38,6 @@ pub use active::HeldScratch;
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
 
-
 /// The current load of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RankLoad {

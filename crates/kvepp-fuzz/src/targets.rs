@@ -299,21 +299,15 @@ fn services() -> &'static Services {
                     .unwrap_or_else(|e| panic!("empty peer list refused: {e}")),
             ))
         };
-        let outbox = kvepp::replica::Outbox::disabled;
         let access = kvepp::api::auth::Access::default();
         let select = kvepp::api::select::router(
-            Arc::new(kvepp::api::select::SelectState::new(
-                catalog(),
-                peers(),
-                outbox(),
-            )),
+            Arc::new(kvepp::api::select::SelectState::new(catalog(), peers())),
             &access,
         );
         let slots = kvepp::api::slot_tracker::router(
             Arc::new(kvepp::api::slot_tracker::SlotTrackerState {
                 catalog: catalog(),
                 peers: peers(),
-                outbox: outbox(),
             }),
             &access,
         );

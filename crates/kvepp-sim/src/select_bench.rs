@@ -223,7 +223,6 @@ pub async fn run(args: SelectBenchArgs) -> anyhow::Result<()> {
     let state = Arc::new(SelectState::new(
         s.catalog.clone(),
         Arc::new(SharedPeers::default()),
-        kvepp::replica::Outbox::disabled(),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

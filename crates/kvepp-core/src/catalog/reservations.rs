@@ -228,11 +228,7 @@ impl Catalog {
                 let mut map = lock(&self.reservations);
                 let dead: Vec<Key> = map
                     .iter()
-                    .filter(|(k, h)| {
-                        !self
-                            .tracker(&h.scope)
-                            .is_ok_and(|t| t.kv.is_active(&k.id))
-                    })
+                    .filter(|(k, h)| !self.tracker(&h.scope).is_ok_and(|t| t.kv.is_active(&k.id)))
                     .map(|(k, _)| k.clone())
                     .collect();
                 dead.iter().filter_map(|k| map.remove(k)).collect()

@@ -49,9 +49,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use self::table::BlockTable;
+use crate::hash::{LocalBlockHash, SequenceHash};
 pub use crate::types::{KeyedBuild, KeyedHasher, RankOverlap, DEFAULT_TABLE_SEED};
 use crate::types::{Overlap, WorkerRank};
-use crate::hash::{LocalBlockHash, SequenceHash};
 
 /// The engine's own block hash: only an opaque key to resolve later removals (vLLM's hash cannot be
 /// recomputed outside the engine).
@@ -77,7 +77,6 @@ impl Tier {
         }
     }
 }
-
 
 /// One rank's content, enough to rebuild an equal index elsewhere ([`PrefixIndex::dump`],
 /// [`PrefixIndex::restore`]).
@@ -123,7 +122,6 @@ pub struct IndexStats {
 }
 
 // ------------------------------------------------------------------------------------------ hasher
-
 
 type Map<K, V> = HashMap<K, V, KeyedBuild>;
 

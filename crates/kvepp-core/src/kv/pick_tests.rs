@@ -441,7 +441,11 @@ fn bounded_run_after(
     let now = Instant::now();
     if let Some(p) = everywhere {
         for e in &eps {
-            let (_, _, d) = kv.rank(std::slice::from_ref(e), &PickRequest::prompt(Some(p)), &mut ctx);
+            let (_, _, d) = kv.rank(
+                std::slice::from_ref(e),
+                &PickRequest::prompt(Some(p)),
+                &mut ctx,
+            );
             assert!(kv.book_decision(e, Some(p), &d, now).is_some());
         }
     }

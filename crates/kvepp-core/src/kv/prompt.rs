@@ -12,7 +12,6 @@ use super::KvState;
 use crate::hash::{block_seed, LocalBlockHash, SequenceHash, XXH3_SEED};
 pub use crate::types::{PrefixMode, PromptBlocks};
 
-
 impl KvState {
     /// Blocks of a tokenized prompt (Dynamo's hashes, LoRA-seeded); in approximate-only mode they
     /// are matched against what was routed.

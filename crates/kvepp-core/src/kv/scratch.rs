@@ -6,8 +6,8 @@
 
 use crate::cost::{BoundInput, CandidateLoad};
 use crate::index::MatchScratch;
-use crate::types::{Overlap, RankOverlap};
 use crate::slots::{HeldScratch, RankView};
+use crate::types::{Overlap, RankOverlap};
 
 /// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
 /// addresses, no allocation once grown).
