@@ -458,3 +458,6 @@ mod pd_tests;
 
 #[cfg(test)]
 mod ttft_tests;
+
+#[cfg(test)]
+mod doors_tests;
