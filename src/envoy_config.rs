@@ -72,16 +72,15 @@ pub fn inputs_from(cfg: &crate::config::Config) -> Result<Inputs, EnvoyConfigErr
         .manifests_dir
         .as_ref()
         .ok_or(EnvoyConfigError::NoManifests)?;
-    let bad = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let bad = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
     let seen = bad.clone();
     let mut source =
         crate::discovery::ManifestDir::new(dir, std::time::Duration::from_secs(1), move |p| {
-            if let Ok(mut b) = seen.lock() {
-                b.push(p.display().to_string());
-            }
+            let mut b = seen.lock();
+            b.push(p.display().to_string());
         });
     let inventory = source.poll_once().unwrap_or_default();
-    if let Some(file) = bad.lock().ok().and_then(|b| b.first().cloned()) {
+    if let Some(file) = bad.lock().first().cloned() {
         return Err(EnvoyConfigError::BadManifest(file));
     }
     let store = crate::discovery::Datastore::new(

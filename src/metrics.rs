@@ -182,7 +182,7 @@ type TokenizerSource = Box<dyn Fn() -> Option<TokenizerSample> + Send + Sync>;
 
 /// Where the tokenizer counters come from (the models' tokenizers), read at each scrape.
 #[derive(Default)]
-struct TokenizerSources(std::sync::Mutex<Vec<TokenizerSource>>);
+struct TokenizerSources(parking_lot::Mutex<Vec<TokenizerSource>>);
 
 impl std::fmt::Debug for TokenizerSources {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -575,20 +575,12 @@ impl Metrics {
 
     /// Adds a source of tokenizer counts, read at each scrape.
     pub fn add_tokenizer_source(&self, source: TokenizerSource) {
-        self.tokenizer_sources
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(source);
+        self.tokenizer_sources.0.lock().push(source);
     }
 
     /// Brings the tokenizer counters up to their sources' counts (which only grow).
     pub fn collect_tokenizers(&self) {
-        let sources = self
-            .tokenizer_sources
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sources = self.tokenizer_sources.0.lock();
         for sample in sources.iter().filter_map(|source| source()) {
             for &(cache, hits, misses) in &sample.caches {
                 for (result, count) in [("hit", hits), ("miss", misses)] {

@@ -11,10 +11,11 @@
 //! turn before the service answers, and the first good one is applied
 //! ([`crate::replica::recovery`]).
 
+use parking_lot::RwLock;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
@@ -145,7 +146,7 @@ async fn expire_loop(catalog: Arc<RwLock<Catalog>>, mut stop: watch::Receiver<bo
             _ = tick.tick() => {
                 let n = catalog
                     .read()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+
                     .expire(Instant::now());
                 if n > 0 {
                     tracing::warn!(expired = n, "stale requests expired");
@@ -187,12 +188,14 @@ pub async fn start_replica(
         .map_err(|e| ServiceError::Invalid(e.to_string()))?;
     if replica.bound.is_some() {
         let outbox = replica.outbox.clone();
-        crate::api::json::write(catalog).set_listeners(Arc::new(move |scope: &Scope| {
-            Some(Arc::new(PublishBookings {
-                outbox: outbox.clone(),
-                scope: scope.clone(),
-            }) as Arc<dyn kvepp_core::Listener>)
-        }));
+        catalog
+            .write()
+            .set_listeners(Arc::new(move |scope: &Scope| {
+                Some(Arc::new(PublishBookings {
+                    outbox: outbox.clone(),
+                    scope: scope.clone(),
+                }) as Arc<dyn kvepp_core::Listener>)
+            }));
     }
     Ok(replica)
 }

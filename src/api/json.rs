@@ -10,9 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
 
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
-
-use kvepp_core::catalog::{Catalog, CatalogError, Scope};
+use kvepp_core::catalog::{CatalogError, Scope};
 use kvepp_core::SequenceHash;
 
 /// An error answer: a status and `{"error": message}`.
@@ -100,16 +98,6 @@ fn rejection(r: JsonRejection) -> ApiError {
         _ => r.body_text(),
     };
     ApiError::new(status, message)
-}
-
-/// The catalog for a request that reads it (selection, booking, views).
-pub fn read(c: &RwLock<Catalog>) -> RwLockReadGuard<'_, Catalog> {
-    c.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The catalog for a request that changes its workers.
-pub fn write(c: &RwLock<Catalog>) -> RwLockWriteGuard<'_, Catalog> {
-    c.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// `{"status": "ok"}`, with a status.

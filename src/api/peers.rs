@@ -5,8 +5,8 @@
 //! restart, only the flags' peers return). Connecting to them is replica sync's job: this list is
 //! what it connects to, following its changes.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeSet;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -125,7 +125,7 @@ impl SharedPeers {
     }
 
     fn lock(&self) -> MutexGuard<'_, Peers> {
-        self.peers.lock().unwrap_or_else(PoisonError::into_inner)
+        self.peers.lock()
     }
 
     /// The list now and at every change.

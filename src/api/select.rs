@@ -7,9 +7,10 @@
 //! are absent are omitted from answers; `effective_prefill_tokens` above the input length is
 //! refused; no lock is held across an await.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -22,8 +23,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::json::{
-    default_model, default_tenant, ok, read, sequence_hashes, unknown_route, wrong_method,
-    ApiError, Body, Hash64, ScopeFilter,
+    default_model, default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError,
+    Body, Hash64, ScopeFilter,
 };
 use super::peers::SharedPeers;
 use super::slot_tracker::{load_rows, pool_scope, potential_rows};
@@ -272,7 +273,7 @@ async fn add_worker(State(st): St, Body(b): Body<WorkerBody>) -> Result<Response
         replay_endpoint: b.replay_endpoint,
     };
     check_zmq(&worker)?;
-    let mut catalog = super::json::write(&st.catalog);
+    let mut catalog = st.catalog.write();
     catalog.register(scope.clone(), worker.clone())?;
     st.publish_subscriptions(&catalog);
     tracing::info!(worker = worker.worker_id, model = %scope.model, tenant = %scope.tenant, "worker registered");
@@ -281,7 +282,7 @@ async fn add_worker(State(st): St, Body(b): Body<WorkerBody>) -> Result<Response
 
 async fn list_workers(State(st): St, RawQuery(q): RawQuery) -> Response {
     let filter = ScopeFilter::parse(q.as_deref());
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let pool = pool_scope();
     let list: Vec<WorkerView<'_>> = catalog
         .trackers(&pool)
@@ -319,7 +320,7 @@ async fn patch_worker(
         model: b.model_name.clone(),
         tenant: b.tenant_id.clone(),
     };
-    let mut catalog = super::json::write(&st.catalog);
+    let mut catalog = st.catalog.write();
     let scopes = matching_scopes(&catalog, worker_id, &filter)?;
     let mut updated = Vec::new();
     for scope in scopes {
@@ -360,7 +361,7 @@ async fn delete_worker(
     RawQuery(q): RawQuery,
 ) -> Result<Response, ApiError> {
     let filter = ScopeFilter::parse(q.as_deref());
-    let mut catalog = super::json::write(&st.catalog);
+    let mut catalog = st.catalog.write();
     for scope in matching_scopes(&catalog, worker_id, &filter)? {
         catalog.unregister(&scope, worker_id)?;
     }
@@ -370,7 +371,7 @@ async fn delete_worker(
 }
 
 async fn ready(State(st): St) -> Response {
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let pool = pool_scope();
     let workers = catalog.worker_count();
     let ranks: usize = catalog.trackers(&pool).map(|(_, t)| t.ranks().len()).sum();
@@ -522,7 +523,7 @@ fn selection_view(
 
 fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response, ApiError> {
     let scope = b.scope();
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let bs = catalog.tracker(&scope)?.block_size();
     let (hashes, isl) = b.prompt(bs)?;
     let reservation_id = match (reserve, b.reservation_id) {
@@ -535,7 +536,7 @@ fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response,
         .filter(|_| reserve)
         .map(|id| (id, Instant::now()));
     let selection = {
-        let mut rng = st.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut rng = st.rng.lock();
         catalog.select(
             &scope,
             PromptRef {
@@ -567,7 +568,7 @@ async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, A
     let id = required(b.reservation_id.clone(), "reservation_id")?;
     let worker = required(b.worker_id, "worker_id")?;
     let scope = b.scope();
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let bs = catalog.tracker(&scope)?.block_size();
     let (hashes, isl) = b.prompt(bs)?;
     let rank = WorkerRank {
@@ -593,7 +594,7 @@ async fn reserve(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, A
 }
 
 async fn prefill_complete(State(st): St, Path(id): Path<String>) -> Result<Response, ApiError> {
-    read(&st.catalog).prefill_complete(&id)?;
+    st.catalog.read().prefill_complete(&id)?;
     Ok(ok(StatusCode::OK))
 }
 
@@ -627,12 +628,12 @@ async fn output_block(
             )));
         }
     }
-    read(&st.catalog).output_block(&id, decay)?;
+    st.catalog.read().output_block(&id, decay)?;
     Ok(ok(StatusCode::OK))
 }
 
 async fn free(State(st): St, Path(id): Path<String>) -> Result<Response, ApiError> {
-    if read(&st.catalog).free(&id) {
+    if st.catalog.read().free(&id) {
         Ok(ok(StatusCode::OK))
     } else {
         Err(CatalogError::UnknownReservation(id).into())
@@ -643,12 +644,12 @@ async fn free(State(st): St, Path(id): Path<String>) -> Result<Response, ApiErro
 
 async fn loads(State(st): St, RawQuery(q): RawQuery) -> Response {
     let filter = ScopeFilter::parse(q.as_deref());
-    Json(load_rows(&read(&st.catalog), &filter)).into_response()
+    Json(load_rows(&st.catalog.read(), &filter)).into_response()
 }
 
 async fn potential_loads(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, ApiError> {
     let scope = b.scope();
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let bs = catalog.tracker(&scope)?.block_size();
     let (hashes, isl) = b.prompt(bs)?;
     let loads = catalog.potential_loads(
@@ -695,7 +696,7 @@ fn overlap_rows(t: &Tracker, hashes: &[SequenceHash]) -> Vec<OverlapRow> {
 
 async fn overlap_scores(State(st): St, Body(b): Body<PromptBody>) -> Result<Response, ApiError> {
     let scope = b.scope();
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let t = catalog.tracker(&scope)?;
     let (hashes, _) = b.prompt(t.block_size())?;
     Ok(Json(overlap_rows(t, &hashes)).into_response())
@@ -703,7 +704,7 @@ async fn overlap_scores(State(st): St, Body(b): Body<PromptBody>) -> Result<Resp
 
 /// The index snapshot a peer recovers from ([`crate::replica::recovery`]).
 async fn dump(State(st): St) -> Response {
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     Json(crate::replica::recovery::dump(&catalog, &pool_scope())).into_response()
 }
 

@@ -6,7 +6,8 @@
 //! tenant); sequence hashes arrive as signed or unsigned 64-bit integers and keep their bits; no
 //! lock is held across an await.
 
-use std::sync::{Arc, RwLock};
+use parking_lot::RwLock;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{RawQuery, State};
@@ -17,7 +18,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
 use super::json::{
-    default_tenant, ok, read, sequence_hashes, unknown_route, wrong_method, ApiError, Body, Hash64,
+    default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError, Body, Hash64,
     ScopeFilter,
 };
 use super::peers::SharedPeers;
@@ -106,7 +107,7 @@ async fn register(State(st): St, Body(b): Body<RegisterBody>) -> Result<Response
         model: b.model_name,
         tenant: b.tenant_id,
     };
-    super::json::write(&st.catalog).register(
+    st.catalog.write().register(
         scope,
         Worker {
             worker_id: b.worker_id,
@@ -134,7 +135,8 @@ async fn unregister(State(st): St, Body(b): Body<WorkerRef>) -> Result<Response,
         model: b.model_name,
         tenant: b.tenant_id,
     };
-    super::json::write(&st.catalog)
+    st.catalog
+        .write()
         .unregister(&scope, b.worker_id)
         .map_err(|_| {
             ApiError::new(
@@ -150,7 +152,7 @@ async fn unregister(State(st): St, Body(b): Body<WorkerRef>) -> Result<Response,
 
 async fn workers(State(st): St, RawQuery(q): RawQuery) -> Response {
     let filter = ScopeFilter::parse(q.as_deref());
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let pool = pool_scope();
     let list: Vec<WorkerView<'_>> = catalog
         .trackers(&pool)
@@ -201,7 +203,7 @@ async fn add(State(st): St, Body(b): Body<AddBody>) -> Result<Response, ApiError
         worker: b.worker_id,
         dp_rank: b.dp_rank,
     };
-    read(&st.catalog).add_scoped(
+    st.catalog.read().add_scoped(
         &scope,
         &b.request_id,
         rank,
@@ -230,7 +232,7 @@ impl RequestRef {
 }
 
 async fn prefill_complete(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiError> {
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let scope = b.scope();
     catalog.tracker(&scope)?;
     catalog.prefill_complete_by(Some(&scope), &b.request_id, Origin::Client)?;
@@ -238,7 +240,7 @@ async fn prefill_complete(State(st): St, Body(b): Body<RequestRef>) -> Result<Re
 }
 
 async fn free(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiError> {
-    let catalog = read(&st.catalog);
+    let catalog = st.catalog.read();
     let scope = b.scope();
     catalog.tracker(&scope)?;
     // Freeing an unknown request is not an error (the seed's contract).
@@ -278,7 +280,7 @@ pub fn load_rows(catalog: &Catalog, filter: &ScopeFilter) -> serde_json::Value {
 
 async fn loads(State(st): St, RawQuery(q): RawQuery) -> Response {
     let filter = ScopeFilter::parse(q.as_deref());
-    Json(load_rows(&read(&st.catalog), &filter)).into_response()
+    Json(load_rows(&st.catalog.read(), &filter)).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -322,7 +324,7 @@ async fn potential_loads(
         tenant: b.tenant_id,
     };
     let hashes = sequence_hashes(&b.sequence_hashes);
-    let loads = read(&st.catalog).potential_loads(
+    let loads = st.catalog.read().potential_loads(
         &scope,
         kvepp_core::catalog::PromptRef {
             hashes: &hashes,

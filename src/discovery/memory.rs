@@ -1,8 +1,9 @@
 //! The in-memory discovery backend: registry and discovery in one process (tests, embedding).
 //! An instance is listed once registered and ready, as a pod is once its readiness probe passes.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::StreamExt;
@@ -54,11 +55,7 @@ impl MemoryDiscovery {
     }
 
     fn ready_set(&self, namespace: &str, component: &str) -> BTreeMap<Arc<str>, Instance> {
-        let entries = self
-            .inner
-            .entries
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let entries = self.inner.entries.lock();
         entries
             .get(&(namespace.to_owned(), component.to_owned()))
             .into_iter()
@@ -70,11 +67,7 @@ impl MemoryDiscovery {
 
     fn set(&self, key: &Key, id: &Arc<str>, f: impl FnOnce(&mut Entry)) {
         {
-            let mut entries = self
-                .inner
-                .entries
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut entries = self.inner.entries.lock();
             f(entries
                 .entry(key.clone())
                 .or_default()

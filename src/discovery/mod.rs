@@ -19,9 +19,10 @@ pub mod memory;
 pub mod objects;
 pub mod service;
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use futures::StreamExt;
@@ -198,7 +199,7 @@ impl Datastore {
     /// snapshot only when that changes.
     pub fn apply_metadata(&self, addr: SocketAddr, facts: Option<EndpointFacts>) {
         {
-            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let st = self.state.lock();
             if st.facts.get(&addr) == facts.as_ref() {
                 return;
             }
@@ -226,7 +227,7 @@ impl Datastore {
     }
 
     fn change(&self, f: impl FnOnce(&mut State)) {
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.state.lock();
         f(&mut st);
         let snap = self.build(&st);
         let synced = snap.pool.is_some() && st.instances_synced;
@@ -312,7 +313,7 @@ impl Datastore {
             Some(p) if p.target_ports.len() > 1 => &p.target_ports,
             _ => &[],
         };
-        let mut loads = self.loads.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut loads = self.loads.lock();
         let mut endpoints: BTreeMap<SocketAddr, Arc<Endpoint>> = BTreeMap::new();
         for inst in st.instances.values() {
             let ports: Vec<(u16, Option<u32>)> = if ranks.is_empty() {
@@ -617,7 +618,7 @@ ports: [{name: metadata, port: 8090}]
         // Pruned once no snapshot or booking refers to the counters (the update after removal).
         st.apply(&Inventory::default());
         st.apply(&Inventory::default());
-        assert!(st.loads.lock().unwrap().is_empty());
+        assert!(st.loads.lock().is_empty());
     }
 
     #[test]

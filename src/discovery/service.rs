@@ -16,10 +16,11 @@
 //!   `Removed` when it was not present. A relist (after a dropped connection or a 410 Gone) only
 //!   produces the difference.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -169,15 +170,12 @@ impl InstanceHandle {
     }
 
     pub fn published(&self) -> Published {
-        self.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.state.lock().clone()
     }
 
     fn update(&self, f: impl FnOnce(&mut Published)) {
         let now = {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut s = self.state.lock();
             f(&mut s);
             s.clone()
         };
@@ -462,7 +460,7 @@ ports: [{name: http, port: 8002}]
     fn handle_publishes_changes() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s = seen.clone();
-        let h = InstanceHandle::new("pod-x", move |p| s.lock().unwrap().push(p.ready));
+        let h = InstanceHandle::new("pod-x", move |p| s.lock().push(p.ready));
         assert_eq!(h.instance_id(), "pod-x");
         assert!(!h.published().ready);
         h.set_ready(true);
@@ -471,6 +469,6 @@ ports: [{name: http, port: 8002}]
             ..Default::default()
         });
         assert_eq!(h.published().metadata.role.as_deref(), Some("both"));
-        assert_eq!(*seen.lock().unwrap(), [true, true]);
+        assert_eq!(*seen.lock(), [true, true]);
     }
 }

@@ -15,9 +15,10 @@
 //! endpoint appears (or its metadata port changes), retries failures with exponential backoff, and
 //! refreshes it periodically; [`MetadataStore`] holds the latest per endpoint.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -177,8 +178,8 @@ impl MetadataStore {
         self.lock().get(addr).cloned()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<EngineMetadata>>> {
-        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<SocketAddr, Arc<EngineMetadata>>> {
+        self.map.lock()
     }
 
     /// Stores `md`; false when it equals what was there.

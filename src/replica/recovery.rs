@@ -175,11 +175,11 @@ async fn first_good(
 /// pairs restored at once (scopes without workers yet are applied when their first worker
 /// registers).
 pub async fn recover(
-    catalog: &std::sync::RwLock<Catalog>,
+    catalog: &parking_lot::RwLock<Catalog>,
     peers: &[String],
 ) -> Result<(String, u64), RecoveryError> {
     first_good(peers, |doc| {
-        let mut c = crate::api::json::write(catalog);
+        let mut c = catalog.write();
         let mut restored = 0;
         for s in doc.scopes {
             let scope = Scope {

@@ -5,11 +5,11 @@
 //! never through the router's transaction: it was decided on the peer, and recording it tells no
 //! listener, so it is never published back.
 
-use std::sync::{Arc, RwLock};
+use parking_lot::RwLock;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Refused, Sink};
-use crate::api::json::read;
 use kvepp_core::catalog::{Catalog, CatalogError, Origin, Scope};
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
@@ -53,7 +53,7 @@ impl Sink for CatalogSink {
         hashes: &[SequenceHash],
         prefill_tokens: u64,
     ) -> Result<(), Refused> {
-        let catalog = read(&self.catalog);
+        let catalog = self.catalog.read();
         let tracker = catalog.tracker(scope).map_err(refused)?;
         if tracker.block_size() != block_size {
             return Err(Refused::Unknown);
@@ -72,13 +72,17 @@ impl Sink for CatalogSink {
     }
 
     fn prefill_complete(&self, scope: &Scope, request_id: &str) -> Result<(), Refused> {
-        read(&self.catalog)
+        self.catalog
+            .read()
             .prefill_complete_by(self.scope_of_ids(scope), request_id, Origin::Peer)
             .map_err(|_| Refused::Unknown)
     }
 
     fn free(&self, scope: &Scope, request_id: &str) -> Result<(), Refused> {
-        let freed = read(&self.catalog).free_by(self.scope_of_ids(scope), request_id, Origin::Peer);
+        let freed = self
+            .catalog
+            .read()
+            .free_by(self.scope_of_ids(scope), request_id, Origin::Peer);
         if freed {
             Ok(())
         } else {
@@ -93,7 +97,7 @@ impl Sink for CatalogSink {
         locals: Vec<LocalBlockHash>,
         hashes: Vec<SequenceHash>,
     ) -> Result<(), Refused> {
-        let catalog = read(&self.catalog);
+        let catalog = self.catalog.read();
         let tracker = catalog.tracker(scope).map_err(refused)?;
         if !tracker.workers.contains_key(&worker) || locals.len() != hashes.len() {
             return Err(Refused::Unknown);

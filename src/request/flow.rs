@@ -17,7 +17,8 @@
 //! - shedding (429) happens only for sheddable priorities whose queue is full; a request that
 //!   waited past `max_wait_ms` gets 503.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvepp_core::{FlowQueue, QueueFull, QueueId};
@@ -170,8 +171,8 @@ impl FlowControl {
         &self.settings
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, FlowQueue<Waiter>> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, FlowQueue<Waiter>> {
+        self.queue.lock()
     }
 
     fn gauge(&self, q: &FlowQueue<Waiter>, priority: i32) {

@@ -11,8 +11,8 @@
 //! never kept); hits and misses are counted by [`Generations::get`]; a value is made outside the
 //! lock, so a miss never holds up other lookups.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -138,7 +138,7 @@ impl<V: Clone> ContentCache<V> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Generations<V>> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        self.inner.lock()
     }
 
     /// Total weight held.

@@ -6,7 +6,8 @@
 //! this replica reaches the others (and theirs reach it, applied only for endpoints this replica
 //! also sees); the peer list is shared by replica sync and the doors' peer routes.
 
-use std::sync::{Arc, RwLock};
+use parking_lot::RwLock;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -44,7 +45,7 @@ fn pooled_catalog(
     tasks.push(tokio::spawn(async move {
         loop {
             let endpoints = pool.borrow_and_update().clone();
-            crate::api::json::write(&sync).set_pool(endpoints.to_vec());
+            sync.write().set_pool(endpoints.to_vec());
             tokio::select! {
                 r = pool.changed() => if r.is_err() { return },
                 _ = stop.changed() => if *stop.borrow() { return },

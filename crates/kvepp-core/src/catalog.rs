@@ -22,8 +22,9 @@
 //! pool's own endpoints under the ext_proc door's own router, so both doors answer alike. Nothing
 //! here ranks candidates, books load or retries.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::booking::Booking;
@@ -258,10 +259,6 @@ impl std::fmt::Debug for Catalog {
             .field("reservations", &self.reservation_count())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Catalog {
@@ -559,7 +556,7 @@ impl Catalog {
             return d.map_err(|e| pick_error(scope, e));
         };
         let key = Key::global(id);
-        let mut map = lock(&self.reservations);
+        let mut map = self.reservations.lock();
         self.check_room(&map, &key)?;
         let d = tracker.router.route(facts, candidates, &mut ctx);
         *rng = ctx.rng;
@@ -647,7 +644,7 @@ impl Catalog {
             prefill_tokens: Some(prefill),
             ..RequestFacts::default()
         };
-        let mut map = lock(&self.reservations);
+        let mut map = self.reservations.lock();
         self.check_room(&map, &key)?;
         let mut ctx = PickContext::new(fastrand::Rng::with_seed(0), now);
         let d = tracker
@@ -712,7 +709,7 @@ impl Catalog {
         } else {
             Key::global(id)
         };
-        let mut map = lock(&self.reservations);
+        let mut map = self.reservations.lock();
         self.check_room(&map, &key)?;
         tracker.kv.reserve(id, rank, hashes, prefill, now)?;
         map.insert(key, Held::peer(scope));
@@ -721,7 +718,8 @@ impl Catalog {
 
     /// The (model, tenant) a reservation was booked in, while it is known.
     pub fn reservation_scope(&self, id: &str) -> Option<Scope> {
-        lock(&self.reservations)
+        self.reservations
+            .lock()
             .get(&Key::global(id))
             .map(|h| h.scope.clone())
     }

@@ -37,9 +37,10 @@
 //! `approx` (approximate mode's record of what was routed), `ranks` (the rank-level operations
 //! the HTTP services call) and `guard` (a booking held for a request's life).
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -209,18 +210,6 @@ struct Walked {
     isl: u64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl KvState {
     pub fn new(settings: KvSettings) -> Self {
         KvState {
@@ -320,10 +309,7 @@ impl KvState {
 
     /// An engine reported its base model name.
     pub fn learn_base_model(&self, name: &str) {
-        let mut base = self
-            .base_model
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut base = self.base_model.write();
         if base.as_deref() != Some(name) {
             tracing::info!(model = name, "base model learned from engine metadata");
             *base = Some(name.into());
@@ -333,10 +319,7 @@ impl KvState {
     /// The LoRA adapter a request for `model` runs with: the model itself when a base model is
     /// known and differs from it (vLLM serves adapters under their own names), else none.
     pub fn lora_for(&self, model: &str) -> Option<Arc<str>> {
-        let base = self
-            .base_model
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let base = self.base_model.read();
         match base.as_deref() {
             Some(b) if b != model => Some(model.into()),
             _ => None,
@@ -347,7 +330,7 @@ impl KvState {
     fn take_scratch(&self, hint: usize) -> (usize, PickScratch) {
         for k in 0..SCRATCH_POOLS {
             let pool = (hint + k) % SCRATCH_POOLS;
-            if let Ok(mut v) = self.scratch[pool].try_lock() {
+            if let Some(mut v) = self.scratch[pool].try_lock() {
                 if let Some(s) = v.pop() {
                     return (pool, s);
                 }
@@ -358,7 +341,7 @@ impl KvState {
     }
 
     fn return_scratch(&self, pool: usize, s: PickScratch) {
-        let mut v = lock(&self.scratch[pool]);
+        let mut v = self.scratch[pool].lock();
         if v.len() < 4 {
             v.push(s);
         }
@@ -438,7 +421,7 @@ impl KvState {
         // the pass over the candidates: bookings wait as little as possible (the indexes are
         // snapshots, read without a lock).
         {
-            let slots = read(&self.slots);
+            let slots = self.slots.read();
             slots.walk_held(hashes, &mut sc.held);
             slots.views_into(&mut sc.views);
         }
@@ -469,7 +452,7 @@ impl KvState {
             }
         }
         if !sc.resolved.is_empty() {
-            let slots = read(&self.slots);
+            let slots = self.slots.read();
             let mut resolved = std::mem::take(&mut sc.resolved);
             for (i, c, v) in &mut resolved {
                 let Some(e) = candidates.get(*i) else {
@@ -674,7 +657,7 @@ impl KvState {
         };
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
         let booked = {
-            let mut slots = write(&self.slots);
+            let mut slots = self.slots.write();
             slots.register(rank);
             slots.add_if_unchanged(
                 &id,
@@ -743,7 +726,7 @@ impl KvState {
     /// Drops bookings older than the stale-request limit at `now` (requests whose end was never
     /// seen). Called periodically, off the pick path; returns how many.
     pub fn expire_stale(&self, now: Instant) -> usize {
-        write(&self.slots).expire(now)
+        self.slots.write().expire(now)
     }
 
     /// Forgets an endpoint that left the pool (index, approximate index, load).
@@ -756,9 +739,9 @@ impl KvState {
     /// no record of departures: whatever is not live goes.
     pub fn retain_workers(&self, keep: impl Fn(u64) -> bool) -> usize {
         let mut gone: std::collections::HashSet<u64> = self.index.read().workers();
-        gone.extend(lock(&self.approx.fifo).keys().copied());
+        gone.extend(self.approx.fifo.lock().keys().copied());
         gone.extend(self.approx.index.read().workers());
-        gone.extend(read(&self.slots).ranks().map(|r| r.worker));
+        gone.extend(self.slots.read().ranks().map(|r| r.worker));
         gone.retain(|&w| !keep(w));
         let gone: Vec<u64> = gone.into_iter().collect();
         self.remove_workers(&gone);
@@ -767,7 +750,7 @@ impl KvState {
 
     /// Active load of an endpoint (rank 0).
     pub fn load(&self, addr: &str) -> Option<super::slots::RankLoad> {
-        read(&self.slots).load(WorkerRank {
+        self.slots.read().load(WorkerRank {
             worker: worker_id(addr),
             dp_rank: 0,
         })

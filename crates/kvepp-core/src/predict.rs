@@ -30,8 +30,8 @@
 //! restart does not swing the model; the covariance is bounded (no wind-up along features that stay at 0); speed
 //! factors stay within 0.1-10.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use crate::types::clock_nanos;
@@ -250,7 +250,7 @@ impl TtftModel {
         let x = f.vector();
         let now = clock_nanos(now);
         let factor = speed.factor_at_nanos(now);
-        let mut fit = self.fit.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut fit = self.fit.lock();
         let base = predict_with(&fit.theta, &x);
         if base > 1.0 && ttft_ms > 0.0 {
             let target = (ttft_ms / base).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
@@ -271,10 +271,7 @@ impl TtftModel {
 
     /// First tokens observed over the pool.
     pub fn observed(&self) -> u64 {
-        self.fit
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .observed
+        self.fit.lock().observed
     }
 }
 

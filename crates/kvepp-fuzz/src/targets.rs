@@ -15,8 +15,9 @@
 //! This file is shared by the cargo-fuzz crate and `tests/fuzz_corpus.rs` (included by path), so it
 //! names only crates both have.
 
+use parking_lot::RwLock;
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{

@@ -120,7 +120,7 @@ impl Catalog {
         key: &Key,
         f: impl FnOnce(&Tracker, &mut Held) -> Result<T, CatalogError>,
     ) -> Result<T, CatalogError> {
-        let mut map = lock(&self.reservations);
+        let mut map = self.reservations.lock();
         let unknown = || CatalogError::UnknownReservation(key.id.clone());
         let held = map.get_mut(key).ok_or_else(unknown)?;
         match self.tracker(&held.scope) {
@@ -150,7 +150,7 @@ impl Catalog {
 
     /// Frees the reservation under `key`; whether it was active.
     fn free_key(&self, key: &Key, by: Origin) -> bool {
-        let Some(held) = lock(&self.reservations).remove(key) else {
+        let Some(held) = self.reservations.lock().remove(key) else {
             return false;
         };
         let Ok(t) = self.tracker(&held.scope) else {
@@ -225,7 +225,7 @@ impl Catalog {
             .sum();
         if expired > 0 {
             let gone: Vec<Held> = {
-                let mut map = lock(&self.reservations);
+                let mut map = self.reservations.lock();
                 let dead: Vec<Key> = map
                     .iter()
                     .filter(|(k, h)| !self.tracker(&h.scope).is_ok_and(|t| t.kv.is_active(&k.id)))
@@ -239,6 +239,6 @@ impl Catalog {
     }
 
     pub fn reservation_count(&self) -> usize {
-        lock(&self.reservations).len()
+        self.reservations.lock().len()
     }
 }

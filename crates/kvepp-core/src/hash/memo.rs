@@ -17,8 +17,8 @@
 //! (compared token for token, not by hash); an entry another pick is using is skipped, never
 //! waited for; memory is bounded by `SETS × WAYS × MAX_TOKENS` tokens and their hashes.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
 
@@ -204,7 +204,7 @@ impl PrefixMemo {
             &mut hashes,
         );
         let at = (locals[0].0 >> 32) as usize % self.sets.len();
-        let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock().ok()) else {
+        let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock()) else {
             // Another pick is on this set (or it was poisoned): hash without it.
             hash_rest(&mut locals, &mut hashes);
             return (locals, hashes, 0);
@@ -282,7 +282,7 @@ mod tests {
     /// exact).
     fn assert_consistent(memo: &PrefixMemo) {
         for set in memo.sets.iter() {
-            let set = set.lock().expect("set");
+            let set = set.lock();
             for e in set.ways.iter().filter(|e| e.used > 0) {
                 assert_eq!(
                     e.tokens.len(),
@@ -474,7 +474,7 @@ mod tests {
             .sets
             .iter()
             .flat_map(|s| {
-                let s = s.lock().expect("set");
+                let s = s.lock();
                 s.ways.iter().map(|e| e.tokens.len()).collect::<Vec<_>>()
             })
             .collect();

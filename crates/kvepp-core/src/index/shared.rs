@@ -12,7 +12,8 @@
 //! entirely or not at all; a thread must not write while it holds a read guard of the same index
 //! (it would wait for itself).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 use arc_swap::{ArcSwap, Guard};
 
@@ -44,7 +45,7 @@ impl SharedIndex {
     /// Applies `change` to both copies (so it must do the same thing each time it is called on
     /// equal indexes) and publishes it; returns what its first call returned.
     pub fn write<R>(&self, change: impl Fn(&mut PrefixIndex) -> R) -> R {
-        let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut spare = self.spare.lock();
         let result = change(wait_exclusive(&mut spare));
         let mut old = self.published.swap(Arc::clone(&spare));
         // `spare` becomes the copy readers just left; our reference to the new one goes.

@@ -3,10 +3,10 @@
 //! Invariants: at most `cap` references per endpoint, the oldest evicted first (before new blocks
 //! are stored); a forgotten endpoint leaves nothing behind.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
-use super::{lock, PromptBlocks};
+use super::PromptBlocks;
 use crate::hash::SequenceHash;
 use crate::index::{EngineBlockHash, SharedIndex, Tier};
 use crate::types::WorkerRank;
@@ -34,7 +34,7 @@ impl Approx {
             // Everything is there already: no write, so readers and other writers never wait.
             return;
         }
-        let mut fifos = lock(&self.fifo);
+        let mut fifos = self.fifo.lock();
         let fifo = fifos.entry(worker).or_default();
         let evict = (fifo.len() + n - skip)
             .saturating_sub(self.cap)
@@ -71,7 +71,7 @@ impl Approx {
 
     /// Forgets `workers`' routed blocks (index and FIFOs together).
     pub(super) fn forget(&self, workers: &[u64]) {
-        let mut fifos = lock(&self.fifo);
+        let mut fifos = self.fifo.lock();
         self.index.write(|ix| {
             for &w in workers {
                 ix.remove_worker(w);

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{write, KvState};
+use super::KvState;
 use crate::predict::{EndpointSpeed, TtftFeatures};
 
 /// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.
@@ -38,7 +38,7 @@ impl SlotGuard {
     pub fn first_byte(&mut self) {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
-            let _ = write(&self.state.slots).prefill_complete(id);
+            let _ = self.state.slots.write().prefill_complete(id);
             self.state.hub.each(|l| l.prefill_complete(id));
         }
     }
@@ -46,7 +46,11 @@ impl SlotGuard {
     /// One more output block (decode load grows); local only, never published.
     pub fn output_block(&self, decay_fraction: Option<f64>) -> Result<(), crate::slots::SlotError> {
         match &self.id {
-            Some(id) => write(&self.state.slots).add_output_block(id, decay_fraction),
+            Some(id) => self
+                .state
+                .slots
+                .write()
+                .add_output_block(id, decay_fraction),
             None => Ok(()),
         }
     }
@@ -55,7 +59,7 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(id) = &self.id {
-            if write(&self.state.slots).free(id) {
+            if self.state.slots.write().free(id) {
                 self.state.hub.each(|l| l.freed(id));
             }
         }

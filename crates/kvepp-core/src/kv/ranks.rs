@@ -27,7 +27,8 @@ impl KvState {
         hashes: &[SequenceHash],
         isl_tokens: u64,
     ) -> Vec<crate::slots::PotentialLoad> {
-        read(&self.slots)
+        self.slots
+            .read()
             .projections(ranks.iter().copied(), hashes, isl_tokens)
             .into_iter()
             .map(|(l, _)| l)
@@ -36,7 +37,7 @@ impl KvState {
 
     /// Makes a rank schedulable in the slot tracker (idempotent).
     pub fn register_rank(&self, rank: WorkerRank) {
-        write(&self.slots).register(rank);
+        self.slots.write().register(rank);
     }
 
     /// Removes a worker's ranks, active requests and cached blocks.
@@ -55,7 +56,7 @@ impl KvState {
             }
         });
         self.approx.forget(workers);
-        let mut slots = write(&self.slots);
+        let mut slots = self.slots.write();
         for &w in workers {
             slots.unregister_worker(w);
         }
@@ -71,11 +72,13 @@ impl KvState {
         prefill_tokens: u64,
         now: Instant,
     ) -> Result<(), crate::slots::SlotError> {
-        write(&self.slots).add(id, rank, hashes, prefill_tokens, now)
+        self.slots
+            .write()
+            .add(id, rank, hashes, prefill_tokens, now)
     }
 
     pub fn prefill_complete(&self, id: &str) -> Result<(), crate::slots::SlotError> {
-        write(&self.slots).prefill_complete(id)
+        self.slots.write().prefill_complete(id)
     }
 
     pub fn output_block(
@@ -83,32 +86,32 @@ impl KvState {
         id: &str,
         decay_fraction: Option<f64>,
     ) -> Result<(), crate::slots::SlotError> {
-        write(&self.slots).add_output_block(id, decay_fraction)
+        self.slots.write().add_output_block(id, decay_fraction)
     }
 
     /// Releases a reservation; whether it was active.
     pub fn free(&self, id: &str) -> bool {
-        write(&self.slots).free(id)
+        self.slots.write().free(id)
     }
 
     pub fn is_active(&self, id: &str) -> bool {
-        read(&self.slots).is_active(id)
+        self.slots.read().is_active(id)
     }
 
     /// Requests booked in the slot tracker.
     pub fn active_count(&self) -> usize {
-        read(&self.slots).active_count()
+        self.slots.read().active_count()
     }
 
     /// Every registered rank's load.
     pub fn rank_loads(&self) -> Vec<(WorkerRank, crate::slots::RankLoad)> {
-        read(&self.slots).loads().collect()
+        self.slots.read().loads().collect()
     }
 
     /// Requests the slot tracker holds on `worker`'s rank 0 (the rank the picker books):
     /// this process's bookings and, with replica sync, its peers'. None: not registered.
     pub fn worker_requests(&self, worker: u64) -> Option<u32> {
         let rank = WorkerRank { worker, dp_rank: 0 };
-        read(&self.slots).load(rank).map(|l| l.active_requests)
+        self.slots.read().load(rank).map(|l| l.active_requests)
     }
 }

@@ -15,9 +15,10 @@
 //! A restart ([`Command::Restart`]) drops every request (their clients see the response end),
 //! empties the pool and publishes `AllBlocksCleared` under new sequence numbers.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -128,8 +129,8 @@ impl EngineCore {
         })
     }
 
-    pub fn cache(&self) -> std::sync::MutexGuard<'_, KvPool> {
-        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+    pub fn cache(&self) -> parking_lot::MutexGuard<'_, KvPool> {
+        self.cache.lock()
     }
 }
 

@@ -5,8 +5,9 @@
 //! that starts with [`CacheEvent::Cleared`] (an engine restart) is numbered 0 again, as a new
 //! publisher's first would be, with an empty replay buffer.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -111,14 +112,14 @@ pub async fn start(
             if batch.first() == Some(&CacheEvent::Cleared) {
                 // A restarted engine is a new publisher: numbers from 0, nothing to replay.
                 seq = 0;
-                buf.lock().unwrap_or_else(PoisonError::into_inner).clear();
+                buf.lock().clear();
             }
             let ts = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
             let payload = Bytes::from(encode_batch(ts, &batch, block_size));
             {
-                let mut b = buf.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut b = buf.lock();
                 b.push_back((seq, payload.clone()));
                 if b.len() > REPLAY_BUFFER {
                     b.pop_front();
@@ -152,7 +153,6 @@ pub async fn start(
             };
             let batches: Vec<(u64, Bytes)> = buffer
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner)
                 .iter()
                 .filter(|(s, _)| *s >= start)
                 .cloned()

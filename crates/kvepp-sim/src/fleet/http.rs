@@ -1,11 +1,12 @@
 //! A simulated engine's HTTP surface (OpenAI completions and chat, `/metadata`, `/metrics`,
 //! `/health`, `/debug/cache`).
 
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -136,13 +137,7 @@ async fn remote_prefill(
                 .as_u64()
         })
         .unwrap_or(0);
-    let theirs = a
-        .peers
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&prefiller)
-        .cloned()
-        .unwrap_or_default();
+    let theirs = a.peers.read().get(&prefiller).cloned().unwrap_or_default();
     let ms = a
         .core
         .params

@@ -328,10 +328,7 @@ impl Fleet {
                 domains: layout.domains.clone(),
                 peers: peers.clone(),
             });
-            peers
-                .write()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(http, layout.domains);
+            peers.write().insert(http, layout.domains);
             tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, app).await {
                     tracing::error!(%e, "simulated engine stopped");
