@@ -3,6 +3,8 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -190,9 +192,16 @@ impl std::fmt::Debug for TokenizerSources {
     }
 }
 
+/// A component's metric families: the component registers them itself, into the process's
+/// registry ([`Metrics::add`]), so nothing here needs to know the component.
+pub trait Register {
+    fn register(&self, registry: &mut Registry);
+}
+
 #[derive(Debug)]
 pub struct Metrics {
-    registry: Registry,
+    /// Behind a lock so components started later register their own families ([`Register`]).
+    registry: Mutex<Registry>,
     /// Tokenizer cache lookups by model, cache and result (brought up to date at each scrape).
     pub cache_lookups: Family<CacheLabels, Counter>,
     /// Calls into each model's tokenizer and the CPU time they took (up to date at each scrape).
@@ -224,8 +233,6 @@ pub struct Metrics {
     pub catalog_invalid: Counter,
     /// 1 while an endpoint's `/metadata` cannot be fetched (it is routed with defaults).
     pub metadata_missing: Family<EndpointLabels, Gauge>,
-    /// Replica-sync events by outcome (published, applied, dropped_*).
-    pub replica: Arc<crate::replica::SyncStats>,
     /// HTTP requests refused for a missing or wrong bearer token.
     pub http_unauthorized: Counter,
     /// ext_proc connections closed before serving (refused plaintext, failed TLS handshake).
@@ -443,12 +450,6 @@ impl Metrics {
             ("commit", env!("KVEPP_GIT_SHA")),
         ])
         .set(1);
-        let replica = Arc::new(crate::replica::SyncStats::default());
-        registry.register(
-            "replica_sync_events",
-            "Replica-sync lifecycle events by outcome (published, received, applied, dropped_*)",
-            replica.events.clone(),
-        );
         let prefix_blocks = Family::<ModeLabels, Counter>::default();
         registry.register(
             "kv_prefix_blocks",
@@ -522,8 +523,7 @@ impl Metrics {
             flow,
             pd_pairs,
             pd_cross_domain,
-            replica,
-            registry,
+            registry: Mutex::new(registry),
             requests,
             pick_duration,
             ready_endpoints,
@@ -543,6 +543,11 @@ impl Metrics {
             grpc_connections_refused,
             runtime_alive_tasks,
         })
+    }
+
+    /// Registers a component's families (its names under the `kvepp_` prefix).
+    pub fn add(&self, component: &dyn Register) {
+        component.register(&mut self.registry.lock());
     }
 
     /// Counts a disaggregated pick's pair.
@@ -619,7 +624,7 @@ impl Metrics {
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry.lock());
         out
     }
 }

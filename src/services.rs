@@ -22,11 +22,11 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::auth::{Access, ApiToken};
-use crate::api::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::metrics::Metrics;
 use crate::replica::observer::PublishBookings;
+use crate::replica::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::Replica;
 use kvepp_core::catalog::{Catalog, Limits, Scope};
@@ -182,7 +182,8 @@ pub async fn start_replica(
         catalog: catalog.clone(),
         ids,
     });
-    let stats = Metrics::new().replica.clone();
+    let stats = Arc::new(crate::replica::SyncStats::default());
+    Metrics::new().add(&*stats);
     let replica = crate::replica::start(bind, peers.subscribe(), sink, stats, stop.clone())
         .await
         .map_err(|e| ServiceError::Invalid(e.to_string()))?;

@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
 
+use crate::replica::peers::PeerError;
 use kvepp_core::catalog::{CatalogError, Scope};
 use kvepp_core::SequenceHash;
 
@@ -45,6 +46,17 @@ impl IntoResponse for ApiError {
             axum::Json(serde_json::json!({ "error": self.message })),
         )
             .into_response()
+    }
+}
+
+impl From<PeerError> for ApiError {
+    fn from(e: PeerError) -> Self {
+        let status = match &e {
+            PeerError::Invalid(_) => StatusCode::BAD_REQUEST,
+            PeerError::TooMany => StatusCode::TOO_MANY_REQUESTS,
+            PeerError::Unknown(_) => StatusCode::NOT_FOUND,
+        };
+        ApiError::new(status, e.to_string())
     }
 }
 

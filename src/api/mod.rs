@@ -5,7 +5,6 @@
 
 pub mod auth;
 pub mod json;
-pub mod peers;
 pub mod select;
 pub mod slot_tracker;
 

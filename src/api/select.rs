@@ -26,10 +26,10 @@ use super::json::{
     default_model, default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError,
     Body, Hash64, ScopeFilter,
 };
-use super::peers::SharedPeers;
 use super::slot_tracker::{load_rows, pool_scope, potential_rows};
 use crate::kv_events::apply::Subscribe;
 use crate::kv_events::Source;
+use crate::replica::peers::SharedPeers;
 use kvepp_core::catalog::{Catalog, CatalogError, PromptRef, Scope, Selection, Tracker, Worker};
 use kvepp_core::cost::Overlap;
 use kvepp_core::hash::{sequence_hashes as chain_locals, LocalBlockHash};
@@ -250,10 +250,10 @@ fn check_zmq(w: &Worker) -> Result<(), ApiError> {
                 "kv_events_endpoints names rank {rank}, outside the worker's data-parallel range"
             )));
         }
-        super::peers::validate_endpoint(e).map_err(ApiError::bad_request)?;
+        crate::replica::peers::validate_endpoint(e).map_err(ApiError::bad_request)?;
     }
     if let Some(e) = &w.replay_endpoint {
-        super::peers::validate_endpoint(e).map_err(ApiError::bad_request)?;
+        crate::replica::peers::validate_endpoint(e).map_err(ApiError::bad_request)?;
     }
     Ok(())
 }
@@ -716,13 +716,15 @@ struct PeerBody {
 }
 
 async fn register_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    st.peers.register(&b.endpoint)
+    st.peers.register(&b.endpoint)?;
+    Ok(ok(StatusCode::OK))
 }
 
 async fn deregister_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    st.peers.deregister(&b.endpoint)
+    st.peers.deregister(&b.endpoint)?;
+    Ok(ok(StatusCode::OK))
 }
 
 async fn peers(State(st): St) -> Response {
-    st.peers.list()
+    Json(st.peers.list()).into_response()
 }

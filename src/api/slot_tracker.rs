@@ -21,7 +21,7 @@ use super::json::{
     default_tenant, ok, sequence_hashes, unknown_route, wrong_method, ApiError, Body, Hash64,
     ScopeFilter,
 };
-use super::peers::SharedPeers;
+use crate::replica::peers::SharedPeers;
 use kvepp_core::catalog::{Catalog, Origin, Scope, Worker};
 use kvepp_core::slots::WorkerRank;
 
@@ -340,13 +340,15 @@ struct PeerBody {
 }
 
 async fn register_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    st.peers.register(&b.url)
+    st.peers.register(&b.url)?;
+    Ok(ok(StatusCode::OK))
 }
 
 async fn deregister_peer(State(st): St, Body(b): Body<PeerBody>) -> Result<Response, ApiError> {
-    st.peers.deregister(&b.url)
+    st.peers.deregister(&b.url)?;
+    Ok(ok(StatusCode::OK))
 }
 
 async fn peers(State(st): St) -> Response {
-    st.peers.list()
+    Json(st.peers.list()).into_response()
 }

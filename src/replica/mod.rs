@@ -31,6 +31,7 @@ use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
 
 pub mod observer;
+pub mod peers;
 pub mod recovery;
 pub mod sink;
 
@@ -58,6 +59,16 @@ const RECONNECT_MAX: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub struct SyncStats {
     pub events: Family<OutcomeLabels, Counter>,
+}
+
+impl crate::metrics::Register for SyncStats {
+    fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "replica_sync_events",
+            "Replica-sync lifecycle events by outcome (published, received, applied, dropped_*)",
+            self.events.clone(),
+        );
+    }
 }
 
 impl SyncStats {
@@ -555,40 +566,6 @@ mod tests {
     }
 }
 
-/// `kvepp serve` on Kubernetes: the replica-sync peers are the ready endpoints of kvepp's own
-/// Service (its EndpointSlices), at the replica-sync port, so scaling the Deployment needs no
-/// configuration. Runs until `shutdown`; the peer list follows every change.
-pub async fn follow_service(
-    discovery: Arc<dyn crate::discovery::ServiceDiscovery>,
-    namespace: String,
-    service: String,
-    port: u16,
-    peers: Arc<crate::api::peers::SharedPeers>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    use crate::discovery::service::InstanceEvent;
-    use futures::StreamExt;
-    let mut stream = discovery.watch(&namespace, &service);
-    let mut found: HashMap<Arc<str>, String> = HashMap::new();
-    loop {
-        let event = tokio::select! {
-            e = stream.next() => match e { Some(e) => e, None => return },
-            _ = shutdown.changed() => if *shutdown.borrow() { return } else { continue },
-        };
-        match event {
-            InstanceEvent::Added(i) => {
-                let endpoint = format!("tcp://{}", std::net::SocketAddr::new(i.ip, port));
-                found.insert(i.id, endpoint);
-            }
-            InstanceEvent::Removed(id) => {
-                found.remove(&id);
-            }
-            InstanceEvent::Synced => {}
-        }
-        peers.set_discovered(found.values().cloned());
-    }
-}
-
 /// The replica-sync settings of `kvepp serve` (the slot tracker's flags, plus discovery).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -617,7 +594,7 @@ impl ReplicaSyncConfig {
 
     /// Every problem with the settings.
     pub fn problems(&self) -> Vec<String> {
-        use crate::api::peers::validate_endpoint;
+        use peers::validate_endpoint;
         let mut out = Vec::new();
         if let Some(b) = &self.bind {
             if let Err(e) = validate_endpoint(&bindable(b)) {

@@ -413,6 +413,9 @@ pub async fn run(
 
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
+    // Replica sync's counters, registered by replica sync itself.
+    let sync_stats = Arc::new(crate::replica::SyncStats::default());
+    metrics.add(&*sync_stats);
     let doors = match &kv {
         Some(_) => {
             crate::server::shared::start(
@@ -422,7 +425,7 @@ pub async fn run(
                 replica_discovery,
                 (listeners.select_service, listeners.slot_tracker),
                 &access,
-                metrics.replica.clone(),
+                sync_stats,
                 &stop_rx,
                 &mut tasks,
             )

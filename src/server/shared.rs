@@ -14,12 +14,12 @@ use tokio::sync::watch;
 
 use super::ServerError;
 use crate::api::auth::Access;
-use crate::api::peers::{Peers, SharedPeers};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::{pool_scope, SlotTrackerState};
 use crate::config::Config;
 use crate::discovery::{Datastore, ServiceDiscovery};
 use crate::replica::observer::PublishBookings;
+use crate::replica::peers::{Peers, SharedPeers};
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::SyncStats;
 use kvepp_core::catalog::{Catalog, Limits};
@@ -103,7 +103,7 @@ pub async fn start(
         }));
         if let (Some(service), Some(port)) = (&rs.peers_service, rs.port()) {
             tracing::info!(service = %service, port, "replica-sync peers from the Service's endpoints");
-            tasks.push(tokio::spawn(crate::replica::follow_service(
+            tasks.push(tokio::spawn(follow_service(
                 discovery,
                 cfg.pool_namespace.clone(),
                 service.clone(),
@@ -116,6 +116,40 @@ pub async fn start(
     Ok(open_http_doors(
         &catalog, select, slots, access, &peers, stop,
     ))
+}
+
+/// `kvepp serve` on Kubernetes: the replica-sync peers are the ready endpoints of kvepp's own
+/// Service (its EndpointSlices), at the replica-sync port, so scaling the Deployment needs no
+/// configuration. Runs until `shutdown`; the peer list follows every change.
+pub async fn follow_service(
+    discovery: Arc<dyn crate::discovery::ServiceDiscovery>,
+    namespace: String,
+    service: String,
+    port: u16,
+    peers: Arc<SharedPeers>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    use crate::discovery::service::InstanceEvent;
+    use futures::StreamExt;
+    let mut stream = discovery.watch(&namespace, &service);
+    let mut found: std::collections::HashMap<Arc<str>, String> = Default::default();
+    loop {
+        let event = tokio::select! {
+            e = stream.next() => match e { Some(e) => e, None => return },
+            _ = shutdown.changed() => if *shutdown.borrow() { return } else { continue },
+        };
+        match event {
+            InstanceEvent::Added(i) => {
+                let endpoint = format!("tcp://{}", std::net::SocketAddr::new(i.ip, port));
+                found.insert(i.id, endpoint);
+            }
+            InstanceEvent::Removed(id) => {
+                found.remove(&id);
+            }
+            InstanceEvent::Synced => {}
+        }
+        peers.set_discovered(found.values().cloned());
+    }
 }
 
 /// The selection service and slot tracker routes over the pooled catalog.

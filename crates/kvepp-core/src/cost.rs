@@ -25,6 +25,29 @@
 
 pub use crate::types::Overlap;
 
+/// What the picker decided for the chosen candidate (logged at debug level, booked).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvDecision {
+    pub mode: crate::types::PrefixMode,
+    /// Full KV blocks in the prompt.
+    pub prompt_blocks: u64,
+    pub overlap: Overlap,
+    pub cost: f64,
+    pub effective_prefill_tokens: u64,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+    pub active_requests: u32,
+    /// The chosen rank's load version when it was read (None: not registered yet): a booking
+    /// checked against it books exactly the load this decision saw.
+    pub load_version: Option<u64>,
+    /// Bounded loads ([`CostWeights::bound_loads`]) passed over a cheaper candidate that held
+    /// more than its share of requests.
+    pub load_bounded: bool,
+    /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
+    /// booking learns from the observed first token).
+    pub ttft: Option<crate::predict::TtftFeatures>,
+}
+
 /// What the cost model needs to know about one rank for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CandidateLoad {

@@ -2,7 +2,7 @@
 //! its role in a disaggregated pool and its topology domains, and the hints that let a pick find
 //! its rows in the dense tables without hashing. Discovery builds these; every pick reads them.
 //!
-//! Invariants: `worker` is [`crate::kv::worker_id`] of `addr_str` for a pool endpoint (the key of
+//! Invariants: `worker` is [`crate::types::worker_id`] of `addr_str` for a pool endpoint (the key of
 //! its load and cached blocks), or the id a client registered for a rank-level candidate; an
 //! endpoint's load counters are shared by every copy discovery makes of it.
 
@@ -73,7 +73,7 @@ pub struct PickHints {
 #[derive(Debug)]
 #[repr(C)]
 pub struct Endpoint {
-    /// [`crate::kv::worker_id`] of `addr_str`, computed once: the key of its load and cached
+    /// [`crate::types::worker_id`] of `addr_str`, computed once: the key of its load and cached
     /// blocks in the KV-aware picker.
     pub worker: u64,
     pub hints: PickHints,
@@ -108,7 +108,7 @@ impl Endpoint {
         let addr_str: Arc<str> = addr.to_string().into();
         Endpoint {
             addr,
-            worker: crate::kv::worker_id(&addr_str),
+            worker: crate::types::worker_id(&addr_str),
             hints: PickHints::default(),
             addr_str,
             name: name.into(),

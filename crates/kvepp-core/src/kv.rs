@@ -43,8 +43,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use xxhash_rust::xxh3::xxh3_64;
-
+pub use super::cost::KvDecision;
 use super::cost::{BoundInput, CandidateLoad, CostModel, CostWeights, Overlap};
 use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
@@ -53,6 +52,7 @@ use super::slots::{project, SlotTracker, WorkerRank};
 use super::{Endpoint, PickContext, PickRequest};
 use crate::hash::{LocalBlockHash, PrefixMemo, SequenceHash};
 use crate::listen::{Admitted, Hub};
+pub use crate::types::worker_id;
 
 mod approx;
 mod guard;
@@ -125,11 +125,6 @@ fn ttft_features(
     }
 }
 
-/// The worker id of an endpoint (stable across discovery updates).
-pub fn worker_id(addr: &str) -> u64 {
-    xxh3_64(addr.as_bytes())
-}
-
 /// What a booking books in the slot tracker ([`KvState::book`]).
 #[derive(Debug, Clone, Copy)]
 pub struct SlotBooking<'a> {
@@ -144,29 +139,6 @@ pub struct SlotBooking<'a> {
     /// A pick by predicted TTFT: what its prediction read (the guard learns from the first token).
     pub learn: Option<TtftFeatures>,
     pub now: Instant,
-}
-
-/// What the picker decided for the chosen candidate (logged at debug level, booked).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KvDecision {
-    pub mode: PrefixMode,
-    /// Full KV blocks in the prompt.
-    pub prompt_blocks: u64,
-    pub overlap: Overlap,
-    pub cost: f64,
-    pub effective_prefill_tokens: u64,
-    pub potential_prefill_tokens: u64,
-    pub potential_decode_blocks: u64,
-    pub active_requests: u32,
-    /// The chosen rank's load version when it was read (None: not registered yet): a booking
-    /// checked against it books exactly the load this decision saw.
-    pub load_version: Option<u64>,
-    /// Bounded loads ([`CostWeights::bound_loads`]) passed over a cheaper candidate that held
-    /// more than its share of requests.
-    pub load_bounded: bool,
-    /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
-    /// booking learns from the observed first token).
-    pub ttft: Option<TtftFeatures>,
 }
 
 /// Shared state of the KV-aware picker: the index fed by KV events, the approximate index, and

@@ -2,22 +2,28 @@
 //! bytes. No async runtime, no gRPC, HTTP, Kubernetes or ZMQ: callers (the ext_proc server, HTTP
 //! services, replica sync, benchmarks) hand it facts and get a decision back.
 //!
-//! - [`hash`]: the Dynamo-compatible block and sequence hashes (newtypes, one chaining step).
+//! Modules, lowest layer first; each imports only from layers below it:
+//! - [`hash`]: the Dynamo-compatible block and sequence hashes (newtypes, one chaining step);
+//!   [`types`]: the shared leaf types (worker ranks, overlaps, a prompt as blocks, table hasher).
 //! - [`index`]: the prefix index fed by KV events: which worker ranks hold which blocks
-//!   ([`index::SharedIndex`]: the copy pair that picks read without waiting for writers).
-//! - [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
-//!   (dense ranks, each rank's active blocks a tree, a load version per rank).
-//! - [`cost`]: the cost model over overlap and load, and the choice among candidates.
-//! - [`predict`]: the per-endpoint TTFT model learned online (the `predicted_ttft` cost).
-//! - [`load`]: per-endpoint in-flight counters and the [`Booking`] guard.
-//! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker).
-//! - [`pick`]: eligibility (subset), shedding and the [`Picker`]s.
-//! - [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival).
-//! - [`catalog`]: the HTTP services' registered workers by (model, tenant), over [`kv`]'s
-//!   rank-level selection and booking.
+//!   ([`index::SharedIndex`]: the copy pair that picks read without waiting for writers);
+//!   [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
+//!   (dense ranks, each rank's active blocks a tree, a load version per rank); [`predict`]: the
+//!   per-endpoint TTFT model learned online (the `predicted_ttft` cost); [`listen`]: who hears of
+//!   bookings; [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival).
+//! - [`cost`]: the cost model over overlap and load, and the choice among candidates; [`load`]:
+//!   per-endpoint in-flight counters.
+//! - [`endpoint`]: an endpoint as the core sees it (identity, load, role, domains, pick hints).
+//! - [`pick`]: eligibility (subset), saturation and admission, and the [`Picker`]s.
+//! - [`kv`]: the KV-aware picker's shared state (index, approximate index, slot tracker) and its
+//!   cost over every candidate.
+//! - [`booking`]: the decision's guard, [`Booking`], whose drop releases the load and tells the
+//!   listeners.
 //! - [`disagg`]: prefill/decode roles and the topology-constrained pairing of a disaggregated
 //!   pick.
-//! - [`router`]: the one entry point: request facts + pool → decision with its booking.
+//! - [`router`]: the one transaction: request facts + candidates → decision with its booking.
+//! - [`catalog`]: the HTTP services' registered workers by (model, tenant) and their
+//!   reservations, each scope deciding through its own [`Router`] (pooled: the ext_proc one).
 //!
 //! Invariants kept here: a pick only names a candidate; a booking is released exactly once (on
 //! drop); a KV-aware booking books the load its pick read or nothing (then the router picks

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::hash::SequenceHash;
-use crate::kv::PromptBlocks;
-use crate::slots::WorkerRank;
+use crate::types::PromptBlocks;
+use crate::types::WorkerRank;
 
 /// What a booking's admission tells its listeners.
 #[derive(Debug, Clone, Copy)]

@@ -1,6 +1,6 @@
 //! Per-endpoint in-flight accounting: admitted → first response byte → end of stream or abort.
 //!
-//! The counters are moved only by a [`crate::booking::Booking`] (taken when a request is routed,
+//! The counters are moved only by a booking (the `booking` module: taken when a request is routed,
 //! released when dropped), so every exit path gives the slot back exactly once.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
@@ -107,7 +107,7 @@ impl EndpointLoad {
         ))
     }
 
-    /// Counts one more request routed here (a [`crate::booking::Booking`] was made).
+    /// Counts one more request routed here (a booking was made).
     pub(crate) fn admit(&self) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.waiting_first_byte.fetch_add(1, Ordering::Relaxed);

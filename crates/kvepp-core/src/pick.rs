@@ -18,8 +18,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::cost::KvDecision;
 pub use crate::endpoint::{Endpoint, PickHints};
-use crate::kv::{KvDecision, PromptBlocks};
+use crate::types::PromptBlocks;
 
 /// How important a request is (InferenceModel `spec.criticality`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

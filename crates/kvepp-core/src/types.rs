@@ -8,6 +8,8 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::LazyLock;
 use std::time::Instant;
 
+use xxhash_rust::xxh3::xxh3_64;
+
 use crate::hash::{LocalBlockHash, SequenceHash};
 
 /// One data-parallel rank of a worker: the unit the index and the slot tracker count in.
@@ -76,7 +78,7 @@ impl KeyedBuild {
     }
 }
 
-/// The table key of [`PrefixIndex::new`]; servers pass a random one to [`PrefixIndex::with_seed`].
+/// The table key of [`crate::index::PrefixIndex::new`]; servers pass a random one to [`crate::index::PrefixIndex::with_seed`].
 pub const DEFAULT_TABLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 
 #[derive(Debug, Clone, Copy)]
@@ -111,11 +113,16 @@ impl Hasher for KeyedHasher {
 /// The instant scrape times are counted from (any instant converts, before it or after).
 static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
 
-/// `t` in nanoseconds from [`ORIGIN`] (negative before it; saturating at ±292 years).
+/// `t` in nanoseconds from `ORIGIN` (negative before it; saturating at ±292 years).
 pub fn clock_nanos(t: Instant) -> i64 {
     let origin = *ORIGIN;
     match t.checked_duration_since(origin) {
         Some(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
         None => -i64::try_from(origin.duration_since(t).as_nanos()).unwrap_or(i64::MAX),
     }
+}
+
+/// The worker id of an endpoint (stable across discovery updates).
+pub fn worker_id(addr: &str) -> u64 {
+    xxh3_64(addr.as_bytes())
 }

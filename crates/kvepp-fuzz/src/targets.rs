@@ -295,8 +295,8 @@ fn services() -> &'static Services {
             )))
         };
         let peers = || {
-            Arc::new(kvepp::api::peers::SharedPeers::new(
-                kvepp::api::peers::Peers::new(Vec::new(), None)
+            Arc::new(kvepp::replica::peers::SharedPeers::new(
+                kvepp::replica::peers::Peers::new(Vec::new(), None)
                     .unwrap_or_else(|e| panic!("empty peer list refused: {e}")),
             ))
         };
@@ -422,7 +422,7 @@ fn replica() -> &'static Replica {
                 catalog: Arc::new(RwLock::new(catalog)),
                 ids: kvepp::replica::sink::Ids::Global,
             },
-            stats: kvepp::metrics::Metrics::new().replica.clone(),
+            stats: Arc::default(),
         }
     })
 }

@@ -17,8 +17,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 
-use kvepp::api::peers::SharedPeers;
 use kvepp::api::select::SelectState;
+use kvepp::replica::peers::SharedPeers;
 use kvepp_core::catalog::{Catalog, Limits, PromptRef, Scope, Worker};
 use kvepp_core::hash::{sequence_hashes, LocalBlockHash};
 use kvepp_core::index::{EngineBlockHash, Tier};

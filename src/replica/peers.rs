@@ -1,4 +1,5 @@
-//! The replica-sync peer list of an HTTP service: ZMQ endpoints added by flags and at run time.
+//! The replica-sync peer list: ZMQ endpoints added by flags, at run time (the HTTP services'
+//! `/replica_sync/*` routes) and by discovery (`kvepp serve`'s own Service).
 //!
 //! Invariants: endpoints are `tcp://host:port` (or `ipc://`/`inproc://` paths), at most
 //! [`MAX_PEERS`], never the service's own advertised endpoint; the list is in memory only (after a
@@ -8,11 +9,18 @@
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeSet;
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use tokio::sync::watch;
 
-use super::json::{ok, ApiError};
+/// Why the peer list refused a change (the HTTP routes answer 400, 429 or 404).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{MAX_PEERS} peers are configured, the limit")]
+    TooMany,
+    #[error("{0} is not a configured peer")]
+    Unknown(String),
+}
 
 pub const MAX_PEERS: usize = 256;
 
@@ -57,24 +65,21 @@ impl Peers {
             advertise,
         };
         for e in initial {
-            p.add(&e).map_err(|e| e.message)?;
+            p.add(&e).map_err(|e| e.to_string())?;
         }
         Ok(p)
     }
 
-    pub fn add(&mut self, endpoint: &str) -> Result<(), ApiError> {
-        validate_endpoint(endpoint).map_err(ApiError::bad_request)?;
+    pub fn add(&mut self, endpoint: &str) -> Result<(), PeerError> {
+        validate_endpoint(endpoint).map_err(PeerError::Invalid)?;
         let endpoint = endpoint.trim();
         if self.advertise.as_deref() == Some(endpoint) {
-            return Err(ApiError::bad_request(format!(
+            return Err(PeerError::Invalid(format!(
                 "{endpoint} is this process's own advertised endpoint"
             )));
         }
         if !self.list.contains(endpoint) && self.list.len() >= MAX_PEERS {
-            return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("{MAX_PEERS} peers are configured, the limit"),
-            ));
+            return Err(PeerError::TooMany);
         }
         self.list.insert(endpoint.to_owned());
         Ok(())
@@ -133,24 +138,23 @@ impl SharedPeers {
         self.changes.subscribe()
     }
 
-    pub fn register(&self, endpoint: &str) -> Result<Response, ApiError> {
+    /// Adds a peer (the `register_peer` route).
+    pub fn register(&self, endpoint: &str) -> Result<(), PeerError> {
         let mut peers = self.lock();
         peers.add(endpoint)?;
         self.changes.send_replace(peers.list());
         tracing::info!(peer = endpoint, "replica sync peer registered");
-        Ok(ok(StatusCode::OK))
+        Ok(())
     }
 
-    pub fn deregister(&self, endpoint: &str) -> Result<Response, ApiError> {
+    /// Removes a peer (the `deregister_peer` route).
+    pub fn deregister(&self, endpoint: &str) -> Result<(), PeerError> {
         let mut peers = self.lock();
         if peers.remove(endpoint) {
             self.changes.send_replace(peers.list());
-            Ok(ok(StatusCode::OK))
+            Ok(())
         } else {
-            Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                format!("{endpoint} is not a configured peer"),
-            ))
+            Err(PeerError::Unknown(endpoint.to_owned()))
         }
     }
 
@@ -161,9 +165,9 @@ impl SharedPeers {
         self.changes.send_replace(peers.list());
     }
 
-    /// The sorted list as JSON.
-    pub fn list(&self) -> Response {
-        axum::Json(self.lock().list()).into_response()
+    /// The sorted list.
+    pub fn list(&self) -> Vec<String> {
+        self.lock().list()
     }
 }
 
