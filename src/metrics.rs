@@ -156,6 +156,25 @@ fn catch_up(counter: &Counter, count: u64) {
     counter.inc_by(count.saturating_sub(counter.get()));
 }
 
+/// A step of preparing a request's facts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct StepLabels {
+    /// `parse` (a body read), `tokenize` (a prompt's text tokenized by kvepp), `hash` (a prompt
+    /// hashed into KV blocks).
+    pub step: &'static str,
+}
+
+/// What preparing requests took, by step (`kvepp_request_preparation_steps_total`): each is done
+/// once per request, however many times flow control lets it try.
+#[derive(Debug, Clone, Default)]
+pub struct PrepareSteps(pub Family<StepLabels, Counter>);
+
+impl PrepareSteps {
+    pub fn count(&self, step: &'static str) {
+        self.0.get_or_create(&StepLabels { step }).inc();
+    }
+}
+
 /// How a token prompt's block hashes were found.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct HashSourceLabels {
@@ -211,6 +230,7 @@ pub struct Metrics {
     /// Full blocks of token prompts by how their hashes were found (set at each scrape).
     pub prompt_hash_blocks: Family<HashSourceLabels, Counter>,
     pub requests: Family<RequestLabels, Counter>,
+    pub prepare_steps: PrepareSteps,
     pub pick_duration: Histogram,
     pub ready_endpoints: Gauge,
     pub in_flight: Gauge,
@@ -255,6 +275,12 @@ impl Metrics {
             "requests",
             "Requests by model, target model, endpoint and status code",
             requests.clone(),
+        );
+        let prepare_steps = PrepareSteps::default();
+        registry.register(
+            "request_preparation_steps",
+            "Steps of preparing requests for routing (parse, tokenize, hash), each once per request",
+            prepare_steps.0.clone(),
         );
         let pick_duration = Histogram::new(exponential_buckets(1e-6, 2.0, 22));
         registry.register(
@@ -524,6 +550,7 @@ impl Metrics {
             pd_pairs,
             pd_cross_domain,
             registry: Mutex::new(registry),
+            prepare_steps,
             requests,
             pick_duration,
             ready_endpoints,

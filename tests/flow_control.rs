@@ -283,6 +283,62 @@ async fn flow_control_serves_by_priority_as_capacity_frees_and_loses_nothing() {
     }
 }
 
+/// A queued request keeps the facts it was prepared with: each request's body is parsed, its prompt
+/// tokenized and hashed once, however long it waits and however many turns it takes.
+#[tokio::test]
+async fn a_queued_request_is_parsed_and_tokenized_once() {
+    let gate = Gate::start().await;
+    let tokenizer =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let epp = Epp::start(&manifests(gate.addr), |c| {
+        c.max_in_flight_per_endpoint = 1;
+        c.engine_metrics.enabled = false;
+        c.flow_control.enabled = true;
+        c.tokenizers.insert("m".into(), tokenizer);
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let gw = envoy.addr;
+    let first = tokio::spawn(async move { ask(gw, "std", "the first request").await });
+    wait_for("the endpoint is busy", || async {
+        (gate.arrived().len() == 1).then_some(())
+    })
+    .await;
+    // Three requests wait: the first finds the endpoint saturated, the others find it waiting.
+    let mut waiting = Vec::new();
+    for n in 1..=3 {
+        waiting.push(tokio::spawn(async move {
+            ask(gw, "std", &format!("queued request number {n}")).await
+        }));
+        wait_for("queued", || async {
+            (queued(&epp, 0).await == f64::from(n)).then_some(())
+        })
+        .await;
+    }
+    gate.permits.add_permits(4);
+    assert_eq!(first.await.unwrap().status, 200);
+    for w in waiting {
+        assert_eq!(w.await.unwrap().status, 200);
+    }
+    assert_eq!(gate.arrived().len(), 4);
+    let text = epp.metrics_text().await;
+    let step = |s: &str| {
+        let series = format!("kvepp_request_preparation_steps_total{{step=\"{s}\"}}");
+        kvepp_test_support::find_sample(&text, &series)
+    };
+    assert_eq!(step("parse"), Some(4.0), "one parse per request");
+    assert_eq!(step("tokenize"), Some(4.0), "one tokenization per request");
+    assert_eq!(step("hash"), Some(4.0), "one prompt hashing per request");
+    assert_eq!(
+        kvepp_test_support::find_sample(
+            &text,
+            "kvepp_flow_control_dequeued_total{outcome=\"dispatched\"}"
+        ),
+        Some(3.0)
+    );
+    epp.stop().await;
+}
+
 #[tokio::test]
 async fn a_request_that_waits_past_the_deadline_gets_503() {
     let gate = Gate::start().await;

@@ -21,7 +21,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Metrics;
-use crate::request::{Admit, FlowControl, Rejection, RouteRequest, Turn};
+use crate::request::{FlowControl, Rejection, RouteRequest, Turn};
+use kvepp_core::Admission;
 
 /// Protocol choices that come from the configuration.
 #[derive(Debug, Clone)]
@@ -211,7 +212,7 @@ async fn wait_for_capacity(
         }
         // Only sheddable requests are shed: the others go to the best endpoint, saturated or not.
         Err(_) => {
-            state.retry(Admit::Shed, out);
+            state.retry(Admission::Shed, out);
             return true;
         }
     };
@@ -220,7 +221,7 @@ async fn wait_for_capacity(
         tokio::select! {
             turn = ticket.turn() => match turn {
                 Turn::Granted(grant) => {
-                    state.retry(Admit::Unsaturated, out);
+                    state.retry(Admission::Unsaturated, out);
                     let placed = state.queued().is_none();
                     grant.done(placed);
                     if placed {
@@ -241,7 +242,7 @@ async fn wait_for_capacity(
                 }
                 Turn::Closed => {
                     ticket.finish("dispatched");
-                    state.retry(Admit::Shed, out);
+                    state.retry(Admission::Shed, out);
                     break;
                 }
             },

@@ -7,13 +7,16 @@
 //! - `FULL_DUPLEX_STREAMED`: hold the headers answer, collect chunks until end_of_stream (or
 //!   trailers), then send the headers answer followed by the body as streamed chunks.
 //!
-//! With flow control, a request that finds every eligible endpoint saturated is held (phase
-//! `Queued`, its body kept as it came) until the stream's driver gets it a turn and calls
-//! [`StreamState::retry`], or gives up ([`StreamState::give_up`]).
+//! A complete request is prepared once (its facts: model, priority, prompt blocks), then admitted,
+//! then decided. With flow control, a request that arrives while others wait, or finds every
+//! eligible endpoint saturated, is held (phase `Queued`, its facts and its body kept as they came)
+//! until the stream's driver gets it a turn and calls [`StreamState::retry`], which decides from
+//! the same facts, or gives up ([`StreamState::give_up`]).
 //!
 //! Response side: the first response byte ends the prefill phase of the booking; end of stream,
 //! trailers or the stream going away (abort) release it. The booking is released by `Drop`, so
-//! every path releases it exactly once; each release wakes flow control's dispatcher.
+//! every path releases it exactly once; its release tells the router's listeners (flow control's
+//! dispatcher among them).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -29,7 +32,8 @@ use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{Admit, Rejection, Rewrite, RouteHints};
+use crate::request::{Prepared, Rejection, Rewrite, RouteHints, Verdict};
+use kvepp_core::Admission;
 use kvepp_core::{Booking, Pick};
 
 /// Request headers naming the InferenceObjective (llm-d's current name first, then the Inference
@@ -107,8 +111,8 @@ pub(super) struct StreamState {
     /// One copy of a body that came in several chunks (made once, kept while queued).
     joined: Option<Vec<u8>>,
     held: Held,
-    /// Priority at which the request waits (phase `Queued`).
-    queued_at: i32,
+    /// The request's facts, once prepared (kept while it waits in flow control's queue).
+    prepared: Option<Prepared>,
     booking: Option<Booking>,
     /// A 200 event stream is coming back: its first body chunk is the first token.
     awaiting_first_token: bool,
@@ -132,7 +136,7 @@ impl StreamState {
             body_len: 0,
             joined: None,
             held: Held::Headers,
-            queued_at: 0,
+            prepared: None,
             booking: None,
             awaiting_first_token: false,
             labels: None,
@@ -230,7 +234,7 @@ impl StreamState {
         }
         if h.end_of_stream || self.request_mode == Mode::None {
             self.held = Held::Headers;
-            return self.conclude(self.first_admission(), out);
+            return self.conclude(out);
         }
         match self.request_mode {
             Mode::Duplex => self.phase = Phase::DuplexBody,
@@ -253,7 +257,7 @@ impl StreamState {
                 }
                 self.chunks = vec![b.body];
                 self.held = Held::Buffered;
-                self.conclude(self.first_admission(), out);
+                self.conclude(out);
             }
             Phase::DuplexBody => {
                 self.body_len += b.body.len();
@@ -285,7 +289,10 @@ impl StreamState {
 
     /// The priority at which the request waits for capacity, while it does.
     pub(super) fn queued(&self) -> Option<i32> {
-        (self.phase == Phase::Queued).then_some(self.queued_at)
+        self.prepared
+            .as_ref()
+            .filter(|_| self.phase == Phase::Queued)
+            .map(|p| p.priority)
     }
 
     /// Flow control, when on.
@@ -298,10 +305,11 @@ impl StreamState {
         self.flow.as_deref().unwrap_or("")
     }
 
-    /// Decides a queued request again with `admit` (its turn came, or it may not wait).
-    pub(super) fn retry(&mut self, admit: Admit, out: &mut Vec<ProcessingResponse>) {
+    /// Decides a queued request again with `admission` (its turn came, or it may not wait),
+    /// from the facts it was prepared with.
+    pub(super) fn retry(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
         if self.phase == Phase::Queued {
-            self.conclude(admit, out);
+            self.decide_and_answer(admission, out);
         }
     }
 
@@ -314,13 +322,14 @@ impl StreamState {
         }
     }
 
-    /// How a new request is admitted: without flow control, today's shedding; with it, only to
-    /// an unsaturated endpoint, or straight into the queue when others already wait.
-    fn first_admission(&self) -> Admit {
+    /// How a new request is admitted: without flow control, today's shedding (None: decide now);
+    /// with it, only to an unsaturated endpoint, or straight into the queue (Some) while others
+    /// already wait: a new arrival does not overtake them.
+    fn admission(&self) -> Option<Admission> {
         match &self.shared.flow {
-            None => Admit::Shed,
-            Some(f) if f.busy() => Admit::Hold,
-            Some(_) => Admit::Unsaturated,
+            None => Some(Admission::Shed),
+            Some(f) if f.busy() => None,
+            Some(_) => Some(Admission::Unsaturated),
         }
     }
 
@@ -351,38 +360,52 @@ impl StreamState {
     /// The streamed body is complete: decide and answer (or wait, with flow control).
     fn finish_duplex(&mut self, trailers: bool, out: &mut Vec<ProcessingResponse>) {
         self.held = Held::Duplex { trailers };
-        self.conclude(self.first_admission(), out);
+        self.conclude(out);
     }
 
-    /// The request is complete: decide with `admit`, then answer, queue (flow control) or reject.
-    fn conclude(&mut self, admit: Admit, out: &mut Vec<ProcessingResponse>) {
-        let chunks = std::mem::take(&mut self.chunks);
+    /// The request is complete: prepare its facts once, admit it, then decide and answer, queue
+    /// it (flow control) or reject it.
+    fn conclude(&mut self, out: &mut Vec<ProcessingResponse>) {
         // One contiguous view of the body: the chunk itself, or a single copy of many chunks
-        // (made once, even when the request is decided again after waiting).
-        let joined = match self.joined.take() {
-            Some(j) => Some(j),
-            None if chunks.len() > 1 => Some(chunks.concat()),
-            None => None,
+        // (made once, kept while the request waits).
+        if self.joined.is_none() && self.chunks.len() > 1 {
+            self.joined = Some(self.chunks.concat());
+        }
+        let body = match self.held {
+            Held::Headers => None,
+            _ => Some(body_view(&self.chunks, self.joined.as_deref())),
         };
-        let decided = {
-            let body = match self.held {
-                Held::Headers => None,
-                _ => Some(body_view(&chunks, joined.as_deref())),
-            };
-            self.decide(body, admit)
-        };
-        match decided {
-            Ok(d) => self.answer(d, chunks, joined, out),
-            Err(Rejection {
-                queue_at: Some(priority),
-                ..
-            }) if admit != Admit::Shed && self.shared.flow.is_some() => {
-                self.queued_at = priority;
-                self.chunks = chunks;
-                self.joined = joined;
-                self.phase = Phase::Queued;
+        let prepared = self.shared.routing.prepare(body, self.objective.as_deref());
+        match prepared {
+            Ok(p) => self.prepared = Some(p),
+            Err(r) => return self.reject(r, out),
+        }
+        match self.admission() {
+            Some(admission) => self.decide_and_answer(admission, out),
+            None => self.phase = Phase::Queued,
+        }
+    }
+
+    /// Decides the prepared request with `admission`: answers it, queues it (flow control: no
+    /// unsaturated endpoint now) or rejects it.
+    fn decide_and_answer(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
+        match self.decide(admission) {
+            Ok(Some(d)) => {
+                let chunks = std::mem::take(&mut self.chunks);
+                let joined = self.joined.take();
+                self.answer(d, chunks, joined, out);
             }
-            Err(r) => self.reject(r, out),
+            Ok(None) if self.shared.flow.is_some() => self.phase = Phase::Queued,
+            // Without flow control nothing waits: the admission was `Shed`, which never waits.
+            Ok(None) => self.reject(
+                Rejection::saturated("every eligible endpoint is saturated"),
+                out,
+            ),
+            Err(r) => {
+                self.chunks = Vec::new();
+                self.joined = None;
+                self.reject(r, out);
+            }
         }
     }
 
@@ -460,21 +483,30 @@ impl StreamState {
         }
     }
 
-    /// Asks the routing service for a decision; keeps its booking and labels on this stream.
-    fn decide(&mut self, body: Option<&[u8]>, admit: Admit) -> Result<Decision, Rejection> {
+    /// Asks the routing service for a decision on the prepared facts; keeps its booking and
+    /// labels on this stream. `Ok(None)`: no unsaturated endpoint now (the request may wait).
+    fn decide(&mut self, admission: Admission) -> Result<Option<Decision>, Rejection> {
         let started = Instant::now();
         let shared = self.shared.clone();
+        let Some(prepared) = self.prepared.as_ref() else {
+            return Err(Rejection::new(
+                500,
+                "internal",
+                "request decided before it was prepared",
+            ));
+        };
         let hints = RouteHints {
             subset: match &self.subset {
                 Subset::Unset => None,
                 Subset::Only(list) => Some(list.as_slice()),
             },
-            objective: self.objective.as_deref(),
-            admit,
+            admission,
             scores: shared.settings.endpoint_scores,
         };
-        let routed = match shared.routing.route(body, &hints) {
-            Ok(r) => r,
+        let labels = (prepared.model_label.clone(), prepared.target_label.clone());
+        let routed = match shared.routing.decide(prepared, &hints) {
+            Ok(Verdict::Routed(r)) => r,
+            Ok(Verdict::Wait) => return Ok(None),
             Err(r) => {
                 if let Some((model, target)) = &r.labels {
                     self.labels = Some(self.labels_for(model.clone(), target.clone()));
@@ -482,10 +514,11 @@ impl StreamState {
                 return Err(r);
             }
         };
+        let rewrite = prepared.rewrite.clone();
         let pick = routed.pick;
         tracing::debug!(
-            model = &*routed.model_label,
-            target = &*routed.target_label,
+            model = &*labels.0,
+            target = &*labels.1,
             endpoint = %pick.primary.name,
             addr = %pick.primary.addr_str,
             in_flight = pick.primary.load.in_flight(),
@@ -523,7 +556,7 @@ impl StreamState {
                 .metrics
                 .count_prefix_blocks(mode, kv.prompt_blocks, kv.overlap.disk);
         }
-        let mut labels = self.labels_for(routed.model_label, routed.target_label);
+        let mut labels = self.labels_for(labels.0, labels.1);
         labels.endpoint = pick.primary.addr_str.clone();
         self.labels = Some(labels);
         self.booking = Some(routed.booking);
@@ -532,10 +565,7 @@ impl StreamState {
             .metrics
             .pick_duration
             .observe(started.elapsed().as_secs_f64());
-        Ok(Decision {
-            pick,
-            rewrite: routed.rewrite,
-        })
+        Ok(Some(Decision { pick, rewrite }))
     }
 
     fn labels_for(&self, model: Arc<str>, target_model: Arc<str>) -> RequestLabels {

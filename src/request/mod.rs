@@ -21,4 +21,4 @@ pub use body::{parse_body, BodyError, ParsedBody, RawMessages, Rewrite};
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
-pub use service::{Admit, Rejection, RequestRouter, RouteHints, RouteRequest, Routed};
+pub use service::{Prepared, Rejection, RequestRouter, RouteHints, RouteRequest, Routed, Verdict};

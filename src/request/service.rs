@@ -1,8 +1,12 @@
-//! The routing service every front door calls: a request body (or none) and the proxy's subset
-//! hint in, a booked decision or a [`Rejection`] out.
+//! The routing service the ext_proc door calls, in two steps: [`RouteRequest::prepare`] (a request
+//! body, or none, and its objective in; owned [`Prepared`] facts or a [`Rejection`] out) and
+//! [`RouteRequest::decide`] (the facts and the proxy's hints in; a booked decision, a
+//! [`Verdict::Wait`] when flow control may queue the request, or a rejection out).
 //!
-//! It owns the step from bytes to facts (parse in place, resolve the model against the pool's
-//! InferenceModels, tokenize when the picker wants the prompt) and hands the facts to the core's
+//! It owns the step from bytes to facts: parse in place, resolve the model against the pool's
+//! InferenceModels, tokenize when the picker wants the prompt, and hash the prompt into blocks,
+//! once per request: a request that waits in flow control keeps its facts and is decided again
+//! from them, never parsed, resolved, tokenized or hashed twice. Deciding is the core's
 //! [`Router`], which picks and books. It knows nothing of ext_proc messages or HTTP servers: a
 //! rejection is a status code, a stable reason and a message, which each front door renders.
 
@@ -12,14 +16,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvepp_core::{
-    is_sheddable, Admission, Booking, Endpoint, Pick, PickContext, PickError, PrefixMode,
-    RequestFacts, Router,
+    is_sheddable, Admission, Booking, Endpoint, Pick, PickContext, PickError, PrefixMode, Prompt,
+    PromptBlocks, RequestFacts, Router,
 };
 
 use super::prompt::{prompt_for_routing, prompt_input};
 use super::tokenize::ModelTokenizer;
 use super::{parse_body, resolve_model, BodyError, ModelError, UNLISTED_MODEL_LABEL};
 use crate::discovery::Datastore;
+use crate::metrics::PrepareSteps;
 
 /// Why the EPP answers a request itself instead of routing it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,9 +38,6 @@ pub struct Rejection {
     pub message: String,
     /// Metric labels (model, target model) when the model was known before the rejection.
     pub labels: Option<(Arc<str>, Arc<str>)>,
-    /// The request's priority, on a saturation refusal (reason `saturated`): flow control may
-    /// queue the request at that priority instead of answering.
-    pub queue_at: Option<i32>,
 }
 
 impl Rejection {
@@ -52,15 +54,12 @@ impl Rejection {
             reason,
             message: message.into(),
             labels: None,
-            queue_at: None,
         }
     }
 
-    /// Every eligible endpoint is saturated (or others wait already) for a request of `priority`.
-    pub fn saturated(priority: i32, message: impl Into<String>) -> Self {
-        let mut r = Rejection::new(429, "saturated", message);
-        r.queue_at = Some(priority);
-        r
+    /// Every eligible endpoint is saturated for a request that may be shed.
+    pub fn saturated(message: impl Into<String>) -> Self {
+        Rejection::new(429, "saturated", message)
     }
 }
 
@@ -77,11 +76,10 @@ impl From<BodyError> for Rejection {
 impl Rejection {
     fn from_pick(e: PickError, priority: i32) -> Self {
         match e {
-            PickError::Saturated(_) if is_sheddable(priority) => Rejection::saturated(
-                priority,
-                format!("{e}; sheddable request (priority {priority}) dropped"),
-            ),
-            PickError::Saturated(_) => Rejection::saturated(priority, e.to_string()),
+            PickError::Saturated(_) if is_sheddable(priority) => Rejection::saturated(format!(
+                "{e}; sheddable request (priority {priority}) dropped"
+            )),
+            PickError::Saturated(_) => Rejection::saturated(e.to_string()),
             PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
             PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
                 Rejection::new(503, "subset_no_match", e.to_string())
@@ -100,54 +98,73 @@ impl Rejection {
     }
 }
 
-/// How a front door wants a saturated pool to treat the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Admit {
-    /// Shed sheddable requests (429) when every eligible endpoint is saturated; route the others
-    /// anyway (no flow control).
-    #[default]
-    Shed,
-    /// Only to an endpoint that is not saturated; otherwise a `saturated` rejection carrying the
-    /// priority, which flow control turns into a place in its queue.
-    Unsaturated,
-    /// Resolve the request (model, objective, priority) but do not pick: others are queued already
-    /// and a new arrival must not overtake them. Always a `saturated` rejection.
-    Hold,
-}
-
-/// What the proxy said about a request besides its body.
+/// What the proxy said about a request besides its body, and how it is admitted.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RouteHints<'a> {
     /// The proxy's subset hint: when `Some`, only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
-    /// The InferenceObjective the request names (`x-llm-d-inference-objective`).
-    pub objective: Option<&'a str>,
-    pub admit: Admit,
+    /// [`Admission::Shed`]: shed sheddable requests (429) when every eligible endpoint is
+    /// saturated, route the others anyway (no flow control). [`Admission::Unsaturated`]: only to
+    /// an endpoint that is not saturated, else [`Verdict::Wait`] (flow control queues it).
+    pub admission: Admission,
     /// Report every candidate's score with the pick.
     pub scores: bool,
 }
 
-/// A routed request: the core's pick and booking, and what the front door must change.
+/// A request as the routing core needs it, built once ([`RouteRequest::prepare`]) and owned: flow
+/// control keeps it while the request waits, and every turn decides from it.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// InferenceObjective priority (higher is more important; negative is sheddable).
+    pub priority: i32,
+    /// The model the engine serves (after any rewrite); None for a request without a body.
+    pub served: Option<Arc<str>>,
+    /// The prompt as KV blocks, hashed once (None: no prompt, or a load-only picker).
+    pub prompt: Option<PromptBlocks>,
+    /// Where the `model` value is in the body and what it becomes, when it must be rewritten.
+    pub rewrite: Option<(Range<usize>, Arc<str>)>,
+    /// Metric labels: the InferenceModel (or `none`/`unlisted`) and the target model.
+    pub model_label: Arc<str>,
+    pub target_label: Arc<str>,
+}
+
+impl Prepared {
+    /// Metric labels to carry on a rejection.
+    fn labels(&self) -> (Arc<str>, Arc<str>) {
+        (self.model_label.clone(), self.target_label.clone())
+    }
+}
+
+/// A routed request: the core's pick and booking.
 #[derive(Debug)]
 pub struct Routed {
     pub pick: Pick,
     pub mode: PrefixMode,
     /// Released when dropped (end of the response, abort, or the stream going away).
     pub booking: Booking,
-    /// Where the `model` value is in the body and what it becomes, when it must be rewritten.
-    pub rewrite: Option<(Range<usize>, Arc<str>)>,
-    /// Metric labels: the InferenceModel (or `none`/`unlisted`) and the target model.
-    pub model_label: Arc<str>,
-    pub target_label: Arc<str>,
     /// Picks made again because the chosen endpoint's load changed before its booking.
     pub repicks: u32,
 }
 
-/// What the front doors call to route one request.
+/// What a decision came to.
+#[derive(Debug)]
+pub enum Verdict {
+    Routed(Routed),
+    /// Every eligible endpoint is saturated and the request was admitted only to an unsaturated
+    /// one ([`Admission::Unsaturated`]): it may wait for capacity.
+    Wait,
+}
+
+/// What the ext_proc door calls to route one request: prepare once, decide as often as its turns
+/// come.
 pub trait RouteRequest: Send + Sync + std::fmt::Debug {
-    /// Routes a request with `body` (None: decided at the headers, no model) among the pool's
-    /// ready endpoints, restricted to the hints' subset when the proxy sent one.
-    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection>;
+    /// The request's facts from its `body` (None: decided at the headers, no model) and the
+    /// InferenceObjective its header names.
+    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection>;
+
+    /// Decides `req` among the pool's ready endpoints, restricted to the hints' subset when the
+    /// proxy sent one.
+    fn decide(&self, req: &Prepared, hints: &RouteHints<'_>) -> Result<Verdict, Rejection>;
 
     /// Whether some ready endpoint is below its saturation limits (flow control dispatches a
     /// queued request only then).
@@ -169,6 +186,8 @@ pub struct RequestRouter {
     /// Metric labels, allocated once: requests without a body, and models with no InferenceModel.
     no_model: Arc<str>,
     unlisted_model: Arc<str>,
+    /// What preparing requests took: bodies parsed, prompts tokenized, prompts hashed.
+    steps: PrepareSteps,
 }
 
 impl RequestRouter {
@@ -180,7 +199,14 @@ impl RequestRouter {
             pass_through_unknown,
             no_model: "none".into(),
             unlisted_model: UNLISTED_MODEL_LABEL.into(),
+            steps: PrepareSteps::default(),
         }
+    }
+
+    /// Counts the preparation steps into `steps` (`kvepp_request_preparation_steps_total`).
+    pub fn with_steps(mut self, steps: PrepareSteps) -> Self {
+        self.steps = steps;
+        self
     }
 
     /// Tokenizes prompts for `model` (served name) with `tokenizer`.
@@ -221,6 +247,15 @@ impl RequestRouter {
         }
     }
 
+    fn pool_not_found(&self) -> Rejection {
+        let t = self.store.target();
+        Rejection::new(
+            503,
+            "pool_not_found",
+            format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
+        )
+    }
+
     fn context(&self, hints: &RouteHints<'_>) -> PickContext {
         let ctx = PickContext::new(fastrand::Rng::new(), Instant::now());
         if hints.scores {
@@ -231,54 +266,24 @@ impl RequestRouter {
     }
 }
 
-/// The core's admission for a front door's wish (`Hold` never reaches the core).
-fn admission(admit: Admit) -> Admission {
-    match admit {
-        Admit::Shed => Admission::Shed,
-        Admit::Unsaturated | Admit::Hold => Admission::Unsaturated,
-    }
-}
-
 impl RouteRequest for RequestRouter {
-    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection> {
+    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection> {
         let snap = self.store.snapshot();
         if snap.pool.is_none() {
-            let t = self.store.target();
-            return Err(Rejection::new(
-                503,
-                "pool_not_found",
-                format!("InferencePool {}/{} is not known yet", t.namespace, t.name),
-            ));
+            return Err(self.pool_not_found());
         }
-        let held = |priority: i32| {
-            Rejection::saturated(priority, "other requests are waiting for capacity")
-        };
-        let mut ctx = self.context(hints);
         let Some(body) = body else {
-            let priority = self.priority(&snap.objectives, hints.objective, 0)?;
-            if hints.admit == Admit::Hold {
-                return Err(held(priority));
-            }
-            let facts = RequestFacts {
-                subset: hints.subset,
+            let priority = self.priority(&snap.objectives, objective, 0)?;
+            return Ok(Prepared {
                 priority,
-                admission: admission(hints.admit),
-                ..RequestFacts::default()
-            };
-            let d = self
-                .router
-                .route(facts, &snap.endpoints, &mut ctx)
-                .map_err(|e| Rejection::from_pick(e, priority))?;
-            return Ok(Routed {
-                pick: d.pick,
-                mode: d.mode,
-                booking: d.booking,
-                repicks: d.repicks,
+                served: None,
+                prompt: None,
                 rewrite: None,
                 model_label: self.no_model.clone(),
                 target_label: self.no_model.clone(),
             });
         };
+        self.steps.count("parse");
         let mut parsed = parse_body(body)?;
         let unlisted = self.pass_through_unknown.then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted) {
@@ -289,50 +294,71 @@ impl RouteRequest for RequestRouter {
                 return Err(r);
             }
         };
-        let labels = (m.model_label.clone(), m.target_label.clone());
-        let with_labels = |mut r: Rejection| {
-            r.labels = Some(labels.clone());
-            r
-        };
         let priority = self
-            .priority(&snap.objectives, hints.objective, m.criticality.priority())
-            .map_err(with_labels)?;
-        if hints.admit == Admit::Hold {
-            return Err(with_labels(held(priority)));
-        }
-        let served = m.rewrite_to.as_deref().unwrap_or(&parsed.model);
+            .priority(&snap.objectives, objective, m.criticality.priority())
+            .map_err(|mut r| {
+                r.labels = Some((m.model_label.clone(), m.target_label.clone()));
+                r
+            })?;
+        let served: Arc<str> = match &m.rewrite_to {
+            Some(t) => t.clone(),
+            None => parsed.model.as_ref().into(),
+        };
         let prompt = if self.router.wants_prompt() {
-            prompt_for_routing(
-                self.tokenizers.get(served).map(|t| &**t),
-                prompt_input(parsed.messages, parsed.prompt.take()),
-                served,
-                &m.target_label,
-            )
+            let tokenizer = self.tokenizers.get(&*served).map(|t| &**t);
+            let input = prompt_input(parsed.messages, parsed.prompt.take());
+            if tokenizer.is_some() && input.raw_bytes().is_some() {
+                self.steps.count("tokenize");
+            }
+            let p = prompt_for_routing(tokenizer, input, &served, &m.target_label);
+            let blocks = self.router.blocks(Some(&served), p);
+            if blocks.is_some() {
+                self.steps.count("hash");
+            }
+            blocks
         } else {
-            kvepp_core::Prompt::None
+            None
         };
-        let facts = RequestFacts {
-            model: Some(served),
+        Ok(Prepared {
             priority,
-            admission: admission(hints.admit),
-            subset: hints.subset,
+            served: Some(served),
             prompt,
-            booking_id: None,
-            prefill_tokens: None,
-        };
-        let d = self
-            .router
-            .route(facts, &snap.endpoints, &mut ctx)
-            .map_err(|e| with_labels(Rejection::from_pick(e, priority)))?;
-        Ok(Routed {
-            pick: d.pick,
-            mode: d.mode,
-            booking: d.booking,
-            repicks: d.repicks,
             rewrite: m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t)),
-            model_label: labels.0,
-            target_label: labels.1,
+            model_label: m.model_label.clone(),
+            target_label: m.target_label.clone(),
         })
+    }
+
+    fn decide(&self, req: &Prepared, hints: &RouteHints<'_>) -> Result<Verdict, Rejection> {
+        let snap = self.store.snapshot();
+        if snap.pool.is_none() {
+            return Err(self.pool_not_found());
+        }
+        let mut ctx = self.context(hints);
+        let facts = RequestFacts {
+            model: req.served.as_deref(),
+            priority: req.priority,
+            admission: hints.admission,
+            subset: hints.subset,
+            prompt: req.prompt.as_ref().map_or(Prompt::None, Prompt::Blocks),
+            ..RequestFacts::default()
+        };
+        match self.router.route(facts, &snap.endpoints, &mut ctx) {
+            Ok(d) => Ok(Verdict::Routed(Routed {
+                pick: d.pick,
+                mode: d.mode,
+                booking: d.booking,
+                repicks: d.repicks,
+            })),
+            Err(PickError::Saturated(_)) if hints.admission == Admission::Unsaturated => {
+                Ok(Verdict::Wait)
+            }
+            Err(e) => {
+                let mut r = Rejection::from_pick(e, req.priority);
+                r.labels = Some(req.labels());
+                Err(r)
+            }
+        }
     }
 
     fn has_capacity(&self) -> bool {

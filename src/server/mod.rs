@@ -366,7 +366,8 @@ pub async fn run(
         store.clone(),
         router.clone(),
         cfg.unknown_models == UnknownModels::PassThrough,
-    );
+    )
+    .with_steps(metrics.prepare_steps.clone());
     for (model, dir) in &cfg.tokenizers {
         let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
             model: model.clone(),

@@ -48,6 +48,9 @@ pub enum Prompt<'a> {
     Tokens(Vec<u32>),
     /// The prompt's raw bytes (no tokenizer): approximate blocks, kept apart per `scope`.
     Text { scope: &'a str, bytes: &'a [u8] },
+    /// The prompt already as blocks ([`Router::blocks`]): a request decided more than once (flow
+    /// control's turns) is hashed once.
+    Blocks(&'a PromptBlocks),
     /// The prompt's chained block hashes, computed by the client in the router's block size (the
     /// HTTP selection services), and its length in tokens.
     Hashes {
@@ -179,15 +182,27 @@ impl Router {
         ctx: &mut PickContext,
         book: bool,
     ) -> Result<Decision, PickError> {
-        let prompt = std::mem::take(&mut facts.prompt);
-        let prompt = self
-            .kv
-            .as_ref()
-            .and_then(|kv| prompt_blocks(kv, facts.model, prompt));
+        let owned;
+        let prompt = match std::mem::take(&mut facts.prompt) {
+            Prompt::Blocks(b) => Some(b),
+            other => {
+                owned = self.blocks(facts.model, other);
+                owned.as_ref()
+            }
+        };
         if TransferSettings::is_disaggregated(endpoints) {
-            return self.route_disaggregated(&facts, endpoints, prompt.as_ref(), ctx, book);
+            return self.route_disaggregated(&facts, endpoints, prompt, ctx, book);
         }
-        self.route_among(&facts, endpoints, prompt.as_ref(), &[], ctx, book)
+        self.route_among(&facts, endpoints, prompt, &[], ctx, book)
+    }
+
+    /// The prompt as blocks in this router's block size (token ids seeded by the LoRA adapter
+    /// when `model` is one, or approximate blocks of the raw bytes); None for a load-only router
+    /// or no prompt. Consumes the prompt: token ids end in the memo of recent prompts.
+    pub fn blocks(&self, model: Option<&str>, prompt: Prompt<'_>) -> Option<PromptBlocks> {
+        self.kv
+            .as_ref()
+            .and_then(|kv| prompt_blocks(kv, model, prompt))
     }
 
     /// One pick among `endpoints` (with `bias`, a decode pick's transfer costs, in their order),
@@ -434,6 +449,7 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
     let lora = || model.and_then(|m| kv.lora_for(m));
     match prompt {
         Prompt::None => None,
+        Prompt::Blocks(b) => Some(b.clone()),
         Prompt::TokenIds(ids) => {
             Some(kv.blocks_from_owned_tokens(ids, lora().as_deref(), PrefixMode::TokenIds))
         }

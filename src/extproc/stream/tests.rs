@@ -12,7 +12,8 @@ use kvepp_core::{Endpoint, PrefixMode};
 use super::*;
 use crate::extproc::{Settings, Shared};
 use crate::metrics::Metrics;
-use crate::request::{Admit, RouteHints, RouteRequest, Routed};
+use crate::request::{Prepared, RouteHints, RouteRequest, Routed, Verdict};
+use kvepp_core::Admission;
 
 const BUFFERED: i32 = 2;
 const DUPLEX: i32 = 4;
@@ -25,22 +26,33 @@ struct Fixed {
 }
 
 impl RouteRequest for Fixed {
-    fn route(&self, body: Option<&[u8]>, hints: &RouteHints<'_>) -> Result<Routed, Rejection> {
+    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection> {
         if let Some(r) = &self.reject {
             return Err(r.clone());
         }
-        // Saturated while the endpoint has a request in flight; the objective header's value, when
-        // a number, is the priority.
-        let priority = hints.objective.and_then(|o| o.parse().ok()).unwrap_or(0);
-        let busy = self.ep.load.in_flight() > 0;
-        if hints.admit == Admit::Hold || (busy && hints.admit == Admit::Unsaturated) {
-            return Err(Rejection::saturated(priority, "saturated"));
-        }
+        // The objective header's value, when a number, is the priority.
+        let priority = objective.and_then(|o| o.parse().ok()).unwrap_or(0);
         // `{"model":"rw12"}` gets its model value (bytes 9..15, quotes included) rewritten.
         let rewrite = body
             .filter(|b| b.starts_with(br#"{"model":"rw"#))
             .map(|_| (9..15, Arc::from("target-model")));
-        Ok(Routed {
+        Ok(Prepared {
+            priority,
+            served: None,
+            prompt: None,
+            rewrite,
+            model_label: "m".into(),
+            target_label: "m".into(),
+        })
+    }
+
+    fn decide(&self, _: &Prepared, hints: &RouteHints<'_>) -> Result<Verdict, Rejection> {
+        // Saturated while the endpoint has a request in flight.
+        let busy = self.ep.load.in_flight() > 0;
+        if busy && hints.admission == Admission::Unsaturated {
+            return Ok(Verdict::Wait);
+        }
+        Ok(Verdict::Routed(Routed {
             pick: Pick {
                 primary: self.ep.clone(),
                 fallback: None,
@@ -50,11 +62,8 @@ impl RouteRequest for Fixed {
             },
             mode: PrefixMode::None,
             booking: self.ep.load.book(),
-            rewrite,
-            model_label: "m".into(),
-            target_label: "m".into(),
             repicks: 0,
-        })
+        }))
     }
 
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>> {
@@ -349,10 +358,10 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
     assert!(s.undecided());
     // Still saturated: a turn that cannot place it leaves it queued.
     let mut out = Vec::new();
-    s.retry(Admit::Unsaturated, &mut out);
+    s.retry(Admission::Unsaturated, &mut out);
     assert!(out.is_empty() && s.queued().is_some());
     drop(busy);
-    s.retry(Admit::Unsaturated, &mut out);
+    s.retry(Admission::Unsaturated, &mut out);
     assert_eq!(s.queued(), None);
     assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
     let chunks = streamed_chunks(&out);
