@@ -36,7 +36,8 @@ fn main() -> anyhow::Result<()> {
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     rt.enable_all();
     if let Command::SelectService(a) = &cli.command {
-        rt.worker_threads(a.threads.max(1));
+        // The runtime's threads come from the tree, before the runtime exists.
+        rt.worker_threads(a.load()?.select_service.threads);
     }
     rt.build()?.block_on(run(cli.command))
 }
@@ -68,15 +69,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::SelectService(args) => {
             init_logging(LogFormat::Text, &log_level());
-            kvepp::services::select_peers(&args)?;
-            let listener = kvepp::services::bind(args.host, args.port).await?;
-            kvepp::services::run_select(args, listener, shutdown_signal()).await?;
+            let cfg = args.load()?;
+            let (host, port) = (cfg.select_service.host, cfg.select_service.port);
+            let listener = kvepp::services::bind(host, port).await?;
+            kvepp::services::run_select_with(cfg, listener, shutdown_signal()).await?;
         }
         Command::SlotTracker(args) => {
             init_logging(LogFormat::Text, &log_level());
-            kvepp::services::slot_tracker_peers(&args)?;
-            let listener = kvepp::services::bind(args.host, args.port).await?;
-            kvepp::services::run_slot_tracker(args, listener, shutdown_signal()).await?;
+            let cfg = args.load()?;
+            let (host, port) = (cfg.slot_tracker.host, cfg.slot_tracker.port);
+            let listener = kvepp::services::bind(host, port).await?;
+            kvepp::services::run_slot_tracker_with(cfg, listener, shutdown_signal()).await?;
         }
     }
     Ok(())

@@ -13,7 +13,7 @@
 
 use parking_lot::RwLock;
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,11 +26,12 @@ use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::metrics::Metrics;
 use crate::replica::observer::PublishBookings;
-use crate::replica::peers::{parse_list, validate_endpoint, Peers, SharedPeers};
+use crate::config::services::comma_list;
+use crate::config::Config;
+use crate::replica::peers::SharedPeers;
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::Replica;
 use kvepp_core::catalog::{Catalog, Limits, Scope};
-use kvepp_core::cost::CostWeights;
 use kvepp_core::KvSettings;
 
 /// How often stale requests (older than 300 s) are expired.
@@ -51,75 +52,145 @@ pub enum ServiceError {
     Serve(std::io::Error),
 }
 
-/// `kvepp select-service` (seed: the standalone selection service).
-#[derive(Debug, Clone, clap::Args)]
+/// `kvepp select-service` (seed: the standalone selection service): the seed's flags, each with a
+/// `KVEPP_SELECT_SERVICE_*` variable, over the `select_service` section of `--config FILE` (the
+/// defaults are the section's, shown here as the seed shows them).
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct SelectArgs {
-    /// HTTP server port.
-    #[arg(long, default_value_t = 8092)]
-    pub port: u16,
-    /// KV indexer worker threads (the service's runtime threads).
-    #[arg(long, default_value_t = 4)]
-    pub threads: usize,
+    /// Configuration file (YAML or JSON): its `select_service`, `router` and `api_token_file`.
+    #[arg(long, env = "KVEPP_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// HTTP server port. [default: 8092]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_PORT")]
+    pub port: Option<u16>,
+    /// KV indexer worker threads (the service's runtime threads). [default: 4]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_THREADS")]
+    pub threads: Option<usize>,
     /// Comma-separated HTTP URLs used for startup KV recovery through /dump.
-    #[arg(long)]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_INDEXER_PEERS")]
     pub indexer_peers: Option<String>,
     /// Local ZMQ PUB port for active-load lifecycle events (binds tcp://*:<port>).
-    #[arg(long)]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_REPLICA_SYNC_PORT")]
     pub replica_sync_port: Option<u16>,
     /// Comma-separated ZMQ PUB endpoints of selector peers. Requires --replica-sync-port.
-    #[arg(long, requires = "replica_sync_port")]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_REPLICA_SYNC_PEERS")]
     pub replica_sync_peers: Option<String>,
     /// Address the HTTP server binds: loopback unless told otherwise (e.g. 0.0.0.0).
-    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
-    pub host: IpAddr,
+    /// [default: 127.0.0.1]
+    #[arg(long, env = "KVEPP_SELECT_SERVICE_HOST")]
+    pub host: Option<IpAddr>,
     /// File holding the bearer token every route but GET ones requires (unset: none).
     #[arg(long, env = "KVEPP_API_TOKEN_FILE")]
     pub api_token_file: Option<PathBuf>,
 }
 
-/// `kvepp slot-tracker` (seed: the standalone slot tracker).
-#[derive(Debug, Clone, clap::Args)]
+/// `kvepp slot-tracker` (seed: the standalone slot tracker): the seed's flags, each with a
+/// `KVEPP_SLOT_TRACKER_*` variable, over the `slot_tracker` section of `--config FILE`.
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct SlotTrackerArgs {
-    /// HTTP server port.
-    #[arg(long, default_value_t = 8091)]
-    pub port: u16,
+    /// Configuration file (YAML or JSON): its `slot_tracker`, `router` and `api_token_file`.
+    #[arg(long, env = "KVEPP_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// HTTP server port. [default: 8091]
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_PORT")]
+    pub port: Option<u16>,
     /// ZMQ PUB endpoint to bind for replica sync, e.g. tcp://*:8092.
-    #[arg(long)]
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_REPLICA_SYNC_BIND")]
     pub replica_sync_bind: Option<String>,
     /// The externally reachable form of the bound endpoint (never registered as a peer).
-    #[arg(long)]
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_REPLICA_SYNC_ADVERTISE")]
     pub replica_sync_advertise: Option<String>,
     /// Comma-separated peer PUB endpoints.
-    #[arg(long)]
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_REPLICA_SYNC_PEERS")]
     pub replica_sync_peers: Option<String>,
     /// Address the HTTP server binds: loopback unless told otherwise (e.g. 0.0.0.0).
-    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
-    pub host: IpAddr,
+    /// [default: 127.0.0.1]
+    #[arg(long, env = "KVEPP_SLOT_TRACKER_HOST")]
+    pub host: Option<IpAddr>,
     /// File holding the bearer token every route but GET ones requires (unset: none).
     #[arg(long, env = "KVEPP_API_TOKEN_FILE")]
     pub api_token_file: Option<PathBuf>,
 }
 
-/// The catalog's settings: Dynamo's knobs from the environment.
-fn kv_settings() -> Result<KvSettings, ServiceError> {
-    let weights =
-        crate::config::router_knobs_from_env(CostWeights::default(), |k| std::env::var(k).ok())
-            .map_err(|errs| {
-                ServiceError::Invalid(
-                    errs.iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                )
-            })?;
-    Ok(KvSettings {
-        weights,
+/// The tree as a standalone service reads it: the file (or the defaults), Dynamo's
+/// `DYN_ROUTER_*` knobs over its `router`, and the token file flag.
+fn service_tree(
+    config: Option<&std::path::Path>,
+    token: &Option<PathBuf>,
+) -> Result<Config, ServiceError> {
+    let mut cfg = match config {
+        Some(path) => Config::from_file(path).map_err(|e| ServiceError::Invalid(e.to_string()))?,
+        None => Config::default(),
+    };
+    cfg.router = crate::config::router_knobs_from_env(cfg.router, |k| std::env::var(k).ok())
+        .map_err(|errs| invalid(errs.iter().map(ToString::to_string)))?;
+    if token.is_some() {
+        cfg.api_token_file.clone_from(token);
+    }
+    Ok(cfg)
+}
+
+fn invalid(errs: impl Iterator<Item = String>) -> ServiceError {
+    ServiceError::Invalid(errs.collect::<Vec<_>>().join("; "))
+}
+
+impl SelectArgs {
+    /// Defaults → `--config FILE` → environment → flags, validated (one message per bad field).
+    pub fn load(&self) -> Result<Config, ServiceError> {
+        let mut cfg = service_tree(self.config.as_deref(), &self.api_token_file)?;
+        let s = &mut cfg.select_service;
+        s.port = self.port.unwrap_or(s.port);
+        s.threads = self.threads.unwrap_or(s.threads);
+        s.host = self.host.unwrap_or(s.host);
+        if let Some(v) = &self.indexer_peers {
+            s.indexer_peers = comma_list(v);
+        }
+        if self.replica_sync_port.is_some() {
+            s.replica_sync_port = self.replica_sync_port;
+        }
+        if let Some(v) = &self.replica_sync_peers {
+            s.replica_sync_peers = comma_list(v);
+        }
+        cfg.validate_select_service()
+            .map_err(|errs| invalid(errs.iter().map(ToString::to_string)))?;
+        Ok(cfg)
+    }
+}
+
+impl SlotTrackerArgs {
+    /// Defaults → `--config FILE` → environment → flags, validated (one message per bad field).
+    pub fn load(&self) -> Result<Config, ServiceError> {
+        let mut cfg = service_tree(self.config.as_deref(), &self.api_token_file)?;
+        let s = &mut cfg.slot_tracker;
+        s.port = self.port.unwrap_or(s.port);
+        s.host = self.host.unwrap_or(s.host);
+        for (flag, slot) in [
+            (&self.replica_sync_bind, &mut s.replica_sync_bind),
+            (&self.replica_sync_advertise, &mut s.replica_sync_advertise),
+        ] {
+            if flag.is_some() {
+                slot.clone_from(flag);
+            }
+        }
+        if let Some(v) = &self.replica_sync_peers {
+            s.replica_sync_peers = comma_list(v);
+        }
+        cfg.validate_slot_tracker()
+            .map_err(|errs| invalid(errs.iter().map(ToString::to_string)))?;
+        Ok(cfg)
+    }
+}
+
+/// The catalog's settings: the tree's cost knobs (Dynamo's `DYN_ROUTER_*` applied).
+fn kv_settings(cfg: &Config) -> KvSettings {
+    KvSettings {
+        weights: cfg.router,
         table_seed: fastrand::u64(..),
         // Dynamo's own indexer reads every block up to the first gap; the standalone services are
         // its drop-in, so they keep that exact walk whatever the workers' eviction order.
         prefix_closed: false,
         ..KvSettings::default()
-    })
+    }
 }
 
 pub async fn bind(host: IpAddr, port: u16) -> Result<TcpListener, ServiceError> {
@@ -201,37 +272,33 @@ pub async fn start_replica(
     Ok(replica)
 }
 
-/// Validates the selection service's flags; returns the peer list they seed.
-pub fn select_peers(args: &SelectArgs) -> Result<Peers, ServiceError> {
-    ApiToken::load(args.api_token_file.as_deref())?;
-    for url in parse_list(args.indexer_peers.as_deref()) {
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err(ServiceError::Invalid(format!(
-                "--indexer-peers: {url:?} is not an http(s) URL"
-            )));
-        }
-    }
-    Peers::new(parse_list(args.replica_sync_peers.as_deref()), None)
-        .map_err(|e| ServiceError::Invalid(format!("--replica-sync-peers: {e}")))
-}
-
-/// Runs the selection service on `listener` until `shutdown`.
+/// Runs the selection service with `args` on `listener` until `shutdown`.
 pub async fn run_select(
     args: SelectArgs,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = Arc::new(SharedPeers::new(select_peers(&args)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
+    run_select_with(args.load()?, listener, shutdown).await
+}
+
+/// Runs the selection service from its section of `cfg` on `listener` until `shutdown`.
+pub async fn run_select_with(
+    cfg: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServiceError> {
+    let sc = &cfg.select_service;
+    let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
+    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings(&cfg), Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let indexer_peers = parse_list(args.indexer_peers.as_deref());
+    let indexer_peers = &sc.indexer_peers;
     if !indexer_peers.is_empty() {
         // Before the first request is answered: /ready cannot turn 200 without it.
-        if let Err(e) = crate::replica::recovery::recover(&catalog, &indexer_peers).await {
+        if let Err(e) = crate::replica::recovery::recover(&catalog, indexer_peers).await {
             tracing::warn!(error = %e, "starting without a recovered KV index");
         }
     }
-    let bind = args.replica_sync_port.map(|p| format!("tcp://*:{p}"));
+    let bind = sc.replica_sync_port.map(|p| format!("tcp://*:{p}"));
     start_replica(bind.as_deref(), &peers, &catalog, Ids::Global, &stop_rx).await?;
     let state = Arc::new(SelectState::new(catalog.clone(), peers));
     let subs = tokio::spawn(crate::kv_events::apply::run_registered(
@@ -240,8 +307,8 @@ pub async fn run_select(
         stop_rx.clone(),
     ));
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
-    tracing::info!(addr = ?listener.local_addr().ok(), threads = args.threads, "selection service listening");
-    let app = crate::api::select::router(state, &access(args.api_token_file.as_deref())?);
+    tracing::info!(addr = ?listener.local_addr().ok(), threads = sc.threads, "selection service listening");
+    let app = crate::api::select::router(state, &access(cfg.api_token_file.as_deref())?);
     let served = serve_router(listener, app, shutdown).await;
     let _ = stop_tx.send(true);
     let _ = subs.await;
@@ -249,42 +316,26 @@ pub async fn run_select(
     served
 }
 
-/// Validates the slot tracker's flags; returns the peer list they seed.
-pub fn slot_tracker_peers(args: &SlotTrackerArgs) -> Result<Peers, ServiceError> {
-    ApiToken::load(args.api_token_file.as_deref())?;
-    for (flag, v) in [
-        ("--replica-sync-bind", &args.replica_sync_bind),
-        ("--replica-sync-advertise", &args.replica_sync_advertise),
-    ] {
-        if let Some(e) = v {
-            let probe = e.replace("tcp://*:", "tcp://0.0.0.0:");
-            validate_endpoint(&probe).map_err(|m| ServiceError::Invalid(format!("{flag}: {m}")))?;
-        }
-    }
-    if args.replica_sync_bind.is_none()
-        && (args.replica_sync_advertise.is_some() || args.replica_sync_peers.is_some())
-    {
-        return Err(ServiceError::Invalid(
-            "--replica-sync-advertise and --replica-sync-peers require --replica-sync-bind".into(),
-        ));
-    }
-    Peers::new(
-        parse_list(args.replica_sync_peers.as_deref()),
-        args.replica_sync_advertise.clone(),
-    )
-    .map_err(|e| ServiceError::Invalid(format!("--replica-sync-peers: {e}")))
-}
-
-/// Runs the slot tracker on `listener` until `shutdown`.
+/// Runs the slot tracker with `args` on `listener` until `shutdown`.
 pub async fn run_slot_tracker(
     args: SlotTrackerArgs,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServiceError> {
-    let peers = Arc::new(SharedPeers::new(slot_tracker_peers(&args)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings()?, Limits::default())));
+    run_slot_tracker_with(args.load()?, listener, shutdown).await
+}
+
+/// Runs the slot tracker from its section of `cfg` on `listener` until `shutdown`.
+pub async fn run_slot_tracker_with(
+    cfg: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServiceError> {
+    let sc = &cfg.slot_tracker;
+    let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
+    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings(&cfg), Limits::default())));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let bind = args.replica_sync_bind.as_deref();
+    let bind = sc.replica_sync_bind.as_deref();
     start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;
     let state = Arc::new(SlotTrackerState {
         catalog: catalog.clone(),
@@ -292,9 +343,59 @@ pub async fn run_slot_tracker(
     });
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));
     tracing::info!(addr = ?listener.local_addr().ok(), "slot tracker listening");
-    let app = crate::api::slot_tracker::router(state, &access(args.api_token_file.as_deref())?);
+    let app = crate::api::slot_tracker::router(state, &access(cfg.api_token_file.as_deref())?);
     let served = serve_router(listener, app, shutdown).await;
     let _ = stop_tx.send(true);
     expire.abort();
     served
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn services_load_defaults_then_the_file_then_flags() {
+        let dir = std::env::temp_dir().join(format!("kvepp-services-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kvepp.yaml");
+        std::fs::write(
+            &file,
+            "select_service: {port: 7000, threads: 2, indexer_peers: ['http://a:9090']}\nslot_tracker: {port: 7001, replica_sync_bind: 'tcp://*:7002'}\nrouter: {temperature: 0.5}\n",
+        )
+        .unwrap();
+        let defaults = SelectArgs::default().load().unwrap();
+        assert_eq!(defaults.select_service.port, 8092);
+        assert_eq!(defaults.select_service.threads, 4);
+        let args = SelectArgs {
+            config: Some(file.clone()),
+            threads: Some(3),
+            ..SelectArgs::default()
+        };
+        let cfg = args.load().unwrap();
+        assert_eq!(cfg.select_service.port, 7000, "from the file");
+        assert_eq!(cfg.select_service.threads, 3, "the flag wins");
+        assert_eq!(cfg.select_service.indexer_peers, ["http://a:9090"]);
+        assert_eq!(cfg.router.temperature, 0.5, "the tree's router section");
+        let slots = SlotTrackerArgs {
+            config: Some(file.clone()),
+            replica_sync_peers: Some("tcp://b:1, tcp://c:2".into()),
+            ..SlotTrackerArgs::default()
+        }
+        .load()
+        .unwrap();
+        assert_eq!(slots.slot_tracker.port, 7001);
+        assert_eq!(slots.slot_tracker.replica_sync_peers, ["tcp://b:1", "tcp://c:2"]);
+        // A bad value from the file is refused naming its flag, like one from the flags.
+        std::fs::write(&file, "select_service: {threads: 0}\n").unwrap();
+        let err = SelectArgs {
+            config: Some(file.clone()),
+            ..SelectArgs::default()
+        }
+        .load()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("--threads 0"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -39,6 +39,18 @@ use crate::discovery::service::{Instance, InstanceHandle, RegistryError, Service
 use crate::discovery::ManifestRegistry;
 use crate::engine::metadata::{EngineMetadata, KvEventsInfo, ModelInfo, RuntimeConfig};
 
+/// How often the topology level's Downward API file is looked for while the agent waits for it
+/// (the kubelet writes it within a second or two of the pod starting).
+const TOPOLOGY_POLL: Duration = Duration::from_millis(500);
+
+/// The longest an engine health check may take: the check interval when shorter, so a hung
+/// engine is seen as down within one interval, and never more than 2 s.
+const HEALTH_TIMEOUT_MAX: Duration = Duration::from_secs(2);
+
+/// The most of an engine's health answer read (a health page is a few bytes; this bounds a
+/// misbehaving one).
+const HEALTH_PAGE_BYTES: usize = 64 << 10;
+
 pub mod topology;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -267,7 +279,7 @@ impl AgentArgs {
                 &dir,
                 level,
                 Duration::from_secs(self.topology_wait_seconds),
-                Duration::from_millis(500),
+                TOPOLOGY_POLL,
                 |n| {
                     if n == 1 {
                         tracing::info!(dir = %dir.display(), level, "waiting for the topology level's file");
@@ -347,7 +359,7 @@ impl EngineHealth {
             .map_err(|e| format!("resolve {}: {e}", self.host))?
             .next()
             .ok_or_else(|| format!("{} has no address", self.host))?;
-        crate::engine::get(addr, &self.path, self.timeout, 64 << 10)
+        crate::engine::get(addr, &self.path, self.timeout, HEALTH_PAGE_BYTES)
             .await
             .map(|_| ())
             .map_err(|e| e.to_string())
@@ -376,7 +388,7 @@ pub async fn run(
     let interval = Duration::from_millis(args.check_interval_ms.max(10));
     let engine = Arc::new(EngineHealth::parse(
         &args.engine_health_url,
-        interval.min(Duration::from_secs(2)),
+        interval.min(HEALTH_TIMEOUT_MAX),
     )?);
     let file_doc = match &args.metadata_file {
         Some(p) => Some(read_metadata_file(p)?),

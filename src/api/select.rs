@@ -189,7 +189,7 @@ struct WorkerBody {
 }
 
 fn default_block_size() -> u32 {
-    16
+    kvepp_core::types::DEFAULT_BLOCK_SIZE
 }
 
 fn one() -> u32 {

@@ -86,6 +86,15 @@ pub struct ExtProcService {
     shared: Arc<Shared>,
 }
 
+/// Room above `max_body_bytes` in one gRPC message: the ext_proc envelope around a body (headers,
+/// attributes, metadata) is never near this, so a body at the limit still fits in one message.
+const MESSAGE_HEADROOM: usize = 64 << 10;
+
+/// Responses one stream may have queued for Envoy before its task waits: a request produces a
+/// handful (headers, one per body chunk, trailers), so this bounds memory per stream and is the
+/// backpressure when Envoy reads slowly.
+const STREAM_QUEUE: usize = 8;
+
 impl ExtProcService {
     pub fn new(shared: Arc<Shared>) -> Self {
         ExtProcService { shared }
@@ -93,7 +102,7 @@ impl ExtProcService {
 
     /// The tonic server with message limits that fit the largest accepted body.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        let limit = self.shared.settings.max_body_bytes + 64 * 1024;
+        let limit = self.shared.settings.max_body_bytes + MESSAGE_HEADROOM;
         ExternalProcessorServer::new(self)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit)
@@ -109,7 +118,7 @@ impl ExternalProcessor for ExtProcService {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(8);
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         let mut state = stream::StreamState::new(self.shared.clone());
         let ready = self.shared.ready.clone();
         let ready_wait = self.shared.settings.ready_wait;

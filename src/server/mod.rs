@@ -30,6 +30,12 @@ use crate::request::tokenize::ModelTokenizer;
 use crate::request::{FlowControl, RequestRouter};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
+/// Bounds of the ext_proc port's HTTP/2 stream window, which is sized to `max_body_bytes` so a
+/// body streams without waiting for window updates: at least 1 MiB (HTTP/2's default 64 KiB
+/// stalls a large body every few frames), at most 16 MiB (the memory one stream may hold in
+/// flight); the connection window is four streams' worth.
+const GRPC_WINDOW: (u32, u32) = (1 << 20, 16 << 20);
+
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
 #[derive(Debug, thiserror::Error)]
@@ -438,7 +444,7 @@ pub async fn run(
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let window = (cfg.max_body_bytes as u32).clamp(1 << 20, 16 << 20);
+    let window = (cfg.max_body_bytes as u32).clamp(GRPC_WINDOW.0, GRPC_WINDOW.1);
     tracing::info!(tls = ?cfg.grpc_tls.mode, plaintext = cfg.grpc_tls.accept_plaintext,
         mutual = cfg.grpc_tls.client_ca_file.is_some(), "ext_proc transport");
     let grpc = tonic::transport::Server::builder()

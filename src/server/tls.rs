@@ -28,6 +28,10 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use crate::config::{GrpcTls, TlsMode};
 
+/// Pause after a failed `accept` (out of file descriptors, and the like) before the next: the
+/// error usually persists for a while, and retrying at once would spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Names the generated certificate is valid for (proxies do not verify it; these help `openssl
 /// s_client` users and clients that do).
 const SELF_SIGNED_NAMES: [&str; 4] = ["kvepp", "localhost", "127.0.0.1", "::1"];
@@ -205,7 +209,7 @@ impl Acceptor {
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
                         tracing::warn!(error = %e, "ext_proc accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
                         continue;
                     }
                 };

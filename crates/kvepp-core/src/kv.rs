@@ -93,7 +93,7 @@ pub struct KvSettings {
 impl Default for KvSettings {
     fn default() -> Self {
         KvSettings {
-            block_size: 16,
+            block_size: crate::types::DEFAULT_BLOCK_SIZE,
             learn_block_size: false,
             weights: CostWeights::default(),
             approx_bytes_per_token: 4,

@@ -12,6 +12,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::hash::{LocalBlockHash, SequenceHash};
 
+/// Tokens per KV block when nothing says otherwise: vLLM's default `--block-size` on GPUs (and
+/// the selection service's default for a worker registered without one).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
 /// One data-parallel rank of a worker: the unit the index and the slot tracker count in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerRank {
