@@ -24,10 +24,10 @@ use tokio::sync::watch;
 use crate::api::auth::{Access, ApiToken};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
-use crate::metrics::Metrics;
-use crate::replica::observer::PublishBookings;
 use crate::config::services::comma_list;
 use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::replica::observer::PublishBookings;
 use crate::replica::peers::SharedPeers;
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::Replica;
@@ -289,7 +289,10 @@ pub async fn run_select_with(
 ) -> Result<(), ServiceError> {
     let sc = &cfg.select_service;
     let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings(&cfg), Limits::default())));
+    let catalog = Arc::new(RwLock::new(Catalog::new(
+        kv_settings(&cfg),
+        Limits::default(),
+    )));
     let (stop_tx, stop_rx) = watch::channel(false);
     let indexer_peers = &sc.indexer_peers;
     if !indexer_peers.is_empty() {
@@ -333,7 +336,10 @@ pub async fn run_slot_tracker_with(
 ) -> Result<(), ServiceError> {
     let sc = &cfg.slot_tracker;
     let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(kv_settings(&cfg), Limits::default())));
+    let catalog = Arc::new(RwLock::new(Catalog::new(
+        kv_settings(&cfg),
+        Limits::default(),
+    )));
     let (stop_tx, stop_rx) = watch::channel(false);
     let bind = sc.replica_sync_bind.as_deref();
     start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;
@@ -385,7 +391,10 @@ mod tests {
         .load()
         .unwrap();
         assert_eq!(slots.slot_tracker.port, 7001);
-        assert_eq!(slots.slot_tracker.replica_sync_peers, ["tcp://b:1", "tcp://c:2"]);
+        assert_eq!(
+            slots.slot_tracker.replica_sync_peers,
+            ["tcp://b:1", "tcp://c:2"]
+        );
         // A bad value from the file is refused naming its flag, like one from the flags.
         std::fs::write(&file, "select_service: {threads: 0}\n").unwrap();
         let err = SelectArgs {

@@ -22,9 +22,9 @@ pub use crate::process::LogFormat;
 pub use crate::replica::ReplicaSyncConfig;
 
 mod args;
+pub mod services;
 mod tls;
 mod validate;
-pub mod services;
 
 pub use args::{router_knobs_from_env, transfer_from_env, ServeArgs};
 pub use tls::{GrpcTls, TlsMode};

@@ -12,23 +12,18 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
-use tonic_health::ServingStatus;
 
+mod components;
 mod shared;
 pub mod tls;
 
 use crate::api::{self, ApiState};
-use crate::config::{Config, PickerKind, UnknownModels};
-use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
-use crate::discovery::{
-    feed_instances, Datastore, EndpointFacts, ManifestDir, PoolRef, ServiceDiscovery,
-};
+use crate::config::Config;
+use crate::discovery::{feed_instances, Datastore, PoolRef};
 use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcService, Settings, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
-use crate::request::{FlowControl, RequestRouter};
-use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 
 /// Bounds of the ext_proc port's HTTP/2 stream window, which is sized to `max_body_bytes` so a
 /// body streams without waiting for window updates: at least 1 MiB (HTTP/2's default 64 KiB
@@ -150,7 +145,8 @@ async fn check_cluster_topology(cfg: &Config) -> Result<(), ServerError> {
 }
 
 /// Runs until `shutdown` completes, then stops accepting and lets open streams finish (bounded by
-/// `shutdown_grace_seconds`).
+/// `shutdown_grace_seconds`). The components start in order, each from its own section of `cfg`
+/// ([`components::Wiring`]).
 pub async fn run(
     cfg: Config,
     listeners: Listeners,
@@ -176,247 +172,42 @@ pub async fn run(
     // Before anything is spawned: a refused start leaves nothing running.
     check_cluster_topology(&cfg).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
-
-    let mut tasks = Vec::new();
-    // The catalog (pools, models) goes straight to the store; endpoints only through the
-    // ServiceDiscovery interface.
-    let discovery: Arc<dyn ServiceDiscovery> = match &cfg.manifests_dir {
-        Some(dir) => {
-            let errors = metrics.manifest_errors.clone();
-            let source = ManifestDir::new(
-                dir,
-                Duration::from_millis(cfg.manifests_poll_ms),
-                move |_| {
-                    errors.inc();
-                },
-            );
-            let discovery = source.discovery();
-            tasks.push(source.spawn(store.clone(), stop_rx.clone()));
-            Arc::new(discovery)
-        }
-        None => {
-            let client = crate::discovery::kubernetes::client(cfg.kubeconfig.as_deref()).await?;
-            tracing::info!(namespace = %cfg.pool_namespace, pool = %cfg.pool_name,
-                service = %cfg.endpoint_service(), "discovering from the Kubernetes API");
-            let invalid = metrics.catalog_invalid.clone();
-            let catalog = KubeCatalog {
-                client: client.clone(),
-                namespace: cfg.pool_namespace.clone(),
-                metrics: metrics.watch.clone(),
-                on_invalid: Box::new(move || {
-                    invalid.inc();
-                }),
-            };
-            tasks.push(tokio::spawn(catalog.run(store.clone(), stop_rx.clone())));
-            Arc::new(KubeDiscovery::new(client, metrics.watch.clone()))
-        }
+    let mut w = components::Wiring {
+        cfg,
+        metrics: metrics.clone(),
+        store: store.clone(),
+        stop: stop_rx.clone(),
+        tasks: Vec::new(),
     };
-    let replica_discovery = discovery.clone();
-    tasks.push(tokio::spawn(feed_instances(
+    let discovery = w.discovery().await?;
+    w.tasks.push(tokio::spawn(feed_instances(
         store.clone(),
-        discovery,
+        discovery.clone(),
         stop_rx.clone(),
     )));
-
-    let (reporter, health_service) = tonic_health::server::health_reporter();
-    reporter
-        .set_service_status("liveness", ServingStatus::Serving)
-        .await;
-    {
-        let reporter = reporter.clone();
-        let mut ready = store.ready();
-        let mut stop = stop_rx.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let status = if *ready.borrow_and_update() && !*stop.borrow() {
-                    ServingStatus::Serving
-                } else {
-                    ServingStatus::NotServing
-                };
-                for svc in ["readiness", EXT_PROC_SERVICE, ""] {
-                    reporter.set_service_status(svc, status).await;
-                }
-                tokio::select! {
-                    r = ready.changed() => if r.is_err() { return },
-                    _ = stop.changed() => {}
-                }
-            }
-        }));
-    }
-
-    let em = &cfg.engine_metrics;
-    let saturation = Saturation {
-        max_in_flight: cfg.max_in_flight_per_endpoint,
-        queue_threshold: em.queue_threshold,
-        kv_cache_threshold: em.kv_cache_threshold,
-        stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
-    };
+    let health_service = w.health().await;
     let md = Arc::new(MetadataStore::default());
-    let kv = match cfg.picker {
-        PickerKind::LeastLoaded | PickerKind::RoundRobin => None,
-        PickerKind::KvAware | PickerKind::ApproximatePrefix => {
-            let approximate_only = cfg.picker == PickerKind::ApproximatePrefix;
-            let kv = Arc::new(KvState::new(KvSettings {
-                block_size: cfg.block_size.unwrap_or(KvSettings::default().block_size),
-                learn_block_size: cfg.block_size.is_none(),
-                weights: cfg.router,
-                approx_blocks_per_endpoint: cfg.approx_blocks_per_endpoint,
-                approximate_only,
-                // Prompts are untrusted: key the index tables randomly per process.
-                table_seed: fastrand::u64(..),
-                prefix_closed: cfg.kv_events.prefix_closed,
-                ..KvSettings::default()
-            }));
-            // Approximate prefix routing never reads the engines' KV events.
-            if !approximate_only {
-                tasks.push(tokio::spawn(crate::kv_events::apply::run_manager(
-                    kv.clone(),
-                    store.watch(),
-                    md.clone(),
-                    cfg.kv_events.clone(),
-                    metrics.clone(),
-                    stop_rx.clone(),
-                )));
-            }
-            Some(kv)
-        }
-    };
-    {
-        // Every picker reads the endpoints' metadata: roles and topology for disaggregated
-        // pools; block size, base model (and KV-event sockets) for the KV-aware one.
-        let learn = kv.clone();
-        let facts_store = store.clone();
-        tasks.push(tokio::spawn(crate::engine::metadata::run_fetcher(
-            store.watch(),
-            md.clone(),
-            cfg.engine_metadata,
-            move |addr, doc| {
-                facts_store.apply_metadata(
-                    addr,
-                    doc.map(|d| EndpointFacts {
-                        role: d.role_kind(),
-                        domains: d.topology_domains.clone(),
-                    }),
-                );
-                let (Some(doc), Some(kv)) = (doc, &learn) else {
-                    return;
-                };
-                if let Some(bs) = doc.block_size() {
-                    kv.learn_block_size(bs);
-                }
-                if let Some(name) = doc.model_name() {
-                    kv.learn_base_model(name);
-                }
-            },
-            metrics.metadata_missing.clone(),
-            stop_rx.clone(),
-        )));
+    let kv = w.kv_state(&md);
+    w.engine_metadata(&kv, &md);
+    if w.cfg.engine_metrics.enabled {
+        w.engine_scraper(&kv);
     }
-    if em.enabled {
-        let learn = kv.clone();
-        let tracked = kv.clone();
-        let pool_store = store.clone();
-        tasks.push(tokio::spawn(crate::engine::metrics::run_scraper(
-            store.watch(),
-            // The InferencePool's appProtocol says how the engines speak HTTP.
-            move || {
-                let snap = pool_store.snapshot();
-                snap.pool
-                    .as_ref()
-                    .map(|p| p.app_protocol)
-                    .unwrap_or_default()
-            },
-            crate::engine::metrics::ScrapeSettings {
-                interval: Duration::from_millis(em.interval_ms),
-                timeout: Duration::from_millis(em.timeout_ms),
-                max_bytes: em.max_page_bytes,
-            },
-            metrics.engine_scrape_errors.clone(),
-            move |bs| {
-                if let Some(kv) = &learn {
-                    kv.learn_block_size(bs);
-                }
-            },
-            move |worker| tracked.as_ref().and_then(|kv| kv.worker_requests(worker)),
-            stop_rx.clone(),
-        )));
-    }
-    if let (Some(kv), false) = (&kv, cfg.replica_sync.indexer_peers.is_empty()) {
-        // Before any ext_proc stream is served, once the pool is loaded (the upkeep forgets the
-        // state of endpoints not in the pool, so it must know them first).
-        let mut ready = store.ready();
-        let wait = Duration::from_millis(cfg.startup_wait_ms);
-        let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
-        if let Err(e) =
-            crate::replica::recovery::recover_pool(kv, &cfg.replica_sync.indexer_peers).await
-        {
-            tracing::warn!(error = %e, "starting without a recovered KV index");
-        }
-    }
-    let router = Arc::new(
-        match (&kv, cfg.picker) {
-            (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
-            (None, PickerKind::RoundRobin) => {
-                Router::load_only(Box::new(RoundRobin::default()), saturation)
-            }
-            (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
-        }
-        .with_disaggregation(cfg.disaggregation.clone()),
-    );
-    tasks.push(tokio::spawn(crate::upkeep::run(
-        router.clone(),
-        store.watch(),
-        stop_rx.clone(),
-    )));
-    let mut routing = RequestRouter::new(
-        store.clone(),
-        router.clone(),
-        cfg.unknown_models == UnknownModels::PassThrough,
-    )
-    .with_steps(metrics.prepare_steps.clone());
-    for (model, dir) in &cfg.tokenizers {
-        let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
-            model: model.clone(),
-            source,
-        })?;
-        tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
-        let t = Arc::new(t);
-        metrics.add_tokenizer_source(tokenizer_source(model, &t));
-        routing = routing.with_tokenizer(model.clone(), t);
-    }
+    w.recover_index(&kv).await;
+    let router = w.router(&kv);
+    let routing = w.routing(&router)?;
+    let flow = w.flow_control(&router, &routing);
+    let cfg = w.cfg.clone();
     let settings = Settings {
         destination_list: cfg.destination_endpoint_list,
         max_body_bytes: cfg.max_body_bytes,
         ready_wait: Duration::from_millis(cfg.startup_wait_ms),
         endpoint_scores: cfg.emit_endpoint_scores,
     };
-    let routing: Arc<dyn crate::request::RouteRequest> = Arc::new(routing);
-    let mut shared =
-        Shared::new(routing.clone(), metrics.clone(), settings).with_readiness(store.ready());
-    if cfg.flow_control.enabled {
-        let flow = FlowControl::new(cfg.flow_control.clone(), metrics.flow.clone());
-        // Every booking's release wakes the dispatcher: capacity may have freed.
-        router.listen(flow.clone());
-        tasks.push(tokio::spawn(
-            flow.clone().dispatch(routing.clone(), stop_rx.clone()),
-        ));
-        // Endpoints joining the pool are capacity too.
-        let mut changes = store.watch();
-        let wake = flow.clone();
-        let mut stop = stop_rx.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    c = changes.changed() => if c.is_err() { return },
-                    _ = stop.changed() => return,
-                }
-                wake.capacity_freed();
-            }
-        }));
+    let mut shared = Shared::new(routing, metrics.clone(), settings).with_readiness(store.ready());
+    if let Some(flow) = flow {
         shared = shared.with_flow_control(flow);
     }
-    let shared = Arc::new(shared);
-    let extproc = ExtProcService::new(shared).into_server();
+    let extproc = ExtProcService::new(Arc::new(shared)).into_server();
 
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
@@ -429,18 +220,67 @@ pub async fn run(
                 &cfg,
                 &router,
                 &store,
-                replica_discovery,
+                discovery,
                 (listeners.select_service, listeners.slot_tracker),
                 &access,
                 sync_stats,
                 &stop_rx,
-                &mut tasks,
+                &mut w.tasks,
             )
             .await?
         }
         None => Vec::new(),
     };
+    let tasks = std::mem::take(&mut w.tasks);
+    let servers = Servers {
+        grpc: listeners.grpc,
+        health: listeners.health,
+        metrics: listeners.metrics,
+    };
+    let served = serve(
+        &cfg,
+        servers,
+        (extproc, health_service, acceptor),
+        ApiState { metrics, store, kv },
+        &access,
+        doors,
+        &stop_rx,
+    );
+    shutdown.await;
+    drain(&cfg, stop_tx, served, tasks).await
+}
 
+/// The listeners of the servers `kvepp serve` always runs.
+struct Servers {
+    grpc: TcpListener,
+    health: TcpListener,
+    metrics: TcpListener,
+}
+
+/// The running servers: ext_proc, gRPC health, and HTTP (metrics, debug, and the HTTP doors).
+struct Running {
+    grpc: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    health: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    http: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+type ExtProcServer = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer<ExtProcService>;
+type Doors = Vec<tokio::task::JoinHandle<std::io::Result<()>>>;
+
+/// Starts the servers; each stops accepting when `stop` turns true.
+fn serve<H: tonic_health::pb::health_server::Health>(
+    cfg: &Config,
+    servers: Servers,
+    (extproc, health_service, acceptor): (
+        ExtProcServer,
+        tonic_health::pb::health_server::HealthServer<H>,
+        tls::Acceptor,
+    ),
+    api_state: ApiState,
+    access: &crate::api::auth::Access,
+    doors: Doors,
+    stop: &watch::Receiver<bool>,
+) -> Running {
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
@@ -451,28 +291,34 @@ pub async fn run(
         .initial_stream_window_size(window)
         .initial_connection_window_size(window.saturating_mul(4))
         .add_service(extproc)
-        .serve_with_incoming_shutdown(acceptor.incoming(listeners.grpc), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(acceptor.incoming(servers.grpc), stopped(stop.clone()));
     let health = tonic::transport::Server::builder()
         .add_service(health_service)
-        .serve_with_incoming_shutdown(incoming(listeners.health), stopped(stop_rx.clone()));
-    let http = axum::serve(
-        listeners.metrics,
-        api::router(ApiState { metrics, store, kv }, &access),
-    )
-    .with_graceful_shutdown(stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(incoming(servers.health), stopped(stop.clone()));
+    let http = axum::serve(servers.metrics, api::router(api_state, access))
+        .with_graceful_shutdown(stopped(stop.clone()));
+    Running {
+        grpc: tokio::spawn(grpc),
+        health: tokio::spawn(health),
+        http: tokio::spawn(async move {
+            let (main, doors) = tokio::join!(http, futures::future::join_all(doors));
+            let doors = doors.into_iter().try_for_each(|d| match d {
+                Ok(r) => r,
+                Err(e) => Err(std::io::Error::other(e)),
+            });
+            main.and(doors)
+        }),
+    }
+}
 
-    let grpc = tokio::spawn(grpc);
-    let health = tokio::spawn(health);
-    let http = tokio::spawn(async move {
-        let (main, doors) = tokio::join!(http, futures::future::join_all(doors));
-        let doors = doors.into_iter().try_for_each(|d| match d {
-            Ok(r) => r,
-            Err(e) => Err(std::io::Error::other(e)),
-        });
-        main.and(doors)
-    });
-
-    shutdown.await;
+/// Stops: not ready, no new connections, open streams finish within the grace period; then the
+/// background tasks are aborted.
+async fn drain(
+    cfg: &Config,
+    stop_tx: watch::Sender<bool>,
+    running: Running,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+) -> Result<(), ServerError> {
     tracing::info!(
         grace_seconds = cfg.shutdown_grace_seconds,
         "shutting down: not ready, no new connections, finishing open streams"
@@ -480,8 +326,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     let grace = Duration::from_secs(cfg.shutdown_grace_seconds);
     let drained = tokio::time::timeout(grace, async {
-        let (a, b, c) = tokio::join!(grpc, health, http);
-        (a, b, c)
+        tokio::join!(running.grpc, running.health, running.http)
     })
     .await;
     for t in tasks {

@@ -1,0 +1,319 @@
+//! `kvepp serve`'s components, each started from its own section of the configuration: discovery
+//! (manifests or the Kubernetes API), the gRPC health reporter, the KV-aware state with its
+//! KV-event subscriptions, engine metadata and metrics scraping, index recovery from a peer, the
+//! router, the routing service with its tokenizers, and flow control. [`super::run`] lists them in
+//! order; each registers its metrics and pushes the tasks it spawns onto the shared list, which
+//! shutdown aborts.
+//!
+//! Invariant: a component reads its settings from the tree and nothing else; its tasks stop when
+//! the stop signal turns true (or are aborted after the grace period).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tonic_health::ServingStatus;
+
+use super::{ServerError, EXT_PROC_SERVICE};
+use crate::config::{Config, PickerKind, UnknownModels};
+use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
+use crate::discovery::{Datastore, EndpointFacts, ManifestDir, ServiceDiscovery};
+use crate::engine::metadata::MetadataStore;
+use crate::metrics::Metrics;
+use crate::request::tokenize::ModelTokenizer;
+use crate::request::{FlowControl, RequestRouter, RouteRequest};
+use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
+
+/// What the components share while they start: the tree, the metrics, the pool's datastore, the
+/// stop signal and the tasks spawned so far.
+pub(super) struct Wiring {
+    pub cfg: Config,
+    pub metrics: Arc<Metrics>,
+    pub store: Arc<Datastore>,
+    pub stop: watch::Receiver<bool>,
+    pub tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Wiring {
+    /// Discovery: the catalog (pools, models) goes straight to the store; endpoints only through
+    /// the returned [`ServiceDiscovery`].
+    pub async fn discovery(&mut self) -> Result<Arc<dyn ServiceDiscovery>, ServerError> {
+        let discovery: Arc<dyn ServiceDiscovery> = match &self.cfg.manifests_dir {
+            Some(dir) => {
+                let errors = self.metrics.manifest_errors.clone();
+                let source = ManifestDir::new(
+                    dir,
+                    Duration::from_millis(self.cfg.manifests_poll_ms),
+                    move |_| {
+                        errors.inc();
+                    },
+                );
+                let discovery = source.discovery();
+                self.tasks
+                    .push(source.spawn(self.store.clone(), self.stop.clone()));
+                Arc::new(discovery)
+            }
+            None => {
+                let client =
+                    crate::discovery::kubernetes::client(self.cfg.kubeconfig.as_deref()).await?;
+                tracing::info!(namespace = %self.cfg.pool_namespace, pool = %self.cfg.pool_name,
+                    service = %self.cfg.endpoint_service(), "discovering from the Kubernetes API");
+                let invalid = self.metrics.catalog_invalid.clone();
+                let catalog = KubeCatalog {
+                    client: client.clone(),
+                    namespace: self.cfg.pool_namespace.clone(),
+                    metrics: self.metrics.watch.clone(),
+                    on_invalid: Box::new(move || {
+                        invalid.inc();
+                    }),
+                };
+                self.tasks.push(tokio::spawn(
+                    catalog.run(self.store.clone(), self.stop.clone()),
+                ));
+                Arc::new(KubeDiscovery::new(client, self.metrics.watch.clone()))
+            }
+        };
+        Ok(discovery)
+    }
+
+    /// The gRPC health reporter: `liveness` at once, `readiness` (and the ext_proc service) while
+    /// the pool is loaded and no stop was asked.
+    pub async fn health(
+        &mut self,
+    ) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>
+    {
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        reporter
+            .set_service_status("liveness", ServingStatus::Serving)
+            .await;
+        {
+            let reporter = reporter.clone();
+            let mut ready = self.store.ready();
+            let mut stop = self.stop.clone();
+            self.tasks.push(tokio::spawn(async move {
+                loop {
+                    let status = if *ready.borrow_and_update() && !*stop.borrow() {
+                        ServingStatus::Serving
+                    } else {
+                        ServingStatus::NotServing
+                    };
+                    for svc in ["readiness", EXT_PROC_SERVICE, ""] {
+                        reporter.set_service_status(svc, status).await;
+                    }
+                    tokio::select! {
+                        r = ready.changed() => if r.is_err() { return },
+                        _ = stop.changed() => {}
+                    }
+                }
+            }));
+        }
+        health_service
+    }
+
+    /// The KV-aware state (none for a load-only picker), with its KV-event subscriptions.
+    pub fn kv_state(&mut self, md: &Arc<MetadataStore>) -> Option<Arc<KvState>> {
+        match self.cfg.picker {
+            PickerKind::LeastLoaded | PickerKind::RoundRobin => None,
+            PickerKind::KvAware | PickerKind::ApproximatePrefix => {
+                let approximate_only = self.cfg.picker == PickerKind::ApproximatePrefix;
+                let kv = Arc::new(KvState::new(KvSettings {
+                    block_size: self
+                        .cfg
+                        .block_size
+                        .unwrap_or(KvSettings::default().block_size),
+                    learn_block_size: self.cfg.block_size.is_none(),
+                    weights: self.cfg.router,
+                    approx_blocks_per_endpoint: self.cfg.approx_blocks_per_endpoint,
+                    approximate_only,
+                    // Prompts are untrusted: key the index tables randomly per process.
+                    table_seed: fastrand::u64(..),
+                    prefix_closed: self.cfg.kv_events.prefix_closed,
+                    ..KvSettings::default()
+                }));
+                // Approximate prefix routing never reads the engines' KV events.
+                if !approximate_only {
+                    self.tasks
+                        .push(tokio::spawn(crate::kv_events::apply::run_manager(
+                            kv.clone(),
+                            self.store.watch(),
+                            md.clone(),
+                            self.cfg.kv_events.clone(),
+                            self.metrics.clone(),
+                            self.stop.clone(),
+                        )));
+                }
+                Some(kv)
+            }
+        }
+    }
+
+    /// Fetching every endpoint's `/metadata`: roles and topology, block size and base model.
+    pub fn engine_metadata(&mut self, kv: &Option<Arc<KvState>>, md: &Arc<MetadataStore>) {
+        {
+            // Every picker reads the endpoints' metadata: roles and topology for disaggregated
+            // pools; block size, base model (and KV-event sockets) for the KV-aware one.
+            let learn = kv.clone();
+            let facts_store = self.store.clone();
+            self.tasks
+                .push(tokio::spawn(crate::engine::metadata::run_fetcher(
+                    self.store.watch(),
+                    md.clone(),
+                    self.cfg.engine_metadata,
+                    move |addr, doc| {
+                        facts_store.apply_metadata(
+                            addr,
+                            doc.map(|d| EndpointFacts {
+                                role: d.role_kind(),
+                                domains: d.topology_domains.clone(),
+                            }),
+                        );
+                        let (Some(doc), Some(kv)) = (doc, &learn) else {
+                            return;
+                        };
+                        if let Some(bs) = doc.block_size() {
+                            kv.learn_block_size(bs);
+                        }
+                        if let Some(name) = doc.model_name() {
+                            kv.learn_base_model(name);
+                        }
+                    },
+                    self.metrics.metadata_missing.clone(),
+                    self.stop.clone(),
+                )));
+        }
+    }
+
+    /// Scraping every engine's `/metrics` (saturation, block size, hidden load).
+    pub fn engine_scraper(&mut self, kv: &Option<Arc<KvState>>) {
+        if self.cfg.engine_metrics.enabled {
+            let learn = kv.clone();
+            let tracked = kv.clone();
+            let pool_store = self.store.clone();
+            self.tasks
+                .push(tokio::spawn(crate::engine::metrics::run_scraper(
+                    self.store.watch(),
+                    // The InferencePool's appProtocol says how the engines speak HTTP.
+                    move || {
+                        let snap = pool_store.snapshot();
+                        snap.pool
+                            .as_ref()
+                            .map(|p| p.app_protocol)
+                            .unwrap_or_default()
+                    },
+                    crate::engine::metrics::ScrapeSettings {
+                        interval: Duration::from_millis(self.cfg.engine_metrics.interval_ms),
+                        timeout: Duration::from_millis(self.cfg.engine_metrics.timeout_ms),
+                        max_bytes: self.cfg.engine_metrics.max_page_bytes,
+                    },
+                    self.metrics.engine_scrape_errors.clone(),
+                    move |bs| {
+                        if let Some(kv) = &learn {
+                            kv.learn_block_size(bs);
+                        }
+                    },
+                    move |worker| tracked.as_ref().and_then(|kv| kv.worker_requests(worker)),
+                    self.stop.clone(),
+                )));
+        }
+    }
+
+    /// Before any ext_proc stream is served: the KV index from a peer's `/dump`, once the pool is
+    /// loaded (the upkeep forgets the state of endpoints not in the pool, so it must know them).
+    pub async fn recover_index(&self, kv: &Option<Arc<KvState>>) {
+        if let (Some(kv), false) = (&kv, self.cfg.replica_sync.indexer_peers.is_empty()) {
+            // Before any ext_proc stream is served, once the pool is loaded (the upkeep forgets the
+            // state of endpoints not in the pool, so it must know them first).
+            let mut ready = self.store.ready();
+            let wait = Duration::from_millis(self.cfg.startup_wait_ms);
+            let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
+            if let Err(e) =
+                crate::replica::recovery::recover_pool(kv, &self.cfg.replica_sync.indexer_peers)
+                    .await
+            {
+                tracing::warn!(error = %e, "starting without a recovered KV index");
+            }
+        }
+    }
+
+    /// The router: the picker, saturation limits and disaggregation from the tree; its upkeep
+    /// task follows the pool.
+    pub fn router(&mut self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
+        let em = &self.cfg.engine_metrics;
+        let saturation = Saturation {
+            max_in_flight: self.cfg.max_in_flight_per_endpoint,
+            queue_threshold: em.queue_threshold,
+            kv_cache_threshold: em.kv_cache_threshold,
+            stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
+        };
+        let router = Arc::new(
+            match (&kv, self.cfg.picker) {
+                (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
+                (None, PickerKind::RoundRobin) => {
+                    Router::load_only(Box::new(RoundRobin::default()), saturation)
+                }
+                (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
+            }
+            .with_disaggregation(self.cfg.disaggregation.clone()),
+        );
+        self.tasks.push(tokio::spawn(crate::upkeep::run(
+            router.clone(),
+            self.store.watch(),
+            self.stop.clone(),
+        )));
+        router
+    }
+
+    /// The routing service over `router`, with the tokenizers of the tree.
+    pub fn routing(&mut self, router: &Arc<Router>) -> Result<Arc<dyn RouteRequest>, ServerError> {
+        let mut routing = RequestRouter::new(
+            self.store.clone(),
+            router.clone(),
+            self.cfg.unknown_models == UnknownModels::PassThrough,
+        )
+        .with_steps(self.metrics.prepare_steps.clone());
+        for (model, dir) in &self.cfg.tokenizers {
+            let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
+                model: model.clone(),
+                source,
+            })?;
+            tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
+            let t = Arc::new(t);
+            self.metrics
+                .add_tokenizer_source(super::tokenizer_source(model, &t));
+            routing = routing.with_tokenizer(model.clone(), t);
+        }
+        Ok(Arc::new(routing))
+    }
+
+    /// Flow control, when enabled: it listens to the router's releases, and endpoints joining
+    /// the pool wake it too.
+    pub fn flow_control(
+        &mut self,
+        router: &Arc<Router>,
+        routing: &Arc<dyn RouteRequest>,
+    ) -> Option<Arc<FlowControl>> {
+        if !self.cfg.flow_control.enabled {
+            return None;
+        }
+        let flow = FlowControl::new(self.cfg.flow_control.clone(), self.metrics.flow.clone());
+        // Every booking's release wakes the dispatcher: capacity may have freed.
+        router.listen(flow.clone());
+        self.tasks.push(tokio::spawn(
+            flow.clone().dispatch(routing.clone(), self.stop.clone()),
+        ));
+        // Endpoints joining the pool are capacity too.
+        let mut changes = self.store.watch();
+        let wake = flow.clone();
+        let mut stop = self.stop.clone();
+        self.tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    c = changes.changed() => if c.is_err() { return },
+                    _ = stop.changed() => return,
+                }
+                wake.capacity_freed();
+            }
+        }));
+        Some(flow)
+    }
+}
