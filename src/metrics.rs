@@ -269,134 +269,165 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let mut registry = Registry::with_prefix("kvepp");
-        let requests = Family::<RequestLabels, Counter>::default();
+        let m = Metrics {
+            registry: Mutex::new(Registry::with_prefix("kvepp")),
+            requests: Family::<RequestLabels, Counter>::default(),
+            prepare_steps: PrepareSteps::default(),
+            pick_duration: Histogram::new(exponential_buckets(1e-6, 2.0, 22)),
+            ready_endpoints: Gauge::default(),
+            http_unauthorized: Counter::default(),
+            grpc_connections_refused: Counter::default(),
+            runtime_alive_tasks: Gauge::default(),
+            pd_pairs: Family::<PairLabels, Counter>::default(),
+            pd_cross_domain: Counter::default(),
+            in_flight: Gauge::default(),
+            rejected: Family::<ReasonLabels, Counter>::default(),
+            manifest_errors: Counter::default(),
+            served_elsewhere: Counter::default(),
+            prefix_mode: Family::<ModeLabels, Counter>::default(),
+            repicks: Counter::default(),
+            load_bounded: Counter::default(),
+            kv: KvEventMetrics::default(),
+            engine_scrape_errors: Counter::default(),
+            watch: WatchMetrics::default(),
+            catalog_invalid: Counter::default(),
+            metadata_missing: Family::<EndpointLabels, Gauge>::default(),
+            prefix_blocks: Family::<ModeLabels, Counter>::default(),
+            prefix_matched_blocks: Family::<ModeLabels, Counter>::default(),
+            prompt_hash_blocks: Family::<HashSourceLabels, Counter>::default(),
+            cache_lookups: Family::<CacheLabels, Counter>::default(),
+            tokenizer_calls: Family::<ModelLabels, Counter>::default(),
+            tokenizer_cpu: Family::<ModelLabels, Counter<f64, AtomicU64>>::default(),
+            endpoint_in_flight: Family::<EndpointLabels, Gauge>::default(),
+            flow: FlowMetrics::default(),
+            tokenizer_sources: TokenizerSources::default(),
+        };
+        {
+            let mut registry = m.registry.lock();
+            m.register_requests(&mut registry);
+            m.register_kv_events(&mut registry);
+            m.register_discovery_and_engines(&mut registry);
+            m.register_prefixes_and_flow(&mut registry);
+        }
+        Arc::new(m)
+    }
+
+    /// The request path's families (the ext_proc door) and the servers'.
+    fn register_requests(&self, registry: &mut Registry) {
         registry.register(
             "requests",
             "Requests by model, target model, endpoint and status code",
-            requests.clone(),
+            self.requests.clone(),
         );
-        let prepare_steps = PrepareSteps::default();
         registry.register(
             "request_preparation_steps",
             "Steps of preparing requests for routing (parse, tokenize, hash), each once per request",
-            prepare_steps.0.clone(),
+            self.prepare_steps.0.clone(),
         );
-        let pick_duration = Histogram::new(exponential_buckets(1e-6, 2.0, 22));
         registry.register(
             "pick_duration_seconds",
             "Time from complete request (headers or body) to the pick",
-            pick_duration.clone(),
+            self.pick_duration.clone(),
         );
-        let ready_endpoints = Gauge::default();
         registry.register(
             "ready_endpoints",
             "Ready endpoints in the pool",
-            ready_endpoints.clone(),
+            self.ready_endpoints.clone(),
         );
-        let http_unauthorized = Counter::default();
         registry.register(
             "http_unauthorized_requests",
             "HTTP requests refused with 401 (missing or wrong bearer token)",
-            http_unauthorized.clone(),
+            self.http_unauthorized.clone(),
         );
-        let grpc_connections_refused = Counter::default();
         registry.register(
             "grpc_connections_refused",
             "ext_proc connections closed before serving: refused plaintext, failed or slow TLS handshake",
-            grpc_connections_refused.clone(),
+            self.grpc_connections_refused.clone(),
         );
-        let runtime_alive_tasks = Gauge::default();
         registry.register(
             "runtime_alive_tasks",
             "Tasks alive in kvepp's async runtime, read at each scrape",
-            runtime_alive_tasks.clone(),
+            self.runtime_alive_tasks.clone(),
         );
-        let pd_pairs = Family::<PairLabels, Counter>::default();
         registry.register(
             "pd_pairs",
             "Disaggregated picks by the prefill and decode workers' topology domains",
-            pd_pairs.clone(),
+            self.pd_pairs.clone(),
         );
-        let pd_cross_domain = Counter::default();
         registry.register(
             "pd_cross_domain",
             "Disaggregated picks sent across topology domains (kv_transfer_mismatch_policy fallback)",
-            pd_cross_domain.clone(),
+            self.pd_cross_domain.clone(),
         );
-        let in_flight = Gauge::default();
         registry.register(
             "in_flight_requests",
             "Requests routed and not yet finished",
-            in_flight.clone(),
+            self.in_flight.clone(),
         );
-        let rejected = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "rejected_requests",
             "Requests answered by the EPP itself, by reason",
-            rejected.clone(),
+            self.rejected.clone(),
         );
-        let manifest_errors = Counter::default();
         registry.register(
             "manifest_errors",
             "Manifest file versions that failed to parse",
-            manifest_errors.clone(),
+            self.manifest_errors.clone(),
         );
-        let served_elsewhere = Counter::default();
         registry.register(
             "served_elsewhere",
             "Requests the proxy reports served by another endpoint than the primary pick",
-            served_elsewhere.clone(),
+            self.served_elsewhere.clone(),
         );
-        let prefix_mode = Family::<ModeLabels, Counter>::default();
         registry.register(
             "kv_prefix_mode",
             "KV-aware picks by how the prompt prefix was found (token_ids, tokens, approximate, none)",
-            prefix_mode.clone(),
+            self.prefix_mode.clone(),
         );
-        let repicks = Counter::default();
         registry.register(
             "kv_repicks",
             "KV-aware picks made again because the chosen endpoint's load changed before the booking (a concurrent pick booked it or a request there ended)",
-            repicks.clone(),
+            self.repicks.clone(),
         );
-        let load_bounded = Counter::default();
         registry.register(
             "kv_load_bounded_picks",
             "KV-aware picks where bounded loads (router.load_bound) passed over a cheaper endpoint holding more than its share of requests",
-            load_bounded.clone(),
+            self.load_bounded.clone(),
         );
-        let kv = KvEventMetrics::default();
+    }
+
+    /// KV-event ingestion and the prefix index.
+    fn register_kv_events(&self, registry: &mut Registry) {
         for (name, help, metric) in [
             (
                 "kv_event_undecodable",
                 "KV-event messages that could not be decoded (dropped)",
-                &kv.undecodable,
+                &self.kv.undecodable,
             ),
             (
                 "kv_event_lost_batches",
                 "KV-event batches missed and not replayable",
-                &kv.lost_batches,
+                &self.kv.lost_batches,
             ),
             (
                 "kv_event_publisher_restarts",
                 "KV-event publishers seen restarting (their blocks cleared)",
-                &kv.publisher_restarts,
+                &self.kv.publisher_restarts,
             ),
             (
                 "kv_event_publishers_without_replay",
                 "KV-event subscriptions whose publisher has no replay socket (no catch-up)",
-                &kv.without_replay,
+                &self.kv.without_replay,
             ),
             (
                 "kv_event_blocks_stored",
                 "Blocks stored by KV events",
-                &kv.blocks_stored,
+                &self.kv.blocks_stored,
             ),
             (
                 "kv_event_blocks_removed",
                 "Blocks removed by KV events",
-                &kv.blocks_removed,
+                &self.kv.blocks_removed,
             ),
         ] {
             registry.register(name, help, metric.clone());
@@ -404,70 +435,70 @@ impl Metrics {
         registry.register(
             "kv_event_batches",
             "KV-event batches applied, by endpoint",
-            kv.batches.clone(),
+            self.kv.batches.clone(),
         );
         registry.register(
             "kv_events_dropped",
             "KV events not applied, by reason",
-            kv.dropped.clone(),
+            self.kv.dropped.clone(),
         );
         for (name, help, metric) in [
             (
                 "kv_index_blocks",
                 "Distinct blocks in the KV prefix index",
-                &kv.index_blocks,
+                &self.kv.index_blocks,
             ),
             (
                 "kv_index_pairs",
                 "(block, worker rank) pairs in the KV prefix index",
-                &kv.index_pairs,
+                &self.kv.index_pairs,
             ),
             (
                 "kv_index_memory_bytes",
                 "Bytes held by the KV prefix index's tables",
-                &kv.index_memory_bytes,
+                &self.kv.index_memory_bytes,
             ),
             (
                 "kv_event_subscriptions",
                 "KV-event subscriptions running",
-                &kv.subscriptions,
+                &self.kv.subscriptions,
             ),
             (
                 "kv_block_size",
                 "Tokens per KV block in use (configured, or learned from the engines)",
-                &kv.block_size,
+                &self.kv.block_size,
             ),
         ] {
             registry.register(name, help, metric.clone());
         }
-        let engine_scrape_errors = Counter::default();
+    }
+
+    /// Discovery, engine scraping and metadata, and the build.
+    fn register_discovery_and_engines(&self, registry: &mut Registry) {
         registry.register(
             "engine_metrics_scrape_errors",
             "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
-            engine_scrape_errors.clone(),
+            self.engine_scrape_errors.clone(),
         );
-        let watch = WatchMetrics::default();
         registry.register(
             "discovery_watch_errors",
             "Kubernetes list/watch errors, by resource (each is retried with backoff)",
-            watch.errors.clone(),
+            self.watch.errors.clone(),
         );
         registry.register(
             "discovery_relists",
             "Kubernetes full lists, by resource (start, 410 Gone, or failed watch)",
-            watch.relists.clone(),
+            self.watch.relists.clone(),
         );
-        let catalog_invalid = Counter::default();
         registry.register(
             "catalog_invalid_objects",
             "InferencePool/InferenceModel objects from the API server that kvepp could not use",
-            catalog_invalid.clone(),
+            self.catalog_invalid.clone(),
         );
-        let metadata_missing = Family::<EndpointLabels, Gauge>::default();
         registry.register(
             "endpoint_metadata_missing",
             "1 while an endpoint's /metadata cannot be fetched (routed with defaults)",
-            metadata_missing.clone(),
+            self.metadata_missing.clone(),
         );
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
@@ -476,100 +507,63 @@ impl Metrics {
             ("commit", env!("KVEPP_GIT_SHA")),
         ])
         .set(1);
-        let prefix_blocks = Family::<ModeLabels, Counter>::default();
+    }
+
+    /// Prefix matching, tokenizers, per-endpoint load and flow control.
+    fn register_prefixes_and_flow(&self, registry: &mut Registry) {
         registry.register(
             "kv_prefix_blocks",
             "Prompt KV blocks of KV-aware picks, by prefix mode",
-            prefix_blocks.clone(),
+            self.prefix_blocks.clone(),
         );
-        let prefix_matched_blocks = Family::<ModeLabels, Counter>::default();
         registry.register(
             "kv_prefix_matched_blocks",
             "Prompt KV blocks the picked endpoint had cached (device, host or disk), by prefix mode",
-            prefix_matched_blocks.clone(),
+            self.prefix_matched_blocks.clone(),
         );
-        let prompt_hash_blocks = Family::<HashSourceLabels, Counter>::default();
         registry.register(
             "kv_prompt_hash_blocks",
             "Full blocks of token prompts by how their hashes were found: reused from the recent \
              prompt that starts the same way, or hashed",
-            prompt_hash_blocks.clone(),
+            self.prompt_hash_blocks.clone(),
         );
-        let cache_lookups = Family::<CacheLabels, Counter>::default();
         registry.register(
             "tokenizer_cache_lookups",
             "Lookups in a model's tokenizer caches (messages: chat messages as template values; \
              segments: token ids of the text between added tokens), by result",
-            cache_lookups.clone(),
+            self.cache_lookups.clone(),
         );
-        let tokenizer_calls = Family::<ModelLabels, Counter>::default();
         registry.register(
             "tokenizer_calls",
             "Calls into a model's tokenizer (a completions prompt, or a chat segment the segment \
              cache did not hold)",
-            tokenizer_calls.clone(),
+            self.tokenizer_calls.clone(),
         );
-        let tokenizer_cpu = Family::<ModelLabels, Counter<f64, AtomicU64>>::default();
         registry.register(
             "tokenizer_cpu_seconds",
             "CPU time the threads calling a model's tokenizer spent in it",
-            tokenizer_cpu.clone(),
+            self.tokenizer_cpu.clone(),
         );
-        let endpoint_in_flight = Family::<EndpointLabels, Gauge>::default();
         registry.register(
             "endpoint_in_flight_requests",
             "Requests in flight through kvepp, per ready endpoint",
-            endpoint_in_flight.clone(),
+            self.endpoint_in_flight.clone(),
         );
-        let flow = FlowMetrics::default();
         registry.register(
             "flow_control_queue_size",
             "Requests waiting in flow control's queue for capacity, by priority",
-            flow.queue_size.clone(),
+            self.flow.queue_size.clone(),
         );
         registry.register(
             "flow_control_queue_wait_seconds",
             "Time requests spent in flow control's queue, by priority",
-            flow.queue_wait.clone(),
+            self.flow.queue_wait.clone(),
         );
         registry.register(
             "flow_control_dequeued",
             "Requests that left flow control's queue, by outcome (dispatched, timeout, cancelled)",
-            flow.outcomes.clone(),
+            self.flow.outcomes.clone(),
         );
-        Arc::new(Metrics {
-            cache_lookups,
-            tokenizer_calls,
-            tokenizer_cpu,
-            tokenizer_sources: TokenizerSources::default(),
-            prompt_hash_blocks,
-            prefix_blocks,
-            prefix_matched_blocks,
-            endpoint_in_flight,
-            flow,
-            pd_pairs,
-            pd_cross_domain,
-            registry: Mutex::new(registry),
-            prepare_steps,
-            requests,
-            pick_duration,
-            ready_endpoints,
-            in_flight,
-            rejected,
-            manifest_errors,
-            served_elsewhere,
-            prefix_mode,
-            repicks,
-            load_bounded,
-            kv,
-            engine_scrape_errors,
-            watch,
-            catalog_invalid,
-            metadata_missing,
-            http_unauthorized,
-            grpc_connections_refused,
-            runtime_alive_tasks,
-        })
     }
 
     /// Registers a component's families (its names under the `kvepp_` prefix).

@@ -175,66 +175,7 @@ impl Config {
                 }
             }
         }
-        if let Some(m) = args.grpc_tls_mode {
-            cfg.grpc_tls.mode = m;
-        }
-        if let Some(p) = args.grpc_tls_accept_plaintext {
-            cfg.grpc_tls.accept_plaintext = p;
-        }
-        for (flag, slot) in [
-            (&args.grpc_tls_cert_file, &mut cfg.grpc_tls.cert_file),
-            (&args.grpc_tls_key_file, &mut cfg.grpc_tls.key_file),
-            (
-                &args.grpc_tls_client_ca_file,
-                &mut cfg.grpc_tls.client_ca_file,
-            ),
-            (&args.api_token_file, &mut cfg.api_token_file),
-        ] {
-            if flag.is_some() {
-                slot.clone_from(flag);
-            }
-        }
-        if args.block_size.is_some() {
-            cfg.block_size = args.block_size;
-        }
-        if args.replica_sync_bind.is_some() {
-            cfg.replica_sync.bind = args.replica_sync_bind.clone();
-        }
-        if args.replica_sync_advertise.is_some() {
-            cfg.replica_sync.advertise = args.replica_sync_advertise.clone();
-        }
-        if let Some(p) = &args.replica_sync_peers {
-            cfg.replica_sync.peers = p
-                .iter()
-                .map(|e| e.trim().to_owned())
-                .filter(|e| !e.is_empty())
-                .collect();
-        }
-        if let Some(p) = &args.indexer_peers {
-            cfg.replica_sync.indexer_peers = p
-                .iter()
-                .map(|e| e.trim().to_owned())
-                .filter(|e| !e.is_empty())
-                .collect();
-        }
-        if args.replica_sync_peers_service.is_some() {
-            cfg.replica_sync.peers_service = args.replica_sync_peers_service.clone();
-        }
-        if args.select_service_port.is_some() {
-            cfg.select_service_port = args.select_service_port;
-        }
-        if args.slot_tracker_port.is_some() {
-            cfg.slot_tracker_port = args.slot_tracker_port;
-        }
-        if let Some(v) = args.kv_events_enabled {
-            cfg.kv_events.enabled = v;
-        }
-        if let Some(v) = args.kv_events_port {
-            cfg.kv_events.port = v;
-        }
-        if args.kv_events_replay_port.is_some() {
-            cfg.kv_events.replay_port = args.kv_events_replay_port;
-        }
+        overlay_options(&mut cfg, args);
         // Dynamo's knobs from the environment override the file.
         match router_knobs_from_env(cfg.router, |k| std::env::var(k).ok()) {
             Ok(w) => cfg.router = w,
@@ -246,27 +187,6 @@ impl Config {
         if let Err(bad) = transfer_from_env(&mut cfg.disaggregation, |k| std::env::var(k).ok()) {
             errs.extend(bad);
         }
-        if args.endpoint_service.is_some() {
-            cfg.endpoint_service = args.endpoint_service.clone();
-        }
-        if args.endpoint_picker_service.is_some() {
-            cfg.endpoint_picker_service = args.endpoint_picker_service.clone();
-        }
-        if args.cluster_topology.is_some() {
-            cfg.cluster_topology = args.cluster_topology.clone();
-        }
-        if let Some(v) = args.flow_control {
-            cfg.flow_control.enabled = v;
-        }
-        if let Some(v) = args.flow_control_max_wait_ms {
-            cfg.flow_control.max_wait_ms = v;
-        }
-        if args.manifests_dir.is_some() {
-            cfg.manifests_dir = args.manifests_dir.clone();
-        }
-        if args.kubeconfig.is_some() {
-            cfg.kubeconfig = args.kubeconfig.clone();
-        }
         if let Err(bad) = cfg.validate() {
             errs.extend(bad);
         }
@@ -274,6 +194,91 @@ impl Config {
             return Err(ConfigError::Invalid(errs));
         }
         Ok(cfg)
+    }
+}
+
+/// The flags (and their variables) that set optional values and nested sections.
+fn overlay_options(cfg: &mut Config, args: &ServeArgs) {
+    if let Some(m) = args.grpc_tls_mode {
+        cfg.grpc_tls.mode = m;
+    }
+    if let Some(p) = args.grpc_tls_accept_plaintext {
+        cfg.grpc_tls.accept_plaintext = p;
+    }
+    for (flag, slot) in [
+        (&args.grpc_tls_cert_file, &mut cfg.grpc_tls.cert_file),
+        (&args.grpc_tls_key_file, &mut cfg.grpc_tls.key_file),
+        (
+            &args.grpc_tls_client_ca_file,
+            &mut cfg.grpc_tls.client_ca_file,
+        ),
+        (&args.api_token_file, &mut cfg.api_token_file),
+    ] {
+        if flag.is_some() {
+            slot.clone_from(flag);
+        }
+    }
+    if args.block_size.is_some() {
+        cfg.block_size = args.block_size;
+    }
+    if args.replica_sync_bind.is_some() {
+        cfg.replica_sync.bind = args.replica_sync_bind.clone();
+    }
+    if args.replica_sync_advertise.is_some() {
+        cfg.replica_sync.advertise = args.replica_sync_advertise.clone();
+    }
+    if let Some(p) = &args.replica_sync_peers {
+        cfg.replica_sync.peers = p
+            .iter()
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+    }
+    if let Some(p) = &args.indexer_peers {
+        cfg.replica_sync.indexer_peers = p
+            .iter()
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+    }
+    if args.replica_sync_peers_service.is_some() {
+        cfg.replica_sync.peers_service = args.replica_sync_peers_service.clone();
+    }
+    if args.select_service_port.is_some() {
+        cfg.select_service_port = args.select_service_port;
+    }
+    if args.slot_tracker_port.is_some() {
+        cfg.slot_tracker_port = args.slot_tracker_port;
+    }
+    if let Some(v) = args.kv_events_enabled {
+        cfg.kv_events.enabled = v;
+    }
+    if let Some(v) = args.kv_events_port {
+        cfg.kv_events.port = v;
+    }
+    if args.kv_events_replay_port.is_some() {
+        cfg.kv_events.replay_port = args.kv_events_replay_port;
+    }
+    if args.endpoint_service.is_some() {
+        cfg.endpoint_service = args.endpoint_service.clone();
+    }
+    if args.endpoint_picker_service.is_some() {
+        cfg.endpoint_picker_service = args.endpoint_picker_service.clone();
+    }
+    if args.cluster_topology.is_some() {
+        cfg.cluster_topology = args.cluster_topology.clone();
+    }
+    if let Some(v) = args.flow_control {
+        cfg.flow_control.enabled = v;
+    }
+    if let Some(v) = args.flow_control_max_wait_ms {
+        cfg.flow_control.max_wait_ms = v;
+    }
+    if args.manifests_dir.is_some() {
+        cfg.manifests_dir = args.manifests_dir.clone();
+    }
+    if args.kubeconfig.is_some() {
+        cfg.kubeconfig = args.kubeconfig.clone();
     }
 }
 
