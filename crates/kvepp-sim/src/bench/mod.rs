@@ -251,6 +251,44 @@ pub async fn run_policy(
     .await?;
     let dir = TempDir::new("bench-manifests");
     fleet.write_manifests(dir.path())?;
+    let kvepps = start_replicas(spec, policy, dir.path(), &fleet).await?;
+    wait_ready(spec, policy, &kvepps).await?;
+    // On an early return, dropping the replicas shuts them down.
+    let bootstrap = envoy_bootstrap(&kvepps)?;
+    let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
+    // The engines that answer clients (a prefill engine only answers its decode engines).
+    let answering: Vec<&crate::fleet::SimEngine> = fleet
+        .engines
+        .iter()
+        .filter(|e| e.layout.role.decodes())
+        .collect();
+    let start = Instant::now() + Duration::from_millis(100);
+    let handles = drive(spec, requests, &fleet, &answering, envoy.listener, start);
+    let restart_cleared_after = restart(spec, policy, &kvepps, &answering, start).await;
+    let records = collect(spec, requests, handles, start).await;
+    let engines = answering.iter().map(|e| e.name.clone()).collect();
+    if policy.cost_model() == CostModel::PredictedTtft {
+        log_learned_ttft(&kvepps[0]).await;
+    }
+    envoy.stop().await;
+    for kvepp in kvepps {
+        kvepp.stop().await;
+    }
+    drop(fleet);
+    Ok(Replay {
+        records,
+        engines,
+        restart_cleared_after,
+    })
+}
+
+/// The kvepp replicas of a run; with replica sync, each one's peers are the others.
+async fn start_replicas(
+    spec: &BenchSpec,
+    policy: Policy,
+    dir: &std::path::Path,
+    fleet: &Fleet,
+) -> Result<Vec<Kvepp>, BenchError> {
     // Replica sync endpoints on ports free a moment ago; each replica's peers are the others.
     let replicas = spec.replicas.max(1);
     let sync_ports: Vec<u16> = (0..replicas)
@@ -271,7 +309,7 @@ pub async fn run_policy(
         kvepps.push(
             Kvepp::start(
                 &base,
-                dir.path(),
+                dir,
                 &fleet.spec.pool_name,
                 policy,
                 spec.params.block_size,
@@ -279,9 +317,14 @@ pub async fn run_policy(
             .await?,
         );
     }
+    Ok(kvepps)
+}
+
+/// Waits until every replica sees every engine (and its role, and its KV events when used).
+async fn wait_ready(spec: &BenchSpec, policy: Policy, kvepps: &[Kvepp]) -> Result<(), BenchError> {
     let n = spec.engines as f64;
     let deadline = Duration::from_secs(30);
-    for kvepp in &kvepps {
+    for kvepp in kvepps {
         wait_until("kvepp ready with every engine", deadline, || async {
             (kvepp.metric("kvepp_ready_endpoints").await? >= n).then_some(())
         })
@@ -325,7 +368,11 @@ pub async fn run_policy(
             .map_err(BenchError::Kvepp)?;
         }
     }
-    // On an early return, dropping the replicas shuts them down.
+    Ok(())
+}
+
+/// Envoy's bootstrap with every replica as an endpoint of the `kvepp` cluster.
+fn envoy_bootstrap(kvepps: &[Kvepp]) -> Result<serde_yaml::Value, BenchError> {
     let mut bootstrap = EnvoyProcess::bootstrap()?;
     if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence_mut() {
         for c in clusters.iter_mut().filter(|c| c["name"] == "kvepp") {
@@ -344,15 +391,20 @@ pub async fn run_policy(
             }
         }
     }
-    let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
-    // The engines that answer clients (a prefill engine only answers its decode engines).
-    let answering: Vec<&crate::fleet::SimEngine> = fleet
-        .engines
-        .iter()
-        .filter(|e| e.layout.role.decodes())
-        .collect();
+    Ok(bootstrap)
+}
+
+/// Spawns one driver task per request: at its time (or after its previous turn's response), to
+/// Envoy or straight to an engine.
+fn drive(
+    spec: &BenchSpec,
+    requests: &[Request],
+    fleet: &Fleet,
+    answering: &[&crate::fleet::SimEngine],
+    listener: std::net::SocketAddr,
+    start: Instant,
+) -> Vec<tokio::task::JoinHandle<Record>> {
     let model = fleet.spec.params.model.clone();
-    let start = Instant::now() + Duration::from_millis(100);
     // A turn waits for the previous one's response.
     let mut done_tx: Vec<Option<oneshot::Sender<()>>> = (0..requests.len()).map(|_| None).collect();
     let mut done_rx: Vec<Option<oneshot::Receiver<()>>> =
@@ -369,7 +421,7 @@ pub async fn run_policy(
         let body = r.body(&model);
         let addr = match r.direct {
             Some(n) if !answering.is_empty() => answering[n % answering.len()].http,
-            _ => envoy.listener,
+            _ => listener,
         };
         let at = r.at.div_f64(spec.speed.max(1e-6));
         let (after, done) = (done_rx[i].take(), done_tx[i].take());
@@ -395,6 +447,18 @@ pub async fn run_policy(
             }
         }));
     }
+    handles
+}
+
+/// With a restart in the spec: restarts the first answering engine at its time; with KV events,
+/// how long kvepp took to drop its blocks.
+async fn restart(
+    spec: &BenchSpec,
+    policy: Policy,
+    kvepps: &[Kvepp],
+    answering: &[&crate::fleet::SimEngine],
+    start: Instant,
+) -> Option<Duration> {
     let mut restart_cleared_after = None;
     if let Some(at) = spec.restart_at {
         if let Some(e) = answering.first() {
@@ -420,6 +484,16 @@ pub async fn run_policy(
             }
         }
     }
+    restart_cleared_after
+}
+
+/// Every request's record, waiting at most the drain time after the last arrival.
+async fn collect(
+    spec: &BenchSpec,
+    requests: &[Request],
+    handles: Vec<tokio::task::JoinHandle<Record>>,
+    start: Instant,
+) -> Vec<Record> {
     let last_arrival = requests
         .iter()
         .filter(|r| r.after.is_none())
@@ -444,30 +518,115 @@ pub async fn run_policy(
             }
         }
     }
-    let engines = answering.iter().map(|e| e.name.clone()).collect();
-    if policy.cost_model() == CostModel::PredictedTtft {
-        // What each endpoint's TTFT model learned (replica 0).
-        if let Ok((_, text)) =
-            kvepp_test_support::client::fetch(kvepps[0].0.metrics, "/debug/endpoints").await
-        {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                tracing::info!(model = %v["ttft_model"], "learned TTFT model");
-                for e in v["endpoints"].as_array().into_iter().flatten() {
-                    tracing::info!(endpoint = %e["name"], speed = %e["ttft_speed_factor"], "learned speed factor");
-                }
+    records
+}
+
+/// What each endpoint's TTFT model learned (replica 0), in the log.
+async fn log_learned_ttft(kvepp: &Kvepp) {
+    // What each endpoint's TTFT model learned (replica 0).
+    if let Ok((_, text)) =
+        kvepp_test_support::client::fetch(kvepp.0.metrics, "/debug/endpoints").await
+    {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+            tracing::info!(model = %v["ttft_model"], "learned TTFT model");
+            for e in v["endpoints"].as_array().into_iter().flatten() {
+                tracing::info!(endpoint = %e["name"], speed = %e["ttft_speed_factor"], "learned speed factor");
             }
         }
     }
-    envoy.stop().await;
-    for kvepp in kvepps {
-        kvepp.stop().await;
+}
+
+/// The hit-ratio ceilings of a scenario: unlimited cache, and the fleet's KV capacity.
+fn ceilings_of(sc: &scenario::Scenario) -> report::Ceilings {
+    let bs = sc.params.block_size as usize;
+    let capacity_blocks = sc.params.total_kv_blocks * sc.engines as u64;
+    report::Ceilings {
+        infinite: workload::hit_ceiling(&sc.requests, bs),
+        capacity: workload::hit_ceiling_with_capacity(
+            &sc.requests,
+            bs,
+            usize::try_from(capacity_blocks).unwrap_or(usize::MAX),
+        ),
+        capacity_blocks,
     }
-    drop(fleet);
-    Ok(Replay {
-        records,
-        engines,
-        restart_cleared_after,
-    })
+}
+
+/// The run's spec for a scenario before a policy's own settings.
+fn base_spec(sc: &scenario::Scenario, args: &BenchArgs, kvepp: &Config) -> BenchSpec {
+    let disaggregated = args.prefill_engines > 0;
+    BenchSpec {
+        layout: if disaggregated {
+            let p = args.prefill_engines.min(sc.engines);
+            EngineLayout::disaggregated(p, sc.engines - p, &args.zones)
+        } else {
+            Vec::new()
+        },
+        engines: sc.engines,
+        params: sc.params.clone(),
+        envoy: args.envoy.clone(),
+        speed: sc.speed,
+        drain: Duration::from_secs_f64(args.drain),
+        kvepp: kvepp.clone(),
+        replicas: sc.replicas,
+        replica_sync: false,
+        restart_at: sc.restart_at,
+    }
+}
+
+/// The restart line of a policy: turns of conversations that lived on the restarted engine sent
+/// back to it, and when kvepp dropped its blocks.
+fn restart_note(
+    sc: &scenario::Scenario,
+    name: &str,
+    policy: Policy,
+    (at, engine): (Duration, &String),
+    records: &[Record],
+    restart_cleared_after: Option<Duration>,
+) -> String {
+    let at = at.div_f64(sc.speed.max(1e-6));
+    let (orphans, back) = orphaned_turns(&sc.requests, records, engine, at);
+    let cleared = match (policy.uses_kv_events(), restart_cleared_after) {
+        (false, _) => String::new(),
+        (true, Some(d)) => format!(
+            "; kvepp dropped its blocks {} ms after the restart",
+            d.as_millis()
+        ),
+        (true, None) => "; kvepp had not dropped its blocks 5 s after the restart".into(),
+    };
+    format!(
+        "- {name}: {back} of {orphans} turns whose conversation lived on the restarted engine were sent back to it{cleared}\n"
+    )
+}
+
+/// Writes `results.md`, `requests.csv`, `results.json` and the chart; returns each workload's
+/// results.
+#[allow(clippy::type_complexity)]
+fn write_outputs(
+    args: &BenchArgs,
+    all: &[(String, String, report::Ceilings, Vec<PolicyResult>)],
+    md: &str,
+    csv: &str,
+) -> Result<Vec<(String, Vec<PolicyResult>)>, BenchError> {
+    let io = |e: std::io::Error| BenchError::Io(e.to_string());
+    println!("{md}");
+    std::fs::write(args.out.join("results.md"), md).map_err(io)?;
+    std::fs::write(args.out.join("requests.csv"), csv).map_err(io)?;
+    let json: Vec<serde_json::Value> = all
+        .iter()
+        .map(|(k, t, c, r)| {
+            serde_json::json!({"workload": k, "title": t, "ceilings": c, "results": r})
+        })
+        .collect();
+    let json = serde_json::to_string_pretty(&json).map_err(|e| BenchError::Io(e.to_string()))?;
+    std::fs::write(args.out.join("results.json"), json).map_err(io)?;
+    let short: Vec<(String, Vec<PolicyResult>)> = all
+        .iter()
+        .map(|(k, _, _, r)| (k.clone(), r.clone()))
+        .collect();
+    if let Err(e) = report::chart(&args.out.join("routing.png"), &short) {
+        eprintln!("chart not written: {e}");
+    }
+    Ok(short)
 }
 
 fn failed(error: String) -> Record {
@@ -579,17 +738,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
     let mut csv = String::from(report::CSV_HEADER);
     for kind in &args.workload {
         let sc = scenario(*kind, &args)?;
-        let bs = sc.params.block_size as usize;
-        let capacity_blocks = sc.params.total_kv_blocks * sc.engines as u64;
-        let ceilings = report::Ceilings {
-            infinite: workload::hit_ceiling(&sc.requests, bs),
-            capacity: workload::hit_ceiling_with_capacity(
-                &sc.requests,
-                bs,
-                usize::try_from(capacity_blocks).unwrap_or(usize::MAX),
-            ),
-            capacity_blocks,
-        };
+        let ceilings = ceilings_of(&sc);
         eprintln!(
             "== {}: {} requests, hit ceiling {:.1}% (with the fleet's KV capacity {:.1}%)",
             sc.title,
@@ -598,23 +747,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
             ceilings.capacity * 100.0
         );
         let disaggregated = args.prefill_engines > 0;
-        let spec = BenchSpec {
-            layout: if disaggregated {
-                let p = args.prefill_engines.min(sc.engines);
-                EngineLayout::disaggregated(p, sc.engines - p, &args.zones)
-            } else {
-                Vec::new()
-            },
-            engines: sc.engines,
-            params: sc.params.clone(),
-            envoy: args.envoy.clone(),
-            speed: sc.speed,
-            drain: Duration::from_secs_f64(args.drain),
-            kvepp: kvepp.clone(),
-            replicas: sc.replicas,
-            replica_sync: false,
-            restart_at: sc.restart_at,
-        };
+        let spec = base_spec(&sc, &args, &kvepp);
         let modes: Vec<Option<Topology>> = if disaggregated {
             args.topology.iter().copied().map(Some).collect()
         } else {
@@ -665,20 +798,13 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                         .unwrap_or_default()
                 );
                 if let (Some(at), Some(engine)) = (sc.restart_at, engines.first()) {
-                    let at = at.div_f64(sc.speed.max(1e-6));
-                    let (orphans, back) = orphaned_turns(&sc.requests, &records, engine, at);
-                    let cleared = match (policy.uses_kv_events(), restart_cleared_after) {
-                        (false, _) => String::new(),
-                        (true, Some(d)) => format!(
-                            "; kvepp dropped its blocks {} ms after the restart",
-                            d.as_millis()
-                        ),
-                        (true, None) => {
-                            "; kvepp had not dropped its blocks 5 s after the restart".into()
-                        }
-                    };
-                    let line = format!(
-                        "- {name}: {back} of {orphans} turns whose conversation lived on the restarted engine were sent back to it{cleared}\n"
+                    let line = restart_note(
+                        &sc,
+                        &name,
+                        policy,
+                        (at, engine),
+                        &records,
+                        restart_cleared_after,
                     );
                     eprint!("   {line}");
                     notes += &line;
@@ -693,23 +819,5 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
         md.push('\n');
         all.push((kind.name().to_owned(), sc.title, ceilings, results));
     }
-    println!("{md}");
-    std::fs::write(args.out.join("results.md"), &md).map_err(io)?;
-    std::fs::write(args.out.join("requests.csv"), &csv).map_err(io)?;
-    let json: Vec<serde_json::Value> = all
-        .iter()
-        .map(|(k, t, c, r)| {
-            serde_json::json!({"workload": k, "title": t, "ceilings": c, "results": r})
-        })
-        .collect();
-    let json = serde_json::to_string_pretty(&json).map_err(|e| BenchError::Io(e.to_string()))?;
-    std::fs::write(args.out.join("results.json"), json).map_err(io)?;
-    let short: Vec<(String, Vec<PolicyResult>)> = all
-        .iter()
-        .map(|(k, _, _, r)| (k.clone(), r.clone()))
-        .collect();
-    if let Err(e) = report::chart(&args.out.join("routing.png"), &short) {
-        eprintln!("chart not written: {e}");
-    }
-    Ok(short)
+    write_outputs(&args, &all, &md, &csv)
 }

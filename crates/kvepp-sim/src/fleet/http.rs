@@ -277,44 +277,64 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
     };
     let engine = HeaderValue::from_str(&a.name).unwrap_or(HeaderValue::from_static("sim"));
     if stream {
-        let body = Body::from_stream(futures::stream::unfold(
-            (rx, reply, include_usage, false),
-            |(mut rx, reply, usage, done)| async move {
-                if done {
-                    return None;
-                }
-                let (text, done) = match rx.recv().await {
-                    Some(Output::Tokens(n)) => (reply.chunk(n), false),
-                    Some(Output::Finished(u)) => {
-                        let mut s = String::new();
-                        if usage {
-                            s += &reply.usage_chunk(&u);
-                        }
-                        s += "data: [DONE]\n\n";
-                        (s, true)
-                    }
-                    // The engine dropped the request: end the stream.
-                    None => return None,
-                };
-                Some((
-                    Ok::<_, Infallible>(Bytes::from(text)),
-                    (rx, reply, usage, done),
-                ))
-            },
-        ));
-        let r = (
-            [
-                (
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("text/event-stream"),
-                ),
-                (header::HeaderName::from_static(ENGINE_HEADER), engine),
-            ],
-            body,
-        )
-            .into_response();
-        return with_prefilled_by(r, prefilled_by);
+        return with_prefilled_by(streamed(rx, reply, include_usage, engine), prefilled_by);
     }
+    whole(rx, reply, engine, prefilled_by).await
+}
+
+/// A streamed answer: one event per generated chunk, the usage chunk when asked for, `[DONE]`.
+fn streamed(
+    rx: mpsc::UnboundedReceiver<Output>,
+    reply: Reply,
+    include_usage: bool,
+    engine: HeaderValue,
+) -> Response {
+    let body = Body::from_stream(futures::stream::unfold(
+        (rx, reply, include_usage, false),
+        |(mut rx, reply, usage, done)| async move {
+            if done {
+                return None;
+            }
+            let (text, done) = match rx.recv().await {
+                Some(Output::Tokens(n)) => (reply.chunk(n), false),
+                Some(Output::Finished(u)) => {
+                    let mut s = String::new();
+                    if usage {
+                        s += &reply.usage_chunk(&u);
+                    }
+                    s += "data: [DONE]\n\n";
+                    (s, true)
+                }
+                // The engine dropped the request: end the stream.
+                None => return None,
+            };
+            Some((
+                Ok::<_, Infallible>(Bytes::from(text)),
+                (rx, reply, usage, done),
+            ))
+        },
+    ));
+    let r = (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (header::HeaderName::from_static(ENGINE_HEADER), engine),
+        ],
+        body,
+    )
+        .into_response();
+    r
+}
+
+/// A whole answer, once the engine finished the request.
+async fn whole(
+    rx: mpsc::UnboundedReceiver<Output>,
+    reply: Reply,
+    engine: HeaderValue,
+    prefilled_by: Option<SocketAddr>,
+) -> Response {
     let mut rx = rx;
     let mut n = 0u32;
     while let Some(o) = rx.recv().await {
