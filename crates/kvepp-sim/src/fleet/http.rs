@@ -314,7 +314,7 @@ fn streamed(
             ))
         },
     ));
-    let r = (
+    (
         [
             (
                 header::CONTENT_TYPE,
@@ -324,8 +324,7 @@ fn streamed(
         ],
         body,
     )
-        .into_response();
-    r
+        .into_response()
 }
 
 /// A whole answer, once the engine finished the request.
