@@ -24,11 +24,10 @@ use tokio::sync::watch;
 use crate::api::auth::{Access, ApiToken};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
-use crate::config::services::comma_list;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::replica::observer::PublishBookings;
-use crate::replica::peers::SharedPeers;
+use crate::replica::peers::{parse_list, SharedPeers};
 use crate::replica::sink::{CatalogSink, Ids};
 use crate::replica::Replica;
 use kvepp_core::catalog::{Catalog, Limits, Scope};
@@ -143,13 +142,13 @@ impl SelectArgs {
         s.threads = self.threads.unwrap_or(s.threads);
         s.host = self.host.unwrap_or(s.host);
         if let Some(v) = &self.indexer_peers {
-            s.indexer_peers = comma_list(v);
+            s.indexer_peers = parse_list(Some(v));
         }
         if self.replica_sync_port.is_some() {
             s.replica_sync_port = self.replica_sync_port;
         }
         if let Some(v) = &self.replica_sync_peers {
-            s.replica_sync_peers = comma_list(v);
+            s.replica_sync_peers = parse_list(Some(v));
         }
         cfg.validate_select_service()
             .map_err(|errs| invalid(errs.iter().map(ToString::to_string)))?;
@@ -173,7 +172,7 @@ impl SlotTrackerArgs {
             }
         }
         if let Some(v) = &self.replica_sync_peers {
-            s.replica_sync_peers = comma_list(v);
+            s.replica_sync_peers = parse_list(Some(v));
         }
         cfg.validate_slot_tracker()
             .map_err(|errs| invalid(errs.iter().map(ToString::to_string)))?;

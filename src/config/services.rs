@@ -192,15 +192,6 @@ impl Config {
     }
 }
 
-/// Splits a comma-separated flag value (`a,b,c`) into its items (empty ones skipped).
-pub fn comma_list(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

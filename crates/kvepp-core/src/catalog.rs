@@ -607,13 +607,9 @@ impl Catalog {
         prefill_tokens: u64,
         now: Instant,
     ) -> Result<(), CatalogError> {
-        let prompt = PromptRef {
-            hashes,
-            isl_tokens: prefill_tokens,
-        };
-        let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
+        let (tracker, prompt) = self.check_given(scope, rank, hashes, prefill_tokens)?;
         let key = Key::scoped(scope, id);
-        self.book_on(scope, tracker, key, rank, prompt, prefill, now)
+        self.book_on(scope, tracker, key, rank, prompt, prefill_tokens, now)
     }
 
     /// The transaction with `rank`'s candidate alone, booking `prefill` tokens under `key`.
@@ -653,6 +649,21 @@ impl Catalog {
             .map_err(|e| pick_error(scope, e))?;
         map.insert(key, Held::local(scope, d.booking));
         Ok(())
+    }
+
+    /// [`Self::check_booking`] of a booking whose prefill tokens are given (the whole input).
+    fn check_given<'a>(
+        &self,
+        scope: &Scope,
+        rank: WorkerRank,
+        hashes: &'a [SequenceHash],
+        prefill_tokens: u64,
+    ) -> Result<(&Tracker, PromptRef<'a>), CatalogError> {
+        let prompt = PromptRef {
+            hashes,
+            isl_tokens: prefill_tokens,
+        };
+        Ok((self.check_booking(scope, rank, prompt, None)?.0, prompt))
     }
 
     fn check_booking(
@@ -699,11 +710,7 @@ impl Catalog {
         scoped: bool,
         now: Instant,
     ) -> Result<(), CatalogError> {
-        let prompt = PromptRef {
-            hashes,
-            isl_tokens: prefill_tokens,
-        };
-        let (tracker, prefill) = self.check_booking(scope, rank, prompt, None)?;
+        let (tracker, _) = self.check_given(scope, rank, hashes, prefill_tokens)?;
         let key = if scoped {
             Key::scoped(scope, id)
         } else {
@@ -711,7 +718,7 @@ impl Catalog {
         };
         let mut map = self.reservations.lock();
         self.check_room(&map, &key)?;
-        tracker.kv.reserve(id, rank, hashes, prefill, now)?;
+        tracker.kv.reserve(id, rank, hashes, prefill_tokens, now)?;
         map.insert(key, Held::peer(scope));
         Ok(())
     }
