@@ -142,8 +142,11 @@ def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connection
 
 
 def main():
+    global KVEPP
     ap = argparse.ArgumentParser()
     ap.add_argument("--envoy", required=True)
+    ap.add_argument("--kvepp-bin", default=KVEPP,
+                    help="the kvepp binary measured (e.g. another build's, to compare two in one session)")
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8, help="wrk connections")
@@ -153,6 +156,7 @@ def main():
     ap.add_argument("--mode", default="FULL_DUPLEX_STREAMED", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
     ap.add_argument("--sizes", default="4096,409600")
     args = ap.parse_args()
+    KVEPP = args.kvepp_bin
 
     processes = Stack("kvepp-bench-")
     tmp, spawn = processes.work, processes.spawn

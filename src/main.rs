@@ -51,7 +51,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let listeners = kvepp::server::Listeners::bind(&cfg).await?;
             kvepp::server::run(cfg, listeners, shutdown_signal()).await?;
         }
-        Command::WorkerAgent(args) => kvepp::agent::main(args).await?,
+        Command::WorkerAgent(args) => {
+            // With a configuration file, its `worker_agent` section under the flags.
+            let args = match &args.config {
+                Some(_) => kvepp::config::agent::agent_args(std::env::args_os().skip(2).collect())?,
+                None => args,
+            };
+            kvepp::agent::main(args).await?
+        }
         Command::Config(args) => {
             let cfg = Config::load(&args)?;
             print!("{}", serde_yaml::to_string(&cfg)?);

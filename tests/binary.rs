@@ -447,6 +447,46 @@ fn worker_agent_exits_naming_the_topology_file_that_never_appeared() {
     assert!(err.contains("DYN_TOPOLOGY_ENABLED"), "{err}");
 }
 
+/// The worker-agent reads its flags from the configuration tree's `worker_agent` section (the
+/// same file as `kvepp serve`'s), under the environment and the command line.
+#[test]
+fn worker_agent_takes_its_flags_from_the_config_file() {
+    let dir = TempDir::new("agent-config");
+    let file = dir.path().join("kvepp.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "pool_name: pool\nworker_agent:\n  component: pool\n  registry: manifests\n  manifests_dir: {d}\n  topology_dir: {d}\n  topology_enabled: true\n  topology_level: rack\n  topology_wait_seconds: 0\n  listen: 127.0.0.1:0\n",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["worker-agent", "--config"])
+            .arg(&file)
+            .args(extra)
+            .env_remove("DYN_TOPOLOGY_ENABLED")
+            .env_remove("DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "must exit non-zero");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // Everything from the file: it waits for the file's level and names it.
+    let err = run(&[]);
+    let rack = dir.path().join("rack").display().to_string();
+    assert!(err.contains(&rack), "the file's level, {rack}:\n{err}");
+    // A flag overrides the file.
+    let err = run(&["--topology-level", "zone"]);
+    let zone = dir.path().join("zone").display().to_string();
+    assert!(err.contains(&zone), "the flag's level, {zone}:\n{err}");
+    // A key that is no flag is refused, naming it.
+    std::fs::write(&file, "worker_agent: {no_such_flag: 1}\n").unwrap();
+    let err = run(&[]);
+    assert!(err.contains("no_such_flag"), "{err}");
+}
+
 #[test]
 fn dynamo_topology_variables_reach_the_router_config() {
     let bad = Command::new(BIN)

@@ -61,14 +61,20 @@ pub enum RegistryKind {
     Manifests,
 }
 
-/// Flags of `kvepp worker-agent`.
+/// Flags of `kvepp worker-agent` (and `kvepp-agent`). With `--config FILE`, the file's
+/// `worker_agent` section gives the flags by name, under the environment and the command line
+/// (`crate::config::agent`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentArgs {
+    /// Configuration file (YAML or JSON): its `worker_agent` section, the flags by name.
+    #[arg(long, env = "KVEPP_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Kubernetes namespace the instance registers in (the pod's own, from the Downward API).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     pub namespace: String,
-    /// The component: the Service that selects this pod (label `kvepp.io/component`).
-    #[arg(long, env = "KVEPP_COMPONENT")]
+    /// The component: the Service that selects this pod (label `kvepp.io/component`). Required
+    /// (here or in the `--config` file).
+    #[arg(long, env = "KVEPP_COMPONENT", default_value = "")]
     pub component: String,
     #[arg(long, value_enum, default_value = "kubernetes")]
     pub registry: RegistryKind,
@@ -169,6 +175,8 @@ pub enum AgentError {
     HealthUrl(String),
     #[error("--registry manifests needs --manifests-dir")]
     NoManifestsDir,
+    #[error("--component is required (or worker_agent.component in the --config file)")]
+    NoComponent,
     #[error("metadata file {path}: {message}")]
     MetadataFile { path: PathBuf, message: String },
     #[error("HTTP server: {0}")]
@@ -384,6 +392,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    if args.component.is_empty() {
+        return Err(AgentError::NoComponent);
+    }
     args.discover_place().await?;
     let interval = Duration::from_millis(args.check_interval_ms.max(10));
     let engine = Arc::new(EngineHealth::parse(

@@ -12,6 +12,12 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    kvepp::agent::main(Cli::parse().args).await?;
+    let args = Cli::parse().args;
+    // With a configuration file, its `worker_agent` section under the flags.
+    let args = match &args.config {
+        Some(_) => kvepp::config::agent::agent_args(std::env::args_os().skip(1).collect())?,
+        None => args,
+    };
+    kvepp::agent::main(args).await?;
     Ok(())
 }

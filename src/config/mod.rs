@@ -21,6 +21,7 @@ pub use crate::kv_events::KvEventsConfig;
 pub use crate::process::LogFormat;
 pub use crate::replica::ReplicaSyncConfig;
 
+pub mod agent;
 mod args;
 pub mod services;
 mod tls;
@@ -146,6 +147,9 @@ pub struct Config {
     pub select_service: services::SelectServiceConfig,
     /// `kvepp slot-tracker`: the standalone slot tracker.
     pub slot_tracker: services::SlotTrackerConfig,
+    /// `kvepp worker-agent` / `kvepp-agent`: the sidecar's flags by name (`component: pool`,
+    /// `engine_port: 8000`, `topology: [zone=a]`); see [`agent`].
+    pub worker_agent: std::collections::BTreeMap<String, serde_yaml::Value>,
 }
 
 impl Default for Config {
@@ -190,6 +194,7 @@ impl Default for Config {
             tokenizers: Default::default(),
             select_service: Default::default(),
             slot_tracker: Default::default(),
+            worker_agent: Default::default(),
         }
     }
 }
@@ -243,6 +248,9 @@ impl Config {
         // The standalone services' sections too: one file may configure every process.
         self.select_service.problems(&mut bad);
         self.slot_tracker.problems(&mut bad);
+        if let Err(ConfigError::Invalid(errs)) = agent::check_section(&self.worker_agent) {
+            errs.into_iter().for_each(|e| bad(e.field, e.message));
+        }
         if errs.is_empty() {
             Ok(())
         } else {
