@@ -67,77 +67,14 @@ pub struct ResourceLabels {
     pub resource: &'static str,
 }
 
-/// Kubernetes watches: errors and (re)lists, by watched resource.
-#[derive(Debug, Clone, Default)]
-pub struct WatchMetrics {
-    pub errors: Family<ResourceLabels, Counter>,
-    pub relists: Family<ResourceLabels, Counter>,
-}
-
-impl WatchMetrics {
-    pub fn error(&self, resource: &'static str) {
-        self.errors
-            .get_or_create(&ResourceLabels { resource })
-            .inc();
-    }
-    pub fn relist(&self, resource: &'static str) {
-        self.relists
-            .get_or_create(&ResourceLabels { resource })
-            .inc();
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct PriorityLabels {
     pub priority: i64,
 }
 
-/// Flow control: who waits, and for how long, by priority.
-#[derive(Debug, Clone)]
-pub struct FlowMetrics {
-    /// Requests waiting for capacity now.
-    pub queue_size: Family<PriorityLabels, Gauge>,
-    /// Time from queueing to leaving the queue (dispatched, shed, timed out or gone).
-    pub queue_wait: Family<PriorityLabels, Histogram, fn() -> Histogram>,
-    /// Requests that left the queue, by outcome (`dispatched`, `timeout`, `cancelled`).
-    pub outcomes: Family<OutcomeLabels, Counter>,
-}
-
-impl Default for FlowMetrics {
-    fn default() -> Self {
-        fn wait_buckets() -> Histogram {
-            Histogram::new(exponential_buckets(1e-3, 2.0, 18))
-        }
-        FlowMetrics {
-            queue_size: Family::default(),
-            queue_wait: Family::new_with_constructor(wait_buckets),
-            outcomes: Family::default(),
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ModeLabels {
     pub mode: &'static str,
-}
-
-/// KV-event ingestion, summed over every subscription.
-#[derive(Debug, Default)]
-pub struct KvEventMetrics {
-    pub batches: Family<EndpointLabels, Counter>,
-    pub undecodable: Counter,
-    pub lost_batches: Counter,
-    pub publisher_restarts: Counter,
-    /// Subscriptions whose publisher has no replay socket (no catch-up possible).
-    pub without_replay: Counter,
-    pub blocks_stored: Counter,
-    pub blocks_removed: Counter,
-    pub dropped: Family<ReasonLabels, Counter>,
-    pub index_blocks: Gauge,
-    pub index_pairs: Gauge,
-    pub index_memory_bytes: Gauge,
-    pub subscriptions: Gauge,
-    pub block_size: Gauge,
 }
 
 /// A cache's lookups by result.
@@ -247,9 +184,7 @@ pub struct Metrics {
     pub prefix_matched_blocks: Family<ModeLabels, Counter>,
     /// Requests in flight through kvepp per ready endpoint (set at each scrape).
     pub endpoint_in_flight: Family<EndpointLabels, Gauge>,
-    pub kv: KvEventMetrics,
     pub engine_scrape_errors: Counter,
-    pub watch: WatchMetrics,
     pub catalog_invalid: Counter,
     /// 1 while an endpoint's `/metadata` cannot be fetched (it is routed with defaults).
     pub metadata_missing: Family<EndpointLabels, Gauge>,
@@ -259,7 +194,6 @@ pub struct Metrics {
     pub grpc_connections_refused: Counter,
     /// Tasks alive in kvepp's runtime (set at each scrape; a leak shows as growth).
     pub runtime_alive_tasks: Gauge,
-    pub flow: FlowMetrics,
     /// Disaggregated picks (prefill worker → decode worker) by topology domains.
     pub pd_pairs: Family<PairLabels, Counter>,
     /// Disaggregated picks whose decode worker is outside the prefill worker's domain (fallback
@@ -287,9 +221,7 @@ impl Metrics {
             prefix_mode: Family::<ModeLabels, Counter>::default(),
             repicks: Counter::default(),
             load_bounded: Counter::default(),
-            kv: KvEventMetrics::default(),
             engine_scrape_errors: Counter::default(),
-            watch: WatchMetrics::default(),
             catalog_invalid: Counter::default(),
             metadata_missing: Family::<EndpointLabels, Gauge>::default(),
             prefix_blocks: Family::<ModeLabels, Counter>::default(),
@@ -299,15 +231,13 @@ impl Metrics {
             tokenizer_calls: Family::<ModelLabels, Counter>::default(),
             tokenizer_cpu: Family::<ModelLabels, Counter<f64, AtomicU64>>::default(),
             endpoint_in_flight: Family::<EndpointLabels, Gauge>::default(),
-            flow: FlowMetrics::default(),
             tokenizer_sources: TokenizerSources::default(),
         };
         {
             let mut registry = m.registry.lock();
             m.register_requests(&mut registry);
-            m.register_kv_events(&mut registry);
             m.register_discovery_and_engines(&mut registry);
-            m.register_prefixes_and_flow(&mut registry);
+            m.register_prefixes(&mut registry);
         }
         Arc::new(m)
     }
@@ -396,99 +326,12 @@ impl Metrics {
         );
     }
 
-    /// KV-event ingestion and the prefix index.
-    fn register_kv_events(&self, registry: &mut Registry) {
-        for (name, help, metric) in [
-            (
-                "kv_event_undecodable",
-                "KV-event messages that could not be decoded (dropped)",
-                &self.kv.undecodable,
-            ),
-            (
-                "kv_event_lost_batches",
-                "KV-event batches missed and not replayable",
-                &self.kv.lost_batches,
-            ),
-            (
-                "kv_event_publisher_restarts",
-                "KV-event publishers seen restarting (their blocks cleared)",
-                &self.kv.publisher_restarts,
-            ),
-            (
-                "kv_event_publishers_without_replay",
-                "KV-event subscriptions whose publisher has no replay socket (no catch-up)",
-                &self.kv.without_replay,
-            ),
-            (
-                "kv_event_blocks_stored",
-                "Blocks stored by KV events",
-                &self.kv.blocks_stored,
-            ),
-            (
-                "kv_event_blocks_removed",
-                "Blocks removed by KV events",
-                &self.kv.blocks_removed,
-            ),
-        ] {
-            registry.register(name, help, metric.clone());
-        }
-        registry.register(
-            "kv_event_batches",
-            "KV-event batches applied, by endpoint",
-            self.kv.batches.clone(),
-        );
-        registry.register(
-            "kv_events_dropped",
-            "KV events not applied, by reason",
-            self.kv.dropped.clone(),
-        );
-        for (name, help, metric) in [
-            (
-                "kv_index_blocks",
-                "Distinct blocks in the KV prefix index",
-                &self.kv.index_blocks,
-            ),
-            (
-                "kv_index_pairs",
-                "(block, worker rank) pairs in the KV prefix index",
-                &self.kv.index_pairs,
-            ),
-            (
-                "kv_index_memory_bytes",
-                "Bytes held by the KV prefix index's tables",
-                &self.kv.index_memory_bytes,
-            ),
-            (
-                "kv_event_subscriptions",
-                "KV-event subscriptions running",
-                &self.kv.subscriptions,
-            ),
-            (
-                "kv_block_size",
-                "Tokens per KV block in use (configured, or learned from the engines)",
-                &self.kv.block_size,
-            ),
-        ] {
-            registry.register(name, help, metric.clone());
-        }
-    }
-
     /// Discovery, engine scraping and metadata, and the build.
     fn register_discovery_and_engines(&self, registry: &mut Registry) {
         registry.register(
             "engine_metrics_scrape_errors",
             "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
             self.engine_scrape_errors.clone(),
-        );
-        registry.register(
-            "discovery_watch_errors",
-            "Kubernetes list/watch errors, by resource (each is retried with backoff)",
-            self.watch.errors.clone(),
-        );
-        registry.register(
-            "discovery_relists",
-            "Kubernetes full lists, by resource (start, 410 Gone, or failed watch)",
-            self.watch.relists.clone(),
         );
         registry.register(
             "catalog_invalid_objects",
@@ -509,8 +352,8 @@ impl Metrics {
         .set(1);
     }
 
-    /// Prefix matching, tokenizers, per-endpoint load and flow control.
-    fn register_prefixes_and_flow(&self, registry: &mut Registry) {
+    /// Prefix matching, tokenizers and per-endpoint load.
+    fn register_prefixes(&self, registry: &mut Registry) {
         registry.register(
             "kv_prefix_blocks",
             "Prompt KV blocks of KV-aware picks, by prefix mode",
@@ -548,21 +391,6 @@ impl Metrics {
             "endpoint_in_flight_requests",
             "Requests in flight through kvepp, per ready endpoint",
             self.endpoint_in_flight.clone(),
-        );
-        registry.register(
-            "flow_control_queue_size",
-            "Requests waiting in flow control's queue for capacity, by priority",
-            self.flow.queue_size.clone(),
-        );
-        registry.register(
-            "flow_control_queue_wait_seconds",
-            "Time requests spent in flow control's queue, by priority",
-            self.flow.queue_wait.clone(),
-        );
-        registry.register(
-            "flow_control_dequeued",
-            "Requests that left flow control's queue, by outcome (dispatched, timeout, cancelled)",
-            self.flow.outcomes.clone(),
         );
     }
 

@@ -305,7 +305,8 @@ pub async fn run_select_with(
     let state = Arc::new(SelectState::new(catalog.clone(), peers));
     let subs = tokio::spawn(crate::kv_events::apply::run_registered(
         state.subscriptions.subscribe(),
-        Metrics::new(),
+        // No metrics port here: counted, not exported.
+        Arc::default(),
         stop_rx.clone(),
     ));
     let expire = tokio::spawn(expire_loop(catalog, stop_rx));

@@ -163,12 +163,17 @@ fn grafana_dashboard_queries_only_exported_metrics() {
         .inc();
     m.endpoint_in_flight.get_or_create(&ep).set(1);
     m.count_prefix_blocks("tokens", 4, 2);
-    m.kv.batches.get_or_create(&ep).inc();
+    // KV-event ingestion registers its own counters.
+    let kv = kvepp::kv_events::apply::KvEventMetrics::default();
+    m.add(&kv);
+    kv.batches.get_or_create(&ep).inc();
     let p = PriorityLabels { priority: 0 };
-    m.flow.queue_size.get_or_create(&p).set(1);
-    m.flow.queue_wait.get_or_create(&p).observe(0.1);
-    m.flow
-        .outcomes
+    // Flow control registers its own counters.
+    let flow = kvepp::request::flow::FlowMetrics::default();
+    m.add(&flow);
+    flow.queue_size.get_or_create(&p).set(1);
+    flow.queue_wait.get_or_create(&p).observe(0.1);
+    flow.outcomes
         .get_or_create(&OutcomeLabels {
             outcome: "dispatched",
         })

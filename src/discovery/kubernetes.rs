@@ -35,7 +35,9 @@ use super::service::{
     InstanceStream, RegistryError, ServiceDiscovery, ServiceRegistry, COMPONENT_LABEL,
 };
 use super::Datastore;
-pub use crate::metrics::WatchMetrics;
+use crate::metrics::{Register, ResourceLabels};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 /// How the client finds the API server: an explicit kubeconfig file, else what every Kubernetes
 /// tool infers (`KUBECONFIG`, `~/.kube/config`, then the in-cluster service account).
@@ -52,6 +54,41 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, Discovery
         None => kube::Config::infer().await.map_err(|e| err(&e))?,
     };
     kube::Client::try_from(config).map_err(|e| err(&e))
+}
+
+/// Kubernetes watches: errors and (re)lists, by watched resource.
+#[derive(Debug, Clone, Default)]
+pub struct WatchMetrics {
+    pub errors: Family<ResourceLabels, Counter>,
+    pub relists: Family<ResourceLabels, Counter>,
+}
+
+impl WatchMetrics {
+    pub fn error(&self, resource: &'static str) {
+        self.errors
+            .get_or_create(&ResourceLabels { resource })
+            .inc();
+    }
+    pub fn relist(&self, resource: &'static str) {
+        self.relists
+            .get_or_create(&ResourceLabels { resource })
+            .inc();
+    }
+}
+
+impl Register for WatchMetrics {
+    fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "discovery_watch_errors",
+            "Kubernetes list/watch errors, by resource (each is retried with backoff)",
+            self.errors.clone(),
+        );
+        registry.register(
+            "discovery_relists",
+            "Kubernetes full lists, by resource (start, 410 Gone, or failed watch)",
+            self.relists.clone(),
+        );
+    }
 }
 
 /// What one watched kind looks like to its consumer.

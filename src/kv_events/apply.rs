@@ -19,12 +19,16 @@ use super::subscriber::{self, Delivery, Source, SubscriberStats, Timing};
 use super::KvEventsConfig;
 use super::{EventBatch, KvEvent};
 use crate::engine::metadata::{EngineMetadata, MetadataStore};
-use crate::metrics::{EndpointLabels, Metrics, ReasonLabels};
+use crate::metrics::{EndpointLabels, ReasonLabels, Register};
 use kvepp_core::hash::local_block_hashes;
 use kvepp_core::index::{IndexError, PrefixIndex};
 use kvepp_core::kv::KvState;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::Endpoint;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 /// What applying one batch did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -145,6 +149,103 @@ impl Drop for Running {
     }
 }
 
+/// KV-event ingestion, summed over every subscription.
+#[derive(Debug, Default)]
+pub struct KvEventMetrics {
+    pub batches: Family<EndpointLabels, Counter>,
+    pub undecodable: Counter,
+    pub lost_batches: Counter,
+    pub publisher_restarts: Counter,
+    /// Subscriptions whose publisher has no replay socket (no catch-up possible).
+    pub without_replay: Counter,
+    pub blocks_stored: Counter,
+    pub blocks_removed: Counter,
+    pub dropped: Family<ReasonLabels, Counter>,
+    pub index_blocks: Gauge,
+    pub index_pairs: Gauge,
+    pub index_memory_bytes: Gauge,
+    pub subscriptions: Gauge,
+    pub block_size: Gauge,
+}
+
+impl Register for KvEventMetrics {
+    fn register(&self, registry: &mut Registry) {
+        for (name, help, metric) in [
+            (
+                "kv_event_undecodable",
+                "KV-event messages that could not be decoded (dropped)",
+                &self.undecodable,
+            ),
+            (
+                "kv_event_lost_batches",
+                "KV-event batches missed and not replayable",
+                &self.lost_batches,
+            ),
+            (
+                "kv_event_publisher_restarts",
+                "KV-event publishers seen restarting (their blocks cleared)",
+                &self.publisher_restarts,
+            ),
+            (
+                "kv_event_publishers_without_replay",
+                "KV-event subscriptions whose publisher has no replay socket (no catch-up)",
+                &self.without_replay,
+            ),
+            (
+                "kv_event_blocks_stored",
+                "Blocks stored by KV events",
+                &self.blocks_stored,
+            ),
+            (
+                "kv_event_blocks_removed",
+                "Blocks removed by KV events",
+                &self.blocks_removed,
+            ),
+        ] {
+            registry.register(name, help, metric.clone());
+        }
+        registry.register(
+            "kv_event_batches",
+            "KV-event batches applied, by endpoint",
+            self.batches.clone(),
+        );
+        registry.register(
+            "kv_events_dropped",
+            "KV events not applied, by reason",
+            self.dropped.clone(),
+        );
+        for (name, help, metric) in [
+            (
+                "kv_index_blocks",
+                "Distinct blocks in the KV prefix index",
+                &self.index_blocks,
+            ),
+            (
+                "kv_index_pairs",
+                "(block, worker rank) pairs in the KV prefix index",
+                &self.index_pairs,
+            ),
+            (
+                "kv_index_memory_bytes",
+                "Bytes held by the KV prefix index's tables",
+                &self.index_memory_bytes,
+            ),
+            (
+                "kv_event_subscriptions",
+                "KV-event subscriptions running",
+                &self.subscriptions,
+            ),
+            (
+                "kv_block_size",
+                "Tokens per KV block in use (configured, or learned from the engines)",
+                &self.block_size,
+            ),
+        ] {
+            registry.register(name, help, metric.clone());
+        }
+    }
+}
+
 /// Keeps one subscription per publishing rank of every ready endpoint (re-subscribing when its
 /// metadata changes, stopping when it leaves the pool) and refreshes the index gauges.
 pub async fn run_manager(
@@ -152,7 +253,7 @@ pub async fn run_manager(
     mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
     cfg: KvEventsConfig,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvEventMetrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut subs: HashMap<Arc<str>, Running> = HashMap::new();
@@ -196,18 +297,14 @@ pub async fn run_manager(
         }
         loop {
             metrics
-                .kv
                 .subscriptions
                 .set(subs.values().map(|r| r.stops.len() as i64).sum());
-            metrics.kv.block_size.set(i64::from(kv.block_size()));
+            metrics.block_size.set(i64::from(kv.block_size()));
             {
                 let index = kv.index().read();
-                metrics.kv.index_blocks.set(index.block_count() as i64);
-                metrics.kv.index_pairs.set(index.pair_count() as i64);
-                metrics
-                    .kv
-                    .index_memory_bytes
-                    .set(index.memory_bytes() as i64);
+                metrics.index_blocks.set(index.block_count() as i64);
+                metrics.index_pairs.set(index.pair_count() as i64);
+                metrics.index_memory_bytes.set(index.memory_bytes() as i64);
             }
             tokio::select! {
                 r = pool.changed() => if r.is_err() { return } else { break },
@@ -245,7 +342,7 @@ impl Subscribe {
 /// missing ones stop (their blocks leave with their worker through the catalog).
 pub async fn run_registered(
     mut set: watch::Receiver<Vec<Subscribe>>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvEventMetrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut running: Vec<(Subscribe, watch::Sender<bool>)> = Vec::new();
@@ -278,7 +375,7 @@ pub async fn run_registered(
             ));
             running.push((w, stop_tx));
         }
-        metrics.kv.subscriptions.set(running.len() as i64);
+        metrics.subscriptions.set(running.len() as i64);
         tokio::select! {
             r = set.changed() => if r.is_err() { break },
             _ = shutdown.changed() => if *shutdown.borrow() { break },
@@ -303,7 +400,7 @@ async fn subscription(
     kv: Arc<KvState>,
     target: Target,
     source: Source,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvEventMetrics>,
     stop: watch::Receiver<bool>,
 ) {
     let Target {
@@ -356,36 +453,32 @@ async fn subscription(
                     let applied = kv
                         .index()
                         .write(|index| apply_batch(index, worker, rank, block_size, &batch));
-                    metrics.kv.batches.get_or_create(&labels).inc();
-                    metrics.kv.blocks_stored.inc_by(applied.stored);
-                    metrics.kv.blocks_removed.inc_by(applied.removed);
+                    metrics.batches.get_or_create(&labels).inc();
+                    metrics.blocks_stored.inc_by(applied.stored);
+                    metrics.blocks_removed.inc_by(applied.removed);
                     for reason in applied.dropped {
                         metrics
-                            .kv
                             .dropped
                             .get_or_create(&ReasonLabels { reason })
                             .inc();
                     }
                 }
                 Delivery::PublisherRestarted => {
-                    metrics.kv.publisher_restarts.inc();
+                    metrics.publisher_restarts.inc();
                     forget(&ranks);
                 }
                 Delivery::Lost { .. } => forget(&ranks),
             }
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
-        metrics
-            .kv
-            .undecodable
-            .inc_by(undecodable - seen_undecodable);
+        metrics.undecodable.inc_by(undecodable - seen_undecodable);
         seen_undecodable = undecodable;
         let lost = stats.lost.load(Ordering::Relaxed);
-        metrics.kv.lost_batches.inc_by(lost - seen_lost);
+        metrics.lost_batches.inc_by(lost - seen_lost);
         seen_lost = lost;
         if !counted_without_replay && stats.without_replay.load(Ordering::Relaxed) > 0 {
             counted_without_replay = true;
-            metrics.kv.without_replay.inc();
+            metrics.without_replay.inc();
         }
     }
     let _ = task.await;

@@ -26,7 +26,12 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch, Notify};
 
 use super::RouteRequest;
-use crate::metrics::{FlowMetrics, OutcomeLabels, PriorityLabels};
+use crate::metrics::{OutcomeLabels, PriorityLabels, Register};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 
 /// The request header that names a request's flow (the fairness key) by default.
 pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
@@ -93,6 +98,50 @@ impl FlowControlSettings {
             ));
         }
         out
+    }
+}
+
+/// Flow control: who waits, and for how long, by priority.
+#[derive(Debug, Clone)]
+pub struct FlowMetrics {
+    /// Requests waiting for capacity now.
+    pub queue_size: Family<PriorityLabels, Gauge>,
+    /// Time from queueing to leaving the queue (dispatched, shed, timed out or gone).
+    pub queue_wait: Family<PriorityLabels, Histogram, fn() -> Histogram>,
+    /// Requests that left the queue, by outcome (`dispatched`, `timeout`, `cancelled`).
+    pub outcomes: Family<OutcomeLabels, Counter>,
+}
+
+impl Default for FlowMetrics {
+    fn default() -> Self {
+        fn wait_buckets() -> Histogram {
+            Histogram::new(exponential_buckets(1e-3, 2.0, 18))
+        }
+        FlowMetrics {
+            queue_size: Family::default(),
+            queue_wait: Family::new_with_constructor(wait_buckets),
+            outcomes: Family::default(),
+        }
+    }
+}
+
+impl Register for FlowMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "flow_control_queue_size",
+            "Requests waiting in flow control's queue for capacity, by priority",
+            self.queue_size.clone(),
+        );
+        registry.register(
+            "flow_control_queue_wait_seconds",
+            "Time requests spent in flow control's queue, by priority",
+            self.queue_wait.clone(),
+        );
+        registry.register(
+            "flow_control_dequeued",
+            "Requests that left flow control's queue, by outcome (dispatched, timeout, cancelled)",
+            self.outcomes.clone(),
+        );
     }
 }
 

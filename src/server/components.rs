@@ -19,7 +19,9 @@ use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
 use crate::discovery::{Datastore, EndpointFacts, ManifestDir, ServiceDiscovery};
 use crate::engine::metadata::MetadataStore;
+use crate::kv_events::apply::KvEventMetrics;
 use crate::metrics::Metrics;
+use crate::request::flow::FlowMetrics;
 use crate::request::tokenize::ModelTokenizer;
 use crate::request::{FlowControl, RequestRouter, RouteRequest};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
@@ -59,10 +61,13 @@ impl Wiring {
                 tracing::info!(namespace = %self.cfg.pool_namespace, pool = %self.cfg.pool_name,
                     service = %self.cfg.endpoint_service(), "discovering from the Kubernetes API");
                 let invalid = self.metrics.catalog_invalid.clone();
+                // The watches register their own counters.
+                let watches = crate::discovery::kubernetes::WatchMetrics::default();
+                self.metrics.add(&watches);
                 let catalog = KubeCatalog {
                     client: client.clone(),
                     namespace: self.cfg.pool_namespace.clone(),
-                    metrics: self.metrics.watch.clone(),
+                    metrics: watches.clone(),
                     on_invalid: Box::new(move || {
                         invalid.inc();
                     }),
@@ -70,7 +75,7 @@ impl Wiring {
                 self.tasks.push(tokio::spawn(
                     catalog.run(self.store.clone(), self.stop.clone()),
                 ));
-                Arc::new(KubeDiscovery::new(client, self.metrics.watch.clone()))
+                Arc::new(KubeDiscovery::new(client, watches))
             }
         };
         Ok(discovery)
@@ -110,8 +115,11 @@ impl Wiring {
         health_service
     }
 
-    /// The KV-aware state (none for a load-only picker), with its KV-event subscriptions.
+    /// The KV-aware state (none for a load-only picker), with its KV-event subscriptions; their
+    /// counters are registered whatever the picker.
     pub fn kv_state(&mut self, md: &Arc<MetadataStore>) -> Option<Arc<KvState>> {
+        let kv_events = Arc::new(KvEventMetrics::default());
+        self.metrics.add(&*kv_events);
         match self.cfg.picker {
             PickerKind::LeastLoaded | PickerKind::RoundRobin => None,
             PickerKind::KvAware | PickerKind::ApproximatePrefix => {
@@ -138,7 +146,7 @@ impl Wiring {
                             self.store.watch(),
                             md.clone(),
                             self.cfg.kv_events.clone(),
-                            self.metrics.clone(),
+                            kv_events,
                             self.stop.clone(),
                         )));
                 }
@@ -286,16 +294,18 @@ impl Wiring {
     }
 
     /// Flow control, when enabled: it listens to the router's releases, and endpoints joining
-    /// the pool wake it too.
+    /// the pool wake it too. Its counters are registered whether it is enabled or not.
     pub fn flow_control(
         &mut self,
         router: &Arc<Router>,
         routing: &Arc<dyn RouteRequest>,
     ) -> Option<Arc<FlowControl>> {
+        let counters = FlowMetrics::default();
+        self.metrics.add(&counters);
         if !self.cfg.flow_control.enabled {
             return None;
         }
-        let flow = FlowControl::new(self.cfg.flow_control.clone(), self.metrics.flow.clone());
+        let flow = FlowControl::new(self.cfg.flow_control.clone(), counters);
         // Every booking's release wakes the dispatcher: capacity may have freed.
         router.listen(flow.clone());
         self.tasks.push(tokio::spawn(
