@@ -169,10 +169,8 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     pub prepare_steps: PrepareSteps,
     pub pick_duration: Histogram,
-    pub ready_endpoints: Gauge,
     pub in_flight: Gauge,
     pub rejected: Family<ReasonLabels, Counter>,
-    pub manifest_errors: Counter,
     pub served_elsewhere: Counter,
     pub prefix_mode: Family<ModeLabels, Counter>,
     /// KV-aware picks made again because the chosen endpoint's load changed before the booking.
@@ -184,10 +182,6 @@ pub struct Metrics {
     pub prefix_matched_blocks: Family<ModeLabels, Counter>,
     /// Requests in flight through kvepp per ready endpoint (set at each scrape).
     pub endpoint_in_flight: Family<EndpointLabels, Gauge>,
-    pub engine_scrape_errors: Counter,
-    pub catalog_invalid: Counter,
-    /// 1 while an endpoint's `/metadata` cannot be fetched (it is routed with defaults).
-    pub metadata_missing: Family<EndpointLabels, Gauge>,
     /// HTTP requests refused for a missing or wrong bearer token.
     pub http_unauthorized: Counter,
     /// ext_proc connections closed before serving (refused plaintext, failed TLS handshake).
@@ -208,7 +202,6 @@ impl Metrics {
             requests: Family::<RequestLabels, Counter>::default(),
             prepare_steps: PrepareSteps::default(),
             pick_duration: Histogram::new(exponential_buckets(1e-6, 2.0, 22)),
-            ready_endpoints: Gauge::default(),
             http_unauthorized: Counter::default(),
             grpc_connections_refused: Counter::default(),
             runtime_alive_tasks: Gauge::default(),
@@ -216,14 +209,10 @@ impl Metrics {
             pd_cross_domain: Counter::default(),
             in_flight: Gauge::default(),
             rejected: Family::<ReasonLabels, Counter>::default(),
-            manifest_errors: Counter::default(),
             served_elsewhere: Counter::default(),
             prefix_mode: Family::<ModeLabels, Counter>::default(),
             repicks: Counter::default(),
             load_bounded: Counter::default(),
-            engine_scrape_errors: Counter::default(),
-            catalog_invalid: Counter::default(),
-            metadata_missing: Family::<EndpointLabels, Gauge>::default(),
             prefix_blocks: Family::<ModeLabels, Counter>::default(),
             prefix_matched_blocks: Family::<ModeLabels, Counter>::default(),
             prompt_hash_blocks: Family::<HashSourceLabels, Counter>::default(),
@@ -236,7 +225,7 @@ impl Metrics {
         {
             let mut registry = m.registry.lock();
             m.register_requests(&mut registry);
-            m.register_discovery_and_engines(&mut registry);
+            m.register_build(&mut registry);
             m.register_prefixes(&mut registry);
         }
         Arc::new(m)
@@ -258,11 +247,6 @@ impl Metrics {
             "pick_duration_seconds",
             "Time from complete request (headers or body) to the pick",
             self.pick_duration.clone(),
-        );
-        registry.register(
-            "ready_endpoints",
-            "Ready endpoints in the pool",
-            self.ready_endpoints.clone(),
         );
         registry.register(
             "http_unauthorized_requests",
@@ -300,11 +284,6 @@ impl Metrics {
             self.rejected.clone(),
         );
         registry.register(
-            "manifest_errors",
-            "Manifest file versions that failed to parse",
-            self.manifest_errors.clone(),
-        );
-        registry.register(
             "served_elsewhere",
             "Requests the proxy reports served by another endpoint than the primary pick",
             self.served_elsewhere.clone(),
@@ -326,23 +305,8 @@ impl Metrics {
         );
     }
 
-    /// Discovery, engine scraping and metadata, and the build.
-    fn register_discovery_and_engines(&self, registry: &mut Registry) {
-        registry.register(
-            "engine_metrics_scrape_errors",
-            "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
-            self.engine_scrape_errors.clone(),
-        );
-        registry.register(
-            "catalog_invalid_objects",
-            "InferencePool/InferenceModel objects from the API server that kvepp could not use",
-            self.catalog_invalid.clone(),
-        );
-        registry.register(
-            "endpoint_metadata_missing",
-            "1 while an endpoint's /metadata cannot be fetched (routed with defaults)",
-            self.metadata_missing.clone(),
-        );
+    /// The build.
+    fn register_build(&self, registry: &mut Registry) {
         let info = Family::<[(&'static str, &'static str); 2], Gauge>::default();
         registry.register("build_info", "kvepp version and commit", info.clone());
         info.get_or_create(&[

@@ -25,7 +25,6 @@ use crate::api::auth::{Access, ApiToken};
 use crate::api::select::SelectState;
 use crate::api::slot_tracker::SlotTrackerState;
 use crate::config::Config;
-use crate::metrics::Metrics;
 use crate::replica::observer::PublishBookings;
 use crate::replica::peers::{parse_list, SharedPeers};
 use crate::replica::sink::{CatalogSink, Ids};
@@ -252,8 +251,8 @@ pub async fn start_replica(
         catalog: catalog.clone(),
         ids,
     });
+    // No metrics port here: replica sync's counters are kept, not exported.
     let stats = Arc::new(crate::replica::SyncStats::default());
-    Metrics::new().add(&*stats);
     let replica = crate::replica::start(bind, peers.subscribe(), sink, stats, stop.clone())
         .await
         .map_err(|e| ServiceError::Invalid(e.to_string()))?;

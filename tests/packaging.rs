@@ -163,6 +163,11 @@ fn grafana_dashboard_queries_only_exported_metrics() {
         .inc();
     m.endpoint_in_flight.get_or_create(&ep).set(1);
     m.count_prefix_blocks("tokens", 4, 2);
+    // Discovery and the engine readers register their own counters.
+    m.add(&kvepp::discovery::DiscoveryCounters::default());
+    let engines = kvepp::engine::EngineCounters::default();
+    m.add(&engines);
+    engines.metadata_missing.get_or_create(&ep).set(0);
     // KV-event ingestion registers its own counters.
     let kv = kvepp::kv_events::apply::KvEventMetrics::default();
     m.add(&kv);

@@ -426,6 +426,35 @@ pub async fn feed_instances(
     }
 }
 
+/// Discovery's counters, registered by discovery itself (`metrics::Register`): ready endpoints,
+/// manifest files that failed to parse, API objects that could not be used.
+#[derive(Debug, Clone, Default)]
+pub struct DiscoveryCounters {
+    pub ready_endpoints: prometheus_client::metrics::gauge::Gauge,
+    pub manifest_errors: prometheus_client::metrics::counter::Counter,
+    pub catalog_invalid: prometheus_client::metrics::counter::Counter,
+}
+
+impl crate::metrics::Register for DiscoveryCounters {
+    fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "ready_endpoints",
+            "Ready endpoints in the pool",
+            self.ready_endpoints.clone(),
+        );
+        registry.register(
+            "manifest_errors",
+            "Manifest file versions that failed to parse",
+            self.manifest_errors.clone(),
+        );
+        registry.register(
+            "catalog_invalid_objects",
+            "InferencePool/InferenceModel objects from the API server that kvepp could not use",
+            self.catalog_invalid.clone(),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -106,6 +106,32 @@ pub async fn get_with(
         })?
 }
 
+/// The engines' counters, registered by the engine readers themselves (`metrics::Register`):
+/// failed `/metrics` scrapes, endpoints whose `/metadata` cannot be fetched.
+#[derive(Debug, Clone, Default)]
+pub struct EngineCounters {
+    pub scrape_errors: prometheus_client::metrics::counter::Counter,
+    pub metadata_missing: prometheus_client::metrics::family::Family<
+        crate::metrics::EndpointLabels,
+        prometheus_client::metrics::gauge::Gauge,
+    >,
+}
+
+impl crate::metrics::Register for EngineCounters {
+    fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "engine_metrics_scrape_errors",
+            "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
+            self.scrape_errors.clone(),
+        );
+        registry.register(
+            "endpoint_metadata_missing",
+            "1 while an endpoint's /metadata cannot be fetched (routed with defaults)",
+            self.metadata_missing.clone(),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,15 +34,41 @@ pub(super) struct Wiring {
     pub store: Arc<Datastore>,
     pub stop: watch::Receiver<bool>,
     pub tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Discovery's and the engine readers' counters (registered by [`Wiring::new`]).
+    pub discovery: crate::discovery::DiscoveryCounters,
+    pub engines: crate::engine::EngineCounters,
 }
 
 impl Wiring {
+    /// The shared part of the components' start; discovery and the engine readers register
+    /// their counters here.
+    pub fn new(
+        cfg: Config,
+        metrics: Arc<Metrics>,
+        store: Arc<Datastore>,
+        stop: watch::Receiver<bool>,
+        discovery: crate::discovery::DiscoveryCounters,
+    ) -> Self {
+        let engines = crate::engine::EngineCounters::default();
+        metrics.add(&discovery);
+        metrics.add(&engines);
+        Wiring {
+            cfg,
+            metrics,
+            store,
+            stop,
+            tasks: Vec::new(),
+            discovery,
+            engines,
+        }
+    }
+
     /// Discovery: the catalog (pools, models) goes straight to the store; endpoints only through
     /// the returned [`ServiceDiscovery`].
     pub async fn discovery(&mut self) -> Result<Arc<dyn ServiceDiscovery>, ServerError> {
         let discovery: Arc<dyn ServiceDiscovery> = match &self.cfg.manifests_dir {
             Some(dir) => {
-                let errors = self.metrics.manifest_errors.clone();
+                let errors = self.discovery.manifest_errors.clone();
                 let source = ManifestDir::new(
                     dir,
                     Duration::from_millis(self.cfg.manifests_poll_ms),
@@ -60,7 +86,7 @@ impl Wiring {
                     crate::discovery::kubernetes::client(self.cfg.kubeconfig.as_deref()).await?;
                 tracing::info!(namespace = %self.cfg.pool_namespace, pool = %self.cfg.pool_name,
                     service = %self.cfg.endpoint_service(), "discovering from the Kubernetes API");
-                let invalid = self.metrics.catalog_invalid.clone();
+                let invalid = self.discovery.catalog_invalid.clone();
                 // The watches register their own counters.
                 let watches = crate::discovery::kubernetes::WatchMetrics::default();
                 self.metrics.add(&watches);
@@ -185,7 +211,7 @@ impl Wiring {
                             kv.learn_base_model(name);
                         }
                     },
-                    self.metrics.metadata_missing.clone(),
+                    self.engines.metadata_missing.clone(),
                     self.stop.clone(),
                 )));
         }
@@ -213,7 +239,7 @@ impl Wiring {
                         timeout: Duration::from_millis(self.cfg.engine_metrics.timeout_ms),
                         max_bytes: self.cfg.engine_metrics.max_page_bytes,
                     },
-                    self.metrics.engine_scrape_errors.clone(),
+                    self.engines.scrape_errors.clone(),
                     move |bs| {
                         if let Some(kv) = &learn {
                             kv.learn_block_size(bs);

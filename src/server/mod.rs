@@ -165,20 +165,21 @@ pub async fn run(
         service: cfg.endpoint_service().to_owned(),
         picker_service: cfg.endpoint_picker_service.clone(),
     };
-    let gauge = metrics.ready_endpoints.clone();
+    let counters = crate::discovery::DiscoveryCounters::default();
+    let gauge = counters.ready_endpoints.clone();
     let store = Arc::new(Datastore::new(pool, move |snap| {
         gauge.set(snap.endpoints.len() as i64);
     }));
     // Before anything is spawned: a refused start leaves nothing running.
     check_cluster_topology(&cfg).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut w = components::Wiring {
+    let mut w = components::Wiring::new(
         cfg,
-        metrics: metrics.clone(),
-        store: store.clone(),
-        stop: stop_rx.clone(),
-        tasks: Vec::new(),
-    };
+        metrics.clone(),
+        store.clone(),
+        stop_rx.clone(),
+        counters,
+    );
     let discovery = w.discovery().await?;
     w.tasks.push(tokio::spawn(feed_instances(
         store.clone(),
