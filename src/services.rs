@@ -208,15 +208,12 @@ fn access(token_file: Option<&std::path::Path>) -> Result<Access, ServiceError> 
 }
 
 /// Expires stale requests until `stop`.
-async fn expire_loop(catalog: Arc<RwLock<Catalog>>, mut stop: watch::Receiver<bool>) {
+pub(crate) async fn expire_loop(catalog: Arc<RwLock<Catalog>>, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(EXPIRE_EVERY);
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                let n = catalog
-                    .read()
-
-                    .expire(Instant::now());
+                let n = catalog.read().expire(Instant::now());
                 if n > 0 {
                     tracing::warn!(expired = n, "stale requests expired");
                 }

@@ -39,6 +39,12 @@ fn pooled_catalog(
         router.clone(),
         Limits::default(),
     )?));
+    // Reservations whose requests went stale (the router's upkeep expires them in the shared
+    // state) give their bookings back.
+    tasks.push(tokio::spawn(crate::services::expire_loop(
+        catalog.clone(),
+        stop.clone(),
+    )));
     let sync = catalog.clone();
     let mut pool = store.watch();
     let mut stop = stop.clone();

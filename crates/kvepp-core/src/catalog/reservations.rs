@@ -212,8 +212,10 @@ impl Catalog {
         self.free_key(&key, by)
     }
 
-    /// Drops stale requests in every scope and the reservations no longer active (their
-    /// bookings release their load; an expired entry is not told as freed).
+    /// Drops stale requests in every scope and the reservations no longer active, whoever
+    /// expired them (this call, or the router's upkeep over a shared state): their bookings
+    /// release their load; an expired entry is not told as freed. Returns the stale requests this
+    /// call dropped.
     pub fn expire(&self, now: Instant) -> usize {
         let pool_scope = Scope {
             model: String::new(),
@@ -223,7 +225,7 @@ impl Catalog {
             .trackers(&pool_scope)
             .map(|(_, t)| t.kv.expire_stale(now))
             .sum();
-        if expired > 0 {
+        {
             let gone: Vec<Held> = {
                 let mut map = self.reservations.lock();
                 let dead: Vec<Key> = map

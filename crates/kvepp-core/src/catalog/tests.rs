@@ -245,3 +245,33 @@ fn pooled_catalog_shares_the_pickers_state() {
     assert_eq!(s.choice.rank.worker, 7);
     assert_eq!(kv.active_count(), 1, "booked in the picker's own tracker");
 }
+
+#[test]
+fn a_reservation_expired_by_the_routers_upkeep_gives_its_booking_back() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let router = Arc::new(Router::kv_aware(kv.clone(), Saturation::in_flight(0)));
+    let mut c = Catalog::pooled(router.clone(), Limits::default()).unwrap();
+    let rank = WorkerRank {
+        worker: 7,
+        dp_rank: 0,
+    };
+    let ep = Arc::new(Endpoint::for_rank(rank, "w7"));
+    c.set_pool(vec![ep.clone()]);
+    let t0 = Instant::now();
+    let hashes = [SequenceHash(1)];
+    let prompt = PromptRef {
+        hashes: &hashes,
+        isl_tokens: 10,
+    };
+    let mut rng = fastrand::Rng::with_seed(1);
+    c.select(&scope("m"), prompt, Some(("r", t0)), &mut rng)
+        .unwrap();
+    assert_eq!(ep.load.in_flight(), 1, "the reservation holds its booking");
+    // The router's upkeep (not the catalog) drops the stale request from the shared tracker.
+    let later = t0 + crate::slots::STALE_REQUEST_AFTER + std::time::Duration::from_secs(1);
+    assert_eq!(router.maintain(later), 1);
+    c.expire(later);
+    assert_eq!(ep.load.in_flight(), 0, "the booking was given back");
+    assert_eq!(c.reservation_count(), 0);
+    assert!(!c.free("r"), "nothing left to free");
+}
