@@ -493,23 +493,15 @@ impl Catalog {
     ) -> Result<Selection, CatalogError> {
         let tracker = self.tracker(scope)?;
         let found = tracker.kv.rank_overlaps(prompt.hashes);
-        let facts = RequestFacts {
-            prompt: Prompt::Hashes {
-                hashes: prompt.hashes.to_vec(),
-                isl_tokens: prompt.isl_tokens,
-            },
-            booking_id: reserve.map(|(id, _)| id),
-            ..RequestFacts::default()
-        };
         let now = reserve.map_or_else(Instant::now, |(_, now)| now);
+        let key = reserve.map(|(id, _)| Key::global(id));
         let d = self.decide(
-            scope,
-            tracker,
-            facts,
+            (scope, tracker),
+            prompt,
+            None,
             &tracker.candidates,
-            reserve,
-            now,
-            rng,
+            key,
+            (now, rng),
         )?;
         let choice = choice_of(&d, prompt.isl_tokens);
         let worker = tracker
@@ -535,34 +527,44 @@ impl Catalog {
         })
     }
 
-    /// Runs the scope's transaction among `candidates`; with `reserve`, keeps the booking under
-    /// its id (checked for room and duplicates under the map's lock, so two reservations of one
-    /// id cannot both book).
-    #[allow(clippy::too_many_arguments)]
+    /// Runs the scope's transaction for `prompt` among `candidates` (booking `prefill` tokens
+    /// when given, else what the cost computed); with `key`, books and keeps the booking under
+    /// it (checked for room and duplicates under the map's lock, so two reservations of one id
+    /// cannot both book), else previews. The one place the catalog decides.
     fn decide(
         &self,
-        scope: &Scope,
-        tracker: &Tracker,
-        facts: RequestFacts<'_>,
+        (scope, tracker): (&Scope, &Tracker),
+        prompt: PromptRef<'_>,
+        prefill: Option<u64>,
         candidates: &[Arc<Endpoint>],
-        reserve: Option<(&str, Instant)>,
-        now: Instant,
-        rng: &mut fastrand::Rng,
+        key: Option<Key>,
+        (now, rng): (Instant, &mut fastrand::Rng),
     ) -> Result<Decision, CatalogError> {
+        let facts = RequestFacts {
+            prompt: Prompt::Hashes {
+                hashes: prompt.hashes.to_vec(),
+                isl_tokens: prompt.isl_tokens,
+            },
+            booking_id: key.as_ref().map(|k| k.id.as_str()),
+            prefill_tokens: prefill,
+            ..RequestFacts::default()
+        };
         let mut ctx = PickContext::new(std::mem::replace(rng, fastrand::Rng::with_seed(0)), now);
-        let Some((id, _)) = reserve else {
+        let Some(k) = key.as_ref() else {
             let d = tracker.router.preview(facts, candidates, &mut ctx);
             *rng = ctx.rng;
             return d.map_err(|e| pick_error(scope, e));
         };
-        let key = Key::global(id);
         let mut map = self.reservations.lock();
-        self.check_room(&map, &key)?;
+        self.check_room(&map, k)?;
         let d = tracker.router.route(facts, candidates, &mut ctx);
         *rng = ctx.rng;
         let mut d = d.map_err(|e| pick_error(scope, e))?;
-        let booking = std::mem::replace(&mut d.booking, Booking::none());
-        map.insert(key, Held::local(scope, booking));
+        // The facts (and their borrow of the id) are spent: the key moves into the map.
+        if let Some(key) = key {
+            let booking = std::mem::replace(&mut d.booking, Booking::none());
+            map.insert(key, Held::local(scope, booking));
+        }
         Ok(d)
     }
 
@@ -624,30 +626,21 @@ impl Catalog {
         prefill: u64,
         now: Instant,
     ) -> Result<(), CatalogError> {
-        let candidate = tracker
-            .candidate(rank)
-            .cloned()
-            .ok_or(CatalogError::UnknownRank {
-                worker: rank.worker,
-                dp_rank: rank.dp_rank,
-            })?;
-        let facts = RequestFacts {
-            prompt: Prompt::Hashes {
-                hashes: prompt.hashes.to_vec(),
-                isl_tokens: prompt.isl_tokens,
-            },
-            booking_id: Some(&key.id),
-            prefill_tokens: Some(prefill),
-            ..RequestFacts::default()
-        };
-        let mut map = self.reservations.lock();
-        self.check_room(&map, &key)?;
-        let mut ctx = PickContext::new(fastrand::Rng::with_seed(0), now);
-        let d = tracker
-            .router
-            .route(facts, std::slice::from_ref(&candidate), &mut ctx)
-            .map_err(|e| pick_error(scope, e))?;
-        map.insert(key, Held::local(scope, d.booking));
+        let candidate = tracker.candidate(rank).ok_or(CatalogError::UnknownRank {
+            worker: rank.worker,
+            dp_rank: rank.dp_rank,
+        })?;
+        // One candidate: the choice is made; the random generator has nothing to break.
+        let mut rng = fastrand::Rng::with_seed(0);
+        let one = std::slice::from_ref(candidate);
+        self.decide(
+            (scope, tracker),
+            prompt,
+            Some(prefill),
+            one,
+            Some(key),
+            (now, &mut rng),
+        )?;
         Ok(())
     }
 
