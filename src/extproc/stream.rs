@@ -322,9 +322,9 @@ impl StreamState {
         }
     }
 
-    /// How a new request is admitted: without flow control, today's shedding (None: decide now);
-    /// with it, only to an unsaturated endpoint, or straight into the queue (Some) while others
-    /// already wait: a new arrival does not overtake them.
+    /// How a new request is admitted: without flow control, today's shedding; with it, only to
+    /// an unsaturated endpoint, or (None) straight into the queue while others already wait: a
+    /// new arrival does not overtake them.
     fn admission(&self) -> Option<Admission> {
         match &self.shared.flow {
             None => Some(Admission::Shed),
