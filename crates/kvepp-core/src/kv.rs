@@ -288,6 +288,11 @@ impl KvState {
         }
     }
 
+    /// Whether `model` names a LoRA adapter: a base model is known and `model` differs from it.
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.base_model.read().as_deref().is_some_and(|b| b != model)
+    }
+
     /// The LoRA adapter a request for `model` runs with: the model itself when a base model is
     /// known and differs from it (vLLM serves adapters under their own names), else none.
     pub fn lora_for(&self, model: &str) -> Option<Arc<str>> {
@@ -746,6 +751,17 @@ impl super::Picker for KvPicker {
             second,
             kv: Some(kv),
         }
+    }
+
+    /// Predicted TTFT is in ms already. Dynamo's cost counts prefill blocks: a millisecond is
+    /// the blocks the pool's TTFT model prefills in one (its prefill coefficient, 40 ms per
+    /// thousand tokens to start, in the current block size).
+    fn cost_per_ms(&self) -> Option<f64> {
+        if self.0.settings.weights.cost_model == CostModel::PredictedTtft {
+            return Some(1.0);
+        }
+        let ms_per_ktoken = self.0.ttft.coefficients()[1].max(1e-3);
+        Some(1000.0 / ms_per_ktoken / f64::from(self.0.block_size().max(1)))
     }
 }
 

@@ -10,7 +10,8 @@
 //!   [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
 //!   (dense ranks, each rank's active blocks a tree, a load version per rank); [`predict`]: the
 //!   per-endpoint TTFT model learned online (the `predicted_ttft` cost); [`listen`]: who hears of
-//!   bookings; [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival).
+//!   bookings; [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival);
+//!   [`affinity`]: the adapters each engine holds and the session bindings.
 //! - [`cost`]: the cost model over overlap and load, and the choice among candidates; [`load`]:
 //!   per-endpoint in-flight counters.
 //! - [`endpoint`]: an endpoint as the core sees it (identity, load, role, domains, pick hints).
@@ -29,6 +30,7 @@
 //! drop); a KV-aware booking books the load its pick read or nothing (then the router picks
 //! again); randomness and time come from the caller, never from globals or thread-locals.
 
+pub mod affinity;
 pub mod booking;
 pub mod catalog;
 pub mod cost;

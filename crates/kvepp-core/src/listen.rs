@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+use crate::affinity::SessionKey;
 use crate::hash::SequenceHash;
 use crate::types::PromptBlocks;
 use crate::types::WorkerRank;
@@ -40,6 +41,8 @@ pub trait Listener: Send + Sync + std::fmt::Debug {
     fn routed(&self, _worker: u64, _prompt: &PromptBlocks) {}
     /// A booking released its endpoint's load (whatever the picker): capacity may have freed.
     fn released(&self) {}
+    /// A routed request bound (or refreshed) its session to `rank`.
+    fn session_bound(&self, _key: SessionKey, _rank: WorkerRank) {}
 }
 
 /// The listeners of one router (and of its KV-aware state).

@@ -37,6 +37,8 @@ pub struct EndpointLoad {
     hidden_requests: AtomicU32,
     /// The endpoint's speed under the pool's TTFT model (the `predicted_ttft` cost).
     pub ttft: std::sync::Arc<crate::predict::EndpointSpeed>,
+    /// The LoRA adapters its engine reported last (None: unknown).
+    pub(crate) adapters: arc_swap::ArcSwapOption<crate::affinity::AdapterSlots>,
 }
 
 impl EndpointLoad {
@@ -105,6 +107,16 @@ impl EndpointLoad {
             f64::from_bits(self.scraped_kv_usage.load(Ordering::Relaxed)),
             Duration::from_nanos(u64::try_from(age).unwrap_or(0)),
         ))
+    }
+
+    /// The engine's adapters as last reported (None: it never reported any).
+    pub fn adapters(&self) -> Option<std::sync::Arc<crate::affinity::AdapterSlots>> {
+        self.adapters.load_full()
+    }
+
+    /// Records the adapters a scrape found (None: the engine stopped reporting them).
+    pub fn set_adapters(&self, slots: Option<crate::affinity::AdapterSlots>) {
+        self.adapters.store(slots.map(std::sync::Arc::new));
     }
 
     /// Counts one more request routed here (a booking was made).

@@ -18,9 +18,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::affinity::{AdapterAffinity, AdapterFit};
 use crate::cost::KvDecision;
 pub use crate::endpoint::{Endpoint, PickHints};
-use crate::types::PromptBlocks;
+use crate::types::{PromptBlocks, WorkerRank};
 
 /// How important a request is (InferenceModel `spec.criticality`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +83,12 @@ pub struct PickRequest<'a> {
     /// Extra cost per endpoint (in the order of the endpoints picked among), added to the
     /// picker's own: a decode pick's KV-transfer cost. Empty: none.
     pub bias: &'a [f64],
+    /// The LoRA adapter the request runs with (None: the base model): adds each candidate's
+    /// adapter term ([`crate::affinity::adapters`]).
+    pub adapter: Option<&'a str>,
+    /// The rank the request's session is bound to: picked while it is a candidate (after the
+    /// subset and role filters) and not saturated.
+    pub sticky: Option<WorkerRank>,
 }
 
 /// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
@@ -121,6 +128,8 @@ pub struct Pick {
     pub scores: Option<Vec<(Arc<Endpoint>, f64)>>,
     /// In a disaggregated pool, the prefill worker that hands its KV cache to the primary.
     pub pairing: Option<Pairing>,
+    /// How the primary fit the request's adapter (None: no adapter).
+    pub adapter: Option<AdapterFit>,
 }
 
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
@@ -201,6 +210,12 @@ pub trait Picker: Send + Sync + std::fmt::Debug {
         req: &PickRequest<'_>,
         ctx: &mut PickContext,
     ) -> Ranked;
+
+    /// The picker's cost per millisecond of expected delay (what an adapter load weighs); None:
+    /// the picker weighs no delays (load-only pickers), so adapters do not enter its choice.
+    fn cost_per_ms(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// When an endpoint counts as saturated: too many requests in flight through us, or, once its
@@ -252,11 +267,22 @@ impl Saturation {
 pub struct Selector {
     picker: Box<dyn Picker>,
     saturation: Saturation,
+    adapters: AdapterAffinity,
 }
 
 impl Selector {
     pub fn new(picker: Box<dyn Picker>, saturation: Saturation) -> Self {
-        Selector { picker, saturation }
+        Selector {
+            picker,
+            saturation,
+            adapters: AdapterAffinity::default(),
+        }
+    }
+
+    /// Whether and how much the request's adapter weighs in the choice.
+    pub fn with_adapter_affinity(mut self, adapters: AdapterAffinity) -> Self {
+        self.adapters = adapters;
+        self
     }
 
     pub fn pick(
@@ -329,8 +355,33 @@ impl Selector {
                     .unwrap_or(0.0)
             }));
         }
-        let r = self.picker.rank(candidates, req, ctx);
+        self.adapter_terms(candidates, req.adapter, now, &mut ctx.bias);
+        let mut r = self.picker.rank(candidates, req, ctx);
+        let sticky = req
+            .sticky
+            .and_then(|s| candidates.iter().position(|c| c.rank() == s))
+            .filter(|&i| i != r.best && !self.saturation.saturated_at(&candidates[i], now));
+        if let Some(i) = sticky {
+            // The bound endpoint's own decision (what its booking needs); the cheapest is its
+            // fallback. Scores, when asked for, stay those of every candidate.
+            let scores = ctx.scores.take();
+            let b = ctx.bias.get(i).copied();
+            ctx.bias.clear();
+            ctx.bias.extend(b);
+            let one = self.picker.rank(&candidates[i..=i], req, ctx);
+            ctx.scores = scores;
+            r = Ranked {
+                best: i,
+                second: Some(r.best),
+                kv: one.kv,
+            };
+        }
         let primary = candidates[r.best].clone();
+        let adapter = req.adapter.map(|a| {
+            let slots = primary.load.adapters.load();
+            let saturated = self.saturation.saturated_at(&primary, now);
+            AdapterAffinity::fit(slots.as_deref(), a, saturated)
+        });
         let fallback = r
             .second
             .filter(|&i| i != r.best)
@@ -349,7 +400,32 @@ impl Selector {
             kv: r.kv,
             scores,
             pairing: None,
+            adapter,
         })
+    }
+
+    /// Adds each candidate's adapter term to `bias` (in the picker's unit) when the request has
+    /// an adapter, adapter affinity is on and the picker weighs delays.
+    fn adapter_terms(
+        &self,
+        candidates: &[Arc<Endpoint>],
+        adapter: Option<&str>,
+        now: i64,
+        bias: &mut Vec<f64>,
+    ) {
+        let Some(adapter) = adapter.filter(|_| self.adapters.enabled) else {
+            return;
+        };
+        let Some(scale) = self.picker.cost_per_ms() else {
+            return;
+        };
+        bias.resize(candidates.len(), 0.0);
+        for (b, c) in bias.iter_mut().zip(candidates) {
+            let slots = c.load.adapters.load();
+            let saturated = self.saturation.saturated_at(c, now);
+            let fit = AdapterAffinity::fit(slots.as_deref(), adapter, saturated);
+            *b += scale * self.adapters.cost_ms(fit);
+        }
     }
 
     /// Whether any of `endpoints` is not saturated at `now` (flow control's capacity check).

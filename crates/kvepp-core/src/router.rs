@@ -22,6 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::affinity::{AdapterAffinity, SessionKey, SessionOutcome, Sessions};
 use crate::booking::Booking;
 use crate::disagg::{Pairing, TransferSettings};
 use crate::hash::SequenceHash;
@@ -78,6 +79,9 @@ pub struct RequestFacts<'a> {
     /// Prefill tokens to book instead of what the cost computed (a client's own figure for a
     /// reservation on a given rank).
     pub prefill_tokens: Option<u64>,
+    /// The client's session: the request goes to the rank it is bound to while that rank is a
+    /// candidate and not saturated, and the binding follows the pick.
+    pub session: Option<SessionKey>,
 }
 
 /// A routing decision and the load it booked.
@@ -90,6 +94,8 @@ pub struct Decision {
     pub booking: Booking,
     /// Picks made again because the chosen endpoint's load changed before the booking.
     pub repicks: u32,
+    /// What the decision did to the request's session binding (None: no session).
+    pub session: Option<SessionOutcome>,
 }
 
 /// Eligibility, shedding, picking and booking over one picker.
@@ -100,6 +106,8 @@ pub struct Router {
     disagg: TransferSettings,
     /// Who hears of this router's bookings (the KV-aware state's hub, when there is one).
     hub: Arc<Hub>,
+    /// Session bindings (shared with peer replicas through the hub's listeners).
+    sessions: Arc<Sessions>,
 }
 
 impl Router {
@@ -110,6 +118,7 @@ impl Router {
             hub: kv.hub().clone(),
             kv: Some(kv),
             disagg: TransferSettings::default(),
+            sessions: Arc::default(),
         }
     }
 
@@ -120,7 +129,39 @@ impl Router {
             kv: None,
             disagg: TransferSettings::default(),
             hub: Arc::default(),
+            sessions: Arc::default(),
         }
+    }
+
+    /// Whether and how much a request's LoRA adapter weighs in the choice.
+    pub fn with_adapter_affinity(mut self, adapters: AdapterAffinity) -> Self {
+        self.selector = self.selector.with_adapter_affinity(adapters);
+        self
+    }
+
+    /// The table that keeps session bindings (its time to live and size).
+    pub fn with_sessions(mut self, sessions: Sessions) -> Self {
+        self.sessions = Arc::new(sessions);
+        self
+    }
+
+    /// The session bindings (their counters; recovery dumps).
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// A peer replica bound `key` to `rank`, last used `age` before `now`: applied here, not
+    /// told to the listeners again.
+    pub fn bind_peer_session(
+        &self,
+        key: SessionKey,
+        rank: crate::types::WorkerRank,
+        now: Instant,
+        age: std::time::Duration,
+    ) {
+        let age = i64::try_from(age.as_nanos()).unwrap_or(i64::MAX);
+        let used = crate::types::clock_nanos(now).saturating_sub(age);
+        self.sessions.bind(key, rank, used);
     }
 
     /// How disaggregated pools pair prefill and decode workers (topology level, mismatch
@@ -217,12 +258,15 @@ impl Router {
         ctx: &mut PickContext,
         book: bool,
     ) -> Result<Decision, PickError> {
+        let bound = self.bound(facts, ctx.now);
         let req = PickRequest {
             priority: facts.priority,
             admission: facts.admission,
             subset: facts.subset,
             prompt,
             bias,
+            adapter: self.adapter_of(facts.model),
+            sticky: bound,
         };
         let mut repicks = 0;
         loop {
@@ -230,11 +274,13 @@ impl Router {
             let mode = pick.kv.map_or(PrefixMode::None, |d| d.mode);
             if !book {
                 let booking = Booking::none();
+                let session = self.settle_session(facts.session, bound, &pick.primary, ctx, false);
                 return Ok(Decision {
                     pick,
                     mode,
                     booking,
                     repicks,
+                    session,
                 });
             }
             let checked = repicks + 1 < BOOKING_ATTEMPTS;
@@ -247,15 +293,55 @@ impl Router {
                 now: ctx.now,
             });
             if let Some(booking) = self.book(&pick.primary, prompt, slot)? {
+                let session = self.settle_session(facts.session, bound, &pick.primary, ctx, true);
                 return Ok(Decision {
                     pick,
                     mode,
                     booking,
                     repicks,
+                    session,
                 });
             }
             repicks += 1;
         }
+    }
+
+    /// The adapter a request for `model` runs with (None: the base model, or no base model
+    /// known, or a load-only router).
+    fn adapter_of<'a>(&self, model: Option<&'a str>) -> Option<&'a str> {
+        let kv = self.kv.as_ref()?;
+        model.filter(|m| kv.is_adapter(m))
+    }
+
+    /// The rank the request's session is bound to now.
+    fn bound(&self, facts: &RequestFacts<'_>, now: Instant) -> Option<crate::types::WorkerRank> {
+        let key = facts.session?;
+        self.sessions.get(key, crate::types::clock_nanos(now))
+    }
+
+    /// What the decision did to the session's binding; when booked, the binding follows the
+    /// primary (refreshed on a hit) and the listeners hear of it.
+    fn settle_session(
+        &self,
+        key: Option<SessionKey>,
+        bound: Option<crate::types::WorkerRank>,
+        primary: &Endpoint,
+        ctx: &PickContext,
+        book: bool,
+    ) -> Option<SessionOutcome> {
+        let key = key?;
+        let rank = primary.rank();
+        let outcome = match bound {
+            None => SessionOutcome::New,
+            Some(b) if b == rank => SessionOutcome::Hit,
+            Some(_) => SessionOutcome::Moved,
+        };
+        if book {
+            self.sessions
+                .bind(key, rank, crate::types::clock_nanos(ctx.now));
+            self.hub.each(|l| l.session_bound(key, rank));
+        }
+        Some(outcome)
     }
 
     /// Books `ep`: its in-flight count and, for a KV-aware pick (`slot`), the slot tracker.
@@ -315,6 +401,10 @@ impl Router {
             return self.route_among(facts, &decode, prompt, &[], ctx, book);
         }
         let prefill = self.disagg.prefill_candidates(prefill, &decode);
+        // Both legs need the adapter; the session binds the decode worker (where the proxy sends
+        // the request).
+        let adapter = self.adapter_of(facts.model);
+        let bound = self.bound(facts, ctx.now);
         // The subset hint names where the proxy may send the request: the decode worker. Scores,
         // when asked for, are the decode candidates'.
         let scores = ctx.scores.take();
@@ -326,6 +416,8 @@ impl Router {
                 subset: None,
                 prompt,
                 bias: &[],
+                adapter,
+                sticky: None,
             },
             ctx,
         );
@@ -342,6 +434,8 @@ impl Router {
                 subset: facts.subset,
                 prompt: None,
                 bias: &cands.bias,
+                adapter,
+                sticky: bound,
             },
             ctx,
         )?;
@@ -388,11 +482,13 @@ impl Router {
             });
         }
         pick.kv = prefill_kv;
+        let session = self.settle_session(facts.session, bound, &pick.primary, ctx, book);
         Ok(Decision {
             pick,
             mode,
             booking,
             repicks: 0,
+            session,
         })
     }
 
