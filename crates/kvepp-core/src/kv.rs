@@ -290,7 +290,10 @@ impl KvState {
 
     /// Whether `model` names a LoRA adapter: a base model is known and `model` differs from it.
     pub fn is_adapter(&self, model: &str) -> bool {
-        self.base_model.read().as_deref().is_some_and(|b| b != model)
+        self.base_model
+            .read()
+            .as_deref()
+            .is_some_and(|b| b != model)
     }
 
     /// The LoRA adapter a request for `model` runs with: the model itself when a base model is

@@ -20,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::affinity::{AdapterAffinity, SessionKey, SessionOutcome, Sessions};
 use crate::booking::Booking;
@@ -157,7 +157,7 @@ impl Router {
         key: SessionKey,
         rank: crate::types::WorkerRank,
         now: Instant,
-        age: std::time::Duration,
+        age: Duration,
     ) {
         let age = i64::try_from(age.as_nanos()).unwrap_or(i64::MAX);
         let used = crate::types::clock_nanos(now).saturating_sub(age);
@@ -573,3 +573,6 @@ mod ttft_tests;
 
 #[cfg(test)]
 mod doors_tests;
+
+#[cfg(test)]
+mod affinity_tests;

@@ -103,7 +103,12 @@ impl AdapterAffinity {
         ]
         .into_iter()
         .filter(|(_, v)| !(v.is_finite() && *v >= 0.0))
-        .map(|(name, v)| (name, format!("{v} must be a finite number ≥ 0 (milliseconds)")))
+        .map(|(name, v)| {
+            (
+                name,
+                format!("{v} must be a finite number ≥ 0 (milliseconds)"),
+            )
+        })
         .collect()
     }
 
@@ -152,13 +157,12 @@ mod tests {
         assert_eq!(fit(Some(&full), "c", false), AdapterFit::Evicts);
         assert_eq!(fit(Some(&full), "a", true), AdapterFit::Saturated);
         assert_eq!(fit(None, "a", false), AdapterFit::Unknown);
-        assert_eq!(fit(Some(&slots(&["x"; 3], &[], 0)), "a", false), AdapterFit::FreeSlot);
-        let order = [
-            AdapterFit::Loaded,
-            AdapterFit::FreeSlot,
-            AdapterFit::Evicts,
-        ]
-        .map(|f| s.cost_ms(f));
+        assert_eq!(
+            fit(Some(&slots(&["x"; 3], &[], 0)), "a", false),
+            AdapterFit::FreeSlot
+        );
+        let order =
+            [AdapterFit::Loaded, AdapterFit::FreeSlot, AdapterFit::Evicts].map(|f| s.cost_ms(f));
         assert!(order[0] < order[1] && order[1] < order[2], "{order:?}");
         assert_eq!(s.cost_ms(AdapterFit::Saturated), order[2]);
         assert_eq!(s.cost_ms(AdapterFit::Unknown), 0.0);

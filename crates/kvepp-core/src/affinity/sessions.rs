@@ -25,7 +25,10 @@ pub struct SessionKey(pub u64);
 impl SessionKey {
     /// The key of session id `id` (xxh3 with a fixed seed: equal on every replica and build).
     pub fn of(id: &str) -> Self {
-        SessionKey(xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5e55_1011))
+        SessionKey(xxhash_rust::xxh3::xxh3_64_with_seed(
+            id.as_bytes(),
+            0x5e55_1011,
+        ))
     }
 }
 
@@ -276,7 +279,7 @@ mod tests {
     fn a_full_table_drops_the_least_recently_used_and_counts_it() {
         let t = Sessions::new(Duration::from_secs(600), SHARDS);
         // Keys that land in one shard (capacity 1 each).
-        let keys: Vec<SessionKey> = (0..3).map(|i| SessionKey(i)).collect();
+        let keys: Vec<SessionKey> = (0..3).map(SessionKey).collect();
         t.bind(keys[0], rank(1), 0);
         t.bind(keys[1], rank(2), 1);
         assert_eq!(t.get(keys[0], 2), None, "pushed out");
