@@ -129,6 +129,12 @@ pub struct Config {
     /// level and mismatch policy (`DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL`,
     /// `DYN_ROUTER_KV_TRANSFER_MISMATCH_POLICY` override the file), and the soft transfer cost.
     pub disaggregation: TransferSettings,
+    /// LoRA adapters: prefer engines that run the request's adapter (from their
+    /// `vllm:lora_requests_info`), then a free adapter slot, then an eviction.
+    pub adapter_affinity: kvepp_core::affinity::AdapterAffinity,
+    /// Sticky sessions: requests carrying the session header go to the endpoint their session is
+    /// bound to while it can take them; bindings are shared by replicas (replica sync).
+    pub session_affinity: kvepp_core::affinity::SessionAffinity,
     /// Grove ClusterTopology (cluster-scoped) whose levels `kv_transfer_topology_level` must be
     /// one of: checked at start, which is refused when Grove is not installed, the topology does
     /// not exist or lacks the level (the design's admission checks). Unset: not checked.
@@ -187,6 +193,8 @@ impl Default for Config {
             engine_metadata: FetchSettings::default(),
             router: CostWeights::default(),
             disaggregation: TransferSettings::default(),
+            adapter_affinity: Default::default(),
+            session_affinity: Default::default(),
             cluster_topology: None,
             kv_events: KvEventsConfig::default(),
             replica_sync: ReplicaSyncConfig::default(),

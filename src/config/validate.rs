@@ -194,6 +194,12 @@ impl Config {
         for e in self.router.validate() {
             bad("router", format!("{}: {}", e.name, e.message));
         }
+        for (name, message) in self.adapter_affinity.validate() {
+            bad("adapter_affinity", format!("{name}: {message}"));
+        }
+        for (name, message) in self.session_affinity.validate() {
+            bad("session_affinity", format!("{name}: {message}"));
+        }
         if let Some(f) = &self.api_token_file {
             if let Err(e) = crate::api::auth::ApiToken::from_file(f) {
                 bad("api_token_file", e.to_string());

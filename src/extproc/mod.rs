@@ -48,6 +48,8 @@ pub struct Shared {
     pub ready: Option<tokio::sync::watch::Receiver<bool>>,
     /// Flow control: requests wait for capacity instead of being shed (None: off).
     pub flow: Option<Arc<FlowControl>>,
+    /// The session header and the affinity counters.
+    pub affinity: Arc<crate::request::Affinity>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
     /// pick.
     no_model: Arc<str>,
@@ -67,6 +69,12 @@ impl Shared {
         self
     }
 
+    /// Sessions are read from `affinity`'s header, and its counters count the picks.
+    pub fn with_affinity(mut self, affinity: Arc<crate::request::Affinity>) -> Self {
+        self.affinity = affinity;
+        self
+    }
+
     pub fn new(routing: Arc<dyn RouteRequest>, metrics: Arc<Metrics>, settings: Settings) -> Self {
         Shared {
             routing,
@@ -74,6 +82,7 @@ impl Shared {
             settings,
             ready: None,
             flow: None,
+            affinity: Arc::default(),
             no_model: "none".into(),
             no_endpoint: "".into(),
         }

@@ -122,6 +122,8 @@ pub(super) struct StreamState {
     objective: Option<String>,
     /// The fairness header's value (flow control), when sent.
     flow: Option<String>,
+    /// The session header's value as a key, when sent and usable.
+    session: Option<kvepp_core::affinity::SessionKey>,
 }
 
 impl StreamState {
@@ -143,6 +145,7 @@ impl StreamState {
             primary: None,
             objective: None,
             flow: None,
+            session: None,
         }
     }
 
@@ -211,7 +214,17 @@ impl StreamState {
             .as_ref()
             .map(|f| f.settings().fairness_header.as_str());
         let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
+        let session = self.shared.affinity.header();
         for hv in &map.headers {
+            if Some(hv.key.as_str()) == session {
+                let raw = if hv.raw_value.is_empty() {
+                    hv.value.as_bytes()
+                } else {
+                    &hv.raw_value
+                };
+                self.session = self.shared.affinity.session(raw);
+                continue;
+            }
             if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
                 // The current header wins over the former one.
                 if i == 0 || self.objective.is_none() {
@@ -502,6 +515,7 @@ impl StreamState {
             },
             admission,
             scores: shared.settings.endpoint_scores,
+            session: self.session,
         };
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {
@@ -525,13 +539,12 @@ impl StreamState {
             fallback = pick.fallback.as_ref().map(|f| &*f.name),
             mode = routed.mode.as_str(),
             kv = ?pick.kv,
+            session = routed.session.map(|s| s.as_str()),
+            adapter = pick.adapter.map(|a| a.as_str()),
             "{}",
-            if pick.kv.is_some() {
-                "picked: lowest KV-aware cost (prefix overlap, prefill and decode load)"
-            } else {
-                "picked by the load-only picker (least in-flight requests, or round robin)"
-            }
+            reason(&pick, routed.session)
         );
+        shared.affinity.count(routed.session, pick.adapter);
         if let Some(p) = &pick.pairing {
             tracing::debug!(
                 prefill = %p.prefill.name,
@@ -636,6 +649,17 @@ impl StreamState {
             }
             self.primary = Some(served);
         }
+    }
+}
+
+/// Why the pick went where it did, for the decision's log line.
+fn reason(pick: &Pick, session: Option<kvepp_core::affinity::SessionOutcome>) -> &'static str {
+    use kvepp_core::affinity::SessionOutcome;
+    match (session, pick.kv.is_some()) {
+        (Some(SessionOutcome::Hit), _) => "picked: the endpoint the request's session is bound to",
+        (Some(SessionOutcome::Moved), _) => "picked: the session's bound endpoint could not take it (gone, ineligible or saturated); bound to this pick",
+        (_, true) => "picked: lowest KV-aware cost (prefix overlap, prefill and decode load, adapter)",
+        (_, false) => "picked by the load-only picker (least in-flight requests, or round robin)",
     }
 }
 

@@ -8,6 +8,7 @@
 //! exactly the bytes of the `model` value and nothing else; hashing, picking and booking are the
 //! core's (`kvepp_core::Router`), never done here.
 
+pub mod affinity;
 mod body;
 pub mod flow;
 mod generations;
@@ -17,6 +18,7 @@ pub mod segments;
 pub mod service;
 pub mod tokenize;
 
+pub use affinity::Affinity;
 pub use body::{parse_body, BodyError, ParsedBody, RawMessages, Rewrite};
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};

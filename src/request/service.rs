@@ -109,6 +109,8 @@ pub struct RouteHints<'a> {
     pub admission: Admission,
     /// Report every candidate's score with the pick.
     pub scores: bool,
+    /// The request's session (its session header), when it has a usable one.
+    pub session: Option<kvepp_core::affinity::SessionKey>,
 }
 
 /// A request as the routing core needs it, built once ([`RouteRequest::prepare`]) and owned: flow
@@ -144,6 +146,8 @@ pub struct Routed {
     pub booking: Booking,
     /// Picks made again because the chosen endpoint's load changed before its booking.
     pub repicks: u32,
+    /// What the pick did to the request's session binding (None: no session).
+    pub session: Option<kvepp_core::affinity::SessionOutcome>,
 }
 
 /// What a decision came to.
@@ -344,6 +348,7 @@ impl RouteRequest for RequestRouter {
             admission: hints.admission,
             subset: hints.subset,
             prompt: req.prompt.as_ref().map_or(Prompt::None, Prompt::Blocks),
+            session: hints.session,
             ..RequestFacts::default()
         };
         match self.router.route(facts, &snap.endpoints, &mut ctx) {
@@ -352,6 +357,7 @@ impl RouteRequest for RequestRouter {
                 mode: d.mode,
                 booking: d.booking,
                 repicks: d.repicks,
+                session: d.session,
             })),
             Err(PickError::Saturated(_)) if hints.admission == Admission::Unsaturated => {
                 Ok(Verdict::Wait)

@@ -287,7 +287,9 @@ impl Wiring {
                 }
                 (None, _) => Router::load_only(Box::new(LeastLoaded), saturation),
             }
-            .with_disaggregation(self.cfg.disaggregation.clone()),
+            .with_disaggregation(self.cfg.disaggregation.clone())
+            .with_adapter_affinity(self.cfg.adapter_affinity)
+            .with_sessions(self.cfg.session_affinity.table()),
         );
         self.tasks.push(tokio::spawn(crate::upkeep::run(
             router.clone(),

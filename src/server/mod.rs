@@ -204,7 +204,14 @@ pub async fn run(
         ready_wait: Duration::from_millis(cfg.startup_wait_ms),
         endpoint_scores: cfg.emit_endpoint_scores,
     };
-    let mut shared = Shared::new(routing, metrics.clone(), settings).with_readiness(store.ready());
+    let affinity = Arc::new(crate::request::Affinity::new(
+        Some(&cfg.session_affinity.header),
+        Some(router.clone()),
+    ));
+    metrics.add(&*affinity);
+    let mut shared = Shared::new(routing, metrics.clone(), settings)
+        .with_readiness(store.ready())
+        .with_affinity(affinity);
     if let Some(flow) = flow {
         shared = shared.with_flow_control(flow);
     }

@@ -14,4 +14,4 @@ pub mod adapters;
 pub mod sessions;
 
 pub use adapters::{AdapterAffinity, AdapterFit, AdapterSlots};
-pub use sessions::{SessionAffinity, SessionKey, SessionOutcome, Sessions};
+pub use sessions::{SessionAffinity, SessionIdError, SessionKey, SessionOutcome, Sessions};

@@ -27,6 +27,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::affinity::{SessionKey, SessionOutcome};
 use crate::booking::Booking;
 use crate::cost::{CandidateLoad, Overlap};
 use crate::hash::SequenceHash;
@@ -224,6 +225,8 @@ pub struct Selection {
     pub block_size: u32,
     /// Cached prefix per rank of the chosen worker, in blocks (ranks without any: 0).
     pub per_rank: BTreeMap<u32, Overlap>,
+    /// What the selection did to the request's session binding (None: no session).
+    pub session: Option<SessionOutcome>,
 }
 
 /// A prompt as the services receive it: the final chained sequence hashes, one per block, and the
@@ -491,6 +494,19 @@ impl Catalog {
         reserve: Option<(&str, Instant)>,
         rng: &mut fastrand::Rng,
     ) -> Result<Selection, CatalogError> {
+        self.select_in_session(scope, prompt, None, reserve, rng)
+    }
+
+    /// [`Self::select`] for a request of client session `session`: its bound rank while it can
+    /// take the request; a reservation binds the session to its rank.
+    pub fn select_in_session(
+        &self,
+        scope: &Scope,
+        prompt: PromptRef<'_>,
+        session: Option<SessionKey>,
+        reserve: Option<(&str, Instant)>,
+        rng: &mut fastrand::Rng,
+    ) -> Result<Selection, CatalogError> {
         let tracker = self.tracker(scope)?;
         let found = tracker.kv.rank_overlaps(prompt.hashes);
         let now = reserve.map_or_else(Instant::now, |(_, now)| now);
@@ -498,7 +514,7 @@ impl Catalog {
         let d = self.decide(
             (scope, tracker),
             prompt,
-            None,
+            (None, session),
             &tracker.candidates,
             key,
             (now, rng),
@@ -524,6 +540,7 @@ impl Catalog {
             choice,
             block_size: tracker.block_size(),
             per_rank,
+            session: d.session,
         })
     }
 
@@ -535,7 +552,7 @@ impl Catalog {
         &self,
         (scope, tracker): (&Scope, &Tracker),
         prompt: PromptRef<'_>,
-        prefill: Option<u64>,
+        (prefill, session): (Option<u64>, Option<SessionKey>),
         candidates: &[Arc<Endpoint>],
         key: Option<Key>,
         (now, rng): (Instant, &mut fastrand::Rng),
@@ -547,6 +564,7 @@ impl Catalog {
             },
             booking_id: key.as_ref().map(|k| k.id.as_str()),
             prefill_tokens: prefill,
+            session,
             ..RequestFacts::default()
         };
         let mut ctx = PickContext::new(std::mem::replace(rng, fastrand::Rng::with_seed(0)), now);
@@ -636,7 +654,7 @@ impl Catalog {
         self.decide(
             (scope, tracker),
             prompt,
-            Some(prefill),
+            (Some(prefill), None),
             one,
             Some(key),
             (now, &mut rng),

@@ -53,12 +53,14 @@ impl RouteRequest for Fixed {
             return Ok(Verdict::Wait);
         }
         Ok(Verdict::Routed(Routed {
+                session: None,
             pick: Pick {
                 primary: self.ep.clone(),
                 fallback: None,
                 kv: None,
                 scores: None,
                 pairing: None,
+                adapter: None,
             },
             mode: PrefixMode::None,
             booking: self.ep.load.book(),

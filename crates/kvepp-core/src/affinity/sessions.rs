@@ -30,10 +30,44 @@ impl SessionKey {
             0x5e55_1011,
         ))
     }
+
+    /// The key of a session id as a client sent it (a header's raw bytes, a JSON string's).
+    pub fn parse(raw: &[u8]) -> Result<Self, SessionIdError> {
+        if raw.len() > MAX_SESSION_ID_BYTES {
+            return Err(SessionIdError::TooLong(raw.len()));
+        }
+        let id = std::str::from_utf8(raw).map_err(|_| SessionIdError::NotUtf8)?;
+        if id.is_empty() {
+            return Err(SessionIdError::Empty);
+        }
+        Ok(SessionKey::of(id))
+    }
 }
 
 /// Longest session id accepted (longer ones are ignored and counted by the caller).
 pub const MAX_SESSION_ID_BYTES: usize = 256;
+
+/// Why a session id was ignored (the request is routed without a session).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionIdError {
+    #[error("the session id is {0} bytes long; at most 256 are accepted")]
+    TooLong(usize),
+    #[error("the session id is not valid UTF-8")]
+    NotUtf8,
+    #[error("the session id is empty")]
+    Empty,
+}
+
+impl SessionIdError {
+    /// The metric label of the reason.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SessionIdError::TooLong(_) => "too_long",
+            SessionIdError::NotUtf8 => "not_utf8",
+            SessionIdError::Empty => "empty",
+        }
+    }
+}
 
 /// What routing a request with a session did to its binding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +341,14 @@ mod tests {
 
     #[test]
     fn keys_are_stable_and_settings_are_checked() {
+        assert_eq!(SessionKey::parse(b"abc"), Ok(SessionKey::of("abc")));
+        assert_eq!(
+            SessionKey::parse(&[b'x'; 257]),
+            Err(SessionIdError::TooLong(257))
+        );
+        assert!(SessionKey::parse(&[b'x'; 256]).is_ok());
+        assert_eq!(SessionKey::parse(b"\xff\xfe"), Err(SessionIdError::NotUtf8));
+        assert_eq!(SessionKey::parse(b""), Err(SessionIdError::Empty));
         assert_eq!(SessionKey::of("abc"), SessionKey::of("abc"));
         assert_ne!(SessionKey::of("abc"), SessionKey::of("abd"));
         assert!(SessionAffinity::default().validate().is_empty());
