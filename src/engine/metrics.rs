@@ -120,18 +120,19 @@ pub struct ScrapeSettings {
     pub max_bytes: usize,
 }
 
-/// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each `interval` (concurrently, each bounded by `timeout`) and
-/// records the result on the endpoint's load. `on_block_size` gets each `cache_config_info`
-/// block size (to learn it when it is not configured); `tracked` gives the requests the slot
-/// tracker holds on a worker (its own and replica peers' bookings), so that only the rest counts
-/// as hidden traffic.
+/// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each
+/// `interval` (concurrently, each bounded by `timeout`) and records the result on the endpoint's
+/// load: its queue and cache, and its LoRA adapters ([`super::lora`]). With the KV-aware state
+/// `kv`: each `cache_config_info` block size is learned (when not configured), the base model from
+/// the series' `model_name` label (any other model a request names is an adapter), and only the
+/// requests the slot tracker does not hold on a worker (its own and replica peers' bookings)
+/// count as hidden traffic.
 pub async fn run_scraper(
     pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     protocol: impl Fn() -> super::HttpVersion + Send + 'static,
     settings: ScrapeSettings,
-    errors: prometheus_client::metrics::counter::Counter,
-    on_block_size: impl Fn(u32) + Send + 'static,
-    tracked: impl Fn(u64) -> Option<u32> + Send + 'static,
+    counters: super::EngineCounters,
+    kv: Option<Arc<kvepp_core::KvState>>,
     shutdown: watch::Receiver<bool>,
 ) {
     let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
@@ -157,20 +158,26 @@ pub async fn run_scraper(
         }
         while let Some(done) = scrapes.join_next().await {
             let Ok((ep, page)) = done else { continue };
-            let result = page
-                .map_err(|e| e.to_string())
-                .and_then(|b| parse(&String::from_utf8_lossy(&b)).map_err(|e| e.to_string()));
+            let result = page.map_err(|e| e.to_string()).and_then(|b| {
+                let text = String::from_utf8_lossy(&b);
+                let m = parse(&text).map_err(|e| e.to_string())?;
+                record_adapters(&ep, &text, &counters);
+                if let (Some(kv), Some(model)) = (&kv, base_model(&text)) {
+                    kv.learn_base_model(model);
+                }
+                Ok(m)
+            });
             match result {
                 Ok(m) => {
-                    if let Some(bs) = m.block_size {
-                        on_block_size(bs);
+                    if let (Some(kv), Some(bs)) = (&kv, m.block_size) {
+                        kv.learn_block_size(bs);
                     }
-                    ep.load
-                        .engine_update_known(m, Instant::now(), tracked(ep.worker));
+                    let tracked = kv.as_ref().and_then(|kv| kv.worker_requests(ep.worker));
+                    ep.load.engine_update_known(m, Instant::now(), tracked);
                     warned.remove(&ep.addr);
                 }
                 Err(e) => {
-                    errors.inc();
+                    counters.scrape_errors.inc();
                     if warned.insert(ep.addr) {
                         tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine metrics scrape failed (repeats logged at debug)");
                     } else {
@@ -180,6 +187,29 @@ pub async fn run_scraper(
             }
         }
     }
+}
+
+/// The endpoint's adapters from its page (none on the page: unknown); an unreadable
+/// `vllm:lora_requests_info` keeps what was known, and is logged and counted.
+fn record_adapters(ep: &Endpoint, page: &str, counters: &super::EngineCounters) {
+    match super::lora::parse(page) {
+        Ok(slots) => ep.load.set_adapters(slots),
+        Err(e) => {
+            counters.lora_info_malformed.inc();
+            tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine adapters not read; the last known ones are kept");
+        }
+    }
+}
+
+/// The served base model: the `model_name` label of the engine's `vllm:num_requests_running`.
+fn base_model(page: &str) -> Option<&str> {
+    page.lines().find_map(|l| {
+        let (set, _) = super::lora::series(l.trim_start(), "vllm:num_requests_running")?;
+        let at = set.find("model_name=\"")? + "model_name=\"".len();
+        let rest = &set[at..];
+        let name = &rest[..rest.find('"')?];
+        (!name.is_empty() && !name.contains('\\')).then_some(name)
+    })
 }
 
 #[cfg(test)]
@@ -214,6 +244,16 @@ vllm:other_total 99
         assert_eq!(
             (m.kv_cache_usage, m.running, m.block_size),
             (0.9, 1.0, None)
+        );
+    }
+
+    #[test]
+    fn the_base_model_is_the_model_name_label() {
+        assert_eq!(base_model(PAGE), Some("m"));
+        assert_eq!(base_model("vllm:num_requests_running 1\n"), None);
+        assert_eq!(
+            base_model("vllm:num_requests_running{model_name=\"\"} 1\n"),
+            None
         );
     }
 

@@ -2,6 +2,7 @@
 //! Prometheus `/metrics` ([`metrics`]), their `/metadata` documents ([`metadata`]), and a small HTTP
 //! GET client shared by both.
 
+pub mod lora;
 pub mod metadata;
 pub mod metrics;
 
@@ -111,6 +112,8 @@ pub async fn get_with(
 #[derive(Debug, Clone, Default)]
 pub struct EngineCounters {
     pub scrape_errors: prometheus_client::metrics::counter::Counter,
+    /// Pages whose `vllm:lora_requests_info` could not be read.
+    pub lora_info_malformed: prometheus_client::metrics::counter::Counter,
     pub metadata_missing: prometheus_client::metrics::family::Family<
         crate::metrics::EndpointLabels,
         prometheus_client::metrics::gauge::Gauge,
@@ -123,6 +126,11 @@ impl crate::metrics::Register for EngineCounters {
             "engine_metrics_scrape_errors",
             "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
             self.scrape_errors.clone(),
+        );
+        registry.register(
+            "engine_lora_info_malformed",
+            "Scraped pages whose vllm:lora_requests_info labels could not be read (the endpoint's last known adapters kept)",
+            self.lora_info_malformed.clone(),
         );
         registry.register(
             "endpoint_metadata_missing",

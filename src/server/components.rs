@@ -220,8 +220,6 @@ impl Wiring {
     /// Scraping every engine's `/metrics` (saturation, block size, hidden load).
     pub fn engine_scraper(&mut self, kv: &Option<Arc<KvState>>) {
         if self.cfg.engine_metrics.enabled {
-            let learn = kv.clone();
-            let tracked = kv.clone();
             let pool_store = self.store.clone();
             self.tasks
                 .push(tokio::spawn(crate::engine::metrics::run_scraper(
@@ -239,13 +237,8 @@ impl Wiring {
                         timeout: Duration::from_millis(self.cfg.engine_metrics.timeout_ms),
                         max_bytes: self.cfg.engine_metrics.max_page_bytes,
                     },
-                    self.engines.scrape_errors.clone(),
-                    move |bs| {
-                        if let Some(kv) = &learn {
-                            kv.learn_block_size(bs);
-                        }
-                    },
-                    move |worker| tracked.as_ref().and_then(|kv| kv.worker_requests(worker)),
+                    self.engines.clone(),
+                    kv.clone(),
                     self.stop.clone(),
                 )));
         }

@@ -53,7 +53,7 @@ impl RouteRequest for Fixed {
             return Ok(Verdict::Wait);
         }
         Ok(Verdict::Routed(Routed {
-                session: None,
+            session: None,
             pick: Pick {
                 primary: self.ep.clone(),
                 fallback: None,
