@@ -27,6 +27,8 @@ pub struct ApiState {
     pub store: Arc<Datastore>,
     /// The KV-aware picker's state, when that picker runs.
     pub kv: Option<Arc<KvState>>,
+    /// The ext_proc door's router (its session bindings go into `/dump`).
+    pub router: Option<Arc<kvepp_core::Router>>,
 }
 
 /// The metrics port's routes; `/debug/*` needs `token` when one is configured.
@@ -138,7 +140,11 @@ async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
                 "topology_domains": e.domains, "data_parallel_rank": e.dp_rank,
                 "in_flight": e.load.in_flight(), "hidden_requests": e.load.hidden_requests(),
                 "ttft_speed_factor": e.load.ttft.factor_at(now),
-                "ttft_observed": e.load.ttft.observed()})
+                "ttft_observed": e.load.ttft.observed(),
+                "lora_adapters": e.load.adapters().map(|a| serde_json::json!({
+                    "running": a.running.iter().map(|n| &**n).collect::<Vec<_>>(),
+                    "waiting": a.waiting.iter().map(|n| &**n).collect::<Vec<_>>(),
+                    "max_lora": a.max_lora}))})
         })
         .collect();
     let model = st.kv.as_ref().map(|kv| {
@@ -165,6 +171,7 @@ async fn dump(State(st): State<ApiState>) -> axum::response::Response {
         scopes: vec![crate::replica::recovery::scope_dump(
             &slot_tracker::pool_scope(),
             kv,
+            st.router.as_ref().map(|r| r.sessions()),
         )],
     };
     axum::Json(doc).into_response()

@@ -30,6 +30,7 @@ use super::slot_tracker::{load_rows, pool_scope, potential_rows};
 use crate::kv_events::apply::Subscribe;
 use crate::kv_events::Source;
 use crate::replica::peers::SharedPeers;
+use kvepp_core::affinity::{SessionIdError, SessionKey};
 use kvepp_core::catalog::{Catalog, CatalogError, PromptRef, Scope, Selection, Tracker, Worker};
 use kvepp_core::cost::Overlap;
 use kvepp_core::hash::{sequence_hashes as chain_locals, LocalBlockHash};
@@ -414,9 +415,21 @@ struct PromptBody {
     block_hashes: Option<Vec<Hash64>>,
     sequence_hashes: Option<Vec<Hash64>>,
     isl_tokens: Option<u64>,
+    session_id: Option<String>,
 }
 
 impl PromptBody {
+    /// The request's session: None without one; `Err` for an unusable id (logged; the request is
+    /// selected without a session).
+    fn session(&self) -> Option<Result<SessionKey, SessionIdError>> {
+        let id = self.session_id.as_deref()?;
+        let key = SessionKey::parse(id.as_bytes());
+        if let Err(e) = &key {
+            tracing::warn!(error = %e, "session_id ignored; selected without a session");
+        }
+        Some(key)
+    }
+
     fn scope(&self) -> Scope {
         Scope {
             model: self.model_name.clone(),
@@ -483,6 +496,8 @@ struct SelectionView {
     block_size: u32,
     overlap: OverlapView,
     effective_prefill_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session: Option<&'static str>,
 }
 
 fn selection_view(
@@ -518,6 +533,7 @@ fn selection_view(
             disk: o.disk * bs,
         },
         effective_prefill_tokens: s.choice.effective_prefill_tokens,
+        session: None,
     }
 }
 
@@ -526,6 +542,7 @@ fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response,
     let catalog = st.catalog.read();
     let bs = catalog.tracker(&scope)?.block_size();
     let (hashes, isl) = b.prompt(bs)?;
+    let session = b.session();
     let reservation_id = match (reserve, b.reservation_id) {
         (true, Some(id)) => Some(id),
         (true, None) => Some(st.new_reservation_id()),
@@ -537,17 +554,24 @@ fn do_select(st: &SelectState, b: PromptBody, reserve: bool) -> Result<Response,
         .map(|id| (id, Instant::now()));
     let selection = {
         let mut rng = st.rng.lock();
-        catalog.select(
+        catalog.select_in_session(
             &scope,
             PromptRef {
                 hashes: &hashes,
                 isl_tokens: isl,
             },
+            session.as_ref().and_then(|s| s.as_ref().ok().copied()),
             booking,
             &mut rng,
         )?
     };
-    let view = selection_view(selection, scope, b.selection_id, reservation_id);
+    let outcome = match session {
+        None => None,
+        Some(Err(_)) => Some("ignored"),
+        Some(Ok(_)) => selection.session.map(|s| s.as_str()),
+    };
+    let mut view = selection_view(selection, scope, b.selection_id, reservation_id);
+    view.session = outcome;
     Ok(Json(view).into_response())
 }
 

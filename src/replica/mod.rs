@@ -26,6 +26,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
 use crate::metrics::OutcomeLabels;
+use kvepp_core::affinity::SessionKey;
 use kvepp_core::catalog::Scope;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
@@ -102,6 +103,13 @@ pub trait Sink: Send + Sync + 'static {
     ) -> Result<(), Refused>;
     fn prefill_complete(&self, scope: &Scope, request_id: &str) -> Result<(), Refused>;
     fn free(&self, scope: &Scope, request_id: &str) -> Result<(), Refused>;
+    /// A peer bound a client session to `rank`.
+    fn session_bound(
+        &self,
+        scope: &Scope,
+        key: SessionKey,
+        rank: WorkerRank,
+    ) -> Result<(), Refused>;
     /// Approximate prefix routing: a peer routed these blocks to `worker`.
     fn routed(
         &self,
@@ -193,6 +201,17 @@ impl Outbox {
                 worker_id: worker,
                 local_hashes: locals.iter().map(|h| h.0).collect(),
                 sequence_hashes: hashes.iter().map(|h| h.0).collect(),
+            })
+        });
+    }
+
+    /// A client session was bound to `rank`.
+    pub fn session_bound(&self, scope: &Scope, key: SessionKey, rank: WorkerRank) {
+        self.send(scope, || {
+            wire::envelope::Event::SessionBound(wire::SessionBound {
+                session_key: key.0,
+                worker_id: rank.worker,
+                dp_rank: rank.dp_rank,
             })
         });
     }
@@ -301,6 +320,14 @@ pub fn receive(payload: &[u8], origin: u64, sink: &dyn Sink, stats: &SyncStats) 
         }
         Some(Event::PrefillComplete(p)) => sink.prefill_complete(&scope, &p.request_id),
         Some(Event::Free(f)) => sink.free(&scope, &f.request_id),
+        Some(Event::SessionBound(b)) => sink.session_bound(
+            &scope,
+            SessionKey(b.session_key),
+            WorkerRank {
+                worker: b.worker_id,
+                dp_rank: b.dp_rank,
+            },
+        ),
         Some(Event::Routed(r)) => sink.routed(
             &scope,
             r.worker_id,
@@ -486,6 +513,11 @@ mod tests {
         ) -> Result<(), Refused> {
             Err(Refused::Unknown)
         }
+        fn session_bound(&self, _: &Scope, k: SessionKey, r: WorkerRank) -> Result<(), Refused> {
+            let mut v = self.0.lock().unwrap();
+            v.push(format!("session {:x} {}/{}", k.0, r.worker, r.dp_rank));
+            Ok(())
+        }
     }
 
     fn scope(m: &str) -> Scope {
@@ -497,7 +529,7 @@ mod tests {
 
     #[tokio::test]
     async fn events_round_trip_and_bad_ones_are_counted() {
-        let (tx, mut rx) = mpsc::channel(4);
+        let (tx, mut rx) = mpsc::channel(5);
         let out = Outbox {
             tx: Some(tx),
             origin: 7,
@@ -518,12 +550,13 @@ mod tests {
         out.prefill_complete(&scope("m"), "r1");
         out.free(&scope("m"), "r1");
         out.admission(&scope("unknown"), "r2", rank, 16, &[], 0);
-        out.free(&scope("m"), "r3"); // queue of 4: dropped
+        out.session_bound(&scope("m"), SessionKey(u64::MAX - 1), rank);
+        out.free(&scope("m"), "r3"); // queue of 5: dropped
         assert_eq!(out.stats.get("dropped_queue_full"), 1);
 
         let sink = Recorder::default();
         let stats = SyncStats::default();
-        for _ in 0..4 {
+        for _ in 0..5 {
             let m = rx.recv().await.unwrap();
             receive(&m, 99, &sink, &stats);
         }
@@ -550,11 +583,12 @@ mod tests {
                 format!("add m r1 {}/3 bs16 [{}, 1] 48", u64::MAX, u64::MAX),
                 "prefill r1".to_string(),
                 "free r1".to_string(),
+                format!("session {:x} {}/3", u64::MAX - 1, u64::MAX),
             ]
         );
         for (outcome, n) in [
-            ("received", 7),
-            ("applied", 2),
+            ("received", 8),
+            ("applied", 3),
             ("dropped_duplicate", 1),
             ("dropped_unknown", 1),
             ("dropped_own", 1),

@@ -5,8 +5,10 @@
 //! `<origin>-<n>` on the wire, the same for its admission, prefill completion and free; a client's
 //! reservation id goes out as it is (its lifecycle routes name it on every replica).
 
+use kvepp_core::affinity::SessionKey;
 use kvepp_core::catalog::Scope;
 use kvepp_core::kv::PromptBlocks;
+use kvepp_core::slots::WorkerRank;
 use kvepp_core::{Admitted, Listener};
 
 use super::Outbox;
@@ -45,6 +47,10 @@ impl Listener for PublishBookings {
 
     fn freed(&self, id: &str) {
         self.outbox.free(&self.scope, &self.global(id));
+    }
+
+    fn session_bound(&self, key: SessionKey, rank: WorkerRank) {
+        self.outbox.session_bound(&self.scope, key, rank);
     }
 
     fn routed(&self, worker: u64, prompt: &PromptBlocks) {

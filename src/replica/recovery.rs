@@ -6,12 +6,15 @@
 //! "block_size", "ranks": [{"worker_id", "dp_rank", "blocks": [[sequence_hash, device, host,
 //! disk], ...], "engine": [[engine_hash, sequence_hash], ...]}]}]}`: every block a rank holds with
 //! its reference count per tier, and the engine's own hash of blocks it names differently (for
-//! later removals). Hashes are unsigned 64-bit JSON integers.
+//! later removals). Hashes are unsigned 64-bit JSON integers. Each scope may also carry
+//! `"sessions": [[session_key, worker_id, dp_rank, idle_ms], ...]`: its router's live session
+//! bindings and the time since each was last used (absent in dumps of older builds: none).
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use kvepp_core::affinity::{SessionKey, Sessions};
 use kvepp_core::catalog::{Catalog, Scope};
 use kvepp_core::index::{EngineBlockHash, RankDump};
 use kvepp_core::slots::WorkerRank;
@@ -36,6 +39,9 @@ pub struct ScopeDump {
     pub tenant_id: String,
     pub block_size: u32,
     pub ranks: Vec<RankJson>,
+    /// Session bindings: (session key, worker id, dp rank, ms since last use).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sessions: Vec<(u64, u64, u32, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,15 +85,40 @@ fn from_json(r: RankJson) -> RankDump {
     }
 }
 
-/// One scope's snapshot.
-pub fn scope_dump(scope: &Scope, kv: &KvState) -> ScopeDump {
+/// One scope's snapshot: its index, and the session bindings of its router when given.
+pub fn scope_dump(scope: &Scope, kv: &KvState, sessions: Option<&Sessions>) -> ScopeDump {
     let dumps = kv.index().read().dump();
+    let now = kvepp_core::types::clock_nanos(std::time::Instant::now());
     ScopeDump {
         model_name: scope.model.clone(),
         tenant_id: scope.tenant.clone(),
         block_size: kv.block_size(),
         ranks: dumps.into_iter().map(to_json).collect(),
+        sessions: sessions.map_or_else(Vec::new, |s| {
+            s.dump(now)
+                .into_iter()
+                .map(|(k, r, idle)| {
+                    let ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
+                    (k.0, r.worker, r.dp_rank, ms)
+                })
+                .collect()
+        }),
     }
+}
+
+/// A dump's session bindings applied to `router` (as a peer's: not published again). Returns
+/// how many.
+pub fn restore_sessions(router: &kvepp_core::Router, sessions: &[(u64, u64, u32, u64)]) -> u64 {
+    let now = std::time::Instant::now();
+    for &(key, worker, dp_rank, idle_ms) in sessions {
+        router.bind_peer_session(
+            SessionKey(key),
+            WorkerRank { worker, dp_rank },
+            now,
+            Duration::from_millis(idle_ms),
+        );
+    }
+    sessions.len() as u64
 }
 
 /// The snapshot of every scope of `catalog` (pooled: one, under `pool_scope`).
@@ -96,7 +127,7 @@ pub fn dump(catalog: &Catalog, pool_scope: &Scope) -> DumpDoc {
         format: FORMAT.into(),
         scopes: catalog
             .trackers(pool_scope)
-            .map(|(s, t)| scope_dump(s, &t.kv))
+            .map(|(s, t)| scope_dump(s, &t.kv, Some(t.router().sessions())))
             .collect(),
     }
 }
@@ -187,6 +218,9 @@ pub async fn recover(
                 tenant: s.tenant_id,
             };
             let dumps = s.ranks.into_iter().map(from_json).collect();
+            if let Ok(t) = c.tracker(&scope) {
+                restore_sessions(t.router(), &s.sessions);
+            }
             restored += c
                 .recover(scope, s.block_size, dumps)
                 .map_err(|e| e.to_string())?;
@@ -197,13 +231,28 @@ pub async fn recover(
 }
 
 /// `kvepp serve`: asks `peers` in turn and restores the first good dump's content into the
-/// picker's index (every scope with the same block size: a replica has one).
-pub async fn recover_pool(kv: &KvState, peers: &[String]) -> Result<(String, u64), RecoveryError> {
+/// picker's index (every scope with the same block size: a replica has one) and its sessions into
+/// `router`.
+pub async fn recover_pool(
+    kv: &KvState,
+    router: &kvepp_core::Router,
+    peers: &[String],
+) -> Result<(String, u64), RecoveryError> {
     first_good(peers, |doc| {
-        let dumps: Vec<Vec<RankDump>> = doc
+        let scopes: Vec<ScopeDump> = doc
             .scopes
             .into_iter()
             .filter(|s| s.block_size == kv.block_size())
+            .collect();
+        let sessions: u64 = scopes
+            .iter()
+            .map(|s| restore_sessions(router, &s.sessions))
+            .sum();
+        if sessions > 0 {
+            tracing::info!(sessions, "session bindings recovered from a peer's dump");
+        }
+        let dumps: Vec<Vec<RankDump>> = scopes
+            .into_iter()
             .map(|s| s.ranks.into_iter().map(from_json).collect())
             .collect();
         kv.index().write(|index| {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Refused, Sink};
+use kvepp_core::affinity::SessionKey;
 use kvepp_core::catalog::{Catalog, CatalogError, Origin, Scope};
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
@@ -88,6 +89,27 @@ impl Sink for CatalogSink {
         } else {
             Err(Refused::Unknown)
         }
+    }
+
+    fn session_bound(
+        &self,
+        scope: &Scope,
+        key: SessionKey,
+        rank: WorkerRank,
+    ) -> Result<(), Refused> {
+        let catalog = self.catalog.read();
+        let tracker = catalog.tracker(scope).map_err(refused)?;
+        let known = tracker
+            .workers
+            .get(&rank.worker)
+            .is_some_and(|w| w.has_rank(rank.dp_rank));
+        if !known {
+            return Err(Refused::Unknown);
+        }
+        tracker
+            .router()
+            .bind_peer_session(key, rank, Instant::now(), std::time::Duration::ZERO);
+        Ok(())
     }
 
     fn routed(

@@ -246,16 +246,19 @@ impl Wiring {
 
     /// Before any ext_proc stream is served: the KV index from a peer's `/dump`, once the pool is
     /// loaded (the upkeep forgets the state of endpoints not in the pool, so it must know them).
-    pub async fn recover_index(&self, kv: &Option<Arc<KvState>>) {
+    pub async fn recover_index(&self, kv: &Option<Arc<KvState>>, router: &Router) {
         if let (Some(kv), false) = (&kv, self.cfg.replica_sync.indexer_peers.is_empty()) {
             // Before any ext_proc stream is served, once the pool is loaded (the upkeep forgets the
             // state of endpoints not in the pool, so it must know them first).
             let mut ready = self.store.ready();
             let wait = Duration::from_millis(self.cfg.startup_wait_ms);
             let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
-            if let Err(e) =
-                crate::replica::recovery::recover_pool(kv, &self.cfg.replica_sync.indexer_peers)
-                    .await
+            if let Err(e) = crate::replica::recovery::recover_pool(
+                kv,
+                router,
+                &self.cfg.replica_sync.indexer_peers,
+            )
+            .await
             {
                 tracing::warn!(error = %e, "starting without a recovered KV index");
             }

@@ -193,8 +193,8 @@ pub async fn run(
     if w.cfg.engine_metrics.enabled {
         w.engine_scraper(&kv);
     }
-    w.recover_index(&kv).await;
     let router = w.router(&kv);
+    w.recover_index(&kv, &router).await;
     let routing = w.routing(&router)?;
     let flow = w.flow_control(&router, &routing);
     let cfg = w.cfg.clone();
@@ -249,7 +249,12 @@ pub async fn run(
         &cfg,
         servers,
         (extproc, health_service, acceptor),
-        ApiState { metrics, store, kv },
+        ApiState {
+            metrics,
+            store,
+            kv,
+            router: Some(router.clone()),
+        },
         &access,
         doors,
         &stop_rx,

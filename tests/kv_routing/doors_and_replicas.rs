@@ -131,7 +131,7 @@ async fn http_doors_share_state_with_envoy_picks() {
 }
 
 /// Two kvepp replicas with replica sync on, each behind its own Envoy, over the same two engines.
-async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, Engine, Epp, Epp) {
+pub(super) async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, Engine, Epp, Epp) {
     let (a, b, m, events_port) = engine_pair().await;
     let (p1, p2) = (free_port(), free_port());
     let replica = |own: u16, peer: u16, picker| {
@@ -159,7 +159,7 @@ async fn applied(epp: &Epp) -> f64 {
 
 /// Sends prompts through `envoy` until `other` has applied replica events (ZMQ subscriptions
 /// take a moment; events before that are lost, as documented), then until it is quiet.
-async fn until_replicas_synced(envoy: &Envoy, other: &Epp) {
+pub(super) async fn until_replicas_synced(envoy: &Envoy, other: &Epp) {
     let mut k = 0;
     wait_for("replica events applied on the other replica", || {
         k += 1;

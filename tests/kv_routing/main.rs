@@ -4,6 +4,7 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod affinity;
 #[path = "../common/mod.rs"]
 mod common;
 mod doors_and_replicas;
@@ -36,6 +37,21 @@ struct EngineState {
     tokenizer: ModelTokenizer,
     events: mpsc::UnboundedSender<Vec<u8>>,
     release: Notify,
+    /// What `/metrics` answers (empty: not a vLLM page, as before a test sets one).
+    metrics: std::sync::Mutex<String>,
+}
+
+impl Engine {
+    /// Sets the engine's `/metrics` page: its queue and its LoRA adapters as vLLM exposes them.
+    fn set_metrics(&self, waiting: u32, running_adapters: &str, max_lora: u32) {
+        let page = format!(
+            "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 0.0\n\
+             vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}.0\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} 0.1\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",running_lora_adapters=\"{running_adapters}\",waiting_lora_adapters=\"\"}} 1.7644e+09\n"
+        );
+        *self.state.metrics.lock().unwrap() = page;
+    }
 }
 
 struct Engine {
@@ -46,16 +62,23 @@ struct Engine {
 /// One `BlockStored` for the prompt's full blocks, with engine hashes of the engine's own (as
 /// vLLM's), in the legacy tagged-array encoding.
 fn stored_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
+    stored_batch_of(name, block, tokens, None)
+}
+
+/// [`stored_batch`] of a request for LoRA adapter `lora` (vLLM names it in the event, and its own
+/// hashes differ per adapter).
+fn stored_batch_of(name: &str, block: usize, tokens: &[u32], lora: Option<&str>) -> Vec<u8> {
     let n = tokens.len() / block;
-    let hashes = engine_hashes(name, block, tokens);
+    let hashes = engine_hashes(&format!("{name}{}", lora.unwrap_or("")), block, tokens);
     let event = (
         "BlockStored",
         hashes,
         None::<u64>,
         tokens[..n * block].to_vec(),
         block as u32,
-        None::<u32>,
+        lora.map(|_| 1u32),
         None::<String>,
+        lora,
     );
     rmp_serde::to_vec(&(1.0f64, vec![event])).expect("msgpack")
 }
@@ -79,7 +102,11 @@ fn removed_batch(name: &str, block: usize, tokens: &[u32]) -> Vec<u8> {
     rmp_serde::to_vec(&(1.0f64, vec![event])).expect("msgpack")
 }
 
-async fn completions(State(st): State<Arc<EngineState>>, body: Bytes) -> axum::response::Response {
+async fn completions(
+    State(st): State<Arc<EngineState>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
     let v: serde_json::Value = serde_json::from_slice(&body).expect("json body");
     let tokens: Vec<u32> = match v.get("messages") {
         Some(m) => {
@@ -88,10 +115,16 @@ async fn completions(State(st): State<Arc<EngineState>>, body: Bytes) -> axum::r
         }
         None => serde_json::from_value(v["prompt"].clone()).expect("token ids"),
     };
+    // Any model but the base one is a LoRA adapter, as vLLM serves them.
+    let lora = v["model"].as_str().filter(|m| *m != "m");
     st.events
-        .send(stored_batch(&st.name, st.block, &tokens))
+        .send(stored_batch_of(&st.name, st.block, &tokens, lora))
         .expect("publisher alive");
-    let first = format!("{{\"engine\":\"{}\"}}\n", st.name);
+    let scores = headers
+        .get("x-gateway-destination-endpoint-scores")
+        .and_then(|s| s.to_str().ok())
+        .unwrap_or("null");
+    let first = format!("{{\"engine\":\"{}\",\"scores\":{scores}}}\n", st.name);
     if v["hold"].as_bool() != Some(true) {
         return axum::response::Response::new(Body::from(first));
     }
@@ -177,10 +210,17 @@ impl Engine {
             tokenizer: ModelTokenizer::load(&fixture_tokenizer()).expect("fixture tokenizer"),
             events,
             release: Notify::new(),
+            metrics: std::sync::Mutex::new(String::new()),
         });
         let app = axum::Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(completions))
+            .route(
+                "/metrics",
+                axum::routing::get(|State(st): State<Arc<EngineState>>| async move {
+                    st.metrics.lock().unwrap().clone()
+                }),
+            )
             .route(
                 "/metadata",
                 axum::routing::get(|State(st): State<Arc<EngineState>>| async move {
@@ -275,7 +315,13 @@ struct TcpStreamRequest {
 
 impl TcpStreamRequest {
     async fn start(addr: SocketAddr, body: String) -> Self {
-        let headers = [("host", "test"), ("content-type", "application/json")];
+        Self::start_with(addr, body, &[]).await
+    }
+
+    /// [`Self::start`] with `extra` request headers.
+    async fn start_with(addr: SocketAddr, body: String, extra: &[(&str, &str)]) -> Self {
+        let mut headers = vec![("host", "test"), ("content-type", "application/json")];
+        headers.extend_from_slice(extra);
         let send = kvepp_test_support::client::request(
             addr,
             "POST",

@@ -172,6 +172,11 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// The scope's transaction (its session bindings among its state).
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
     fn new(kv: Arc<KvState>) -> Self {
         Tracker {
             router: Arc::new(Router::kv_aware(kv.clone(), Saturation::in_flight(0))),
