@@ -102,6 +102,7 @@ fn slots(set: &str) -> Result<AdapterSlots, LoraInfoError> {
             .trim()
             .parse()
             .map_err(|_| LoraInfoError::MaxLora(max.to_owned()))?,
+        from_metadata: false,
     })
 }
 

@@ -8,8 +8,13 @@
 //!  "kv_events": {"endpoints": {"0": "tcp://10.1.2.3:5557"},
 //!                "replay_endpoints": {"0": "tcp://10.1.2.3:5558"}},
 //!  "topology_domains": {"zone": "us-east-1a"},
-//!  "role": "both"}
+//!  "role": "both",
+//!  "lora_adapters": ["sql-lora"], "max_loras": 4}
 //! ```
+//!
+//! `lora_adapters` (the LoRA adapters the engine serves, e.g. its `--lora-modules`) and `max_loras`
+//! (its GPU adapter slots) stand for the engine's adapters until its `vllm:lora_requests_info`
+//! says which are loaded.
 //!
 //! Every field is optional and unknown fields are ignored. [`run_fetcher`] fetches it when an
 //! endpoint appears (or its metadata port changes), retries failures with exponential backoff, and
@@ -43,6 +48,10 @@ pub struct EngineMetadata {
     pub topology_domains: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_loras: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
@@ -93,6 +102,20 @@ impl EngineMetadata {
 
     pub fn model_name(&self) -> Option<&str> {
         self.model.as_ref()?.name.as_deref()
+    }
+
+    /// The adapters the document lists (None: it lists none).
+    pub fn adapters(&self) -> Option<kvepp_core::affinity::AdapterSlots> {
+        (!self.lora_adapters.is_empty()).then(|| kvepp_core::affinity::AdapterSlots {
+            running: self
+                .lora_adapters
+                .iter()
+                .map(|a| a.as_str().into())
+                .collect(),
+            waiting: Vec::new(),
+            max_lora: self.max_loras.unwrap_or(0),
+            from_metadata: true,
+        })
     }
 
     /// The endpoint's role (an unknown value counts as `both`, with a warning).
@@ -373,6 +396,15 @@ mod tests {
                 ),
                 (1, "tcp://10.1.2.3:5558".into(), None),
             ]
+        );
+        assert_eq!(md.adapters(), None, "no adapters listed");
+        let with = EngineMetadata::parse(br#"{"lora_adapters": ["sql", "chat"], "max_loras": 4}"#)
+            .unwrap()
+            .adapters()
+            .unwrap();
+        assert_eq!(
+            (with.running.len(), with.max_lora, with.from_metadata),
+            (2, 4, true)
         );
         let empty = EngineMetadata::parse(b"{}").unwrap();
         assert_eq!(empty, EngineMetadata::default());

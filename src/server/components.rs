@@ -201,6 +201,12 @@ impl Wiring {
                                 domains: d.topology_domains.clone(),
                             }),
                         );
+                        if let Some(slots) = doc.and_then(|d| d.adapters()) {
+                            let snap = facts_store.snapshot();
+                            if let Some(e) = snap.endpoints.iter().find(|e| e.addr == addr) {
+                                e.load.set_metadata_adapters(slots);
+                            }
+                        }
                         let (Some(doc), Some(kv)) = (doc, &learn) else {
                             return;
                         };

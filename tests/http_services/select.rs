@@ -478,3 +478,37 @@ async fn select_answers_from_real_kv_events() {
     publisher.quit().await;
     s.stop().await;
 }
+
+/// A `session_id` keeps selections on the rank its reservation bound it to, even where another
+/// rank is idle; an oversized id is ignored (and said so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ids_stick_to_the_rank_their_reservation_bound() {
+    let s = select_service(&["--threads", "2"]).await;
+    let a = s.addr;
+    for id in [1, 2] {
+        assert_eq!(json_call(a, "POST", "/workers", worker(id, 1)).await.0, 201);
+    }
+    let prompt = |session: &str| json!({"model_name": "model", "block_hashes": [11, 12, 13, 14], "session_id": session});
+    let (st, first) = json_call(a, "POST", "/select_and_reserve", prompt("chat-1")).await;
+    assert_eq!(st, 200, "{first}");
+    assert_eq!(first["session"], json!("new"));
+    let home = first["worker_id"].clone();
+    // The session's rank holds a reservation; a selection without the session picks the idle one,
+    // with it the bound one.
+    let (_, v) = json_call(
+        a,
+        "POST",
+        "/select",
+        json!({"model_name": "model", "block_hashes": [21, 22, 23, 24]}),
+    )
+    .await;
+    assert_ne!(v["worker_id"], home, "{v}");
+    assert!(v.get("session").is_none());
+    for _ in 0..3 {
+        let (_, v) = json_call(a, "POST", "/select_and_reserve", prompt("chat-1")).await;
+        assert_eq!((&v["worker_id"], &v["session"]), (&home, &json!("hit")));
+    }
+    let (st, v) = json_call(a, "POST", "/select", prompt(&"s".repeat(300))).await;
+    assert_eq!((st, &v["session"]), (200, &json!("ignored")));
+    s.stop().await;
+}

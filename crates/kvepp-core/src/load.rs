@@ -114,9 +114,28 @@ impl EndpointLoad {
         self.adapters.load_full()
     }
 
-    /// Records the adapters a scrape found (None: the engine stopped reporting them).
+    /// Records the adapters a scrape found (None: the engine stopped reporting them, which
+    /// leaves the adapters its metadata listed, if any).
     pub fn set_adapters(&self, slots: Option<crate::affinity::AdapterSlots>) {
-        self.adapters.store(slots.map(std::sync::Arc::new));
+        match slots {
+            Some(s) => self.adapters.store(Some(std::sync::Arc::new(s))),
+            None => {
+                self.adapters
+                    .rcu(|cur| cur.as_ref().filter(|c| c.from_metadata).cloned());
+            }
+        }
+    }
+
+    /// Records the adapters the engine's metadata lists, unless its metrics report them.
+    pub fn set_metadata_adapters(&self, slots: crate::affinity::AdapterSlots) {
+        let slots = std::sync::Arc::new(crate::affinity::AdapterSlots {
+            from_metadata: true,
+            ..slots
+        });
+        self.adapters.rcu(|cur| match cur {
+            Some(c) if !c.from_metadata => Some(c.clone()),
+            _ => Some(slots.clone()),
+        });
     }
 
     /// Counts one more request routed here (a booking was made).
@@ -201,6 +220,26 @@ mod tests {
         assert_eq!((w, age), (9.0, Duration::from_millis(250)));
         // A scrape "after" now (clock skew between threads) reads as age 0, never negative.
         assert_eq!(load.saturation_inputs(now).unwrap().2, Duration::ZERO);
+    }
+
+    #[test]
+    fn metrics_adapters_win_over_metadata_and_a_scrape_without_them_keeps_metadata() {
+        use crate::affinity::AdapterSlots;
+        let load = EndpointLoad::default();
+        let listed = |names: &[&str], from_metadata| AdapterSlots {
+            running: names.iter().map(|&n| n.into()).collect(),
+            from_metadata,
+            ..AdapterSlots::default()
+        };
+        load.set_metadata_adapters(listed(&["a", "b"], false));
+        assert!(load.adapters().unwrap().from_metadata);
+        load.set_adapters(None);
+        assert_eq!(load.adapters().unwrap().running.len(), 2, "kept");
+        load.set_adapters(Some(listed(&["c"], false)));
+        load.set_metadata_adapters(listed(&["a", "b"], false));
+        assert_eq!(&*load.adapters().unwrap().running[0], "c", "metrics win");
+        load.set_adapters(None);
+        assert_eq!(load.adapters(), None, "the metric went away: unknown");
     }
 
     #[test]

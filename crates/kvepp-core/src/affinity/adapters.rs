@@ -23,6 +23,9 @@ pub struct AdapterSlots {
     pub waiting: Vec<Arc<str>>,
     /// GPU adapter slots (`--max-loras`); 0: unknown (a free slot is assumed).
     pub max_lora: u32,
+    /// From the engine's metadata (the adapters it was started with), not its metrics: a scrape
+    /// without the metric leaves these in place.
+    pub from_metadata: bool,
 }
 
 impl AdapterSlots {
@@ -142,6 +145,7 @@ mod tests {
             running: running.iter().map(|&a| a.into()).collect(),
             waiting: waiting.iter().map(|&a| a.into()).collect(),
             max_lora,
+            from_metadata: false,
         }
     }
 

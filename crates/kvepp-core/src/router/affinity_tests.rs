@@ -26,6 +26,7 @@ fn slots(running: &[&str], max_lora: u32) -> Option<AdapterSlots> {
         running: running.iter().map(|&a| a.into()).collect(),
         waiting: Vec::new(),
         max_lora,
+        from_metadata: false,
     })
 }
 
