@@ -24,6 +24,9 @@ enum Command {
     /// Replay a workload through Envoy and kvepp to a simulated fleet under each routing policy
     /// and report TTFT, latency, throughput, prefix-cache hit ratio and load imbalance.
     BenchRouting(kvepp_sim::bench::BenchArgs),
+    /// Adapter affinity (least loaded, adapter-blind and adapter-aware KV-aware picking on a fleet
+    /// with LoRA adapter slots) and session affinity (one and two replicas) through Envoy and kvepp.
+    BenchAdapters(kvepp_sim::bench::affinity::AdapterBenchArgs),
     /// `/select_and_reserve` + free pairs per second over HTTP keep-alive against the same pick
     /// in-process (the selection service's HTTP overhead).
     BenchSelect(kvepp_sim::select_bench::SelectBenchArgs),
@@ -85,6 +88,10 @@ async fn main() -> anyhow::Result<()> {
         Command::BenchSelect(args) => {
             init_logging();
             kvepp_sim::select_bench::run(args).await?;
+        }
+        Command::BenchAdapters(args) => {
+            init_logging();
+            kvepp_sim::bench::affinity::run(args).await?;
         }
         Command::BenchRouting(args) => {
             init_logging();

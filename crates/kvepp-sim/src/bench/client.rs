@@ -25,11 +25,14 @@ pub struct Outcome {
 
 /// Sends one streamed completion and times it: TTFT at the first body chunk, e2e at the end; the
 /// usage comes from the last SSE event that has one.
-pub async fn completion(addr: SocketAddr, body: Bytes) -> Outcome {
+pub async fn completion(addr: SocketAddr, body: Bytes, session: Option<&str>) -> Outcome {
     let start = Instant::now();
     let mut out = Outcome::default();
-    let json = [("content-type", "application/json")];
-    let resp = match request(addr, "POST", "/v1/completions", &json, body).await {
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(s) = session {
+        headers.push(("x-session-id", s));
+    }
+    let resp = match request(addr, "POST", "/v1/completions", &headers, body).await {
         Ok(r) => r,
         Err(e) => {
             out.error = Some(e);

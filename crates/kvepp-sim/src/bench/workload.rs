@@ -33,11 +33,16 @@ pub struct Request {
     /// Sent by a second client straight to engine `n` (modulo the engines that answer clients),
     /// bypassing Envoy and kvepp; not counted in the policy's results.
     pub direct: Option<usize>,
+    /// The model it names instead of the fleet's (a LoRA adapter).
+    pub model: Option<std::sync::Arc<str>>,
+    /// Its session id (sent as `x-session-id`).
+    pub session: Option<std::sync::Arc<str>>,
 }
 
 impl Request {
     /// The `/v1/completions` body: token-id prompt, streamed, with usage in the last chunk.
     pub fn body(&self, model: &str) -> Bytes {
+        let model = self.model.as_deref().unwrap_or(model);
         let v = serde_json::json!({
             "model": model, "prompt": self.tokens, "max_tokens": self.max_tokens,
             "stream": true, "stream_options": {"include_usage": true},
@@ -249,6 +254,7 @@ pub fn multi_turn(m: &MultiTurn) -> Vec<Request> {
                 max_tokens,
                 after: previous.map(|(i, _)| i),
                 direct,
+                ..Request::default()
             });
             previous = Some((out.len() - 1, max_tokens));
         }

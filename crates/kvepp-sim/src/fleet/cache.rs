@@ -23,6 +23,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use std::sync::Arc;
+
 use kvepp_core::hash::{local_block_hashes, SequenceHash};
 
 /// Seed of the engine's own block hash: it differs from the EPP's (as vLLM's sha256 does), so the
@@ -57,6 +59,8 @@ pub enum CacheEvent {
         parent: Option<u64>,
         hashes: Vec<u64>,
         token_ids: Vec<u32>,
+        /// The LoRA adapter of the request that stored them (vLLM names it in the event).
+        lora: Option<Arc<str>>,
     },
     Removed {
         hashes: Vec<u64>,
@@ -88,6 +92,8 @@ pub struct Holding {
     last: Option<SequenceHash>,
     /// Its tokens after the last full block (held in one private block when not empty).
     tail: Vec<u32>,
+    /// The LoRA adapter whose KV it is (seeds its blocks' hashes).
+    lora: Option<Arc<str>>,
 }
 
 impl Holding {
@@ -173,8 +179,8 @@ impl KvPool {
         tokens.div_ceil(self.block_size)
     }
 
-    fn local(&self, block: &[u32]) -> kvepp_core::hash::LocalBlockHash {
-        local_block_hashes(block, self.block_size, None)
+    fn local(&self, block: &[u32], lora: Option<&str>) -> kvepp_core::hash::LocalBlockHash {
+        local_block_hashes(block, self.block_size, lora)
             .first()
             .copied()
             .unwrap_or(kvepp_core::hash::LocalBlockHash(0))
@@ -209,10 +215,20 @@ impl KvPool {
     /// recently used blocks) and reports the changes; [`NoRoom`] (and nothing changed) when the
     /// free and evictable blocks are too few.
     pub fn admit(&mut self, tokens: &[u32]) -> Result<Admission, NoRoom> {
+        self.admit_lora(tokens, None)
+    }
+
+    /// [`Self::admit`] for a request of LoRA adapter `lora`: its blocks are the adapter's (their
+    /// hashes seeded by its name, as vLLM's), never shared with the base model's or another's.
+    pub fn admit_lora(
+        &mut self,
+        tokens: &[u32],
+        lora: Option<Arc<str>>,
+    ) -> Result<Admission, NoRoom> {
         let bs = self.block_size;
         let mut sequences = Vec::with_capacity(tokens.len() / bs);
         for block in tokens.chunks_exact(bs) {
-            let local = self.local(block);
+            let local = self.local(block, lora.as_deref());
             sequences.push(SequenceHash::chain(sequences.last().copied(), local));
         }
         let engine: Vec<u64> = sequences.iter().map(|s| Self::engine_hash(*s)).collect();
@@ -254,6 +270,7 @@ impl KvPool {
                 parent: present.checked_sub(1).map(|i| engine[i]),
                 hashes: engine[present..].to_vec(),
                 token_ids: tokens[present * bs..engine.len() * bs].to_vec(),
+                lora: lora.clone(),
             });
         }
         self.private += usize::from(!tail.is_empty());
@@ -264,6 +281,7 @@ impl KvPool {
                 last: sequences.last().copied(),
                 chain: engine,
                 tail: tail.to_vec(),
+                lora,
             },
             events,
         })
@@ -287,7 +305,7 @@ impl KvPool {
         if h.tail.len() < self.block_size {
             return Ok(events);
         }
-        let sequence = SequenceHash::chain(h.last, self.local(&h.tail));
+        let sequence = SequenceHash::chain(h.last, self.local(&h.tail, h.lora.as_deref()));
         let engine = Self::engine_hash(sequence);
         self.private -= 1;
         if let std::collections::hash_map::Entry::Vacant(slot) = self.blocks.entry(engine) {
@@ -301,6 +319,7 @@ impl KvPool {
                 parent: h.chain.last().copied(),
                 hashes: vec![engine],
                 token_ids: std::mem::take(&mut h.tail),
+                lora: h.lora.clone(),
             });
         } else {
             self.pin(engine);
@@ -419,6 +438,7 @@ mod tests {
                 parent: Some(_),
                 hashes,
                 token_ids,
+                lora: None,
             }] => {
                 assert_eq!(hashes.len(), 2);
                 assert_eq!(token_ids[..], r[12..20]);

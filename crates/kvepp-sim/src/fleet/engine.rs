@@ -12,6 +12,12 @@
 //! sequences + KV reads × their total context`, and its tokens reach the clients when it ends.
 //! Generated tokens are [`generated_token`]s of the prompt, cached as their blocks fill.
 //!
+//! LoRA adapters (`max_loras` > 0): a request for an adapter is admitted only when the adapter
+//! holds one of the engine's `max_loras` GPU slots; one not loaded takes a free slot, or evicts the
+//! least recently used adapter no running request uses, and loading it stalls that step by
+//! `lora_load_ms`; when every slot's adapter is in use the request is skipped (others behind it
+//! go first), as vLLM's scheduler does.
+//!
 //! A restart ([`Command::Restart`]) drops every request (their clients see the response end),
 //! empties the pool and publishes `AllBlocksCleared` under new sequence numbers.
 
@@ -53,6 +59,8 @@ pub struct Job {
     /// cached: only the last token is computed here, and the usage reports the prefill engine's
     /// cached tokens.
     pub remote_cached_tokens: Option<u64>,
+    /// The LoRA adapter it runs with (None: the base model).
+    pub adapter: Option<Arc<str>>,
 }
 
 /// What the scheduler is told.
@@ -75,6 +83,9 @@ pub struct Counters {
     pub aborted: AtomicU64,
     pub preemptions: AtomicU64,
     pub restarts: AtomicU64,
+    /// Adapters loaded into a GPU slot, and those evicted to make room.
+    pub lora_loads: AtomicU64,
+    pub lora_evictions: AtomicU64,
 }
 
 /// A request waiting for admission: new, or preempted with `generated` tokens already sent.
@@ -115,6 +126,8 @@ pub struct EngineCore {
     pub params: SimParams,
     pub cache: Mutex<KvPool>,
     pub counters: Counters,
+    /// The adapters of running and of waiting requests (what `vllm:lora_requests_info` shows).
+    pub adapters: Mutex<(Vec<Arc<str>>, Vec<Arc<str>>)>,
 }
 
 impl EngineCore {
@@ -125,6 +138,7 @@ impl EngineCore {
                 params.total_kv_blocks as usize,
             )),
             counters: Counters::default(),
+            adapters: Mutex::default(),
             params,
         })
     }
@@ -141,6 +155,11 @@ struct Scheduler {
     waiting: VecDeque<Pending>,
     /// In admission order: the last is the first preempted.
     running: Vec<Seq>,
+    /// Adapters in GPU slots, with when each was last used.
+    loaded: Vec<(Arc<str>, u64)>,
+    tick: u64,
+    /// Adapter loading to add to the next step (µs).
+    load_us: f64,
 }
 
 impl Scheduler {
@@ -160,6 +179,7 @@ impl Scheduler {
                 let c = &self.core.counters;
                 c.aborted.fetch_add(n as u64, Ordering::Relaxed);
                 c.restarts.fetch_add(1, Ordering::Relaxed);
+                self.loaded.clear();
                 let ev = self.core.cache().clear();
                 self.publish(ev);
             }
@@ -208,18 +228,55 @@ impl Scheduler {
         preempted
     }
 
-    /// First come first served while a slot and the prompt's blocks are free.
+    /// Whether `adapter` holds a GPU slot, loading it (into a free slot, or evicting the least
+    /// recently used adapter no running request uses) when it does not; false when every slot's
+    /// adapter is in use.
+    fn lora_slot(&mut self, adapter: &Arc<str>) -> bool {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(l) = self.loaded.iter_mut().find(|(n, _)| n == adapter) {
+            l.1 = tick;
+            return true;
+        }
+        let c = &self.core.counters;
+        if self.loaded.len() >= self.core.params.max_loras as usize {
+            let running = &self.running;
+            let busy = |n: &Arc<str>| running.iter().any(|s| s.p.job.adapter.as_ref() == Some(n));
+            let victim = self
+                .loaded
+                .iter()
+                .enumerate()
+                .filter(|(_, (n, _))| !busy(n))
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(i, _)| i);
+            let Some(i) = victim else { return false };
+            self.loaded.swap_remove(i);
+            c.lora_evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        self.loaded.push((adapter.clone(), tick));
+        self.load_us += self.core.params.lora_load_ms * 1000.0;
+        c.lora_loads.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// First come first served while a slot and the prompt's blocks are free; a request whose
+    /// adapter gets no GPU slot is passed over for now.
     fn admit(&mut self) {
-        let p = &self.core.params;
-        while self.running.len() < p.max_num_seqs {
-            let Some(front) = self.waiting.front() else {
-                break;
-            };
-            if front.job.out.is_closed() {
-                self.waiting.pop_front();
+        let max_seqs = self.core.params.max_num_seqs;
+        let mut i = 0;
+        while self.running.len() < max_seqs && i < self.waiting.len() {
+            if self.waiting[i].job.out.is_closed() {
+                self.waiting.remove(i);
                 self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
+            if let Some(a) = self.waiting[i].job.adapter.clone() {
+                if !self.lora_slot(&a) {
+                    i += 1;
+                    continue;
+                }
+            }
+            let front = &self.waiting[i];
             // A preempted request recomputes its output so far too.
             let resumed: Vec<u32>;
             let tokens = if front.generated > 0 {
@@ -234,7 +291,10 @@ impl Scheduler {
             } else {
                 &front.job.tokens[..]
             };
-            let admitted = self.core.cache().admit(tokens);
+            let admitted = self
+                .core
+                .cache()
+                .admit_lora(tokens, front.job.adapter.clone());
             let adm = match admitted {
                 Ok(a) => a,
                 Err(NoRoom) if self.running.is_empty() => {
@@ -243,44 +303,49 @@ impl Scheduler {
                         tokens = tokens.len(),
                         "request larger than the KV cache dropped"
                     );
-                    self.waiting.pop_front();
+                    self.waiting.remove(i);
                     self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
                 Err(NoRoom) => break,
             };
             let total = tokens.len() as u64;
-            let Some(pending) = self.waiting.pop_front() else {
+            let Some(pending) = self.waiting.remove(i) else {
                 break;
             };
-            self.publish(adm.events);
-            let c = &self.core.counters;
-            let remote = pending.job.remote_cached_tokens;
-            let first = pending.cached_tokens.is_none();
-            if first {
-                c.prompt_tokens.fetch_add(total, Ordering::Relaxed);
-                c.cached_tokens
-                    .fetch_add(adm.cached_tokens, Ordering::Relaxed);
-            }
-            // At least the last token is computed; a remote prefill's cache arrived whole.
-            let prefill_left = if remote.is_some() && first {
-                1
-            } else {
-                (total - adm.cached_tokens).max(1)
-            };
-            self.running.push(Seq {
-                prompt_tokens: pending.job.tokens.len() as u64,
-                cached_tokens: pending
-                    .cached_tokens
-                    .or(remote)
-                    .unwrap_or(adm.cached_tokens),
-                computed: total - prefill_left,
-                prefill_left,
-                unsent: 0,
-                holding: adm.holding,
-                p: pending,
-            });
+            self.start(pending, adm, total);
         }
+    }
+
+    /// Runs an admitted request: its cache events out, its counters in, a running sequence.
+    fn start(&mut self, pending: Pending, adm: super::cache::Admission, total: u64) {
+        self.publish(adm.events);
+        let c = &self.core.counters;
+        let remote = pending.job.remote_cached_tokens;
+        let first = pending.cached_tokens.is_none();
+        if first {
+            c.prompt_tokens.fetch_add(total, Ordering::Relaxed);
+            c.cached_tokens
+                .fetch_add(adm.cached_tokens, Ordering::Relaxed);
+        }
+        // At least the last token is computed; a remote prefill's cache arrived whole.
+        let prefill_left = if remote.is_some() && first {
+            1
+        } else {
+            (total - adm.cached_tokens).max(1)
+        };
+        self.running.push(Seq {
+            prompt_tokens: pending.job.tokens.len() as u64,
+            cached_tokens: pending
+                .cached_tokens
+                .or(remote)
+                .unwrap_or(adm.cached_tokens),
+            computed: total - prefill_left,
+            prefill_left,
+            unsent: 0,
+            holding: adm.holding,
+            p: pending,
+        });
     }
 
     fn publish_counters(&self) {
@@ -289,6 +354,17 @@ impl Scheduler {
             .store(self.running.len() as u64, Ordering::Relaxed);
         c.waiting
             .store(self.waiting.len() as u64, Ordering::Relaxed);
+        if self.core.params.max_loras > 0 {
+            let distinct = |it: &mut dyn Iterator<Item = &Option<Arc<str>>>| {
+                let mut v: Vec<Arc<str>> = it.flatten().cloned().collect();
+                v.sort();
+                v.dedup();
+                v
+            };
+            let running = distinct(&mut self.running.iter().map(|s| &s.p.job.adapter));
+            let waiting = distinct(&mut self.waiting.iter().map(|p| &p.job.adapter));
+            *self.core.adapters.lock() = (running, waiting);
+        }
     }
 }
 
@@ -305,6 +381,9 @@ pub async fn run(
         events,
         waiting: VecDeque::new(),
         running: Vec::new(),
+        loaded: Vec::new(),
+        tick: 0,
+        load_us: 0.0,
     };
     let mut deadline = Instant::now();
     loop {
@@ -355,6 +434,7 @@ pub async fn run(
             }
         }
         let step_us = p.step_overhead_us
+            + std::mem::take(&mut s.load_us)
             + p.prefill_us_per_token * prefilled as f64
             + p.prefill_us_per_token_per_kctx * attended / 1000.0
             + p.decode_us_per_seq * decoding.len() as f64

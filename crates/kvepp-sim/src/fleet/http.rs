@@ -211,7 +211,10 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         }
     };
     let model = v.get("model").and_then(|m| m.as_str()).unwrap_or("");
-    if model != a.core.params.model {
+    // With adapter slots, any other model is a LoRA adapter (loaded on demand).
+    let adapter = (model != a.core.params.model && a.core.params.max_loras > 0)
+        .then(|| std::sync::Arc::<str>::from(model));
+    if model != a.core.params.model && adapter.is_none() {
         return error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
@@ -257,6 +260,7 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         max_tokens,
         out: tx,
         remote_cached_tokens: remote.map(|(_, cached)| cached),
+        adapter,
     };
     if a.commands.send(Command::Job(job)).is_err() {
         return error(
@@ -454,6 +458,22 @@ async fn metrics(State(a): State<EngineApp>) -> impl IntoResponse {
         done = get(&c.finished),
         preempted = get(&c.preemptions),
     );
+    let text = if p.max_loras > 0 {
+        let (running, waiting) = a.core.adapters.lock().clone();
+        let join = |v: &[std::sync::Arc<str>]| v.iter().map(|n| &**n).collect::<Vec<_>>().join(",");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        // vLLM's exposition: the adapters as labels, the sample's value a timestamp.
+        format!(
+            "{text}# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}\n",
+            p.max_loras,
+            join(&running),
+            join(&waiting)
+        )
+    } else {
+        text
+    };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

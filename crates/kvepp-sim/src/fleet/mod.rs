@@ -71,6 +71,11 @@ pub struct SimParams {
     pub transfer_qos: Vec<LevelQos>,
     /// Between engines that share no level.
     pub cross_domain_qos: LinkQos,
+    /// GPU slots for LoRA adapters (`--max-loras`); 0: no LoRA (requests for any other model than
+    /// `model` are refused, 404). With slots, any other model name is an adapter, loaded on demand.
+    pub max_loras: u32,
+    /// How long loading an adapter into a slot stalls the engine's step.
+    pub lora_load_ms: f64,
 }
 
 impl Default for SimParams {
@@ -93,6 +98,8 @@ impl Default for SimParams {
             kv_bytes_per_token: transfer.kv_bytes_per_token,
             transfer_qos: transfer.transfer_qos,
             cross_domain_qos: transfer.cross_domain_qos,
+            max_loras: 0,
+            lora_load_ms: 100.0,
         }
     }
 }
