@@ -75,12 +75,12 @@ pub fn adapter_requests(w: &Adapters) -> Vec<Request> {
 /// Gives every conversation (a first turn and the turns that follow it) a session id.
 pub fn label_sessions(requests: &mut [Request]) {
     let mut ids: Vec<Arc<str>> = Vec::with_capacity(requests.len());
-    for i in 0..requests.len() {
-        let id = match requests[i].after.filter(|&p| p < i) {
+    for (i, r) in requests.iter_mut().enumerate() {
+        let id = match r.after.filter(|&p| p < i) {
             Some(p) => ids[p].clone(),
             None => format!("conversation-{i}").into(),
         };
-        requests[i].session = Some(id.clone());
+        r.session = Some(id.clone());
         ids.push(id);
     }
 }

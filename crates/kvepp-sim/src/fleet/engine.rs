@@ -88,6 +88,9 @@ pub struct Counters {
     pub lora_evictions: AtomicU64,
 }
 
+/// Adapters of running requests, and of waiting ones (each sorted, without repeats).
+pub type AdapterLists = (Vec<Arc<str>>, Vec<Arc<str>>);
+
 /// A request waiting for admission: new, or preempted with `generated` tokens already sent.
 struct Pending {
     job: Job,
@@ -127,7 +130,7 @@ pub struct EngineCore {
     pub cache: Mutex<KvPool>,
     pub counters: Counters,
     /// The adapters of running and of waiting requests (what `vllm:lora_requests_info` shows).
-    pub adapters: Mutex<(Vec<Arc<str>>, Vec<Arc<str>>)>,
+    pub adapters: Mutex<AdapterLists>,
 }
 
 impl EngineCore {
