@@ -169,6 +169,7 @@ async fn hit_ratios(
             records,
             engines: names,
             restart_cleared_after,
+            ..
         } = routing_bench::run_policy(&spec, policy, requests)
             .await
             .expect("replay");
