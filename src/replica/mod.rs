@@ -342,7 +342,9 @@ pub fn receive(payload: &[u8], origin: u64, sink: &dyn Sink, stats: &SyncStats) 
     });
 }
 
-/// Keeps one SUB task per peer of the latest list, applying what they publish.
+/// Keeps one SUB task per peer of the latest list, applying what they publish. A list that can no
+/// longer change (its sender gone: no HTTP door or Service keeps it) keeps its peers until
+/// shutdown.
 pub async fn run_subscribers(
     mut peers: watch::Receiver<Vec<String>>,
     origin: u64,
@@ -351,6 +353,7 @@ pub async fn run_subscribers(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut running: HashMap<String, watch::Sender<bool>> = HashMap::new();
+    let mut fixed = false;
     loop {
         let wanted = peers.borrow_and_update().clone();
         running.retain(|p, stop| {
@@ -376,8 +379,8 @@ pub async fn run_subscribers(
             running.insert(p, stop_tx);
         }
         tokio::select! {
-            r = peers.changed() => if r.is_err() { break },
-            _ = shutdown.changed() => if *shutdown.borrow() { break },
+            r = peers.changed(), if !fixed => fixed = r.is_err(),
+            r = shutdown.changed() => if r.is_err() || *shutdown.borrow() { break },
         }
     }
     for (_, stop) in running {
@@ -525,6 +528,35 @@ mod tests {
             model: m.into(),
             tenant: "default".into(),
         }
+    }
+
+    /// A peer list nobody can change any more (no HTTP door or Service holds its sender) keeps its
+    /// subscriptions: events still arrive over real ZMQ sockets.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn subscriptions_outlive_a_peer_list_that_can_no_longer_change() {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (out, bound) = start_publisher("tcp://127.0.0.1:0", Arc::default(), stop_rx.clone())
+            .await
+            .unwrap();
+        let (peers_tx, peers_rx) = watch::channel(vec![bound]);
+        drop(peers_tx);
+        let sink = Arc::new(Recorder::default());
+        let stats = Arc::new(SyncStats::default());
+        tokio::spawn(run_subscribers(
+            peers_rx,
+            out.origin() ^ 1,
+            sink.clone(),
+            stats.clone(),
+            stop_rx,
+        ));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while stats.get("received") == 0 {
+            assert!(std::time::Instant::now() < deadline, "no event received");
+            out.prefill_complete(&scope("m"), "r");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(sink.0.lock().unwrap().iter().any(|e| e == "prefill r"));
+        let _ = stop_tx.send(true);
     }
 
     #[tokio::test]

@@ -30,7 +30,12 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| seed * 100_000 + i).collect()
 }
 
-async fn complete(addr: std::net::SocketAddr, model: &str, prompt: &[u32], max_tokens: u32) -> String {
+async fn complete(
+    addr: std::net::SocketAddr,
+    model: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> String {
     let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens});
     let r = http(
         addr,
@@ -102,8 +107,12 @@ async fn an_engine_loads_evicts_and_reports_its_adapters_as_vllm_does() {
     )
     .await;
     assert_eq!(r.status, 404);
-    assert!(!String::from_utf8_lossy(&http(plain.engines[0].http, "GET", "/metrics", &[], "").await.body)
-        .contains("lora_requests_info"));
+    assert!(!String::from_utf8_lossy(
+        &http(plain.engines[0].http, "GET", "/metrics", &[], "")
+            .await
+            .body
+    )
+    .contains("lora_requests_info"));
     long.abort();
 }
 
@@ -137,7 +146,12 @@ async fn adapter_blocks_in_the_caches_equal_kvepps_index() {
             .as_object()
             .expect("endpoints")
             .iter()
-            .map(|(a, v)| (a.clone(), serde_json::from_value(v["blocks"].clone()).unwrap()))
+            .map(|(a, v)| {
+                (
+                    a.clone(),
+                    serde_json::from_value(v["blocks"].clone()).unwrap(),
+                )
+            })
             .collect();
         let mut caches = BTreeMap::new();
         for e in &fleet.engines {
@@ -153,7 +167,10 @@ async fn adapter_blocks_in_the_caches_equal_kvepps_index() {
     })
     .await;
     let blocks: usize = index.values().map(Vec::len).sum();
-    assert!(blocks >= 12, "three adapters' copies of 4 blocks: {index:?}");
+    assert!(
+        blocks >= 12,
+        "three adapters' copies of 4 blocks: {index:?}"
+    );
     drop(envoy);
     epp.stop().await;
 }

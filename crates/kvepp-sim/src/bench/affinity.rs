@@ -135,6 +135,28 @@ pub struct AdapterBenchArgs {
     pub out: PathBuf,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Workloads to run: `adapters`, `sessions` (both by default).
+    #[arg(long, value_delimiter = ',', default_value = "adapters,sessions")]
+    pub workload: Vec<String>,
+}
+
+/// The sum over replicas of one series of their `/metrics` pages.
+fn summed(pages: &[String], series: &str) -> u64 {
+    pages
+        .iter()
+        .filter_map(|p| kvepp_test_support::find_sample(p, series))
+        .sum::<f64>() as u64
+}
+
+/// One session run: replicas, session affinity on, turns on the previous turn's engine, turns,
+/// failed requests, and kvepp's session outcomes (hit, moved, new) summed over the replicas.
+struct SessionRow {
+    replicas: usize,
+    on: bool,
+    same: usize,
+    turns: usize,
+    failed: usize,
+    outcomes: [u64; 3],
 }
 
 /// One run's line of the adapter table.
@@ -187,6 +209,8 @@ async fn adapter_rows(
     ] {
         let mut spec = spec(args, kvepp, 1);
         spec.kvepp.adapter_affinity.enabled = aware;
+        // The adapters have no InferenceModel of their own: routed as named.
+        spec.kvepp.unknown_models = kvepp::config::UnknownModels::PassThrough;
         let Replay {
             records,
             engines,
@@ -216,11 +240,11 @@ async fn adapter_rows(
     Ok(rows)
 }
 
-/// The session workload: (replicas, session affinity on, sticky turns, turns, failed).
+/// The session workload, through one and two replicas, session affinity on and off.
 async fn session_rows(
     args: &AdapterBenchArgs,
     kvepp: &Config,
-) -> Result<Vec<(usize, bool, usize, usize, usize)>, BenchError> {
+) -> Result<Vec<SessionRow>, BenchError> {
     let mut requests = workload::multi_turn(&workload::MultiTurn {
         rate: args.conversation_rate,
         duration: Duration::from_secs_f64(args.duration),
@@ -242,23 +266,41 @@ async fn session_rows(
                 .iter()
                 .filter(|r| r.outcome.error.is_some())
                 .count();
+            for page in &replay.kvepp_metrics {
+                for l in page
+                    .lines()
+                    .filter(|l| l.contains("replica_sync") || l.contains("session"))
+                {
+                    eprintln!("DEBUG {l}");
+                }
+            }
+            let outcomes = ["hit", "moved", "new"].map(|o| {
+                summed(
+                    &replay.kvepp_metrics,
+                    &format!("kvepp_session_affinity_total{{outcome=\"{o}\"}}"),
+                )
+            });
             eprintln!(
-                "   sessions {} replica(s), affinity {}: {same}/{turns} turns on the previous turn's engine, failed {failed}",
+                "   sessions {} replica(s), affinity {}: {same}/{turns} turns on the previous turn's engine, failed {failed}, kvepp hit/moved/new {outcomes:?}, replica sync applied {}",
                 replicas,
-                if on { "on" } else { "off" }
+                if on { "on" } else { "off" },
+                summed(&replay.kvepp_metrics, "kvepp_replica_sync_events_total{outcome=\"applied\"}")
             );
-            rows.push((replicas, on, same, turns, failed));
+            rows.push(SessionRow {
+                replicas,
+                on,
+                same,
+                turns,
+                failed,
+                outcomes,
+            });
         }
     }
     Ok(rows)
 }
 
 /// The report's markdown.
-fn markdown(
-    args: &AdapterBenchArgs,
-    adapters: &[AdapterRow],
-    sessions: &[(usize, bool, usize, usize, usize)],
-) -> String {
+fn markdown(args: &AdapterBenchArgs, adapters: &[AdapterRow], sessions: &[SessionRow]) -> String {
     let mut md = format!(
         "### Adapters: {} adapters (Zipf {}), {} req/s for {:.0} s, {} engines × {} adapter slots, {:.0} ms per adapter load\n\n\
          | picker | TTFT p50 / p90 ms | adapter loads/s | evictions | failed |\n|---|---|---|---|---|\n",
@@ -287,14 +329,21 @@ fn markdown(
     }
     md += &format!(
         "\n### Sessions: multi-turn conversations ({} new/s for {:.0} s), one session id each, KV-aware picking\n\n\
-         | kvepp replicas | session affinity | turns on the previous turn's engine | failed |\n|---|---|---|---|\n",
+         | kvepp replicas | session affinity | turns on the previous turn's engine | kvepp: hit / moved / new | failed |\n|---|---|---|---|---|\n",
         args.conversation_rate, args.duration
     );
-    for (replicas, on, same, turns, failed) in sessions {
+    for r in sessions {
         md += &format!(
-            "| {replicas} | {} | {:.1}% ({same} of {turns}) | {failed} |\n",
-            if *on { "on" } else { "off" },
-            100.0 * *same as f64 / (*turns).max(1) as f64
+            "| {} | {} | {:.1}% ({} of {}) | {} / {} / {} | {} |\n",
+            r.replicas,
+            if r.on { "on" } else { "off" },
+            100.0 * r.same as f64 / r.turns.max(1) as f64,
+            r.same,
+            r.turns,
+            r.outcomes[0],
+            r.outcomes[1],
+            r.outcomes[2],
+            r.failed
         );
     }
     md
@@ -308,10 +357,19 @@ pub async fn run(args: AdapterBenchArgs) -> Result<String, BenchError> {
         Some(p) => Config::from_file(p).map_err(|e| BenchError::Kvepp(e.to_string()))?,
         None => Config::default(),
     };
-    eprintln!("== adapters");
-    let adapters = adapter_rows(&args, &kvepp).await?;
-    eprintln!("== sessions");
-    let sessions = session_rows(&args, &kvepp).await?;
+    let wants = |w: &str| args.workload.iter().any(|x| x == w);
+    let adapters = if wants("adapters") {
+        eprintln!("== adapters");
+        adapter_rows(&args, &kvepp).await?
+    } else {
+        Vec::new()
+    };
+    let sessions = if wants("sessions") {
+        eprintln!("== sessions");
+        session_rows(&args, &kvepp).await?
+    } else {
+        Vec::new()
+    };
     let md = markdown(&args, &adapters, &sessions);
     println!("{md}");
     std::fs::write(args.out.join("adapters.md"), &md).map_err(io)?;

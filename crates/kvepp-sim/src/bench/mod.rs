@@ -240,6 +240,8 @@ pub struct Replay {
     /// LoRA adapters the engines loaded into a GPU slot, and evicted, over the run.
     pub lora_loads: u64,
     pub lora_evictions: u64,
+    /// Each replica's `/metrics` page at the end of the run.
+    pub kvepp_metrics: Vec<String>,
 }
 
 /// Replays `requests` under `policy`: every request's record and the engines' names.
@@ -277,7 +279,12 @@ pub async fn run_policy(
         log_learned_ttft(&kvepps[0]).await;
     }
     envoy.stop().await;
+    let mut kvepp_metrics = Vec::new();
     for kvepp in kvepps {
+        if let Ok((_, text)) = kvepp_test_support::client::fetch(kvepp.0.metrics, "/metrics").await
+        {
+            kvepp_metrics.push(text);
+        }
         kvepp.stop().await;
     }
     let count = |f: fn(&crate::fleet::engine::Counters) -> &std::sync::atomic::AtomicU64| {
@@ -295,6 +302,7 @@ pub async fn run_policy(
         restart_cleared_after,
         lora_loads,
         lora_evictions,
+        kvepp_metrics,
     })
 }
 
