@@ -266,14 +266,6 @@ async fn session_rows(
                 .iter()
                 .filter(|r| r.outcome.error.is_some())
                 .count();
-            for page in &replay.kvepp_metrics {
-                for l in page
-                    .lines()
-                    .filter(|l| l.contains("replica_sync") || l.contains("session"))
-                {
-                    eprintln!("DEBUG {l}");
-                }
-            }
             let outcomes = ["hit", "moved", "new"].map(|o| {
                 summed(
                     &replay.kvepp_metrics,
