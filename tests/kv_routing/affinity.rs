@@ -58,14 +58,13 @@ async fn chat_goes_to(envoy: &Envoy, epp: &Epp, want: &str, outcome: &str, seed:
     }
 }
 
-/// Requests for an adapter go to an engine with a free slot rather than one that must evict, to
-/// the engine running it while loads are comparable, and to a free slot again when that engine
-/// saturates; never to an eviction while a free slot exists.
+/// Requests for an adapter go to the engine running it while loads are comparable (the other would
+/// have to evict), and to an engine with a free slot when that one saturates; never to an eviction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adapter_requests_follow_what_the_engines_run() {
     let (a, b, _, events_port) = engine_pair().await;
-    a.set_metrics(0, "x", 2);
-    b.set_metrics(0, "x,y", 2);
+    a.set_metrics(0, "x,y", 2);
+    b.set_metrics(0, "sql", 2);
     let epp = Epp::start(&manifests(&a, &b, true), |c| {
         c.kv_events.enabled = true;
         c.kv_events.port = events_port;
@@ -76,14 +75,14 @@ async fn adapter_requests_follow_what_the_engines_run() {
     until_engines_publish(&epp, &[&a, &b]).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let mut seed = 500;
-    // a has a free slot, b is full.
-    chat_goes_to(&envoy, &epp, "a", "free_slot", &mut seed).await;
-    // b runs the adapter.
-    b.set_metrics(0, "sql,y", 2);
+    // b runs the adapter; a's slots are full.
     chat_goes_to(&envoy, &epp, "b", "loaded", &mut seed).await;
-    // b saturates (a queue of 9 ≥ the threshold of 5): back to a's free slot.
-    b.set_metrics(9, "sql,y", 2);
+    // b saturates (a queue of 9 ≥ the threshold of 5) and a has a free slot: a, which then holds
+    // the adapter (kvepp remembers what it sent there).
+    a.set_metrics(0, "x", 2);
+    b.set_metrics(9, "sql", 2);
     chat_goes_to(&envoy, &epp, "a", "free_slot", &mut seed).await;
+    assert!(adapter_picks(&epp, "loaded").await >= 12.0);
     assert_eq!(adapter_picks(&epp, "evicts").await, 0.0, "never evicted");
     drop(envoy);
     epp.stop().await;

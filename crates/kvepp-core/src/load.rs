@@ -39,6 +39,8 @@ pub struct EndpointLoad {
     pub ttft: std::sync::Arc<crate::predict::EndpointSpeed>,
     /// The LoRA adapters its engine reported last (None: unknown).
     pub(crate) adapters: arc_swap::ArcSwapOption<crate::affinity::AdapterSlots>,
+    /// The adapters last routed here (what its idle slots hold).
+    pub recent_adapters: crate::affinity::adapters::RecentAdapters,
 }
 
 impl EndpointLoad {

@@ -379,8 +379,9 @@ impl Selector {
         let primary = candidates[r.best].clone();
         let adapter = req.adapter.map(|a| {
             let slots = primary.load.adapters.load();
+            let recent = primary.load.recent_adapters.load();
             let saturated = self.saturation.saturated_at(&primary, now);
-            AdapterAffinity::fit(slots.as_deref(), a, saturated)
+            AdapterAffinity::fit(slots.as_deref(), &recent, a, saturated)
         });
         let fallback = r
             .second
@@ -422,8 +423,9 @@ impl Selector {
         bias.resize(candidates.len(), 0.0);
         for (b, c) in bias.iter_mut().zip(candidates) {
             let slots = c.load.adapters.load();
+            let recent = c.load.recent_adapters.load();
             let saturated = self.saturation.saturated_at(c, now);
-            let fit = AdapterAffinity::fit(slots.as_deref(), adapter, saturated);
+            let fit = AdapterAffinity::fit(slots.as_deref(), &recent, adapter, saturated);
             *b += scale * self.adapters.cost_ms(fit);
         }
     }

@@ -293,6 +293,7 @@ impl Router {
                 now: ctx.now,
             });
             if let Some(booking) = self.book(&pick.primary, prompt, slot)? {
+                note_adapter(&pick.primary, req.adapter);
                 let session = self.settle_session(facts.session, bound, &pick.primary, ctx, true);
                 return Ok(Decision {
                     pick,
@@ -469,6 +470,10 @@ impl Router {
             self.booked(&pick.primary, prompt, slot)?
                 .with_prefill(prefill_booking)
         };
+        if book {
+            note_adapter(&p.primary, adapter);
+            note_adapter(&pick.primary, adapter);
+        }
         if !one_worker {
             let level = self.disagg.kv_transfer_topology_level.as_deref();
             let domain = |e: &Endpoint| level.and_then(|l| e.domain(l)).map(str::to_owned);
@@ -536,6 +541,16 @@ impl Router {
     /// Periodic upkeep at `now`: drops bookings whose end was never seen. Returns how many.
     pub fn maintain(&self, now: Instant) -> usize {
         self.kv.as_ref().map_or(0, |kv| kv.expire_stale(now))
+    }
+}
+
+/// A request for `adapter` was booked on `ep`: its slots hold the adapter now (remembered among
+/// the last `max_lora` it was sent, when it reports its slots).
+fn note_adapter(ep: &Endpoint, adapter: Option<&str>) {
+    let Some(adapter) = adapter else { return };
+    let slots = ep.load.adapters();
+    if let Some(cap) = slots.map(|s| s.max_lora as usize).filter(|&c| c > 0) {
+        ep.load.recent_adapters.note(adapter, cap);
     }
 }
 

@@ -1,7 +1,10 @@
 //! LoRA adapters per engine and what a request for one costs there.
 //!
-//! An engine (vLLM) holds at most `max_lora` adapters in GPU slots. A request for an adapter the
-//! engine runs (or already queues) costs nothing extra; one with a free slot costs a load; one that
+//! An engine (vLLM) holds at most `max_lora` adapters in GPU slots. vLLM's metric names only the
+//! adapters of running and waiting requests, not those loaded and idle between requests, so the
+//! router also remembers the last distinct adapters it sent to each engine ([`RecentAdapters`]):
+//! vLLM evicts the least recently used idle adapter, so those are the ones its slots still hold.
+//! A request for an adapter the engine runs, queues or was last sent costs nothing extra; one with a free slot costs a load; one that
 //! must evict an adapter costs a load plus the eviction (requests of the evicted adapter load it
 //! again, and vLLM waits for the adapter's running requests before it can evict). A saturated
 //! engine loses its adapter advantage: it costs what an eviction costs, so an unsaturated engine
@@ -40,6 +43,34 @@ impl AdapterSlots {
     /// Whether one more adapter fits without evicting one.
     pub fn has_free_slot(&self) -> bool {
         self.max_lora == 0 || (self.running.len() as u64) < u64::from(self.max_lora)
+    }
+}
+
+/// The last distinct adapters routed to one engine, most recent first, at most its slot count
+/// (replaced whole on each change: picks read it without a lock).
+#[derive(Debug, Default)]
+pub struct RecentAdapters(arc_swap::ArcSwap<Vec<Arc<str>>>);
+
+impl RecentAdapters {
+    /// The adapters, most recent first.
+    pub fn load(&self) -> arc_swap::Guard<Arc<Vec<Arc<str>>>> {
+        self.0.load()
+    }
+
+    /// A request for `adapter` was routed here; keeps the last `cap` distinct ones (no write when
+    /// it is the most recent already: the common case of a popular adapter).
+    pub fn note(&self, adapter: &str, cap: usize) {
+        if self.0.load().first().is_some_and(|a| &**a == adapter) {
+            return;
+        }
+        let name: Arc<str> = adapter.into();
+        self.0.rcu(|cur| {
+            let mut next = Vec::with_capacity(cap.max(1));
+            next.push(name.clone());
+            next.extend(cur.iter().filter(|a| **a != name).cloned());
+            next.truncate(cap.max(1));
+            next
+        });
     }
 }
 
@@ -115,14 +146,29 @@ impl AdapterAffinity {
         .collect()
     }
 
-    /// How an engine holding `slots` (None: unknown) fits `adapter`.
-    pub fn fit(slots: Option<&AdapterSlots>, adapter: &str, saturated: bool) -> AdapterFit {
-        match slots {
-            None => AdapterFit::Unknown,
-            Some(_) if saturated => AdapterFit::Saturated,
-            Some(s) if s.holds(adapter) => AdapterFit::Loaded,
-            Some(s) if s.has_free_slot() => AdapterFit::FreeSlot,
-            Some(_) => AdapterFit::Evicts,
+    /// How an engine reporting `slots` (None: unknown), last sent the adapters `recent`, fits
+    /// `adapter`: its slots hold what runs there and what it was sent last.
+    pub fn fit(
+        slots: Option<&AdapterSlots>,
+        recent: &[Arc<str>],
+        adapter: &str,
+        saturated: bool,
+    ) -> AdapterFit {
+        let Some(s) = slots else {
+            return AdapterFit::Unknown;
+        };
+        if saturated {
+            return AdapterFit::Saturated;
+        }
+        if s.holds(adapter) || recent.iter().any(|r| &**r == adapter) {
+            return AdapterFit::Loaded;
+        }
+        let idle = recent.iter().filter(|r| !s.running.contains(r)).count();
+        let in_use = s.running.len() + idle;
+        if s.max_lora == 0 || in_use < s.max_lora as usize {
+            AdapterFit::FreeSlot
+        } else {
+            AdapterFit::Evicts
         }
     }
 
@@ -154,7 +200,8 @@ mod tests {
         let s = AdapterAffinity::default();
         let full = slots(&["a", "b"], &[], 2);
         let spare = slots(&["b"], &["c"], 2);
-        let fit = AdapterAffinity::fit;
+        let fit =
+            |s: Option<&AdapterSlots>, a: &str, sat: bool| AdapterAffinity::fit(s, &[], a, sat);
         assert_eq!(fit(Some(&full), "a", false), AdapterFit::Loaded);
         assert_eq!(fit(Some(&spare), "c", false), AdapterFit::Loaded, "waiting");
         assert_eq!(fit(Some(&spare), "a", false), AdapterFit::FreeSlot);
@@ -165,11 +212,32 @@ mod tests {
             fit(Some(&slots(&["x"; 3], &[], 0)), "a", false),
             AdapterFit::FreeSlot
         );
+        // What was routed there last is loaded (idle between requests, which vLLM does not
+        // report), and takes a slot.
+        let recent: Vec<Arc<str>> = vec!["r".into()];
+        let idle = slots(&["b"], &[], 2);
+        let with = |a: &str| AdapterAffinity::fit(Some(&idle), &recent, a, false);
+        assert_eq!(
+            (with("r"), with("z")),
+            (AdapterFit::Loaded, AdapterFit::Evicts)
+        );
+        assert_eq!(fit(Some(&idle), "z", false), AdapterFit::FreeSlot);
         let order =
             [AdapterFit::Loaded, AdapterFit::FreeSlot, AdapterFit::Evicts].map(|f| s.cost_ms(f));
         assert!(order[0] < order[1] && order[1] < order[2], "{order:?}");
         assert_eq!(s.cost_ms(AdapterFit::Saturated), order[2]);
         assert_eq!(s.cost_ms(AdapterFit::Unknown), 0.0);
+    }
+
+    #[test]
+    fn recent_adapters_keep_the_last_distinct_ones() {
+        let r = RecentAdapters::default();
+        for a in ["a", "b", "a", "c", "d"] {
+            r.note(a, 3);
+        }
+        let held = r.load();
+        let got: Vec<&str> = held.iter().map(|a| &**a).collect();
+        assert_eq!(got, ["d", "c", "a"]);
     }
 
     #[test]
