@@ -191,6 +191,7 @@ fn spec(args: &AdapterBenchArgs, kvepp: &Config, replicas: usize) -> BenchSpec {
 async fn adapter_rows(
     args: &AdapterBenchArgs,
     kvepp: &Config,
+    csv: &mut String,
 ) -> Result<Vec<AdapterRow>, BenchError> {
     let requests = adapter_requests(&Adapters {
         adapters: args.adapters,
@@ -204,7 +205,7 @@ async fn adapter_rows(
     let mut rows = Vec::new();
     for (name, policy, aware) in [
         ("least loaded", Policy::LeastLoaded, false),
-        ("KV-aware, adapter-blind", Policy::Precise, false),
+        ("KV-aware (adapter-blind)", Policy::Precise, false),
         ("KV-aware + adapter affinity", Policy::Precise, true),
     ] {
         let mut spec = spec(args, kvepp, 1);
@@ -219,6 +220,7 @@ async fn adapter_rows(
             ..
         } = run_policy(&spec, policy, &requests).await?;
         let result = report::summarize(name, &records, &engines, 1000.0);
+        report::csv_rows(csv, "adapters", name, &records);
         let span = records
             .iter()
             .filter_map(|r| Some(r.sent + r.outcome.e2e?))
@@ -350,9 +352,10 @@ pub async fn run(args: AdapterBenchArgs) -> Result<String, BenchError> {
         None => Config::default(),
     };
     let wants = |w: &str| args.workload.iter().any(|x| x == w);
+    let mut csv = String::from(report::CSV_HEADER);
     let adapters = if wants("adapters") {
         eprintln!("== adapters");
-        adapter_rows(&args, &kvepp).await?
+        adapter_rows(&args, &kvepp, &mut csv).await?
     } else {
         Vec::new()
     };
@@ -365,6 +368,7 @@ pub async fn run(args: AdapterBenchArgs) -> Result<String, BenchError> {
     let md = markdown(&args, &adapters, &sessions);
     println!("{md}");
     std::fs::write(args.out.join("adapters.md"), &md).map_err(io)?;
+    std::fs::write(args.out.join("requests.csv"), &csv).map_err(io)?;
     Ok(md)
 }
 
