@@ -351,6 +351,33 @@ impl Scheduler {
         });
     }
 
+    /// Removes the sequences that generated all their tokens (their usage to the client) or whose
+    /// client went away.
+    fn finish_done(&mut self) {
+        let c = &self.core.counters;
+        let mut i = 0;
+        while i < self.running.len() {
+            let q = &self.running[i];
+            let aborted = q.p.generated == u32::MAX;
+            if !aborted && q.p.generated < q.p.job.max_tokens.max(1) {
+                i += 1;
+                continue;
+            }
+            let q = self.running.remove(i);
+            self.core.cache().release(q.holding);
+            if aborted {
+                c.aborted.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.finished.fetch_add(1, Ordering::Relaxed);
+                let _ = q.p.job.out.send(Output::Finished(Usage {
+                    prompt_tokens: q.prompt_tokens,
+                    cached_tokens: q.cached_tokens,
+                    completion_tokens: u64::from(q.p.generated),
+                }));
+            }
+        }
+    }
+
     fn publish_counters(&self) {
         let c = &self.core.counters;
         c.running
@@ -469,29 +496,10 @@ pub async fn run(
                 }
             }
         }
-        let c = &core.counters;
-        c.generation_tokens.fetch_add(emitted, Ordering::Relaxed);
-        let mut i = 0;
-        while i < s.running.len() {
-            let q = &s.running[i];
-            let aborted = q.p.generated == u32::MAX;
-            if !aborted && q.p.generated < q.p.job.max_tokens.max(1) {
-                i += 1;
-                continue;
-            }
-            let q = s.running.remove(i);
-            core.cache().release(q.holding);
-            if aborted {
-                c.aborted.fetch_add(1, Ordering::Relaxed);
-            } else {
-                c.finished.fetch_add(1, Ordering::Relaxed);
-                let _ = q.p.job.out.send(Output::Finished(Usage {
-                    prompt_tokens: q.prompt_tokens,
-                    cached_tokens: q.cached_tokens,
-                    completion_tokens: u64::from(q.p.generated),
-                }));
-            }
-        }
+        core.counters
+            .generation_tokens
+            .fetch_add(emitted, Ordering::Relaxed);
+        s.finish_done();
         s.publish_counters();
     }
 }
