@@ -251,19 +251,35 @@ async fn session_turns_stick_move_when_their_endpoint_leaves_and_stick_again() {
     epp.stop().await;
 }
 
-/// Two active-active replicas share session bindings: a session started through one continues on
-/// the same endpoint through the other, even where the other endpoint is idle; a replica started
-/// later recovers the bindings with the index dump.
+/// Sends prompts through `envoy` until `other` has applied replica events (its subscription is
+/// live).
+async fn until_applied(envoy: &Envoy, other: &Epp) {
+    let mut k = 0;
+    wait_for("replica events applied on the other replica", || {
+        k += 1;
+        async move {
+            served_by(envoy, &tokens(950 + k, BLOCK)).await;
+            (super::doors_and_replicas::applied(other).await > 0.0).then_some(())
+        }
+    })
+    .await;
+}
+
+/// Two active-active replicas (`kvepp serve` with replica sync and no HTTP door) share session
+/// bindings: a session started through one continues on the same endpoint through the other, even
+/// where the other endpoint is idle; a replica started later recovers the bindings with the index
+/// dump.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_share_session_bindings_and_a_new_replica_recovers_them() {
-    use super::doors_and_replicas::{two_replicas, until_replicas_synced};
-    let (a, b, one, two) = two_replicas(kvepp::config::PickerKind::KvAware).await;
+    let (a, b, one, two) =
+        super::doors_and_replicas::two_replicas_with(kvepp::config::PickerKind::KvAware, false)
+            .await;
     until_engines_publish(&one, &[&a, &b]).await;
     until_engines_publish(&two, &[&a, &b]).await;
     let envoy1 = Envoy::start(bootstrap(), one.grpc).await;
     let envoy2 = Envoy::start(bootstrap(), two.grpc).await;
-    until_replicas_synced(&envoy1, &two).await;
-    until_replicas_synced(&envoy2, &one).await;
+    until_applied(&envoy1, &two).await;
+    until_applied(&envoy2, &one).await;
     let session = [("x-session-id", "shared-session")];
     // Started through replica one, held there: its endpoint is the busier one everywhere.
     let mut held =

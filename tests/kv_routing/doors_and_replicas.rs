@@ -130,8 +130,17 @@ async fn http_doors_share_state_with_envoy_picks() {
     epp.stop().await;
 }
 
-/// Two kvepp replicas with replica sync on, each behind its own Envoy, over the same two engines.
+/// Two kvepp replicas with replica sync on, each behind its own Envoy, over the same two engines;
+/// each opens its slot-tracker door (which shows its loads).
 pub(super) async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, Engine, Epp, Epp) {
+    two_replicas_with(picker, true).await
+}
+
+/// [`two_replicas`], with the slot-tracker door or without any HTTP door (`doors`).
+pub(super) async fn two_replicas_with(
+    picker: kvepp::config::PickerKind,
+    doors: bool,
+) -> (Engine, Engine, Epp, Epp) {
     let (a, b, m, events_port) = engine_pair().await;
     let (p1, p2) = (free_port(), free_port());
     let replica = |own: u16, peer: u16, picker| {
@@ -140,7 +149,7 @@ pub(super) async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, 
             c.kv_events.port = events_port;
             c.block_size = Some(BLOCK as u32);
             c.picker = picker;
-            c.slot_tracker_port = Some(0);
+            c.slot_tracker_port = doors.then_some(0);
             c.replica_sync.bind = Some(format!("tcp://127.0.0.1:{own}"));
             c.replica_sync.advertise = Some(format!("tcp://127.0.0.1:{own}"));
             c.replica_sync.peers = vec![format!("tcp://127.0.0.1:{peer}")];
@@ -151,7 +160,7 @@ pub(super) async fn two_replicas(picker: kvepp::config::PickerKind) -> (Engine, 
     (a, b, one, two)
 }
 
-async fn applied(epp: &Epp) -> f64 {
+pub(super) async fn applied(epp: &Epp) -> f64 {
     epp.metric("kvepp_replica_sync_events_total{outcome=\"applied\"}")
         .await
         .unwrap_or(0.0)

@@ -6,12 +6,13 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+mod sim_common;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use common::*;
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
+use sim_common::{index_and_caches, tokens};
 
 fn params() -> SimParams {
     SimParams {
@@ -24,10 +25,6 @@ fn params() -> SimParams {
         lora_load_ms: 5.0,
         ..SimParams::default()
     }
-}
-
-fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| seed * 100_000 + i).collect()
 }
 
 async fn complete(
@@ -140,29 +137,8 @@ async fn adapter_blocks_in_the_caches_equal_kvepps_index() {
     for model in ["a", "b", "m", "a"] {
         complete(envoy.addr, model, &shared, 2).await;
     }
-    let index_and_caches = || async {
-        let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
-        let index: BTreeMap<String, Vec<u64>> = r.json()["endpoints"]
-            .as_object()
-            .expect("endpoints")
-            .iter()
-            .map(|(a, v)| {
-                (
-                    a.clone(),
-                    serde_json::from_value(v["blocks"].clone()).unwrap(),
-                )
-            })
-            .collect();
-        let mut caches = BTreeMap::new();
-        for e in &fleet.engines {
-            let r = http(e.http, "GET", "/debug/cache", &[], "").await;
-            let blocks: Vec<u64> = serde_json::from_value(r.json()["blocks"].clone()).unwrap();
-            caches.insert(e.http.to_string(), blocks);
-        }
-        (index, caches)
-    };
     let (index, _) = wait_for("kvepp's index equal to the engines' caches", || async {
-        let (index, caches) = index_and_caches().await;
+        let (index, caches) = index_and_caches(&epp, &fleet).await;
         (index == caches).then_some((index, caches))
     })
     .await;

@@ -7,6 +7,7 @@
 // The EPP suite's harness (in-process kvepp, real Envoy, HTTP helpers).
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+mod sim_common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use std::time::Duration;
 use common::*;
 use kvepp_sim::bench::{self as routing_bench, workload, BenchSpec, Policy};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
+use sim_common::{index_and_caches, tokens};
 
 /// Small, fast engines: blocks of 16 tokens, a cache of `blocks` blocks.
 fn params(blocks: u64) -> SimParams {
@@ -25,40 +27,6 @@ fn params(blocks: u64) -> SimParams {
         decode_us_per_seq: 10.0,
         ..SimParams::default()
     }
-}
-
-fn tokens(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| seed * 100_000 + i).collect()
-}
-
-/// What kvepp's index holds per engine address, and what each engine caches.
-async fn index_and_caches(
-    epp: &Epp,
-    fleet: &Fleet,
-) -> (BTreeMap<String, Vec<u64>>, BTreeMap<String, Vec<u64>>) {
-    let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let index: BTreeMap<String, Vec<u64>> = r.json()["endpoints"]
-        .as_object()
-        .expect("endpoints")
-        .iter()
-        .map(|(addr, v)| {
-            (
-                addr.clone(),
-                serde_json::from_value(v["blocks"].clone()).expect("blocks"),
-            )
-        })
-        .collect();
-    let mut caches = BTreeMap::new();
-    for e in &fleet.engines {
-        let r = http(e.http, "GET", "/debug/cache", &[], "").await;
-        assert_eq!(r.status, 200);
-        caches.insert(
-            e.http.to_string(),
-            serde_json::from_value(r.json()["blocks"].clone()).expect("blocks"),
-        );
-    }
-    (index, caches)
 }
 
 /// `engines` engines with `blocks`-block caches, kvepp subscribed to all their KV events, and

@@ -1,0 +1,42 @@
+//! Helpers the simulated-fleet tests share: token prompts, and kvepp's KV-event index beside the
+//! engines' caches.
+
+use std::collections::BTreeMap;
+
+use super::common::{http, Epp};
+use kvepp_sim::fleet::Fleet;
+
+/// `n` distinct tokens of family `seed`.
+pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+/// What kvepp's index holds per engine address, and what each engine caches.
+pub async fn index_and_caches(
+    epp: &Epp,
+    fleet: &Fleet,
+) -> (BTreeMap<String, Vec<u64>>, BTreeMap<String, Vec<u64>>) {
+    let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let index: BTreeMap<String, Vec<u64>> = r.json()["endpoints"]
+        .as_object()
+        .expect("endpoints")
+        .iter()
+        .map(|(addr, v)| {
+            (
+                addr.clone(),
+                serde_json::from_value(v["blocks"].clone()).expect("blocks"),
+            )
+        })
+        .collect();
+    let mut caches = BTreeMap::new();
+    for e in &fleet.engines {
+        let r = http(e.http, "GET", "/debug/cache", &[], "").await;
+        assert_eq!(r.status, 200);
+        caches.insert(
+            e.http.to_string(),
+            serde_json::from_value(r.json()["blocks"].clone()).expect("blocks"),
+        );
+    }
+    (index, caches)
+}
