@@ -27,25 +27,8 @@ fn params() -> SimParams {
     }
 }
 
-async fn complete(
-    addr: std::net::SocketAddr,
-    model: &str,
-    prompt: &[u32],
-    max_tokens: u32,
-) -> String {
-    let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens});
-    let r = http(
-        addr,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        body.to_string(),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    r.header(kvepp_sim::fleet::ENGINE_HEADER)
-        .expect("engine header")
-        .to_owned()
+async fn complete(addr: std::net::SocketAddr, model: &str, prompt: &[u32], max: u32) -> String {
+    sim_common::complete_as(addr, model, prompt, max).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

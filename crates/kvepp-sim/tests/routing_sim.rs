@@ -204,28 +204,11 @@ async fn a_replay_reports_when_kvepp_dropped_a_restarted_engine() {
     }
 }
 
-/// One completion through Envoy: (engine, cached tokens, completion tokens).
+/// One completion of model `m` through Envoy: (engine, cached tokens).
 async fn complete(envoy: std::net::SocketAddr, prompt: &[u32], max_tokens: u32) -> (String, u64) {
-    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens});
-    let r = http(
-        envoy,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        body.to_string(),
-    )
-    .await;
-    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    let v = r.json();
-    assert_eq!(v["usage"]["completion_tokens"], u64::from(max_tokens));
-    (
-        r.header(kvepp_sim::fleet::ENGINE_HEADER)
-            .expect("engine header")
-            .to_owned(),
-        v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .expect("cached tokens"),
-    )
+    let (engine, v) = sim_common::complete_as(envoy, "m", prompt, max_tokens).await;
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    (engine, cached.expect("cached tokens"))
 }
 
 async fn engines_metric(fleet: &Fleet, series: &str) -> f64 {

@@ -40,3 +40,29 @@ pub async fn index_and_caches(
     }
     (index, caches)
 }
+
+/// One completion of `model` at `addr` (Envoy or an engine), answered 200 with every token asked
+/// for: the engine that served it and the response.
+pub async fn complete_as(
+    addr: std::net::SocketAddr,
+    model: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> (String, serde_json::Value) {
+    let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens});
+    let r = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], u64::from(max_tokens));
+    let engine = r
+        .header(kvepp_sim::fleet::ENGINE_HEADER)
+        .expect("engine header");
+    (engine.to_owned(), v)
+}
