@@ -284,10 +284,10 @@ pub async fn run_select_with(
 ) -> Result<(), ServiceError> {
     let sc = &cfg.select_service;
     let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(
-        kv_settings(&cfg),
-        Limits::default(),
-    )));
+    let catalog = Arc::new(RwLock::new(
+        Catalog::new(kv_settings(&cfg), Limits::default())
+            .with_sessions(cfg.session_affinity.clone()),
+    ));
     let (stop_tx, stop_rx) = watch::channel(false);
     let indexer_peers = &sc.indexer_peers;
     if !indexer_peers.is_empty() {
@@ -332,10 +332,10 @@ pub async fn run_slot_tracker_with(
 ) -> Result<(), ServiceError> {
     let sc = &cfg.slot_tracker;
     let peers = Arc::new(SharedPeers::new(sc.peers().map_err(ServiceError::Invalid)?));
-    let catalog = Arc::new(RwLock::new(Catalog::new(
-        kv_settings(&cfg),
-        Limits::default(),
-    )));
+    let catalog = Arc::new(RwLock::new(
+        Catalog::new(kv_settings(&cfg), Limits::default())
+            .with_sessions(cfg.session_affinity.clone()),
+    ));
     let (stop_tx, stop_rx) = watch::channel(false);
     let bind = sc.replica_sync_bind.as_deref();
     start_replica(bind, &peers, &catalog, Ids::Scoped, &stop_rx).await?;

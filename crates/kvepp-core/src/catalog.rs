@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::affinity::{SessionKey, SessionOutcome};
+use crate::affinity::{SessionAffinity, SessionKey, SessionOutcome};
 use crate::booking::Booking;
 use crate::cost::{CandidateLoad, Overlap};
 use crate::hash::SequenceHash;
@@ -177,9 +177,10 @@ impl Tracker {
         &self.router
     }
 
-    fn new(kv: Arc<KvState>) -> Self {
+    fn new(kv: Arc<KvState>, sessions: &SessionAffinity) -> Self {
+        let router = Router::kv_aware(kv.clone(), Saturation::in_flight(0));
         Tracker {
-            router: Arc::new(Router::kv_aware(kv.clone(), Saturation::in_flight(0))),
+            router: Arc::new(router.with_sessions(sessions.table())),
             kv,
             workers: BTreeMap::new(),
             candidates: Vec::new(),
@@ -257,6 +258,8 @@ pub struct Catalog {
     /// Recovered index content of scopes with no worker yet: applied when the scope's first worker
     /// registers with the same block size.
     pending: HashMap<Scope, (u32, Vec<RankDump>)>,
+    /// How each scope's router keeps session bindings.
+    sessions: SessionAffinity,
 }
 
 impl std::fmt::Debug for Catalog {
@@ -281,7 +284,15 @@ impl Catalog {
             reservations: Mutex::new(HashMap::new()),
             listener_for: None,
             pending: HashMap::new(),
+            sessions: SessionAffinity::default(),
         }
+    }
+
+    /// Each scope created from now on keeps session bindings as `sessions` says (time to live,
+    /// size).
+    pub fn with_sessions(mut self, sessions: SessionAffinity) -> Self {
+        self.sessions = sessions;
+        self
     }
 
     /// Every scope created from now on gets `f`'s listener (replica sync).
@@ -439,7 +450,7 @@ impl Catalog {
             if let Some(l) = listener {
                 kv.hub().listen(l);
             }
-            Tracker::new(kv)
+            Tracker::new(kv, &self.sessions)
         });
         if let Some((bs, dumps)) = pending.filter(|(bs, _)| *bs == worker.block_size) {
             if let Err(e) = tracker.kv.index().write(|ix| ix.restore(&dumps)) {
