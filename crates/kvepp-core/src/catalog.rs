@@ -318,6 +318,8 @@ impl Catalog {
             reservations: Mutex::new(HashMap::new()),
             listener_for: None,
             pending: HashMap::new(),
+            // The pooled scope decides through the ext_proc door's router and its table.
+            sessions: SessionAffinity::default(),
         })
     }
 

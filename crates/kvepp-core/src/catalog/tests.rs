@@ -275,3 +275,40 @@ fn a_reservation_expired_by_the_routers_upkeep_gives_its_booking_back() {
     assert_eq!(c.reservation_count(), 0);
     assert!(!c.free("r"), "nothing left to free");
 }
+
+#[test]
+fn scopes_keep_sessions_as_the_catalog_is_told() {
+    use crate::affinity::{SessionAffinity, SessionKey, SessionOutcome};
+    let mut c =
+        Catalog::new(KvSettings::default(), Limits::default()).with_sessions(SessionAffinity {
+            ttl_seconds: 1,
+            ..SessionAffinity::default()
+        });
+    c.register(scope("m"), worker(1, 16, 0, 2)).unwrap();
+    let hashes: Vec<SequenceHash> = (1..=4).map(SequenceHash).collect();
+    let prompt = PromptRef {
+        hashes: &hashes,
+        isl_tokens: 64,
+    };
+    let mut rng = fastrand::Rng::with_seed(3);
+    let s = Some(SessionKey::of("chat"));
+    let t0 = Instant::now();
+    let first = c
+        .select_in_session(&scope("m"), prompt, s, Some(("r1", t0)), &mut rng)
+        .unwrap();
+    assert_eq!(first.session, Some(SessionOutcome::New));
+    // The bound rank holds a reservation; the session still goes there within its second.
+    let again = c
+        .select_in_session(&scope("m"), prompt, s, Some(("r2", t0)), &mut rng)
+        .unwrap();
+    assert_eq!(
+        (again.session, again.choice.rank),
+        (Some(SessionOutcome::Hit), first.choice.rank)
+    );
+    // Two seconds later the binding has expired (ttl_seconds: 1).
+    let later = t0 + std::time::Duration::from_secs(2);
+    let expired = c
+        .select_in_session(&scope("m"), prompt, s, Some(("r3", later)), &mut rng)
+        .unwrap();
+    assert_eq!(expired.session, Some(SessionOutcome::New));
+}
