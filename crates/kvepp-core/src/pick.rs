@@ -12,7 +12,9 @@
 //! - a sheddable request (priority below 0) is refused only when every candidate is saturated;
 //! - a request admitted with [`Admission::Unsaturated`] only ever goes to a candidate that is not
 //!   saturated (flow control queues it otherwise);
-//! - scores, when asked for, are higher for better candidates and in `[0, 1]`.
+//! - scores, when asked for, are higher for better candidates and in `[0, 1]`;
+//! - a request's adapter adds one cost term per candidate ([`crate::affinity::adapters`]), and its
+//!   session's bound rank is chosen only while it is a candidate here and not saturated.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
