@@ -128,3 +128,61 @@ impl Sink for CatalogSink {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvepp_core::catalog::{Limits, Worker};
+    use kvepp_core::KvSettings;
+
+    /// A peer's session binding is applied for a rank this replica knows, and dropped for an
+    /// unknown worker, rank or scope.
+    #[test]
+    fn peer_session_bindings_apply_only_to_known_ranks() {
+        let scope = Scope {
+            model: "m".into(),
+            tenant: "default".into(),
+        };
+        let mut c = Catalog::new(KvSettings::default(), Limits::default());
+        c.register(
+            scope.clone(),
+            Worker {
+                worker_id: 7,
+                block_size: 16,
+                dp_start: 0,
+                dp_size: 2,
+                endpoint: None,
+                kv_events_endpoints: Default::default(),
+                replay_endpoint: None,
+            },
+        )
+        .unwrap();
+        let sink = CatalogSink {
+            catalog: Arc::new(RwLock::new(c)),
+            ids: Ids::Global,
+        };
+        let rank = |worker, dp_rank| WorkerRank { worker, dp_rank };
+        let key = SessionKey::of("s");
+        assert_eq!(sink.session_bound(&scope, key, rank(7, 1)), Ok(()));
+        assert_eq!(
+            sink.session_bound(&scope, key, rank(8, 0)),
+            Err(Refused::Unknown)
+        );
+        assert_eq!(
+            sink.session_bound(&scope, key, rank(7, 2)),
+            Err(Refused::Unknown)
+        );
+        let other = Scope {
+            model: "x".into(),
+            ..scope.clone()
+        };
+        assert_eq!(
+            sink.session_bound(&other, key, rank(7, 0)),
+            Err(Refused::Unknown)
+        );
+        let catalog = sink.catalog.read();
+        let sessions = catalog.tracker(&scope).unwrap().router().sessions();
+        let now = kvepp_core::types::clock_nanos(Instant::now());
+        assert_eq!(sessions.get(key, now), Some(rank(7, 1)));
+    }
+}
