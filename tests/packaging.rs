@@ -183,6 +183,13 @@ fn grafana_dashboard_queries_only_exported_metrics() {
             outcome: "dispatched",
         })
         .inc();
+    // Session and adapter affinity register their own counters.
+    let affinity = kvepp::request::Affinity::default();
+    m.add(&affinity);
+    affinity.count(
+        Some(kvepp_core::affinity::SessionOutcome::Hit),
+        Some(kvepp_core::affinity::AdapterFit::Loaded),
+    );
     let exported = m.encode();
     let types: std::collections::HashMap<&str, &str> = exported
         .lines()
