@@ -57,24 +57,8 @@ async fn engine_caches_and_the_epp_index_agree_after_evictions() {
     for i in 0..48u32 {
         let mut prompt = tokens(i % 8, 16 * (6 + (i % 3) as usize));
         prompt.extend(tokens(1000 + i, 16 * ((i % 4) as usize)));
-        let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 2});
-        let r = http(
-            envoy.addr,
-            "POST",
-            "/v1/completions",
-            &[("content-type", "application/json")],
-            body.to_string(),
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-        assert_eq!(r.json()["usage"]["completion_tokens"], 2);
-        *served
-            .entry(
-                r.header(kvepp_sim::fleet::ENGINE_HEADER)
-                    .expect("engine header")
-                    .to_owned(),
-            )
-            .or_default() += 1;
+        let (engine, _) = sim_common::complete_as(envoy.addr, "m", &prompt, 2).await;
+        *served.entry(engine).or_default() += 1;
     }
     assert!(
         served.len() >= 2,
