@@ -144,7 +144,11 @@ async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
                 "lora_adapters": e.load.adapters().map(|a| serde_json::json!({
                     "running": a.running.iter().map(|n| &**n).collect::<Vec<_>>(),
                     "waiting": a.waiting.iter().map(|n| &**n).collect::<Vec<_>>(),
-                    "max_lora": a.max_lora}))})
+                    "max_lora": a.max_lora, "from_metadata": a.from_metadata,
+                    "scraped_ms_ago": e.load.saturation_inputs(now)
+                        .map(|(_, _, age)| u64::try_from(age.as_millis()).unwrap_or(u64::MAX)),
+                    "routed_recently": e.load.recent_adapters.load().iter()
+                        .map(|n| &**n).collect::<Vec<_>>()}))})
         })
         .collect();
     let model = st.kv.as_ref().map(|kv| {

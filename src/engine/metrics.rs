@@ -138,9 +138,12 @@ pub async fn run_scraper(
     let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
     // Endpoints whose current run of failures was already logged at warn level.
     let mut warned = std::collections::HashSet::new();
+    // Endpoints whose current run of unreadable adapter labels was already logged at warn level.
+    let mut lora_warned = std::collections::HashSet::new();
     while pace.next().await {
         let endpoints = pool.borrow().clone();
         warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
+        lora_warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
         let mut scrapes = tokio::task::JoinSet::new();
         let version = protocol();
         for ep in endpoints.iter().cloned() {
@@ -161,7 +164,7 @@ pub async fn run_scraper(
             let result = page.map_err(|e| e.to_string()).and_then(|b| {
                 let text = String::from_utf8_lossy(&b);
                 let m = parse(&text).map_err(|e| e.to_string())?;
-                record_adapters(&ep, &text, &counters);
+                record_adapters(&ep, &text, &counters, &mut lora_warned);
                 if let (Some(kv), Some(model)) = (&kv, base_model(&text)) {
                     kv.learn_base_model(model);
                 }
@@ -190,13 +193,26 @@ pub async fn run_scraper(
 }
 
 /// The endpoint's adapters from its page (none on the page: unknown); an unreadable
-/// `vllm:lora_requests_info` keeps what was known, and is logged and counted.
-fn record_adapters(ep: &Endpoint, page: &str, counters: &super::EngineCounters) {
+/// `vllm:lora_requests_info` keeps what was known, and is counted and logged (at warn level once
+/// per run of failures, in `warned`; repeats at debug).
+fn record_adapters(
+    ep: &Endpoint,
+    page: &str,
+    counters: &super::EngineCounters,
+    warned: &mut std::collections::HashSet<std::net::SocketAddr>,
+) {
     match super::lora::parse(page) {
-        Ok(slots) => ep.load.set_adapters(slots),
+        Ok(slots) => {
+            ep.load.set_adapters(slots);
+            warned.remove(&ep.addr);
+        }
         Err(e) => {
             counters.lora_info_malformed.inc();
-            tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine adapters not read; the last known ones are kept");
+            if warned.insert(ep.addr) {
+                tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine adapters not read; the last known ones are kept (repeats logged at debug)");
+            } else {
+                tracing::debug!(endpoint = %ep.addr_str, error = %e, "engine adapters not read");
+            }
         }
     }
 }

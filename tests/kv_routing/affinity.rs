@@ -77,6 +77,19 @@ async fn adapter_requests_follow_what_the_engines_run() {
     let mut seed = 500;
     // b runs the adapter; a's slots are full.
     chat_goes_to(&envoy, &epp, "b", "loaded", &mut seed).await;
+    // What kvepp keeps per endpoint, on /debug/endpoints.
+    let eps = http(epp.metrics, "GET", "/debug/endpoints", &[], "").await.json();
+    let b_view = eps["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["addr"] == b.http.to_string())
+        .unwrap()["lora_adapters"]
+        .clone();
+    assert_eq!(b_view["running"], serde_json::json!(["sql"]));
+    assert_eq!(b_view["max_lora"], 2);
+    assert!(b_view["scraped_ms_ago"].is_u64(), "{b_view}");
+    assert_eq!(b_view["routed_recently"], serde_json::json!(["sql"]));
     // b saturates (a queue of 9 ≥ the threshold of 5) and a has a free slot: a, which then holds
     // the adapter (kvepp remembers what it sent there).
     a.set_metrics(0, "x", 2);
