@@ -78,7 +78,9 @@ async fn adapter_requests_follow_what_the_engines_run() {
     // b runs the adapter; a's slots are full.
     chat_goes_to(&envoy, &epp, "b", "loaded", &mut seed).await;
     // What kvepp keeps per endpoint, on /debug/endpoints.
-    let eps = http(epp.metrics, "GET", "/debug/endpoints", &[], "").await.json();
+    let eps = http(epp.metrics, "GET", "/debug/endpoints", &[], "")
+        .await
+        .json();
     let b_view = eps["endpoints"]
         .as_array()
         .unwrap()
