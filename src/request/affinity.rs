@@ -88,20 +88,6 @@ impl Affinity {
                 .inc();
         }
     }
-
-    /// The count of one session outcome (tests).
-    pub fn outcome_count(&self, outcome: SessionOutcome) -> u64 {
-        self.outcomes
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.as_str(),
-            })
-            .get()
-    }
-
-    /// The count of ignored session ids for one reason (tests).
-    pub fn ignored_count(&self, reason: &'static str) -> u64 {
-        self.ignored.get_or_create(&ReasonLabels { reason }).get()
-    }
 }
 
 /// The session table's size and evictions, read at each scrape.

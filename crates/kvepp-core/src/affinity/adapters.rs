@@ -39,11 +39,6 @@ impl AdapterSlots {
             .chain(self.waiting.iter())
             .any(|a| &**a == adapter)
     }
-
-    /// Whether one more adapter fits without evicting one.
-    pub fn has_free_slot(&self) -> bool {
-        self.max_lora == 0 || (self.running.len() as u64) < u64::from(self.max_lora)
-    }
 }
 
 /// The last distinct adapters routed to one engine, most recent first, at most its slot count

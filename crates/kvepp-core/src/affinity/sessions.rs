@@ -263,21 +263,6 @@ impl Sessions {
         }
         out
     }
-
-    /// Drops every binding to a worker for which `keep` is false (it left the pool).
-    pub fn retain_workers(&self, keep: impl Fn(u64) -> bool) {
-        for s in self.shards.iter() {
-            let mut s = s.lock();
-            let gone: Vec<SessionKey> = s
-                .iter()
-                .filter(|(_, b)| !keep(b.rank.worker))
-                .map(|(k, _)| *k)
-                .collect();
-            for k in gone {
-                s.pop(&k);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -328,15 +313,13 @@ mod tests {
     }
 
     #[test]
-    fn dump_lists_live_bindings_and_retain_drops_gone_workers() {
+    fn dump_lists_live_bindings_with_their_idle_time() {
         let t = Sessions::new(Duration::from_secs(10), 100);
         t.bind(SessionKey(1), rank(7), 0);
         t.bind(SessionKey(2 << 60), rank(8), 5 * SEC);
         let mut d = t.dump(12 * SEC);
         d.sort();
         assert_eq!(d, [(SessionKey(2 << 60), rank(8), Duration::from_secs(7))]);
-        t.retain_workers(|w| w != 8);
-        assert!(t.dump(12 * SEC).is_empty());
     }
 
     #[test]
