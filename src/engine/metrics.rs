@@ -40,15 +40,6 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
     Some((name, labels, value))
 }
 
-/// The value of label `key` in a `k="v",k2="v2"` list (no escapes in the values we read).
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    labels.split(',').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"'))
-    })
-}
-
-/// Parses a Prometheus text page.
 pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
     let mut m = EngineMetrics::default();
     let mut seen = false;
@@ -63,8 +54,9 @@ pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
                 m.kv_cache_usage = m.kv_cache_usage.max(value)
             }
             "vllm:cache_config_info" => {
-                m.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
-                m.num_gpu_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+                let label = |key| super::exposition::label(labels, key);
+                m.block_size = label("block_size").and_then(|v| v.parse().ok());
+                m.num_gpu_blocks = label("num_gpu_blocks").and_then(|v| v.parse().ok());
                 continue;
             }
             _ => continue,
@@ -166,7 +158,7 @@ pub async fn run_scraper(
                 let m = parse(&text).map_err(|e| e.to_string())?;
                 record_adapters(&ep, &text, &counters, &mut lora_warned);
                 if let (Some(kv), Some(model)) = (&kv, base_model(&text)) {
-                    kv.learn_base_model(model);
+                    kv.learn_base_model(&model);
                 }
                 Ok(m)
             });
@@ -218,13 +210,10 @@ fn record_adapters(
 }
 
 /// The served base model: the `model_name` label of the engine's `vllm:num_requests_running`.
-fn base_model(page: &str) -> Option<&str> {
+fn base_model(page: &str) -> Option<String> {
     page.lines().find_map(|l| {
-        let (set, _) = super::lora::series(l.trim_start(), "vllm:num_requests_running")?;
-        let at = set.find("model_name=\"")? + "model_name=\"".len();
-        let rest = &set[at..];
-        let name = &rest[..rest.find('"')?];
-        (!name.is_empty() && !name.contains('\\')).then_some(name)
+        let (set, _) = super::exposition::series(l.trim_start(), "vllm:num_requests_running")?;
+        super::exposition::label(set, "model_name").filter(|n| !n.is_empty())
     })
 }
 
@@ -265,7 +254,7 @@ vllm:other_total 99
 
     #[test]
     fn the_base_model_is_the_model_name_label() {
-        assert_eq!(base_model(PAGE), Some("m"));
+        assert_eq!(base_model(PAGE).as_deref(), Some("m"));
         assert_eq!(base_model("vllm:num_requests_running 1\n"), None);
         assert_eq!(
             base_model("vllm:num_requests_running{model_name=\"\"} 1\n"),

@@ -2,6 +2,7 @@
 //! Prometheus `/metrics` ([`metrics`]), their `/metadata` documents ([`metadata`]), and a small HTTP
 //! GET client shared by both.
 
+pub mod exposition;
 pub mod lora;
 pub mod metadata;
 pub mod metrics;
