@@ -128,14 +128,12 @@ pub async fn run_scraper(
     shutdown: watch::Receiver<bool>,
 ) {
     let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
-    // Endpoints whose current run of failures was already logged at warn level.
-    let mut warned = std::collections::HashSet::new();
-    // Endpoints whose current run of unreadable adapter labels was already logged at warn level.
-    let mut lora_warned = std::collections::HashSet::new();
+    let mut scrape_failures = FailureRuns::default();
+    let mut lora_failures = FailureRuns::default();
     while pace.next().await {
         let endpoints = pool.borrow().clone();
-        warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
-        lora_warned.retain(|a| endpoints.iter().any(|e| e.addr == *a));
+        scrape_failures.retain(&endpoints);
+        lora_failures.retain(&endpoints);
         let mut scrapes = tokio::task::JoinSet::new();
         let version = protocol();
         for ep in endpoints.iter().cloned() {
@@ -156,7 +154,7 @@ pub async fn run_scraper(
             let result = page.map_err(|e| e.to_string()).and_then(|b| {
                 let text = String::from_utf8_lossy(&b);
                 let m = parse(&text).map_err(|e| e.to_string())?;
-                record_adapters(&ep, &text, &counters, &mut lora_warned);
+                record_adapters(&ep, &text, &counters, &mut lora_failures);
                 if let (Some(kv), Some(model)) = (&kv, base_model(&text)) {
                     kv.learn_base_model(&model);
                 }
@@ -169,42 +167,61 @@ pub async fn run_scraper(
                     }
                     let tracked = kv.as_ref().and_then(|kv| kv.worker_requests(ep.worker));
                     ep.load.engine_update_known(m, Instant::now(), tracked);
-                    warned.remove(&ep.addr);
+                    scrape_failures.ended(&ep);
                 }
                 Err(e) => {
                     counters.scrape_errors.inc();
-                    if warned.insert(ep.addr) {
-                        tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine metrics scrape failed (repeats logged at debug)");
-                    } else {
-                        tracing::debug!(endpoint = %ep.addr_str, error = %e, "engine metrics scrape failed");
-                    }
+                    scrape_failures.failed(&ep, "engine metrics scrape failed", &e);
                 }
             }
         }
     }
 }
 
+/// Endpoints in a run of failures of one kind: a run's first failure is logged at warn level, its
+/// repeats at debug; a success ends the run.
+#[derive(Debug, Default)]
+struct FailureRuns(std::collections::HashSet<std::net::SocketAddr>);
+
+impl FailureRuns {
+    /// Forgets endpoints no longer in the pool.
+    fn retain(&mut self, endpoints: &[Arc<Endpoint>]) {
+        self.0.retain(|a| endpoints.iter().any(|e| e.addr == *a));
+    }
+
+    fn ended(&mut self, ep: &Endpoint) {
+        self.0.remove(&ep.addr);
+    }
+
+    fn failed(&mut self, ep: &Endpoint, what: &str, error: &dyn std::fmt::Display) {
+        if self.0.insert(ep.addr) {
+            tracing::warn!(endpoint = %ep.addr_str, error = %error, "{what} (repeats logged at debug)");
+        } else {
+            tracing::debug!(endpoint = %ep.addr_str, error = %error, "{what}");
+        }
+    }
+}
+
 /// The endpoint's adapters from its page (none on the page: unknown); an unreadable
-/// `vllm:lora_requests_info` keeps what was known, and is counted and logged (at warn level once
-/// per run of failures, in `warned`; repeats at debug).
+/// `vllm:lora_requests_info` keeps what was known, and is counted and logged.
 fn record_adapters(
     ep: &Endpoint,
     page: &str,
     counters: &super::EngineCounters,
-    warned: &mut std::collections::HashSet<std::net::SocketAddr>,
+    failures: &mut FailureRuns,
 ) {
     match super::lora::parse(page) {
         Ok(slots) => {
             ep.load.set_adapters(slots);
-            warned.remove(&ep.addr);
+            failures.ended(ep);
         }
         Err(e) => {
             counters.lora_info_malformed.inc();
-            if warned.insert(ep.addr) {
-                tracing::warn!(endpoint = %ep.addr_str, error = %e, "engine adapters not read; the last known ones are kept (repeats logged at debug)");
-            } else {
-                tracing::debug!(endpoint = %ep.addr_str, error = %e, "engine adapters not read");
-            }
+            failures.failed(
+                ep,
+                "engine adapters not read; the last known ones are kept",
+                &e,
+            );
         }
     }
 }
