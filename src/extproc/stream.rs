@@ -217,12 +217,7 @@ impl StreamState {
         let session = self.shared.affinity.header();
         for hv in &map.headers {
             if Some(hv.key.as_str()) == session {
-                let raw = if hv.raw_value.is_empty() {
-                    hv.value.as_bytes()
-                } else {
-                    &hv.raw_value
-                };
-                self.session = self.shared.affinity.session(raw);
+                self.session = self.shared.affinity.session(header_bytes(hv));
                 continue;
             }
             if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
@@ -663,13 +658,18 @@ fn reason(pick: &Pick, session: Option<kvepp_core::affinity::SessionOutcome>) ->
     }
 }
 
-/// A header's value as text: Envoy sends `raw_value` (older proxies `value`).
-fn header_str(h: &HeaderValue) -> Option<&str> {
+/// A header's value as Envoy sent it: `raw_value` (older proxies `value`).
+fn header_bytes(h: &HeaderValue) -> &[u8] {
     if h.raw_value.is_empty() {
-        Some(&h.value)
+        h.value.as_bytes()
     } else {
-        std::str::from_utf8(&h.raw_value).ok()
+        &h.raw_value
     }
+}
+
+/// A header's value as text (None: not UTF-8).
+fn header_str(h: &HeaderValue) -> Option<&str> {
+    std::str::from_utf8(header_bytes(h)).ok()
 }
 
 fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {

@@ -299,11 +299,7 @@ impl KvState {
     /// The LoRA adapter a request for `model` runs with: the model itself when a base model is
     /// known and differs from it (vLLM serves adapters under their own names), else none.
     pub fn lora_for(&self, model: &str) -> Option<Arc<str>> {
-        let base = self.base_model.read();
-        match base.as_deref() {
-            Some(b) if b != model => Some(model.into()),
-            _ => None,
-        }
+        self.is_adapter(model).then(|| model.into())
     }
 
     /// Takes a pick's buffers from a pool (`hint` spreads concurrent picks over the pools).
