@@ -31,6 +31,7 @@ use crate::listen::{Hub, Listener};
 use crate::pick::{
     Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
 };
+use crate::types::{clock_nanos, WorkerRank};
 
 /// Runs of the pipeline for one decision whose booking found the chosen rank's load changed since
 /// its pick read it: the last one books whatever changed.
@@ -155,12 +156,12 @@ impl Router {
     pub fn bind_peer_session(
         &self,
         key: SessionKey,
-        rank: crate::types::WorkerRank,
+        rank: WorkerRank,
         now: Instant,
         age: Duration,
     ) {
         let age = i64::try_from(age.as_nanos()).unwrap_or(i64::MAX);
-        let used = crate::types::clock_nanos(now).saturating_sub(age);
+        let used = clock_nanos(now).saturating_sub(age);
         self.sessions.bind(key, rank, used);
     }
 
@@ -315,9 +316,9 @@ impl Router {
     }
 
     /// The rank the request's session is bound to now.
-    fn bound(&self, facts: &RequestFacts<'_>, now: Instant) -> Option<crate::types::WorkerRank> {
+    fn bound(&self, facts: &RequestFacts<'_>, now: Instant) -> Option<WorkerRank> {
         let key = facts.session?;
-        self.sessions.get(key, crate::types::clock_nanos(now))
+        self.sessions.get(key, clock_nanos(now))
     }
 
     /// What the decision did to the session's binding; when booked, the binding follows the
@@ -325,7 +326,7 @@ impl Router {
     fn settle_session(
         &self,
         key: Option<SessionKey>,
-        bound: Option<crate::types::WorkerRank>,
+        bound: Option<WorkerRank>,
         primary: &Endpoint,
         ctx: &PickContext,
         book: bool,
@@ -338,8 +339,7 @@ impl Router {
             Some(_) => SessionOutcome::Moved,
         };
         if book {
-            self.sessions
-                .bind(key, rank, crate::types::clock_nanos(ctx.now));
+            self.sessions.bind(key, rank, clock_nanos(ctx.now));
             self.hub.each(|l| l.session_bound(key, rank));
         }
         Some(outcome)
