@@ -145,7 +145,10 @@ pub struct SlotBooking<'a> {
 /// the slot tracker.
 #[derive(Debug)]
 pub struct KvState {
+    /// The settings at start; the cost weights among them change live ([`Self::set_weights`]).
     settings: KvSettings,
+    /// The cost weights picks read now (each pick reads them once).
+    weights: arc_swap::ArcSwap<CostWeights>,
     index: SharedIndex,
     approx: Approx,
     slots: RwLock<SlotTracker>,
@@ -185,6 +188,7 @@ struct Walked {
 impl KvState {
     pub fn new(settings: KvSettings) -> Self {
         KvState {
+            weights: arc_swap::ArcSwap::from_pointee(settings.weights),
             settings,
             index: SharedIndex::with_seed(settings.max_blocks_per_rank, settings.table_seed),
             approx: Approx {
@@ -212,6 +216,17 @@ impl KvState {
 
     pub fn settings(&self) -> &KvSettings {
         &self.settings
+    }
+
+    /// The cost weights picks use now.
+    pub fn weights(&self) -> CostWeights {
+        **self.weights.load()
+    }
+
+    /// Replaces the cost weights (cost model, bounded loads, temperature …): picks that start
+    /// afterwards use them; a pick under way keeps the ones it read.
+    pub fn set_weights(&self, weights: CostWeights) {
+        self.weights.store(Arc::new(weights));
     }
 
     /// Who hears of this state's bookings: admissions, prefill completions, frees, and in
@@ -364,6 +379,7 @@ impl KvState {
         candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         dynamo: Option<(&CostWeights, u32, &[f64])>,
+        bound: bool,
         sc: &mut PickScratch,
     ) -> Walked {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
@@ -374,8 +390,7 @@ impl KvState {
         let index =
             (!hashes.is_empty()).then(|| self.walk_index(hashes, approximate, &mut sc.matching));
         let per_worker = index.as_ref().is_some_and(|ix| ix.has_nonzero_dp_ranks());
-        // Bounded loads on: what they read is gathered only then.
-        let bound = self.settings.weights.bounds_loads();
+        // Bounded loads on (`bound`): what they read is gathered only then.
         let walked = Walked {
             index,
             hint: if approximate {
@@ -572,11 +587,12 @@ impl KvState {
         let hint = (std::ptr::from_ref(ctx) as usize) >> 8;
         let (pool, mut sc) = self.take_scratch(hint);
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
-        let w = &self.settings.weights;
+        let weights = self.weights();
+        let w = &weights;
         let bs = self.block_size();
         let predicted = w.cost_model == CostModel::PredictedTtft;
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
-        let walked = self.candidate_loads(candidates, prompt, dynamo, &mut sc);
+        let walked = self.candidate_loads(candidates, prompt, dynamo, w.bounds_loads(), &mut sc);
         if predicted {
             let now = super::load::clock_nanos(ctx.now);
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
@@ -756,7 +772,7 @@ impl super::Picker for KvPicker {
     /// the blocks the pool's TTFT model prefills in one (its prefill coefficient, 40 ms per
     /// thousand tokens to start, in the current block size).
     fn cost_per_ms(&self) -> Option<f64> {
-        if self.0.settings.weights.cost_model == CostModel::PredictedTtft {
+        if self.0.weights().cost_model == CostModel::PredictedTtft {
             return Some(1.0);
         }
         let ms_per_ktoken = self.0.ttft.coefficients()[1].max(1e-3);

@@ -59,7 +59,7 @@ pub use listen::{Admitted, Hub, Listener};
 pub use load::{EndpointLoad, EngineMetrics};
 pub use pick::{
     is_sheddable, Admission, Criticality, Endpoint, Pick, PickContext, PickError, PickRequest,
-    Picker, Ranked, Saturation, Selector,
+    Picker, Ranked, Saturation, Selector, Tuning,
 };
 pub use queue::{FlowQueue, QueueFull, QueueId};
 pub use round_robin::RoundRobin;

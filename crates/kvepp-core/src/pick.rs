@@ -264,27 +264,50 @@ impl Saturation {
     }
 }
 
+/// What a selector judges by besides its picker's cost: when an endpoint is saturated and what
+/// a request's adapter weighs. Replaced as a whole while the selector runs; each pick reads it
+/// once.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tuning {
+    pub saturation: Saturation,
+    pub adapters: AdapterAffinity,
+}
+
 /// Eligibility, shedding and picking, in that order.
 #[derive(Debug)]
 pub struct Selector {
     picker: Box<dyn Picker>,
-    saturation: Saturation,
-    adapters: AdapterAffinity,
+    tuning: arc_swap::ArcSwap<Tuning>,
 }
 
 impl Selector {
     pub fn new(picker: Box<dyn Picker>, saturation: Saturation) -> Self {
         Selector {
             picker,
-            saturation,
-            adapters: AdapterAffinity::default(),
+            tuning: arc_swap::ArcSwap::from_pointee(Tuning {
+                saturation,
+                adapters: AdapterAffinity::default(),
+            }),
         }
     }
 
     /// Whether and how much the request's adapter weighs in the choice.
-    pub fn with_adapter_affinity(mut self, adapters: AdapterAffinity) -> Self {
-        self.adapters = adapters;
+    pub fn with_adapter_affinity(self, adapters: AdapterAffinity) -> Self {
+        self.retune(Tuning {
+            adapters,
+            ..self.tuning()
+        });
         self
+    }
+
+    /// The saturation limits and adapter weights picks use now.
+    pub fn tuning(&self) -> Tuning {
+        **self.tuning.load()
+    }
+
+    /// Replaces them: picks that start afterwards use the new ones.
+    pub fn retune(&self, tuning: Tuning) {
+        self.tuning.store(Arc::new(tuning));
     }
 
     pub fn pick(
@@ -317,11 +340,13 @@ impl Selector {
         let eligible = candidates.len();
         let unsaturated: Vec<Arc<Endpoint>>;
         let now = crate::load::clock_nanos(ctx.now);
+        let tuning = self.tuning();
+        let saturation = &tuning.saturation;
         match req.admission {
             Admission::Unsaturated => {
                 // Copied (one reference count per candidate) only when some candidate is
                 // saturated: the common case reads each once and picks from the list as it is.
-                let saturated = |e: &Arc<Endpoint>| self.saturation.saturated_at(e, now);
+                let saturated = |e: &Arc<Endpoint>| saturation.saturated_at(e, now);
                 if let Some(first) = candidates.iter().position(saturated) {
                     unsaturated = candidates[..first]
                         .iter()
@@ -336,9 +361,7 @@ impl Selector {
             }
             Admission::Shed => {
                 if is_sheddable(req.priority)
-                    && candidates
-                        .iter()
-                        .all(|e| self.saturation.saturated_at(e, now))
+                    && candidates.iter().all(|e| saturation.saturated_at(e, now))
                 {
                     return Err(PickError::Saturated(eligible));
                 }
@@ -357,12 +380,12 @@ impl Selector {
                     .unwrap_or(0.0)
             }));
         }
-        self.adapter_terms(candidates, req.adapter, now, &mut ctx.bias);
+        self.adapter_terms(&tuning, candidates, req.adapter, now, &mut ctx.bias);
         let mut r = self.picker.rank(candidates, req, ctx);
         let sticky = req
             .sticky
             .and_then(|s| candidates.iter().position(|c| c.rank() == s))
-            .filter(|&i| i != r.best && !self.saturation.saturated_at(&candidates[i], now));
+            .filter(|&i| i != r.best && !saturation.saturated_at(&candidates[i], now));
         if let Some(i) = sticky {
             // The bound endpoint's own decision (what its booking needs); the cheapest is its
             // fallback. Scores, when asked for, stay those of every candidate.
@@ -382,7 +405,7 @@ impl Selector {
         let adapter = req.adapter.map(|a| {
             let slots = primary.load.adapters.load();
             let recent = primary.load.recent_adapters.load();
-            let saturated = self.saturation.saturated_at(&primary, now);
+            let saturated = saturation.saturated_at(&primary, now);
             AdapterAffinity::fit(slots.as_deref(), &recent, a, saturated)
         });
         let fallback = r
@@ -411,12 +434,13 @@ impl Selector {
     /// an adapter, adapter affinity is on and the picker weighs delays.
     fn adapter_terms(
         &self,
+        tuning: &Tuning,
         candidates: &[Arc<Endpoint>],
         adapter: Option<&str>,
         now: i64,
         bias: &mut Vec<f64>,
     ) {
-        let Some(adapter) = adapter.filter(|_| self.adapters.enabled) else {
+        let Some(adapter) = adapter.filter(|_| tuning.adapters.enabled) else {
             return;
         };
         let Some(scale) = self.picker.cost_per_ms() else {
@@ -426,9 +450,9 @@ impl Selector {
         for (b, c) in bias.iter_mut().zip(candidates) {
             let slots = c.load.adapters.load();
             let recent = c.load.recent_adapters.load();
-            let saturated = self.saturation.saturated_at(c, now);
+            let saturated = tuning.saturation.saturated_at(c, now);
             let fit = AdapterAffinity::fit(slots.as_deref(), &recent, adapter, saturated);
-            *b += scale * self.adapters.cost_ms(fit);
+            *b += scale * tuning.adapters.cost_ms(fit);
         }
     }
 
@@ -439,9 +463,10 @@ impl Selector {
         now: Instant,
     ) -> bool {
         let now = crate::load::clock_nanos(now);
+        let saturation = self.tuning().saturation;
         endpoints
             .into_iter()
-            .any(|e| !self.saturation.saturated_at(e, now))
+            .any(|e| !saturation.saturated_at(e, now))
     }
 }
 

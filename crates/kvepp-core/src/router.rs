@@ -22,14 +22,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::affinity::{AdapterAffinity, SessionKey, SessionOutcome, Sessions};
+use crate::affinity::{AdapterAffinity, SessionAffinity, SessionKey, SessionOutcome, Sessions};
 use crate::booking::Booking;
+use crate::cost::CostWeights;
 use crate::disagg::{Pairing, TransferSettings};
 use crate::hash::SequenceHash;
 use crate::kv::{worker_id, KvPicker, KvState, PrefixMode, PromptBlocks, SlotBooking};
 use crate::listen::{Hub, Listener};
 use crate::pick::{
     Admission, Endpoint, Pick, PickContext, PickError, PickRequest, Picker, Saturation, Selector,
+    Tuning,
 };
 use crate::types::{clock_nanos, WorkerRank};
 
@@ -170,6 +172,25 @@ impl Router {
     pub fn with_disaggregation(mut self, settings: TransferSettings) -> Self {
         self.disagg = settings;
         self
+    }
+
+    /// Live reconfiguration: the cost weights (KV-aware routers; cost model, bounded loads,
+    /// temperature), saturation limits and adapter weights, and the session table's time to live
+    /// and bound apply to decisions that start afterwards; bookings made stay as they are.
+    pub fn retune(&self, weights: CostWeights, tuning: Tuning, sessions: &SessionAffinity) {
+        if let Some(kv) = &self.kv {
+            kv.set_weights(weights);
+        }
+        self.selector.retune(tuning);
+        self.sessions.set_limits(
+            Duration::from_secs(sessions.ttl_seconds),
+            sessions.max_sessions,
+        );
+    }
+
+    /// The saturation limits and adapter weights decisions use now.
+    pub fn tuning(&self) -> Tuning {
+        self.selector.tuning()
     }
 
     pub fn disaggregation(&self) -> &TransferSettings {

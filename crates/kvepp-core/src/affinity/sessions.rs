@@ -10,7 +10,7 @@
 //! capacity (rounded up to a multiple of its shard count); the shards' locks are held for one map
 //! operation, never across a pick.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lru::LruCache;
@@ -159,8 +159,9 @@ const SHARDS: usize = 16;
 #[derive(Debug)]
 pub struct Sessions {
     shards: Box<[Mutex<LruCache<SessionKey, Binding>>]>,
-    per_shard: usize,
-    ttl_nanos: i64,
+    /// Bindings per shard and their time to live: changed live by [`Sessions::set_limits`].
+    per_shard: AtomicUsize,
+    ttl_nanos: AtomicI64,
     evicted: AtomicU64,
     expired: AtomicU64,
 }
@@ -180,11 +181,28 @@ impl Sessions {
             shards: (0..SHARDS)
                 .map(|_| Mutex::new(LruCache::unbounded()))
                 .collect(),
-            per_shard: max.div_ceil(SHARDS).max(1),
-            ttl_nanos: i64::try_from(ttl.as_nanos()).unwrap_or(i64::MAX),
+            per_shard: AtomicUsize::new(Self::shard_bound(max)),
+            ttl_nanos: AtomicI64::new(Self::nanos(ttl)),
             evicted: AtomicU64::new(0),
             expired: AtomicU64::new(0),
         }
+    }
+
+    fn shard_bound(max: usize) -> usize {
+        max.div_ceil(SHARDS).max(1)
+    }
+
+    fn nanos(ttl: Duration) -> i64 {
+        i64::try_from(ttl.as_nanos()).unwrap_or(i64::MAX)
+    }
+
+    /// New time to live and bound: bindings used longer than `ttl` ago count as expired from now
+    /// on, and a shard over its new bound sheds its least recently used bindings at its next
+    /// binding.
+    pub fn set_limits(&self, ttl: Duration, max: usize) {
+        self.ttl_nanos.store(Self::nanos(ttl), Ordering::Relaxed);
+        self.per_shard
+            .store(Self::shard_bound(max), Ordering::Relaxed);
     }
 
     fn shard(&self, key: SessionKey) -> &Mutex<LruCache<SessionKey, Binding>> {
@@ -193,7 +211,7 @@ impl Sessions {
     }
 
     fn live(&self, b: &Binding, now: i64) -> bool {
-        now.saturating_sub(b.used) < self.ttl_nanos
+        now.saturating_sub(b.used) < self.ttl_nanos.load(Ordering::Relaxed)
     }
 
     /// The rank `key` is bound to at `now` ([`crate::types::clock_nanos`]), if a binding is live.
@@ -219,16 +237,20 @@ impl Sessions {
             }
             return;
         }
-        let full = shard.len() >= self.per_shard;
-        let old = full.then(|| shard.pop_lru()).flatten();
-        shard.push(key, Binding { rank, used: now });
-        if let Some((_, old)) = old {
+        // Over the bound (one binding, or more after `set_limits` shrank it): the least
+        // recently used go.
+        let bound = self.per_shard.load(Ordering::Relaxed);
+        while shard.len() >= bound {
+            let Some((_, old)) = shard.pop_lru() else {
+                break;
+            };
             if self.live(&old, now) {
                 self.evicted.fetch_add(1, Ordering::Relaxed);
             } else {
                 self.expired.fetch_add(1, Ordering::Relaxed);
             }
         }
+        shard.push(key, Binding { rank, used: now });
     }
 
     /// Live bindings dropped because the table was full.

@@ -235,3 +235,102 @@ fn retain_keeps_only_live_endpoints() {
         0
     );
 }
+
+/// Live reconfiguration: new weights, saturation limits and session limits apply to the next
+/// decision; a booking made before keeps its load.
+#[test]
+fn retune_applies_to_the_next_decision() {
+    let r = approx_router(64, CostWeights::default());
+    let eps = vec![ep(1, 0), ep(2, 0)];
+    let prompt = [7u8; 64];
+    let home = r
+        .route(text(&prompt), &eps, &mut PickContext::seeded(3))
+        .unwrap()
+        .pick
+        .primary
+        .addr;
+    // Temperature 0: always the endpoint holding the prefix.
+    let away = |r: &Router| {
+        (0..200)
+            .filter(|&s| {
+                r.route(text(&prompt), &eps, &mut PickContext::seeded(s))
+                    .unwrap()
+                    .pick
+                    .primary
+                    .addr
+                    != home
+            })
+            .count()
+    };
+    assert_eq!(away(&r), 0);
+    let sessions = crate::affinity::SessionAffinity::default();
+    let hot = CostWeights {
+        temperature: 5.0,
+        ..CostWeights::default()
+    };
+    r.retune(hot, r.tuning(), &sessions);
+    assert!(away(&r) > 0, "the new temperature was not used");
+    // A saturation limit of one request in flight: with a booking held on each endpoint, the
+    // next request finds the pool saturated.
+    let held = r
+        .route(text(b"a"), &eps[..1], &mut PickContext::seeded(1))
+        .unwrap();
+    let held2 = r
+        .route(text(b"b"), &eps[1..], &mut PickContext::seeded(1))
+        .unwrap();
+    let facts = || RequestFacts {
+        admission: Admission::Unsaturated,
+        ..text(b"c")
+    };
+    assert!(r.route(facts(), &eps, &mut PickContext::seeded(1)).is_ok());
+    let tight = crate::pick::Tuning {
+        saturation: Saturation::in_flight(1),
+        ..r.tuning()
+    };
+    r.retune(CostWeights::default(), tight, &sessions);
+    assert!(matches!(
+        r.route(facts(), &eps, &mut PickContext::seeded(1)),
+        Err(crate::pick::PickError::Saturated(2))
+    ));
+    drop((held, held2));
+    assert!(r.route(facts(), &eps, &mut PickContext::seeded(1)).is_ok());
+}
+
+#[test]
+fn shrinking_the_session_table_sheds_the_least_recently_used() {
+    use crate::affinity::{SessionKey, Sessions};
+    let t = Sessions::new(Duration::from_secs(60), 1_000);
+    let rank = WorkerRank {
+        worker: 1,
+        dp_rank: 0,
+    };
+    let keys: Vec<SessionKey> = (0..400)
+        .map(|i| SessionKey::parse(format!("s{i}").as_bytes()).unwrap())
+        .collect();
+    for (i, k) in keys.iter().enumerate() {
+        t.bind(*k, rank, i as i64);
+    }
+    assert_eq!(
+        keys.iter().filter(|k| t.get(**k, 400).is_some()).count(),
+        400
+    );
+    // 16 shards of at most one binding each: the next bindings shed down to that.
+    t.set_limits(Duration::from_secs(60), 16);
+    let fresh: Vec<SessionKey> = (0..400)
+        .map(|i| SessionKey::parse(format!("t{i}").as_bytes()).unwrap())
+        .collect();
+    for (i, k) in fresh.iter().enumerate() {
+        t.bind(*k, rank, 1_000 + i as i64);
+    }
+    let live = |keys: &[SessionKey], now| keys.iter().filter(|k| t.get(**k, now).is_some()).count();
+    assert_eq!(
+        live(&keys, 2_000),
+        0,
+        "the old bindings were least recently used"
+    );
+    assert!(live(&fresh, 2_000) <= 16);
+    assert!(t.evictions() >= 384);
+    // A shorter time to live expires bindings at once.
+    t.set_limits(Duration::from_nanos(10), 16);
+    assert_eq!(live(&fresh, 1_000_000), 0);
+}
