@@ -46,10 +46,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve(args) => {
             let cfg = Config::load(&args)?;
-            init_logging(cfg.log_format, &cfg.log_level);
+            let log = init_logging(cfg.log_format, &cfg.log_level);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), commit = env!("KVEPP_GIT_SHA"), config = %serde_json::to_string(&cfg)?, "configuration");
             let listeners = kvepp::server::Listeners::bind(&cfg).await?;
-            kvepp::server::run(cfg, listeners, shutdown_signal()).await?;
+            // SIGHUP and a change of the --config file load the tree again, as here.
+            let reloading = kvepp::server::Reloading {
+                file: args.config.clone(),
+                load: Box::new(move || Config::load(&args)),
+                sighup: true,
+                log: Some(log),
+            };
+            kvepp::server::run_with(cfg, listeners, shutdown_signal(), Some(reloading)).await?;
         }
         Command::WorkerAgent(args) => {
             // With a configuration file, its `worker_agent` section under the flags.

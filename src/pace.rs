@@ -18,6 +18,15 @@ impl Pace {
         Pace { tick, shutdown }
     }
 
+    /// A new period, from the next tick on (live reconfiguration); the same period: nothing.
+    pub fn set_period(&mut self, period: Duration) {
+        if period != self.tick.period() {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            self.tick = tick;
+        }
+    }
+
     /// Waits for the next period; false once shutdown has been requested.
     pub async fn next(&mut self) -> bool {
         tokio::select! {

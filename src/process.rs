@@ -1,5 +1,6 @@
-//! Process plumbing shared by the `kvepp` and `kvepp-agent` binaries: logging setup and the
-//! shutdown signal. Owns nothing else; called once at start.
+//! Process plumbing shared by the `kvepp` and `kvepp-agent` binaries: logging setup (with the
+//! handle that changes the log level live) and the shutdown signal. Owns nothing else; called
+//! once at start.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,17 +12,58 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global tracing subscriber (stderr). `RUST_LOG`, when set, wins over `level`.
-pub fn init_logging(format: LogFormat, level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
+type FilterHandle =
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>;
+
+/// Changes the log filter of the subscriber [`init_logging`] installed.
+#[derive(Clone)]
+pub struct LogLevel {
+    handle: FilterHandle,
+    /// `RUST_LOG` was set at start: it keeps winning over the configuration.
+    from_env: bool,
+}
+
+impl std::fmt::Debug for LogLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogLevel")
+            .field("from_env", &self.from_env)
+            .finish()
     }
+}
+
+impl LogLevel {
+    /// Log lines from now on pass `level` (a tracing filter such as `info` or `kvepp=debug`);
+    /// Ok(false) when `RUST_LOG` set the filter and keeps it.
+    pub fn set(&self, level: &str) -> Result<bool, String> {
+        if self.from_env {
+            return Ok(false);
+        }
+        let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+        self.handle.reload(filter).map_err(|e| e.to_string())?;
+        Ok(true)
+    }
+}
+
+/// Installs the global tracing subscriber (stderr). `RUST_LOG`, when set, wins over `level`.
+pub fn init_logging(format: LogFormat, level: &str) -> LogLevel {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let env = tracing_subscriber::EnvFilter::try_from_default_env().ok();
+    let from_env = env.is_some();
+    let filter = env.unwrap_or_else(|| tracing_subscriber::EnvFilter::new(level));
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match format {
+        LogFormat::Json => fmt.json().boxed(),
+        LogFormat::Text => fmt.boxed(),
+    };
+    // Only the first subscriber is installed (a second call, as in tests, keeps it).
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .try_init();
+    LogLevel { handle, from_env }
 }
 
 /// Completes on SIGTERM or SIGINT.

@@ -1,5 +1,6 @@
 //! HTTP services beside the gRPC ones: Prometheus `/metrics`, liveness `/health`, readiness `/ready`,
-//! `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint) and `/dump` (the
+//! `/debug/kv-index` (the blocks the KV-event index holds for each ready endpoint), `/debug/config`
+//! (the configuration in effect and its version) and `/dump` (the
 //! index snapshot another replica recovers from) on the metrics port; and the Dynamo-compatible selection service ([`select`]) and slot tracker
 //! ([`slot_tracker`]), standalone or opened by `kvepp serve` over its own routing state.
 
@@ -29,6 +30,8 @@ pub struct ApiState {
     pub kv: Option<Arc<KvState>>,
     /// The ext_proc door's router (its session bindings go into `/dump`).
     pub router: Option<Arc<kvepp_core::Router>>,
+    /// The configuration in effect and its version (`/debug/config`).
+    pub config: Option<Arc<crate::config::live::Effective>>,
 }
 
 /// The metrics port's routes; `/debug/*` needs `token` when one is configured.
@@ -36,6 +39,7 @@ pub fn router(state: ApiState, access: &auth::Access) -> Router {
     let debug = Router::new()
         .route("/debug/kv-index", get(kv_index))
         .route("/debug/endpoints", get(endpoints))
+        .route("/debug/config", get(effective_config))
         .with_state(state.clone());
     let open = Router::new()
         .route("/metrics", get(metrics))
@@ -44,6 +48,16 @@ pub fn router(state: ApiState, access: &auth::Access) -> Router {
         .route("/dump", get(dump))
         .with_state(state);
     open.merge(access.guard(debug, auth::Guarded::All))
+}
+
+/// `/debug/config`: `{"version": n, "config": {…}}`, the tree in effect (defaults, file,
+/// environment and flags, with every applied reload); 404 where the process has none.
+async fn effective_config(State(st): State<ApiState>) -> axum::response::Response {
+    let Some(e) = &st.config else {
+        return (StatusCode::NOT_FOUND, "no configuration here\n").into_response();
+    };
+    let (version, cfg) = e.get();
+    axum::Json(serde_json::json!({ "version": version, "config": &*cfg })).into_response()
 }
 
 async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {

@@ -23,6 +23,7 @@ pub use crate::replica::ReplicaSyncConfig;
 
 pub mod agent;
 mod args;
+pub mod live;
 pub mod services;
 mod tls;
 mod validate;

@@ -113,7 +113,8 @@ pub struct ScrapeSettings {
 }
 
 /// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each
-/// `interval` (concurrently, each bounded by `timeout`) and records the result on the endpoint's
+/// `interval` (concurrently, each bounded by `timeout`; the current value of `live`, which a
+/// reload may change) and records the result on the endpoint's
 /// load: its queue and cache, and its LoRA adapters ([`super::lora`]). With the KV-aware state
 /// `kv`: each `cache_config_info` block size is learned (when not configured), the base model from
 /// the series' `model_name` label (any other model a request names is an adapter), and only the
@@ -122,15 +123,17 @@ pub struct ScrapeSettings {
 pub async fn run_scraper(
     pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     protocol: impl Fn() -> super::HttpVersion + Send + 'static,
-    settings: ScrapeSettings,
+    live: watch::Receiver<ScrapeSettings>,
     counters: super::EngineCounters,
     kv: Option<Arc<kvepp_core::KvState>>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let mut pace = crate::pace::Pace::new(settings.interval, shutdown);
+    let mut pace = crate::pace::Pace::new(live.borrow().interval, shutdown);
     let mut scrape_failures = FailureRuns::default();
     let mut lora_failures = FailureRuns::default();
     while pace.next().await {
+        let settings = *live.borrow();
+        pace.set_period(settings.interval);
         let endpoints = pool.borrow().clone();
         scrape_failures.retain(&endpoints);
         lora_failures.retain(&endpoints);

@@ -43,7 +43,9 @@ pub struct Shared {
     /// The routing service: body → facts → the core's decision and booking.
     pub routing: Arc<dyn RouteRequest>,
     pub metrics: Arc<Metrics>,
-    pub settings: Settings,
+    /// Replaced whole on a reload ([`Shared::set_settings`]); `max_body_bytes` and `ready_wait`
+    /// are fixed at start (the gRPC limits are sized from them).
+    settings: arc_swap::ArcSwap<Settings>,
     /// Readiness of the pool (loaded and synced); streams wait on it up to `ready_wait`.
     pub ready: Option<tokio::sync::watch::Receiver<bool>>,
     /// Flow control: requests wait for capacity instead of being shed (None: off).
@@ -63,10 +65,26 @@ impl Shared {
         self
     }
 
-    /// Requests that find the pool saturated wait in `flow` (its dispatcher runs elsewhere).
+    /// Requests that find the pool saturated wait in `flow` while it is enabled (its
+    /// dispatcher runs elsewhere).
     pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
         self.flow = Some(flow);
         self
+    }
+
+    /// Flow control, when present and enabled now.
+    pub fn flow(&self) -> Option<&Arc<FlowControl>> {
+        self.flow.as_ref().filter(|f| f.enabled())
+    }
+
+    /// The protocol settings streams use now.
+    pub fn settings(&self) -> arc_swap::Guard<Arc<Settings>> {
+        self.settings.load()
+    }
+
+    /// Live reconfiguration: streams that start afterwards use `settings`.
+    pub fn set_settings(&self, settings: Settings) {
+        self.settings.store(Arc::new(settings));
     }
 
     /// Sessions are read from `affinity`'s header, and its counters count the picks.
@@ -79,7 +97,7 @@ impl Shared {
         Shared {
             routing,
             metrics,
-            settings,
+            settings: arc_swap::ArcSwap::from_pointee(settings),
             ready: None,
             flow: None,
             affinity: Arc::default(),
@@ -111,7 +129,7 @@ impl ExtProcService {
 
     /// The tonic server with message limits that fit the largest accepted body.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        let limit = self.shared.settings.max_body_bytes + MESSAGE_HEADROOM;
+        let limit = self.shared.settings().max_body_bytes + MESSAGE_HEADROOM;
         ExternalProcessorServer::new(self)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit)
@@ -130,7 +148,7 @@ impl ExternalProcessor for ExtProcService {
         let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         let mut state = stream::StreamState::new(self.shared.clone());
         let ready = self.shared.ready.clone();
-        let ready_wait = self.shared.settings.ready_wait;
+        let ready_wait = self.shared.settings().ready_wait;
         tokio::spawn(async move {
             // Right after a start the pool may not be loaded yet: hold the stream (bounded)
             // rather than answer 503 at once; after the bound the routing service answers 503.

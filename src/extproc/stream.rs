@@ -208,13 +208,11 @@ impl StreamState {
     /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.
     fn read_headers(&mut self, h: &HttpHeaders) {
         let Some(map) = &h.headers else { return };
-        let fairness = self
-            .shared
-            .flow
-            .as_ref()
-            .map(|f| f.settings().fairness_header.as_str());
+        let flow_settings = self.shared.flow().map(|f| f.settings());
+        let fairness = flow_settings.as_deref().map(|s| s.fairness_header.as_str());
         let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
         let session = self.shared.affinity.header();
+        let session = session.as_deref().map(String::as_str);
         for hv in &map.headers {
             if Some(hv.key.as_str()) == session {
                 self.session = self.shared.affinity.session(header_bytes(hv));
@@ -260,7 +258,7 @@ impl StreamState {
                     let msg = "request body exceeds the proxy's buffer (BUFFERED_PARTIAL sent a partial body)";
                     return self.reject(Rejection::new(413, "body_too_large", msg), out);
                 }
-                if b.body.len() > self.shared.settings.max_body_bytes {
+                if b.body.len() > self.shared.settings().max_body_bytes {
                     return self.reject(self.too_large(b.body.len()), out);
                 }
                 self.chunks = vec![b.body];
@@ -269,7 +267,7 @@ impl StreamState {
             }
             Phase::DuplexBody => {
                 self.body_len += b.body.len();
-                if self.body_len > self.shared.settings.max_body_bytes {
+                if self.body_len > self.shared.settings().max_body_bytes {
                     self.chunks = Vec::new();
                     return self.reject(self.too_large(self.body_len), out);
                 }
@@ -305,7 +303,7 @@ impl StreamState {
 
     /// Flow control, when on.
     pub(super) fn flow_control(&self) -> Option<Arc<crate::request::FlowControl>> {
-        self.shared.flow.clone()
+        self.shared.flow().cloned()
     }
 
     /// The request's flow for fair queueing (empty: the default flow).
@@ -334,7 +332,7 @@ impl StreamState {
     /// an unsaturated endpoint, or (None) straight into the queue while others already wait: a
     /// new arrival does not overtake them.
     fn admission(&self) -> Option<Admission> {
-        match &self.shared.flow {
+        match self.shared.flow() {
             None => Some(Admission::Shed),
             Some(f) if f.busy() => None,
             Some(_) => Some(Admission::Unsaturated),
@@ -344,7 +342,7 @@ impl StreamState {
     /// The proxy sent a message over the gRPC message limit (a body over `max_body_bytes` in one
     /// message): answer 413 as for any oversized body.
     pub(super) fn reject_oversized(&mut self, detail: &str, out: &mut Vec<ProcessingResponse>) {
-        let max = self.shared.settings.max_body_bytes;
+        let max = self.shared.settings().max_body_bytes;
         self.chunks = Vec::new();
         self.reject(
             Rejection::new(
@@ -357,7 +355,7 @@ impl StreamState {
     }
 
     fn too_large(&self, len: usize) -> Rejection {
-        let max = self.shared.settings.max_body_bytes;
+        let max = self.shared.settings().max_body_bytes;
         Rejection::new(
             413,
             "body_too_large",
@@ -403,7 +401,7 @@ impl StreamState {
                 let joined = self.joined.take();
                 self.answer(d, chunks, joined, out);
             }
-            Ok(None) if self.shared.flow.is_some() => self.phase = Phase::Queued,
+            Ok(None) if self.shared.flow().is_some() => self.phase = Phase::Queued,
             // Without flow control nothing waits: the admission was `Shed`, which never waits.
             Ok(None) => self.reject(
                 Rejection::saturated("every eligible endpoint is saturated"),
@@ -425,7 +423,7 @@ impl StreamState {
         joined: Option<Vec<u8>>,
         out: &mut Vec<ProcessingResponse>,
     ) {
-        let dest = resp::destination_value(&d.pick, self.shared.settings.destination_list);
+        let dest = resp::destination_value(&d.pick, self.shared.settings().destination_list);
         self.phase = Phase::Routed;
         match self.held {
             Held::Headers => {
@@ -509,7 +507,7 @@ impl StreamState {
                 Subset::Only(list) => Some(list.as_slice()),
             },
             admission,
-            scores: shared.settings.endpoint_scores,
+            scores: shared.settings().endpoint_scores,
             session: self.session,
         };
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());

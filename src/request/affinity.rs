@@ -21,8 +21,8 @@ use kvepp_core::Router;
 /// Where a request's session id comes from, and the counters of session and adapter affinity.
 #[derive(Debug)]
 pub struct Affinity {
-    /// The session header (lower case); None: session affinity off.
-    header: Option<String>,
+    /// The session header (lower case); None: session affinity off. Replaced on a reload.
+    header: arc_swap::ArcSwapOption<String>,
     /// `kvepp_session_affinity_total{outcome=hit|moved|new}`.
     outcomes: Family<OutcomeLabels, Counter>,
     /// `kvepp_session_ids_ignored_total{reason}`.
@@ -43,7 +43,7 @@ impl Affinity {
     /// Reads the session from `header` (None or empty: off); reports `router`'s table.
     pub fn new(header: Option<&str>, router: Option<Arc<Router>>) -> Self {
         Affinity {
-            header: header.filter(|h| !h.is_empty()).map(str::to_owned),
+            header: arc_swap::ArcSwapOption::new(Self::name(header)),
             outcomes: Family::default(),
             ignored: Family::default(),
             adapter_fits: Family::default(),
@@ -51,9 +51,20 @@ impl Affinity {
         }
     }
 
+    fn name(header: Option<&str>) -> Option<Arc<String>> {
+        header
+            .filter(|h| !h.is_empty())
+            .map(|h| Arc::new(h.to_ascii_lowercase()))
+    }
+
     /// The session header's name, when session affinity is on.
-    pub fn header(&self) -> Option<&str> {
-        self.header.as_deref()
+    pub fn header(&self) -> Option<Arc<String>> {
+        self.header.load_full()
+    }
+
+    /// Live reconfiguration: streams that start afterwards read `header` (None or empty: off).
+    pub fn set_header(&self, header: Option<&str>) {
+        self.header.store(Self::name(header));
     }
 
     /// The session of a request whose session header had `raw`; an unusable id is ignored,
@@ -62,7 +73,7 @@ impl Affinity {
         match SessionKey::parse(raw) {
             Ok(k) => Some(k),
             Err(e) => {
-                tracing::warn!(header = self.header(), error = %e, "session id ignored; the request is routed without a session");
+                tracing::warn!(header = self.header().as_deref().map(String::as_str), error = %e, "session id ignored; the request is routed without a session");
                 self.ignored
                     .get_or_create(&ReasonLabels { reason: e.as_str() })
                     .inc();

@@ -154,7 +154,8 @@ struct Waiter {
 /// The queue and its dispatcher's wake-up.
 #[derive(Debug)]
 pub struct FlowControl {
-    settings: FlowControlSettings,
+    /// Replaced whole on a reload ([`FlowControl::reconfigure`]); each decision reads it once.
+    settings: arc_swap::ArcSwap<FlowControlSettings>,
     queue: Mutex<FlowQueue<Waiter>>,
     wake: Notify,
     metrics: FlowMetrics,
@@ -210,14 +211,29 @@ impl FlowControl {
     pub fn new(settings: FlowControlSettings, metrics: FlowMetrics) -> Arc<Self> {
         Arc::new(FlowControl {
             queue: Mutex::new(FlowQueue::new(settings.max_queue_per_priority)),
-            settings,
+            settings: arc_swap::ArcSwap::from_pointee(settings),
             wake: Notify::new(),
             metrics,
         })
     }
 
-    pub fn settings(&self) -> &FlowControlSettings {
-        &self.settings
+    /// The settings requests use now.
+    pub fn settings(&self) -> Arc<FlowControlSettings> {
+        self.settings.load_full()
+    }
+
+    /// Whether requests queue now (`enabled`; off: the stream sheds as without flow control).
+    pub fn enabled(&self) -> bool {
+        self.settings.load().enabled
+    }
+
+    /// Live reconfiguration: the queue bound, the longest wait (for requests queued from now
+    /// on), the fairness header and whether new requests queue at all. Requests already waiting
+    /// keep their place; turning it off lets them finish their wait or be dispatched.
+    pub fn reconfigure(&self, settings: FlowControlSettings) {
+        self.lock().set_capacity(settings.max_queue_per_priority);
+        self.settings.store(Arc::new(settings));
+        self.wake.notify_one();
     }
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, FlowQueue<Waiter>> {
@@ -327,7 +343,7 @@ impl kvepp_core::Listener for FlowControl {
 impl Ticket {
     /// Waits for this request's turn, at most until `max_wait_ms` after it was queued.
     pub async fn turn(&mut self) -> Turn {
-        let deadline = self.since + Duration::from_millis(self.fc.settings.max_wait_ms);
+        let deadline = self.since + Duration::from_millis(self.fc.settings().max_wait_ms);
         match tokio::time::timeout_at(deadline.into(), &mut self.rx).await {
             Ok(Ok(grant)) => {
                 self.queued = false;

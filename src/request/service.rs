@@ -186,10 +186,12 @@ pub trait RouteRequest: Send + Sync + std::fmt::Debug {
 pub struct RequestRouter {
     store: Arc<Datastore>,
     router: Arc<Router>,
-    /// Tokenizers by served model name (the KV-aware picker's `tokens` mode).
-    tokenizers: std::collections::HashMap<String, Arc<ModelTokenizer>>,
-    /// Route models with no InferenceModel as Standard instead of rejecting them (404).
-    pass_through_unknown: bool,
+    /// Tokenizers by served model name (the KV-aware picker's `tokens` mode); replaced whole on
+    /// a reload.
+    tokenizers: arc_swap::ArcSwap<Tokenizers>,
+    /// Route models with no InferenceModel as Standard instead of rejecting them (404); changed
+    /// on a reload.
+    pass_through_unknown: std::sync::atomic::AtomicBool,
     /// Metric labels, allocated once: requests without a body, and models with no InferenceModel.
     no_model: Arc<str>,
     unlisted_model: Arc<str>,
@@ -203,7 +205,7 @@ impl RequestRouter {
             store,
             router,
             tokenizers: Default::default(),
-            pass_through_unknown,
+            pass_through_unknown: pass_through_unknown.into(),
             no_model: "none".into(),
             unlisted_model: UNLISTED_MODEL_LABEL.into(),
             steps: PrepareSteps::default(),
@@ -217,11 +219,37 @@ impl RequestRouter {
     }
 
     /// Tokenizes prompts for `model` (served name) with `tokenizer`.
-    pub fn with_tokenizer(mut self, model: String, tokenizer: Arc<ModelTokenizer>) -> Self {
-        self.tokenizers.insert(model, tokenizer);
+    pub fn with_tokenizer(self, model: String, tokenizer: Arc<ModelTokenizer>) -> Self {
+        let mut all = Tokenizers::clone(&self.tokenizers.load());
+        all.insert(model, tokenizer);
+        self.set_tokenizers(all);
         self
     }
+
+    /// Live reconfiguration: requests prepared afterwards use these tokenizers.
+    pub fn set_tokenizers(&self, tokenizers: Tokenizers) {
+        self.tokenizers.store(Arc::new(tokenizers));
+    }
+
+    /// The tokenizers requests use now.
+    pub fn tokenizers(&self) -> Arc<Tokenizers> {
+        self.tokenizers.load_full()
+    }
+
+    /// Live reconfiguration: whether models with no InferenceModel are routed (true) or 404.
+    pub fn set_pass_through_unknown(&self, on: bool) {
+        self.pass_through_unknown
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn passes_unknown(&self) -> bool {
+        self.pass_through_unknown
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
+
+/// Tokenizers by served model name.
+pub type Tokenizers = std::collections::HashMap<String, Arc<ModelTokenizer>>;
 
 impl RequestRouter {
     /// The priority of a request naming `objective` (None: `fallback`, from its InferenceModel);
@@ -237,7 +265,7 @@ impl RequestRouter {
         };
         match objectives.get(name) {
             Some(p) => Ok(*p),
-            None if self.pass_through_unknown => Ok(0),
+            None if self.passes_unknown() => Ok(0),
             None => {
                 let t = self.store.target();
                 let mut r = Rejection::new(
@@ -292,7 +320,7 @@ impl RouteRequest for RequestRouter {
         };
         self.steps.count("parse");
         let mut parsed = parse_body(body)?;
-        let unlisted = self.pass_through_unknown.then_some(&self.unlisted_model);
+        let unlisted = self.passes_unknown().then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted) {
             Ok(m) => m,
             Err(e @ ModelError::Unknown(_)) => {
@@ -312,7 +340,8 @@ impl RouteRequest for RequestRouter {
             None => parsed.model.as_ref().into(),
         };
         let prompt = if self.router.wants_prompt() {
-            let tokenizer = self.tokenizers.get(&*served).map(|t| &**t);
+            let tokenizers = self.tokenizers.load();
+            let tokenizer = tokenizers.get(&*served).map(|t| &**t);
             let input = prompt_input(parsed.messages, parsed.prompt.take());
             if tokenizer.is_some() && input.raw_bytes().is_some() {
                 self.steps.count("tokenize");

@@ -19,6 +19,7 @@ use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
 use crate::discovery::{Datastore, EndpointFacts, ManifestDir, ServiceDiscovery};
 use crate::engine::metadata::MetadataStore;
+use crate::engine::metrics::ScrapeSettings;
 use crate::kv_events::apply::KvEventMetrics;
 use crate::metrics::Metrics;
 use crate::request::flow::FlowMetrics;
@@ -37,6 +38,60 @@ pub(super) struct Wiring {
     /// Discovery's and the engine readers' counters (registered by [`Wiring::new`]).
     pub discovery: crate::discovery::DiscoveryCounters,
     pub engines: crate::engine::EngineCounters,
+    /// The engine scraper's settings (a reload sends new ones).
+    pub scrape: watch::Sender<ScrapeSettings>,
+}
+
+/// When an endpoint counts as saturated, from the tree (at start and on a reload).
+pub(super) fn saturation(cfg: &Config) -> Saturation {
+    let em = &cfg.engine_metrics;
+    Saturation {
+        max_in_flight: cfg.max_in_flight_per_endpoint,
+        queue_threshold: em.queue_threshold,
+        kv_cache_threshold: em.kv_cache_threshold,
+        stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
+    }
+}
+
+/// The router's saturation limits and adapter weights, from the tree.
+pub(super) fn tuning(cfg: &Config) -> kvepp_core::Tuning {
+    kvepp_core::Tuning {
+        saturation: saturation(cfg),
+        adapters: cfg.adapter_affinity,
+    }
+}
+
+/// How the engine scraper runs, from the tree.
+pub(super) fn scrape_settings(cfg: &Config) -> ScrapeSettings {
+    let em = &cfg.engine_metrics;
+    ScrapeSettings {
+        interval: Duration::from_millis(em.interval_ms),
+        timeout: Duration::from_millis(em.timeout_ms),
+        max_bytes: em.max_page_bytes,
+    }
+}
+
+/// The ext_proc door's protocol settings, from the tree.
+pub(super) fn extproc_settings(cfg: &Config) -> crate::extproc::Settings {
+    crate::extproc::Settings {
+        destination_list: cfg.destination_endpoint_list,
+        max_body_bytes: cfg.max_body_bytes,
+        ready_wait: Duration::from_millis(cfg.startup_wait_ms),
+        endpoint_scores: cfg.emit_endpoint_scores,
+    }
+}
+
+/// Loads `model`'s tokenizer from `dir` (at start and on a reload).
+pub(super) fn load_tokenizer(
+    model: &str,
+    dir: &std::path::Path,
+) -> Result<Arc<ModelTokenizer>, ServerError> {
+    let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
+        model: model.to_owned(),
+        source,
+    })?;
+    tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
+    Ok(Arc::new(t))
 }
 
 impl Wiring {
@@ -53,6 +108,7 @@ impl Wiring {
         metrics.add(&discovery);
         metrics.add(&engines);
         Wiring {
+            scrape: watch::channel(scrape_settings(&cfg)).0,
             cfg,
             metrics,
             store,
@@ -238,11 +294,7 @@ impl Wiring {
                             .map(|p| p.app_protocol)
                             .unwrap_or_default()
                     },
-                    crate::engine::metrics::ScrapeSettings {
-                        interval: Duration::from_millis(self.cfg.engine_metrics.interval_ms),
-                        timeout: Duration::from_millis(self.cfg.engine_metrics.timeout_ms),
-                        max_bytes: self.cfg.engine_metrics.max_page_bytes,
-                    },
+                    self.scrape.subscribe(),
                     self.engines.clone(),
                     kv.clone(),
                     self.stop.clone(),
@@ -274,13 +326,7 @@ impl Wiring {
     /// The router: the picker, saturation limits and disaggregation from the tree; its upkeep
     /// task follows the pool.
     pub fn router(&mut self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
-        let em = &self.cfg.engine_metrics;
-        let saturation = Saturation {
-            max_in_flight: self.cfg.max_in_flight_per_endpoint,
-            queue_threshold: em.queue_threshold,
-            kv_cache_threshold: em.kv_cache_threshold,
-            stale_after: em.enabled.then(|| Duration::from_millis(em.stale_after_ms)),
-        };
+        let saturation = saturation(&self.cfg);
         let router = Arc::new(
             match (&kv, self.cfg.picker) {
                 (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
@@ -302,7 +348,7 @@ impl Wiring {
     }
 
     /// The routing service over `router`, with the tokenizers of the tree.
-    pub fn routing(&mut self, router: &Arc<Router>) -> Result<Arc<dyn RouteRequest>, ServerError> {
+    pub fn routing(&mut self, router: &Arc<Router>) -> Result<Arc<RequestRouter>, ServerError> {
         let mut routing = RequestRouter::new(
             self.store.clone(),
             router.clone(),
@@ -310,12 +356,7 @@ impl Wiring {
         )
         .with_steps(self.metrics.prepare_steps.clone());
         for (model, dir) in &self.cfg.tokenizers {
-            let t = ModelTokenizer::load(dir).map_err(|source| ServerError::Tokenizer {
-                model: model.clone(),
-                source,
-            })?;
-            tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
-            let t = Arc::new(t);
+            let t = load_tokenizer(model, dir)?;
             self.metrics
                 .add_tokenizer_source(super::tokenizer_source(model, &t));
             routing = routing.with_tokenizer(model.clone(), t);
@@ -323,18 +364,16 @@ impl Wiring {
         Ok(Arc::new(routing))
     }
 
-    /// Flow control, when enabled: it listens to the router's releases, and endpoints joining
-    /// the pool wake it too. Its counters are registered whether it is enabled or not.
+    /// Flow control: it listens to the router's releases, and endpoints joining the pool wake
+    /// it too. It runs whether enabled or not (a reload may turn it on); requests queue only
+    /// while it is enabled.
     pub fn flow_control(
         &mut self,
         router: &Arc<Router>,
         routing: &Arc<dyn RouteRequest>,
-    ) -> Option<Arc<FlowControl>> {
+    ) -> Arc<FlowControl> {
         let counters = FlowMetrics::default();
         self.metrics.add(&counters);
-        if !self.cfg.flow_control.enabled {
-            return None;
-        }
         let flow = FlowControl::new(self.cfg.flow_control.clone(), counters);
         // Every booking's release wakes the dispatcher: capacity may have freed.
         router.listen(flow.clone());
@@ -354,6 +393,6 @@ impl Wiring {
                 wake.capacity_freed();
             }
         }));
-        Some(flow)
+        flow
     }
 }

@@ -14,14 +14,17 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 
 mod components;
+pub mod reload;
 mod shared;
 pub mod tls;
+
+pub use reload::Reloading;
 
 use crate::api::{self, ApiState};
 use crate::config::Config;
 use crate::discovery::{feed_instances, Datastore, PoolRef};
 use crate::engine::metadata::MetadataStore;
-use crate::extproc::{ExtProcService, Settings, Shared};
+use crate::extproc::{ExtProcService, Shared};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
 
@@ -152,7 +155,18 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
+    run_with(cfg, listeners, shutdown, None).await
+}
+
+/// [`run`], reloading the configuration as `reloading` says ([`reload`]).
+pub async fn run_with(
+    cfg: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+    reloading: Option<Reloading>,
+) -> Result<(), ServerError> {
     let metrics = Metrics::new();
+    let effective = Arc::new(crate::config::live::Effective::new(cfg.clone()));
     // Read before anything starts: a bad certificate or token file stops the start.
     let acceptor = tls::Acceptor::new(&cfg.grpc_tls, metrics.grpc_connections_refused.clone())?;
     let access = crate::api::auth::Access {
@@ -195,27 +209,39 @@ pub async fn run(
     }
     let router = w.router(&kv);
     w.recover_index(&kv, &router).await;
-    let routing = w.routing(&router)?;
+    let request_router = w.routing(&router)?;
+    let routing: Arc<dyn crate::request::RouteRequest> = request_router.clone();
     let flow = w.flow_control(&router, &routing);
     let cfg = w.cfg.clone();
-    let settings = Settings {
-        destination_list: cfg.destination_endpoint_list,
-        max_body_bytes: cfg.max_body_bytes,
-        ready_wait: Duration::from_millis(cfg.startup_wait_ms),
-        endpoint_scores: cfg.emit_endpoint_scores,
-    };
     let affinity = Arc::new(crate::request::Affinity::new(
         Some(&cfg.session_affinity.header),
         Some(router.clone()),
     ));
     metrics.add(&*affinity);
-    let mut shared = Shared::new(routing, metrics.clone(), settings)
-        .with_readiness(store.ready())
-        .with_affinity(affinity);
-    if let Some(flow) = flow {
-        shared = shared.with_flow_control(flow);
+    let shared = Arc::new(
+        Shared::new(routing, metrics.clone(), components::extproc_settings(&cfg))
+            .with_readiness(store.ready())
+            .with_affinity(affinity)
+            .with_flow_control(flow.clone()),
+    );
+    let extproc = ExtProcService::new(shared.clone()).into_server();
+    if let Some(how) = reloading {
+        let counters = reload::ReloadMetrics::default();
+        metrics.add(&counters);
+        let live = Arc::new(reload::Live {
+            effective: effective.clone(),
+            router: router.clone(),
+            routing: request_router,
+            shared,
+            flow,
+            scrape: w.scrape.clone(),
+            acceptor: acceptor.clone(),
+            metrics: metrics.clone(),
+            counters,
+        });
+        w.tasks
+            .push(tokio::spawn(reload::run(live, how, stop_rx.clone())));
     }
-    let extproc = ExtProcService::new(Arc::new(shared)).into_server();
 
     let [g, h, m] = listeners.addrs();
     tracing::info!(ext_proc = ?g, health = ?h, metrics = ?m, "kvepp serving");
@@ -254,6 +280,7 @@ pub async fn run(
             store,
             kv,
             router: Some(router.clone()),
+            config: Some(effective),
         },
         &access,
         doors,

@@ -3,7 +3,9 @@
 //!
 //! Invariants: mode `self-signed` generates a fresh key and certificate in memory at each start
 //! (nothing is written to disk, so a read-only root filesystem is fine); mode `files` reads the PEM
-//! files once at start; a client CA makes client certificates mandatory. Unreadable or invalid
+//! files at start and again on [`Acceptor::reload`] (a rotated Secret: new connections get the new
+//! certificate, open ones keep theirs; material that fails to load leaves the old in place); a
+//! client CA makes client certificates mandatory. Unreadable or invalid
 //! material stops the start with a message naming the file. Each connection is told apart by its
 //! first byte (a TLS record starts with 0x16, an HTTP/2 preface with `P`) and handshaken on its own
 //! task, bounded by [`HANDSHAKE_TIMEOUT`], so a slow or silent client never holds up the others; a
@@ -90,7 +92,8 @@ fn certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>
 /// How the ext_proc port accepts connections.
 #[derive(Clone)]
 pub struct Acceptor {
-    tls: Option<TlsAcceptor>,
+    /// The TLS configuration new connections are handshaken with (replaced on a reload).
+    tls: Option<Arc<arc_swap::ArcSwap<rustls::ServerConfig>>>,
     accept_plaintext: bool,
     refused: Counter,
 }
@@ -107,64 +110,78 @@ impl std::fmt::Debug for Acceptor {
 impl Acceptor {
     /// The acceptor `tls` describes; refused connections and failed handshakes count in `refused`.
     pub fn new(tls: &GrpcTls, refused: Counter) -> Result<Acceptor, TlsError> {
-        let (chain, key) = match tls.mode {
-            TlsMode::Off => {
-                return Ok(Acceptor {
-                    tls: None,
-                    accept_plaintext: true,
-                    refused,
-                })
-            }
-            TlsMode::SelfSigned => {
-                let names: Vec<String> = SELF_SIGNED_NAMES.iter().map(|s| s.to_string()).collect();
-                let ck = rcgen::generate_simple_self_signed(names)?;
-                let key = PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
-                (vec![ck.cert.der().clone()], key)
-            }
-            TlsMode::Files => {
-                let cert_path = tls.cert_file.as_deref().unwrap_or(Path::new(""));
-                let key_path = tls.key_file.as_deref().unwrap_or(Path::new(""));
-                let pem = read("TLS key", Some(key_path))?;
-                let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::Invalid {
-                    what: "TLS key",
-                    path: key_path.display().to_string(),
-                    message: e.to_string(),
-                })?;
-                (certs("TLS certificate", cert_path)?, key)
-            }
-        };
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()?;
-        let builder = match &tls.client_ca_file {
-            Some(ca) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for c in certs("client CA bundle", ca)? {
-                    roots.add(c)?;
-                }
-                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                    roots.into(),
-                    provider,
-                )
-                .build()
-                .map_err(|e| TlsError::Invalid {
-                    what: "client CA bundle",
-                    path: ca.display().to_string(),
-                    message: e.to_string(),
-                })?;
-                builder.with_client_cert_verifier(verifier)
-            }
-            None => builder.with_no_client_auth(),
-        };
-        let mut config = builder.with_single_cert(chain, key)?;
-        config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Acceptor {
-            tls: Some(TlsAcceptor::from(Arc::new(config))),
-            accept_plaintext: tls.accept_plaintext,
+            tls: server_config(tls)?.map(|c| Arc::new(arc_swap::ArcSwap::from_pointee(c))),
+            accept_plaintext: tls.accept_plaintext || tls.mode == TlsMode::Off,
             refused,
         })
     }
 
+    /// Reads mode `files`' certificate, key and client CA again: new connections get them.
+    /// Ok(false): nothing to re-read (mode `self-signed` or `off`); an error leaves the material
+    /// in use as it was.
+    pub fn reload(&self, tls: &GrpcTls) -> Result<bool, TlsError> {
+        match (&self.tls, tls.mode) {
+            (Some(current), TlsMode::Files) => {
+                if let Some(c) = server_config(tls)? {
+                    current.store(Arc::new(c));
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+}
+
+/// The rustls configuration `tls` describes (None: mode `off`).
+fn server_config(tls: &GrpcTls) -> Result<Option<rustls::ServerConfig>, TlsError> {
+    let (chain, key) = match tls.mode {
+        TlsMode::Off => return Ok(None),
+        TlsMode::SelfSigned => {
+            let names: Vec<String> = SELF_SIGNED_NAMES.iter().map(|s| s.to_string()).collect();
+            let ck = rcgen::generate_simple_self_signed(names)?;
+            let key = PrivateKeyDer::Pkcs8(ck.signing_key.serialize_der().into());
+            (vec![ck.cert.der().clone()], key)
+        }
+        TlsMode::Files => {
+            let cert_path = tls.cert_file.as_deref().unwrap_or(Path::new(""));
+            let key_path = tls.key_file.as_deref().unwrap_or(Path::new(""));
+            let pem = read("TLS key", Some(key_path))?;
+            let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::Invalid {
+                what: "TLS key",
+                path: key_path.display().to_string(),
+                message: e.to_string(),
+            })?;
+            (certs("TLS certificate", cert_path)?, key)
+        }
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match &tls.client_ca_file {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in certs("client CA bundle", ca)? {
+                roots.add(c)?;
+            }
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .build()
+                    .map_err(|e| TlsError::Invalid {
+                        what: "client CA bundle",
+                        path: ca.display().to_string(),
+                        message: e.to_string(),
+                    })?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Some(config))
+}
+
+impl Acceptor {
     /// One accepted TCP connection, classified and (for TLS) handshaken.
     async fn accept(&self, tcp: TcpStream) -> Result<Conn, String> {
         let mut first = [0u8; 1];
@@ -176,11 +193,14 @@ impl Acceptor {
             return Err("closed before sending anything".into());
         }
         match (&self.tls, first[0] == TLS_HANDSHAKE_RECORD) {
-            (Some(tls), true) => tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(tcp))
-                .await
-                .map_err(|_| "TLS handshake timed out".to_string())?
-                .map(|s| Conn::Tls(Box::new(s)))
-                .map_err(|e| format!("TLS handshake failed: {e}")),
+            (Some(tls), true) => tokio::time::timeout(
+                HANDSHAKE_TIMEOUT,
+                TlsAcceptor::from(tls.load_full()).accept(tcp),
+            )
+            .await
+            .map_err(|_| "TLS handshake timed out".to_string())?
+            .map(|s| Conn::Tls(Box::new(s)))
+            .map_err(|e| format!("TLS handshake failed: {e}")),
             (None, true) => {
                 Err("TLS client, but the port serves plaintext (grpc_tls.mode off)".into())
             }

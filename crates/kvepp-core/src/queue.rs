@@ -84,6 +84,12 @@ impl<T> FlowQueue<T> {
         self.bands.iter().map(|(Reverse(p), b)| (*p, b.len))
     }
 
+    /// A new bound per priority: requests already waiting beyond it stay (they leave as usual);
+    /// new ones are refused until their priority is below it.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity;
+    }
+
     /// Queues `item` at the back of `flow` at `priority`; its id, or the item back when that
     /// priority is full.
     pub fn push(&mut self, priority: i32, flow: &str, item: T) -> Result<QueueId, (QueueFull, T)> {
