@@ -5,6 +5,7 @@
 pub mod kube_api;
 pub mod publisher;
 pub mod shipped;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;

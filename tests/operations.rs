@@ -1,0 +1,320 @@
+//! Running kvepp for months: the `kvepp` binary behind a real Envoy reloads its configuration
+//! (a watched `--config` file replaced the way a Kubernetes ConfigMap mount replaces it, and
+//! SIGHUP) and rotates its TLS certificate under steady load, with no failed request and no
+//! restart.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+
+use common::tls::*;
+use common::*;
+use kvepp_test_support::client::fetch;
+use kvepp_test_support::{find_sample, TempDir};
+use tokio::process::Command;
+use tokio::sync::watch;
+use tonic::transport::{Certificate, ClientTlsConfig};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvepp");
+
+/// Replaces `link` with a symlink to `target` in one step, as the kubelet swaps a ConfigMap's
+/// `..data` link.
+fn swap_link(link: &Path, target: &Path) {
+    let tmp = link.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp).unwrap();
+    std::fs::rename(&tmp, link).unwrap();
+}
+
+/// Writes `text` to `path` in one step (a temporary file renamed over it).
+fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+async fn metric(addr: SocketAddr, series: &str) -> f64 {
+    let (_, text) = fetch(addr, "/metrics").await.unwrap();
+    find_sample(&text, series).unwrap_or(0.0)
+}
+
+async fn config_version(addr: SocketAddr) -> (u64, serde_json::Value) {
+    let (status, body) = fetch(addr, "/debug/config").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    (v["version"].as_u64().unwrap(), v["config"].clone())
+}
+
+async fn wait_version(addr: SocketAddr, want: u64) -> serde_json::Value {
+    wait_for("configuration version", || async move {
+        let (v, cfg) = config_version(addr).await;
+        (v == want).then_some(cfg)
+    })
+    .await
+}
+
+/// Clients sending requests back to back through Envoy until `stop`; each status is kept.
+fn steady_load(
+    envoy: SocketAddr,
+    clients: usize,
+    stop: watch::Receiver<bool>,
+) -> (Arc<Mutex<Vec<u16>>>, Vec<tokio::task::JoinHandle<()>>) {
+    let statuses = Arc::new(Mutex::new(Vec::new()));
+    let tasks = (0..clients)
+        .map(|c| {
+            let (statuses, stop) = (statuses.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !*stop.borrow() {
+                    i += 1;
+                    let body = format!("{{\"model\":\"m\",\"prompt\":\"client {c} request {i}\"}}");
+                    let r = post_json(envoy, body).await;
+                    statuses.lock().unwrap().push(r.status);
+                }
+            })
+        })
+        .collect();
+    (statuses, tasks)
+}
+
+/// The backend that answered `prompt` for model `model`, with its status.
+async fn probe(envoy: SocketAddr, model: &str, prompt: &str) -> (u16, String) {
+    let r = post_json(
+        envoy,
+        serde_json::json!({"model": model, "prompt": prompt}).to_string(),
+    )
+    .await;
+    let backend = if r.status == 200 {
+        r.json()["backend"].as_str().unwrap_or("").to_owned()
+    } else {
+        String::new()
+    };
+    (r.status, backend)
+}
+
+/// How many of 20 repeats of a long prompt went to the endpoint its first copy went to.
+async fn repeats_at_home(envoy: SocketAddr, prompt: &str) -> usize {
+    let (status, home) = probe(envoy, "m", prompt).await;
+    assert_eq!(status, 200);
+    let mut at_home = 0;
+    for _ in 0..20 {
+        let (status, b) = probe(envoy, "m", prompt).await;
+        assert_eq!(status, 200);
+        at_home += usize::from(b == home);
+    }
+    at_home
+}
+
+struct Files {
+    real: PathBuf,
+    link: PathBuf,
+    base: String,
+}
+
+impl Files {
+    /// A version of the configuration: the base plus `extra`, under `real/<name>.yaml`.
+    fn version(&self, name: &str, extra: &str) -> PathBuf {
+        let p = self.real.join(format!("{name}.yaml"));
+        std::fs::write(&p, format!("{}{extra}", self.base)).unwrap();
+        p
+    }
+}
+
+#[tokio::test]
+async fn reload_and_certificate_rotation_under_load_lose_no_request() {
+    let backends = echo_backends(&["a", "b"]).await;
+    let dir = TempDir::new("reload");
+    let root = dir.path();
+    let manifests = root.join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(
+        manifests.join("pool.yaml"),
+        pool_yaml("pool")
+            + &standard_models()
+            + &slice_yaml("a", backends[0], true)
+            + &slice_yaml("b", backends[1], true),
+    )
+    .unwrap();
+    // Two CAs: the server certificate is first signed by one, then rotated to the other's.
+    let (tls, first, second) = (root.join("tls"), root.join("pki1"), root.join("pki2"));
+    for d in [&tls, &first, &second] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let (pki1, pki2) = (write_pki(&first), write_pki(&second));
+    for f in ["server.pem", "server-key.pem"] {
+        std::fs::copy(first.join(f), tls.join(f)).unwrap();
+    }
+    let (grpc, health, metrics) = (free_port(), free_port(), free_port());
+    let base = format!(
+        "pool_name: pool\nmanifests_dir: {}\nmanifests_poll_ms: 20\nbind_address: 127.0.0.1\n\
+         grpc_port: {grpc}\ngrpc_health_port: {health}\nmetrics_port: {metrics}\n\
+         shutdown_grace_seconds: 1\n\
+         grpc_tls: {{mode: files, cert_file: {}, key_file: {}, accept_plaintext: true}}\n",
+        manifests.display(),
+        tls.join("server.pem").display(),
+        tls.join("server-key.pem").display(),
+    );
+    // The file kvepp is given is a symlink in its own directory (a ConfigMap mount's shape).
+    let files = Files {
+        real: root.join("real"),
+        link: root.join("conf").join("kvepp.yaml"),
+        base,
+    };
+    std::fs::create_dir_all(&files.real).unwrap();
+    std::fs::create_dir_all(files.link.parent().unwrap()).unwrap();
+    swap_link(&files.link, &files.version("v1", ""));
+    let log_path = root.join("kvepp.log");
+    let mut child = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&files.link)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let admin: SocketAddr = ([127, 0, 0, 1], metrics).into();
+    let ext_proc: SocketAddr = ([127, 0, 0, 1], grpc).into();
+    wait_for("kvepp ready", || async move {
+        matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(())
+    })
+    .await;
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let envoy = Envoy::start(bootstrap(), ext_proc).await;
+    let (stop_tx, stop) = watch::channel(false);
+    let (statuses, clients) = steady_load(envoy.addr, 3, stop);
+    wait_for("load flowing", || {
+        let s = statuses.clone();
+        async move { (s.lock().unwrap().len() > 20).then_some(()) }
+    })
+    .await;
+    assert_eq!(config_version(admin).await.0, 1);
+
+    // 1. The file replaced (symlink swap): an unknown model is routed instead of 404.
+    assert_eq!(probe(envoy.addr, "nope", "x").await.0, 404);
+    swap_link(
+        &files.link,
+        &files.version("v2", "unknown_models: pass-through\n"),
+    );
+    let cfg = wait_version(admin, 2).await;
+    assert_eq!(cfg["unknown_models"], "pass-through");
+    assert_eq!(probe(envoy.addr, "nope", "x").await.0, 200);
+
+    // 2. SIGHUP after an edit the watch does not see (the link's target changed in place): the
+    // cost weights change. With the overlap credited, every repeat of a long prompt goes where
+    // its prefix is; with no credit for it, load and chance spread them.
+    let long = "the same long system prompt, many blocks of it. ".repeat(40);
+    assert_eq!(repeats_at_home(envoy.addr, &long).await, 20);
+    std::fs::write(
+        files.real.join("v2.yaml"),
+        format!(
+            "{}unknown_models: pass-through\nrouter: {{kv_overlap_score_credit: 0.0}}\n",
+            files.base
+        ),
+    )
+    .unwrap();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &pid.unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let cfg = wait_version(admin, 3).await;
+    assert_eq!(cfg["router"]["kv_overlap_score_credit"], 0.0);
+    let other = "another long system prompt, many blocks of it too. ".repeat(40);
+    assert!(
+        repeats_at_home(envoy.addr, &other).await < 20,
+        "the overlap is still credited after the reload"
+    );
+
+    // 3. The certificate rotated (before flow control: a saturated pool would queue the probe,
+    // whose client half-closes at once): the next TLS connection gets the new one.
+    let trust = |ca: &str| ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+    over_tls(ext_proc, trust(&pki1.ca)).await.unwrap();
+    assert!(over_tls(ext_proc, trust(&pki2.ca)).await.is_err());
+    let tls_applied = "kvepp_tls_reloads_total{result=\"applied\"}";
+    // Key first, then certificate: until both are in, the pair may not match and is refused.
+    for f in ["server-key.pem", "server.pem"] {
+        replace_file(
+            &tls.join(f),
+            &std::fs::read_to_string(second.join(f)).unwrap(),
+        );
+    }
+    wait_for("rotated certificate served", || {
+        let ca = pki2.ca.clone();
+        async move { over_tls(ext_proc, trust(&ca)).await.ok() }
+    })
+    .await;
+    assert!(metric(admin, tls_applied).await >= 1.0);
+    assert!(over_tls(ext_proc, trust(&pki1.ca)).await.is_err());
+    // A certificate that does not load: the rotated one keeps serving.
+    let tls_rejected = "kvepp_tls_reloads_total{result=\"rejected\"}";
+    let before = metric(admin, tls_rejected).await;
+    replace_file(&tls.join("server.pem"), "not a certificate\n");
+    wait_for("bad certificate counted", || async move {
+        (metric(admin, tls_rejected).await > before).then_some(())
+    })
+    .await;
+    over_tls(ext_proc, trust(&pki2.ca)).await.unwrap();
+
+    // 4. Flow control turned on with one request per endpoint: requests queue instead of
+    // going to saturated endpoints.
+    let dispatched = "kvepp_flow_control_dequeued_total{outcome=\"dispatched\"}";
+    assert_eq!(metric(admin, dispatched).await, 0.0);
+    swap_link(
+        &files.link,
+        &files.version(
+            "v4",
+            "unknown_models: pass-through\nmax_in_flight_per_endpoint: 1\n\
+             flow_control: {enabled: true, max_queue_per_priority: 64, max_wait_ms: 10000}\n",
+        ),
+    );
+    let cfg = wait_version(admin, 4).await;
+    assert_eq!(cfg["flow_control"]["enabled"], true);
+    wait_for("requests queued and dispatched", || async move {
+        (metric(admin, dispatched).await > 0.0).then_some(())
+    })
+    .await;
+
+    // 5. An invalid file: rejected as a whole and counted; version 4 stays in effect.
+    let rejected = "kvepp_config_reloads_total{result=\"rejected\"}";
+    swap_link(
+        &files.link,
+        &files.version(
+            "bad",
+            "flow_control: {max_queue_per_priority: 0}\nno_such_field: 1\n",
+        ),
+    );
+    wait_for("invalid file rejected", || async move {
+        (metric(admin, rejected).await >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(config_version(admin).await.0, 4);
+    assert_eq!(probe(envoy.addr, "nope", "x").await.0, 200);
+
+    stop_tx.send(true).unwrap();
+    for c in clients {
+        c.await.unwrap();
+    }
+    let statuses = statuses.lock().unwrap().clone();
+    let failed = statuses.iter().filter(|s| **s != 200).count();
+    println!(
+        "reload under load: {} requests, {failed} failed",
+        statuses.len()
+    );
+    assert_eq!(failed, 0, "failed requests under reloads:\n{}", log());
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "kvepp exited:\n{}",
+        log()
+    );
+    assert_eq!(child.id(), pid, "the same process throughout");
+    let log = log();
+    assert!(log.contains("configuration reloaded"), "{log}");
+    assert!(log.contains("configuration reload rejected"), "{log}");
+}
