@@ -340,7 +340,11 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
         reject: None,
     });
     let metrics = Metrics::new();
-    let flow = crate::request::FlowControl::new(Default::default(), Default::default());
+    let on = crate::request::FlowControlSettings {
+        enabled: true,
+        ..Default::default()
+    };
+    let flow = crate::request::FlowControl::new(on, Default::default());
     let settings = Settings {
         destination_list: false,
         max_body_bytes: 1 << 20,
