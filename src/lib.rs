@@ -36,4 +36,5 @@ pub mod replica;
 pub mod request;
 pub mod server;
 pub mod services;
+pub mod telemetry;
 pub mod upkeep;

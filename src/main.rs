@@ -46,7 +46,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve(args) => {
             let cfg = Config::load(&args)?;
-            let log = init_logging(cfg.log_format, &cfg.log_level);
+            // Traces first: the subscriber installed next sends kvepp's spans to it.
+            let telemetry = kvepp::telemetry::Telemetry::start(&cfg.tracing)?;
+            let log = init_logging(
+                cfg.log_format,
+                &cfg.log_level,
+                telemetry.as_ref().map(|t| t.tracer()),
+            );
             tracing::info!(version = env!("CARGO_PKG_VERSION"), commit = env!("KVEPP_GIT_SHA"), config = %serde_json::to_string(&cfg)?, "configuration");
             let listeners = kvepp::server::Listeners::bind(&cfg).await?;
             // SIGHUP and a change of the --config file load the tree again, as here.
@@ -56,7 +62,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 sighup: true,
                 log: Some(log),
             };
-            kvepp::server::run_with(cfg, listeners, shutdown_signal(), Some(reloading)).await?;
+            let hooks = kvepp::server::Hooks {
+                reloading: Some(reloading),
+                traces: telemetry.as_ref().map(|t| t.metrics.clone()),
+            };
+            let served = kvepp::server::run_with(cfg, listeners, shutdown_signal(), hooks).await;
+            if let Some(t) = telemetry {
+                t.shutdown().await;
+            }
+            served?;
         }
         Command::WorkerAgent(args) => {
             // With a configuration file, its `worker_agent` section under the flags.
@@ -82,14 +96,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::SelectService(args) => {
-            init_logging(LogFormat::Text, &log_level());
+            init_logging(LogFormat::Text, &log_level(), None);
             let cfg = args.load()?;
             let (host, port) = (cfg.select_service.host, cfg.select_service.port);
             let listener = kvepp::services::bind(host, port).await?;
             kvepp::services::run_select_with(cfg, listener, shutdown_signal()).await?;
         }
         Command::SlotTracker(args) => {
-            init_logging(LogFormat::Text, &log_level());
+            init_logging(LogFormat::Text, &log_level(), None);
             let cfg = args.load()?;
             let (host, port) = (cfg.slot_tracker.host, cfg.slot_tracker.port);
             let listener = kvepp::services::bind(host, port).await?;

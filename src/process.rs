@@ -38,30 +38,58 @@ impl LogLevel {
         if self.from_env {
             return Ok(false);
         }
-        let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
-        self.handle.reload(filter).map_err(|e| e.to_string())?;
+        self.handle
+            .reload(log_filter(level)?)
+            .map_err(|e| e.to_string())?;
         Ok(true)
     }
 }
 
-/// Installs the global tracing subscriber (stderr). `RUST_LOG`, when set, wins over `level`.
-pub fn init_logging(format: LogFormat, level: &str) -> LogLevel {
+/// The log filter `level` names, without kvepp's trace spans (those go only to the trace
+/// exporter).
+fn log_filter(level: &str) -> Result<tracing_subscriber::EnvFilter, String> {
+    let f = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+    Ok(without_trace_spans(f))
+}
+
+fn without_trace_spans(f: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+    match format!("{}=off", crate::telemetry::TRACE_TARGET).parse() {
+        Ok(d) => f.add_directive(d),
+        Err(_) => f,
+    }
+}
+
+/// Installs the global tracing subscriber: log lines on stderr (`RUST_LOG`, when set, wins over
+/// `level`) and, with `tracer`, kvepp's trace spans to OpenTelemetry.
+pub fn init_logging(
+    format: LogFormat,
+    level: &str,
+    tracer: Option<opentelemetry_sdk::trace::Tracer>,
+) -> LogLevel {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
     let env = tracing_subscriber::EnvFilter::try_from_default_env().ok();
     let from_env = env.is_some();
-    let filter = env.unwrap_or_else(|| tracing_subscriber::EnvFilter::new(level));
+    let filter = match env {
+        Some(f) => without_trace_spans(f),
+        None => log_filter(level).unwrap_or_else(|_| without_trace_spans("info".into())),
+    };
     let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let fmt = match format {
         LogFormat::Json => fmt.json().boxed(),
         LogFormat::Text => fmt.boxed(),
     };
+    let traces = tracer.map(|t| {
+        tracing_opentelemetry::layer().with_tracer(t).with_filter(
+            tracing_subscriber::filter::filter_fn(|m| m.target() == crate::telemetry::TRACE_TARGET),
+        )
+    });
     // Only the first subscriber is installed (a second call, as in tests, keeps it).
     let _ = tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
+        .with(fmt.with_filter(filter))
+        .with(traces)
         .try_init();
     LogLevel { handle, from_env }
 }

@@ -1,7 +1,8 @@
 //! Running kvepp for months: the `kvepp` binary behind a real Envoy reloads its configuration
 //! (a watched `--config` file replaced the way a Kubernetes ConfigMap mount replaces it, and
 //! SIGHUP) and rotates its TLS certificate under steady load, with no failed request and no
-//! restart.
+//! restart; and it exports a span per decision over OTLP to a wire-level receiver, joined to the
+//! request's trace and propagated to the engine.
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -21,6 +22,43 @@ use tokio::sync::watch;
 use tonic::transport::{Certificate, ClientTlsConfig};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvepp");
+
+/// `kvepp` with `args` and `env`, its stderr in `log`.
+fn spawn_kvepp(
+    args: &[&std::ffi::OsStr],
+    env: &[(&str, String)],
+    log: &Path,
+) -> tokio::process::Child {
+    Command::new(BIN)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for kvepp's `/ready` on `admin`.
+async fn ready(admin: SocketAddr) {
+    wait_for("kvepp ready", || async move {
+        matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(())
+    })
+    .await;
+}
+
+/// A manifests directory under `root` with the pool, its models and one slice per backend.
+fn manifests_dir(root: &Path, backends: &[SocketAddr]) -> PathBuf {
+    let dir = root.join("manifests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut text = pool_yaml("pool") + &standard_models();
+    for (i, b) in backends.iter().enumerate() {
+        text += &slice_yaml(&format!("s{i}"), *b, true);
+    }
+    std::fs::write(dir.join("pool.yaml"), text).unwrap();
+    dir
+}
 
 /// Replaces `link` with a symlink to `target` in one step, as the kubelet swaps a ConfigMap's
 /// `..data` link.
@@ -130,16 +168,7 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     let backends = echo_backends(&["a", "b"]).await;
     let dir = TempDir::new("reload");
     let root = dir.path();
-    let manifests = root.join("manifests");
-    std::fs::create_dir_all(&manifests).unwrap();
-    std::fs::write(
-        manifests.join("pool.yaml"),
-        pool_yaml("pool")
-            + &standard_models()
-            + &slice_yaml("a", backends[0], true)
-            + &slice_yaml("b", backends[1], true),
-    )
-    .unwrap();
+    let manifests = manifests_dir(root, &backends);
     // Two CAs: the server certificate is first signed by one, then rotated to the other's.
     let (tls, first, second) = (root.join("tls"), root.join("pki1"), root.join("pki2"));
     for d in [&tls, &first, &second] {
@@ -169,22 +198,19 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     std::fs::create_dir_all(files.link.parent().unwrap()).unwrap();
     swap_link(&files.link, &files.version("v1", ""));
     let log_path = root.join("kvepp.log");
-    let mut child = Command::new(BIN)
-        .args(["serve", "--config"])
-        .arg(&files.link)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = spawn_kvepp(
+        &[
+            "serve".as_ref(),
+            "--config".as_ref(),
+            files.link.as_os_str(),
+        ],
+        &[],
+        &log_path,
+    );
     let pid = child.id();
     let admin: SocketAddr = ([127, 0, 0, 1], metrics).into();
     let ext_proc: SocketAddr = ([127, 0, 0, 1], grpc).into();
-    wait_for("kvepp ready", || async move {
-        matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(())
-    })
-    .await;
+    ready(admin).await;
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     let envoy = Envoy::start(bootstrap(), ext_proc).await;
     let (stop_tx, stop) = watch::channel(false);
@@ -317,4 +343,205 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     let log = log();
     assert!(log.contains("configuration reloaded"), "{log}");
     assert!(log.contains("configuration reload rejected"), "{log}");
+}
+
+/// `kvepp serve` on fresh ports over `manifests`, exporting traces as `env` says: (metrics
+/// address, ext_proc address, process).
+fn traced_kvepp(
+    manifests: &Path,
+    env: &[(&str, String)],
+    log: &Path,
+) -> (SocketAddr, SocketAddr, tokio::process::Child) {
+    let (grpc, health, metrics) = (free_port(), free_port(), free_port());
+    let ports = [grpc.to_string(), health.to_string(), metrics.to_string()];
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "serve".as_ref(),
+        "--pool-name".as_ref(),
+        "pool".as_ref(),
+        "--bind-address".as_ref(),
+        "127.0.0.1".as_ref(),
+        "--manifests-dir".as_ref(),
+        manifests.as_os_str(),
+        "--manifests-poll-ms".as_ref(),
+        "20".as_ref(),
+        "--grpc-port".as_ref(),
+        ports[0].as_ref(),
+        "--grpc-health-port".as_ref(),
+        ports[1].as_ref(),
+        "--metrics-port".as_ref(),
+        ports[2].as_ref(),
+    ];
+    let child = spawn_kvepp(&args, env, log);
+    (
+        ([127, 0, 0, 1], metrics).into(),
+        ([127, 0, 0, 1], grpc).into(),
+        child,
+    )
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test]
+async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
+    let collector = common::otlp::Collector::start().await;
+    let backends = echo_backends(&["a", "b"]).await;
+    let dir = TempDir::new("traces");
+    let manifests = manifests_dir(dir.path(), &backends);
+    let env = [
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{}", collector.addr),
+        ),
+        ("OTEL_SERVICE_NAME", "kvepp-under-test".to_owned()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "50".to_owned()),
+    ];
+    let log_path = dir.path().join("kvepp.log");
+    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
+    ready(admin).await;
+    let envoy = Envoy::start(bootstrap(), ext_proc).await;
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+
+    // A request in a trace: kvepp's span is the child of the client's, and the engine gets a
+    // traceparent naming kvepp's span.
+    let (trace_id, parent) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let body = serde_json::json!({"model": "m", "prompt": "a long prompt to trace. ".repeat(20)});
+    let traceparent = format!("00-{trace_id}-{parent}-01");
+    let r = http(
+        envoy.addr,
+        "POST",
+        "/v1/completions",
+        &[
+            ("content-type", "application/json"),
+            ("traceparent", &traceparent),
+            ("tracestate", "vendor=1"),
+        ],
+        body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", log());
+    let seen = r.json()["traceparent"].as_str().unwrap_or("").to_owned();
+    let parts: Vec<&str> = seen.split('-').collect();
+    assert_eq!(parts.len(), 4, "the engine's traceparent: {seen:?}");
+    assert_eq!(parts[1], trace_id, "the engine is in the client's trace");
+    assert_ne!(parts[2], parent, "the engine's parent is kvepp's span");
+    let route = wait_for("kvepp.route span exported", || {
+        let spans = collector.spans();
+        async move {
+            spans
+                .into_iter()
+                .find(|s| s.span.name == "kvepp.route" && hex(&s.span.trace_id) == trace_id)
+        }
+    })
+    .await;
+    assert_eq!(route.service, "kvepp-under-test");
+    assert_eq!(hex(&route.span.parent_span_id), parent);
+    assert_eq!(
+        hex(&route.span.span_id),
+        parts[2],
+        "the engine's parent span"
+    );
+    let served = r.json()["destination"].as_str().unwrap_or("").to_owned();
+    for (key, want) in [
+        ("kvepp.pool", "default/pool"),
+        ("gen_ai.request.model", "m"),
+        ("kvepp.target_model", "m"),
+        ("kvepp.outcome", "routed"),
+        ("kvepp.candidates", "2"),
+        ("kvepp.picker", "kv-aware"),
+        ("kvepp.cost_model", "dynamo"),
+        ("kvepp.endpoint", served.as_str()),
+    ] {
+        assert_eq!(route.attr(key).as_deref(), Some(want), "{key} in {route:?}");
+    }
+    assert!(route.attr("kvepp.priority").is_some());
+    assert!(route.attr("kvepp.cached_blocks").is_some());
+    // Its stages, as its children.
+    let children = wait_for("stage spans exported", || {
+        let spans = collector.spans();
+        let id = route.span.span_id.clone();
+        async move {
+            let mut names: Vec<String> = spans
+                .into_iter()
+                .filter(|s| s.span.parent_span_id == id)
+                .map(|s| s.span.name)
+                .collect();
+            names.sort();
+            (names.len() >= 3).then_some(names)
+        }
+    })
+    .await;
+    assert_eq!(children, ["kvepp.body", "kvepp.pick", "kvepp.tokenize"]);
+
+    // A malformed traceparent: a new root trace, and the request is answered as without one.
+    let r = http(
+        envoy.addr,
+        "POST",
+        "/v1/completions",
+        &[
+            ("content-type", "application/json"),
+            ("traceparent", "00-not-a-trace-01"),
+        ],
+        serde_json::json!({"model": "nope", "prompt": "x"}).to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    let rejected = wait_for("the 404's span exported", || {
+        let spans = collector.spans();
+        async move {
+            spans
+                .into_iter()
+                .find(|s| s.attr("kvepp.outcome").as_deref() == Some("404"))
+        }
+    })
+    .await;
+    assert!(rejected.span.parent_span_id.is_empty(), "a new root");
+    assert_eq!(
+        rejected.attr("kvepp.reason").as_deref(),
+        Some("unknown_model")
+    );
+    assert_ne!(hex(&rejected.span.trace_id), trace_id);
+    let exported = "kvepp_trace_spans_exported_total";
+    assert!(metric(admin, exported).await >= 5.0);
+}
+
+#[tokio::test]
+async fn a_dead_collector_leaves_routing_untouched() {
+    let backends = echo_backends(&["a"]).await;
+    let dir = TempDir::new("deadcollector");
+    let manifests = manifests_dir(dir.path(), &backends);
+    // Nothing listens there.
+    let env = [
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{}", free_port()),
+        ),
+        ("OTEL_BSP_SCHEDULE_DELAY", "20".to_owned()),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "300".to_owned()),
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "8".to_owned()),
+    ];
+    let log_path = dir.path().join("kvepp.log");
+    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
+    ready(admin).await;
+    let envoy = Envoy::start(bootstrap(), ext_proc).await;
+    let mut failed = 0;
+    for i in 0..200 {
+        let (status, _) = probe(envoy.addr, "m", &format!("request {i}")).await;
+        failed += usize::from(status != 200);
+    }
+    assert_eq!(failed, 0);
+    let dropped = |reason: &'static str| async move {
+        metric(
+            admin,
+            &format!("kvepp_trace_spans_dropped_total{{reason=\"{reason}\"}}"),
+        )
+        .await
+    };
+    wait_for("failed exports counted", || async move {
+        (dropped("export_failed").await > 0.0).then_some(())
+    })
+    .await;
+    // 200 decisions × 4 spans against a queue of 8: the rest were dropped, never waited for.
+    assert!(dropped("queue_full").await > 0.0);
 }

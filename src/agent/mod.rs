@@ -377,7 +377,7 @@ impl EngineHealth {
 /// The sidecar process: logging, `--listen` bound, [`run`] until SIGTERM/SIGINT (both `kvepp-agent`
 /// and `kvepp worker-agent` call this).
 pub async fn main(args: AgentArgs) -> Result<(), AgentError> {
-    crate::process::init_logging(crate::process::LogFormat::Text, "info");
+    crate::process::init_logging(crate::process::LogFormat::Text, "info", None);
     let addr = args.listen;
     let l = TcpListener::bind(addr)
         .await

@@ -30,8 +30,18 @@ pub struct ApiState {
     pub kv: Option<Arc<KvState>>,
     /// The ext_proc door's router (its session bindings go into `/dump`).
     pub router: Option<Arc<kvepp_core::Router>>,
-    /// The configuration in effect and its version (`/debug/config`).
-    pub config: Option<Arc<crate::config::live::Effective>>,
+    /// The configuration in effect and its version as `/debug/config` shows them.
+    pub config: Option<ConfigView>,
+}
+
+/// Reads the configuration in effect: `{"version": n, "config": {…}}`.
+#[derive(Clone)]
+pub struct ConfigView(pub Arc<dyn Fn() -> serde_json::Value + Send + Sync>);
+
+impl std::fmt::Debug for ConfigView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConfigView")
+    }
 }
 
 /// The metrics port's routes; `/debug/*` needs `token` when one is configured.
@@ -53,11 +63,10 @@ pub fn router(state: ApiState, access: &auth::Access) -> Router {
 /// `/debug/config`: `{"version": n, "config": {…}}`, the tree in effect (defaults, file,
 /// environment and flags, with every applied reload); 404 where the process has none.
 async fn effective_config(State(st): State<ApiState>) -> axum::response::Response {
-    let Some(e) = &st.config else {
+    let Some(view) = &st.config else {
         return (StatusCode::NOT_FOUND, "no configuration here\n").into_response();
     };
-    let (version, cfg) = e.get();
-    axum::Json(serde_json::json!({ "version": version, "config": &*cfg })).into_response()
+    axum::Json((view.0)()).into_response()
 }
 
 async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {

@@ -187,6 +187,12 @@ impl Config {
         if let Err(bad) = transfer_from_env(&mut cfg.disaggregation, |k| std::env::var(k).ok()) {
             errs.extend(bad);
         }
+        // OpenTelemetry's variables override the file's `tracing` section.
+        let otel = cfg.tracing.apply_env(|k| std::env::var(k).ok());
+        errs.extend(
+            otel.into_iter()
+                .map(|(field, message)| FieldError { field, message }),
+        );
         if let Err(bad) = cfg.validate() {
             errs.extend(bad);
         }

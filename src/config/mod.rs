@@ -56,6 +56,18 @@ pub enum PickerKind {
     RoundRobin,
 }
 
+impl PickerKind {
+    /// The name the configuration uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PickerKind::KvAware => "kv-aware",
+            PickerKind::ApproximatePrefix => "approximate-prefix",
+            PickerKind::LeastLoaded => "least-loaded",
+            PickerKind::RoundRobin => "round-robin",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -150,6 +162,9 @@ pub struct Config {
     /// `tokenizer_config.json` for the chat template). Models without one use approximate
     /// prefix matching.
     pub tokenizers: std::collections::BTreeMap<String, PathBuf>,
+    /// OpenTelemetry traces over OTLP: one span per routing decision (off unless an endpoint is
+    /// set; the `OTEL_*` variables apply).
+    pub tracing: crate::telemetry::TracingConfig,
     /// `kvepp select-service`: the standalone selection service.
     pub select_service: services::SelectServiceConfig,
     /// `kvepp slot-tracker`: the standalone slot tracker.
@@ -201,6 +216,7 @@ impl Default for Config {
             replica_sync: ReplicaSyncConfig::default(),
             approx_blocks_per_endpoint: KvSettings::default().approx_blocks_per_endpoint,
             tokenizers: Default::default(),
+            tracing: Default::default(),
             select_service: Default::default(),
             slot_tracker: Default::default(),
             worker_agent: Default::default(),
@@ -254,6 +270,7 @@ impl Config {
         self.engine_problems(&mut bad);
         self.routing_problems(&mut bad);
         self.shared_problems(&mut bad);
+        self.tracing.problems(&mut bad);
         // The standalone services' sections too: one file may configure every process.
         self.select_service.problems(&mut bad);
         self.slot_tracker.problems(&mut bad);

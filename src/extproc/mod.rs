@@ -9,6 +9,9 @@
 pub mod metadata;
 pub mod response;
 mod stream;
+pub mod trace;
+
+pub use trace::TraceInfo;
 
 use std::sync::Arc;
 
@@ -52,6 +55,8 @@ pub struct Shared {
     pub flow: Option<Arc<FlowControl>>,
     /// The session header and the affinity counters.
     pub affinity: Arc<crate::request::Affinity>,
+    /// Traces on: each decision gets a span ([`trace`]).
+    pub trace: Option<Arc<TraceInfo>>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
     /// pick.
     no_model: Arc<str>,
@@ -69,6 +74,12 @@ impl Shared {
     /// dispatcher runs elsewhere).
     pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
         self.flow = Some(flow);
+        self
+    }
+
+    /// Each decision gets a trace span, told `info`.
+    pub fn with_tracing(mut self, info: Arc<TraceInfo>) -> Self {
+        self.trace = Some(info);
         self
     }
 
@@ -101,6 +112,7 @@ impl Shared {
             ready: None,
             flow: None,
             affinity: Arc::default(),
+            trace: None,
             no_model: "none".into(),
             no_endpoint: "".into(),
         }

@@ -37,7 +37,7 @@ pub fn destination_value(pick: &Pick, list_form: bool) -> String {
     }
 }
 
-fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
+pub(super) fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_owned(),

@@ -30,6 +30,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
+use super::trace::{RequestTrace, Stage};
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
 use crate::request::{Prepared, Rejection, Rewrite, RouteHints, Verdict};
@@ -124,6 +125,8 @@ pub(super) struct StreamState {
     flow: Option<String>,
     /// The session header's value as a key, when sent and usable.
     session: Option<kvepp_core::affinity::SessionKey>,
+    /// The decision's trace spans, when traces are on (ended once the request is answered).
+    trace: Option<RequestTrace>,
 }
 
 impl StreamState {
@@ -146,6 +149,7 @@ impl StreamState {
             objective: None,
             flow: None,
             session: None,
+            trace: None,
         }
     }
 
@@ -234,6 +238,13 @@ impl StreamState {
             return;
         }
         self.read_headers(&h);
+        if let Some(info) = &self.shared.trace {
+            let mut t = RequestTrace::start(info, h.headers.as_ref());
+            if !h.end_of_stream && self.request_mode != Mode::None {
+                t.body_started();
+            }
+            self.trace = Some(t);
+        }
         if let Mode::Unsupported(m) = self.request_mode {
             let msg = format!("ext_proc request_body_mode {m} is not supported; use BUFFERED or FULL_DUPLEX_STREAMED");
             return self.reject(Rejection::new(500, "unsupported_mode", msg), out);
@@ -315,6 +326,9 @@ impl StreamState {
     /// from the facts it was prepared with.
     pub(super) fn retry(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
         if self.phase == Phase::Queued {
+            if let Some(t) = &mut self.trace {
+                t.dequeued();
+            }
             self.decide_and_answer(admission, out);
         }
     }
@@ -322,6 +336,9 @@ impl StreamState {
     /// Answers a queued request with `r` (it waited too long, or its queue is full).
     pub(super) fn give_up(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
         if self.phase == Phase::Queued {
+            if let Some(t) = &mut self.trace {
+                t.dequeued();
+            }
             self.chunks = Vec::new();
             self.joined = None;
             self.reject(r, out);
@@ -381,15 +398,47 @@ impl StreamState {
             Held::Headers => None,
             _ => Some(body_view(&self.chunks, self.joined.as_deref())),
         };
+        if let Some(t) = &mut self.trace {
+            t.body_done();
+        }
+        let stage = self.trace.as_ref().map(|t| t.stage(Stage::Tokenize));
         let prepared = self.shared.routing.prepare(body, self.objective.as_deref());
+        drop(stage);
         match prepared {
-            Ok(p) => self.prepared = Some(p),
+            Ok(p) => {
+                if let Some(t) = &self.trace {
+                    t.prepared(&p, self.objective.as_deref());
+                }
+                self.prepared = Some(p)
+            }
             Err(r) => return self.reject(r, out),
         }
         match self.admission() {
             Some(admission) => self.decide_and_answer(admission, out),
-            None => self.phase = Phase::Queued,
+            None => self.enqueue(),
         }
+    }
+
+    /// The request waits in flow control's queue.
+    fn enqueue(&mut self) {
+        self.phase = Phase::Queued;
+        if let Some(t) = &mut self.trace {
+            t.queued();
+        }
+    }
+
+    /// The routing headers for `pick`, with the decision's trace context when traced.
+    fn mutation(
+        &self,
+        dest: &str,
+        len: Option<usize>,
+        pick: &Pick,
+    ) -> envoy_types::pb::envoy::service::ext_proc::v3::HeaderMutation {
+        let mut m = resp::routing_mutation(dest, len, pick);
+        if let Some(t) = &self.trace {
+            t.inject(&mut m.set_headers);
+        }
+        m
     }
 
     /// Decides the prepared request with `admission`: answers it, queues it (flow control: no
@@ -400,8 +449,10 @@ impl StreamState {
                 let chunks = std::mem::take(&mut self.chunks);
                 let joined = self.joined.take();
                 self.answer(d, chunks, joined, out);
+                // The decision is sent: its span ends.
+                self.trace = None;
             }
-            Ok(None) if self.shared.flow().is_some() => self.phase = Phase::Queued,
+            Ok(None) if self.shared.flow().is_some() => self.enqueue(),
             // Without flow control nothing waits: the admission was `Shed`, which never waits.
             Ok(None) => self.reject(
                 Rejection::saturated("every eligible endpoint is saturated"),
@@ -428,7 +479,7 @@ impl StreamState {
         match self.held {
             Held::Headers => {
                 out.push(resp::request_headers(
-                    Some(resp::routing_mutation(&dest, None, &d.pick)),
+                    Some(self.mutation(&dest, None, &d.pick)),
                     Some(resp::lb_metadata(&dest, &d.pick)),
                 ));
             }
@@ -443,7 +494,7 @@ impl StreamState {
                     None => (None, None),
                 };
                 out.push(resp::request_body_buffered(
-                    resp::routing_mutation(&dest, len, &d.pick),
+                    self.mutation(&dest, len, &d.pick),
                     new_body,
                     resp::lb_metadata(&dest, &d.pick),
                 ));
@@ -472,7 +523,7 @@ impl StreamState {
                     .is_some()
                     .then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
                 out.push(resp::request_headers(
-                    Some(resp::routing_mutation(&dest, len, &d.pick)),
+                    Some(self.mutation(&dest, len, &d.pick)),
                     Some(resp::lb_metadata(&dest, &d.pick)),
                 ));
                 let n = out_chunks.len();
@@ -493,6 +544,7 @@ impl StreamState {
     /// labels on this stream. `Ok(None)`: no unsaturated endpoint now (the request may wait).
     fn decide(&mut self, admission: Admission) -> Result<Option<Decision>, Rejection> {
         let started = Instant::now();
+        let _stage = self.trace.as_ref().map(|t| t.stage(Stage::Pick));
         let shared = self.shared.clone();
         let Some(prepared) = self.prepared.as_ref() else {
             return Err(Rejection::new(
@@ -523,6 +575,9 @@ impl StreamState {
         };
         let rewrite = prepared.rewrite.clone();
         let pick = routed.pick;
+        if let Some(t) = &self.trace {
+            t.routed(&pick);
+        }
         tracing::debug!(
             model = &*labels.0,
             target = &*labels.1,
@@ -585,6 +640,9 @@ impl StreamState {
 
     fn reject(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
         tracing::info!(status = r.status, reason = r.reason, message = %r.message, "request answered by the EPP");
+        if let Some(t) = self.trace.take() {
+            t.rejected(&r);
+        }
         self.shared
             .metrics
             .rejected

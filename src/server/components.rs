@@ -395,4 +395,33 @@ impl Wiring {
         }));
         flow
     }
+
+    /// The ext_proc door's shared state: the routing service, readiness, the session header and
+    /// affinity counters, flow control and, with `traced`, a span per decision.
+    pub fn ext_proc_door(
+        &mut self,
+        router: &Arc<Router>,
+        routing: Arc<dyn RouteRequest>,
+        flow: &Arc<FlowControl>,
+        traced: bool,
+    ) -> Arc<crate::extproc::Shared> {
+        let affinity = Arc::new(crate::request::Affinity::new(
+            Some(&self.cfg.session_affinity.header),
+            Some(router.clone()),
+        ));
+        self.metrics.add(&*affinity);
+        let settings = extproc_settings(&self.cfg);
+        let mut shared = crate::extproc::Shared::new(routing, self.metrics.clone(), settings)
+            .with_readiness(self.store.ready())
+            .with_affinity(affinity)
+            .with_flow_control(flow.clone());
+        if traced {
+            shared = shared.with_tracing(Arc::new(crate::extproc::TraceInfo {
+                pool: format!("{}/{}", self.cfg.pool_namespace, self.cfg.pool_name).into(),
+                picker: self.cfg.picker.as_str(),
+                router: router.clone(),
+            }));
+        }
+        Arc::new(shared)
+    }
 }

@@ -24,7 +24,7 @@ use crate::api::{self, ApiState};
 use crate::config::Config;
 use crate::discovery::{feed_instances, Datastore, PoolRef};
 use crate::engine::metadata::MetadataStore;
-use crate::extproc::{ExtProcService, Shared};
+use crate::extproc::ExtProcService;
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
 
@@ -155,17 +155,29 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
-    run_with(cfg, listeners, shutdown, None).await
+    run_with(cfg, listeners, shutdown, Hooks::default()).await
 }
 
-/// [`run`], reloading the configuration as `reloading` says ([`reload`]).
+/// What the binary adds to a server: reloading its configuration, and the trace exporter's
+/// counters (traces are on when present).
+#[derive(Debug, Default)]
+pub struct Hooks {
+    pub reloading: Option<Reloading>,
+    pub traces: Option<crate::telemetry::TraceMetrics>,
+}
+
+/// [`run`], reloading the configuration as `hooks.reloading` says ([`reload`]) and tracing
+/// decisions when `hooks.traces` is set.
 pub async fn run_with(
     cfg: Config,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
-    reloading: Option<Reloading>,
+    hooks: Hooks,
 ) -> Result<(), ServerError> {
     let metrics = Metrics::new();
+    if let Some(t) = &hooks.traces {
+        metrics.add(t);
+    }
     let effective = Arc::new(crate::config::live::Effective::new(cfg.clone()));
     // Read before anything starts: a bad certificate or token file stops the start.
     let acceptor = tls::Acceptor::new(&cfg.grpc_tls, metrics.grpc_connections_refused.clone())?;
@@ -173,12 +185,7 @@ pub async fn run_with(
         token: crate::api::auth::ApiToken::load(cfg.api_token_file.as_deref())?,
         refused: metrics.http_unauthorized.clone(),
     };
-    let pool = PoolRef {
-        name: cfg.pool_name.clone(),
-        namespace: cfg.pool_namespace.clone(),
-        service: cfg.endpoint_service().to_owned(),
-        picker_service: cfg.endpoint_picker_service.clone(),
-    };
+    let pool = pool_ref(&cfg);
     let counters = crate::discovery::DiscoveryCounters::default();
     let gauge = counters.ready_endpoints.clone();
     let store = Arc::new(Datastore::new(pool, move |snap| {
@@ -213,19 +220,9 @@ pub async fn run_with(
     let routing: Arc<dyn crate::request::RouteRequest> = request_router.clone();
     let flow = w.flow_control(&router, &routing);
     let cfg = w.cfg.clone();
-    let affinity = Arc::new(crate::request::Affinity::new(
-        Some(&cfg.session_affinity.header),
-        Some(router.clone()),
-    ));
-    metrics.add(&*affinity);
-    let shared = Arc::new(
-        Shared::new(routing, metrics.clone(), components::extproc_settings(&cfg))
-            .with_readiness(store.ready())
-            .with_affinity(affinity)
-            .with_flow_control(flow.clone()),
-    );
+    let shared = w.ext_proc_door(&router, routing, &flow, hooks.traces.is_some());
     let extproc = ExtProcService::new(shared.clone()).into_server();
-    if let Some(how) = reloading {
+    if let Some(how) = hooks.reloading {
         let counters = reload::ReloadMetrics::default();
         metrics.add(&counters);
         let live = Arc::new(reload::Live {
@@ -280,7 +277,7 @@ pub async fn run_with(
             store,
             kv,
             router: Some(router.clone()),
-            config: Some(effective),
+            config: Some(config_view(effective)),
         },
         &access,
         doors,
@@ -288,6 +285,24 @@ pub async fn run_with(
     );
     shutdown.await;
     drain(&cfg, stop_tx, served, tasks).await
+}
+
+/// The InferencePool this process serves, as the tree names it.
+fn pool_ref(cfg: &Config) -> PoolRef {
+    PoolRef {
+        name: cfg.pool_name.clone(),
+        namespace: cfg.pool_namespace.clone(),
+        service: cfg.endpoint_service().to_owned(),
+        picker_service: cfg.endpoint_picker_service.clone(),
+    }
+}
+
+/// `/debug/config`'s view of the configuration in effect.
+fn config_view(effective: Arc<crate::config::live::Effective>) -> api::ConfigView {
+    api::ConfigView(Arc::new(move || {
+        let (version, cfg) = effective.get();
+        serde_json::json!({ "version": version, "config": &*cfg })
+    }))
 }
 
 /// The listeners of the servers `kvepp serve` always runs.

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod kube_api;
+pub mod otlp;
 pub mod publisher;
 pub mod shipped;
 pub mod tls;

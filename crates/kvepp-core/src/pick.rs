@@ -132,6 +132,8 @@ pub struct Pick {
     pub pairing: Option<Pairing>,
     /// How the primary fit the request's adapter (None: no adapter).
     pub adapter: Option<AdapterFit>,
+    /// Candidates the cost ranked (after the subset, role and admission filters).
+    pub candidates: u32,
 }
 
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
@@ -421,6 +423,7 @@ impl Selector {
         });
         ctx.bias.clear();
         Ok(Pick {
+            candidates: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
             primary,
             fallback,
             kv: r.kv,

@@ -188,6 +188,11 @@ impl Router {
         );
     }
 
+    /// The cost model decisions use now (None: a load-only picker).
+    pub fn cost_model(&self) -> Option<crate::cost::CostModel> {
+        self.kv.as_ref().map(|kv| kv.weights().cost_model)
+    }
+
     /// The saturation limits and adapter weights decisions use now.
     pub fn tuning(&self) -> Tuning {
         self.selector.tuning()

@@ -104,6 +104,7 @@ fn echo(
         "transfer_encoding": header("transfer-encoding"),
         "destination": header("x-gateway-destination-endpoint"),
         "scores": header("x-gateway-destination-endpoint-scores"),
+        "traceparent": header("traceparent"),
     });
     (
         [

@@ -61,6 +61,7 @@ impl RouteRequest for Fixed {
                 scores: None,
                 pairing: None,
                 adapter: None,
+                candidates: 1,
             },
             mode: PrefixMode::None,
             booking: self.ep.load.book(),
