@@ -94,7 +94,7 @@ pub struct CacheLabels {
 }
 
 /// Brings a counter that mirrors a count kept elsewhere (which only grows) up to it.
-fn catch_up(counter: &Counter, count: u64) {
+pub(crate) fn catch_up(counter: &Counter, count: u64) {
     counter.inc_by(count.saturating_sub(counter.get()));
 }
 

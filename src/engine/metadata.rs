@@ -92,6 +92,16 @@ pub struct KvEventsInfo {
 }
 
 impl EngineMetadata {
+    /// The KV blocks the engine has room for (`model.runtime_config.total_kv_blocks`).
+    pub fn total_kv_blocks(&self) -> Option<u64> {
+        self.model
+            .as_ref()?
+            .runtime_config
+            .as_ref()?
+            .total_kv_blocks
+            .filter(|&n| n > 0)
+    }
+
     pub fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(body)
     }

@@ -57,6 +57,7 @@ pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
                 let label = |key| super::exposition::label(labels, key);
                 m.block_size = label("block_size").and_then(|v| v.parse().ok());
                 m.num_gpu_blocks = label("num_gpu_blocks").and_then(|v| v.parse().ok());
+                m.num_cpu_blocks = label("num_cpu_blocks").and_then(|v| v.parse().ok());
                 continue;
             }
             _ => continue,
@@ -167,6 +168,10 @@ pub async fn run_scraper(
                 Ok(m) => {
                     if let (Some(kv), Some(bs)) = (&kv, m.block_size) {
                         kv.learn_block_size(bs);
+                    }
+                    if let (Some(kv), Some(gpu)) = (&kv, m.num_gpu_blocks) {
+                        let blocks = gpu.saturating_add(m.num_cpu_blocks.unwrap_or(0));
+                        kv.set_engine_capacity(ep.rank(), blocks);
                     }
                     let tracked = kv.as_ref().and_then(|kv| kv.worker_requests(ep.worker));
                     ep.load.engine_update_known(m, Instant::now(), tracked);

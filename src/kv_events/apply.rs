@@ -160,6 +160,8 @@ pub struct KvEventMetrics {
     pub without_replay: Counter,
     pub blocks_stored: Counter,
     pub blocks_removed: Counter,
+    /// Pairs the index dropped, oldest first, to keep a rank within its engine's capacity.
+    pub index_evicted: Counter,
     pub dropped: Family<ReasonLabels, Counter>,
     pub index_blocks: Gauge,
     pub index_pairs: Gauge,
@@ -200,6 +202,11 @@ impl Register for KvEventMetrics {
                 "kv_event_blocks_removed",
                 "Blocks removed by KV events",
                 &self.blocks_removed,
+            ),
+            (
+                "kv_index_evicted_blocks",
+                "(block, worker rank) pairs dropped, oldest first, because the rank held more than its engine's reported KV capacity plus the margin (a publisher that missed removals)",
+                &self.index_evicted,
             ),
         ] {
             registry.register(name, help, metric.clone());
@@ -305,6 +312,7 @@ pub async fn run_manager(
                 metrics.index_blocks.set(index.block_count() as i64);
                 metrics.index_pairs.set(index.pair_count() as i64);
                 metrics.index_memory_bytes.set(index.memory_bytes() as i64);
+                crate::metrics::catch_up(&metrics.index_evicted, index.stats().evicted);
             }
             tokio::select! {
                 r = pool.changed() => if r.is_err() { return } else { break },

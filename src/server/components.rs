@@ -272,6 +272,12 @@ impl Wiring {
                         if let Some(name) = doc.model_name() {
                             kv.learn_base_model(name);
                         }
+                        if let Some(blocks) = doc.total_kv_blocks() {
+                            let snap = facts_store.snapshot();
+                            for e in snap.endpoints.iter().filter(|e| e.addr == addr) {
+                                kv.set_engine_capacity(e.rank(), blocks);
+                            }
+                        }
                     },
                     self.engines.metadata_missing.clone(),
                     self.stop.clone(),

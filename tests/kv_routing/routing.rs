@@ -409,3 +409,35 @@ async fn lost_batches_and_publisher_restarts_leave_no_stale_entries() {
     p.quit().await;
     epp.stop().await;
 }
+
+/// A publisher that only stores (it never sends a removal) cannot grow kvepp's index past what
+/// its engine reports it has room for: `num_gpu_blocks` (+ `num_cpu_blocks`) of
+/// `vllm:cache_config_info`, plus the stated margin; the oldest blocks go, counted.
+#[tokio::test]
+async fn a_publisher_that_only_stores_stays_within_its_engines_capacity() {
+    let (a, _b, epp) = two_engines(|_| {}).await;
+    *a.state.metrics.lock().unwrap() = "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n\
+         vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0\n\
+         vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.1\n\
+         vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"30\",num_cpu_blocks=\"10\"} 1.0\n"
+        .to_owned();
+    // 60 prompts of 8 blocks: 480 blocks stored, none removed.
+    for seed in 0..60 {
+        let batch = stored_batch("a", BLOCK, &tokens(1000 + seed, 8 * BLOCK));
+        a.state.events.send(batch).unwrap();
+    }
+    let bound = kvepp_core::kv::capacity_limit(40);
+    assert_eq!(bound, 40 + 10 + 64, "the stated margin");
+    let stored = "kvepp_kv_event_blocks_stored_total";
+    wait_for("every block applied", || async {
+        (epp.metric(stored).await? >= 480.0).then_some(())
+    })
+    .await;
+    let evicted = wait_for("oldest blocks dropped", || async {
+        let n = epp.metric("kvepp_kv_index_evicted_blocks_total").await?;
+        let pairs = epp.metric("kvepp_kv_index_pairs").await?;
+        (pairs <= bound as f64 && n >= (480 - bound) as f64).then_some(n)
+    })
+    .await;
+    assert_eq!(evicted, (480 - bound) as f64);
+}

@@ -17,6 +17,8 @@ pub struct EngineMetrics {
     pub kv_cache_usage: f64,
     pub block_size: Option<u32>,
     pub num_gpu_blocks: Option<u64>,
+    /// The CPU tier's blocks, when the engine has one (`num_cpu_blocks`).
+    pub num_cpu_blocks: Option<u64>,
 }
 
 #[derive(Debug, Default)]

@@ -14,8 +14,10 @@
 //! - a (block, rank) pair exists iff one of its tier reference counts is non-zero; duplicate stores
 //!   add references, removals take them away, `AllBlocksCleared` drops the rank's pairs;
 //! - a spilled holder list has at least two holders, never the same rank twice;
-//! - `blocks` of a rank is its number of pairs, and never exceeds `max_blocks_per_rank` (stores
-//!   beyond it are refused and counted): memory is bounded by ranks × that limit;
+//! - `blocks` of a rank is its number of pairs, and never exceeds the rank's limit (at most
+//!   `max_blocks_per_rank`; [`PrefixIndex::set_rank_limit`] lowers it to what the engine reports):
+//!   a store beyond it first drops the rank's oldest pair, counted ([`bound`]), so a publisher that
+//!   never removes cannot grow memory past ranks × the limit;
 //! - [`PrefixIndex::find_matches`] reports, per rank, the number of leading request blocks held on
 //!   the device, on device or host, and anywhere (so device ≤ host ≤ disk), and only ranks with at
 //!   least one leading block.
@@ -33,6 +35,7 @@
 //!
 //! Clearing a rank scans the table (rare: engine restarts and departures).
 
+mod bound;
 mod holders;
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
@@ -117,8 +120,10 @@ pub struct IndexStats {
     pub unknown_removals: u64,
     /// Store events refused because their parent was unknown.
     pub unknown_parents: u64,
-    /// Blocks refused because their rank was full.
+    /// Blocks refused because their rank was full (nothing of it could be dropped).
     pub over_capacity: u64,
+    /// Pairs dropped, oldest first, to keep a rank within its limit.
+    pub evicted: u64,
 }
 
 // ------------------------------------------------------------------------------------------ hasher
@@ -143,6 +148,11 @@ struct RankSlot {
     blocks: u64,
     /// Engine hash → our hash, for the rank's blocks whose engine hash differs from ours.
     engine: Map<EngineBlockHash, SequenceHash>,
+    /// Pairs this rank may hold ([`bound`]).
+    limit: u64,
+    /// The rank's pairs in the order they were stored, oldest first (entries of pairs removed
+    /// since are skipped, and compacted away).
+    order: std::collections::VecDeque<(SequenceHash, EngineBlockHash)>,
 }
 
 /// A slot's rank, flat (16 bytes); `live` false for a free slot.
@@ -299,10 +309,16 @@ impl PrefixIndex {
         for d in dumps {
             let s = self.slot_or_insert(d.rank)?;
             self.clear_rank(d.rank);
+            let engine_of: HashMap<SequenceHash, EngineBlockHash> =
+                d.engine.iter().map(|&(e, seq)| (seq, e)).collect();
             for &(seq, refs) in &d.blocks {
                 for tier in Tier::ALL {
                     for _ in 0..refs[tier.idx()] {
-                        self.add(s, seq, tier)?;
+                        self.make_room(s, seq);
+                        if self.add(s, seq, tier)? {
+                            let e = engine_of.get(&seq).copied();
+                            self.note_new(s, seq, e.unwrap_or(EngineBlockHash(seq.0)));
+                        }
                     }
                 }
                 if refs != [0; 3] {
@@ -342,7 +358,7 @@ impl PrefixIndex {
                     table(
                         r.engine.capacity(),
                         size_of::<(EngineBlockHash, SequenceHash)>(),
-                    )
+                    ) + r.order.capacity() * size_of::<(SequenceHash, EngineBlockHash)>()
                 })
                 .sum::<usize>()
             + table(self.rank_ids.capacity(), size_of::<(WorkerRank, u16)>())
@@ -394,6 +410,8 @@ impl PrefixIndex {
             id: rank,
             blocks: 0,
             engine: HashMap::with_hasher(self.build),
+            limit: self.max_blocks_per_rank,
+            order: Default::default(),
         });
         self.rank_ids.insert(rank, s);
         self.slot_ids[usize::from(s)] = SlotId::live(rank);
@@ -449,9 +467,14 @@ impl PrefixIndex {
         for (engine, local) in blocks {
             let seq = SequenceHash::chain(prev, local);
             prev = Some(seq);
-            if let Err(e) = self.add(s, seq, tier) {
-                self.stats.over_capacity += 1;
-                return Err(e);
+            self.make_room(s, seq);
+            match self.add(s, seq, tier) {
+                Err(e) => {
+                    self.stats.over_capacity += 1;
+                    return Err(e);
+                }
+                Ok(true) => self.note_new(s, seq, engine),
+                Ok(false) => {}
             }
             if engine.0 != seq.0 {
                 Self::slot_mut(&mut self.ranks, s)
@@ -464,9 +487,10 @@ impl PrefixIndex {
         Ok(n)
     }
 
-    fn add(&mut self, s: u16, seq: SequenceHash, tier: Tier) -> Result<(), IndexError> {
-        let limit = self.max_blocks_per_rank;
+    /// Adds a reference of `tier` to the pair; Ok(true) when the pair is new.
+    fn add(&mut self, s: u16, seq: SequenceHash, tier: Tier) -> Result<bool, IndexError> {
         let slot = Self::slot_mut(&mut self.ranks, s);
+        let limit = slot.limit;
         let full = slot.blocks >= limit;
         let refused = IndexError::RankFull {
             rank: slot.id,
@@ -486,7 +510,7 @@ impl PrefixIndex {
                 Holders::One(mut h) if h.rank == s => {
                     h.refs[t] = h.refs[t].saturating_add(1);
                     *word = Holders::One(h).pack();
-                    return Ok(());
+                    return Ok(false);
                 }
                 Holders::One(h) => {
                     if full {
@@ -513,7 +537,7 @@ impl PrefixIndex {
                     if let Some(h) = list.iter_mut().find(|h| h.rank == s) {
                         h.refs[t] = h.refs[t].saturating_add(1);
                         self.spill_fp[i as usize] = fingerprint(list);
-                        return Ok(());
+                        return Ok(false);
                     }
                     if full {
                         return Err(refused);
@@ -524,7 +548,7 @@ impl PrefixIndex {
             }
         }
         slot.blocks += 1;
-        Ok(())
+        Ok(true)
     }
 
     fn release(&mut self, s: u16, seq: SequenceHash, t: usize) -> Removal {
@@ -618,6 +642,7 @@ impl PrefixIndex {
         let slot = Self::slot_mut(&mut self.ranks, s);
         slot.blocks = 0;
         slot.engine = HashMap::with_hasher(self.build);
+        slot.order = Default::default();
     }
 
     /// Forgets every rank of `worker` and its blocks.

@@ -2,7 +2,7 @@
 //! [`super::PrefixIndex`] must compute; the differential test below drives both with the same random
 //! event streams and compares every answer.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::{EngineBlockHash, IndexError, RankOverlap, Tier};
 use crate::hash::{LocalBlockHash, SequenceHash};
@@ -12,6 +12,34 @@ use crate::types::{Overlap, WorkerRank};
 struct RefRank {
     blocks: HashMap<SequenceHash, [u32; 3]>,
     engine: HashMap<EngineBlockHash, SequenceHash>,
+    /// The bound's policy, as `super::bound` states it: new pairs in store order, the oldest
+    /// held one dropped when a store would pass the limit, compacted past twice the pairs.
+    order: VecDeque<(SequenceHash, EngineBlockHash)>,
+    limit: Option<u64>,
+}
+
+impl RefRank {
+    fn evict_oldest(&mut self) -> bool {
+        while let Some((seq, engine)) = self.order.pop_front() {
+            if self.blocks.remove(&seq).is_some() {
+                if self.engine.get(&engine) == Some(&seq) {
+                    self.engine.remove(&engine);
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    fn note_new(&mut self, seq: SequenceHash, engine: EngineBlockHash) {
+        self.order.push_back((seq, engine));
+        if self.order.len() > self.blocks.len() * 2 + super::bound::SLACK {
+            let mut seen = HashSet::new();
+            let blocks = &self.blocks;
+            self.order
+                .retain(|(seq, _)| blocks.contains_key(seq) && seen.insert(*seq));
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -26,6 +54,18 @@ impl ReferenceIndex {
             ranks: HashMap::new(),
             max_blocks_per_rank,
         }
+    }
+
+    /// See `PrefixIndex::set_rank_limit`.
+    pub fn set_rank_limit(&mut self, rank: WorkerRank, limit: u64) -> u64 {
+        let limit = limit.clamp(1, self.max_blocks_per_rank);
+        let r = self.ranks.entry(rank).or_default();
+        r.limit = Some(limit);
+        let mut dropped = 0;
+        while r.blocks.len() as u64 > limit && r.evict_oldest() {
+            dropped += 1;
+        }
+        dropped
     }
 
     pub fn rank_blocks(&self, rank: WorkerRank) -> u64 {
@@ -43,8 +83,8 @@ impl ReferenceIndex {
         parent: Option<EngineBlockHash>,
         blocks: impl IntoIterator<Item = (EngineBlockHash, LocalBlockHash)>,
     ) -> Result<usize, IndexError> {
-        let limit = self.max_blocks_per_rank;
         let r = self.ranks.entry(rank).or_default();
+        let limit = r.limit.unwrap_or(self.max_blocks_per_rank);
         let mut prev = match parent {
             None => None,
             Some(p) => {
@@ -59,11 +99,18 @@ impl ReferenceIndex {
         for (engine, local) in blocks {
             let seq = SequenceHash::chain(prev, local);
             prev = Some(seq);
-            if !r.blocks.contains_key(&seq) && r.blocks.len() as u64 >= limit {
+            let new = !r.blocks.contains_key(&seq);
+            if new && r.blocks.len() as u64 >= limit {
+                r.evict_oldest();
+            }
+            if new && r.blocks.len() as u64 >= limit {
                 return Err(IndexError::RankFull { rank, limit });
             }
             let refs = r.blocks.entry(seq).or_default();
             refs[tier as usize] += 1;
+            if new {
+                r.note_new(seq, engine);
+            }
             if engine.0 != seq.0 {
                 r.engine.insert(engine, seq);
             }
@@ -102,7 +149,10 @@ impl ReferenceIndex {
 
     pub fn clear_rank(&mut self, rank: WorkerRank) {
         if let Some(r) = self.ranks.get_mut(&rank) {
-            *r = RefRank::default();
+            *r = RefRank {
+                limit: r.limit,
+                ..RefRank::default()
+            };
         }
     }
 

@@ -124,7 +124,7 @@ fn refcounts_engine_hashes_and_clear() {
 }
 
 #[test]
-fn capacity_is_enforced_per_rank() {
+fn a_full_rank_drops_its_oldest_pairs() {
     let mut ix = PrefixIndex::new(3);
     let r = wr(1, 0);
     let locals = [1, 2, 3, 4, 5];
@@ -137,12 +137,47 @@ fn capacity_is_enforced_per_rank() {
             .zip(locals)
             .map(|(s, l)| (EngineBlockHash(s.0), LocalBlockHash(l))),
     );
-    assert_eq!(res, Err(IndexError::RankFull { rank: r, limit: 3 }));
+    assert_eq!(res, Ok(5));
     assert_eq!(ix.rank_blocks(r), 3);
-    assert_eq!(ix.stats().over_capacity, 1);
+    assert_eq!(ix.stats().evicted, 2);
+    let mut newest = s[2..].to_vec();
+    newest.sort_unstable_by_key(|h| h.0);
+    assert_eq!(ix.rank_sequences(r), newest, "the two oldest went");
     // Other ranks are not affected.
     assert_eq!(store_chain(&mut ix, wr(2, 0), Tier::Device, &[1, 2, 3]), 3);
     assert!(ix.memory_bytes() > 0);
+}
+
+/// A publisher that only stores (no removals ever) under a limit set from the engine's
+/// capacity: the rank's pairs, its engine-hash map and its order list all stay bounded.
+#[test]
+fn a_publisher_that_never_removes_stays_within_the_engines_capacity() {
+    let mut ix = PrefixIndex::new(u64::MAX);
+    let r = wr(7, 0);
+    assert_eq!(ix.set_rank_limit(r, 100), Ok(0));
+    for chain in 0..2_000u64 {
+        let locals: Vec<u64> = (0..8).map(|i| chain * 1000 + i).collect();
+        let s = seqs(&locals);
+        // Engine hashes unlike ours, as vLLM's are.
+        let blocks = s
+            .iter()
+            .zip(&locals)
+            .map(|(s, &l)| (EngineBlockHash(s.0 ^ 0xABCD), LocalBlockHash(l)));
+        assert_eq!(ix.store(r, Tier::Device, None, blocks), Ok(8));
+        assert!(ix.rank_blocks(r) <= 100);
+    }
+    assert_eq!(ix.rank_blocks(r), 100);
+    assert_eq!(ix.stats().evicted, 16_000 - 100);
+    let slot = ix.slot(ix.slot_of(r).unwrap());
+    assert_eq!(
+        slot.engine.len(),
+        100,
+        "engine hashes of dropped pairs forgotten"
+    );
+    assert!(slot.order.len() <= 2 * 100 + super::bound::SLACK);
+    // The newest chain is whole; a lower limit drops down to it at once.
+    assert_eq!(ix.set_rank_limit(r, 10), Ok(90));
+    assert_eq!(ix.rank_blocks(r), 10);
 }
 
 #[test]
@@ -246,6 +281,14 @@ fn differential(seed: u64, limit: u64, ops: usize) {
                 let w = g.rng.u64(1..4);
                 fast.remove_worker(w);
                 reference.remove_worker(w);
+            }
+            78..=79 if limit != u64::MAX => {
+                // The engine reports its capacity: the rank's own limit, oldest pairs dropped.
+                let rank = g.rank();
+                let l = g.rng.u64(1..=limit);
+                let a = fast.set_rank_limit(rank, l);
+                let b = reference.set_rank_limit(rank, l);
+                assert_eq!(a, Ok(b), "{ctx}: set_rank_limit");
             }
             _ => {
                 let q = seqs(&g.path(9));
