@@ -252,7 +252,7 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
 vllm:num_requests_running{engine="0",model_name="m"} 7.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
-vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="24064",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="24064",num_cpu_blocks="512",prefix_caching_hash_algo="sha256"} 1.0
 vllm:other_total 99
 "#;
 
@@ -267,6 +267,7 @@ vllm:other_total 99
                 kv_cache_usage: 0.42,
                 block_size: Some(16),
                 num_gpu_blocks: Some(24064),
+                num_cpu_blocks: Some(512),
             }
         );
         // Older name, no labels at all.
