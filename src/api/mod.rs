@@ -32,6 +32,8 @@ pub struct ApiState {
     pub router: Option<Arc<kvepp_core::Router>>,
     /// The configuration in effect and its version as `/debug/config` shows them.
     pub config: Option<ConfigView>,
+    /// True once kvepp is shutting down: `/ready` answers 503.
+    pub draining: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// Reads the configuration in effect: `{"version": n, "config": {…}}`.
@@ -106,6 +108,12 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
 }
 
 async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
+    if st.draining.as_ref().is_some_and(|d| *d.borrow()) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: shutting down\n".to_string(),
+        );
+    }
     if *st.store.ready().borrow() {
         (StatusCode::OK, "ready\n".to_string())
     } else {

@@ -92,6 +92,8 @@ pub struct ServeArgs {
     pub max_body_bytes: Option<usize>,
     #[arg(long, env = "KVEPP_SHUTDOWN_GRACE_SECONDS")]
     pub shutdown_grace_seconds: Option<u64>,
+    #[arg(long, env = "KVEPP_SHUTDOWN_DELAY_MS")]
+    pub shutdown_delay_ms: Option<u64>,
     #[arg(long, env = "KVEPP_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
     #[arg(long, env = "KVEPP_LOG_LEVEL")]
@@ -152,6 +154,7 @@ impl Config {
             max_in_flight_per_endpoint,
             max_body_bytes,
             shutdown_grace_seconds,
+            shutdown_delay_ms,
             log_format,
             log_level,
             picker

@@ -121,8 +121,12 @@ pub struct Config {
     pub max_in_flight_per_endpoint: u32,
     /// Largest request body kvepp accepts (413 above it).
     pub max_body_bytes: usize,
-    /// Grace period for open streams on SIGTERM, in seconds.
+    /// Grace period for open streams on SIGTERM, in seconds (after `shutdown_delay_ms`).
     pub shutdown_grace_seconds: u64,
+    /// On SIGTERM, how long kvepp reports not ready while still taking new streams, before it
+    /// closes its listeners (HTTP/2 GOAWAY): the time the proxy's health checks need to stop
+    /// sending it streams (Envoy's `interval` + `timeout` of the ext_proc cluster's check).
+    pub shutdown_delay_ms: u64,
     /// How long an ext_proc stream waits for the pool to be loaded after a start before it is
     /// answered 503, in milliseconds (0: answer at once).
     pub startup_wait_ms: u64,
@@ -200,6 +204,7 @@ impl Default for Config {
             max_in_flight_per_endpoint: 128,
             max_body_bytes: 8 << 20,
             shutdown_grace_seconds: 25,
+            shutdown_delay_ms: 3_000,
             startup_wait_ms: 5_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),

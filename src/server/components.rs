@@ -40,6 +40,8 @@ pub(super) struct Wiring {
     pub engines: crate::engine::EngineCounters,
     /// The engine scraper's settings (a reload sends new ones).
     pub scrape: watch::Sender<ScrapeSettings>,
+    /// True from SIGTERM on: not ready, still serving until the listeners close.
+    pub draining: watch::Sender<bool>,
 }
 
 /// When an endpoint counts as saturated, from the tree (at start and on a reload).
@@ -109,6 +111,7 @@ impl Wiring {
         metrics.add(&engines);
         Wiring {
             scrape: watch::channel(scrape_settings(&cfg)).0,
+            draining: watch::channel(false).0,
             cfg,
             metrics,
             store,
@@ -164,7 +167,7 @@ impl Wiring {
     }
 
     /// The gRPC health reporter: `liveness` at once, `readiness` (and the ext_proc service) while
-    /// the pool is loaded and no stop was asked.
+    /// the pool is loaded and kvepp is not draining (from SIGTERM on).
     pub async fn health(
         &mut self,
     ) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>
@@ -176,10 +179,10 @@ impl Wiring {
         {
             let reporter = reporter.clone();
             let mut ready = self.store.ready();
-            let mut stop = self.stop.clone();
+            let mut draining = self.draining.subscribe();
             self.tasks.push(tokio::spawn(async move {
                 loop {
-                    let status = if *ready.borrow_and_update() && !*stop.borrow() {
+                    let status = if *ready.borrow_and_update() && !*draining.borrow() {
                         ServingStatus::Serving
                     } else {
                         ServingStatus::NotServing
@@ -189,7 +192,7 @@ impl Wiring {
                     }
                     tokio::select! {
                         r = ready.changed() => if r.is_err() { return },
-                        _ = stop.changed() => {}
+                        r = draining.changed() => if r.is_err() { return },
                     }
                 }
             }));

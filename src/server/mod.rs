@@ -263,6 +263,7 @@ pub async fn run_with(
         None => Vec::new(),
     };
     let tasks = std::mem::take(&mut w.tasks);
+    let draining = w.draining.clone();
     let servers = Servers {
         grpc: listeners.grpc,
         health: listeners.health,
@@ -278,13 +279,14 @@ pub async fn run_with(
             kv,
             router: Some(router.clone()),
             config: Some(config_view(effective)),
+            draining: Some(draining.subscribe()),
         },
         &access,
         doors,
         &stop_rx,
     );
     shutdown.await;
-    drain(&cfg, stop_tx, served, tasks).await
+    drain(&cfg, (draining, stop_tx), served, tasks).await
 }
 
 /// The InferencePool this process serves, as the tree names it.
@@ -342,10 +344,13 @@ fn serve<H: tonic_health::pb::health_server::Health>(
     let window = (cfg.max_body_bytes as u32).clamp(GRPC_WINDOW.0, GRPC_WINDOW.1);
     tracing::info!(tls = ?cfg.grpc_tls.mode, plaintext = cfg.grpc_tls.accept_plaintext,
         mutual = cfg.grpc_tls.client_ca_file.is_some(), "ext_proc transport");
+    // The ext_proc port answers gRPC health checks too: the proxy's cluster checks the port it
+    // sends streams to.
     let grpc = tonic::transport::Server::builder()
         .initial_stream_window_size(window)
         .initial_connection_window_size(window.saturating_mul(4))
         .add_service(extproc)
+        .add_service(health_service.clone())
         .serve_with_incoming_shutdown(acceptor.incoming(servers.grpc), stopped(stop.clone()));
     let health = tonic::transport::Server::builder()
         .add_service(health_service)
@@ -366,18 +371,26 @@ fn serve<H: tonic_health::pb::health_server::Health>(
     }
 }
 
-/// Stops: not ready, no new connections, open streams finish within the grace period; then the
-/// background tasks are aborted.
+/// Stops: not ready at once while still serving for `shutdown_delay_ms` (the proxy's health
+/// checks move new streams to other replicas), then no new connections (HTTP/2 GOAWAY on open
+/// ones), open streams finish within the grace period; then the background tasks are aborted.
 async fn drain(
     cfg: &Config,
-    stop_tx: watch::Sender<bool>,
+    (draining, stop_tx): (watch::Sender<bool>, watch::Sender<bool>),
     running: Running,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 ) -> Result<(), ServerError> {
+    let delay = Duration::from_millis(cfg.shutdown_delay_ms);
     tracing::info!(
+        delay_ms = cfg.shutdown_delay_ms,
         grace_seconds = cfg.shutdown_grace_seconds,
-        "shutting down: not ready, no new connections, finishing open streams"
+        "shutting down: not ready now; listeners close after the delay, then open streams finish"
     );
+    let _ = draining.send(true);
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    tracing::info!("closing the listeners (GOAWAY to open connections)");
     let _ = stop_tx.send(true);
     let grace = Duration::from_secs(cfg.shutdown_grace_seconds);
     let drained = tokio::time::timeout(grace, async {

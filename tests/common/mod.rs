@@ -168,6 +168,8 @@ impl Epp {
             manifests_dir: Some(dir.path().to_owned()),
             manifests_poll_ms: 20,
             shutdown_grace_seconds: 2,
+            // In-process: nothing health-checks it, so stopping need not wait.
+            shutdown_delay_ms: 0,
             ..Config::default()
         };
         tweak(&mut cfg);

@@ -190,6 +190,7 @@ impl Kvepp {
             manifests_dir: Some(manifests.to_owned()),
             manifests_poll_ms: 100,
             shutdown_grace_seconds: 1,
+            shutdown_delay_ms: 0,
             log_level: "warn".into(),
             picker: policy.picker(),
             block_size: Some(block_size),
