@@ -7,16 +7,20 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "common/otlp.rs"]
+mod otlp;
+#[path = "common/tls.rs"]
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 
-use common::tls::*;
 use common::*;
 use kvepp_test_support::client::fetch;
 use kvepp_test_support::{find_sample, TempDir};
+use tls::*;
 use tokio::process::Command;
 use tokio::sync::watch;
 use tonic::transport::{Certificate, ClientTlsConfig};
@@ -385,7 +389,7 @@ fn hex(bytes: &[u8]) -> String {
 
 #[tokio::test]
 async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
-    let collector = common::otlp::Collector::start().await;
+    let collector = otlp::Collector::start().await;
     let backends = echo_backends(&["a", "b"]).await;
     let dir = TempDir::new("traces");
     let manifests = manifests_dir(dir.path(), &backends);

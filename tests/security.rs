@@ -5,12 +5,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "common/tls.rs"]
+mod tls;
 
 use std::net::SocketAddr;
 
-use common::tls::*;
 use common::*;
 use kvepp::config::TlsMode;
+use tls::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 fn manifests(backend: SocketAddr) -> String {

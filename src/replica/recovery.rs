@@ -1,6 +1,7 @@
 //! Index recovery: `GET /dump` answers a snapshot of the KV-event index per (model, tenant) from
 //! which a peer rebuilds an equal index; on start, the `--indexer-peers` are asked in turn and the
-//! first good dump is applied before the service answers.
+//! first good dump of a ready peer (`/ready` answered 200 within two seconds) is applied before the
+//! service answers.
 //!
 //! Format (`kvepp-index-dump/1`): `{"format", "scopes": [{"model_name", "tenant_id",
 //! "block_size", "ranks": [{"worker_id", "dp_rank", "blocks": [[sequence_hash, device, host,
@@ -26,6 +27,11 @@ pub const FORMAT: &str = "kvepp-index-dump/1";
 pub const MAX_DUMP_BYTES: usize = 256 << 20;
 
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a peer has to answer `/ready` before the dump is asked for: a peer that is itself
+/// starting (its HTTP port bound, not yet served) or not ready is skipped at once instead of
+/// holding this start for [`FETCH_TIMEOUT`].
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DumpDoc {
@@ -163,6 +169,9 @@ pub async fn fetch(url: &str) -> Result<DumpDoc, RecoveryError> {
         .map_err(|e| err(e.to_string()))?
         .next()
         .ok_or_else(|| err("no address".into()))?;
+    crate::engine::get(addr, &format!("{base}/ready"), READY_TIMEOUT, 4096)
+        .await
+        .map_err(|e| err(format!("not ready: {e}")))?;
     let body = crate::engine::get(addr, &format!("{base}/dump"), FETCH_TIMEOUT, MAX_DUMP_BYTES)
         .await
         .map_err(|e| err(e.to_string()))?;

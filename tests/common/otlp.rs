@@ -1,6 +1,7 @@
 //! A wire-level OTLP trace receiver (the OpenTelemetry Collector cannot be installed here): the
 //! real gRPC service from the `opentelemetry-proto` definitions on 127.0.0.1, keeping every span
 //! it is sent with its resource's `service.name`.
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

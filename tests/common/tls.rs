@@ -1,5 +1,6 @@
 //! TLS helpers shared by the tests: a throwaway PKI written as PEM files, and one ext_proc
 //! exchange over plaintext or TLS (Ok when kvepp answered).
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -14,7 +15,7 @@ use rcgen::{
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
-use super::DEADLINE;
+use crate::common::DEADLINE;
 
 /// One ext_proc exchange (request headers with end of stream) over `channel`: Ok when kvepp
 /// answered, Err with the reason otherwise.

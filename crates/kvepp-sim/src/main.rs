@@ -33,6 +33,9 @@ enum Command {
     /// Picks on one replica with 0 and 3 replica-sync peers publishing, and the event rate one
     /// replica absorbs while serving picks.
     BenchReplica(kvepp_sim::replica_bench::ReplicaBenchArgs),
+    /// A rolling upgrade of two `kvepp serve` processes behind Envoy under steady load: failed
+    /// requests, the longest stall, and the prefix hit ratio before and after.
+    BenchRollout(kvepp_sim::rollout::RolloutArgs),
     /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
     EchoBackend {
         #[arg(long)]
@@ -92,6 +95,10 @@ async fn main() -> anyhow::Result<()> {
         Command::BenchAdapters(args) => {
             init_logging();
             kvepp_sim::bench::affinity::run(args).await?;
+        }
+        Command::BenchRollout(args) => {
+            init_logging();
+            kvepp_sim::rollout::run(args).await?;
         }
         Command::BenchRouting(args) => {
             init_logging();

@@ -399,24 +399,32 @@ async fn wait_ready(spec: &BenchSpec, policy: Policy, kvepps: &[Kvepp]) -> Resul
 /// Envoy's bootstrap with every replica as an endpoint of the `kvepp` cluster.
 fn envoy_bootstrap(kvepps: &[Kvepp]) -> Result<serde_yaml::Value, BenchError> {
     let mut bootstrap = EnvoyProcess::bootstrap()?;
-    if let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence_mut() {
-        for c in clusters.iter_mut().filter(|c| c["name"] == "kvepp") {
-            if let Some(eps) =
-                c["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence_mut()
-            {
-                let first = eps.first().cloned();
-                for k in kvepps.iter().skip(1) {
-                    if let Some(mut e) = first.clone() {
-                        let sa = &mut e["endpoint"]["address"]["socket_address"];
-                        sa["address"] = k.0.grpc.ip().to_string().into();
-                        sa["port_value"] = k.0.grpc.port().into();
-                        eps.push(e);
-                    }
-                }
-            }
+    let more: Vec<std::net::SocketAddr> = kvepps.iter().skip(1).map(|k| k.0.grpc).collect();
+    add_ext_proc_endpoints(&mut bootstrap, &more);
+    Ok(bootstrap)
+}
+
+/// Adds `more` endpoints to the `kvepp` cluster of `bootstrap`, each like its first one.
+pub fn add_ext_proc_endpoints(bootstrap: &mut serde_yaml::Value, more: &[std::net::SocketAddr]) {
+    let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence_mut() else {
+        return;
+    };
+    for c in clusters.iter_mut().filter(|c| c["name"] == "kvepp") {
+        let Some(eps) = c["load_assignment"]["endpoints"][0]["lb_endpoints"].as_sequence_mut()
+        else {
+            continue;
+        };
+        let Some(first) = eps.first().cloned() else {
+            continue;
+        };
+        for addr in more {
+            let mut e = first.clone();
+            let sa = &mut e["endpoint"]["address"]["socket_address"];
+            sa["address"] = addr.ip().to_string().into();
+            sa["port_value"] = addr.port().into();
+            eps.push(e);
         }
     }
-    Ok(bootstrap)
 }
 
 /// Spawns one driver task per request: at its time (or after its previous turn's response), to
