@@ -201,7 +201,6 @@ impl Replica {
             matches!(fetch(addr, "/ready").await, Ok((200, _))).then_some(Ok(()))
         })
         .await;
-        drop(child);
         match ready {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) | Err(e) => Err(self.fail(e)),
