@@ -549,3 +549,31 @@ async fn a_dead_collector_leaves_routing_untouched() {
     // 200 decisions × 4 spans against a queue of 8: the rest were dropped, never waited for.
     assert!(dropped("queue_full").await > 0.0);
 }
+
+#[tokio::test]
+async fn spans_go_over_otlp_http_too() {
+    let collector = otlp::Collector::start_http().await;
+    let backends = echo_backends(&["a"]).await;
+    let dir = TempDir::new("traces-http");
+    let manifests = manifests_dir(dir.path(), &backends);
+    let env = [
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{}", collector.addr),
+        ),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_owned()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "50".to_owned()),
+    ];
+    let log_path = dir.path().join("kvepp.log");
+    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
+    ready(admin).await;
+    let envoy = Envoy::start(bootstrap(), ext_proc).await;
+    assert_eq!(probe(envoy.addr, "m", "over http").await.0, 200);
+    let route = wait_for("kvepp.route span over OTLP/HTTP", || {
+        let spans = collector.spans();
+        async move { spans.into_iter().find(|s| s.span.name == "kvepp.route") }
+    })
+    .await;
+    assert_eq!(route.service, "kvepp");
+    assert_eq!(route.attr("kvepp.outcome").as_deref(), Some("routed"));
+}

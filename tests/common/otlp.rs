@@ -1,6 +1,7 @@
 //! A wire-level OTLP trace receiver (the OpenTelemetry Collector cannot be installed here): the
-//! real gRPC service from the `opentelemetry-proto` definitions on 127.0.0.1, keeping every span
-//! it is sent with its resource's `service.name`.
+//! real gRPC service from the `opentelemetry-proto` definitions on 127.0.0.1, or OTLP/HTTP
+//! (`POST /v1/traces`, a protobuf `ExportTraceServiceRequest`), keeping every span it is sent with
+//! its resource's `service.name`.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -44,14 +45,10 @@ fn attr(attrs: &[KeyValue], key: &str) -> Option<String> {
 #[derive(Debug, Clone, Default)]
 struct Sink(Arc<Mutex<Vec<Received>>>);
 
-#[tonic::async_trait]
-impl TraceService for Sink {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+impl Sink {
+    fn keep(&self, request: ExportTraceServiceRequest) {
         let mut out = self.0.lock().expect("sink");
-        for rs in request.into_inner().resource_spans {
+        for rs in request.resource_spans {
             let service = rs
                 .resource
                 .as_ref()
@@ -66,6 +63,16 @@ impl TraceService for Sink {
                 }
             }
         }
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Sink {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.keep(request.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
@@ -87,6 +94,37 @@ impl Collector {
             .add_service(TraceServiceServer::new(sink.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
         tokio::spawn(server);
+        Collector { addr, sink }
+    }
+
+    /// The OTLP/HTTP receiver: `POST /v1/traces` with a protobuf body.
+    pub async fn start_http() -> Collector {
+        use prost::Message;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let sink = Sink::default();
+        let keep = sink.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let keep = keep.clone();
+                async move {
+                    match ExportTraceServiceRequest::decode(body) {
+                        Ok(r) => {
+                            keep.keep(r);
+                            (
+                                axum::http::StatusCode::OK,
+                                ExportTraceServiceResponse::default().encode_to_vec(),
+                            )
+                        }
+                        Err(_) => (axum::http::StatusCode::BAD_REQUEST, Vec::new()),
+                    }
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
         Collector { addr, sink }
     }
 
