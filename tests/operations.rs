@@ -383,6 +383,38 @@ fn traced_kvepp(
     )
 }
 
+/// A traced kvepp (as `env` configures its exporter) over `backends`, behind Envoy.
+struct Traced {
+    _dir: TempDir,
+    log_path: PathBuf,
+    admin: SocketAddr,
+    envoy: Envoy,
+    _child: tokio::process::Child,
+}
+
+impl Traced {
+    async fn start(backends: &[&str], env: &[(&str, String)]) -> Traced {
+        let backends = echo_backends(backends).await;
+        let dir = TempDir::new("traces");
+        let manifests = manifests_dir(dir.path(), &backends);
+        let log_path = dir.path().join("kvepp.log");
+        let (admin, ext_proc, child) = traced_kvepp(&manifests, env, &log_path);
+        ready(admin).await;
+        let envoy = Envoy::start(bootstrap(), ext_proc).await;
+        Traced {
+            _dir: dir,
+            log_path,
+            admin,
+            envoy,
+            _child: child,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -390,9 +422,6 @@ fn hex(bytes: &[u8]) -> String {
 #[tokio::test]
 async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
     let collector = otlp::Collector::start().await;
-    let backends = echo_backends(&["a", "b"]).await;
-    let dir = TempDir::new("traces");
-    let manifests = manifests_dir(dir.path(), &backends);
     let env = [
         (
             "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -401,11 +430,9 @@ async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
         ("OTEL_SERVICE_NAME", "kvepp-under-test".to_owned()),
         ("OTEL_BSP_SCHEDULE_DELAY", "50".to_owned()),
     ];
-    let log_path = dir.path().join("kvepp.log");
-    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
-    ready(admin).await;
-    let envoy = Envoy::start(bootstrap(), ext_proc).await;
-    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let t = Traced::start(&["a", "b"], &env).await;
+    let (envoy, admin) = (&t.envoy, t.admin);
+    let log = || t.log();
 
     // A request in a trace: kvepp's span is the child of the client's, and the engine gets a
     // traceparent naming kvepp's span.
@@ -512,9 +539,6 @@ async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
 
 #[tokio::test]
 async fn a_dead_collector_leaves_routing_untouched() {
-    let backends = echo_backends(&["a"]).await;
-    let dir = TempDir::new("deadcollector");
-    let manifests = manifests_dir(dir.path(), &backends);
     // Nothing listens there.
     let env = [
         (
@@ -525,10 +549,8 @@ async fn a_dead_collector_leaves_routing_untouched() {
         ("OTEL_EXPORTER_OTLP_TIMEOUT", "300".to_owned()),
         ("OTEL_BSP_MAX_QUEUE_SIZE", "8".to_owned()),
     ];
-    let log_path = dir.path().join("kvepp.log");
-    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
-    ready(admin).await;
-    let envoy = Envoy::start(bootstrap(), ext_proc).await;
+    let t = Traced::start(&["a"], &env).await;
+    let (envoy, admin) = (&t.envoy, t.admin);
     let mut failed = 0;
     for i in 0..200 {
         let (status, _) = probe(envoy.addr, "m", &format!("request {i}")).await;
@@ -553,9 +575,6 @@ async fn a_dead_collector_leaves_routing_untouched() {
 #[tokio::test]
 async fn spans_go_over_otlp_http_too() {
     let collector = otlp::Collector::start_http().await;
-    let backends = echo_backends(&["a"]).await;
-    let dir = TempDir::new("traces-http");
-    let manifests = manifests_dir(dir.path(), &backends);
     let env = [
         (
             "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -564,11 +583,8 @@ async fn spans_go_over_otlp_http_too() {
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_owned()),
         ("OTEL_BSP_SCHEDULE_DELAY", "50".to_owned()),
     ];
-    let log_path = dir.path().join("kvepp.log");
-    let (admin, ext_proc, _child) = traced_kvepp(&manifests, &env, &log_path);
-    ready(admin).await;
-    let envoy = Envoy::start(bootstrap(), ext_proc).await;
-    assert_eq!(probe(envoy.addr, "m", "over http").await.0, 200);
+    let t = Traced::start(&["a"], &env).await;
+    assert_eq!(probe(t.envoy.addr, "m", "over http").await.0, 200);
     let route = wait_for("kvepp.route span over OTLP/HTTP", || {
         let spans = collector.spans();
         async move { spans.into_iter().find(|s| s.span.name == "kvepp.route") }

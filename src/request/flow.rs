@@ -306,7 +306,8 @@ impl FlowControl {
                 _ = recheck => {}
                 _ = shutdown.changed() => return,
             }
-            while routing.has_capacity() {
+            // Nothing waits (flow control off, or an empty queue): no capacity check at all.
+            while self.busy() && routing.has_capacity() {
                 let next = {
                     let mut q = self.lock();
                     let next = q.pop();
@@ -336,7 +337,10 @@ impl FlowControl {
 /// Flow control listens to the router's bookings: each release may have freed capacity.
 impl kvepp_core::Listener for FlowControl {
     fn released(&self) {
-        self.capacity_freed();
+        // Only a waiting request needs the dispatcher (an arrival wakes it itself).
+        if self.busy() {
+            self.capacity_freed();
+        }
     }
 }
 

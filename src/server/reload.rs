@@ -103,11 +103,7 @@ impl Live {
         let (_, running) = self.effective.get();
         let new = match (how.load)() {
             Ok(c) => c,
-            Err(e) => {
-                tracing::error!(trigger = why, error = %e, "configuration reload rejected; the running configuration stays in effect");
-                ReloadMetrics::count(&self.counters.config, "rejected");
-                return;
-            }
+            Err(e) => return self.rejected(why, &e),
         };
         let (merged, restart) = merge(&running, &new);
         if !restart.is_empty() {
@@ -120,11 +116,7 @@ impl Live {
         }
         let tokenizers = match self.tokenizers(&running, &merged).await {
             Ok(t) => t,
-            Err(e) => {
-                tracing::error!(trigger = why, error = %e, "configuration reload rejected; the running configuration stays in effect");
-                ReloadMetrics::count(&self.counters.config, "rejected");
-                return;
-            }
+            Err(e) => return self.rejected(why, &e),
         };
         if let Some(log) = &how.log {
             match log.set(&merged.log_level) {
@@ -138,6 +130,12 @@ impl Live {
         let version = self.effective.replace(merged);
         ReloadMetrics::count(&self.counters.config, "applied");
         tracing::info!(trigger = why, version, changed = ?changed, "configuration reloaded");
+    }
+
+    /// A reload that changes nothing: logged and counted.
+    fn rejected(&self, why: &'static str, e: &dyn std::fmt::Display) {
+        tracing::error!(trigger = why, error = %e, "configuration reload rejected; the running configuration stays in effect");
+        ReloadMetrics::count(&self.counters.config, "rejected");
     }
 
     /// Hands the live settings of `cfg` to the running components.
