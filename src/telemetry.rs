@@ -213,8 +213,10 @@ impl TracingConfig {
 /// `kvepp_trace_spans_exported_total` and `kvepp_trace_spans_dropped_total{reason}`.
 #[derive(Debug, Clone, Default)]
 pub struct TraceMetrics {
-    exported: Counter,
-    dropped: Family<ReasonLabels, Counter>,
+    /// Spans the collector took.
+    pub exported: Counter,
+    /// Spans dropped, by reason (`queue_full`, `export_failed`).
+    pub dropped: Family<ReasonLabels, Counter>,
 }
 
 impl TraceMetrics {

@@ -190,6 +190,20 @@ fn grafana_dashboard_queries_only_exported_metrics() {
         Some(kvepp_core::affinity::SessionOutcome::Hit),
         Some(kvepp_core::affinity::AdapterFit::Loaded),
     );
+    // Live reconfiguration and the trace exporter register theirs.
+    let reloads = kvepp::server::reload::ReloadMetrics::default();
+    m.add(&reloads);
+    for f in [&reloads.config, &reloads.tls] {
+        f.get_or_create(&ResultLabels { result: "applied" }).inc();
+    }
+    let traces = kvepp::telemetry::TraceMetrics::default();
+    m.add(&traces);
+    traces
+        .dropped
+        .get_or_create(&ReasonLabels {
+            reason: "queue_full",
+        })
+        .inc();
     let exported = m.encode();
     let types: std::collections::HashMap<&str, &str> = exported
         .lines()
