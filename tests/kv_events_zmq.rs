@@ -109,11 +109,11 @@ async fn gap_replay_loss_garbage_restart(framing: &str) {
     p.cmd(&format!("pub {} map_events", last + 2)).await;
     let (a, b) = (s.next().await, s.next().await);
     assert!(
-        matches!(&a, Delivery::Batch { seq, batch } if *seq == last + 1 && batch.data_parallel_rank == Some(1)),
+        matches!(&a, Delivery::Batch { seq, batch, .. } if *seq == last + 1 && batch.data_parallel_rank == Some(1)),
         "{a:?}"
     );
     assert!(
-        matches!(&b, Delivery::Batch { seq, batch } if *seq == last + 2 && batch.data_parallel_rank == Some(3)),
+        matches!(&b, Delivery::Batch { seq, batch, .. } if *seq == last + 2 && batch.data_parallel_rank == Some(3)),
         "{b:?}"
     );
 
@@ -367,7 +367,7 @@ async fn drain_into(s: &mut Subscriber, index: &mut PrefixIndex, last: u64) {
 async fn drain(s: &mut Subscriber, index: &mut PrefixIndex, last: u64, allow_loss: bool) {
     loop {
         match s.next().await {
-            Delivery::Batch { seq, batch } => {
+            Delivery::Batch { seq, batch, .. } => {
                 apply_batch(index, WORKER, 0, BS as u32, &batch);
                 if seq == last {
                     return;

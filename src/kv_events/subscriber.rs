@@ -48,6 +48,8 @@ pub enum Delivery {
     Batch {
         seq: u64,
         batch: EventBatch,
+        /// When the batch came off the socket (the index's apply lag counts from here).
+        received: std::time::Instant,
     },
     /// The publisher restarted: everything it published before is void.
     PublisherRestarted,
@@ -55,10 +57,7 @@ pub enum Delivery {
     /// publisher's replay buffer, or no replay socket). What this publisher delivered before is
     /// unreliable (a lost removal leaves a stale entry): consumers forget its blocks and rebuild
     /// from what follows (the replayed batches the publisher still holds after the gap).
-    Lost {
-        from: u64,
-        to: u64,
-    },
+    Lost { from: u64, to: u64 },
 }
 
 /// Counters of one subscription (exported as metrics by the caller).
@@ -258,10 +257,16 @@ impl Subscription {
     }
 
     async fn deliver(&self, seq: u64, payload: &[u8]) -> bool {
+        let received = std::time::Instant::now();
         match decode_batch(payload) {
             Ok(batch) => {
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
-                self.send(Delivery::Batch { seq, batch }).await
+                self.send(Delivery::Batch {
+                    seq,
+                    batch,
+                    received,
+                })
+                .await
             }
             Err(err) => {
                 self.stats.undecodable.fetch_add(1, Ordering::Relaxed);

@@ -440,4 +440,7 @@ async fn a_publisher_that_only_stores_stays_within_its_engines_capacity() {
     })
     .await;
     assert_eq!(evicted, (480 - bound) as f64);
+    // Every batch's time from arrival to publication was observed.
+    let lag = "kvepp_kv_event_apply_lag_seconds_count";
+    assert!(epp.metric(lag).await.unwrap_or(0.0) >= 60.0, "{lag}");
 }

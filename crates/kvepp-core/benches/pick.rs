@@ -375,10 +375,14 @@ fn scaling_run(
                     std::thread::sleep(Duration::from_micros(200));
                     continue;
                 }
-                let e = &s.eps[(i as usize * 7919) % s.eps.len()];
-                let (l, h) = &s.event_chains[i as usize % s.event_chains.len()];
-                let r = rank(e);
-                s.kv.index().write(|ix| {
+                let r = rank(&s.eps[(i as usize * 7919) % s.eps.len()]);
+                let chain = i as usize % s.event_chains.len();
+                let blocks = 2 * s.event_chains[chain].1.len() as u64;
+                // As KV-event ingestion writes: published without waiting for the readers of
+                // the other copy, which gets the change at the next write.
+                let chains = s.event_chains.clone();
+                s.kv.index().write_owned(move |ix| {
+                    let (l, h) = &chains[chain];
                     let _ = ix.store(
                         r,
                         Tier::Device,
@@ -387,7 +391,7 @@ fn scaling_run(
                     );
                     ix.remove(r, Tier::Device, h.iter().rev().copied());
                 });
-                applied.fetch_add(2 * h.len() as u64, Ordering::Relaxed);
+                applied.fetch_add(blocks, Ordering::Relaxed);
                 i += 1;
             }
         })
@@ -436,7 +440,8 @@ struct Setup2 {
     kv: Arc<KvState>,
     eps: Vec<Arc<Endpoint>>,
     prompts: Vec<PromptBlocks>,
-    event_chains: Vec<(Vec<LocalBlockHash>, Vec<EngineBlockHash>)>,
+    /// Shared with the index's owed changes (not the whole setup, which holds the index).
+    event_chains: Arc<Vec<(Vec<LocalBlockHash>, Vec<EngineBlockHash>)>>,
 }
 
 fn scaling(
@@ -463,7 +468,7 @@ fn scaling(
         kv: base.kv,
         eps: base.eps,
         prompts,
-        event_chains: (0..1024).map(|i| chain(5_000_000 + i, 64)).collect(),
+        event_chains: Arc::new((0..1024).map(|i| chain(5_000_000 + i, 64)).collect()),
     });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for book in [false, true] {

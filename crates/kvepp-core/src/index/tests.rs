@@ -516,6 +516,67 @@ fn shared_index_readers_see_whole_writes() {
     assert_eq!(first[0].blocks.len(), 256);
 }
 
+/// Writes that leave the old copy owing them (`write_owned`, the KV-event path) mixed with writes
+/// that wait (`write`), under a reader: readers see every write at once and whole, the spare
+/// catches up before it is written, and both copies end equal to one plain index fed the same
+/// changes.
+#[test]
+fn owed_writes_reach_both_copies_in_order() {
+    let shared = std::sync::Arc::new(SharedIndex::with_seed(u64::MAX, 5));
+    let mut plain = PrefixIndex::with_seed(u64::MAX, 5);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::black_box(shared.read().pair_count());
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let mut rng = fastrand::Rng::with_seed(77);
+    for step in 0..3000u64 {
+        let rank = wr(rng.u64(1..4), 0);
+        let chain: Vec<u64> = (0..rng.u64(1..12))
+            .map(|i| rng.u64(0..4) * 100 + i)
+            .collect();
+        let store = rng.bool();
+        let apply = move |ix: &mut PrefixIndex| {
+            if store {
+                store_chain(ix, rank, Tier::Device, &chain);
+            } else {
+                let hashes = seqs(&chain).into_iter().map(|h| EngineBlockHash(h.0));
+                ix.remove(rank, Tier::Device, hashes);
+            }
+        };
+        apply(&mut plain);
+        if rng.u8(0..4) == 0 {
+            shared.write(&apply);
+            assert_eq!(
+                shared.owed(),
+                0,
+                "step {step}: a waiting write leaves nothing owed"
+            );
+        } else {
+            shared.write_owned(apply);
+            assert_eq!(shared.owed(), 1, "step {step}");
+        }
+        assert_eq!(
+            shared.read().dump(),
+            plain.dump(),
+            "step {step}: the published copy"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(reader.join().expect("reader") > 0);
+    // The other copy, once it has caught up, holds the same.
+    shared.write(|_| ());
+    assert_eq!(shared.owed(), 0);
+    assert_eq!(shared.read().dump(), plain.dump(), "the caught-up copy");
+}
+
 /// The jumping walk against the exact one (and the reference) on prefix-closed contents: many
 /// ranks hold, per tier class, a prefix of one of a few long prompts that share a system prompt
 /// (device ⊆ device-or-host ⊆ any), some trimmed from the tail afterwards as an engine evicts,
