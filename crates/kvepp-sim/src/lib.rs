@@ -2,10 +2,11 @@
 //! ([`fleet`]) and the routing-quality benchmark that replays workloads through Envoy and kvepp to
 //! that fleet ([`bench`]), the selection service's HTTP-overhead benchmark ([`select_bench`]), replica sync's cost to a
 //! receiving replica ([`replica_bench`]) and a rolling upgrade of two kvepp processes under load
-//! ([`rollout`]). `plotters` (and its font stack) lives only here.
+//! ([`rollout`]), and generated Mooncake-format traces ([`tracegen`]). `plotters` (and its font stack) lives only here.
 
 pub mod bench;
 pub mod fleet;
 pub mod replica_bench;
 pub mod rollout;
 pub mod select_bench;
+pub mod tracegen;

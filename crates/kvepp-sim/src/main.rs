@@ -36,6 +36,9 @@ enum Command {
     /// A rolling upgrade of two `kvepp serve` processes behind Envoy under steady load: failed
     /// requests, the longest stall, and the prefix hit ratio before and after.
     BenchRollout(kvepp_sim::rollout::RolloutArgs),
+    /// Write a generated request trace in the Mooncake format (seeded arrivals with bursts,
+    /// log-normal lengths, shared system prompts or multi-turn conversations).
+    GenTrace(kvepp_sim::tracegen::GenTraceArgs),
     /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
     EchoBackend {
         #[arg(long)]
@@ -100,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
             init_logging();
             kvepp_sim::rollout::run(args).await?;
         }
+        Command::GenTrace(args) => kvepp_sim::tracegen::run(&args)?,
         Command::BenchRouting(args) => {
             init_logging();
             kvepp_sim::bench::run(args).await?;
