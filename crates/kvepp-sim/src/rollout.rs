@@ -56,7 +56,7 @@ pub struct RolloutArgs {
     pub groups: usize,
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
-    /// Directory for `rollout.md` and the replicas' logs.
+    /// Directory for `rollout.md`.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -467,19 +467,17 @@ pub fn table(args: &RolloutArgs, r: &RolloutReport) -> String {
     out
 }
 
-/// `kvepp-sim bench-rollout`.
+/// `kvepp-sim bench-rollout`: the replicas' configuration and logs in a temporary directory (kept
+/// only when the run fails, named in the error), the table printed and written to
+/// `<out>/rollout.md`.
 pub async fn run(args: RolloutArgs) -> Result<(), RolloutError> {
-    let tmp = TempDir::new("rollout");
-    let dir = match &args.out {
-        Some(d) => {
-            std::fs::create_dir_all(d).map_err(setup)?;
-            d.clone()
-        }
-        None => tmp.path().to_owned(),
-    };
-    let report = rollout(&args, &dir).await?;
+    let work = TempDir::new("rollout");
+    let report = rollout(&args, work.path()).await?;
     let text = table(&args, &report);
     print!("{text}");
-    std::fs::write(dir.join("rollout.md"), &text).map_err(setup)?;
+    if let Some(d) = &args.out {
+        std::fs::create_dir_all(d).map_err(setup)?;
+        std::fs::write(d.join("rollout.md"), &text).map_err(setup)?;
+    }
     Ok(())
 }
