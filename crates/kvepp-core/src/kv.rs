@@ -63,6 +63,7 @@ mod scratch;
 use approx::Approx;
 pub use guard::SlotGuard;
 pub use prompt::{PrefixMode, PromptBlocks};
+pub use ranks::capacity_limit;
 
 use scratch::PickScratch;
 
@@ -170,13 +171,6 @@ pub struct KvState {
 
 const SCRATCH_POOLS: usize = 8;
 
-/// The pairs the index keeps for a rank whose engine reports `blocks` of KV capacity: a quarter
-/// more, plus 64, for events in flight and blocks the engine frees and reuses between two
-/// removals' publications.
-pub fn capacity_limit(blocks: u64) -> u64 {
-    blocks.saturating_add(blocks / 4).saturating_add(64)
-}
-
 /// Which of an endpoint's `hints.index` remembers its slot in which index.
 const HINT_EVENT_INDEX: usize = 0;
 const HINT_APPROX_INDEX: usize = 1;
@@ -278,21 +272,6 @@ impl KvState {
     /// Tokens per block used for hashing and cost (configured, or learned from the engines).
     pub fn block_size(&self) -> u32 {
         self.block_size.load(Ordering::Relaxed)
-    }
-
-    /// An engine reported the KV blocks `rank` has room for (`num_gpu_blocks` and any CPU tier,
-    /// or `/metadata`'s `total_kv_blocks`): the index keeps at most that plus
-    /// [`capacity_limit`]'s margin for the rank, dropping its oldest blocks beyond it.
-    pub fn set_engine_capacity(&self, rank: WorkerRank, blocks: u64) {
-        if blocks == 0 {
-            return;
-        }
-        let limit = capacity_limit(blocks);
-        if self.index.read().rank_limit(rank) == limit {
-            return;
-        }
-        let dropped = self.index.write(|ix| ix.set_rank_limit(rank, limit));
-        tracing::debug!(?rank, blocks, limit, dropped = ?dropped, "KV index bound set from the engine's capacity");
     }
 
     /// An engine reported its block size; adopted when the block size is learned, not configured.
