@@ -11,7 +11,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvepp_test_support::client::fetch;
@@ -158,58 +158,6 @@ fn bootstrap_with(fail_open: bool, backends: &[SocketAddr]) -> serde_yaml::Value
     b
 }
 
-/// One client request's fate.
-#[derive(Debug, Clone)]
-struct Outcome {
-    start: Instant,
-    end: Instant,
-    status: u16,
-    /// kvepp decided it (the backend saw the destination header).
-    decided: bool,
-}
-
-/// Clients sending requests back to back until `stop`.
-fn load(
-    envoy: SocketAddr,
-    clients: usize,
-    stop: watch::Receiver<bool>,
-) -> (Arc<Mutex<Vec<Outcome>>>, Vec<tokio::task::JoinHandle<()>>) {
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let tasks = (0..clients)
-        .map(|c| {
-            let (log, stop) = (log.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut i = 0u64;
-                while !*stop.borrow() {
-                    i += 1;
-                    let body = format!("{{\"model\":\"m\",\"prompt\":\"client {c} request {i}\"}}");
-                    let start = Instant::now();
-                    let r = http(
-                        envoy,
-                        "POST",
-                        "/v1/completions",
-                        &[("content-type", "application/json")],
-                        body,
-                    )
-                    .await;
-                    let decided = r.status == 200 && r.json()["destination"].is_string();
-                    log.lock().unwrap().push(Outcome {
-                        start,
-                        end: Instant::now(),
-                        status: r.status,
-                        decided,
-                    });
-                }
-            })
-        })
-        .collect();
-    (log, tasks)
-}
-
-fn count(log: &Mutex<Vec<Outcome>>, f: impl Fn(&Outcome) -> bool) -> usize {
-    log.lock().unwrap().iter().filter(|o| f(o)).count()
-}
-
 fn report(line: &str) {
     println!("{line}");
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/fault-recovery.txt");
@@ -238,7 +186,7 @@ async fn kill_and_restart_under_load(fail_open: bool) {
     )
     .await;
     let (stop_tx, stop) = watch::channel(false);
-    let (log, clients) = load(envoy.addr, 4, stop);
+    let (log, clients) = steady_load(envoy.addr, 4, stop);
     let mode = if fail_open { "fail-open" } else { "fail-close" };
 
     wait_for("decided requests before the kill", || async {

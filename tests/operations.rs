@@ -15,7 +15,6 @@ mod tls;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 
 use common::*;
 use kvepp_test_support::client::fetch;
@@ -98,30 +97,6 @@ async fn wait_version(addr: SocketAddr, want: u64) -> serde_json::Value {
         (v == want).then_some(cfg)
     })
     .await
-}
-
-/// Clients sending requests back to back through Envoy until `stop`; each status is kept.
-fn steady_load(
-    envoy: SocketAddr,
-    clients: usize,
-    stop: watch::Receiver<bool>,
-) -> (Arc<Mutex<Vec<u16>>>, Vec<tokio::task::JoinHandle<()>>) {
-    let statuses = Arc::new(Mutex::new(Vec::new()));
-    let tasks = (0..clients)
-        .map(|c| {
-            let (statuses, stop) = (statuses.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut i = 0u64;
-                while !*stop.borrow() {
-                    i += 1;
-                    let body = format!("{{\"model\":\"m\",\"prompt\":\"client {c} request {i}\"}}");
-                    let r = post_json(envoy, body).await;
-                    statuses.lock().unwrap().push(r.status);
-                }
-            })
-        })
-        .collect();
-    (statuses, tasks)
 }
 
 /// The backend that answered `prompt` for model `model`, with its status.
@@ -218,10 +193,10 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     let envoy = Envoy::start(bootstrap(), ext_proc).await;
     let (stop_tx, stop) = watch::channel(false);
-    let (statuses, clients) = steady_load(envoy.addr, 3, stop);
+    let (outcomes, clients) = steady_load(envoy.addr, 3, stop);
     wait_for("load flowing", || {
-        let s = statuses.clone();
-        async move { (s.lock().unwrap().len() > 20).then_some(()) }
+        let n = count(&outcomes, |_| true);
+        async move { (n > 20).then_some(()) }
     })
     .await;
     assert_eq!(config_version(admin).await.0, 1);
@@ -331,11 +306,10 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     for c in clients {
         c.await.unwrap();
     }
-    let statuses = statuses.lock().unwrap().clone();
-    let failed = statuses.iter().filter(|s| **s != 200).count();
+    let failed = count(&outcomes, |o| o.status != 200);
     println!(
         "reload under load: {} requests, {failed} failed",
-        statuses.len()
+        count(&outcomes, |_| true)
     );
     assert_eq!(failed, 0, "failed requests under reloads:\n{}", log());
     assert!(

@@ -95,6 +95,63 @@ pub async fn post_json(addr: SocketAddr, body: impl Into<Bytes>) -> HttpResponse
     .await
 }
 
+/// What [`steady_load`]'s clients saw, request by request.
+pub type Log = std::sync::Arc<std::sync::Mutex<Vec<Outcome>>>;
+
+/// One client request's fate.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub start: std::time::Instant,
+    pub end: std::time::Instant,
+    pub status: u16,
+    /// kvepp decided it (the backend saw the destination header).
+    pub decided: bool,
+}
+
+/// `clients` clients sending requests back to back through `envoy` until `stop`; each one's
+/// fate is logged.
+pub fn steady_load(
+    envoy: SocketAddr,
+    clients: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> (Log, Vec<tokio::task::JoinHandle<()>>) {
+    let log = Log::default();
+    let tasks = (0..clients)
+        .map(|c| {
+            let (log, stop) = (log.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !*stop.borrow() {
+                    i += 1;
+                    let body = format!("{{\"model\":\"m\",\"prompt\":\"client {c} request {i}\"}}");
+                    let start = std::time::Instant::now();
+                    let r = http(
+                        envoy,
+                        "POST",
+                        "/v1/completions",
+                        &[("content-type", "application/json")],
+                        body,
+                    )
+                    .await;
+                    let decided = r.status == 200 && r.json()["destination"].is_string();
+                    log.lock().unwrap().push(Outcome {
+                        start,
+                        end: std::time::Instant::now(),
+                        status: r.status,
+                        decided,
+                    });
+                }
+            })
+        })
+        .collect();
+    (log, tasks)
+}
+
+/// How many logged requests `f` holds for.
+pub fn count(log: &std::sync::Mutex<Vec<Outcome>>, f: impl Fn(&Outcome) -> bool) -> usize {
+    log.lock().unwrap().iter().filter(|o| f(o)).count()
+}
+
 // ---------------------------------------------------------------- manifests
 
 pub fn pool_yaml(name: &str) -> String {
