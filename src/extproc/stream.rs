@@ -325,20 +325,25 @@ impl StreamState {
     /// Decides a queued request again with `admission` (its turn came, or it may not wait),
     /// from the facts it was prepared with.
     pub(super) fn retry(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
-        if self.phase == Phase::Queued {
-            if let Some(t) = &mut self.trace {
-                t.dequeued();
-            }
+        if self.leave_queue() {
             self.decide_and_answer(admission, out);
         }
     }
 
+    /// Whether the request was queued; its queue span ends here.
+    fn leave_queue(&mut self) -> bool {
+        if self.phase != Phase::Queued {
+            return false;
+        }
+        if let Some(t) = &mut self.trace {
+            t.dequeued();
+        }
+        true
+    }
+
     /// Answers a queued request with `r` (it waited too long, or its queue is full).
     pub(super) fn give_up(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
-        if self.phase == Phase::Queued {
-            if let Some(t) = &mut self.trace {
-                t.dequeued();
-            }
+        if self.leave_queue() {
             self.chunks = Vec::new();
             self.joined = None;
             self.reject(r, out);
