@@ -83,8 +83,10 @@ pub(super) fn extproc_settings(cfg: &Config) -> crate::extproc::Settings {
     }
 }
 
-/// Loads `model`'s tokenizer from `dir` (at start and on a reload).
+/// Loads `model`'s tokenizer from `dir` and has `metrics` report its counts (at start and on a
+/// reload).
 pub(super) fn load_tokenizer(
+    metrics: &Metrics,
     model: &str,
     dir: &std::path::Path,
 ) -> Result<Arc<ModelTokenizer>, ServerError> {
@@ -93,7 +95,9 @@ pub(super) fn load_tokenizer(
         source,
     })?;
     tracing::info!(model = %model, dir = %dir.display(), tokenizer = ?t, "tokenizer loaded");
-    Ok(Arc::new(t))
+    let t = Arc::new(t);
+    metrics.add_tokenizer_source(super::tokenizer_source(model, &t));
+    Ok(t)
 }
 
 impl Wiring {
@@ -365,9 +369,7 @@ impl Wiring {
         )
         .with_steps(self.metrics.prepare_steps.clone());
         for (model, dir) in &self.cfg.tokenizers {
-            let t = load_tokenizer(model, dir)?;
-            self.metrics
-                .add_tokenizer_source(super::tokenizer_source(model, &t));
+            let t = load_tokenizer(&self.metrics, model, dir)?;
             routing = routing.with_tokenizer(model.clone(), t);
         }
         Ok(Arc::new(routing))

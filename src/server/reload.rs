@@ -174,15 +174,13 @@ impl Live {
                     continue;
                 }
             }
-            let (m, d) = (model.clone(), dir.clone());
-            let t = tokio::task::spawn_blocking(move || load_tokenizer(&m, &d))
+            let (metrics, m, d) = (self.metrics.clone(), model.clone(), dir.clone());
+            let t = tokio::task::spawn_blocking(move || load_tokenizer(&metrics, &m, &d))
                 .await
                 .map_err(|e| super::ServerError::Serve {
                     what: "tokenizer loading",
                     message: e.to_string(),
                 })??;
-            self.metrics
-                .add_tokenizer_source(super::tokenizer_source(model, &t));
             out.insert(model.clone(), t);
         }
         Ok(Some(out))
@@ -238,12 +236,18 @@ impl Watched {
             .collect(),
             _ => Vec::new(),
         };
-        let tls_digest = digest(&tls.iter().map(PathBuf::as_path).collect::<Vec<_>>());
-        Watched {
+        let mut w = Watched {
             config: file.map(|f| (f.to_owned(), digest(&[f]))),
             tls,
-            tls_digest,
-        }
+            tls_digest: 0,
+        };
+        w.tls_digest = w.tls_now();
+        w
+    }
+
+    /// The digest of the TLS files' contents now.
+    fn tls_now(&self) -> u64 {
+        digest(&self.tls.iter().map(PathBuf::as_path).collect::<Vec<_>>())
     }
 
     /// The directories to watch: a file's own directory, since editors and Kubernetes replace
@@ -273,7 +277,7 @@ impl Watched {
             }
             None => false,
         };
-        let now = digest(&self.tls.iter().map(PathBuf::as_path).collect::<Vec<_>>());
+        let now = self.tls_now();
         let tls = std::mem::replace(&mut self.tls_digest, now) != now;
         (config, tls)
     }
