@@ -108,11 +108,6 @@ struct Replica {
     child: Option<Child>,
 }
 
-fn free_port() -> Result<u16, RolloutError> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(setup)?;
-    Ok(l.local_addr().map_err(setup)?.port())
-}
-
 impl Replica {
     /// Writes replica `i`'s configuration: its ports, replica sync with `peer`, and index recovery
     /// from `peer`'s metrics port.
@@ -205,6 +200,16 @@ impl Replica {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) | Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Waits until Envoy (admin at `admin`) sees this replica pass its health check.
+    async fn healthy_in(&self, admin: SocketAddr) -> Result<(), RolloutError> {
+        let grpc = self.grpc;
+        wait_until("healthy in Envoy", Duration::from_secs(30), || async move {
+            healthy_in_envoy(admin, grpc).await.then_some(())
+        })
+        .await
+        .map_err(|e| self.fail(e))
     }
 
     /// SIGTERM, then waits for the process to exit (within its delay and grace).
@@ -341,12 +346,7 @@ async fn roll(
             let exited = t.elapsed();
             r.spawn(&args.kvepp)?;
             r.ready().await?;
-            let grpc = r.grpc;
-            wait_until("healthy in Envoy", Duration::from_secs(30), || async move {
-                healthy_in_envoy(admin, grpc).await.then_some(())
-            })
-            .await
-            .map_err(|e| r.fail(e))?;
+            r.healthy_in(admin).await?;
             restarts.push((r.index, exited, t.elapsed()));
         }
     }
@@ -368,7 +368,7 @@ pub async fn rollout(args: &RolloutArgs, dir: &Path) -> Result<RolloutReport, Ro
     fleet.write_manifests(&manifests).map_err(setup)?;
     let mut ports = [[0u16; 4]; 2];
     for p in ports.iter_mut().flatten() {
-        *p = free_port()?;
+        *p = crate::bench::free_port().map_err(setup)?;
     }
     let mut replicas = vec![
         Replica::configure(0, dir, &manifests, &ports, args, params.block_size)?,
@@ -384,12 +384,7 @@ pub async fn rollout(args: &RolloutArgs, dir: &Path) -> Result<RolloutReport, Ro
         .await
         .map_err(setup)?;
     for r in &replicas {
-        let grpc = r.grpc;
-        wait_until("healthy in Envoy", Duration::from_secs(30), || async move {
-            healthy_in_envoy(envoy.admin, grpc).await.then_some(())
-        })
-        .await
-        .map_err(|e| r.fail(e))?;
+        r.healthy_in(envoy.admin).await?;
     }
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let started = Instant::now();

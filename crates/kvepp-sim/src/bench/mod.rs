@@ -674,7 +674,8 @@ fn failed(error: String) -> Record {
     }
 }
 
-fn free_port() -> Result<u16, BenchError> {
+/// A port free on 127.0.0.1 a moment ago.
+pub fn free_port() -> Result<u16, BenchError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
