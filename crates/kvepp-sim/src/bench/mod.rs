@@ -10,6 +10,7 @@
 pub mod affinity;
 mod args;
 pub mod client;
+pub mod oracle;
 pub mod report;
 mod scenario;
 pub mod workload;
@@ -59,15 +60,19 @@ pub enum Policy {
     Precise,
     /// The engines' KV events, candidates ranked by predicted TTFT learned online.
     PreciseTtft,
+    /// Not a router: the reference placement that reads every engine's true cache and queue
+    /// ([`oracle`]), sending each request straight to the engine with the lowest TTFT.
+    Clairvoyant,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
         Policy::RoundRobin,
         Policy::LeastLoaded,
         Policy::ApproximatePrefix,
         Policy::Precise,
         Policy::PreciseTtft,
+        Policy::Clairvoyant,
     ];
 
     pub fn name(self) -> &'static str {
@@ -77,6 +82,7 @@ impl Policy {
             Policy::ApproximatePrefix => "approximate-prefix",
             Policy::Precise => "precise-kv",
             Policy::PreciseTtft => "precise-ttft",
+            Policy::Clairvoyant => "clairvoyant",
         }
     }
 
@@ -90,7 +96,8 @@ impl Policy {
 
     pub fn picker(self) -> PickerKind {
         match self {
-            Policy::RoundRobin => PickerKind::RoundRobin,
+            // The clairvoyant placement starts no kvepp.
+            Policy::RoundRobin | Policy::Clairvoyant => PickerKind::RoundRobin,
             Policy::LeastLoaded => PickerKind::LeastLoaded,
             Policy::ApproximatePrefix => PickerKind::ApproximatePrefix,
             Policy::Precise | Policy::PreciseTtft => PickerKind::KvAware,
@@ -260,26 +267,35 @@ pub async fn run_policy(
     .await?;
     let dir = TempDir::new("bench-manifests");
     fleet.write_manifests(dir.path())?;
-    let kvepps = start_replicas(spec, policy, dir.path(), &fleet).await?;
-    wait_ready(spec, policy, &kvepps).await?;
-    // On an early return, dropping the replicas shuts them down.
-    let bootstrap = envoy_bootstrap(&kvepps)?;
-    let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
     // The engines that answer clients (a prefill engine only answers its decode engines).
     let answering: Vec<&crate::fleet::SimEngine> = fleet
         .engines
         .iter()
         .filter(|e| e.layout.role.decodes())
         .collect();
+    let (kvepps, envoy, door) = if policy == Policy::Clairvoyant {
+        let oracle = oracle::Clairvoyant::new(answering.iter().map(|e| (e.http, e.core.clone())));
+        (Vec::new(), None, Door::Oracle(std::sync::Arc::new(oracle)))
+    } else {
+        let kvepps = start_replicas(spec, policy, dir.path(), &fleet).await?;
+        wait_ready(spec, policy, &kvepps).await?;
+        // On an early return, dropping the replicas shuts them down.
+        let bootstrap = envoy_bootstrap(&kvepps)?;
+        let envoy = EnvoyProcess::start_with(&spec.envoy, bootstrap, kvepps[0].0.grpc).await?;
+        let door = Door::Envoy(envoy.listener);
+        (kvepps, Some(envoy), door)
+    };
     let start = Instant::now() + Duration::from_millis(100);
-    let handles = drive(spec, requests, &fleet, &answering, envoy.listener, start);
+    let handles = drive(spec, requests, &fleet, &answering, door, start);
     let restart_cleared_after = restart(spec, policy, &kvepps, &answering, start).await;
     let records = collect(spec, requests, handles, start).await;
     let engines = answering.iter().map(|e| e.name.clone()).collect();
-    if policy.cost_model() == CostModel::PredictedTtft {
+    if policy.cost_model() == CostModel::PredictedTtft && !kvepps.is_empty() {
         log_learned_ttft(&kvepps[0]).await;
     }
-    envoy.stop().await;
+    if let Some(envoy) = envoy {
+        envoy.stop().await;
+    }
     let mut kvepp_metrics = Vec::new();
     for kvepp in kvepps {
         if let Ok((_, text)) = kvepp_test_support::client::fetch(kvepp.0.metrics, "/metrics").await
@@ -427,14 +443,23 @@ pub fn add_ext_proc_endpoints(bootstrap: &mut serde_yaml::Value, more: &[std::ne
     }
 }
 
-/// Spawns one driver task per request: at its time (or after its previous turn's response), to
-/// Envoy or straight to an engine.
+/// Where a replay's requests go.
+#[derive(Debug, Clone)]
+enum Door {
+    /// Envoy's listener (kvepp picks).
+    Envoy(std::net::SocketAddr),
+    /// Straight to the engine the clairvoyant placement chooses when the request is sent.
+    Oracle(std::sync::Arc<oracle::Clairvoyant>),
+}
+
+/// Spawns one driver task per request: at its time (or after its previous turn's response),
+/// through the door or, for a second client's request, straight to an engine.
 fn drive(
     spec: &BenchSpec,
     requests: &[Request],
     fleet: &Fleet,
     answering: &[&crate::fleet::SimEngine],
-    listener: std::net::SocketAddr,
+    door: Door,
     start: Instant,
 ) -> Vec<tokio::task::JoinHandle<Record>> {
     let model = fleet.spec.params.model.clone();
@@ -452,9 +477,16 @@ fn drive(
     let mut handles = Vec::with_capacity(requests.len());
     for (i, r) in requests.iter().enumerate() {
         let body = r.body(&model);
-        let addr = match r.direct {
-            Some(n) if !answering.is_empty() => answering[n % answering.len()].http,
-            _ => listener,
+        let fixed = match (&door, r.direct) {
+            (_, Some(n)) if !answering.is_empty() => Some(answering[n % answering.len()].http),
+            (Door::Envoy(listener), _) => Some(*listener),
+            (Door::Oracle(_), _) => None,
+        };
+        // The clairvoyant placement reads the engines when the request leaves, so it needs the
+        // prompt then.
+        let oracle = match (&door, fixed) {
+            (Door::Oracle(o), None) => Some((o.clone(), r.tokens.clone())),
+            _ => None,
         };
         let at = r.at.div_f64(spec.speed.max(1e-6));
         let (after, done) = (done_rx[i].take(), done_tx[i].take());
@@ -470,7 +502,17 @@ fn drive(
                 None => tokio::time::sleep_until(start + at).await,
             }
             let sent = Instant::now();
-            let outcome = client::completion(addr, body, session.as_deref()).await;
+            let addr = match &oracle {
+                Some((o, tokens)) => o.place(tokens),
+                None => fixed,
+            };
+            let outcome = match addr {
+                Some(addr) => client::completion(addr, body, session.as_deref()).await,
+                None => client::Outcome {
+                    error: Some("no engine to place the request on".into()),
+                    ..client::Outcome::default()
+                },
+            };
             if let Some(d) = done {
                 let _ = d.send(());
             }
@@ -713,6 +755,11 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
         let mut results = Vec::new();
         let mut notes = String::new();
         for &policy in &args.policy {
+            if policy == Policy::Clairvoyant && disaggregated {
+                // It places on the engines that answer clients and knows no prefill leg.
+                eprintln!("   clairvoyant: not defined for a disaggregated fleet, skipped");
+                continue;
+            }
             let syncs: Vec<Option<bool>> = if sc.replicas > 1 && policy.picker_is_kv_aware() {
                 sc.sync.iter().copied().map(Some).collect()
             } else {

@@ -203,13 +203,29 @@ fn share(part: f64, of: f64) -> String {
     }
 }
 
-/// The Markdown table of one workload's results, with ratios against the first policy.
+/// The policy whose figures every other's are read against, when it ran.
+pub const REFERENCE: &str = "clairvoyant";
+
+/// What `r` reaches of the clairvoyant placement's result `c`, in percent: its hit ratio over the
+/// reference's, and the reference's TTFT p50 and p90 over its own (100%: as low as the
+/// reference's; above 100%: lower).
+pub fn of_reference(r: &PolicyResult, c: &PolicyResult) -> [Option<f64>; 3] {
+    let ratio = |a: f64, b: f64| (a > 0.0 && b > 0.0).then(|| 100.0 * a / b);
+    [
+        ratio(r.hit_ratio, c.hit_ratio),
+        ratio(c.ttft_ms[0], r.ttft_ms[0]),
+        ratio(c.ttft_ms[1], r.ttft_ms[1]),
+    ]
+}
+
+/// The Markdown table of one workload's results, with ratios against the first policy and, when
+/// it ran, against the clairvoyant placement ([`REFERENCE`]).
 pub fn markdown(title: &str, ceilings: Ceilings, results: &[PolicyResult]) -> String {
     let mut s = format!(
         "### {title}\n\nPrefix-cache hit ceiling of the workload: {:.1}% with an infinite cache, \
          {:.1}% with the fleet's {} KV blocks as one LRU cache (the capacity ceiling)\n\n\
-         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling / of capacity ceiling) | imbalance | TTFT ≤ {:.0} ms | goodput req/s | p90 TTFT vs {} |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         | policy | requests (failed) | TTFT p50 / p90 / p99 ms | e2e p50 / p90 / p99 ms | output tok/s | hit ratio (of ceiling / of capacity ceiling) | imbalance | TTFT ≤ {:.0} ms | goodput req/s | p90 TTFT vs {} | of clairvoyant: hit / TTFT p50 / p90 |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
         ceilings.infinite * 100.0,
         ceilings.capacity * 100.0,
         ceilings.capacity_blocks,
@@ -217,7 +233,13 @@ pub fn markdown(title: &str, ceilings: Ceilings, results: &[PolicyResult]) -> St
         results.first().map_or("-", |r| r.policy.as_str()),
     );
     let base = results.first().map_or(0.0, |r| r.ttft_ms[1]);
+    let reference = results.iter().find(|r| r.policy == REFERENCE);
     for r in results {
+        let pct = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}%"));
+        let of_ref = reference.map_or("-".into(), |c| {
+            let [h, p50, p90] = of_reference(r, c);
+            format!("{} / {} / {}", pct(h), pct(p50), pct(p90))
+        });
         let vs = if r.ttft_ms[1] > 0.0 {
             format!("{:.1}× lower", base / r.ttft_ms[1])
         } else {
@@ -229,7 +251,7 @@ pub fn markdown(title: &str, ceilings: Ceilings, results: &[PolicyResult]) -> St
             share(r.hit_ratio, ceilings.capacity)
         );
         s += &format!(
-            "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {:.0}% | {:.2} | {} |\n",
+            "| {} | {} ({}) | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.0} | {:.1}%{} | {:.2} | {:.0}% | {:.2} | {} | {} |\n",
             r.policy,
             r.requests,
             r.failed,
@@ -245,7 +267,8 @@ pub fn markdown(title: &str, ceilings: Ceilings, results: &[PolicyResult]) -> St
             r.imbalance,
             r.slo_met * 100.0,
             r.goodput_rps,
-            vs
+            vs,
+            of_ref
         );
     }
     s
@@ -420,6 +443,28 @@ mod tests {
             table.contains("62.5% with the fleet's 64 KV blocks"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn every_policy_reads_against_the_clairvoyant_placement_when_it_ran() {
+        let engines = vec!["a".to_string()];
+        let mut worse = summarize("kv", &[rec(0, 2000, "a")], &engines, 1000.0);
+        let mut reference = summarize(REFERENCE, &[rec(0, 1000, "a")], &engines, 1000.0);
+        reference.hit_ratio = 0.8;
+        worse.hit_ratio = 0.6;
+        let [hit, p50, p90] = of_reference(&worse, &reference);
+        assert_eq!((hit, p50, p90), (Some(75.0), Some(50.0), Some(50.0)));
+        let ceilings = Ceilings {
+            infinite: 1.0,
+            capacity: 1.0,
+            capacity_blocks: 1,
+        };
+        let table = markdown("w", ceilings, &[worse.clone(), reference.clone()]);
+        assert!(table.contains("| 75% / 50% / 50% |"), "{table}");
+        assert!(table.contains("| 100% / 100% / 100% |"), "{table}");
+        // Without the reference the column says so.
+        let alone = markdown("w", ceilings, &[worse]);
+        assert!(alone.trim_end().ends_with("| - |"), "{alone}");
     }
 
     #[test]

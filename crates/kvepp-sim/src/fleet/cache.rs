@@ -211,6 +211,22 @@ impl KvPool {
         Ok(())
     }
 
+    /// Tokens of `tokens`' longest prefix of full blocks cached now (held or not), without
+    /// touching the eviction order: what an admission right now would find (base model).
+    pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> usize {
+        let mut parent = None;
+        let mut n = 0;
+        for block in tokens.chunks_exact(self.block_size) {
+            let s = SequenceHash::chain(parent, self.local(block, None));
+            if !self.blocks.contains_key(&Self::engine_hash(s)) {
+                break;
+            }
+            parent = Some(s);
+            n += 1;
+        }
+        n * self.block_size
+    }
+
     /// Takes a prompt: counts its cached prefix, holds it, allocates the rest (evicting least
     /// recently used blocks) and reports the changes; [`NoRoom`] (and nothing changed) when the
     /// free and evictable blocks are too few.
@@ -447,6 +463,23 @@ mod tests {
         }
         assert_eq!(c.len(), 5);
         c.check().unwrap();
+    }
+
+    #[test]
+    fn the_cached_prefix_is_read_without_touching_the_eviction_order() {
+        let mut c = KvPool::new(4, 4);
+        let (p, q) = (prompt(1, 2, 4), prompt(2, 2, 4));
+        assert_eq!(c.cached_prefix_tokens(&p), 0);
+        serve(&mut c, &p);
+        serve(&mut c, &q);
+        let mut longer = p.clone();
+        longer.extend(prompt(3, 1, 4));
+        assert_eq!(c.cached_prefix_tokens(&longer), 8);
+        assert_eq!(c.cached_prefix_tokens(&p[..6]), 4, "only full blocks count");
+        // Reading p did not make it recent: a new prompt evicts p's blocks first, not q's.
+        serve(&mut c, &prompt(4, 2, 4));
+        assert_eq!(c.cached_prefix_tokens(&p), 0);
+        assert_eq!(c.cached_prefix_tokens(&q), 8);
     }
 
     #[test]

@@ -86,6 +86,28 @@ pub struct Counters {
     /// Adapters loaded into a GPU slot, and those evicted to make room.
     pub lora_loads: AtomicU64,
     pub lora_evictions: AtomicU64,
+    /// Prompt tokens sent to the engine and not computed yet (queued, or in a prompt not yet
+    /// prefilled), less the cached prefix once admission found it: what a clairvoyant placement
+    /// reads (`bench::oracle`). Raised as the HTTP front takes a request, not at the next step.
+    pub prefill_backlog: AtomicU64,
+    /// Tokens of context the decoding sequences read at the last step.
+    pub decode_context: AtomicU64,
+}
+
+impl Counters {
+    /// `n` more prompt tokens to compute.
+    pub fn add_backlog(&self, n: u64) {
+        self.prefill_backlog.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// `n` prompt tokens computed (or found cached, or dropped); never below zero.
+    pub fn take_backlog(&self, n: u64) {
+        let _ = self
+            .prefill_backlog
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some(b.saturating_sub(n))
+            });
+    }
 }
 
 /// Adapters of running requests, and of waiting ones (each sorted, without repeats).
@@ -101,6 +123,11 @@ struct Pending {
 }
 
 impl Pending {
+    /// The tokens its admission computes, as the backlog counts them until then.
+    fn backlog(&self) -> u64 {
+        self.job.tokens.len() as u64 + u64::from(self.generated)
+    }
+
     fn new(job: Job) -> Self {
         Pending {
             seed: generation_seed(&job.tokens),
@@ -177,9 +204,12 @@ impl Scheduler {
             Command::Job(j) => self.waiting.push_back(Pending::new(j)),
             Command::Restart => {
                 let n = self.running.len() + self.waiting.len();
+                let dropped: u64 = self.running.iter().map(|q| q.prefill_left).sum::<u64>()
+                    + self.waiting.iter().map(Pending::backlog).sum::<u64>();
                 self.running.clear();
                 self.waiting.clear();
                 let c = &self.core.counters;
+                c.take_backlog(dropped);
                 c.aborted.fetch_add(n as u64, Ordering::Relaxed);
                 c.restarts.fetch_add(1, Ordering::Relaxed);
                 self.loaded.clear();
@@ -198,6 +228,9 @@ impl Scheduler {
                 .preemptions
                 .fetch_add(1, Ordering::Relaxed);
             let mut p = s.p;
+            // Admission again computes the prompt and the output so far, less what it finds cached.
+            let resumed = p.job.tokens.len() as u64 + u64::from(p.generated);
+            self.core.counters.add_backlog(resumed);
             p.cached_tokens = Some(s.cached_tokens);
             self.waiting.push_front(p);
         }
@@ -269,6 +302,8 @@ impl Scheduler {
         let mut i = 0;
         while self.running.len() < max_seqs && i < self.waiting.len() {
             if self.waiting[i].job.out.is_closed() {
+                let backlog = self.waiting[i].backlog();
+                self.core.counters.take_backlog(backlog);
                 self.waiting.remove(i);
                 self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
                 continue;
@@ -306,6 +341,7 @@ impl Scheduler {
                         tokens = tokens.len(),
                         "request larger than the KV cache dropped"
                     );
+                    self.core.counters.take_backlog(tokens.len() as u64);
                     self.waiting.remove(i);
                     self.core.counters.aborted.fetch_add(1, Ordering::Relaxed);
                     continue;
@@ -337,6 +373,7 @@ impl Scheduler {
         } else {
             (total - adm.cached_tokens).max(1)
         };
+        c.take_backlog(total - prefill_left);
         self.running.push(Seq {
             prompt_tokens: pending.job.tokens.len() as u64,
             cached_tokens: pending
@@ -366,6 +403,7 @@ impl Scheduler {
             let q = self.running.remove(i);
             self.core.cache().release(q.holding);
             if aborted {
+                c.take_backlog(q.prefill_left);
                 c.aborted.fetch_add(1, Ordering::Relaxed);
             } else {
                 c.finished.fetch_add(1, Ordering::Relaxed);
@@ -444,6 +482,9 @@ pub async fn run(
             .iter()
             .map(|&i| s.running[i].holding.tokens(bs) as u64)
             .sum();
+        core.counters
+            .decode_context
+            .store(context, Ordering::Relaxed);
         let mut budget = p.max_num_batched_tokens.max(1);
         budget = budget.saturating_sub(decoding.len() as u64);
         let (mut prefilled, mut attended) = (0u64, 0.0f64);
@@ -453,6 +494,7 @@ pub async fn run(
                 continue;
             }
             let take = q.prefill_left.min(budget);
+            core.counters.take_backlog(take);
             // Each token of the chunk attends to the context before it.
             attended += take as f64 * (q.computed as f64 + take as f64 / 2.0);
             q.prefill_left -= take;

@@ -255,6 +255,7 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
     let remote = remote_prefill(&a, headers, model, &tokens).await;
     let prefilled_by = remote.map(|(by, _)| by);
     let (tx, rx) = mpsc::unbounded_channel();
+    let backlog = tokens.len() as u64;
     let job = Job {
         tokens,
         max_tokens,
@@ -262,7 +263,9 @@ async fn serve(a: EngineApp, headers: &HeaderMap, body: Bytes, api: Api) -> Resp
         remote_cached_tokens: remote.map(|(_, cached)| cached),
         adapter,
     };
+    a.core.counters.add_backlog(backlog);
     if a.commands.send(Command::Job(job)).is_err() {
+        a.core.counters.take_backlog(backlog);
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "ServiceUnavailableError",
