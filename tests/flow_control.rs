@@ -416,3 +416,40 @@ async fn endpoint_scores_only_with_the_flag_and_best_for_the_pick() {
         epp.stop().await;
     }
 }
+
+/// `flow_control.ttft_objective_ms` under the predicted-TTFT cost: a request no endpoint can give
+/// its first token within the objective waits at most the objective and is then refused, 503 for
+/// a standard request and 429 for a sheddable one, with the reason; a request that fits routes.
+#[tokio::test]
+async fn requests_that_cannot_meet_the_ttft_objective_are_refused_within_it() {
+    let gate = Gate::start().await;
+    gate.permits.add_permits(8);
+    let epp = Epp::start(&manifests(gate.addr), |c| {
+        c.engine_metrics.enabled = false;
+        c.router.cost_model = kvepp_core::cost::CostModel::PredictedTtft;
+        c.flow_control.enabled = true;
+        c.flow_control.ttft_objective_ms = 300;
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let gw = envoy.addr;
+    // ~30k tokens: over a second of prefill by the model's prior, whatever the queue.
+    let long = "x".repeat(120_000);
+    for (objective, status) in [("std", 503), ("low", 429)] {
+        let r = ask(gw, objective, &long).await;
+        assert_eq!(r.status, status, "{objective}: {:?}", r.body);
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(msg.contains("TTFT objective of 300 ms"), "{msg}");
+    }
+    assert!(gate.arrived().is_empty(), "neither reached the engine");
+    // A short prompt is predicted well within it.
+    let r = ask(gw, "std", "short").await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(gate.arrived(), ["short"]);
+    assert_eq!(
+        epp.metric("kvepp_flow_control_dequeued_total{outcome=\"timeout\"}")
+            .await,
+        Some(2.0)
+    );
+    epp.stop().await;
+}

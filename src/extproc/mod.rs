@@ -24,7 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Metrics;
-use crate::request::{FlowControl, Rejection, RouteRequest, Turn};
+use crate::request::{FlowControl, FlowControlSettings, Rejection, RouteRequest, Turn};
 use kvepp_core::Admission;
 
 /// Protocol choices that come from the configuration.
@@ -237,6 +237,24 @@ pub fn drive(
 /// Holds a queued request until flow control gives it a turn, its wait runs out or its queue is
 /// full, answering it in `out`. Messages the proxy sends meanwhile are handled afterwards. False
 /// when the stream ended while waiting (the client left: its place is given up at once).
+/// The answer to a request whose wait in flow control's queue ran out: past its TTFT objective
+/// (429 if sheddable, else 503), or past `max_wait_ms` (503).
+fn timed_out(s: &FlowControlSettings, waited: std::time::Duration, priority: i32) -> Rejection {
+    let waited = waited.as_millis();
+    if s.ttft_objective_ms > 0 && s.ttft_objective_ms <= s.max_wait_ms {
+        let msg = format!(
+            "no endpoint could give the first token within the TTFT objective of {} ms (flow_control.ttft_objective_ms) after {waited} ms waiting; request not routed",
+            s.ttft_objective_ms
+        );
+        return Rejection::over_objective(msg, priority);
+    }
+    let msg = format!(
+        "no endpoint had capacity within {waited} ms (flow_control.max_wait_ms {}); request not routed",
+        s.max_wait_ms
+    );
+    Rejection::new(503, "queue_timeout", msg)
+}
+
 async fn wait_for_capacity(
     state: &mut stream::StreamState,
     inbound: &mut Streaming<ProcessingRequest>,
@@ -280,12 +298,7 @@ async fn wait_for_capacity(
                 }
                 Turn::TimedOut(waited) => {
                     ticket.finish("timeout");
-                    let max = flow.settings().max_wait_ms;
-                    let msg = format!(
-                        "no endpoint had capacity within {} ms (flow_control.max_wait_ms {max}); request not routed",
-                        waited.as_millis()
-                    );
-                    state.give_up(Rejection::new(503, "queue_timeout", msg), out);
+                    state.give_up(timed_out(&flow.settings(), waited, priority), out);
                     break;
                 }
                 Turn::Closed => {

@@ -127,6 +127,8 @@ pub(super) struct StreamState {
     session: Option<kvepp_core::affinity::SessionKey>,
     /// The decision's trace spans, when traces are on (ended once the request is answered).
     trace: Option<RequestTrace>,
+    /// When the request was complete (its TTFT objective counts from here).
+    arrived: Option<Instant>,
 }
 
 impl StreamState {
@@ -150,6 +152,7 @@ impl StreamState {
             flow: None,
             session: None,
             trace: None,
+            arrived: None,
         }
     }
 
@@ -394,6 +397,7 @@ impl StreamState {
     /// The request is complete: prepare its facts once, admit it, then decide and answer, queue
     /// it (flow control) or reject it.
     fn conclude(&mut self, out: &mut Vec<ProcessingResponse>) {
+        self.arrived = Some(Instant::now());
         // One contiguous view of the body: the chunk itself, or a single copy of many chunks
         // (made once, kept while the request waits).
         if self.joined.is_none() && self.chunks.len() > 1 {
@@ -566,6 +570,10 @@ impl StreamState {
             admission,
             scores: shared.settings().endpoint_scores,
             session: self.session,
+            ttft_budget_ms: match (shared.flow(), self.arrived) {
+                (Some(f), Some(at)) => f.settings().ttft_budget_ms(at),
+                _ => None,
+            },
         };
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {

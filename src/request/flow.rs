@@ -59,6 +59,12 @@ pub struct FlowControlSettings {
     /// Request header whose value names the flow (requests of one flow are served in turn with
     /// other flows of the same priority); absent: the default flow.
     pub fairness_header: String,
+    /// Time-to-first-token objective in ms (0: none). With it, under the `predicted_ttft` cost
+    /// model, a request waits while no endpoint is predicted to give its first token within what
+    /// is left of the objective, and is answered 503 (429 if sheddable) once the objective has
+    /// passed (or `max_wait_ms`, if shorter): under overload the requests admitted keep the
+    /// objective and the rest are refused within it instead of queueing for seconds.
+    pub ttft_objective_ms: u64,
 }
 
 impl Default for FlowControlSettings {
@@ -68,11 +74,29 @@ impl Default for FlowControlSettings {
             max_queue_per_priority: 1024,
             max_wait_ms: 5_000,
             fairness_header: FAIRNESS_HEADER.into(),
+            ttft_objective_ms: 0,
         }
     }
 }
 
 impl FlowControlSettings {
+    /// How long a request may wait in the queue: `max_wait_ms`, or the TTFT objective when it is
+    /// shorter (past it, no placement can meet it).
+    pub fn wait_bound(&self) -> Duration {
+        let ms = match self.ttft_objective_ms {
+            0 => self.max_wait_ms,
+            o => o.min(self.max_wait_ms),
+        };
+        Duration::from_millis(ms)
+    }
+
+    /// What is left of the TTFT objective for a request that arrived at `arrived` (None: no
+    /// objective).
+    pub fn ttft_budget_ms(&self, arrived: Instant) -> Option<f64> {
+        (self.ttft_objective_ms > 0)
+            .then(|| self.ttft_objective_ms as f64 - arrived.elapsed().as_secs_f64() * 1000.0)
+    }
+
     /// One message per bad field.
     pub fn problems(&self) -> Vec<String> {
         let mut out = Vec::new();
@@ -86,6 +110,12 @@ impl FlowControlSettings {
             out.push(format!(
                 "max_wait_ms {} must be between 1 and 600000",
                 self.max_wait_ms
+            ));
+        }
+        if self.ttft_objective_ms > 600_000 {
+            out.push(format!(
+                "ttft_objective_ms {} must be at most 600000 (0: none)",
+                self.ttft_objective_ms
             ));
         }
         let h = &self.fairness_header;
@@ -345,9 +375,10 @@ impl kvepp_core::Listener for FlowControl {
 }
 
 impl Ticket {
-    /// Waits for this request's turn, at most until `max_wait_ms` after it was queued.
+    /// Waits for this request's turn, at most [`FlowControlSettings::wait_bound`] after it was
+    /// queued.
     pub async fn turn(&mut self) -> Turn {
-        let deadline = self.since + Duration::from_millis(self.fc.settings().max_wait_ms);
+        let deadline = self.since + self.fc.settings().wait_bound();
         match tokio::time::timeout_at(deadline.into(), &mut self.rx).await {
             Ok(Ok(grant)) => {
                 self.queued = false;
@@ -412,8 +443,24 @@ mod tests {
             max_queue_per_priority: 0,
             max_wait_ms: 0,
             fairness_header: "X Tenant".into(),
+            ttft_objective_ms: 600_001,
         };
-        assert_eq!(bad.problems().len(), 3, "{:?}", bad.problems());
+        assert_eq!(bad.problems().len(), 4, "{:?}", bad.problems());
+        let s = FlowControlSettings {
+            ttft_objective_ms: 1000,
+            ..FlowControlSettings::default()
+        };
+        assert_eq!(s.wait_bound(), Duration::from_millis(1000));
+        assert_eq!(
+            FlowControlSettings::default().wait_bound(),
+            Duration::from_millis(5000)
+        );
+        let budget = s.ttft_budget_ms(Instant::now()).unwrap();
+        assert!(budget <= 1000.0 && budget > 900.0, "{budget}");
+        assert_eq!(
+            FlowControlSettings::default().ttft_budget_ms(Instant::now()),
+            None
+        );
     }
 
     #[tokio::test]

@@ -61,6 +61,13 @@ impl Rejection {
     pub fn saturated(message: impl Into<String>) -> Self {
         Rejection::new(429, "saturated", message)
     }
+
+    /// No endpoint can give the request its first token within its TTFT objective: 429 for a
+    /// sheddable request, 503 for the others (flow control's `ttft_objective_ms`).
+    pub fn over_objective(message: impl Into<String>, priority: i32) -> Self {
+        let status = if is_sheddable(priority) { 429 } else { 503 };
+        Rejection::new(status, "ttft_objective", message)
+    }
 }
 
 impl From<BodyError> for Rejection {
@@ -80,6 +87,7 @@ impl Rejection {
                 "{e}; sheddable request (priority {priority}) dropped"
             )),
             PickError::Saturated(_) => Rejection::saturated(e.to_string()),
+            PickError::OverObjective { .. } => Rejection::over_objective(e.to_string(), priority),
             PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
             PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
                 Rejection::new(503, "subset_no_match", e.to_string())
@@ -111,6 +119,9 @@ pub struct RouteHints<'a> {
     pub scores: bool,
     /// The request's session (its session header), when it has a usable one.
     pub session: Option<kvepp_core::affinity::SessionKey>,
+    /// What is left of the request's TTFT objective, in ms (flow control's
+    /// `ttft_objective_ms` less the time since it arrived); None: no objective.
+    pub ttft_budget_ms: Option<f64>,
 }
 
 /// A request as the routing core needs it, built once ([`RouteRequest::prepare`]) and owned: flow
@@ -378,6 +389,7 @@ impl RouteRequest for RequestRouter {
             subset: hints.subset,
             prompt: req.prompt.as_ref().map_or(Prompt::None, Prompt::Blocks),
             session: hints.session,
+            ttft_budget_ms: hints.ttft_budget_ms,
             ..RequestFacts::default()
         };
         match self.router.route(facts, &snap.endpoints, &mut ctx) {
@@ -388,7 +400,9 @@ impl RouteRequest for RequestRouter {
                 repicks: d.repicks,
                 session: d.session,
             })),
-            Err(PickError::Saturated(_)) if hints.admission == Admission::Unsaturated => {
+            Err(PickError::Saturated(_) | PickError::OverObjective { .. })
+                if hints.admission == Admission::Unsaturated =>
+            {
                 Ok(Verdict::Wait)
             }
             Err(e) => {

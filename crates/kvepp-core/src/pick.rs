@@ -91,6 +91,11 @@ pub struct PickRequest<'a> {
     /// The rank the request's session is bound to: picked while it is a candidate (after the
     /// subset and role filters) and not saturated.
     pub sticky: Option<WorkerRank>,
+    /// The time to first token the request may still spend (its TTFT objective less what it
+    /// waited already), in ms. Under [`Admission::Unsaturated`] and the predicted-TTFT cost, a
+    /// choice predicted slower fails with [`PickError::OverObjective`] (flow control holds the
+    /// request until an endpoint can meet it, or rejects it). None: no objective.
+    pub ttft_budget_ms: Option<f64>,
 }
 
 /// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
@@ -136,6 +141,20 @@ pub struct Pick {
     pub candidates: u32,
 }
 
+/// The TTFT objective's filter: under [`Admission::Unsaturated`], a choice whose predicted TTFT
+/// (the predicted-TTFT cost, in ms) exceeds the request's budget is refused. Other cost models
+/// predict no time and are never refused.
+fn over_objective(req: &PickRequest<'_>, kv: Option<&KvDecision>) -> Option<PickError> {
+    let budget = req.ttft_budget_ms?;
+    let kv = kv.filter(|k| k.ttft.is_some())?;
+    (req.admission == Admission::Unsaturated && kv.cost > budget).then(|| {
+        PickError::OverObjective {
+            predicted_ms: kv.cost.max(0.0).round() as u64,
+            budget_ms: budget.max(0.0).round() as u64,
+        }
+    })
+}
+
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
 #[derive(Debug, Clone, Copy)]
 pub struct Ranked {
@@ -154,6 +173,8 @@ pub enum PickError {
     NoEligibleInSubset(usize),
     #[error("all {0} eligible endpoints are saturated")]
     Saturated(usize),
+    #[error("the best endpoint's predicted time to first token, {predicted_ms} ms, exceeds the {budget_ms} ms left of the request's TTFT objective")]
+    OverObjective { predicted_ms: u64, budget_ms: u64 },
     #[error("no ready decode endpoint in the disaggregated pool")]
     NoDecodeEndpoints,
     #[error("booking id {0:?} is already active")]
@@ -402,6 +423,10 @@ impl Selector {
                 second: Some(r.best),
                 kv: one.kv,
             };
+        }
+        if let Some(e) = over_objective(req, r.kv.as_ref()) {
+            ctx.bias.clear();
+            return Err(e);
         }
         let primary = candidates[r.best].clone();
         let adapter = req.adapter.map(|a| {

@@ -85,6 +85,8 @@ pub struct RequestFacts<'a> {
     /// The client's session: the request goes to the rank it is bound to while that rank is a
     /// candidate and not saturated, and the binding follows the pick.
     pub session: Option<SessionKey>,
+    /// What is left of the request's TTFT objective, in ms ([`PickRequest::ttft_budget_ms`]).
+    pub ttft_budget_ms: Option<f64>,
 }
 
 /// A routing decision and the load it booked.
@@ -294,6 +296,7 @@ impl Router {
             bias,
             adapter: self.adapter_of(facts.model),
             sticky: bound,
+            ttft_budget_ms: facts.ttft_budget_ms,
         };
         let mut repicks = 0;
         loop {
@@ -445,6 +448,8 @@ impl Router {
                 bias: &[],
                 adapter,
                 sticky: None,
+                // The prefill leg decides when the first token can come.
+                ttft_budget_ms: facts.ttft_budget_ms,
             },
             ctx,
         );
@@ -463,6 +468,7 @@ impl Router {
                 bias: &cands.bias,
                 adapter,
                 sticky: bound,
+                ttft_budget_ms: None,
             },
             ctx,
         )?;

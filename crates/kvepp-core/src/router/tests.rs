@@ -334,3 +334,61 @@ fn shrinking_the_session_table_sheds_the_least_recently_used() {
     t.set_limits(Duration::from_nanos(10), 16);
     assert_eq!(live(&fresh, 1_000_000), 0);
 }
+
+/// The TTFT objective: under the predicted-TTFT cost and `Admission::Unsaturated`, a choice
+/// predicted slower than the budget left is refused (flow control holds the request); with room,
+/// or admitted to shed (no flow control), or under Dynamo's cost, it routes.
+#[test]
+fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
+    let r = approx_router(
+        64,
+        CostWeights {
+            cost_model: crate::cost::CostModel::PredictedTtft,
+            ..CostWeights::default()
+        },
+    );
+    let eps = vec![ep(1, 0), ep(2, 0)];
+    let prompt = vec![3u8; 4096];
+    let facts = |budget: f64, admission| RequestFacts {
+        admission,
+        ttft_budget_ms: Some(budget),
+        ..text(&prompt)
+    };
+    let d = r
+        .route(
+            facts(1e9, Admission::Unsaturated),
+            &eps,
+            &mut PickContext::seeded(1),
+        )
+        .unwrap();
+    let predicted = d.pick.kv.unwrap().cost;
+    assert!(predicted > 0.0, "{predicted}");
+    drop(d);
+    match r.route(
+        facts(predicted / 2.0, Admission::Unsaturated),
+        &eps,
+        &mut PickContext::seeded(1),
+    ) {
+        Err(crate::pick::PickError::OverObjective {
+            predicted_ms,
+            budget_ms,
+        }) => assert!(predicted_ms > budget_ms, "{predicted_ms} {budget_ms}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(r
+        .route(
+            facts(predicted / 2.0, Admission::Shed),
+            &eps,
+            &mut PickContext::seeded(1)
+        )
+        .is_ok());
+    // Dynamo's cost predicts no time: no objective applies.
+    let dynamo = approx_router(64, CostWeights::default());
+    assert!(dynamo
+        .route(
+            facts(0.0, Admission::Unsaturated),
+            &eps,
+            &mut PickContext::seeded(1)
+        )
+        .is_ok());
+}
