@@ -4,22 +4,26 @@
 # `kvepp-sim gen-trace --target-load` estimates it), a Mooncake-format trace is generated and
 # replayed through Envoy and kvepp on 8 simulated engines under each policy; then
 # bench/generalization.py prints, per structure, load and policy, the median and the spread
-# (min–max over the seeds) of the hit ratio (of the capacity ceiling), TTFT p50/p90 and
-# imbalance. Release build; results in bench/results/generalization/<structure>-s<seed>-l<load>/.
+# (min–max over the seeds) of the hit ratio (of the capacity ceiling and of the clairvoyant
+# reference placement's), TTFT p50/p90 (and the reference's share of them), p90 against round
+# robin and approximate prefix, and imbalance; then the issue's targets for `default` (the
+# shipped configuration), run by run. Release build (PREBUILT=1: use target/release as it is);
+# results in bench/results/generalization/<structure>-s<seed>-l<load>/.
 #
 # Environment (defaults): SEEDS="1 2 3 4 5", LOADS="0.5 0.7 0.9 1.2",
 # STRUCTURES="system-prompts conversations", REQUESTS=1000,
-# POLICIES=round-robin,approximate-prefix,precise-kv,precise-ttft. The full grid is 40 replays
-# of 4 policies (hours on 2 cores); e.g. SEEDS="1 2" LOADS="0.5 0.9" REQUESTS=300 for a look.
+# POLICIES=round-robin,approximate-prefix,precise-kv,default,clairvoyant. The full grid is 40
+# replays of 5 policies (hours on 2 cores); e.g. SEEDS="1 2" LOADS="0.5 0.9" REQUESTS=300 for a
+# look.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-sim
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 seeds=${SEEDS:-"1 2 3 4 5"}
 loads=${LOADS:-"0.5 0.7 0.9 1.2"}
 structures=${STRUCTURES:-"system-prompts conversations"}
 requests=${REQUESTS:-1000}
-policies=${POLICIES:-round-robin,approximate-prefix,precise-kv,precise-ttft}
+policies=${POLICIES:-round-robin,approximate-prefix,precise-kv,default,clairvoyant}
 root=bench/results/generalization
 for structure in $structures; do
   for seed in $seeds; do
@@ -34,4 +38,4 @@ for structure in $structures; do
     done
   done
 done
-python3 bench/generalization.py "$root" | tee "$root/summary.md"
+python3 bench/generalization.py "$root" default | tee "$root/summary.md"

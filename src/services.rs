@@ -179,10 +179,17 @@ impl SlotTrackerArgs {
     }
 }
 
-/// The catalog's settings: the tree's cost knobs (Dynamo's `DYN_ROUTER_*` applied).
+/// The catalog's settings: the tree's cost knobs (Dynamo's `DYN_ROUTER_*` applied), under
+/// Dynamo's cost and without kvepp's bounded loads whatever the EPP's `router` says: the
+/// services are Dynamo's drop-in, and their answers are Dynamo's formula.
 fn kv_settings(cfg: &Config) -> KvSettings {
     KvSettings {
-        weights: cfg.router,
+        weights: kvepp_core::cost::CostWeights {
+            cost_model: kvepp_core::cost::CostModel::Dynamo,
+            load_bound: 0.0,
+            load_bound_cached: 0.0,
+            ..cfg.router
+        },
         table_seed: fastrand::u64(..),
         // Dynamo's own indexer reads every block up to the first gap; the standalone services are
         // its drop-in, so they keep that exact walk whatever the workers' eviction order.

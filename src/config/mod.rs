@@ -367,7 +367,7 @@ mod tests {
                 .unwrap();
         assert_eq!(cfg.router.load_bound, 1.25);
         assert_eq!(cfg.router.load_bound_cached, 1.5);
-        assert_eq!(cfg.router.load_bound_exempt_cached, 0.5, "its default");
+        assert_eq!(cfg.router.load_bound_exempt_cached, 0.25, "its default");
         let router_errors = |c: &Config| {
             c.validate()
                 .err()

@@ -96,8 +96,12 @@ async fn the_cached_bound_lets_an_idle_engine_take_a_busy_holders_prefix_over() 
 /// Bounded loads at 1.0 with `load_bound_cached` at `cached`: a stream holds the prefix holder,
 /// then a prompt with 4 of its 6 blocks cached there (exempt) and one with 4 of 10 (not).
 async fn busy_holder_under_bounded_loads(cached: f64) {
+    // The mechanism under Dynamo's cost, with half the prompt cached as the exemption (the
+    // defaults are the predicted-TTFT cost and a quarter).
     let (a, b, epp) = two_engines(|c| {
+        c.router.cost_model = kvepp_core::cost::CostModel::Dynamo;
         c.router.load_bound = 1.0;
+        c.router.load_bound_exempt_cached = 0.5;
         c.router.load_bound_cached = cached;
     })
     .await;

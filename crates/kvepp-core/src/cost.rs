@@ -11,8 +11,8 @@
 //! Temperature 0 picks the cheapest (ties at random); above 0 it samples a softmax over the
 //! normalised negative costs. What a pick books as prefill is `effective_prefill_tokens`.
 //!
-//! kvepp's own addition, bounded loads ([`CostWeights::bound_loads`], off unless `load_bound` is
-//! set): before the choice, candidates that would hold more than `load_bound` × the mean number
+//! kvepp's own addition, bounded loads ([`CostWeights::bound_loads`]; on in the EPP's defaults,
+//! off in Dynamo's, [`CostWeights::dynamo`]): before the choice, candidates that would hold more than `load_bound` × the mean number
 //! of requests (this one included, rounded up) cost more than every candidate within the bound,
 //! so requests the cache does not tie to one engine spread by count, and a popular prefix spills
 //! over to the next best engine instead of queueing on one. A candidate holding at least
@@ -71,11 +71,13 @@ impl CandidateLoad {
 #[serde(rename_all = "snake_case")]
 pub enum CostModel {
     /// Dynamo's formula over blocks (this module's), as the selection service computes it.
-    #[default]
     Dynamo,
     /// Predicted time to first token in ms, learned online per endpoint
     /// ([`crate::predict`]): queueing, the uncached prefill, decode interference and traffic
-    /// the engine reports beyond ours.
+    /// the engine reports beyond ours. The EPP's default: on every generated trace and workload
+    /// of the routing report it reached more of the cache ceiling than Dynamo's cost at equal
+    /// or lower TTFT.
+    #[default]
     PredictedTtft,
 }
 
@@ -130,7 +132,22 @@ pub struct BoundInput {
 }
 
 impl Default for CostWeights {
+    /// The EPP's defaults (what a `router` section leaves unset): Dynamo's knobs at Dynamo's
+    /// values, kvepp's cost model (predicted TTFT) and bounded loads on.
     fn default() -> Self {
+        CostWeights {
+            cost_model: CostModel::PredictedTtft,
+            load_bound: 1.0,
+            load_bound_exempt_cached: 0.25,
+            ..CostWeights::dynamo()
+        }
+    }
+}
+
+impl CostWeights {
+    /// Dynamo's router exactly: its knobs at its defaults, its cost, no bounded loads (the HTTP
+    /// selection service's, and the core's own default in [`crate::kv::KvSettings`]).
+    pub fn dynamo() -> Self {
         CostWeights {
             overlap_score_credit: 1.0,
             host_cache_hit_weight: 0.75,
@@ -509,7 +526,7 @@ mod tests {
 
     #[test]
     fn formula_by_hand() {
-        let w = CostWeights::default();
+        let w = CostWeights::dynamo();
         // 512 prompt tokens + 64 active prefill, block 16: 36 blocks; 10 on GPU, 4 more on host, 2 more on disk.
         let c = load(10, 14, 16, 576, 40, 3);
         let credit = 10.0 + 0.75 * 4.0 + 0.25 * 2.0;
@@ -544,7 +561,7 @@ mod tests {
 
     #[test]
     fn choose_cheapest_with_random_ties() {
-        let w = CostWeights::default();
+        let w = CostWeights::dynamo();
         let mut rng = fastrand::Rng::with_seed(3);
         let mut seen = [0; 4];
         for _ in 0..4000 {
@@ -558,7 +575,7 @@ mod tests {
     fn temperature_samples_a_softmax() {
         let w = CostWeights {
             temperature: 0.5,
-            ..CostWeights::default()
+            ..CostWeights::dynamo()
         };
         let mut rng = fastrand::Rng::with_seed(11);
         let mut seen = [0u32; 3];
@@ -614,7 +631,7 @@ mod tests {
     #[test]
     fn choose_two_agrees_with_the_simple_choice() {
         // Not a caller's case (candidates are never empty), but no panic either.
-        let w = CostWeights::default();
+        let w = CostWeights::dynamo();
         assert_eq!(
             w.choose_two(&[], |_| 0, &mut fastrand::Rng::with_seed(1)),
             (0, None)
@@ -632,7 +649,7 @@ mod tests {
             let ties: Vec<u32> = (0..n).map(|_| gen.u32(..3)).collect();
             let w = CostWeights {
                 temperature: if round % 7 == 0 { 0.3 } else { 0.0 },
-                ..CostWeights::default()
+                ..CostWeights::dynamo()
             };
             let (mut a, mut b) = (
                 fastrand::Rng::with_seed(round),
@@ -673,7 +690,7 @@ mod tests {
                 load_bound: bound,
                 load_bound_cached: cached,
                 load_bound_exempt_cached: exempt_share,
-                ..CostWeights::default()
+                ..CostWeights::dynamo()
             };
             assert!(w.validate().is_empty());
             let total: u32 = requests.iter().sum();
@@ -731,7 +748,7 @@ mod tests {
             requests,
             cached: 0,
         });
-        assert!(!CostWeights::default().bound_loads(&mut costs, &inputs, 10));
+        assert!(!CostWeights::dynamo().bound_loads(&mut costs, &inputs, 10));
         assert_eq!(costs, [1.0, 5.0]);
     }
 
@@ -747,7 +764,7 @@ mod tests {
         ] {
             let w = CostWeights {
                 load_bound: bound,
-                ..CostWeights::default()
+                ..CostWeights::dynamo()
             };
             assert_eq!(w.validate().is_empty(), ok, "{bound}");
         }
@@ -765,7 +782,7 @@ mod tests {
             let w = CostWeights {
                 load_bound: bound,
                 load_bound_cached: cached,
-                ..CostWeights::default()
+                ..CostWeights::dynamo()
             };
             let errors = w.validate();
             assert_eq!(errors.is_empty(), ok, "{bound} {cached}: {errors:?}");

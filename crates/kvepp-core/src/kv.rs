@@ -96,7 +96,7 @@ impl Default for KvSettings {
         KvSettings {
             block_size: crate::types::DEFAULT_BLOCK_SIZE,
             learn_block_size: false,
-            weights: CostWeights::default(),
+            weights: CostWeights::dynamo(),
             approx_bytes_per_token: 4,
             approx_blocks_per_endpoint: 32_768,
             max_blocks_per_rank: super::index::DEFAULT_MAX_BLOCKS_PER_RANK,

@@ -429,7 +429,7 @@ fn bounded_run_after(
             load_bound,
             load_bound_exempt_cached: exempt,
             load_bound_cached: cached,
-            ..CostWeights::default()
+            ..CostWeights::dynamo()
         },
         ..KvSettings::default()
     };

@@ -281,7 +281,7 @@ fn run(weights: CostWeights, seed: u64) {
 #[test]
 fn every_door_picks_books_and_publishes_alike_under_dynamos_cost() {
     for seed in 0..3 {
-        run(CostWeights::default(), seed);
+        run(CostWeights::dynamo(), seed);
     }
 }
 
@@ -289,17 +289,17 @@ fn every_door_picks_books_and_publishes_alike_under_dynamos_cost() {
 fn every_door_picks_books_and_publishes_alike_with_bounded_loads_and_predicted_ttft() {
     let bounded = CostWeights {
         load_bound: 1.0,
-        ..CostWeights::default()
+        ..CostWeights::dynamo()
     };
     run(bounded, 7);
     let ttft = CostWeights {
         cost_model: CostModel::PredictedTtft,
-        ..CostWeights::default()
+        ..CostWeights::dynamo()
     };
     run(ttft, 8);
     let hot = CostWeights {
         temperature: 0.5,
-        ..CostWeights::default()
+        ..CostWeights::dynamo()
     };
     run(hot, 9);
 }

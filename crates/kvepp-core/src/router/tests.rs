@@ -40,7 +40,7 @@ fn overlap_on(r: &Router, eps: &[Arc<Endpoint>], bytes: &[u8]) -> (SocketAddr, u
 
 #[test]
 fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     // No prompt: every cost is 0; the endpoint with fewer requests in flight wins every time.
     let eps = vec![ep(1, 3), ep(2, 0), ep(3, 5)];
     let mut ctx = PickContext::seeded(1);
@@ -67,7 +67,7 @@ fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
 
 #[test]
 fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     let eps = vec![ep(1, 0), ep(2, 0)];
     let prompt = [7u8; 64]; // 16 blocks of 4 bytes
     let first = r
@@ -90,7 +90,7 @@ fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
         64,
         CostWeights {
             temperature: 5.0,
-            ..CostWeights::default()
+            ..CostWeights::dynamo()
         },
     );
     let d = hot
@@ -113,7 +113,7 @@ fn cached_prefix_wins_at_temperature_zero_and_temperature_spreads() {
 
 #[test]
 fn approximate_memory_is_bounded_per_endpoint() {
-    let r = approx_router(4, CostWeights::default());
+    let r = approx_router(4, CostWeights::dynamo());
     let eps = vec![ep(1, 0)];
     let a = [1u8; 8]; // 2 blocks
     drop(
@@ -134,7 +134,7 @@ fn approximate_memory_is_bounded_per_endpoint() {
 
 #[test]
 fn forgetting_an_endpoint_drops_its_prefixes_and_load() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     let eps = vec![ep(1, 0)];
     let p = [5u8; 16];
     let held = r
@@ -152,7 +152,7 @@ fn forgetting_an_endpoint_drops_its_prefixes_and_load() {
 
 #[test]
 fn booking_is_released_once_on_drop_and_stale_ones_expire() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     let eps = vec![ep(1, 0)];
     let kv = r.kv().unwrap().clone();
     let addr = eps[0].addr_str.clone();
@@ -204,7 +204,7 @@ fn load_only_router_books_in_flight_without_prompt_work() {
 
 #[test]
 fn retain_keeps_only_live_endpoints() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     let (a, b) = (ep(1, 0), ep(2, 0));
     let p = [6u8; 16];
     let held = r
@@ -240,7 +240,7 @@ fn retain_keeps_only_live_endpoints() {
 /// decision; a booking made before keeps its load.
 #[test]
 fn retune_applies_to_the_next_decision() {
-    let r = approx_router(64, CostWeights::default());
+    let r = approx_router(64, CostWeights::dynamo());
     let eps = vec![ep(1, 0), ep(2, 0)];
     let prompt = [7u8; 64];
     let home = r
@@ -266,7 +266,7 @@ fn retune_applies_to_the_next_decision() {
     let sessions = crate::affinity::SessionAffinity::default();
     let hot = CostWeights {
         temperature: 5.0,
-        ..CostWeights::default()
+        ..CostWeights::dynamo()
     };
     r.retune(hot, r.tuning(), &sessions);
     assert!(away(&r) > 0, "the new temperature was not used");
@@ -287,7 +287,7 @@ fn retune_applies_to_the_next_decision() {
         saturation: Saturation::in_flight(1),
         ..r.tuning()
     };
-    r.retune(CostWeights::default(), tight, &sessions);
+    r.retune(CostWeights::dynamo(), tight, &sessions);
     assert!(matches!(
         r.route(facts(), &eps, &mut PickContext::seeded(1)),
         Err(crate::pick::PickError::Saturated(2))
@@ -344,7 +344,7 @@ fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
         64,
         CostWeights {
             cost_model: crate::cost::CostModel::PredictedTtft,
-            ..CostWeights::default()
+            ..CostWeights::dynamo()
         },
     );
     let eps = vec![ep(1, 0), ep(2, 0)];
@@ -383,7 +383,7 @@ fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
         )
         .is_ok());
     // Dynamo's cost predicts no time: no objective applies.
-    let dynamo = approx_router(64, CostWeights::default());
+    let dynamo = approx_router(64, CostWeights::dynamo());
     assert!(dynamo
         .route(
             facts(0.0, Admission::Unsaturated),

@@ -17,7 +17,7 @@ fn ttft_router() -> Router {
         approximate_only: true,
         weights: CostWeights {
             cost_model: CostModel::PredictedTtft,
-            ..CostWeights::default()
+            ..CostWeights::dynamo()
         },
         ..KvSettings::default()
     }));

@@ -60,6 +60,9 @@ pub enum Policy {
     Precise,
     /// The engines' KV events, candidates ranked by predicted TTFT learned online.
     PreciseTtft,
+    /// What a user gets: the KV-aware picker over the engines' KV events with the configuration
+    /// as given (the shipped defaults unless `--kvepp-config` changes them).
+    Default,
     /// Not a router: the reference placement that reads every engine's true cache and queue
     /// ([`oracle`]), sending each request straight to the engine with the lowest TTFT.
     Clairvoyant,
@@ -71,7 +74,7 @@ impl Policy {
         Policy::LeastLoaded,
         Policy::ApproximatePrefix,
         Policy::Precise,
-        Policy::PreciseTtft,
+        Policy::Default,
         Policy::Clairvoyant,
     ];
 
@@ -82,6 +85,7 @@ impl Policy {
             Policy::ApproximatePrefix => "approximate-prefix",
             Policy::Precise => "precise-kv",
             Policy::PreciseTtft => "precise-ttft",
+            Policy::Default => "default",
             Policy::Clairvoyant => "clairvoyant",
         }
     }
@@ -90,7 +94,7 @@ impl Policy {
     pub fn picker_is_kv_aware(self) -> bool {
         matches!(
             self,
-            Policy::ApproximatePrefix | Policy::Precise | Policy::PreciseTtft
+            Policy::ApproximatePrefix | Policy::Precise | Policy::PreciseTtft | Policy::Default
         )
     }
 
@@ -100,21 +104,25 @@ impl Policy {
             Policy::RoundRobin | Policy::Clairvoyant => PickerKind::RoundRobin,
             Policy::LeastLoaded => PickerKind::LeastLoaded,
             Policy::ApproximatePrefix => PickerKind::ApproximatePrefix,
-            Policy::Precise | Policy::PreciseTtft => PickerKind::KvAware,
+            Policy::Precise | Policy::PreciseTtft | Policy::Default => PickerKind::KvAware,
         }
     }
 
-    /// What the KV-aware picker minimises under this policy.
-    pub fn cost_model(self) -> CostModel {
+    /// What the KV-aware picker minimises under this policy (None: what the configuration says).
+    pub fn cost_model(self) -> Option<CostModel> {
         match self {
-            Policy::PreciseTtft => CostModel::PredictedTtft,
-            _ => CostModel::Dynamo,
+            Policy::PreciseTtft => Some(CostModel::PredictedTtft),
+            Policy::Default => None,
+            _ => Some(CostModel::Dynamo),
         }
     }
 
     /// Whether kvepp subscribes to the engines' KV events under this policy.
     pub fn uses_kv_events(self) -> bool {
-        matches!(self, Policy::Precise | Policy::PreciseTtft)
+        matches!(
+            self,
+            Policy::Precise | Policy::PreciseTtft | Policy::Default
+        )
     }
 }
 
@@ -202,7 +210,7 @@ impl Kvepp {
             picker: policy.picker(),
             block_size: Some(block_size),
             router: kvepp_core::cost::CostWeights {
-                cost_model: policy.cost_model(),
+                cost_model: policy.cost_model().unwrap_or(base.router.cost_model),
                 ..base.router
             },
             ..base.clone()
@@ -290,7 +298,8 @@ pub async fn run_policy(
     let restart_cleared_after = restart(spec, policy, &kvepps, &answering, start).await;
     let records = collect(spec, requests, handles, start).await;
     let engines = answering.iter().map(|e| e.name.clone()).collect();
-    if policy.cost_model() == CostModel::PredictedTtft && !kvepps.is_empty() {
+    let model = policy.cost_model().unwrap_or(spec.kvepp.router.cost_model);
+    if model == CostModel::PredictedTtft && !kvepps.is_empty() {
         log_learned_ttft(&kvepps[0]).await;
     }
     if let Some(envoy) = envoy {
