@@ -141,6 +141,25 @@ pub struct Pick {
     pub candidates: u32,
 }
 
+/// The endpoints the proxy's subset hint names (none named, or none of them ready: an error).
+fn in_subset(
+    endpoints: &[Arc<Endpoint>],
+    subset: &[SocketAddr],
+) -> Result<Vec<Arc<Endpoint>>, PickError> {
+    if subset.is_empty() {
+        return Err(PickError::EmptySubset);
+    }
+    let filtered: Vec<Arc<Endpoint>> = endpoints
+        .iter()
+        .filter(|e| subset.contains(&e.addr))
+        .cloned()
+        .collect();
+    if filtered.is_empty() {
+        return Err(PickError::NoEligibleInSubset(subset.len()));
+    }
+    Ok(filtered)
+}
+
 /// The TTFT objective's filter: under [`Admission::Unsaturated`], a choice whose predicted TTFT
 /// (the predicted-TTFT cost, in ms) exceeds the request's budget is refused. Other cost models
 /// predict no time and are never refused.
@@ -347,16 +366,8 @@ impl Selector {
         let filtered: Vec<Arc<Endpoint>>;
         let mut candidates: &[Arc<Endpoint>] = match req.subset {
             None => endpoints,
-            Some([]) => return Err(PickError::EmptySubset),
             Some(subset) => {
-                filtered = endpoints
-                    .iter()
-                    .filter(|e| subset.contains(&e.addr))
-                    .cloned()
-                    .collect();
-                if filtered.is_empty() {
-                    return Err(PickError::NoEligibleInSubset(subset.len()));
-                }
+                filtered = in_subset(endpoints, subset)?;
                 &filtered
             }
         };

@@ -438,18 +438,19 @@ impl Router {
         // The subset hint names where the proxy may send the request: the decode worker. Scores,
         // when asked for, are the decode candidates'.
         let scores = ctx.scores.take();
+        let leg = PickRequest {
+            priority: facts.priority,
+            admission: facts.admission,
+            adapter,
+            ..PickRequest::default()
+        };
+        // The prefill leg decides when the first token can come: the TTFT budget is its.
         let p = self.selector.pick(
             &prefill,
             &PickRequest {
-                priority: facts.priority,
-                admission: facts.admission,
-                subset: None,
                 prompt,
-                bias: &[],
-                adapter,
-                sticky: None,
-                // The prefill leg decides when the first token can come.
                 ttft_budget_ms: facts.ttft_budget_ms,
+                ..leg
             },
             ctx,
         );
@@ -461,14 +462,10 @@ impl Router {
         let mut pick = self.selector.pick(
             &cands.endpoints,
             &PickRequest {
-                priority: facts.priority,
-                admission: facts.admission,
                 subset: facts.subset,
-                prompt: None,
                 bias: &cands.bias,
-                adapter,
                 sticky: bound,
-                ttft_budget_ms: None,
+                ..leg
             },
             ctx,
         )?;
