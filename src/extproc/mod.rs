@@ -289,12 +289,19 @@ async fn wait_for_capacity(
                 Turn::Granted(grant) => {
                     state.retry(Admission::Unsaturated, out);
                     let placed = state.queued().is_none();
-                    grant.done(placed);
                     if placed {
+                        grant.done(true);
                         ticket.finish("dispatched");
                         break;
                     }
-                    ticket.requeue();
+                    if state.unfit() {
+                        // Not the capacity: its own budget. The next waiter may fit now.
+                        grant.unfit();
+                        ticket.requeue_back();
+                    } else {
+                        grant.done(false);
+                        ticket.requeue();
+                    }
                 }
                 Turn::TimedOut(waited) => {
                     ticket.finish("timeout");

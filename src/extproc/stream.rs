@@ -129,6 +129,8 @@ pub(super) struct StreamState {
     trace: Option<RequestTrace>,
     /// When the request was complete (its TTFT objective counts from here).
     arrived: Option<Instant>,
+    /// Its last decision found no endpoint within its TTFT budget (it waits behind the others).
+    unfit: bool,
 }
 
 impl StreamState {
@@ -153,6 +155,7 @@ impl StreamState {
             session: None,
             trace: None,
             arrived: None,
+            unfit: false,
         }
     }
 
@@ -308,6 +311,12 @@ impl StreamState {
     }
 
     /// The priority at which the request waits for capacity, while it does.
+    /// Whether the last decision left the request waiting for lack of an endpoint within its
+    /// TTFT budget (rather than of capacity).
+    pub(super) fn unfit(&self) -> bool {
+        self.unfit
+    }
+
     pub(super) fn queued(&self) -> Option<i32> {
         self.prepared
             .as_ref()
@@ -578,7 +587,10 @@ impl StreamState {
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {
             Ok(Verdict::Routed(r)) => r,
-            Ok(Verdict::Wait) => return Ok(None),
+            Ok(verdict @ (Verdict::Wait | Verdict::Unfit)) => {
+                self.unfit = matches!(verdict, Verdict::Unfit);
+                return Ok(None);
+            }
             Err(r) => {
                 if let Some((model, target)) = &r.labels {
                     self.labels = Some(self.labels_for(model.clone(), target.clone()));

@@ -191,17 +191,41 @@ pub struct FlowControl {
     metrics: FlowMetrics,
 }
 
+/// What a grantee made of its turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    Placed,
+    /// No capacity after all: the dispatcher waits for the next release.
+    NotPlaced,
+    /// Capacity, but no endpoint within the request's TTFT budget: the next waiter may fit.
+    Unfit,
+}
+
 /// A waiting request's turn: route now, then say whether the request was placed.
 #[derive(Debug)]
 pub struct Grant {
-    ack: Option<oneshot::Sender<bool>>,
+    ack: Option<oneshot::Sender<Answer>>,
 }
 
 impl Grant {
     /// Reports whether the request was placed (false: the dispatcher waits for the next release).
-    pub fn done(mut self, placed: bool) {
+    pub fn done(self, placed: bool) {
+        self.answer(if placed {
+            Answer::Placed
+        } else {
+            Answer::NotPlaced
+        });
+    }
+
+    /// Reports that the request found capacity but no endpoint within its TTFT budget: the
+    /// dispatcher offers the turn to the next waiter.
+    pub fn unfit(self) {
+        self.answer(Answer::Unfit);
+    }
+
+    fn answer(mut self, a: Answer) {
         if let Some(ack) = self.ack.take() {
-            let _ = ack.send(placed);
+            let _ = ack.send(a);
         }
     }
 }
@@ -209,7 +233,7 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         if let Some(ack) = self.ack.take() {
-            let _ = ack.send(false);
+            let _ = ack.send(Answer::NotPlaced);
         }
     }
 }
@@ -337,6 +361,9 @@ impl FlowControl {
                 _ = shutdown.changed() => return,
             }
             // Nothing waits (flow control off, or an empty queue): no capacity check at all.
+            // Turns passed on by requests outside their TTFT budget are bounded by how many
+            // waited when this round began (each such request went to the back).
+            let mut passes = self.waiting();
             while self.busy() && routing.has_capacity() {
                 let next = {
                     let mut q = self.lock();
@@ -351,13 +378,15 @@ impl FlowControl {
                 if waiter.tx.send(Grant { ack: Some(ack) }).is_err() {
                     continue; // its stream went away meanwhile
                 }
-                let placed = tokio::time::timeout(GRANT_ANSWER, answer)
+                let answer = tokio::time::timeout(GRANT_ANSWER, answer)
                     .await
                     .ok()
                     .and_then(Result::ok)
-                    .unwrap_or(false);
-                if !placed {
-                    break;
+                    .unwrap_or(Answer::NotPlaced);
+                match answer {
+                    Answer::Placed => {}
+                    Answer::Unfit if passes > 1 => passes -= 1,
+                    Answer::Unfit | Answer::NotPlaced => break,
                 }
             }
         }
@@ -395,6 +424,20 @@ impl Ticket {
         self.rx = rx;
         let mut q = self.fc.lock();
         q.push_front(self.id, self.priority, &self.flow, Waiter { tx });
+        self.fc.gauge(&q, self.priority);
+        self.queued = true;
+    }
+
+    /// The turn found no endpoint within the request's TTFT budget: to the back of its flow
+    /// (others may fit meanwhile), or its head when the queue is full.
+    pub fn requeue_back(&mut self) {
+        let (tx, rx) = oneshot::channel();
+        self.rx = rx;
+        let mut q = self.fc.lock();
+        match q.push(self.priority, &self.flow, Waiter { tx }) {
+            Ok(id) => self.id = id,
+            Err((_, w)) => q.push_front(self.id, self.priority, &self.flow, w),
+        }
         self.fc.gauge(&q, self.priority);
         self.queued = true;
     }
@@ -488,6 +531,63 @@ mod tests {
                 .get()
         };
         assert_eq!((counted("cancelled"), counted("timeout")), (2, 1));
+    }
+
+    /// Always has capacity; nothing else is asked of it.
+    #[derive(Debug)]
+    struct Open;
+
+    impl RouteRequest for Open {
+        fn prepare(
+            &self,
+            _: Option<&[u8]>,
+            _: Option<&str>,
+        ) -> Result<super::super::Prepared, super::super::Rejection> {
+            Err(super::super::Rejection::new(500, "test", "unused"))
+        }
+        fn decide(
+            &self,
+            _: &super::super::Prepared,
+            _: &super::super::RouteHints<'_>,
+        ) -> Result<super::super::Verdict, super::super::Rejection> {
+            Err(super::super::Rejection::new(500, "test", "unused"))
+        }
+        fn has_capacity(&self) -> bool {
+            true
+        }
+        fn endpoint(&self, _: std::net::SocketAddr) -> Option<Arc<kvepp_core::Endpoint>> {
+            None
+        }
+    }
+
+    /// A head outside its TTFT budget passes its turn to the next waiter at once (no release
+    /// needed) and goes behind it; a head short of capacity holds the round.
+    #[tokio::test]
+    async fn an_unfit_head_passes_its_turn_to_the_next_waiter() {
+        let fc = FlowControl::new(FlowControlSettings::default(), FlowMetrics::default());
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut a = fc.enqueue(0, "").unwrap();
+        let mut b = fc.enqueue(0, "").unwrap();
+        let task = tokio::spawn(fc.clone().dispatch(Arc::new(Open), stop_rx));
+        let Turn::Granted(g) = a.turn().await else {
+            panic!("a first")
+        };
+        g.unfit();
+        a.requeue_back();
+        let Turn::Granted(g) = b.turn().await else {
+            panic!("b next, in the same round")
+        };
+        g.done(true);
+        b.finish("dispatched");
+        // a is granted again (the recheck while it waits) and placed.
+        let Turn::Granted(g) = a.turn().await else {
+            panic!("a again")
+        };
+        g.done(true);
+        a.finish("dispatched");
+        assert_eq!(fc.waiting(), 0);
+        stop_tx.send(true).unwrap();
+        task.await.unwrap();
     }
 
     #[tokio::test]

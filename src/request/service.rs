@@ -171,6 +171,9 @@ pub enum Verdict {
     /// Every eligible endpoint is saturated and the request was admitted only to an unsaturated
     /// one ([`Admission::Unsaturated`]): it may wait for capacity.
     Wait,
+    /// No endpoint is predicted to give the first token within what is left of the TTFT
+    /// objective, though an idle one would: it may wait, behind the others (it holds no one up).
+    Unfit,
 }
 
 /// What the ext_proc door calls to route one request: prepare once, decide as often as its turns
@@ -400,10 +403,16 @@ impl RouteRequest for RequestRouter {
                 repicks: d.repicks,
                 session: d.session,
             })),
-            Err(PickError::Saturated(_) | PickError::OverObjective { .. })
-                if hints.admission == Admission::Unsaturated =>
-            {
+            Err(PickError::Saturated(_)) if hints.admission == Admission::Unsaturated => {
                 Ok(Verdict::Wait)
+            }
+            // Waiting helps only while an idle endpoint would still meet the budget.
+            Err(PickError::OverObjective {
+                budget_ms,
+                floor_ms,
+                ..
+            }) if hints.admission == Admission::Unsaturated && floor_ms <= budget_ms => {
+                Ok(Verdict::Unfit)
             }
             Err(e) => {
                 let mut r = Rejection::from_pick(e, req.priority);

@@ -46,6 +46,9 @@ pub struct KvDecision {
     /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
     /// booking learns from the observed first token).
     pub ttft: Option<crate::predict::TtftFeatures>,
+    /// Under the `predicted_ttft` cost model, for a request with a TTFT budget: what the TTFT
+    /// objective's filter reads.
+    pub objective: Option<crate::predict::TtftOutlook>,
 }
 
 /// What the cost model needs to know about one rank for one request.

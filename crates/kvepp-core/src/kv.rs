@@ -59,6 +59,7 @@ mod guard;
 mod prompt;
 mod ranks;
 mod scratch;
+mod ttft;
 
 use approx::Approx;
 pub use guard::SlotGuard;
@@ -66,6 +67,7 @@ pub use prompt::{PrefixMode, PromptBlocks};
 pub use ranks::capacity_limit;
 
 use scratch::PickScratch;
+use ttft::ttft_features;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvSettings {
@@ -104,25 +106,6 @@ impl Default for KvSettings {
             table_seed: super::index::DEFAULT_TABLE_SEED,
             prefix_closed: true,
         }
-    }
-}
-
-/// What the predicted-TTFT model reads for one candidate: the prefill queued there plus this
-/// prompt's uncached part, the decoding KV (with this request's), the engine's hidden requests.
-fn ttft_features(
-    w: &CostWeights,
-    bs: u32,
-    isl: u64,
-    c: &CandidateLoad,
-    load: &EndpointLoad,
-) -> TtftFeatures {
-    let own = w.effective_prefill_tokens(isl, bs, c.overlap);
-    let queued = c.potential_prefill_tokens.saturating_sub(isl);
-    TtftFeatures {
-        uncached_ktokens: own as f64 / 1000.0,
-        prefill_ktokens: (queued + own) as f64 / 1000.0,
-        decode_ktokens: c.potential_decode_blocks as f64 * f64::from(bs) / 1000.0,
-        hidden_requests: f64::from(load.hidden_requests()),
     }
 }
 
@@ -627,6 +610,11 @@ impl KvState {
             load_version,
             load_bounded,
             ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
+            objective: None,
+        };
+        let decision = KvDecision {
+            objective: self.outlook(&decision, req, candidates, best, &sc, (w, bs, isl), ctx.now),
+            ..decision
         };
         self.return_scratch(pool, sc);
         (best, second, decision)

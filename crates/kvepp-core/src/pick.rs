@@ -165,11 +165,13 @@ fn in_subset(
 /// predict no time and are never refused.
 fn over_objective(req: &PickRequest<'_>, kv: Option<&KvDecision>) -> Option<PickError> {
     let budget = req.ttft_budget_ms?;
-    let kv = kv.filter(|k| k.ttft.is_some())?;
-    (req.admission == Admission::Unsaturated && kv.cost > budget).then(|| {
+    let o = kv?.objective?;
+    let ms = |v: f64| v.max(0.0).round() as u64;
+    (req.admission == Admission::Unsaturated && o.predicted_ms > budget).then(|| {
         PickError::OverObjective {
-            predicted_ms: kv.cost.max(0.0).round() as u64,
-            budget_ms: budget.max(0.0).round() as u64,
+            predicted_ms: ms(o.predicted_ms),
+            budget_ms: ms(budget),
+            floor_ms: ms(o.floor_ms),
         }
     })
 }
@@ -192,8 +194,14 @@ pub enum PickError {
     NoEligibleInSubset(usize),
     #[error("all {0} eligible endpoints are saturated")]
     Saturated(usize),
-    #[error("the best endpoint's predicted time to first token, {predicted_ms} ms, exceeds the {budget_ms} ms left of the request's TTFT objective")]
-    OverObjective { predicted_ms: u64, budget_ms: u64 },
+    /// No endpoint is predicted to give the first token within the budget left; `floor_ms`: the
+    /// least any candidate would take idle (above the budget, waiting cannot help).
+    #[error("the best endpoint's predicted time to first token, {predicted_ms} ms, exceeds the {budget_ms} ms left of the request's TTFT objective (idle, the fastest would take {floor_ms} ms)")]
+    OverObjective {
+        predicted_ms: u64,
+        budget_ms: u64,
+        floor_ms: u64,
+    },
     #[error("no ready decode endpoint in the disaggregated pool")]
     NoDecodeEndpoints,
     #[error("booking id {0:?} is already active")]

@@ -47,6 +47,15 @@ pub struct TtftFeatures {
     pub hidden_requests: f64,
 }
 
+/// What the TTFT objective reads of a pick: the chosen endpoint's predicted TTFT, and the least
+/// any candidate would take idle (with only the prompt's own uncached prefill): a budget below
+/// that cannot be met by waiting.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftOutlook {
+    pub predicted_ms: f64,
+    pub floor_ms: f64,
+}
+
 impl TtftFeatures {
     fn vector(&self) -> [f64; N] {
         [
@@ -227,6 +236,37 @@ impl TtftModel {
     /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed` at `now`.
     pub fn predict(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: Instant) -> f64 {
         speed.factor_at(now) * predict_with(&self.coefficients(), &f.vector())
+    }
+
+    /// The TTFT objective's view of a pick at `now`: the chosen endpoint's predicted TTFT for
+    /// `chosen`, and the least any candidate would take with nothing queued or decoding, only the
+    /// prompt's own uncached part (`own`: each candidate's speed and uncached ktokens).
+    pub(crate) fn outlook<'a>(
+        &self,
+        chosen: (&EndpointSpeed, &TtftFeatures),
+        own: impl Iterator<Item = (&'a EndpointSpeed, f64)>,
+        now: i64,
+    ) -> TtftOutlook {
+        let theta = self.coefficients();
+        let predicted_ms = chosen.0.factor_at_nanos(now) * predict_with(&theta, &chosen.1.vector());
+        let floor_ms = own
+            .map(|(speed, k)| {
+                let f = TtftFeatures {
+                    uncached_ktokens: k,
+                    prefill_ktokens: k,
+                    ..TtftFeatures::default()
+                };
+                speed.factor_at_nanos(now) * predict_with(&theta, &f.vector())
+            })
+            .fold(f64::INFINITY, f64::min);
+        TtftOutlook {
+            predicted_ms,
+            floor_ms: if floor_ms.is_finite() {
+                floor_ms
+            } else {
+                predicted_ms
+            },
+        }
     }
 
     /// What a pick at `now` ([`clock_nanos`]) minimises: the predicted TTFT plus the time the

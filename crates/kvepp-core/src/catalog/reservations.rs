@@ -85,6 +85,7 @@ pub(super) fn choice_of(d: &Decision, isl_tokens: u64) -> RankChoice {
         load_version: None,
         load_bounded: false,
         ttft: None,
+        objective: None,
     });
     RankChoice {
         rank: d.pick.primary.rank(),

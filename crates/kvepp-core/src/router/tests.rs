@@ -361,8 +361,11 @@ fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
             &mut PickContext::seeded(1),
         )
         .unwrap();
-    let predicted = d.pick.kv.unwrap().cost;
+    let outlook = d.pick.kv.unwrap().objective.unwrap();
+    let predicted = outlook.predicted_ms;
     assert!(predicted > 0.0, "{predicted}");
+    // Idle, with nothing queued: the floor is at most the prediction.
+    assert!(outlook.floor_ms <= predicted + 1e-9, "{outlook:?}");
     drop(d);
     match r.route(
         facts(predicted / 2.0, Admission::Unsaturated),
@@ -372,7 +375,11 @@ fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
         Err(crate::pick::PickError::OverObjective {
             predicted_ms,
             budget_ms,
-        }) => assert!(predicted_ms > budget_ms, "{predicted_ms} {budget_ms}"),
+            floor_ms,
+        }) => assert!(
+            predicted_ms > budget_ms && floor_ms <= predicted_ms,
+            "{predicted_ms} {budget_ms} {floor_ms}"
+        ),
         other => panic!("{other:?}"),
     }
     assert!(r
