@@ -234,9 +234,6 @@ pub fn drive(
     out
 }
 
-/// Holds a queued request until flow control gives it a turn, its wait runs out or its queue is
-/// full, answering it in `out`. Messages the proxy sends meanwhile are handled afterwards. False
-/// when the stream ended while waiting (the client left: its place is given up at once).
 /// The answer to a request whose wait in flow control's queue ran out: past its TTFT objective
 /// (429 if sheddable, else 503), or past `max_wait_ms` (503).
 fn timed_out(s: &FlowControlSettings, waited: std::time::Duration, priority: i32) -> Rejection {
@@ -255,6 +252,9 @@ fn timed_out(s: &FlowControlSettings, waited: std::time::Duration, priority: i32
     Rejection::new(503, "queue_timeout", msg)
 }
 
+/// Holds a queued request until flow control gives it a turn, its wait runs out or its queue is
+/// full, answering it in `out`. Messages the proxy sends meanwhile are handled afterwards. False
+/// when the stream ended while waiting (the client left: its place is given up at once).
 async fn wait_for_capacity(
     state: &mut stream::StreamState,
     inbound: &mut Streaming<ProcessingRequest>,

@@ -310,13 +310,13 @@ impl StreamState {
         )
     }
 
-    /// The priority at which the request waits for capacity, while it does.
     /// Whether the last decision left the request waiting for lack of an endpoint within its
     /// TTFT budget (rather than of capacity).
     pub(super) fn unfit(&self) -> bool {
         self.unfit
     }
 
+    /// The priority at which the request waits for capacity, while it does.
     pub(super) fn queued(&self) -> Option<i32> {
         self.prepared
             .as_ref()

@@ -15,7 +15,12 @@
 //! - a ticket leaves the queue when its request is placed, times out, or its stream goes away
 //!   (drop), and every departure is counted once in `kvepp_flow_control_dequeued_total`;
 //! - shedding (429) happens only for sheddable priorities whose queue is full; a request that
-//!   waited past `max_wait_ms` gets 503.
+//!   waited past `max_wait_ms` gets 503;
+//! - with a TTFT objective, a grantee that found capacity but no endpoint predicted within what
+//!   is left of its objective goes to the back of its flow and the turn passes to the next waiter
+//!   (at most as many passes in a round as requests waited when it began), so one request that
+//!   does not fit never holds the others up; it is refused (503, 429 if sheddable) once its
+//!   objective has passed.
 
 use parking_lot::Mutex;
 use std::sync::Arc;
