@@ -18,9 +18,9 @@
 //!   waited past `max_wait_ms` gets 503;
 //! - with a TTFT objective, a grantee that found capacity but no endpoint predicted within what
 //!   is left of its objective goes to the back of its flow and the turn passes to the next waiter
-//!   (at most as many passes in a round as requests waited when it began), so one request that
-//!   does not fit never holds the others up; it is refused (503, 429 if sheddable) once its
-//!   objective has passed.
+//!   (at most `MAX_PASSES` passes in a round, and no more than requests waited when it began),
+//!   so one request that does not fit never holds the others up; it is refused (503, 429 if
+//!   sheddable) once its objective has passed.
 
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -44,6 +44,10 @@ pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
 /// How often the dispatcher re-checks capacity while requests wait and no booking was released
 /// (saturation that comes from engine metrics ends without a release).
 const RECHECK: Duration = Duration::from_millis(5);
+
+/// Waiters outside their TTFT budget tried per round (each round is a wake-up: a release, or
+/// the recheck while requests wait): bounds the picks spent on requests that do not fit yet.
+const MAX_PASSES: usize = 8;
 
 /// How long the dispatcher waits for a grantee to report before it moves on.
 const GRANT_ANSWER: Duration = Duration::from_secs(1);
@@ -367,8 +371,9 @@ impl FlowControl {
             }
             // Nothing waits (flow control off, or an empty queue): no capacity check at all.
             // Turns passed on by requests outside their TTFT budget are bounded by how many
-            // waited when this round began (each such request went to the back).
-            let mut passes = self.waiting();
+            // waited when this round began (each such request went to the back) and by
+            // MAX_PASSES: a long line of such requests is tried a few at a time, in turn.
+            let mut passes = self.waiting().min(MAX_PASSES);
             while self.busy() && routing.has_capacity() {
                 let next = {
                     let mut q = self.lock();
