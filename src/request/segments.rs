@@ -324,9 +324,7 @@ mod tests {
     #[test]
     fn tokenizers_where_segments_are_not_exact_tokenize_whole() {
         // A normalizer (or a prefix space) changes how a piece tokenizes at its start.
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-        let mut json: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        let mut json = fixture_json();
         json["pre_tokenizer"]["add_prefix_space"] = true.into();
         let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
         assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
@@ -336,13 +334,17 @@ mod tests {
         assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
     }
 
+    /// The fixture's tokenizer.json, to vary.
+    fn fixture_json() -> serde_json::Value {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap()
+    }
+
     /// A tokenizer of both rounds (see the module doc): the fixture with added tokens marked
     /// `normalized` that overlap the raw ones every way (inside, before, after), behind a
     /// normalizer that does nothing, as DeepSeek's tokenizer.json has.
     fn two_round_tokenizer() -> tokenizers::Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-        let mut json: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        let mut json = fixture_json();
         json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
         let mut tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
         let added: Vec<tokenizers::AddedToken> =
@@ -384,9 +386,7 @@ mod tests {
 
     #[test]
     fn a_normalizer_that_changes_text_turns_segments_off() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-        let mut json: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        let mut json = fixture_json();
         json["normalizer"] =
             serde_json::json!({"type": "Sequence", "normalizers": [{"type": "Lowercase"}]});
         let tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
