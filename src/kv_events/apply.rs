@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 
@@ -185,6 +185,19 @@ pub struct KvEventMetrics {
     pub block_size: Gauge,
 }
 
+impl KvEventMetrics {
+    /// One batch published: its lag since `received`, its counters.
+    fn observe_applied(&self, labels: &EndpointLabels, applied: &Applied, received: Instant) {
+        self.apply_lag.0.observe(received.elapsed().as_secs_f64());
+        self.batches.get_or_create(labels).inc();
+        self.blocks_stored.inc_by(applied.stored);
+        self.blocks_removed.inc_by(applied.removed);
+        for &reason in &applied.dropped {
+            self.dropped.get_or_create(&ReasonLabels { reason }).inc();
+        }
+    }
+}
+
 impl Register for KvEventMetrics {
     fn register(&self, registry: &mut Registry) {
         for (name, help, metric) in [
@@ -233,7 +246,7 @@ impl Register for KvEventMetrics {
         );
         registry.register(
             "kv_event_apply_lag_seconds",
-            "Time from a KV-event batch's arrival to its publication in the index picks read (the index's writer never waits for readers of the copy it just left)",
+            "Time from a KV-event batch's arrival to its publication in the index picks read (batches arriving together share one publication; the writer never waits for readers of the copy it just left)",
             self.apply_lag.0.clone(),
         );
         registry.register(
@@ -482,24 +495,17 @@ async fn subscription(
                     }
                     ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
                     let block_size = kv.block_size();
-                    // Published without waiting for the readers of the other copy, which gets
-                    // the batch at the next write.
-                    let applied = kv.index().write_owned(move |index| {
-                        apply_batch(index, worker, rank, block_size, &batch)
-                    });
-                    metrics
-                        .apply_lag
-                        .0
-                        .observe(received.elapsed().as_secs_f64());
-                    metrics.batches.get_or_create(&labels).inc();
-                    metrics.blocks_stored.inc_by(applied.stored);
-                    metrics.blocks_removed.inc_by(applied.removed);
-                    for reason in applied.dropped {
-                        metrics
-                            .dropped
-                            .get_or_create(&ReasonLabels { reason })
-                            .inc();
-                    }
+                    let (metrics, labels) = (metrics.clone(), labels.clone());
+                    // Queued, and published with whatever else is queued once this subscription
+                    // has nothing more at hand (below), or by another subscription's publication
+                    // in the meantime; neither waits for the readers of the other copy, which
+                    // gets the batch at the next publication.
+                    kv.index().enqueue(
+                        move |index| apply_batch(index, worker, rank, block_size, &batch),
+                        move |applied: Applied| {
+                            metrics.observe_applied(&labels, &applied, received);
+                        },
+                    );
                 }
                 Delivery::PublisherRestarted => {
                     metrics.publisher_restarts.inc();
@@ -507,6 +513,9 @@ async fn subscription(
                 }
                 Delivery::Lost { .. } => forget(&ranks),
             }
+        }
+        if rx.is_empty() {
+            kv.index().flush();
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
         metrics.undecodable.inc_by(undecodable - seen_undecodable);
@@ -519,6 +528,7 @@ async fn subscription(
             metrics.without_replay.inc();
         }
     }
+    kv.index().flush();
     let _ = task.await;
 }
 

@@ -577,6 +577,113 @@ fn owed_writes_reach_both_copies_in_order() {
     assert_eq!(shared.read().dump(), plain.dump(), "the caught-up copy");
 }
 
+/// Submitted changes from several threads (some queued and flushed in groups, some mixed with
+/// plain writes), under a reader: every change is published with its report run exactly once,
+/// nothing stays queued, and both copies end equal to a plain index
+/// fed every thread's changes (each thread writes its own rank and blocks, so the order between
+/// threads does not matter).
+#[test]
+fn submitted_changes_from_many_threads_are_each_published_once() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let shared = std::sync::Arc::new(SharedIndex::with_seed(u64::MAX, 9));
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::black_box(shared.read().pair_count());
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let ops = |t: u64| {
+        let mut rng = fastrand::Rng::with_seed(t);
+        (0..1500u64)
+            .map(|_| {
+                let chain: Vec<u64> = (0..rng.u64(1..10))
+                    .map(|i| (t + 1) * 1_000_000 + rng.u64(0..4) * 100 + i)
+                    .collect();
+                (rng.bool(), chain, rng.u8(0..8))
+            })
+            .collect::<Vec<_>>()
+    };
+    let apply = |rank: WorkerRank, store: bool, chain: &[u64], ix: &mut PrefixIndex| {
+        if store {
+            store_chain(ix, rank, Tier::Device, chain);
+        } else {
+            let hashes = seqs(chain).into_iter().map(|h| EngineBlockHash(h.0));
+            ix.remove(rank, Tier::Device, hashes);
+        }
+    };
+    let reported = std::sync::Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (shared, reported) = (shared.clone(), reported.clone());
+            std::thread::spawn(move || {
+                let rank = wr(t + 1, 0);
+                let ops = ops(t);
+                // How many times each step's report ran.
+                let runs: std::sync::Arc<Vec<AtomicU64>> =
+                    std::sync::Arc::new(ops.iter().map(|_| AtomicU64::new(0)).collect());
+                for (step, (store, chain, how)) in ops.into_iter().enumerate() {
+                    let change = move |ix: &mut PrefixIndex| apply(rank, store, &chain, ix);
+                    let (runs, reported) = (runs.clone(), reported.clone());
+                    let report = move |()| {
+                        runs[step].fetch_add(1, Ordering::SeqCst);
+                        reported.fetch_add(1, Ordering::SeqCst);
+                    };
+                    match how {
+                        0 => {
+                            shared.write_owned(change);
+                            report(());
+                        }
+                        1..=3 => shared.enqueue(change, report),
+                        _ => shared.submit(change, report),
+                    }
+                    if step % 50 == 49 {
+                        shared.flush();
+                    }
+                }
+                shared.flush();
+                runs
+            })
+        })
+        .collect();
+    let runs: Vec<_> = writers
+        .into_iter()
+        .map(|w| w.join().expect("writer"))
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    assert!(reader.join().expect("reader") > 0);
+    assert_eq!(shared.queued(), 0, "nothing left queued");
+    for (t, runs) in runs.iter().enumerate() {
+        for (step, n) in runs.iter().enumerate() {
+            assert_eq!(
+                n.load(Ordering::SeqCst),
+                1,
+                "thread {t} step {step}: one report"
+            );
+        }
+    }
+    assert_eq!(
+        reported.load(Ordering::SeqCst),
+        4 * 1500,
+        "every change reported"
+    );
+    let mut plain = PrefixIndex::with_seed(u64::MAX, 9);
+    for t in 0..4u64 {
+        for (store, chain, _) in ops(t) {
+            apply(wr(t + 1, 0), store, &chain, &mut plain);
+        }
+    }
+    assert_eq!(shared.read().dump(), plain.dump(), "the published copy");
+    shared.write(|_| ());
+    assert_eq!(shared.owed(), 0);
+    assert_eq!(shared.read().dump(), plain.dump(), "the caught-up copy");
+}
+
 /// The jumping walk against the exact one (and the reference) on prefix-closed contents: many
 /// ranks hold, per tier class, a prefix of one of a few long prompts that share a system prompt
 /// (device ⊆ device-or-host ⊆ any), some trimmed from the tail afterwards as an engine evicts,
