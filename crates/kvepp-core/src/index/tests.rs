@@ -516,10 +516,11 @@ fn shared_index_readers_see_whole_writes() {
     assert_eq!(first[0].blocks.len(), 256);
 }
 
-/// Writes that leave the old copy owing them (`write_owned`, the KV-event path) mixed with writes
-/// that wait (`write`), under a reader: readers see every write at once and whole, the spare
-/// catches up before it is written, and both copies end equal to one plain index fed the same
-/// changes.
+/// Writes that leave the old copy owing them (`write_owned`), changes queued for a later
+/// publication (`enqueue`, the KV-event path) and writes that wait (`write`), under a reader:
+/// readers see every write at once and whole, a write publishes what was queued before it ahead
+/// of its own change, the spare catches up before it is written, and both copies end equal to
+/// one plain index fed the same changes.
 #[test]
 fn owed_writes_reach_both_copies_in_order() {
     let shared = std::sync::Arc::new(SharedIndex::with_seed(u64::MAX, 5));
@@ -552,17 +553,32 @@ fn owed_writes_reach_both_copies_in_order() {
             }
         };
         apply(&mut plain);
-        if rng.u8(0..4) == 0 {
-            shared.write(&apply);
-            assert_eq!(
-                shared.owed(),
-                0,
-                "step {step}: a waiting write leaves nothing owed"
-            );
-        } else {
-            shared.write_owned(apply);
-            assert_eq!(shared.owed(), 1, "step {step}");
+        let queued_before = shared.queued();
+        match rng.u8(0..8) {
+            0 | 1 => {
+                shared.write(&apply);
+                assert_eq!(
+                    shared.owed(),
+                    0,
+                    "step {step}: a waiting write leaves nothing owed"
+                );
+            }
+            2 => {
+                // Queued: published by a later write, in its place before that write's change.
+                shared.enqueue(apply, |()| ());
+                assert_eq!(shared.queued(), queued_before + 1, "step {step}");
+                continue;
+            }
+            _ => {
+                shared.write_owned(apply);
+                assert_eq!(shared.owed(), queued_before + 1, "step {step}");
+            }
         }
+        assert_eq!(
+            shared.queued(),
+            0,
+            "step {step}: a write publishes the queue"
+        );
         assert_eq!(
             shared.read().dump(),
             plain.dump(),

@@ -41,20 +41,24 @@ impl Approx {
             .min(fifo.len());
         let evicted: Vec<SequenceHash> = fifo.drain(..evict).collect();
         let parent = skip.checked_sub(1).map(|i| EngineBlockHash(p.hashes[i].0));
-        let stored = self.index.write(|ix| {
+        let blocks: Vec<(EngineBlockHash, _)> = p.hashes[skip..n]
+            .iter()
+            .zip(&p.locals[skip..n])
+            .map(|(s, l)| (EngineBlockHash(s.0), *l))
+            .collect();
+        // Published without waiting for the readers of the copy just left (a booking must not
+        // wait for picks under way), which owes the change until the next write.
+        let stored = self.index.write_owned(move |ix| {
             ix.remove(
                 rank,
                 Tier::Device,
                 evicted.iter().map(|h| EngineBlockHash(h.0)),
             );
-            let blocks = p.hashes[skip..n]
-                .iter()
-                .zip(&p.locals[skip..n])
-                .map(|(s, l)| (EngineBlockHash(s.0), *l));
             // Cannot be full after the eviction above. A refusal (full, or the held prefix
             // evicted meanwhile by another record) only loses this request's blocks, never leaks
             // index entries outside the FIFO.
-            ix.store(rank, Tier::Device, parent, blocks).unwrap_or(0)
+            ix.store(rank, Tier::Device, parent, blocks.iter().copied())
+                .unwrap_or(0)
         });
         fifo.extend(p.hashes[skip..skip + stored].iter().copied());
     }
