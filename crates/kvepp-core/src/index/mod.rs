@@ -700,4 +700,6 @@ impl PrefixIndex {
 }
 
 #[cfg(test)]
+mod shared_tests;
+#[cfg(test)]
 mod tests;
