@@ -6,6 +6,8 @@
 //! cargo bench -p kvepp-core --bench pick -- --no-latency --events-per-second 0   # picks alone
 //! valgrind --tool=callgrind target/release/deps/pick-* --bench --endpoints 1000 --tokens-k 128 \
 //!     --iterations 300 --no-scaling   # instruction counts, comparable between builds
+//! bench/pick_instructions.sh          # instructions per KV-aware pick at 1000 and 4000 endpoints
+//!                                     # (`--kv-picks N`: the setups and N picks, nothing else)
 //! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
 //!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's and
 //!                                     # fixed work of the same median (the machine's own tail)
@@ -563,6 +565,25 @@ fn main() {
         .into_iter()
         .map(|k| k << 10)
         .collect();
+    if let Some(picks) = arg::<u64>(&args, "--kv-picks") {
+        // For instruction counts (`bench/pick_instructions.sh`): the setup of each size and
+        // exactly this many KV-aware picks, nothing else.
+        for &n in &sizes {
+            for &t in &tokens {
+                let s = setup(n, t);
+                let refs: &[Arc<Endpoint>] = &s.eps;
+                let mut ctx = PickContext::seeded(1);
+                for _ in 0..picks {
+                    black_box(s.kv.rank(
+                        black_box(refs),
+                        &PickRequest::prompt(Some(&s.prompt)),
+                        &mut ctx,
+                    ));
+                }
+            }
+        }
+        return;
+    }
     // `--iterations N`: a fixed sample (e.g. under `valgrind --tool=callgrind`, whose
     // instruction counts are then comparable between builds); else `--budget` seconds a row.
     let sample = match arg(&args, "--iterations") {
