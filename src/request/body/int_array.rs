@@ -263,6 +263,29 @@ mod tests {
         assert_eq!(short_int(u64::from_le_bytes(*b"0,1,2,3,")), Some((0, 1)));
     }
 
+    /// An id of 1 to 10 digits, some beyond u32.
+    fn random_id(rng: &mut fastrand::Rng) -> u64 {
+        match rng.u8(..10) {
+            0 => rng.u64(..10),
+            1 => rng.u64(..=u64::from(u32::MAX) + 10),
+            _ => rng.u64(..200_000),
+        }
+    }
+
+    /// One mutation of `b` past its first byte: a byte replaced by one of `replace`, a byte
+    /// removed, one of `insert` inserted, or the rest cut.
+    fn mutate(rng: &mut fastrand::Rng, b: &mut Vec<u8>, replace: &[u8], insert: &[u8]) {
+        let i = rng.usize(1..b.len());
+        match rng.u8(..4) {
+            0 => b[i] = replace[rng.usize(..replace.len())],
+            1 => {
+                b.remove(i);
+            }
+            2 => b.insert(i, insert[rng.usize(..insert.len())]),
+            _ => b.truncate(i),
+        }
+    }
+
     /// The two layouts clients send (`[1,2]`, `[1, 2]`) against the plain reading: arrays in
     /// them of ids of 1 to 10 digits, followed by more of the body, half of them mutated
     /// anywhere (another separator, a sign, a fraction, a needless zero, a second space, a stray
@@ -278,12 +301,7 @@ mod tests {
                 if i > 0 {
                     b.extend_from_slice(sep);
                 }
-                let id: u64 = match rng.u8(..10) {
-                    0 => rng.u64(..10),
-                    1 => rng.u64(..=u64::from(u32::MAX) + 10),
-                    _ => rng.u64(..200_000),
-                };
-                b.extend_from_slice(id.to_string().as_bytes());
+                b.extend_from_slice(random_id(&mut rng).to_string().as_bytes());
             }
             b.push(b']');
             b.extend(std::iter::repeat_n(
@@ -291,15 +309,7 @@ mod tests {
                 rng.usize(..2000),
             ));
             if case % 2 == 1 {
-                let i = rng.usize(1..b.len());
-                match rng.u8(..4) {
-                    0 => b[i] = b",]- .e0\n"[rng.usize(..8)],
-                    1 => {
-                        b.remove(i);
-                    }
-                    2 => b.insert(i, b"0,- ]"[rng.usize(..5)]),
-                    _ => b.truncate(i),
-                }
+                mutate(&mut rng, &mut b, b",]- .e0\n", b"0,- ]");
             }
             let want = int_array_simple(&b);
             read += usize::from(want.is_some());
@@ -328,12 +338,7 @@ mod tests {
                 if i > 0 {
                     b.extend_from_slice([&b","[..], b", ", b" ,", b"\n,\t"][rng.usize(..4)]);
                 }
-                let id: u64 = match rng.u8(..10) {
-                    0 => rng.u64(..10),
-                    1 => rng.u64(..=u64::from(u32::MAX) + 10),
-                    _ => rng.u64(..200_000),
-                };
-                b.extend_from_slice(id.to_string().as_bytes());
+                b.extend_from_slice(random_id(&mut rng).to_string().as_bytes());
             }
             b.extend_from_slice([&b"]"[..], b" ]", b"\n]"][rng.usize(..3)]);
             // What follows the array: nothing, or more of the body (with commas in it).
@@ -341,15 +346,7 @@ mod tests {
             b.extend(std::iter::repeat_n(b"x, 1"[rng.usize(..4)], rest));
             if case % 2 == 1 {
                 for _ in 0..rng.usize(1..3) {
-                    let i = rng.usize(1..b.len());
-                    match rng.u8(..4) {
-                        0 => b[i] = b",]- .e0"[rng.usize(..7)],
-                        1 => {
-                            b.remove(i);
-                        }
-                        2 => b.insert(i, b"0,-"[rng.usize(..3)]),
-                        _ => b.truncate(i),
-                    }
+                    mutate(&mut rng, &mut b, b",]- .e0", b"0,-");
                 }
             }
             let want = int_array_simple(&b);
