@@ -637,17 +637,17 @@ impl KvState {
             None => format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed)),
         };
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
+        // Owned before the lock: the write lock covers the trie and the counts only.
+        let booking = super::slots::NewRequest {
+            id: id.clone(),
+            hashes: Arc::from(hashes),
+            new_isl_tokens: slot.prefill_tokens,
+            now: slot.now,
+        };
         let booked = {
             let mut slots = self.slots.write();
             slots.register(rank);
-            slots.add_if_unchanged(
-                &id,
-                rank,
-                hashes,
-                slot.prefill_tokens,
-                slot.now,
-                slot.expected,
-            )
+            slots.add_booking(booking, rank, slot.expected)
         };
         match booked {
             Ok(false) => {

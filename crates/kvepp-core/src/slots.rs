@@ -116,6 +116,16 @@ pub fn project(
     ))
 }
 
+/// A request to book, owned: its id, its prompt's hash list (shared with the active requests'
+/// trie as it is), prefill tokens and time ([`SlotTracker::add_booking`]).
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    pub id: String,
+    pub hashes: Arc<[SequenceHash]>,
+    pub new_isl_tokens: u64,
+    pub now: Instant,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SlotError {
     #[error("worker {} rank {} is not registered", .0.worker, .0.dp_rank)]
@@ -363,8 +373,25 @@ impl SlotTracker {
         now: Instant,
         expected: Option<u64>,
     ) -> Result<bool, SlotError> {
-        if self.requests.contains_key(request_id) {
-            return Err(SlotError::DuplicateRequest(request_id.to_owned()));
+        let booking = NewRequest {
+            id: request_id.to_owned(),
+            hashes: Arc::from(hashes),
+            new_isl_tokens,
+            now,
+        };
+        self.add_booking(booking, rank, expected)
+    }
+
+    /// [`Self::add_if_unchanged`] of a booking whose id and hash list are already owned: made
+    /// before the caller takes its lock, so the lock covers the trie and the counts only.
+    pub fn add_booking(
+        &mut self,
+        booking: NewRequest,
+        rank: WorkerRank,
+        expected: Option<u64>,
+    ) -> Result<bool, SlotError> {
+        if self.requests.contains_key(&booking.id) {
+            return Err(SlotError::DuplicateRequest(booking.id));
         }
         let id = *self.ids.get(&rank).ok_or(SlotError::UnknownRank(rank))?;
         let Some(state) = self.ranks[id as usize].as_mut() else {
@@ -375,18 +402,18 @@ impl SlotTracker {
         }
         state.version += 1;
         state.active_requests += 1;
-        state.prefill_tokens += new_isl_tokens;
-        // Only the blocks new to the rank count; the list is copied once and shared by the trie.
-        let (end, added) = self.active.insert(id, &Arc::from(hashes));
+        state.prefill_tokens += booking.new_isl_tokens;
+        // Only the blocks new to the rank count; the list is shared by the trie, not copied.
+        let (end, added) = self.active.insert(id, &booking.hashes);
         state.blocks += added;
         let active = Active {
             rank: id,
             end,
-            prefill_tokens: new_isl_tokens,
+            prefill_tokens: booking.new_isl_tokens,
             output_blocks: 0.0,
-            added: now,
+            added: booking.now,
         };
-        self.requests.insert(request_id.to_owned(), active);
+        self.requests.insert(booking.id, active);
         self.sync_view(id);
         Ok(true)
     }
