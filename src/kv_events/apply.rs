@@ -436,6 +436,9 @@ struct Target {
     pinned: bool,
 }
 
+/// Batches a subscription queues at most before it publishes them (whatever else it has at hand).
+const MAX_QUEUED_BATCHES: usize = 64;
+
 /// One rank's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(
     kv: Arc<KvState>,
@@ -464,6 +467,8 @@ async fn subscription(
     let mut seen_undecodable = 0;
     let mut seen_lost = 0;
     let mut counted_without_replay = false;
+    // Batches this subscription queued since it last flushed.
+    let mut queued = 0usize;
     // The ranks this publisher has published for: what a restart or a loss makes void.
     let mut ranks = std::collections::BTreeSet::from([rank]);
     let forget = |ranks: &std::collections::BTreeSet<u32>| {
@@ -514,8 +519,12 @@ async fn subscription(
                 Delivery::Lost { .. } => forget(&ranks),
             }
         }
-        if rx.is_empty() {
+        // Publish once nothing more is at hand, or after a bounded run of batches (a publisher
+        // that never pauses must not keep its batches from picks).
+        queued += 1;
+        if rx.is_empty() || queued >= MAX_QUEUED_BATCHES {
             kv.index().flush();
+            queued = 0;
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
         metrics.undecodable.inc_by(undecodable - seen_undecodable);
