@@ -436,7 +436,8 @@ struct Target {
     pinned: bool,
 }
 
-/// Batches a subscription queues at most before it publishes them (whatever else it has at hand).
+/// Batches queued in the index (by any subscription) at which a subscription publishes them,
+/// whatever else it has at hand.
 const MAX_QUEUED_BATCHES: usize = 64;
 
 /// One rank's subscription: deliveries into the index, subscriber counters into metrics.
@@ -467,8 +468,6 @@ async fn subscription(
     let mut seen_undecodable = 0;
     let mut seen_lost = 0;
     let mut counted_without_replay = false;
-    // Batches this subscription queued since it last flushed.
-    let mut queued = 0usize;
     // The ranks this publisher has published for: what a restart or a loss makes void.
     let mut ranks = std::collections::BTreeSet::from([rank]);
     let forget = |ranks: &std::collections::BTreeSet<u32>| {
@@ -519,12 +518,10 @@ async fn subscription(
                 Delivery::Lost { .. } => forget(&ranks),
             }
         }
-        // Publish once nothing more is at hand, or after a bounded run of batches (a publisher
-        // that never pauses must not keep its batches from picks).
-        queued += 1;
-        if rx.is_empty() || queued >= MAX_QUEUED_BATCHES {
+        // Publish once nothing more is at hand, or once the index holds a bounded number of
+        // queued batches (a publisher that never pauses must not keep its batches from picks).
+        if rx.is_empty() || kv.index().queued() >= MAX_QUEUED_BATCHES {
             kv.index().flush();
-            queued = 0;
         }
         let undecodable = stats.undecodable.load(Ordering::Relaxed);
         metrics.undecodable.inc_by(undecodable - seen_undecodable);

@@ -45,6 +45,7 @@ pub(super) fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
     // where this one ends, so finding it waits only for this id's length, not for loads of the
     // separator (those are checked beside it); anything else leaves this loop below.
     let sp = usize::from(b.get(stop + 1) == Some(&b' ') && b.get(stop + 2) != Some(&b' '));
+    let separated = |i: usize| b.get(i) == Some(&b',') && (sp == 0 || b.get(i + 1) == Some(&b' '));
     // Both stretches an id at a time while both ids are short and followed by the layout's
     // separator (the head's not at `stop`).
     let (head_next, tail_next) = loop {
@@ -55,8 +56,6 @@ pub(super) fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
         head.push(va);
         tail.push(vc);
         let (ia, ic) = (a + la, c + lc);
-        let separated =
-            |i: usize| b.get(i) == Some(&b',') && (sp == 0 || b.get(i + 1) == Some(&b' '));
         if separated(ia) && ia != stop && separated(ic) {
             (a, c) = (ia + 1 + sp, ic + 1 + sp);
         } else {
