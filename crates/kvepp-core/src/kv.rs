@@ -48,7 +48,7 @@ use super::cost::{BoundInput, CandidateLoad, CostModel, CostWeights, Overlap};
 use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
 use super::predict::{TtftFeatures, TtftModel};
-use super::slots::{project, SlotTracker, WorkerRank};
+use super::slots::{SharedSlots, WorkerRank};
 use super::{Endpoint, PickContext, PickRequest};
 use crate::hash::{LocalBlockHash, PrefixMemo, SequenceHash};
 use crate::listen::{Admitted, Hub};
@@ -135,7 +135,7 @@ pub struct KvState {
     weights: arc_swap::ArcSwap<CostWeights>,
     index: SharedIndex,
     approx: Approx,
-    slots: RwLock<SlotTracker>,
+    slots: SharedSlots,
     next_request: AtomicU64,
     /// Bookings refused because the chosen rank's load changed after the pick read it.
     booking_conflicts: AtomicU64,
@@ -183,10 +183,7 @@ impl KvState {
                 fifo: Mutex::new(HashMap::new()),
                 cap: settings.approx_blocks_per_endpoint,
             },
-            slots: RwLock::new(SlotTracker::with_seed(
-                super::slots::STALE_REQUEST_AFTER,
-                settings.table_seed,
-            )),
+            slots: SharedSlots::with_seed(super::slots::STALE_REQUEST_AFTER, settings.table_seed),
             next_request: AtomicU64::new(0),
             booking_conflicts: AtomicU64::new(0),
             block_size: AtomicU32::new(settings.block_size.max(1)),
@@ -392,21 +389,16 @@ impl KvState {
             }
             self.best_per_worker(candidates, sc);
         }
-        // The slot tracker's read lock covers one walk and one copy of the ranks' loads, not
-        // the pass over the candidates: bookings wait as little as possible (the indexes are
-        // snapshots, read without a lock).
-        {
-            let slots = self.slots.read();
-            slots.walk_held(hashes, &mut sc.held);
-            slots.views_into(&mut sc.views);
-        }
+        // The slot tracker is read without a lock but the walk's (one trie shard's, shared):
+        // each candidate's load is its rank's published view.
+        self.slots.walk_held(hashes, &mut sc.held);
         sc.loads.clear();
         sc.versions.clear();
         sc.costs.clear();
         sc.requests.clear();
         sc.resolved.clear();
         for (i, e) in candidates.iter().enumerate() {
-            let found = Self::load_of(&walked, sc, i, e);
+            let found = self.load_of(&walked, sc, i, e);
             // A miss's placeholders are replaced below.
             let (c, version) = found.map_or_else(
                 || {
@@ -427,7 +419,7 @@ impl KvState {
             }
         }
         if !sc.resolved.is_empty() {
-            let slots = self.slots.read();
+            let slots = &self.slots;
             let mut resolved = std::mem::take(&mut sc.resolved);
             for (i, c, v) in &mut resolved {
                 let Some(e) = candidates.get(*i) else {
@@ -436,7 +428,7 @@ impl KvState {
                 let rank = e.rank();
                 let found = slots.dense_id(rank).and_then(|id| {
                     e.hints.slot.store(id, Ordering::Relaxed);
-                    project(&sc.views, &sc.held, rank, id, walked.blocks, isl)
+                    slots.project(&sc.held, rank, id, walked.blocks, isl)
                 });
                 // An unregistered rank (or one registered since the copy) counts as idle;
                 // booking registers it.
@@ -498,10 +490,11 @@ impl KvState {
         }
     }
 
-    /// Candidate `i`'s overlap and projected load with its load version, from the walks and the
-    /// copied views; None: its tracker hint missed.
+    /// Candidate `i`'s overlap and projected load with its load version, from the walks and its
+    /// rank's published view; None: its tracker hint missed.
     #[inline(always)]
     fn load_of(
+        &self,
         w: &Walked,
         sc: &PickScratch,
         i: usize,
@@ -509,7 +502,7 @@ impl KvState {
     ) -> Option<(CandidateLoad, u64)> {
         let rank = e.rank();
         let slot = e.hints.slot.load(Ordering::Relaxed);
-        let (l, version) = project(&sc.views, &sc.held, rank, slot, w.blocks, w.isl)?;
+        let (l, version) = self.slots.project(&sc.held, rank, slot, w.blocks, w.isl)?;
         let mut c = CandidateLoad {
             overlap: Self::overlap_of(w, sc, i, e),
             ..CandidateLoad::default()
@@ -520,6 +513,7 @@ impl KvState {
 
     /// After [`Self::candidate_loads`]: candidate `i`'s load and version as its cost read them.
     fn chosen_load(
+        &self,
         w: &Walked,
         sc: &PickScratch,
         i: usize,
@@ -531,7 +525,7 @@ impl KvState {
         if let Some(&(_, c, v)) = sc.resolved.iter().find(|r| r.0 == i) {
             return (c, v);
         }
-        Self::load_of(w, sc, i, e).map_or((CandidateLoad::default(), None), |(c, v)| (c, Some(v)))
+        self.load_of(w, sc, i, e).map_or((CandidateLoad::default(), None), |(c, v)| (c, Some(v)))
     }
 
     /// `sc.best[i]`: candidate `i`'s best cached prefix over its worker's ranks, from the runs
@@ -596,7 +590,7 @@ impl KvState {
             scores.clear();
             scores.extend(costs.iter().map(|c| 1.0 / (1.0 + c.max(0.0))));
         }
-        let (c, load_version) = Self::chosen_load(&walked, &sc, best, &candidates[best]);
+        let (c, load_version) = self.chosen_load(&walked, &sc, best, &candidates[best]);
         drop(walked);
         let decision = KvDecision {
             mode: prompt.map_or(PrefixMode::None, |p| p.mode),
@@ -644,11 +638,8 @@ impl KvState {
             new_isl_tokens: slot.prefill_tokens,
             now: slot.now,
         };
-        let booked = {
-            let mut slots = self.slots.write();
-            slots.register(rank);
-            slots.add_booking(booking, rank, slot.expected)
-        };
+        let hint = self.slots.register(rank);
+        let booked = self.slots.add_booking(booking, rank, slot.expected, hint);
         match booked {
             Ok(false) => {
                 self.booking_conflicts.fetch_add(1, Ordering::Relaxed);
@@ -707,7 +698,7 @@ impl KvState {
     /// Drops bookings older than the stale-request limit at `now` (requests whose end was never
     /// seen). Called periodically, off the pick path; returns how many.
     pub fn expire_stale(&self, now: Instant) -> usize {
-        self.slots.write().expire(now)
+        self.slots.expire(now)
     }
 
     /// Forgets an endpoint that left the pool (index, approximate index, load).
@@ -722,7 +713,7 @@ impl KvState {
         let mut gone: std::collections::HashSet<u64> = self.index.read().workers();
         gone.extend(self.approx.fifo.lock().keys().copied());
         gone.extend(self.approx.index.read().workers());
-        gone.extend(self.slots.read().ranks().map(|r| r.worker));
+        gone.extend(self.slots.ranks().iter().map(|r| r.worker));
         gone.retain(|&w| !keep(w));
         let gone: Vec<u64> = gone.into_iter().collect();
         self.remove_workers(&gone);
@@ -731,7 +722,7 @@ impl KvState {
 
     /// Active load of an endpoint (rank 0).
     pub fn load(&self, addr: &str) -> Option<super::slots::RankLoad> {
-        self.slots.read().load(WorkerRank {
+        self.slots.load(WorkerRank {
             worker: worker_id(addr),
             dp_rank: 0,
         })

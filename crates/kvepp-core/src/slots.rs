@@ -31,9 +31,11 @@ pub use crate::types::WorkerRank;
 use crate::types::{KeyedBuild, DEFAULT_TABLE_SEED};
 
 mod active;
+mod shared;
 
 use active::ActiveTrie;
 pub use active::HeldScratch;
+pub use shared::SharedSlots;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).
 pub const STALE_REQUEST_AFTER: Duration = Duration::from_secs(300);
@@ -191,6 +193,49 @@ impl RankState {
             active_requests: self.active_requests,
         }
     }
+
+    /// A request booked here: `tokens` to prefill, `added` prompt blocks new to the rank.
+    fn take(&mut self, tokens: u64, added: u64) {
+        self.version += 1;
+        self.active_requests += 1;
+        self.prefill_tokens += tokens;
+        self.blocks += added;
+    }
+
+    /// A request of this rank left, with what it still held; `freed` prompt blocks no other
+    /// request here holds.
+    fn give_back(&mut self, active: &Active, freed: u64) {
+        self.version += 1;
+        self.active_requests -= 1;
+        self.prefill_tokens -= active.prefill_tokens;
+        self.output_blocks -= active.output_blocks;
+        if self.active_requests == 0 {
+            self.output_blocks = 0.0; // no float drift once idle
+        }
+        debug_assert!(freed <= self.blocks, "a rank frees only blocks it counted");
+        self.blocks = self.blocks.saturating_sub(freed);
+        debug_assert!(self.active_requests > 0 || self.blocks == 0);
+    }
+
+    /// A request's prefill (`tokens` of it still counted) completed.
+    fn prefill_done(&mut self, tokens: u64) {
+        self.prefill_tokens -= tokens;
+        self.version += 1;
+    }
+
+    /// A request produced an output block of weight `w`.
+    fn output(&mut self, w: f64) {
+        self.output_blocks += w;
+        self.version += 1;
+    }
+}
+
+/// An output block's weight: `decay_fraction` clamped to [0, 1], 1 when absent or not finite.
+fn output_weight(decay_fraction: Option<f64>) -> f64 {
+    match decay_fraction {
+        Some(w) if w.is_finite() => w.clamp(0.0, 1.0),
+        Some(_) | None => 1.0,
+    }
 }
 
 /// A dense slot's view: its rank's, or the default for a freed id.
@@ -202,6 +247,8 @@ fn view_of(slot: &Option<RankState>) -> RankView {
 #[derive(Debug)]
 struct Active {
     rank: u32,
+    /// The trie shard its path is in ([`SharedSlots`]; 0 in the [`SlotTracker`]'s one trie).
+    shard: u16,
     /// The trie node its prompt's path ends at.
     end: u32,
     /// Tokens still in prefill (0 once prefill completed).
@@ -400,14 +447,12 @@ impl SlotTracker {
         if expected.is_some_and(|v| v != state.version) {
             return Ok(false);
         }
-        state.version += 1;
-        state.active_requests += 1;
-        state.prefill_tokens += booking.new_isl_tokens;
         // Only the blocks new to the rank count; the list is shared by the trie, not copied.
         let (end, added) = self.active.insert(id, &booking.hashes);
-        state.blocks += added;
+        state.take(booking.new_isl_tokens, added);
         let active = Active {
             rank: id,
+            shard: 0,
             end,
             prefill_tokens: booking.new_isl_tokens,
             output_blocks: 0.0,
@@ -428,8 +473,7 @@ impl SlotTracker {
         let tokens = std::mem::take(&mut active.prefill_tokens);
         let id = active.rank;
         if let Some(state) = self.ranks[id as usize].as_mut() {
-            state.prefill_tokens -= tokens;
-            state.version += 1;
+            state.prefill_done(tokens);
         }
         self.sync_view(id);
         Ok(())
@@ -446,17 +490,11 @@ impl SlotTracker {
             .requests
             .get_mut(request_id)
             .ok_or_else(|| SlotError::UnknownRequest(request_id.to_owned()))?;
-        let w = decay_fraction.unwrap_or(1.0);
-        let w = if w.is_finite() {
-            w.clamp(0.0, 1.0)
-        } else {
-            1.0
-        };
+        let w = output_weight(decay_fraction);
         active.output_blocks += w;
         let id = active.rank;
         if let Some(state) = self.ranks[id as usize].as_mut() {
-            state.output_blocks += w;
-            state.version += 1;
+            state.output(w);
         }
         self.sync_view(id);
         Ok(())
@@ -477,17 +515,8 @@ impl SlotTracker {
         let Some(state) = ranks[active.rank as usize].as_mut() else {
             return;
         };
-        state.version += 1;
-        state.active_requests -= 1;
-        state.prefill_tokens -= active.prefill_tokens;
-        state.output_blocks -= active.output_blocks;
-        if state.active_requests == 0 {
-            state.output_blocks = 0.0; // no float drift once idle
-        }
         let freed = trie.remove(active.rank, active.end);
-        debug_assert!(freed <= state.blocks, "a rank frees only blocks it counted");
-        state.blocks = state.blocks.saturating_sub(freed);
-        debug_assert!(state.active_requests > 0 || state.blocks == 0);
+        state.give_back(&active, freed);
     }
 
     /// Drops requests older than the stale limit; returns how many.

@@ -38,7 +38,7 @@ impl SlotGuard {
     pub fn first_byte(&mut self) {
         if let (Some(id), false) = (&self.id, self.prefill_done) {
             self.prefill_done = true;
-            let _ = self.state.slots.write().prefill_complete(id);
+            let _ = self.state.slots.prefill_complete(id);
             self.state.hub.each(|l| l.prefill_complete(id));
         }
     }
@@ -49,7 +49,6 @@ impl SlotGuard {
             Some(id) => self
                 .state
                 .slots
-                .write()
                 .add_output_block(id, decay_fraction),
             None => Ok(()),
         }
@@ -59,7 +58,7 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(id) = &self.id {
-            if self.state.slots.write().free(id) {
+            if self.state.slots.free(id) {
                 self.state.hub.each(|l| l.freed(id));
             }
         }

@@ -44,7 +44,6 @@ impl KvState {
         isl_tokens: u64,
     ) -> Vec<crate::slots::PotentialLoad> {
         self.slots
-            .read()
             .projections(ranks.iter().copied(), hashes, isl_tokens)
             .into_iter()
             .map(|(l, _)| l)
@@ -53,7 +52,7 @@ impl KvState {
 
     /// Makes a rank schedulable in the slot tracker (idempotent).
     pub fn register_rank(&self, rank: WorkerRank) {
-        self.slots.write().register(rank);
+        self.slots.register(rank);
     }
 
     /// Removes a worker's ranks, active requests and cached blocks.
@@ -72,9 +71,8 @@ impl KvState {
             }
         });
         self.approx.forget(workers);
-        let mut slots = self.slots.write();
         for &w in workers {
-            slots.unregister_worker(w);
+            self.slots.unregister_worker(w);
         }
     }
 
@@ -89,12 +87,11 @@ impl KvState {
         now: Instant,
     ) -> Result<(), crate::slots::SlotError> {
         self.slots
-            .write()
             .add(id, rank, hashes, prefill_tokens, now)
     }
 
     pub fn prefill_complete(&self, id: &str) -> Result<(), crate::slots::SlotError> {
-        self.slots.write().prefill_complete(id)
+        self.slots.prefill_complete(id)
     }
 
     pub fn output_block(
@@ -102,33 +99,33 @@ impl KvState {
         id: &str,
         decay_fraction: Option<f64>,
     ) -> Result<(), crate::slots::SlotError> {
-        self.slots.write().add_output_block(id, decay_fraction)
+        self.slots.add_output_block(id, decay_fraction)
     }
 
     /// Releases a reservation; whether it was active.
     pub fn free(&self, id: &str) -> bool {
-        self.slots.write().free(id)
+        self.slots.free(id)
     }
 
     pub fn is_active(&self, id: &str) -> bool {
-        self.slots.read().is_active(id)
+        self.slots.is_active(id)
     }
 
     /// Requests booked in the slot tracker.
     pub fn active_count(&self) -> usize {
-        self.slots.read().active_count()
+        self.slots.active_count()
     }
 
     /// Every registered rank's load.
     pub fn rank_loads(&self) -> Vec<(WorkerRank, crate::slots::RankLoad)> {
-        self.slots.read().loads().collect()
+        self.slots.loads()
     }
 
     /// Requests the slot tracker holds on `worker`'s rank 0 (the rank the picker books):
     /// this process's bookings and, with replica sync, its peers'. None: not registered.
     pub fn worker_requests(&self, worker: u64) -> Option<u32> {
         let rank = WorkerRank { worker, dp_rank: 0 };
-        self.slots.read().load(rank).map(|l| l.active_requests)
+        self.slots.load(rank).map(|l| l.active_requests)
     }
 }
 

@@ -6,7 +6,7 @@
 
 use crate::cost::{BoundInput, CandidateLoad};
 use crate::index::MatchScratch;
-use crate::slots::{HeldScratch, RankView};
+use crate::slots::HeldScratch;
 use crate::types::{Overlap, RankOverlap};
 
 /// Worker id → candidate index for one pick: open addressing over reused arrays (no hashing of
@@ -76,8 +76,6 @@ pub(super) struct PickScratch {
     pub(super) found: Vec<RankOverlap>,
     /// The walk over the slot tracker's active blocks.
     pub(super) held: HeldScratch,
-    /// The ranks' loads, copied out of the slot tracker.
-    pub(super) views: Vec<RankView>,
     /// Candidate index by worker id (the first candidate of a worker).
     pub(super) by_worker: CandidateMap,
     /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
@@ -91,6 +89,6 @@ pub(super) struct PickScratch {
     /// Per candidate, with bounded loads on: what they read (requests held, prompt blocks
     /// cached); empty when they are off.
     pub(super) requests: Vec<BoundInput>,
-    /// Candidates whose tracker hint missed, with the load resolved for them under the lock.
+    /// Candidates whose tracker hint missed, with the load resolved for them through the tracker's rank map.
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
 }
