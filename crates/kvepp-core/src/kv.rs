@@ -9,21 +9,20 @@
 //! never across a call out.
 //!
 //! Concurrency: both prefix indexes are [`SharedIndex`]es, so a pick's lookup never waits for KV
-//! events (or another pick's routed blocks) being applied. The slot tracker sits behind a
-//! read-write lock: a pick holds it shared only to walk the active requests' trie and copy the
-//! ranks' loads (a few bytes each), then scores its candidates without it; a booking takes the
-//! write lock only to add the request (one count per trie node on its path), and only if the
-//! chosen rank's load is still the one the pick read (its version); otherwise the router picks
-//! again. So select-and-book is atomic per decision while picks and bookings hardly wait for one
-//! another.
+//! events (or another pick's routed blocks) being applied. The slot tracker ([`SharedSlots`]) has
+//! no lock over the whole of it: a pick locks one shard of its active requests' trie, shared, for
+//! its walk, and reads each candidate's load from its rank's published view without a lock; a
+//! booking locks its request's id shard, the chosen rank's cell and its prompt's trie shard, and
+//! books only if the rank's load is still the one the pick read (its version); otherwise the
+//! router picks again. So select-and-book is atomic per decision while picks and bookings hardly
+//! wait for one another.
 //!
 //! Cost of a pick over `n` candidates: one search of the KV-event index (a few dozen probes per
 //! distinct set of holders along the prompt, however long its cached prefix: see
 //! [`super::index::PrefixIndex::find_matches_jumping`]; the approximate index, whose FIFO evicts
-//! prefixes first, is walked block by block), one walk down the slot tracker's trie and one copy
-//! of its ranks' loads, then O(1) per candidate (the walks' results and its load, each found
-//! through a hint kept in the endpoint beside its worker id), and O(n) arithmetic, in buffers
-//! reused from pick to pick.
+//! prefixes first, is walked block by block), one walk down the slot tracker's trie, then O(1)
+//! per candidate (the walks' results and its load, each found through a hint kept in the endpoint
+//! beside its worker id), and O(n) arithmetic, in buffers reused from pick to pick.
 //!
 //! Modes, per request ([`PrefixMode`]): `token_ids` (the completions prompt was token ids),
 //! `tokens` (tokenized by us), `approximate` (no tokenizer: hashes of fixed-size byte blocks of
@@ -349,12 +348,12 @@ impl KvState {
     /// candidate, in order) for the caller's own cost.
     ///
     /// Each walk (KV or approximate index, then the slot tracker's trie) leaves its results in
-    /// scratch space indexed by dense ids, and the ranks' loads are copied beside them under the
-    /// tracker's read lock; a candidate reads its own through the hints kept in its endpoint, so
-    /// the cost per candidate is a few array reads, without the lock. Only where an index has
-    /// data-parallel ranks other than 0 (whose best run counts for the endpoint) are the runs
-    /// gathered per worker instead. Candidates whose tracker hint misses (first picks,
-    /// re-registrations) are resolved afterwards under the lock, into `sc.resolved`.
+    /// scratch space indexed by dense ids; a candidate reads its own, and its rank's published
+    /// load, through the hints kept in its endpoint, so the cost per candidate is a few array
+    /// and atomic reads, without a lock. Only where an index has data-parallel ranks other than
+    /// 0 (whose best run counts for the endpoint) are the runs gathered per worker instead.
+    /// Candidates whose tracker hint misses (first picks, re-registrations) are resolved
+    /// afterwards through the tracker's rank map, into `sc.resolved`.
     fn candidate_loads(
         &self,
         candidates: &[Arc<Endpoint>],
@@ -525,7 +524,8 @@ impl KvState {
         if let Some(&(_, c, v)) = sc.resolved.iter().find(|r| r.0 == i) {
             return (c, v);
         }
-        self.load_of(w, sc, i, e).map_or((CandidateLoad::default(), None), |(c, v)| (c, Some(v)))
+        self.load_of(w, sc, i, e)
+            .map_or((CandidateLoad::default(), None), |(c, v)| (c, Some(v)))
     }
 
     /// `sc.best[i]`: candidate `i`'s best cached prefix over its worker's ranks, from the runs
@@ -631,7 +631,7 @@ impl KvState {
             None => format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed)),
         };
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
-        // Owned before the lock: the write lock covers the trie and the counts only.
+        // Owned before the locks: they cover the trie and the counts only.
         let booking = super::slots::NewRequest {
             id: id.clone(),
             hashes: Arc::from(hashes),

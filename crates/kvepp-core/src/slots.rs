@@ -20,6 +20,10 @@
 //! ranks × blocks); booking and releasing a request touch one count per node on its path and
 //! compare hashes along it, never a table entry per block.
 //!
+//! Two trackers with these semantics: [`SlotTracker`], owned by one caller (`&mut self`, the
+//! simple reference), and [`SharedSlots`] (the `shared` module), which the routing core uses:
+//! the same answers without one lock over the whole of it, tested against the first.
+//!
 //! The clock is passed in, so nothing here sleeps or reads time.
 
 use std::collections::HashMap;

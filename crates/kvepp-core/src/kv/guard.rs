@@ -46,10 +46,7 @@ impl SlotGuard {
     /// One more output block (decode load grows); local only, never published.
     pub fn output_block(&self, decay_fraction: Option<f64>) -> Result<(), crate::slots::SlotError> {
         match &self.id {
-            Some(id) => self
-                .state
-                .slots
-                .add_output_block(id, decay_fraction),
+            Some(id) => self.state.slots.add_output_block(id, decay_fraction),
             None => Ok(()),
         }
     }

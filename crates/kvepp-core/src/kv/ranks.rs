@@ -86,8 +86,7 @@ impl KvState {
         prefill_tokens: u64,
         now: Instant,
     ) -> Result<(), crate::slots::SlotError> {
-        self.slots
-            .add(id, rank, hashes, prefill_tokens, now)
+        self.slots.add(id, rank, hashes, prefill_tokens, now)
     }
 
     pub fn prefill_complete(&self, id: &str) -> Result<(), crate::slots::SlotError> {

@@ -41,8 +41,7 @@ use std::time::{Duration, Instant};
 
 use super::active::{ActiveTrie, HeldScratch};
 use super::{
-    output_weight, Active, Map, NewRequest, PotentialLoad, RankLoad, RankState, RankView,
-    SlotError,
+    output_weight, Active, Map, NewRequest, PotentialLoad, RankLoad, RankState, RankView, SlotError,
 };
 use crate::hash::SequenceHash;
 use crate::types::{KeyedBuild, WorkerRank};
@@ -165,11 +164,10 @@ impl SharedSlots {
     /// The cell of a new dense id (its chunk made if this is the chunk's first).
     fn new_cell(&self, id: u32) -> Option<&RankCell> {
         let id = id as usize;
-        let chunk = self.chunks.get(id / RANKS_PER_CHUNK)?.get_or_init(|| {
-            (0..RANKS_PER_CHUNK)
-                .map(|_| RankCell::default())
-                .collect()
-        });
+        let chunk = self
+            .chunks
+            .get(id / RANKS_PER_CHUNK)?
+            .get_or_init(|| (0..RANKS_PER_CHUNK).map(|_| RankCell::default()).collect());
         chunk.get(id % RANKS_PER_CHUNK)
     }
 
@@ -180,9 +178,9 @@ impl SharedSlots {
 
     /// The trie shard of a prompt: by its first block (an empty prompt's is shard 0).
     fn trie_shard(&self, hashes: &[SequenceHash]) -> u16 {
-        hashes
-            .first()
-            .map_or(0, |h| (self.keys.hash_one(h.0) as usize % TRIE_SHARDS) as u16)
+        hashes.first().map_or(0, |h| {
+            (self.keys.hash_one(h.0) as usize % TRIE_SHARDS) as u16
+        })
     }
 
     /// Makes a rank schedulable (idempotent); its dense id.
@@ -282,7 +280,9 @@ impl SharedSlots {
     }
 
     pub fn is_active(&self, request_id: &str) -> bool {
-        self.request_shard(request_id).lock().contains_key(request_id)
+        self.request_shard(request_id)
+            .lock()
+            .contains_key(request_id)
     }
 
     /// Number of active requests.
@@ -324,7 +324,10 @@ impl SharedSlots {
         let live = |id: u32| {
             let cell = self.cell(id)?;
             let state = cell.state.lock();
-            state.as_ref().is_some_and(|s| s.id == rank).then_some((id, cell, state))
+            state
+                .as_ref()
+                .is_some_and(|s| s.id == rank)
+                .then_some((id, cell, state))
         };
         let found = match hint.and_then(live) {
             Some(f) => Some(f),
@@ -507,7 +510,10 @@ impl SharedSlots {
             .map(RankCell::view)
             .filter(|v| v.is(rank));
         match view {
-            Some(v) => (v.potential(rank, blocks, held, new_isl_tokens), Some(v.version)),
+            Some(v) => (
+                v.potential(rank, blocks, held, new_isl_tokens),
+                Some(v.version),
+            ),
             None => (
                 RankView::default().potential(rank, blocks, 0, new_isl_tokens),
                 None,
