@@ -37,7 +37,6 @@
 //! the HTTP services call) and `guard` (a booking held for a request's life).
 
 use parking_lot::{Mutex, RwLock};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -174,14 +173,13 @@ impl KvState {
             weights: arc_swap::ArcSwap::from_pointee(settings.weights),
             settings,
             index: SharedIndex::with_seed(settings.max_blocks_per_rank, settings.table_seed),
-            approx: Approx {
-                index: SharedIndex::with_seed(
+            approx: Approx::new(
+                SharedIndex::with_seed(
                     settings.approx_blocks_per_endpoint as u64,
                     settings.table_seed,
                 ),
-                fifo: Mutex::new(HashMap::new()),
-                cap: settings.approx_blocks_per_endpoint,
-            },
+                settings.approx_blocks_per_endpoint,
+            ),
             slots: SharedSlots::with_seed(super::slots::STALE_REQUEST_AFTER, settings.table_seed),
             next_request: AtomicU64::new(0),
             booking_conflicts: AtomicU64::new(0),
@@ -711,7 +709,7 @@ impl KvState {
     /// no record of departures: whatever is not live goes.
     pub fn retain_workers(&self, keep: impl Fn(u64) -> bool) -> usize {
         let mut gone: std::collections::HashSet<u64> = self.index.read().workers();
-        gone.extend(self.approx.fifo.lock().keys().copied());
+        gone.extend(self.approx.workers());
         gone.extend(self.approx.index.read().workers());
         gone.extend(self.slots.ranks().iter().map(|r| r.worker));
         gone.retain(|&w| !keep(w));

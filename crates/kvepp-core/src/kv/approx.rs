@@ -1,7 +1,10 @@
 //! Approximate mode's memory of what was routed where (see [`Approx`]).
 //!
 //! Invariants: at most `cap` references per endpoint, the oldest evicted first (before new blocks
-//! are stored); a forgotten endpoint leaves nothing behind.
+//! are stored); a forgotten endpoint leaves nothing behind. An endpoint's FIFO and its entries in
+//! the index change together under its FIFO shard's lock (one of `FIFO_SHARDS`, by worker id), so
+//! recordings for endpoints in different shards wait only for the index's writer, never for one
+//! global lock.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -18,11 +21,45 @@ use crate::types::WorkerRank;
 #[derive(Debug)]
 pub(super) struct Approx {
     pub(super) index: SharedIndex,
-    pub(super) fifo: Mutex<HashMap<u64, VecDeque<SequenceHash>>>,
+    fifos: Box<[Mutex<Fifos>]>,
     pub(super) cap: usize,
 }
 
+type Fifos = HashMap<u64, VecDeque<SequenceHash>>;
+
+const FIFO_SHARDS: usize = 16;
+
 impl Approx {
+    pub(super) fn new(index: SharedIndex, cap: usize) -> Self {
+        Approx {
+            index,
+            fifos: (0..FIFO_SHARDS).map(|_| Mutex::default()).collect(),
+            cap,
+        }
+    }
+
+    fn shard(&self, worker: u64) -> &Mutex<Fifos> {
+        // Worker ids are hashes of addresses already: their low bits spread.
+        &self.fifos[(worker % FIFO_SHARDS as u64) as usize]
+    }
+
+    /// `worker`'s FIFO, oldest first (tests).
+    #[cfg(test)]
+    pub(super) fn fifo_of(&self, worker: u64) -> Vec<SequenceHash> {
+        let fifos = self.shard(worker).lock();
+        fifos
+            .get(&worker)
+            .map_or_else(Vec::new, |f| f.iter().copied().collect())
+    }
+
+    /// The workers with routed blocks on record.
+    pub(super) fn workers(&self) -> Vec<u64> {
+        self.fifos
+            .iter()
+            .flat_map(|f| f.lock().keys().copied().collect::<Vec<_>>())
+            .collect()
+    }
+
     /// Records `p`'s leading blocks (at most `cap`) after the first `held` as routed to `worker`,
     /// first evicting the oldest references so they fit: the rank's distinct blocks never exceed
     /// its references, so the index always has room and the FIFO keeps learning under pressure.
@@ -34,7 +71,7 @@ impl Approx {
             // Everything is there already: no write, so readers and other writers never wait.
             return;
         }
-        let mut fifos = self.fifo.lock();
+        let mut fifos = self.shard(worker).lock();
         let fifo = fifos.entry(worker).or_default();
         let evict = (fifo.len() + n - skip)
             .saturating_sub(self.cap)
@@ -75,12 +112,16 @@ impl Approx {
 
     /// Forgets `workers`' routed blocks (index and FIFOs together).
     pub(super) fn forget(&self, workers: &[u64]) {
-        let mut fifos = self.fifo.lock();
+        // Every shard, in order (the only place more than one is held): no recording of these
+        // workers runs between the index's removal and the FIFOs'.
+        let mut fifos: Vec<_> = self.fifos.iter().map(|f| f.lock()).collect();
         self.index.write(|ix| {
             for &w in workers {
                 ix.remove_worker(w);
             }
         });
-        fifos.retain(|w, _| !workers.contains(w));
+        for f in &mut fifos {
+            f.retain(|w, _| !workers.contains(w));
+        }
     }
 }

@@ -369,6 +369,52 @@ fn concurrent_picks_book_exactly() {
         .all(|(_, l)| *l == crate::slots::RankLoad::default()));
 }
 
+/// Approximate mode from several threads, with a small FIFO and an endpoint forgotten on the way:
+/// each endpoint's FIFO and its blocks in the approximate index stay the same set, within the
+/// cap, and the slot tracker ends empty.
+#[test]
+fn concurrent_approximate_bookings_keep_fifo_and_index_together() {
+    let cap = 48;
+    let kv = Arc::new(KvState::new(KvSettings {
+        approx_blocks_per_endpoint: cap,
+        ..KvSettings::default()
+    }));
+    let eps = Arc::new(endpoints(8));
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (kv, eps) = (&kv, &eps);
+            s.spawn(move || {
+                let refs: &[Arc<Endpoint>] = eps;
+                let mut rng = fastrand::Rng::with_seed(t + 10);
+                for i in 0..300u64 {
+                    let p = prompt(&mut rng, PrefixMode::Approximate, 40 + t % 2);
+                    let mut ctx = PickContext::seeded(t * 1000 + i);
+                    let (best, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
+                    drop(kv.book_decision(&eps[best], Some(&p), &d, Instant::now()));
+                    if t == 0 && i == 150 {
+                        kv.forget(&eps[3].addr_str);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(kv.active_count(), 0);
+    let ix = kv.approx.index.read();
+    let mut recorded = 0;
+    for e in eps.iter() {
+        let fifo: HashSet<SequenceHash> = kv.approx.fifo_of(e.worker).into_iter().collect();
+        let rank = WorkerRank {
+            worker: e.worker,
+            dp_rank: 0,
+        };
+        let indexed: HashSet<SequenceHash> = ix.rank_sequences(rank).into_iter().collect();
+        assert!(fifo.len() <= cap, "endpoint {}", e.addr_str);
+        assert_eq!(fifo, indexed, "endpoint {}", e.addr_str);
+        recorded += fifo.len();
+    }
+    assert!(recorded > 0, "the run recorded blocks");
+}
+
 /// What the metrics scraper compares an engine's own request count with: this process's
 /// bookings and a peer replica's (applied by replica sync as a reservation), on rank 0.
 #[test]
