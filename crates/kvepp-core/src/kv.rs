@@ -636,7 +636,13 @@ impl KvState {
             new_isl_tokens: slot.prefill_tokens,
             now: slot.now,
         };
-        let hint = self.slots.register(rank);
+        // The endpoint's remembered dense id spares the rank map's lock on the booking path.
+        let hint = self
+            .slots
+            .register_at(rank, endpoint.hints.slot.load(Ordering::Relaxed));
+        if let Some(h) = hint {
+            endpoint.hints.slot.store(h, Ordering::Relaxed);
+        }
         let booked = self.slots.add_booking(booking, rank, slot.expected, hint);
         match booked {
             Ok(false) => {

@@ -183,6 +183,15 @@ impl SharedSlots {
         })
     }
 
+    /// [`Self::register`] for a caller that remembers the rank's dense id (`hint`): when the
+    /// hint still names the rank (its published view says so), no lock is taken at all.
+    pub fn register_at(&self, rank: WorkerRank, hint: u32) -> Option<u32> {
+        if self.cell(hint).is_some_and(|c| c.view().is(rank)) {
+            return Some(hint);
+        }
+        self.register(rank)
+    }
+
     /// Makes a rank schedulable (idempotent); its dense id.
     pub fn register(&self, rank: WorkerRank) -> Option<u32> {
         if let Some(&id) = self.registry.read().ids.get(&rank) {

@@ -238,3 +238,24 @@ fn unregistering_under_bookings_leaves_nothing_behind() {
     }
     assert_eq!(shared.expire(t0 + Duration::from_secs(1_000)), 0);
 }
+
+#[test]
+fn a_hint_spares_the_rank_map_only_when_it_still_names_the_rank() {
+    let shared = SharedSlots::with_seed(Duration::from_secs(300), 1);
+    let (a, b) = (rank(1, 0), rank(2, 0));
+    let ia = shared.register(a).unwrap();
+    assert_eq!(shared.register_at(a, ia), Some(ia));
+    // A hint naming another rank, a free id or none at all: the map decides.
+    let ib = shared.register_at(b, ia).unwrap();
+    assert_ne!(ia, ib);
+    assert_eq!(shared.register_at(b, 4_000_000), Some(ib));
+    shared.unregister_worker(1);
+    assert_eq!(shared.dense_id(a), None);
+    let again = shared.register_at(a, ia).unwrap();
+    assert_eq!(
+        shared.dense_id(a),
+        Some(again),
+        "registered anew, not taken from the hint"
+    );
+    assert_eq!(shared.load(a), Some(RankLoad::default()));
+}
