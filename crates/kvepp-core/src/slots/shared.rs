@@ -50,9 +50,13 @@ const TRIE_SHARDS: usize = 64;
 const REQUEST_SHARDS: usize = 64;
 const RANKS_PER_CHUNK: usize = 256;
 const CHUNKS: usize = 4096;
+/// Tries at a lock-free read of a rank's view before taking its lock.
+const SPINS: usize = 64;
 
-/// One dense id's rank: its state, and the view picks read without the lock.
+/// One dense id's rank: its state, and the view picks read without the lock. Aligned to two
+/// cache lines, so a booking on one rank does not invalidate the lines picks read of another.
 #[derive(Debug, Default)]
+#[repr(align(128))]
 struct RankCell {
     state: Mutex<Option<RankState>>,
     /// Even: the view below is whole; odd: it is being written.
@@ -85,9 +89,11 @@ impl RankCell {
         self.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
-    /// The last published view, whole (retried while a writer is between its two stores).
+    /// The last published view, whole: retried while a writer is between its two stores, and
+    /// after a few tries read under the state's lock instead (a writer preempted mid-publish
+    /// must not keep a reader spinning for its time slice).
     fn view(&self) -> RankView {
-        loop {
+        for _ in 0..SPINS {
             let before = self.seq.load(Ordering::Acquire);
             if before & 1 == 0 {
                 let v = RankView {
@@ -105,6 +111,11 @@ impl RankCell {
             }
             std::hint::spin_loop();
         }
+        // Writers publish under this lock, so once it is ours the state is what they published.
+        self.state
+            .lock()
+            .as_ref()
+            .map_or_else(RankView::default, RankState::view)
     }
 }
 

@@ -259,3 +259,41 @@ fn a_hint_spares_the_rank_map_only_when_it_still_names_the_rank() {
     );
     assert_eq!(shared.load(a), Some(RankLoad::default()));
 }
+
+/// A writer publishing states whose fields keep a relation, readers checking it in every view
+/// they read: a torn view (fields from two publications) would break it.
+#[test]
+fn views_are_never_torn() {
+    let cell = RankCell::default();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let (cell, stop) = (&cell, &stop);
+        s.spawn(move || {
+            for k in 1..=20_000u32 {
+                let mut state = cell.state.lock();
+                let st = state.get_or_insert_with(|| RankState::new(rank(9, 0)));
+                st.active_requests = k;
+                st.prefill_tokens = 10 * u64::from(k);
+                st.blocks = 3 * u64::from(k);
+                st.version = u64::from(k);
+                cell.publish(state.as_ref());
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        for _ in 0..2 {
+            s.spawn(move || {
+                let mut seen = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let v = cell.view();
+                    let k = u64::from(v.active_requests);
+                    assert_eq!(v.prefill_tokens, 10 * k, "{v:?}");
+                    assert_eq!(v.decode_blocks, 3 * k, "{v:?}");
+                    assert_eq!(v.version, k, "{v:?}");
+                    assert!(v.version >= seen, "views never go back");
+                    seen = v.version;
+                }
+            });
+        }
+    });
+    assert_eq!(cell.view().active_requests, 20_000);
+}
