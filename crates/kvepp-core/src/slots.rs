@@ -9,9 +9,7 @@
 //! - every request is counted on exactly one rank until freed, its rank is unregistered, or it is
 //!   older than the stale-request limit (300 s by default);
 //! - a rank's `version` changes whenever its load changes, so a pick can book exactly the load it
-//!   read ([`SlotTracker::add_if_unchanged`]);
-//! - each rank's view (what a pick reads: load and version, [`RankView`]) is kept in step with its
-//!   state by every change, so a pick copies all of them at once ([`SlotTracker::views_into`]).
+//!   read ([`SlotTracker::add_if_unchanged`]).
 //!
 //! Layout, for picks over thousands of ranks: ranks live in a dense array (a small id per rank);
 //! the active requests' prompts live in one trie (`active`), whose nodes count each rank's
@@ -61,7 +59,7 @@ pub struct PotentialLoad {
     pub active_requests: u32,
 }
 
-/// A rank's load copied out of the tracker ([`SlotTracker::views_into`]).
+/// A rank's load as a pick reads it: load and version ([`SharedSlots`] publishes one per rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RankView {
     /// The rank's worker and data-parallel rank + 1 (0: a free dense id), apart rather than an
@@ -99,27 +97,6 @@ impl RankView {
             active_requests: self.active_requests,
         }
     }
-}
-
-/// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to prefill,
-/// from the views and the walk ([`SlotTracker::walk_held`]) of one read of the tracker, with its
-/// version; `hint` is the rank's remembered dense id. None: the hint is wrong (resolve it with
-/// [`SlotTracker::dense_id`] and call again).
-#[inline]
-pub fn project(
-    views: &[RankView],
-    held: &HeldScratch,
-    rank: WorkerRank,
-    hint: u32,
-    blocks: u64,
-    new_isl_tokens: u64,
-) -> Option<(PotentialLoad, u64)> {
-    let at = hint as usize;
-    let v = views.get(at).filter(|v| v.is(rank))?;
-    Some((
-        v.potential(rank, blocks, held.get(at), new_isl_tokens),
-        v.version,
-    ))
 }
 
 /// A request to book, owned: its id, its prompt's hash list (shared with the active requests'
@@ -242,12 +219,6 @@ fn output_weight(decay_fraction: Option<f64>) -> f64 {
     }
 }
 
-/// A dense slot's view: its rank's, or the default for a freed id.
-fn view_of(slot: &Option<RankState>) -> RankView {
-    slot.as_ref()
-        .map_or_else(RankView::default, RankState::view)
-}
-
 #[derive(Debug)]
 struct Active {
     rank: u32,
@@ -266,9 +237,6 @@ struct Active {
 pub struct SlotTracker {
     /// Dense rank states; a rank's id is its position (`None`: a freed id).
     ranks: Vec<Option<RankState>>,
-    /// `views[id]` is `ranks[id]`'s load as a pick reads it (the default for a freed id), kept
-    /// in step by every change of a rank's state, so a pick copies them in one `memcpy`.
-    views: Vec<RankView>,
     ids: Map<WorkerRank, u32>,
     free_ids: Vec<u32>,
     requests: HashMap<String, Active>,
@@ -293,35 +261,12 @@ impl SlotTracker {
     pub fn with_seed(stale_after: Duration, seed: u64) -> Self {
         SlotTracker {
             ranks: Vec::new(),
-            views: Vec::new(),
             ids: HashMap::with_hasher(KeyedBuild::with_key(seed)),
             free_ids: Vec::new(),
             requests: HashMap::new(),
             active: ActiveTrie::with_seed(seed),
             stale_after,
         }
-    }
-
-    /// Brings `views[id]` in step with `ranks[id]`.
-    fn sync_view(&mut self, id: u32) {
-        let id = id as usize;
-        if self.views.len() < self.ranks.len() {
-            self.views.resize(self.ranks.len(), RankView::default());
-        }
-        if let (Some(v), Some(s)) = (self.views.get_mut(id), self.ranks.get(id)) {
-            *v = view_of(s);
-        }
-    }
-
-    /// Whether every view equals its rank's state (tests).
-    #[cfg(test)]
-    pub(crate) fn views_are_current(&self) -> bool {
-        self.views.len() == self.ranks.len()
-            && self
-                .ranks
-                .iter()
-                .zip(&self.views)
-                .all(|(s, v)| *v == view_of(s))
     }
 
     fn state(&self, rank: WorkerRank) -> Option<&RankState> {
@@ -346,7 +291,6 @@ impl SlotTracker {
             }
         };
         self.ids.insert(rank, id);
-        self.sync_view(id);
     }
 
     /// Removes every rank of `worker` and its active requests.
@@ -365,7 +309,6 @@ impl SlotTracker {
                 self.ids.remove(&state.id);
             }
             self.free_ids.push(id);
-            self.sync_view(id);
         }
         let mut dropped = Vec::new();
         self.requests.retain(|_, a| {
@@ -463,7 +406,6 @@ impl SlotTracker {
             added: booking.now,
         };
         self.requests.insert(booking.id, active);
-        self.sync_view(id);
         Ok(true)
     }
 
@@ -479,7 +421,6 @@ impl SlotTracker {
         if let Some(state) = self.ranks[id as usize].as_mut() {
             state.prefill_done(tokens);
         }
-        self.sync_view(id);
         Ok(())
     }
 
@@ -500,7 +441,6 @@ impl SlotTracker {
         if let Some(state) = self.ranks[id as usize].as_mut() {
             state.output(w);
         }
-        self.sync_view(id);
         Ok(())
     }
 
@@ -509,9 +449,7 @@ impl SlotTracker {
         let Some(active) = self.requests.remove(request_id) else {
             return false;
         };
-        let id = active.rank;
         Self::release(&mut self.ranks, &mut self.active, active);
-        self.sync_view(id);
         true
     }
 
@@ -535,9 +473,7 @@ impl SlotTracker {
             if let Some(active) = self.requests.remove(id) {
                 let rank = self.ranks[active.rank as usize].as_ref().map(|s| s.id);
                 tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
-                let dense = active.rank;
                 Self::release(&mut self.ranks, &mut self.active, active);
-                self.sync_view(dense);
             }
         }
         stale.len()
@@ -580,18 +516,6 @@ impl SlotTracker {
                 None,
             ),
         }
-    }
-
-    /// Every rank's load as a pick reads it, into `out` (by dense id; cleared first): copied out
-    /// under the caller's read lock so that the pass over the candidates runs without it.
-    pub fn views_into(&self, out: &mut Vec<RankView>) {
-        out.clear();
-        out.extend_from_slice(&self.views);
-    }
-
-    /// The dense id of `rank` (for a hint that [`project`] found wrong).
-    pub fn dense_id(&self, rank: WorkerRank) -> Option<u32> {
-        self.ids.get(&rank).copied()
     }
 
     /// Each of `ranks`' load if it took a request with these prompt blocks and prefill tokens

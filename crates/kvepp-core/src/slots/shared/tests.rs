@@ -9,20 +9,9 @@ fn rank(worker: u64, dp_rank: u32) -> WorkerRank {
     WorkerRank { worker, dp_rank }
 }
 
-/// A prompt sharing a stem with others (chained hashes, as the contract says): `stem` picks
-/// one of a few first blocks, then a few shared and some private blocks.
+/// A prompt sharing a stem with others (the one-lock tracker's tests' generator).
 fn prompt(rng: &mut fastrand::Rng) -> Vec<SequenceHash> {
-    let stem = rng.u64(..6) * 100;
-    let locals: Vec<crate::hash::LocalBlockHash> = (0..rng.u64(..7))
-        .map(|i| {
-            crate::hash::LocalBlockHash(if i < 3 {
-                stem + i
-            } else {
-                rng.u64(..1000) + 10_000
-            })
-        })
-        .collect();
-    crate::hash::sequence_hashes(&locals)
+    crate::slots::tests::chained_prompt(rng, 6, 7)
 }
 
 /// Every rank's load and a projection of `probe` in both trackers, sorted.
