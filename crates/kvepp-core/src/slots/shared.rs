@@ -472,7 +472,10 @@ impl SharedSlots {
                 .collect();
             for id in stale {
                 if let Some(active) = map.remove(&id) {
-                    tracing::warn!(request = %id, dense_rank = active.rank, "stale request expired from load accounting");
+                    let rank = self
+                        .cell(active.rank)
+                        .and_then(|c| c.state.lock().as_ref().map(|s| s.id));
+                    tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
                     self.release(&active);
                     expired += 1;
                 }
