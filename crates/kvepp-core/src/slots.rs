@@ -484,7 +484,7 @@ impl SlotTracker {
     }
 
     /// How many leading blocks of `hashes` every rank has active: one walk down the active
-    /// requests' trie into `scratch`; [`project`] reads it.
+    /// requests' trie into `scratch`; [`SharedSlots::project`] reads it.
     pub fn walk_held(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
         self.active.walk(hashes, scratch, self.ranks.len());
     }

@@ -16,7 +16,7 @@
 //! - a spilled holder list has at least two holders, never the same rank twice;
 //! - `blocks` of a rank is its number of pairs, and never exceeds the rank's limit (at most
 //!   `max_blocks_per_rank`; [`PrefixIndex::set_rank_limit`] lowers it to what the engine reports):
-//!   a store beyond it first drops the rank's oldest pair, counted ([`bound`]), so a publisher that
+//!   a store beyond it first drops the rank's oldest pair, counted (`bound`), so a publisher that
 //!   never removes cannot grow memory past ranks × the limit;
 //! - [`PrefixIndex::find_matches`] reports, per rank, the number of leading request blocks held on
 //!   the device, on device or host, and anywhere (so device ≤ host ≤ disk), and only ranks with at

@@ -420,7 +420,7 @@ impl SharedSlots {
         })
     }
 
-    /// The request produced another block of output ([`SlotTracker::add_output_block`]).
+    /// The request produced another block of output ([`super::SlotTracker::add_output_block`]).
     pub fn add_output_block(
         &self,
         request_id: &str,
