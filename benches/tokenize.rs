@@ -3,14 +3,21 @@
 //! the baseline measured in the same run. The document in the system prompt makes the
 //! conversation about 100k tokens with the fixture tokenizer.
 //!
-//! `cargo bench --bench tokenize` prints both medians and the ratio; under `cargo test` it runs a
-//! small conversation once and checks both give the same ids.
+//! Then, from the chat to its block hashes (render, tokenize the new message, hash the blocks
+//! after the part the previous turn shares): the ids gathered into one array and the memo
+//! comparing them token by token, against the ids kept as the segment cache's pieces and the memo
+//! comparing those piece by piece (`Prompt::Pieces`), each path with a state of its own.
+//!
+//! `cargo bench --bench tokenize` prints the medians and ratios; under `cargo test` it runs a
+//! small conversation once and checks both give the same ids and the same blocks.
 // Benchmark code: a failed expectation is a failed run.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::{Duration, Instant};
 
 use kvepp::request::tokenize::ModelTokenizer;
+use kvepp::request::RawMessages;
+use kvepp_core::{KvSettings, KvState, PrefixMode, Prompt};
 use serde_json::value::RawValue;
 
 fn conversation(doc_words: usize, question: usize) -> Box<RawValue> {
@@ -80,5 +87,62 @@ fn main() {
     println!(
         "the new message tokenized alone: {q:?}; rendering + segment cache: {:.1}x that",
         (r + s).as_secs_f64() / q.as_secs_f64().max(1e-9)
+    );
+    to_blocks(&t, doc_words, runs);
+}
+
+/// Chat to block hashes, ids in one array against ids in pieces (see the module doc).
+fn to_blocks(t: &ModelTokenizer, doc_words: usize, runs: usize) {
+    let (flat_kv, pieces_kv) = (
+        KvState::new(KvSettings::default()),
+        KvState::new(KvSettings::default()),
+    );
+    let (mut flat, mut pieces) = (Vec::new(), Vec::new());
+    for i in 0..=runs {
+        // Each path its own new question (one path must not find the other's in the cache).
+        let (messages, other) = (
+            conversation(doc_words, 1_000 + i),
+            conversation(doc_words, 5_000 + i),
+        );
+        let start = Instant::now();
+        let ids = t.chat_ids(&messages).unwrap();
+        let a = flat_kv.blocks_from_owned_tokens(ids, None, PrefixMode::Tokens);
+        let flat_time = start.elapsed();
+        let start = Instant::now();
+        let Prompt::Pieces(p) = t.messages_prompt(&RawMessages::of(&other)).unwrap() else {
+            panic!("the fixture tokenizer is segmented");
+        };
+        let b = pieces_kv.blocks_from_pieces(p, None, PrefixMode::Tokens);
+        let pieces_time = start.elapsed();
+        // The same conversation but for its last question: the same blocks up to it.
+        let shared = a
+            .hashes
+            .iter()
+            .zip(&b.hashes)
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(
+            shared + 40 > a.hashes.len(),
+            "{shared} of {} blocks",
+            a.hashes.len()
+        );
+        let again =
+            flat_kv.blocks_from_owned_tokens(t.chat_ids(&other).unwrap(), None, PrefixMode::Tokens);
+        assert_eq!(
+            (&again.locals, &again.hashes),
+            (&b.locals, &b.hashes),
+            "the same blocks"
+        );
+        // The first turn fills the memos.
+        if i > 0 {
+            flat.push(flat_time);
+            pieces.push(pieces_time);
+        }
+    }
+    let (f, p) = (median(flat), median(pieces));
+    println!(
+        "chat to block hashes (render, new message, hashes after the shared part), median of {runs}: ids in one array {f:?}, in pieces {p:?} ({:.2}x; {:.0} µs less)",
+        p.as_secs_f64() / f.as_secs_f64().max(1e-9),
+        (f.as_secs_f64() - p.as_secs_f64()) * 1e6
     );
 }

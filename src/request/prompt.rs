@@ -71,15 +71,15 @@ pub fn prompt_for_routing<'a>(
 ) -> Prompt<'a> {
     let tokens = match (&input, tokenizer) {
         (PromptInput::Absent, _) => return Prompt::None,
-        (PromptInput::Messages(m), Some(t)) => Some(offload(m.text.len(), || t.messages_ids(m))),
-        (PromptInput::Prompt(raw), Some(t)) => {
-            Some(offload(raw.get().len(), || t.completion_ids(raw)))
-        }
+        (PromptInput::Messages(m), Some(t)) => Some(offload(m.text.len(), || t.messages_prompt(m))),
+        (PromptInput::Prompt(raw), Some(t)) => Some(offload(raw.get().len(), || {
+            t.completion_ids(raw).map(Prompt::Tokens)
+        })),
         (PromptInput::TokenIds(_), _) | (_, None) => None,
     };
     match (tokens, input) {
         (_, PromptInput::TokenIds(ids)) => Prompt::TokenIds(ids),
-        (Some(Ok(ids)), _) => Prompt::Tokens(ids),
+        (Some(Ok(p)), _) => p,
         (Some(Err(e)), input) => {
             tracing::debug!(model = served_model, error = %e, "tokenization failed; approximate prefix used");
             text(scope, &input)

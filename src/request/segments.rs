@@ -49,7 +49,7 @@ impl std::fmt::Debug for SegmentTokenizer {
                 "added_tokens",
                 &[&self.raw, &self.normalized]
                     .iter()
-                    .map(|m| m.as_ref().map_or(0, |m| m.ids.len()))
+                    .map(|m| m.as_ref().map_or(0, |m| m.pieces.len()))
                     .sum::<usize>(),
             )
             .field("capacity", &self.capacity)
@@ -60,8 +60,8 @@ impl std::fmt::Debug for SegmentTokenizer {
 /// Added tokens found as the tokenizer finds them: leftmost, then longest.
 struct Matcher {
     ac: AhoCorasick,
-    /// Token id of each pattern.
-    ids: Vec<u32>,
+    /// Each pattern's token id as a one-id piece (shared by every prompt).
+    pieces: Vec<Arc<[u32]>>,
 }
 
 impl Matcher {
@@ -76,18 +76,18 @@ impl Matcher {
             .match_kind(MatchKind::LeftmostLongest)
             .build(added.iter().map(|(_, c)| c.as_str()))
             .ok()?;
-        let ids = added.into_iter().map(|(id, _)| id).collect();
-        Some(Some(Matcher { ac, ids }))
+        let pieces = added.into_iter().map(|(id, _)| Arc::from([id])).collect();
+        Some(Some(Matcher { ac, pieces }))
     }
 }
 
-/// `text` cut at `m`'s tokens: their ids into `out`, what lies between them (empty pieces too)
-/// to `rest`, in order; all of `text` to `rest` without a matcher.
+/// `text` cut at `m`'s tokens: their one-id pieces into `out`, what lies between them (empty
+/// pieces too) to `rest`, in order; all of `text` to `rest` without a matcher.
 fn split<E>(
     m: Option<&Matcher>,
     text: &str,
-    out: &mut Vec<u32>,
-    mut rest: impl FnMut(&str, &mut Vec<u32>) -> Result<(), E>,
+    out: &mut Vec<Arc<[u32]>>,
+    mut rest: impl FnMut(&str, &mut Vec<Arc<[u32]>>) -> Result<(), E>,
 ) -> Result<(), E> {
     let Some(m) = m else {
         return rest(text, out);
@@ -95,7 +95,7 @@ fn split<E>(
     let mut at = 0;
     for hit in m.ac.find_iter(text) {
         rest(&text[at..hit.start()], out)?;
-        out.push(m.ids[hit.pattern().as_usize()]);
+        out.push(m.pieces[hit.pattern().as_usize()].clone());
         at = hit.end();
     }
     rest(&text[at..], out)
@@ -161,17 +161,17 @@ impl SegmentTokenizer {
         self.cache.stats()
     }
 
-    /// The ids of `text` (no special tokens added), a segment at a time; `encode` tokenizes one
-    /// segment (the tokenizer, without special tokens).
-    pub fn encode<E>(
+    /// The ids of `text` (no special tokens added), a segment at a time, as the pieces they
+    /// come in: each segment's ids as the cache holds them and each added token's one-id piece,
+    /// shared, never copied into one array; `encode` tokenizes one segment (the tokenizer,
+    /// without special tokens).
+    pub fn encode_pieces<E>(
         &self,
         text: &str,
         mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
-    ) -> Result<Vec<u32>, E> {
-        // Sized once rather than grown (and copied) on a 100k-token prompt: text runs 2.5-4 bytes
-        // an id (English with byte-level BPE); pages reserved beyond what is written stay untouched.
-        let mut out = Vec::with_capacity(text.len() / 2 + 16);
-        let mut piece = |seg: &str, out: &mut Vec<u32>| -> Result<(), E> {
+    ) -> Result<Vec<Arc<[u32]>>, E> {
+        let mut out: Vec<Arc<[u32]>> = Vec::new();
+        let mut piece = |seg: &str, out: &mut Vec<Arc<[u32]>>| -> Result<(), E> {
             if seg.is_empty() {
                 return Ok(());
             }
@@ -182,7 +182,9 @@ impl SegmentTokenizer {
                 let n = ids.len();
                 Ok((ids, n))
             })?;
-            out.extend_from_slice(&ids);
+            if !ids.is_empty() {
+                out.push(ids);
+            }
             Ok(())
         };
         // Between the raw round's tokens, the normalized round's; between those, segments.
@@ -190,6 +192,20 @@ impl SegmentTokenizer {
         split(self.raw.as_ref(), text, &mut out, |between, out| {
             split(normalized, between, out, &mut piece)
         })?;
+        Ok(out)
+    }
+
+    /// [`Self::encode_pieces`] as one array.
+    pub fn encode<E>(
+        &self,
+        text: &str,
+        encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<Vec<u32>, E> {
+        let pieces = self.encode_pieces(text, encode)?;
+        let mut out = Vec::with_capacity(pieces.iter().map(|p| p.len()).sum());
+        for p in &pieces {
+            out.extend_from_slice(p);
+        }
         Ok(out)
     }
 }

@@ -268,6 +268,22 @@ impl ModelTokenizer {
         self.text_ids(&text)
     }
 
+    /// A chat request's `messages` tokenized as the router takes them: the pieces the ids come
+    /// in (each segment's ids as the segment cache holds them, shared, no copy into one array)
+    /// when segments are exact for this tokenizer, else the whole rendered prompt's ids.
+    pub fn messages_prompt<'a>(
+        &self,
+        messages: &RawMessages<'_>,
+    ) -> Result<kvepp_core::Prompt<'a>, TokenizeError> {
+        let text = self.render_messages(messages)?;
+        match &self.segments {
+            Some(s) => s
+                .encode_pieces(&text, |seg| self.encode(seg, false))
+                .map(kvepp_core::Prompt::Pieces),
+            None => self.encode(&text, false).map(kvepp_core::Prompt::Tokens),
+        }
+    }
+
     /// Token ids of rendered text without special tokens added: a segment at a time from the
     /// cache when that is exact for this tokenizer, else whole.
     pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {

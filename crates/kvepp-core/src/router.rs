@@ -50,6 +50,9 @@ pub enum Prompt<'a> {
     TokenIds(Vec<u32>),
     /// Token ids from kvepp's tokenizer.
     Tokens(Vec<u32>),
+    /// Token ids from kvepp's tokenizer, as the pieces they were assembled from in order (a
+    /// chat's segments, shared with the tokenizer's segment cache: hashed without a flat copy).
+    Pieces(Vec<Arc<[u32]>>),
     /// The prompt's raw bytes (no tokenizer): approximate blocks, kept apart per `scope`.
     Text { scope: &'a str, bytes: &'a [u8] },
     /// The prompt already as blocks ([`Router::blocks`]): a request decided more than once (flow
@@ -595,6 +598,9 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
         }
         Prompt::Tokens(ids) => {
             Some(kv.blocks_from_owned_tokens(ids, lora().as_deref(), PrefixMode::Tokens))
+        }
+        Prompt::Pieces(pieces) => {
+            Some(kv.blocks_from_pieces(pieces, lora().as_deref(), PrefixMode::Tokens))
         }
         Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
         Prompt::Hashes { hashes, isl_tokens } => Some(PromptBlocks {

@@ -1,24 +1,34 @@
 //! The block hashes of recent token prompts, so that a prompt which starts like one of them (a
 //! conversation's next turn carries the whole previous turn; many requests share a long system
 //! prompt) hashes only its blocks after the common part. On a 100k-token prompt that turns ~6,000
-//! xxh3 calls into one comparison of the two token arrays (memcmp speed) and the new blocks.
+//! xxh3 calls into one comparison of the two prompts and the new blocks.
+//!
+//! A prompt comes as one array of ids, or as the pieces it was assembled from (a chat's segments,
+//! each from the tokenizer's segment cache, shared rather than copied: [`PrefixMemo::hashes_shared`]).
+//! Two prompts are compared piece against piece: pieces that are the same allocation at the same
+//! position are equal without reading them (a conversation's earlier turns come from the segment
+//! cache as the very pieces its previous turn was remembered with), so comparing a 100k-token
+//! turn with its previous one reads only its lengths; any other pair is compared token for token.
 //!
 //! Prompts are spread over a few sets by their first block's local hash; a set keeps the last
 //! few prompts seen there (tokens, local and sequence hashes). A prompt reads from the one that
-//! is a prefix of it (its previous turn: the last block checked first, then every token), else
+//! is a prefix of it (its previous turn: the last block checked first, then the whole), else
 //! from the set's most recently used one (a shared document or system prompt), and is remembered
 //! in place of the one it extends, else in place of the least recently used. So a long shared
 //! start is reused by every prompt that has it, and up to `WAYS` conversations interleaving behind
 //! one system prompt each reuse their own history.
 //!
-//! Invariants: [`PrefixMemo::hashes`] returns exactly what [`super::local_block_hashes`] and
-//! [`super::sequence_hashes`] return for the same input (a differential test checks it); an
+//! Invariants: every hashing call returns exactly what [`super::local_block_hashes`] and
+//! [`super::sequence_hashes`] return for the same tokens (a differential test checks it); an
 //! entry's hashes are reused only for blocks whose tokens, seed and block size equal the prompt's
-//! (compared token for token, not by hash); an entry another pick is using is skipped, never
-//! waited for; memory is bounded by `SETS × WAYS × MAX_TOKENS` tokens and their hashes.
+//! (compared piece by piece, never by hash: a remembered piece is held by its entry, so no other
+//! allocation can have its address while it is compared); an entry another pick is using is
+//! skipped, never waited for; memory is bounded by `SETS × WAYS × MAX_TOKENS` tokens and their
+//! hashes.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
 
@@ -35,8 +45,12 @@ const MAX_TOKENS: usize = 256 << 10;
 struct Entry {
     seed: u64,
     block_size: usize,
-    /// The full blocks of the prompt remembered here.
-    tokens: Vec<u32>,
+    /// The remembered prompt's tokens: its own array, or (when `pieces` is not empty) the shared
+    /// pieces it was assembled from; either way only the first `len` tokens count (its full
+    /// blocks).
+    flat: Vec<u32>,
+    pieces: Vec<Arc<[u32]>>,
+    len: usize,
     locals: Vec<LocalBlockHash>,
     hashes: Vec<SequenceHash>,
     /// The set's clock when it was last read or written (0: never).
@@ -49,14 +63,135 @@ impl Entry {
         self.used > 0 && self.seed == seed && self.block_size == block_size
     }
 
-    /// Whether it may be a prefix of `full`: it fits and its last block equals `full`'s block at
-    /// the same position (the token-for-token comparison decides).
-    fn may_lead(&self, full: &[u32], seed: u64, block_size: usize) -> bool {
-        let n = self.tokens.len();
+    /// Its tokens' pieces (the last may run past `len`).
+    fn parts(&self) -> Parts<'_> {
+        if self.pieces.is_empty() {
+            Parts::One([&self.flat[..self.len.min(self.flat.len())]])
+        } else {
+            Parts::Many(self.pieces.iter().map(|p| &p[..]).collect())
+        }
+    }
+
+    /// Whether it may be a prefix of `full` (`full_len` tokens): it fits and its last block
+    /// equals `full`'s block at the same position (the whole comparison decides).
+    fn may_lead(&self, full: &[&[u32]], full_len: usize, seed: u64, block_size: usize) -> bool {
+        let n = self.len;
         self.fits(seed, block_size)
             && n >= block_size
-            && n <= full.len()
-            && self.tokens[n - block_size..] == full[n - block_size..n]
+            && n <= full_len
+            && tokens_from(self.parts().as_slice(), n - block_size)
+                .take(block_size)
+                .eq(tokens_from(full, n - block_size).take(block_size))
+    }
+}
+
+/// A sequence of token pieces, without allocating for the common one-piece case.
+enum Parts<'a> {
+    One([&'a [u32]; 1]),
+    Many(Vec<&'a [u32]>),
+}
+
+impl<'a> Parts<'a> {
+    fn as_slice(&self) -> &[&'a [u32]] {
+        match self {
+            Parts::One(p) => p,
+            Parts::Many(p) => p,
+        }
+    }
+}
+
+/// The tokens of `parts` from position `at` on.
+fn tokens_from<'a>(parts: &'a [&'a [u32]], at: usize) -> impl Iterator<Item = u32> + 'a {
+    let mut skip = at;
+    parts
+        .iter()
+        .flat_map(move |p| {
+            let s = skip.min(p.len());
+            skip -= s;
+            &p[s..]
+        })
+        .copied()
+}
+
+/// How many leading tokens `a` and `b` share (within `limit`): pieces that are one allocation at
+/// the same place are skipped unread, the rest compared a run at a time.
+fn common_tokens(a: &[&[u32]], b: &[&[u32]], limit: usize) -> usize {
+    let (mut ia, mut oa, mut ib, mut ob, mut n) = (0, 0, 0, 0, 0);
+    while n < limit {
+        let (Some(pa), Some(pb)) = (a.get(ia), b.get(ib)) else {
+            break;
+        };
+        let (x, y) = (&pa[oa..], &pb[ob..]);
+        let m = x.len().min(y.len()).min(limit - n);
+        let same = if std::ptr::eq(x.as_ptr(), y.as_ptr()) {
+            m
+        } else {
+            common_prefix(&x[..m], &y[..m])
+        };
+        n += same;
+        if same < m {
+            break;
+        }
+        (oa, ob) = (oa + m, ob + m);
+        if oa == pa.len() {
+            (ia, oa) = (ia + 1, 0);
+        }
+        if ob == pb.len() {
+            (ib, ob) = (ib + 1, 0);
+        }
+    }
+    n
+}
+
+/// The length of the common prefix of two slices: long runs first (one memcmp each), then
+/// token by token inside the run that differs.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const RUN: usize = 1024;
+    let end = a.len().min(b.len());
+    let mut i = 0;
+    while i + RUN <= end && a[i..i + RUN] == b[i..i + RUN] {
+        i += RUN;
+    }
+    while i < end && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Hashes the full blocks of `parts` from token `from` to `to` (multiples of `block_size`)
+/// after those already in `locals`: whole runs inside a piece directly, a block that spans two
+/// pieces gathered first.
+fn hash_range(
+    parts: &[&[u32]],
+    (from, to): (usize, usize),
+    block_size: usize,
+    seed: u64,
+    (locals, hashes): (&mut Vec<LocalBlockHash>, &mut Vec<SequenceHash>),
+) {
+    let mut carry: Vec<u32> = Vec::new();
+    let mut pos = 0;
+    for p in parts {
+        let (start, end) = (pos, pos + p.len());
+        pos = end;
+        let (a, b) = (start.max(from), end.min(to));
+        if a >= b {
+            continue;
+        }
+        let mut s = &p[a - start..b - start];
+        if !carry.is_empty() {
+            let take = (block_size - carry.len()).min(s.len());
+            carry.extend_from_slice(&s[..take]);
+            s = &s[take..];
+            if carry.len() == block_size {
+                extend_block_hashes(&carry, block_size, seed, locals, hashes);
+                carry.clear();
+            }
+        }
+        let whole = s.len() / block_size * block_size;
+        if whole > 0 {
+            extend_block_hashes(&s[..whole], block_size, seed, locals, hashes);
+        }
+        carry.extend_from_slice(&s[whole..]);
     }
 }
 
@@ -96,30 +231,17 @@ impl Default for PrefixMemo {
 enum Tokens<'a> {
     Borrowed(&'a [u32]),
     Owned(Vec<u32>),
+    Shared(Vec<Arc<[u32]>>),
 }
 
 impl Tokens<'_> {
-    fn as_slice(&self) -> &[u32] {
+    fn parts(&self) -> Parts<'_> {
         match self {
-            Tokens::Borrowed(t) => t,
-            Tokens::Owned(t) => t,
+            Tokens::Borrowed(t) => Parts::One([t]),
+            Tokens::Owned(t) => Parts::One([t]),
+            Tokens::Shared(p) => Parts::Many(p.iter().map(|p| &p[..]).collect()),
         }
     }
-}
-
-/// Whole blocks that `a` and `b` share from their start.
-fn common_blocks(a: &[u32], b: &[u32], block_size: usize) -> usize {
-    let end = a.len().min(b.len()) / block_size * block_size;
-    // Long runs first (one memcmp each), then block by block inside the run that differs.
-    let run = 64 * block_size;
-    let mut i = 0;
-    while i + run <= end && a[i..i + run] == b[i..i + run] {
-        i += run;
-    }
-    while i + block_size <= end && a[i..i + block_size] == b[i..i + block_size] {
-        i += block_size;
-    }
-    i / block_size
 }
 
 impl PrefixMemo {
@@ -144,6 +266,18 @@ impl PrefixMemo {
         lora: Option<&str>,
     ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
         self.count(self.hashes_counting_reuse(Tokens::Owned(tokens), block_size, lora))
+    }
+
+    /// [`Self::hashes`] of the tokens of `pieces` one after another (a chat's segments as the
+    /// tokenizer's cache holds them): never gathered into one array, remembered as the pieces
+    /// themselves, and compared with a remembered prompt piece by piece (see the module doc).
+    pub fn hashes_shared(
+        &self,
+        pieces: Vec<Arc<[u32]>>,
+        block_size: usize,
+        lora: Option<&str>,
+    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+        self.count(self.hashes_counting_reuse(Tokens::Shared(pieces), block_size, lora))
     }
 
     fn count(
@@ -175,33 +309,29 @@ impl PrefixMemo {
         if block_size == 0 {
             return (locals, hashes, 0);
         }
-        let tokens = input.as_slice();
-        let blocks = tokens.len() / block_size;
-        let full = &tokens[..blocks * block_size];
+        let parts = input.parts();
+        let full = parts.as_slice();
+        let blocks = full.iter().map(|p| p.len()).sum::<usize>() / block_size;
+        let full_len = blocks * block_size;
         let seed = block_seed(lora);
         locals.reserve_exact(blocks);
         hashes.reserve_exact(blocks);
         // Hashes the blocks after those already in `locals`.
         let hash_rest = |locals: &mut Vec<LocalBlockHash>, hashes: &mut Vec<SequenceHash>| {
-            extend_block_hashes(
-                &full[locals.len() * block_size..],
-                block_size,
-                seed,
-                locals,
-                hashes,
-            )
+            let from = locals.len() * block_size;
+            hash_range(full, (from, full_len), block_size, seed, (locals, hashes));
         };
         if blocks < MIN_BLOCKS {
             hash_rest(&mut locals, &mut hashes);
             return (locals, hashes, 0);
         }
         // The first block picks the entry (its hash is needed anyway).
-        extend_block_hashes(
-            &full[..block_size],
+        hash_range(
+            full,
+            (0, block_size),
             block_size,
             seed,
-            &mut locals,
-            &mut hashes,
+            (&mut locals, &mut hashes),
         );
         let at = (locals[0].0 >> 32) as usize % self.sets.len();
         let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock()) else {
@@ -214,14 +344,17 @@ impl PrefixMemo {
         let ways = &mut set.ways;
         // Read from the longest prompt that may lead this one, else the most recently used.
         let read = (0..WAYS)
-            .filter(|&w| ways[w].may_lead(full, seed, block_size))
-            .max_by_key(|&w| ways[w].tokens.len())
+            .filter(|&w| ways[w].may_lead(full, full_len, seed, block_size))
+            .max_by_key(|&w| ways[w].len)
             .or_else(|| {
                 (0..WAYS)
                     .filter(|&w| ways[w].fits(seed, block_size))
                     .max_by_key(|&w| ways[w].used)
             });
-        let reuse = read.map_or(0, |w| common_blocks(&ways[w].tokens, full, block_size));
+        let reuse = read.map_or(0, |w| {
+            let e = &ways[w];
+            common_tokens(e.parts().as_slice(), full, e.len.min(full_len)) / block_size
+        });
         if let (Some(w), true) = (read, reuse > 1) {
             locals.extend_from_slice(&ways[w].locals[1..reuse]);
             hashes.extend_from_slice(&ways[w].hashes[1..reuse]);
@@ -229,7 +362,8 @@ impl PrefixMemo {
         }
         let copied = locals.len() - 1;
         hash_rest(&mut locals, &mut hashes);
-        if full.len() <= MAX_TOKENS {
+        drop(parts);
+        if full_len <= MAX_TOKENS {
             // In place of the prompt this one extends, else of the least recently used.
             let extended = read.filter(|&w| reuse == ways[w].locals.len());
             let target = extended
@@ -240,19 +374,7 @@ impl PrefixMemo {
             let e = &mut ways[target];
             e.seed = seed;
             e.block_size = block_size;
-            let full_len = full.len();
-            match input {
-                // Nothing to copy: the prompt's own tokens, cut to its full blocks (in place).
-                Tokens::Owned(mut own) => {
-                    own.truncate(full_len);
-                    own.shrink_to_fit();
-                    e.tokens = own;
-                }
-                Tokens::Borrowed(_) => {
-                    e.tokens.truncate(keep * block_size);
-                    e.tokens.extend_from_slice(&full[keep * block_size..]);
-                }
-            }
+            e.remember(input, keep * block_size, full_len);
             e.locals.truncate(keep);
             e.locals.extend_from_slice(&locals[keep..]);
             e.hashes.truncate(keep);
@@ -260,6 +382,34 @@ impl PrefixMemo {
             e.used = set.clock;
         }
         (locals, hashes, copied)
+    }
+}
+
+impl Entry {
+    /// Takes the prompt's first `len` tokens as its own, of which its first `keep` are already
+    /// equal to the prompt's (kept in place where the entry holds its own array).
+    fn remember(&mut self, input: Tokens<'_>, keep: usize, len: usize) {
+        match input {
+            // Nothing to copy: the prompt's own tokens, cut to its full blocks (in place).
+            Tokens::Owned(mut own) => {
+                own.truncate(len);
+                own.shrink_to_fit();
+                self.flat = own;
+                self.pieces.clear();
+            }
+            Tokens::Borrowed(full) => {
+                let keep = if self.pieces.is_empty() { keep } else { 0 };
+                self.flat.truncate(keep.min(self.flat.len()));
+                self.flat.extend_from_slice(&full[self.flat.len()..len]);
+                self.pieces.clear();
+            }
+            // The pieces themselves, shared with whoever else holds them.
+            Tokens::Shared(pieces) => {
+                self.pieces = pieces;
+                self.flat = Vec::new();
+            }
+        }
+        self.len = len;
     }
 }
 
@@ -278,22 +428,43 @@ mod tests {
         (l, s)
     }
 
+    /// `old`'s pieces up to token `at` of `conv` (the piece holding `at` cut there, in a new
+    /// allocation), then the rest of `conv` as one new piece.
+    fn repiece(old: &[Arc<[u32]>], conv: &[u32], at: usize) -> Vec<Arc<[u32]>> {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        for p in old {
+            if pos + p.len() <= at {
+                out.push(p.clone());
+                pos += p.len();
+            } else {
+                break;
+            }
+        }
+        if pos < conv.len() {
+            out.push(Arc::from(&conv[pos..]));
+        }
+        out
+    }
+
     /// Every remembered prompt's hashes are those of its own tokens (what makes reusing them
     /// exact).
     fn assert_consistent(memo: &PrefixMemo) {
         for set in memo.sets.iter() {
             let set = set.lock();
             for e in set.ways.iter().filter(|e| e.used > 0) {
+                let tokens: Vec<u32> = tokens_from(e.parts().as_slice(), 0).take(e.len).collect();
+                assert_eq!(tokens.len(), e.len, "an entry holds its length");
                 assert_eq!(
-                    e.tokens.len(),
+                    tokens.len(),
                     e.locals.len() * e.block_size,
                     "full blocks only"
                 );
                 let lora_free = e.seed == block_seed(None);
                 let (l, h) = if lora_free {
-                    plain(&e.tokens, e.block_size, None)
+                    plain(&tokens, e.block_size, None)
                 } else {
-                    plain(&e.tokens, e.block_size, Some("adapter"))
+                    plain(&tokens, e.block_size, Some("adapter"))
                 };
                 assert_eq!(
                     (&e.locals, &e.hashes),
@@ -316,8 +487,17 @@ mod tests {
         let systems: Vec<Vec<u32>> = (0..40)
             .map(|_| (0..40 * 16).map(|_| rng.u32(..50_000)).collect())
             .collect();
+        // Each conversation also as the pieces it was assembled from: the system prompt's piece
+        // shared by every conversation that has it, each turn's added tokens a piece of its own
+        // (as a chat's segments come from the tokenizer's cache), and now and then a piece copied
+        // anew (equal tokens in another allocation, as after the cache evicted and re-tokenized
+        // it).
+        let shared_systems: Vec<Arc<[u32]>> = systems.iter().map(|s| Arc::from(&s[..])).collect();
         let mut conversations: Vec<Vec<u32>> = (0..60)
             .map(|i| systems[i % systems.len()].clone())
+            .collect();
+        let mut pieces: Vec<Vec<Arc<[u32]>>> = (0..60)
+            .map(|i| vec![shared_systems[i % systems.len()].clone()])
             .collect();
         let (mut reused, mut blocks) = (0, 0);
         for step in 0..3_000 {
@@ -328,21 +508,40 @@ mod tests {
                     // An early edit: everything after it differs.
                     let i = rng.usize(..conv.len());
                     conv[i] ^= 1;
+                    pieces[c] = repiece(&pieces[c], conv, i);
                 }
-                1 => conv.truncate(rng.usize(..conv.len() + 1)),
+                1 => {
+                    let n = rng.usize(..conv.len() + 1);
+                    conv.truncate(n);
+                    pieces[c] = repiece(&pieces[c], conv, n);
+                }
+                2 if !pieces[c].is_empty() => {
+                    let k = rng.usize(..pieces[c].len());
+                    pieces[c][k] = Arc::from(&pieces[c][k][..]);
+                }
                 _ => {
                     let n = rng.usize(1..300);
+                    let from = conv.len();
                     conv.extend((0..n).map(|_| rng.u32(..50_000)));
+                    pieces[c].push(Arc::from(&conv[from..]));
                 }
             }
+            assert_eq!(
+                pieces[c]
+                    .iter()
+                    .flat_map(|p| p.iter().copied())
+                    .collect::<Vec<_>>(),
+                *conv
+            );
             let bs = if step % 50 == 49 { 8 } else { 16 };
             let lora = [None, None, None, Some("adapter")][rng.usize(..4)];
             let want = plain(conv, bs, lora);
-            // Lent or handed over (the memo then keeps that very vector): the same hashes.
-            let got = if rng.bool() {
-                memo.hashes(conv, bs, lora)
-            } else {
-                memo.hashes_owned(conv.clone(), bs, lora)
+            // Lent, handed over (the memo then keeps that very vector) or in pieces: the same
+            // hashes.
+            let got = match rng.u8(..4) {
+                0 => memo.hashes(conv, bs, lora),
+                1 => memo.hashes_owned(conv.clone(), bs, lora),
+                _ => memo.hashes_shared(pieces[c].clone(), bs, lora),
             };
             blocks += want.0.len() as u64;
             if step % 50 == 0 {
@@ -448,16 +647,28 @@ mod tests {
     }
 
     #[test]
-    fn common_blocks_counts_whole_equal_blocks_from_the_start() {
+    fn common_tokens_reads_pieces_and_runs() {
         let a: Vec<u32> = (0..10_000).collect();
         let mut b = a.clone();
-        assert_eq!(common_blocks(&a, &b, 16), 625);
-        assert_eq!(common_blocks(&a, &b[..1_000], 16), 62);
+        let n = |x: &[&[u32]], y: &[&[u32]]| common_tokens(x, y, usize::MAX);
+        assert_eq!(n(&[&a], &[&b]), 10_000);
+        assert_eq!(n(&[&a], &[&b[..1_000]]), 1_000);
+        assert_eq!(common_tokens(&[&a], &[&b], 4_321), 4_321);
+        // The same tokens cut into other pieces.
+        assert_eq!(
+            n(
+                &[&a[..3], &a[3..5_000], &a[5_000..]],
+                &[&b[..4_999], &b[4_999..]]
+            ),
+            10_000
+        );
         b[5_000] = 0;
-        assert_eq!(common_blocks(&a, &b, 16), 312);
+        assert_eq!(n(&[&a], &[&b]), 5_000);
+        assert_eq!(n(&[&a[..7], &a[7..]], &[&b[..2_000], &b[2_000..]]), 5_000);
         b[0] = 1;
-        assert_eq!(common_blocks(&a, &b, 16), 0);
-        assert_eq!(common_blocks(&a, &[], 16), 0);
+        assert_eq!(n(&[&a], &[&b]), 0);
+        assert_eq!(n(&[&a], &[]), 0);
+        assert_eq!(n(&[&[], &a], &[&a[..0], &a[..10]]), 10);
     }
 
     /// The memo is used: the second turn of a conversation copies the first turn's hashes (seen
@@ -475,7 +686,7 @@ mod tests {
             .iter()
             .flat_map(|s| {
                 let s = s.lock();
-                s.ways.iter().map(|e| e.tokens.len()).collect::<Vec<_>>()
+                s.ways.iter().map(|e| e.len).collect::<Vec<_>>()
             })
             .collect();
         assert_eq!(held.iter().sum::<usize>(), turn2.len(), "{held:?}");

@@ -40,6 +40,22 @@ impl KvState {
         self.token_blocks(hashed, isl, mode)
     }
 
+    /// [`Self::blocks_from_tokens`] of the tokens of `pieces` one after another (a chat's
+    /// segments as the tokenizer's cache holds them): never gathered into one array, and compared
+    /// with a recent prompt piece by piece ([`crate::hash::PrefixMemo::hashes_shared`]).
+    pub fn blocks_from_pieces(
+        &self,
+        pieces: Vec<std::sync::Arc<[u32]>>,
+        lora: Option<&str>,
+        mode: PrefixMode,
+    ) -> PromptBlocks {
+        let isl = pieces.iter().map(|p| p.len()).sum();
+        let hashed = self
+            .memo
+            .hashes_shared(pieces, self.block_size() as usize, lora);
+        self.token_blocks(hashed, isl, mode)
+    }
+
     fn token_blocks(
         &self,
         (locals, hashes): (Vec<LocalBlockHash>, Vec<SequenceHash>),

@@ -399,3 +399,34 @@ fn a_choice_predicted_over_the_ttft_budget_is_refused_until_one_fits() {
         )
         .is_ok());
 }
+
+/// A tokenized prompt given as the pieces it was assembled from is the same prompt as its ids in
+/// one array: the same blocks, and its next turn (the same pieces and one more) reuses them.
+#[test]
+fn a_prompt_in_pieces_has_the_blocks_of_its_ids_in_one_array() {
+    let r = Router::kv_aware(
+        Arc::new(KvState::new(KvSettings::default())),
+        Saturation::in_flight(0),
+    );
+    let mut rng = fastrand::Rng::with_seed(8);
+    let mut piece = |n: usize| -> Arc<[u32]> { (0..n).map(|_| rng.u32(..50_000)).collect() };
+    // Segments of odd lengths (blocks straddle them) and one-id added tokens.
+    let mut pieces: Vec<Arc<[u32]>> = vec![piece(1), piece(700), piece(1), piece(37), piece(1)];
+    for turn in 0..3 {
+        let flat: Vec<u32> = pieces.iter().flat_map(|p| p.iter().copied()).collect();
+        let a = r.blocks(None, Prompt::Pieces(pieces.clone())).unwrap();
+        let b = r.blocks(None, Prompt::Tokens(flat.clone())).unwrap();
+        assert_eq!(
+            (a.mode, &a.locals, &a.hashes),
+            (b.mode, &b.locals, &b.hashes),
+            "turn {turn}"
+        );
+        assert_eq!(a.isl_tokens, flat.len() as u64);
+        pieces.extend([piece(1), piece(123), piece(1)]);
+    }
+    let stats = r.kv().unwrap().prompt_hash_stats();
+    assert!(
+        stats.blocks_reused > 0,
+        "later turns reuse earlier blocks: {stats:?}"
+    );
+}
