@@ -427,8 +427,8 @@ impl KvState {
                     e.hints.slot.store(id, Ordering::Relaxed);
                     slots.project(&sc.held, rank, id, walked.blocks, isl)
                 });
-                // An unregistered rank (or one registered since the copy) counts as idle;
-                // booking registers it.
+                // An unregistered rank counts as idle (read again: it may have registered since
+                // the lookup); booking registers it.
                 let (l, version) = found.map_or_else(
                     || (slots.projection(rank, walked.blocks, 0, isl).0, None),
                     |(l, v)| (l, Some(v)),

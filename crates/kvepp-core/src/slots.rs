@@ -97,6 +97,27 @@ impl RankView {
             active_requests: self.active_requests,
         }
     }
+
+    /// [`Self::potential`] of a rank's view with its version; without one (an unknown rank) the
+    /// rank counts as idle, holding nothing, version None. Both trackers' projections.
+    fn projected(
+        view: Option<RankView>,
+        rank: WorkerRank,
+        blocks: u64,
+        held: u64,
+        new_isl_tokens: u64,
+    ) -> (PotentialLoad, Option<u64>) {
+        match view {
+            Some(v) => (
+                v.potential(rank, blocks, held, new_isl_tokens),
+                Some(v.version),
+            ),
+            None => (
+                RankView::default().potential(rank, blocks, 0, new_isl_tokens),
+                None,
+            ),
+        }
+    }
 }
 
 /// A request to book, owned: its id, its prompt's hash list (shared with the active requests'
@@ -376,8 +397,8 @@ impl SlotTracker {
         self.add_booking(booking, rank, expected)
     }
 
-    /// [`Self::add_if_unchanged`] of a booking whose id and hash list are already owned: made
-    /// before the caller takes its lock, so the lock covers the trie and the counts only.
+    /// [`Self::add_if_unchanged`] of a booking whose id and hash list are already owned (what
+    /// [`SharedSlots::add_booking`] takes, so the differential test books both alike).
     pub fn add_booking(
         &mut self,
         booking: NewRequest,
@@ -506,16 +527,8 @@ impl SlotTracker {
         held: u64,
         new_isl_tokens: u64,
     ) -> (PotentialLoad, Option<u64>) {
-        match self.state(rank) {
-            Some(s) => (
-                s.view().potential(rank, blocks, held, new_isl_tokens),
-                Some(s.version),
-            ),
-            None => (
-                RankView::default().potential(rank, blocks, 0, new_isl_tokens),
-                None,
-            ),
-        }
+        let view = self.state(rank).map(RankState::view);
+        RankView::projected(view, rank, blocks, held, new_isl_tokens)
     }
 
     /// Each of `ranks`' load if it took a request with these prompt blocks and prefill tokens

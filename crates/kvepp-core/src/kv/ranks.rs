@@ -71,9 +71,7 @@ impl KvState {
             }
         });
         self.approx.forget(workers);
-        for &w in workers {
-            self.slots.unregister_worker(w);
-        }
+        self.slots.unregister_workers(workers);
     }
 
     /// Records a booking decided elsewhere (a peer replica's) on a registered rank, until

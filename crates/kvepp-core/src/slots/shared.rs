@@ -234,13 +234,14 @@ impl SharedSlots {
         Some(id)
     }
 
-    /// Removes every rank of `worker` and its active requests.
-    pub fn unregister_worker(&self, worker: u64) {
+    /// Removes every rank of `workers` and their active requests (one pass over the requests
+    /// for all of them).
+    pub fn unregister_workers(&self, workers: &[u64]) {
         let mut reg = self.registry.write();
         let gone: Vec<(WorkerRank, u32)> = reg
             .ids
             .iter()
-            .filter(|(r, _)| r.worker == worker)
+            .filter(|(r, _)| workers.contains(&r.worker))
             .map(|(&r, &id)| (r, id))
             .collect();
         if gone.is_empty() {
@@ -524,21 +525,15 @@ impl SharedSlots {
         held: u64,
         new_isl_tokens: u64,
     ) -> (PotentialLoad, Option<u64>) {
-        let view = self
-            .dense_id(rank)
-            .and_then(|id| self.cell(id))
-            .map(RankCell::view)
-            .filter(|v| v.is(rank));
-        match view {
-            Some(v) => (
-                v.potential(rank, blocks, held, new_isl_tokens),
-                Some(v.version),
-            ),
-            None => (
-                RankView::default().potential(rank, blocks, 0, new_isl_tokens),
-                None,
-            ),
-        }
+        let view = self.registered_view(rank).map(|(_, v)| v);
+        RankView::projected(view, rank, blocks, held, new_isl_tokens)
+    }
+
+    /// `rank`'s dense id and published view, when it is registered.
+    fn registered_view(&self, rank: WorkerRank) -> Option<(u32, RankView)> {
+        let id = self.dense_id(rank)?;
+        let v = self.cell(id)?.view();
+        v.is(rank).then_some((id, v))
     }
 
     /// Each of `ranks`' load if it took a request with these prompt blocks and prefill tokens
@@ -556,8 +551,10 @@ impl SharedSlots {
         ranks
             .into_iter()
             .map(|r| {
-                let h = self.dense_id(r).map_or(0, |id| held.get(id as usize));
-                self.projection(r, blocks, h, new_isl_tokens)
+                // One lookup of the rank for both its walk result and its view.
+                let found = self.registered_view(r);
+                let h = found.map_or(0, |(id, _)| held.get(id as usize));
+                RankView::projected(found.map(|(_, v)| v), r, blocks, h, new_isl_tokens)
             })
             .collect()
     }

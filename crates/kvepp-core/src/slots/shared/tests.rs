@@ -90,7 +90,7 @@ fn agrees_with_the_one_lock_tracker() {
             7 | 8 => assert_eq!(shared.free(&id), simple.free(&id), "step {step}"),
             _ if rng.u8(..20) == 0 => {
                 let w = rng.u64(..4);
-                shared.unregister_worker(w);
+                shared.unregister_workers(&[w]);
                 simple.unregister_worker(w);
             }
             _ => {
@@ -213,13 +213,12 @@ fn unregistering_under_bookings_leaves_nothing_behind() {
         }
         s.spawn(move || {
             for i in 0..300u64 {
-                shared.unregister_worker(i % 3);
+                shared.unregister_workers(&[i % 3]);
             }
         });
     });
-    for w in 0..3 {
-        shared.unregister_worker(w);
-    }
+    // All three at once: one pass removes every one's requests.
+    shared.unregister_workers(&[0, 1, 2]);
     assert_eq!(shared.active_count(), 0);
     assert!(shared.ranks().is_empty());
     for t in shared.tries.iter() {
@@ -238,7 +237,7 @@ fn a_hint_spares_the_rank_map_only_when_it_still_names_the_rank() {
     let ib = shared.register_at(b, ia).unwrap();
     assert_ne!(ia, ib);
     assert_eq!(shared.register_at(b, 4_000_000), Some(ib));
-    shared.unregister_worker(1);
+    shared.unregister_workers(&[1]);
     assert_eq!(shared.dense_id(a), None);
     let again = shared.register_at(a, ia).unwrap();
     assert_eq!(
