@@ -54,6 +54,7 @@ pub use crate::types::worker_id;
 
 mod approx;
 mod guard;
+mod ordered;
 mod prompt;
 mod ranks;
 mod scratch;
@@ -148,6 +149,9 @@ pub struct KvState {
     ttft: TtftModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
+    /// The last candidate list's roster for ordered picks ([`ordered`]), and whether they are on.
+    roster: arc_swap::ArcSwapOption<ordered::Roster>,
+    ordered: std::sync::atomic::AtomicBool,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -189,6 +193,8 @@ impl KvState {
             hub: Arc::default(),
             ttft: TtftModel::default(),
             memo: PrefixMemo::default(),
+            roster: arc_swap::ArcSwapOption::empty(),
+            ordered: std::sync::atomic::AtomicBool::new(true),
         }
     }
 
@@ -568,6 +574,15 @@ impl KvState {
         let bs = self.block_size();
         let predicted = w.cost_model == CostModel::PredictedTtft;
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
+        let ordered = (self.ordered.load(Ordering::Relaxed)
+            && Self::orderable(w, ctx.scores.is_some(), &ctx.bias))
+        .then(|| self.rank_ordered(candidates, prompt, (w, bs), &mut ctx.rng, &mut sc))
+        .flatten();
+        if let Some(o) = ordered {
+            self.return_scratch(pool, sc);
+            let d = ordered::decision(prompt, (w, bs), &o.load, o.cost, Some(o.version));
+            return (o.best, o.second, d);
+        }
         let walked = self.candidate_loads(candidates, prompt, dynamo, w.bounds_loads(), &mut sc);
         if predicted {
             let now = super::load::clock_nanos(ctx.now);
@@ -591,18 +606,9 @@ impl KvState {
         let (c, load_version) = self.chosen_load(&walked, &sc, best, &candidates[best]);
         drop(walked);
         let decision = KvDecision {
-            mode: prompt.map_or(PrefixMode::None, |p| p.mode),
-            prompt_blocks: hashes.len() as u64,
-            overlap: c.overlap,
-            cost: costs[best],
-            effective_prefill_tokens: w.effective_prefill_tokens(isl, bs, c.overlap),
-            potential_prefill_tokens: c.potential_prefill_tokens,
-            potential_decode_blocks: c.potential_decode_blocks,
-            active_requests: c.active_requests,
-            load_version,
             load_bounded,
             ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
-            objective: None,
+            ..ordered::decision(prompt, (w, bs), &c, costs[best], load_version)
         };
         let decision = KvDecision {
             objective: self.outlook(&decision, req, candidates, best, &sc, (w, bs, isl), ctx.now),
@@ -764,5 +770,7 @@ impl super::Picker for KvPicker {
     }
 }
 
+#[cfg(test)]
+mod ordered_tests;
 #[cfg(test)]
 mod pick_tests;

@@ -33,10 +33,12 @@ pub use crate::types::WorkerRank;
 use crate::types::{KeyedBuild, DEFAULT_TABLE_SEED};
 
 mod active;
+mod order;
 mod shared;
 
 use active::ActiveTrie;
 pub use active::HeldScratch;
+pub use order::KeyParams;
 pub use shared::SharedSlots;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).

@@ -91,4 +91,10 @@ pub(super) struct PickScratch {
     pub(super) requests: Vec<BoundInput>,
     /// Candidates whose tracker hint missed, with the load resolved for them through the tracker's rank map.
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
+    /// An ordered pick's ([`super::ordered`]): the candidates it costed, which of them it
+    /// has (`seen[i] == epoch`), and the costs it chooses among.
+    pub(super) visits: Vec<super::ordered::Visit>,
+    pub(super) seen: Vec<u32>,
+    pub(super) epoch: u32,
+    pub(super) close: Vec<f64>,
 }

@@ -100,6 +100,9 @@ fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
 pub struct HeldScratch {
     epoch: u64,
     held: Vec<(u64, u64)>,
+    /// The dense ids the last walk found holding some of the prompt, and the most any holds.
+    touched: Vec<u32>,
+    most: u64,
 }
 
 impl HeldScratch {
@@ -110,6 +113,16 @@ impl HeldScratch {
             Some(&(e, h)) if e == self.epoch => h,
             _ => 0,
         }
+    }
+
+    /// The dense ids the last walk found holding some of its prompt active (each once).
+    pub(crate) fn holders(&self) -> &[u32] {
+        &self.touched
+    }
+
+    /// The most leading blocks of the last walk's prompt any rank has active.
+    pub(crate) fn most(&self) -> u64 {
+        self.most
     }
 }
 
@@ -327,6 +340,8 @@ impl ActiveTrie {
     /// [`HeldScratch::get`]); `ranks` bounds the dense rank ids.
     pub(crate) fn walk(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch, ranks: usize) {
         scratch.epoch += 1;
+        scratch.touched.clear();
+        scratch.most = 0;
         if scratch.held.len() < ranks {
             scratch.held.resize(ranks, (0, 0));
         }
@@ -346,8 +361,14 @@ impl ActiveTrie {
             // Deeper nodes overwrite: a rank's entry ends at the last node it is present in.
             for &(r, _) in &c.ranks {
                 if let Some(s) = scratch.held.get_mut(r as usize) {
+                    if s.0 != epoch {
+                        scratch.touched.push(r);
+                    }
                     *s = (epoch, held);
                 }
+            }
+            if !c.ranks.is_empty() {
+                scratch.most = scratch.most.max(held);
             }
             if (m as u64) < c.len() {
                 break;

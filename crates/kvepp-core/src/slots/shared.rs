@@ -40,6 +40,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::active::{ActiveTrie, HeldScratch};
+use super::order::{KeyParams, LoadOrder};
 use super::{
     output_weight, Active, Map, NewRequest, PotentialLoad, RankLoad, RankState, RankView, SlotError,
 };
@@ -70,10 +71,9 @@ struct RankCell {
 }
 
 impl RankCell {
-    /// Publishes `state`'s view (the caller holds `self.state`'s lock, so writers are one at a
+    /// Publishes the view `v` (the caller holds `self.state`'s lock, so writers are one at a
     /// time).
-    fn publish(&self, state: Option<&RankState>) {
-        let v = state.map_or_else(RankView::default, RankState::view);
+    fn publish(&self, v: &RankView) {
         let seq = self.seq.load(Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
@@ -138,6 +138,10 @@ pub struct SharedSlots {
     /// Keys the shard choice of request ids and prompts (both untrusted).
     keys: KeyedBuild,
     stale_after: Duration,
+    /// Registered ranks by load key ([`LoadOrder`]).
+    order: LoadOrder,
+    /// Bumped by every registration of a new rank and every unregistration.
+    generation: AtomicU64,
 }
 
 impl SharedSlots {
@@ -159,7 +163,16 @@ impl SharedSlots {
                 .collect(),
             keys: KeyedBuild::with_key(seed.rotate_left(17)),
             stale_after,
+            order: LoadOrder::new(CHUNKS, RANKS_PER_CHUNK),
+            generation: AtomicU64::new(0),
         }
+    }
+
+    /// Publishes a rank's view (its cell lock held) and its load key.
+    fn publish(&self, id: u32, cell: &RankCell, state: Option<&RankState>) {
+        let v = state.map_or_else(RankView::default, RankState::view);
+        cell.publish(&v);
+        self.order.set(id, &v);
     }
 
     fn cell(&self, id: u32) -> Option<&RankCell> {
@@ -225,12 +238,13 @@ impl SharedSlots {
         {
             let mut state = cell.state.lock();
             *state = Some(RankState::new(rank));
-            cell.publish(state.as_ref());
+            self.publish(id, cell, state.as_ref());
         }
         if id as usize >= self.len.load(Ordering::Relaxed) {
             self.len.store(id as usize + 1, Ordering::Release);
         }
         reg.ids.insert(rank, id);
+        self.generation.fetch_add(1, Ordering::AcqRel);
         Some(id)
     }
 
@@ -247,12 +261,13 @@ impl SharedSlots {
         if gone.is_empty() {
             return;
         }
+        self.generation.fetch_add(1, Ordering::AcqRel);
         for &(rank, id) in &gone {
             reg.ids.remove(&rank);
             if let Some(cell) = self.cell(id) {
                 let mut state = cell.state.lock();
                 *state = None;
-                cell.publish(None);
+                self.publish(id, cell, None);
             }
         }
         // No booking can land on the freed cells any more; remove what they held.
@@ -271,6 +286,50 @@ impl SharedSlots {
             }
         }
         reg.free_ids.extend(gone.iter().map(|&(_, id)| id));
+    }
+
+    /// Changes with every registration of a new rank and every unregistration (what a cached
+    /// map of dense ids checks).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether every rank's load key is computed with `p`; if not, rekeys them all (once: a
+    /// caller that finds a rekey under way elsewhere gets false and reads every rank).
+    pub fn keyed_by(&self, p: &KeyParams) -> bool {
+        if self.order.keyed_with(p) {
+            return true;
+        }
+        // Registrations wait (a new rank's key would otherwise be computed with the old
+        // parameters after the pass went by).
+        let _registry = self.registry.read();
+        let len = self.len.load(Ordering::Acquire);
+        self.order.rekey(p, len, |id| {
+            if let Some(cell) = self.cell(id) {
+                let state = cell.state.lock();
+                let v = state
+                    .as_ref()
+                    .map_or_else(RankView::default, RankState::view);
+                self.order.set(id, &v);
+            }
+        }) && self.order.keyed_with(p)
+    }
+
+    /// A lower bound of every registered rank's load key.
+    pub fn least_key(&self) -> f64 {
+        self.order.least(self.len.load(Ordering::Acquire))
+    }
+
+    /// The load key of dense id `id` (+∞: free or none).
+    pub fn load_key(&self, id: u32) -> f64 {
+        self.order.key(id)
+    }
+
+    /// Calls `visit(id, key)` for every dense id whose load key is at most the limit (`limit`,
+    /// then what each visit returns), without reading the others' ([`LoadOrder`]).
+    pub fn visit_by_load(&self, limit: f64, visit: impl FnMut(u32, f64) -> f64) {
+        self.order
+            .visit(self.len.load(Ordering::Acquire), limit, visit);
     }
 
     /// The dense id of `rank` (for a hint that [`Self::project`] found wrong).
@@ -374,7 +433,7 @@ impl SharedSlots {
             .write()
             .insert(id, &booking.hashes);
         s.take(booking.new_isl_tokens, added);
-        cell.publish(Some(s));
+        self.publish(id, cell, Some(s));
         drop(state);
         map.insert(
             booking.id,
@@ -406,7 +465,7 @@ impl SharedSlots {
         };
         let mut state = cell.state.lock();
         let out = f(active, state.as_mut());
-        cell.publish(state.as_ref());
+        self.publish(active.rank, cell, state.as_ref());
         Ok(out)
     }
 
@@ -457,7 +516,7 @@ impl SharedSlots {
             if let Some(s) = guard.as_mut() {
                 s.give_back(active, freed);
             }
-            cell.publish(guard.as_ref());
+            self.publish(active.rank, cell, guard.as_ref());
         }
     }
 

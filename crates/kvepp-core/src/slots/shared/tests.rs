@@ -264,7 +264,11 @@ fn views_are_never_torn() {
                 st.prefill_tokens = 10 * u64::from(k);
                 st.blocks = 3 * u64::from(k);
                 st.version = u64::from(k);
-                cell.publish(state.as_ref());
+                cell.publish(
+                    &state
+                        .as_ref()
+                        .map_or_else(RankView::default, RankState::view),
+                );
             }
             stop.store(true, Ordering::Relaxed);
         });

@@ -1,0 +1,380 @@
+//! Ordered picks: Dynamo's cost at temperature 0 without reading every candidate.
+//!
+//! A candidate that caches nothing of the prompt and has none of it active costs its load key
+//! (the slot tracker's [`crate::slots::KeyParams`] order) plus the prompt's own share, the same
+//! for all of them; every other candidate is a *holder*, found by the two walks a pick makes
+//! anyway (the prefix index's and the active requests' trie). So the pick costs exactly:
+//! - holders whose lower bound (the least load key, or their own, with their cached and active
+//!   share of the prompt) is not above the runner-up's cost so far;
+//! - the ranks the slot tracker's order yields with keys up to the runner-up's cost less the
+//!   prompt's share (the order skips whole chunks of 256 ranks above it unread);
+//!
+//! and then applies the scan's own choice ([`CostWeights::choose_two`]) to the costed candidates
+//! at most as dear as the runner-up, in candidate order: every candidate tied with the cheapest
+//! or with the runner-up is among them, so the choice, its tie-break by requests in flight and
+//! the random draw among equals are the full scan's (`pick_tests::ordered_picks_choose_as_the_scan_does`).
+//!
+//! Where the shortcut would not be exact or does not apply, the pick reads every candidate as
+//! before: another cost model (predicted TTFT reads per-endpoint speeds and engine metrics),
+//! temperature above 0 (sampling weighs every cost), bounded loads (they read every candidate's
+//! requests), per-candidate bias (a decode leg's transfer cost, adapter terms), scores asked
+//! for, data-parallel ranks in the index, or a candidate list the roster cannot map (a
+//! candidate not registered in the slot tracker, a worker named twice).
+//!
+//! Invariants: the candidate list's roster (which candidate each worker and dense id is) is
+//! rebuilt whenever the list or the tracker's registrations change, so it never names a
+//! candidate for a rank that is not it; the shortcut never consumes randomness before it is
+//! sure to answer, so falling back leaves the pick's random draws as they were.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::scratch::{CandidateMap, PickScratch};
+use super::{KvState, PrefixMode, PromptBlocks, Walked, HINT_APPROX_INDEX, HINT_EVENT_INDEX};
+use crate::cost::{CandidateLoad, CostWeights, KvDecision};
+use crate::slots::KeyParams;
+use crate::Endpoint;
+
+/// A costed candidate.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Visit {
+    i: u32,
+    cost: f64,
+    load: CandidateLoad,
+    version: u64,
+}
+
+/// What an ordered pick decided: the chosen candidate's index, load, version and cost, and the
+/// runner-up.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ordered {
+    pub(super) best: usize,
+    pub(super) second: Option<usize>,
+    pub(super) load: CandidateLoad,
+    pub(super) version: u64,
+    pub(super) cost: f64,
+    /// Candidates it costed.
+    pub(super) costed: usize,
+}
+
+/// The decision for a chosen candidate with load `c` and cost `cost` (no bounded loads, no
+/// TTFT prediction: the scan adds those).
+pub(super) fn decision(
+    prompt: Option<&PromptBlocks>,
+    (w, bs): (&CostWeights, u32),
+    c: &CandidateLoad,
+    cost: f64,
+    load_version: Option<u64>,
+) -> KvDecision {
+    let isl = prompt.map_or(0, |p| p.isl_tokens);
+    KvDecision {
+        mode: prompt.map_or(PrefixMode::None, |p| p.mode),
+        prompt_blocks: prompt.map_or(0, |p| p.hashes.len() as u64),
+        overlap: c.overlap,
+        cost,
+        effective_prefill_tokens: w.effective_prefill_tokens(isl, bs, c.overlap),
+        potential_prefill_tokens: c.potential_prefill_tokens,
+        potential_decode_blocks: c.potential_decode_blocks,
+        active_requests: c.active_requests,
+        load_version,
+        load_bounded: false,
+        ttft: None,
+        objective: None,
+    }
+}
+
+/// A candidate list as the slot tracker numbers it.
+#[derive(Debug)]
+pub(super) struct Roster {
+    /// The list it maps (its endpoints' addresses in memory) and the tracker's registrations
+    /// when it was made.
+    ptrs: Box<[usize]>,
+    generation: u64,
+    /// None: some candidate cannot be picked this way.
+    maps: Option<Maps>,
+}
+
+#[derive(Debug)]
+struct Maps {
+    by_worker: CandidateMap,
+    /// Dense id → candidate index (`u32::MAX`: not a candidate).
+    by_dense: Vec<u32>,
+}
+
+impl Roster {
+    fn is_of(&self, candidates: &[Arc<Endpoint>], generation: u64) -> bool {
+        self.generation == generation
+            && self.ptrs.len() == candidates.len()
+            && self
+                .ptrs
+                .iter()
+                .zip(candidates)
+                .all(|(&p, e)| p == Arc::as_ptr(e) as usize)
+    }
+}
+
+/// The two least costs seen (with repeats): the runner-up's cost bounds what may still matter.
+#[derive(Debug, Clone, Copy)]
+struct Two(f64, f64);
+
+impl Two {
+    fn add(&mut self, c: f64) {
+        if c < self.0 {
+            self.1 = self.0;
+            self.0 = c;
+        } else if c < self.1 {
+            self.1 = c;
+        }
+    }
+}
+
+/// Floating-point slack for a bound against a cost computed in another order (far above the
+/// rounding of either, far below any difference a block count makes).
+fn slack(x: f64) -> f64 {
+    1e-9 * x.abs().max(1.0)
+}
+
+impl KvState {
+    /// Turns ordered picks on (the default) or off (every pick reads every candidate: the
+    /// reference the ordered pick is tested and measured against).
+    pub fn set_ordered_picks(&self, on: bool) {
+        self.ordered.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a pick with these weights may take the ordered shortcut (the rest is checked by
+    /// [`Self::rank_ordered`]).
+    pub(super) fn orderable(w: &CostWeights, scores: bool, bias: &[f64]) -> bool {
+        w.cost_model == crate::cost::CostModel::Dynamo
+            && w.temperature <= 0.0
+            && !w.bounds_loads()
+            && !scores
+            && bias.is_empty()
+    }
+
+    /// The roster of `candidates`, made anew if the list or the registrations changed.
+    fn roster(&self, candidates: &[Arc<Endpoint>]) -> Arc<Roster> {
+        let generation = self.slots.generation();
+        if let Some(r) = self
+            .roster
+            .load_full()
+            .filter(|r| r.is_of(candidates, generation))
+        {
+            return r;
+        }
+        let mut by_worker = CandidateMap::default();
+        by_worker.build(candidates.iter().map(|e| e.worker));
+        let mut by_dense = Vec::new();
+        let mut usable = true;
+        for (i, e) in candidates.iter().enumerate() {
+            let rank = e.rank();
+            let id = self
+                .slots
+                .dense_id(rank)
+                .filter(|_| rank.dp_rank == 0 && by_worker.get(e.worker) == Some(i));
+            let Some(id) = id else {
+                usable = false;
+                break;
+            };
+            // Picks read a candidate's load through this hint.
+            e.hints.slot.store(id, Ordering::Relaxed);
+            if by_dense.len() <= id as usize {
+                by_dense.resize(id as usize + 1, u32::MAX);
+            }
+            by_dense[id as usize] = i as u32;
+        }
+        let roster = Arc::new(Roster {
+            ptrs: candidates.iter().map(|e| Arc::as_ptr(e) as usize).collect(),
+            generation,
+            maps: usable.then_some(Maps {
+                by_worker,
+                by_dense,
+            }),
+        });
+        self.roster.store(Some(roster.clone()));
+        roster
+    }
+
+    /// Costs candidate `i` once (None: its tracker hint missed; the caller falls back).
+    fn cost_once(
+        &self,
+        walked: &Walked,
+        sc: &mut PickScratch,
+        candidates: &[Arc<Endpoint>],
+        (w, bs): (&CostWeights, u32),
+        i: usize,
+        two: &mut Two,
+    ) -> Option<()> {
+        if sc.seen[i] == sc.epoch {
+            return Some(());
+        }
+        sc.seen[i] = sc.epoch;
+        let (load, version) = self.load_of(walked, sc, i, &candidates[i])?;
+        let cost = w.cost(bs, &load);
+        two.add(cost);
+        sc.visits.push(Visit {
+            i: i as u32,
+            cost,
+            load,
+            version,
+        });
+        Some(())
+    }
+
+    /// The ordered pick (see the module documentation); None: it does not apply here, and the
+    /// caller scans. `w` must be [`Self::orderable`].
+    pub(super) fn rank_ordered(
+        &self,
+        candidates: &[Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        (w, bs): (&CostWeights, u32),
+        rng: &mut fastrand::Rng,
+        sc: &mut PickScratch,
+    ) -> Option<Ordered> {
+        let n = candidates.len();
+        let params = KeyParams {
+            prefill_load_scale: w.prefill_load_scale,
+            block_size: bs,
+            per_request: w.decode_active_request_weight,
+        };
+        if n < 2 || !self.slots.keyed_by(&params) {
+            return None;
+        }
+        let roster = self.roster(candidates);
+        let maps = roster.maps.as_ref()?;
+        let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
+        let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
+        let ix = if approximate {
+            self.approx.index.read()
+        } else {
+            self.index.read()
+        };
+        if ix.has_nonzero_dp_ranks() {
+            return None;
+        }
+        sc.found.clear();
+        if !hashes.is_empty() {
+            ix.walk(
+                hashes,
+                &mut sc.matching,
+                self.settings.prefix_closed && !approximate,
+            );
+            ix.walked_all(&sc.matching, &mut sc.found);
+        }
+        let walked = Walked {
+            index: (!hashes.is_empty()).then_some(ix),
+            hint: if approximate {
+                HINT_APPROX_INDEX
+            } else {
+                HINT_EVENT_INDEX
+            },
+            per_worker: false,
+            blocks: hashes.len() as u64,
+            isl,
+        };
+        self.slots.walk_held(hashes, &mut sc.held);
+        sc.visits.clear();
+        sc.epoch = sc.epoch.wrapping_add(1);
+        if sc.seen.len() != n || sc.epoch == 0 {
+            sc.seen.clear();
+            sc.seen.resize(n, 0);
+            sc.epoch = 1;
+        }
+        let mut two = Two(f64::INFINITY, f64::INFINITY);
+        // What every candidate pays for the prompt when it holds none of it.
+        let share = w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
+            + hashes.len() as f64;
+        let cw = (w, bs);
+        // 1. The holder that may be cheapest (most cached), for a tight bound early.
+        let credit = |o| w.prefill_load_scale * w.overlap_credit(o);
+        if let Some(top) = sc
+            .found
+            .iter()
+            .max_by(|a, b| credit(a.overlap).total_cmp(&credit(b.overlap)))
+        {
+            if let Some(i) = maps.by_worker.get(top.rank.worker) {
+                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+            }
+        }
+        // 2. The least loaded, as long as their keys could beat the runner-up.
+        let limit = |two: &Two| two.1 - share + slack(two.1);
+        let mut failed = false;
+        self.slots.visit_by_load(limit(&two), |id, _| {
+            if let Some(&i) = maps.by_dense.get(id as usize).filter(|&&i| i != u32::MAX) {
+                failed |= self
+                    .cost_once(&walked, sc, candidates, cw, i as usize, &mut two)
+                    .is_none();
+            }
+            limit(&two)
+        });
+        if failed {
+            return None;
+        }
+        // 3. Holders of cached blocks whose bound does not rule them out.
+        let least = self.slots.least_key();
+        let most_held = sc.held.most() as f64;
+        let mut k = 0;
+        while let Some(&f) = sc.found.get(k) {
+            k += 1;
+            let below = share - credit(f.overlap) - most_held;
+            if least + below > two.1 + slack(two.1) {
+                continue;
+            }
+            if let Some(i) = maps.by_worker.get(f.rank.worker) {
+                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+            }
+        }
+        // 4. Holders of active blocks, likewise (with their own key and share).
+        let mut k = 0;
+        while let Some(&id) = sc.held.holders().get(k) {
+            k += 1;
+            let Some(&i) = maps.by_dense.get(id as usize).filter(|&&i| i != u32::MAX) else {
+                continue;
+            };
+            let i = i as usize;
+            let e = &candidates[i];
+            let cached = walked
+                .index
+                .as_ref()
+                .and_then(|ix| ix.walked(&sc.matching, e.rank(), &e.hints.index[walked.hint]));
+            let bound = self.slots.load_key(id) + share
+                - cached.map_or(0.0, credit)
+                - sc.held.get(id as usize) as f64;
+            if bound <= two.1 + slack(two.1) {
+                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+            }
+        }
+        drop(walked);
+        self.choose_among_visits(candidates, w, two, rng, sc)
+    }
+
+    /// The scan's choice over the costed candidates at most as dear as the runner-up.
+    fn choose_among_visits(
+        &self,
+        candidates: &[Arc<Endpoint>],
+        w: &CostWeights,
+        two: Two,
+        rng: &mut fastrand::Rng,
+        sc: &mut PickScratch,
+    ) -> Option<Ordered> {
+        if sc.visits.len() < 2 {
+            return None;
+        }
+        let costed = sc.visits.len();
+        let cut = two.1;
+        sc.visits.retain(|v| v.cost <= cut);
+        sc.visits.sort_unstable_by_key(|v| v.i);
+        sc.close.clear();
+        sc.close.extend(sc.visits.iter().map(|v| v.cost));
+        let in_flight = |j: usize| candidates[sc.visits[j].i as usize].load.in_flight();
+        let (best, second) = w.choose_two(&sc.close, in_flight, rng);
+        let b = sc.visits[best];
+        Some(Ordered {
+            best: b.i as usize,
+            second: second.map(|j| sc.visits[j].i as usize),
+            load: b.load,
+            version: b.version,
+            cost: b.cost,
+            costed,
+        })
+    }
+}

@@ -1,0 +1,231 @@
+//! Ordered picks against the scan: on random fleets (loads, index contents in every tier,
+//! requests in flight, weights, block sizes, candidate subsets, ranks outside the list), the
+//! same choice, runner-up, decision and random draws; the shortcut answers wherever it applies;
+//! and on a large fleet it costs few of the candidates.
+
+use super::*;
+use crate::hash::sequence_hashes;
+use crate::index::{EngineBlockHash, Tier};
+
+fn fleet(n: usize) -> Vec<Arc<Endpoint>> {
+    (0..n)
+        .map(|i| {
+            let addr = ([10, 1, (i >> 8) as u8, i as u8], 8000).into();
+            Arc::new(Endpoint::new(addr, format!("pod-{i}")))
+        })
+        .collect()
+}
+
+/// The first `len` blocks of family `family`'s stem, then `tail` private blocks.
+fn chain(family: u64, len: u64, tail: u64, rng: &mut fastrand::Rng) -> Vec<LocalBlockHash> {
+    let mut l: Vec<LocalBlockHash> = (0..len)
+        .map(|i| LocalBlockHash(family * 10_000 + i + 1))
+        .collect();
+    l.extend((0..tail).map(|_| LocalBlockHash(rng.u64(..) | 1 << 63)));
+    l
+}
+
+fn prompt(rng: &mut fastrand::Rng, bs: u32) -> PromptBlocks {
+    let locals = chain(rng.u64(..3), rng.u64(..40), rng.u64(..4), rng);
+    let hashes = sequence_hashes(&locals);
+    PromptBlocks {
+        mode: PrefixMode::TokenIds,
+        isl_tokens: hashes.len() as u64 * u64::from(bs) + rng.u64(..u64::from(bs)),
+        locals,
+        hashes,
+    }
+}
+
+fn rank(e: &Endpoint) -> WorkerRank {
+    WorkerRank {
+        worker: e.worker,
+        dp_rank: 0,
+    }
+}
+
+/// Random Dynamo weights; every few rounds a setting the shortcut leaves to the scan.
+fn weights(round: u64, g: &mut fastrand::Rng) -> CostWeights {
+    let pick = |g: &mut fastrand::Rng, xs: &[f64]| xs[g.usize(..xs.len())];
+    CostWeights {
+        overlap_score_credit: pick(g, &[1.0, 1.0, 0.5, 2.0]),
+        host_cache_hit_weight: pick(g, &[0.75, 0.0, 1.0]),
+        disk_cache_hit_weight: pick(g, &[0.25, 0.0, 0.5]),
+        prefill_load_scale: pick(g, &[1.0, 1.0, 0.5, 3.0, 0.0]),
+        decode_active_request_weight: pick(g, &[0.0, 0.0, 1.0, 2.5]),
+        temperature: if round % 9 == 4 { 0.5 } else { 0.0 },
+        load_bound: if round % 7 == 3 { 1.25 } else { 0.0 },
+        ..CostWeights::dynamo()
+    }
+}
+
+/// A fleet of `n` candidates (and a few registered ranks outside the list) with random
+/// contents; the state and the endpoints.
+/// With `ties`, loads come from a few values (equal costs are common); without, every
+/// endpoint has a request or more of its own size.
+fn populate(
+    g: &mut fastrand::Rng,
+    n: usize,
+    (w, bs, ties): (CostWeights, u32, bool),
+) -> (Arc<KvState>, Vec<Arc<Endpoint>>) {
+    let kv = Arc::new(KvState::new(KvSettings {
+        weights: w,
+        block_size: bs,
+        ..KvSettings::default()
+    }));
+    let eps = fleet(n + 3);
+    let now = Instant::now();
+    for (k, e) in eps.iter().enumerate() {
+        let r = rank(e);
+        kv.register_rank(r);
+        if g.u8(..10) < 4 {
+            let l = chain(g.u64(..3), g.u64(1..40), 0, g);
+            let h = sequence_hashes(&l);
+            let blocks: Vec<(EngineBlockHash, LocalBlockHash)> =
+                h.iter().map(|s| EngineBlockHash(s.0)).zip(l).collect();
+            let tier = Tier::ALL[g.usize(..3)];
+            let _ = kv
+                .index()
+                .write(|ix| ix.store(r, tier, None, blocks.iter().copied()));
+        }
+        let requests = if ties { g.usize(..3) } else { g.usize(1..4) };
+        for j in 0..requests {
+            let l = chain(g.u64(..3), g.u64(..20), g.u64(..3), g);
+            let tokens = if ties {
+                [0, 64, 256][g.usize(..3)]
+            } else {
+                g.u64(1..100_000)
+            };
+            kv.reserve(&format!("r{k}-{j}"), r, &sequence_hashes(&l), tokens, now)
+                .unwrap();
+            if g.bool() {
+                kv.prefill_complete(&format!("r{k}-{j}")).unwrap();
+            }
+        }
+        for _ in 0..g.u32(..3) {
+            std::mem::forget(e.load.book());
+        }
+    }
+    (kv, eps)
+}
+
+#[test]
+fn ordered_picks_choose_as_the_scan_does() {
+    let (mut answered, mut compared) = (0, 0);
+    for round in 0..400u64 {
+        let mut g = fastrand::Rng::with_seed(round);
+        let n = g.usize(2..120);
+        let w = weights(round, &mut g);
+        let bs = [16, 4, 1][g.usize(..3)];
+        let (kv, eps) = populate(&mut g, n, (w, bs, true));
+        let mut cands: Vec<Arc<Endpoint>> = eps[..n].to_vec();
+        if round % 5 == 1 {
+            // A subset (at least two), in another order.
+            cands.retain(|_| g.u8(..4) > 0);
+            cands.extend(
+                eps[..2]
+                    .iter()
+                    .filter(|e| !cands.iter().any(|c| Arc::ptr_eq(c, e)))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+            cands.reverse();
+        }
+        if round % 13 == 6 {
+            // A candidate the slot tracker does not know: the scan counts it idle.
+            let addr: std::net::SocketAddr = ([10, 9, 9, 9], 1).into();
+            cands.push(Arc::new(Endpoint::new(addr, "new".to_owned())));
+        }
+        if round % 17 == 8 {
+            // The weights change while the state runs: the order is keyed anew.
+            kv.set_weights(CostWeights {
+                prefill_load_scale: 2.0,
+                ..w
+            });
+        }
+        for s in 0..4 {
+            let p = prompt(&mut g, bs);
+            let p = (s != 3).then_some(&p);
+            let req = PickRequest::prompt(p);
+            let mut a = PickContext::seeded(round * 8 + s);
+            let mut b = a.clone();
+            kv.set_ordered_picks(true);
+            let fast = kv.rank(&cands, &req, &mut a);
+            kv.set_ordered_picks(false);
+            let scan = kv.rank(&cands, &req, &mut b);
+            assert_eq!(fast, scan, "round {round}, pick {s}, {n} candidates, {w:?}");
+            assert_eq!(a.rng.u64(..), b.rng.u64(..), "same draws, round {round}");
+            compared += 1;
+            // Where it applies, the shortcut itself answered.
+            let weights = kv.weights();
+            if !KvState::orderable(&weights, false, &[]) {
+                continue;
+            }
+            let (pool, mut sc) = kv.take_scratch(0);
+            let direct = kv.rank_ordered(
+                &cands,
+                p,
+                (&weights, kv.block_size()),
+                &mut fastrand::Rng::with_seed(1),
+                &mut sc,
+            );
+            kv.return_scratch(pool, sc);
+            assert_eq!(
+                direct.is_some(),
+                round % 13 != 6,
+                "round {round}: {weights:?}"
+            );
+            answered += usize::from(direct.is_some());
+        }
+    }
+    assert!(answered > 1000, "{answered} of {compared} picks ordered");
+}
+
+/// On 3000 candidates of which a handful hold the prompt, the ordered pick costs a few dozen
+/// and still agrees with the scan, pick after pick as bookings change the loads.
+#[test]
+fn a_large_fleet_is_picked_from_few_candidates() {
+    let mut g = fastrand::Rng::with_seed(7);
+    let n = 3000;
+    let (kv, eps) = populate(&mut g, n, (CostWeights::dynamo(), 16, false));
+    let cands = &eps[..n];
+    let mut guards = Vec::new();
+    for s in 0..50u64 {
+        let p = prompt(&mut g, 16);
+        let req = PickRequest::prompt(Some(&p));
+        let w = kv.weights();
+        let (pool, mut sc) = kv.take_scratch(0);
+        let o = kv
+            .rank_ordered(
+                cands,
+                Some(&p),
+                (&w, 16),
+                &mut fastrand::Rng::with_seed(s),
+                &mut sc,
+            )
+            .expect("ordered");
+        kv.return_scratch(pool, sc);
+        let holders = {
+            let ix = kv.index().read();
+            let mut m = MatchScratch::default();
+            let mut found = Vec::new();
+            ix.find_matches(&p.hashes, &mut m, &mut found);
+            found.len()
+        };
+        assert!(
+            o.costed <= holders + 64,
+            "costed {} of {n} ({holders} hold the prompt)",
+            o.costed
+        );
+        let mut ctx = PickContext::seeded(s);
+        let (best, _, d) = kv.rank(cands, &req, &mut ctx);
+        assert_eq!(best, o.best);
+        kv.set_ordered_picks(false);
+        let scan = kv.rank(cands, &req, &mut PickContext::seeded(s));
+        kv.set_ordered_picks(true);
+        assert_eq!((best, d), (scan.0, scan.2));
+        guards.push(
+            kv.book_decision(&cands[best], Some(&p), &d, Instant::now())
+                .unwrap(),
+        );
+    }
+}

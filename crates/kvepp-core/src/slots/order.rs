@@ -1,0 +1,241 @@
+//! Ranks ordered by load, for picks that do not read every rank: each registered rank's *load
+//! key* (what Dynamo's cost charges for the load it already has, under the weights the order
+//! was keyed with), kept beside the slot tracker's published views and updated with them.
+//!
+//! The key of a rank with `P` prefill tokens, `D` decode blocks and `A` active requests is
+//! `s · P / block_size + D + w · A` (`s`: prefill load scale, `w`: decode active request weight).
+//! A rank that caches nothing of a prompt and has none of it active costs exactly its key plus
+//! the prompt's own share (the same for every such rank), so the cheapest of those ranks are
+//! those of least key: a pick finds them by [`LoadOrder::visit`] instead of reading every rank.
+//!
+//! Layout: keys sit in arrays of `RANKS_PER_CHUNK` per chunk of dense ids (the slot tracker's
+//! chunks), each chunk with one word holding a lower bound of its keys (the top 32 bits of the
+//! least key's `f64`, which order like the keys themselves for keys ≥ 0) and a version.
+//!
+//! Invariants:
+//! - a chunk's bound never exceeds the key of any rank in it: a writer stores the key, then
+//!   lowers the bound to it if needed (and bumps the version, also when it raised the key); a
+//!   reader that found the chunk's true least key while scanning raises the bound only if no
+//!   writer touched the chunk since it read the word (same version), so a raise never hides a
+//!   key stored meanwhile;
+//! - a free dense id's key is +∞ (never visited);
+//! - keys are computed with the parameters [`LoadOrder::params`] names; while they change
+//!   ([`LoadOrder::rekey`]), [`LoadOrder::keyed_with`] answers false and picks read every rank.
+//!
+//! Keys are read and written without a lock (the writer of a rank's key holds that rank's cell
+//! lock, so writers of one key are one at a time); what a visit reads is not one snapshot, like
+//! everything a pick reads of the tracker.
+
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use super::RankView;
+
+/// What keys are computed with: the prefill load scale, tokens per block and the weight of an
+/// active request (Dynamo's cost's load terms).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeyParams {
+    pub prefill_load_scale: f64,
+    pub block_size: u32,
+    pub per_request: f64,
+}
+
+impl KeyParams {
+    /// The key of a rank whose view is `v` (+∞ for a free id; never NaN or negative: such
+    /// parameters key everything 0, which only makes a pick visit more).
+    fn key(&self, v: &RankView) -> f64 {
+        if v.dp_rank_plus_one == 0 {
+            return f64::INFINITY;
+        }
+        let k = self.prefill_load_scale
+            * (v.prefill_tokens as f64 * (1.0 / f64::from(self.block_size.max(1))))
+            + v.decode_blocks as f64
+            + self.per_request * f64::from(v.active_requests);
+        if k >= 0.0 {
+            k
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The bound word of a key: the top half of its bits (monotone in the key for keys ≥ 0).
+fn bound_of(key: f64) -> u32 {
+    (key.to_bits() >> 32) as u32
+}
+
+/// The least key a bound word allows.
+fn key_of_bound(bound: u32) -> f64 {
+    f64::from_bits(u64::from(bound) << 32)
+}
+
+fn word(bound: u32, version: u32) -> u64 {
+    (u64::from(bound) << 32) | u64::from(version)
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(super) struct LoadOrder {
+    per_chunk: usize,
+    keys: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    /// Per chunk: its bound (high half) and version (low half).
+    words: Box<[AtomicU64]>,
+    /// The parameters keys are computed with (f64 bits, block size, f64 bits) and whether a
+    /// rekey is under way (odd `state`).
+    params: [AtomicU64; 3],
+    state: AtomicU64,
+    rekeying: Mutex<()>,
+}
+
+impl LoadOrder {
+    pub(super) fn new(chunks: usize, per_chunk: usize) -> Self {
+        LoadOrder {
+            per_chunk,
+            keys: (0..chunks).map(|_| OnceLock::new()).collect(),
+            words: (0..chunks)
+                .map(|_| AtomicU64::new(word(bound_of(f64::INFINITY), 0)))
+                .collect(),
+            params: [
+                AtomicU64::new(1f64.to_bits()),
+                AtomicU64::new(16),
+                AtomicU64::new(0f64.to_bits()),
+            ],
+            state: AtomicU64::new(0),
+            rekeying: Mutex::new(()),
+        }
+    }
+
+    /// The parameters keys are computed with now.
+    pub(super) fn params(&self) -> KeyParams {
+        KeyParams {
+            prefill_load_scale: f64::from_bits(self.params[0].load(Ordering::Acquire)),
+            block_size: self.params[1].load(Ordering::Acquire) as u32,
+            per_request: f64::from_bits(self.params[2].load(Ordering::Acquire)),
+        }
+    }
+
+    /// Whether every key is computed with `p` (no rekey under way).
+    pub(super) fn keyed_with(&self, p: &KeyParams) -> bool {
+        self.state.load(Ordering::Acquire) & 1 == 0 && self.params() == *p
+    }
+
+    fn chunk_keys(&self, chunk: usize) -> Option<&[AtomicU64]> {
+        let keys = self.keys.get(chunk)?.get_or_init(|| {
+            (0..self.per_chunk)
+                .map(|_| AtomicU64::new(f64::INFINITY.to_bits()))
+                .collect()
+        });
+        Some(keys)
+    }
+
+    /// Stores the key of dense id `id` for its view `v` (the caller holds the rank's cell lock).
+    pub(super) fn set(&self, id: u32, v: &RankView) {
+        let key = self.params().key(v);
+        let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
+        let (Some(keys), Some(w)) = (self.chunk_keys(chunk), self.words.get(chunk)) else {
+            return;
+        };
+        keys[at].store(key.to_bits(), Ordering::Release);
+        let b = bound_of(key);
+        let mut old = w.load(Ordering::Relaxed);
+        loop {
+            let new = word(((old >> 32) as u32).min(b), (old as u32).wrapping_add(1));
+            match w.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(x) => old = x,
+            }
+        }
+    }
+
+    /// Rekeys every rank with `p`: `each(id)` must call [`Self::set`] for each dense id below
+    /// `len` under its cell lock. One rekey at a time; false if another is under way.
+    pub(super) fn rekey(&self, p: &KeyParams, len: usize, mut each: impl FnMut(u32)) -> bool {
+        let Some(_one) = self.rekeying.try_lock() else {
+            return false;
+        };
+        self.state.fetch_add(1, Ordering::AcqRel);
+        self.params[0].store(p.prefill_load_scale.to_bits(), Ordering::Release);
+        self.params[1].store(u64::from(p.block_size), Ordering::Release);
+        self.params[2].store(p.per_request.to_bits(), Ordering::Release);
+        for id in 0..len {
+            each(id as u32);
+        }
+        self.state.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// A lower bound of every key of the first `len` dense ids.
+    pub(super) fn least(&self, len: usize) -> f64 {
+        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
+        self.words[..chunks]
+            .iter()
+            .map(|w| (w.load(Ordering::Acquire) >> 32) as u32)
+            .min()
+            .map_or(f64::INFINITY, key_of_bound)
+    }
+
+    /// The key of dense id `id` (+∞ if none).
+    pub(super) fn key(&self, id: u32) -> f64 {
+        let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
+        self.keys
+            .get(chunk)
+            .and_then(OnceLock::get)
+            .and_then(|k| k.get(at))
+            .map_or(f64::INFINITY, |k| f64::from_bits(k.load(Ordering::Acquire)))
+    }
+
+    /// Calls `visit(id, key)` for every dense id below `len` whose key is at most the limit,
+    /// `limit` at first and then what the last visit returned (a visit may lower it), starting
+    /// with the chunk of least bound; chunks whose bound is above the limit are skipped unread.
+    pub(super) fn visit(&self, len: usize, limit: f64, mut visit: impl FnMut(u32, f64) -> f64) {
+        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
+        let bound = |c: usize| (self.words[c].load(Ordering::Acquire) >> 32) as u32;
+        let Some(first) = (0..chunks).min_by_key(|&c| bound(c)) else {
+            return;
+        };
+        let mut lim = self.visit_chunk(first, len, limit, &mut visit);
+        for c in (0..chunks).filter(|&c| c != first) {
+            lim = self.visit_chunk(c, len, lim, &mut visit);
+        }
+    }
+
+    /// [`Self::visit`] over chunk `c`; the limit after it.
+    fn visit_chunk(
+        &self,
+        c: usize,
+        len: usize,
+        mut lim: f64,
+        visit: &mut impl FnMut(u32, f64) -> f64,
+    ) -> f64 {
+        let w = &self.words[c];
+        let seen = w.load(Ordering::Acquire);
+        if key_of_bound((seen >> 32) as u32) > lim {
+            return lim;
+        }
+        let Some(keys) = self.keys.get(c).and_then(OnceLock::get) else {
+            return lim;
+        };
+        let base = c * self.per_chunk;
+        let n = len.saturating_sub(base).min(self.per_chunk);
+        let mut least = f64::INFINITY;
+        for (at, k) in keys[..n].iter().enumerate() {
+            let key = f64::from_bits(k.load(Ordering::Acquire));
+            least = least.min(key);
+            if key <= lim {
+                lim = visit((base + at) as u32, key);
+            }
+        }
+        // Raise a stale bound to the least key seen, unless a writer came by meanwhile.
+        let b = bound_of(least);
+        if b > (seen >> 32) as u32 {
+            let _ = w.compare_exchange(
+                seen,
+                word(b, seen as u32),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        lim
+    }
+}
