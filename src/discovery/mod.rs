@@ -81,9 +81,16 @@ pub struct PoolSnapshot {
     pub models: HashMap<String, Arc<ModelSpec>>,
     /// InferenceObjectives of the pool: name → priority.
     pub objectives: HashMap<String, i32>,
-    /// Ready endpoints, deduplicated by address, sorted by address.
+    /// Ready endpoints, deduplicated by address, sorted by address (set through
+    /// [`Self::set_endpoints`]).
     pub endpoints: Vec<Arc<Endpoint>>,
+    /// Names `endpoints` for the router ([`kvepp_core::PickRequest::list`]): a number no other
+    /// list of this process ever had, drawn anew whenever they are set.
+    pub serial: u64,
 }
+
+/// Serial numbers of endpoint lists (0 is never one).
+static SERIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl PoolSnapshot {
     pub fn empty() -> Self {
@@ -92,7 +99,14 @@ impl PoolSnapshot {
             models: HashMap::new(),
             objectives: HashMap::new(),
             endpoints: Vec::new(),
+            serial: SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
+    }
+
+    /// Sets the ready endpoints, with a serial number of their own.
+    pub fn set_endpoints(&mut self, endpoints: Vec<Arc<Endpoint>>) {
+        self.endpoints = endpoints;
+        self.serial = SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -339,7 +353,7 @@ impl Datastore {
         // Forget counters of endpoints that are gone and that nothing refers to any more (no booking,
         // no older snapshot still in use).
         loads.retain(|addr, load| endpoints.contains_key(addr) || Arc::strong_count(load) > 1);
-        snap.endpoints = endpoints.into_values().collect();
+        snap.set_endpoints(endpoints.into_values().collect());
         snap
     }
 }

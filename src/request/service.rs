@@ -393,6 +393,7 @@ impl RouteRequest for RequestRouter {
             prompt: req.prompt.as_ref().map_or(Prompt::None, Prompt::Blocks),
             session: hints.session,
             ttft_budget_ms: hints.ttft_budget_ms,
+            list: Some(snap.serial),
             ..RequestFacts::default()
         };
         match self.router.route(facts, &snap.endpoints, &mut ctx) {

@@ -6,8 +6,10 @@
 //! cargo bench -p kvepp-core --bench pick -- --no-latency --events-per-second 0   # picks alone
 //! valgrind --tool=callgrind target/release/deps/pick-* --bench --endpoints 1000 --tokens-k 128 \
 //!     --iterations 300 --no-scaling   # instruction counts, comparable between builds
-//! bench/pick_instructions.sh          # instructions per KV-aware pick at 1000 and 4000 endpoints
-//!                                     # (`--kv-picks N`: the setups and N picks, nothing else)
+//! bench/pick_instructions.sh          # instructions per KV-aware pick at 1000 and 4000 endpoints,
+//!                                     # ordered and full scan (`--kv-picks N`: the setups and N
+//!                                     # picks, nothing else; `--scan`: ordered picks off)
+//! cargo bench -p kvepp-core --bench pick -- --holders-every 64   # few endpoints hold the prompt
 //! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
 //!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's and
 //!                                     # fixed work of the same median (the machine's own tail)
@@ -15,10 +17,12 @@
 //!
 //! 1. Latency: p50/p99 of one KV-aware pick (`KvState::rank`) over 10/100/1000/4000 endpoints for
 //!    1k/32k/128k-token prompts, against the load-only pick (least loaded) over the same
-//!    candidates. Index contents: every even endpoint caches the prompt's system prompt (a quarter
-//!    of it, at most 2k tokens), every 16th a half, endpoint 0 seven eighths, and every endpoint
-//!    one unrelated 64-block chain; each endpoint has one active request (even ones share the
-//!    system prompt). Also pick + book + release at each size.
+//!    candidates, and against the same pick reading every candidate (`full scan`: ordered picks
+//!    off). Index contents: every even endpoint (every K-th with `--holders-every K`) caches the
+//!    prompt's system prompt (a quarter of it, at most 2k tokens), every 16th (8K-th) a half,
+//!    endpoint 0 seven eighths, and every endpoint one unrelated 64-block chain; each endpoint has
+//!    one active request (those even ones share the system prompt). Also pick + book + release
+//!    at each size.
 //! 2. Scaling: picks per second from 1, 2, … threads over 1000 endpoints with 32k-token prompts
 //!    from 8 families, picks alone and pick + book + release, while another thread applies KV
 //!    events (store and remove of 64-block chains) at 1 M blocks/s, against 1 thread × the thread
@@ -31,7 +35,7 @@
 
 use std::hint::black_box;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -79,8 +83,17 @@ struct Setup {
     prompt: PromptBlocks,
 }
 
+/// `--holders-every K` (2): every K-th endpoint caches the system prompt and shares it with
+/// its active request, every 8K-th caches half the prompt (a large K: few endpoints hold any of
+/// the prompt, the rest are told apart by load alone).
+static HOLDERS_EVERY: AtomicUsize = AtomicUsize::new(2);
+/// `--scan`: every pick reads every candidate (ordered picks off), the reference.
+static SCAN: AtomicBool = AtomicBool::new(false);
+
 fn setup(n: usize, tokens: usize) -> Setup {
     let kv = Arc::new(KvState::new(KvSettings::default()));
+    kv.set_ordered_picks(!SCAN.load(Ordering::Relaxed));
+    let every = HOLDERS_EVERY.load(Ordering::Relaxed).max(1);
     let eps = endpoints(n);
     let ids: Vec<u32> = (0..tokens as u32)
         .map(|t| t.wrapping_mul(2_654_435_761))
@@ -100,8 +113,8 @@ fn setup(n: usize, tokens: usize) -> Setup {
             let r = rank(e);
             let held = match i {
                 0 => tokens * 7 / 8,
-                i if i % 16 == 0 => tokens / 2,
-                i if i % 2 == 0 => system,
+                i if i % (8 * every) == 0 => tokens / 2,
+                i if i % every == 0 => system,
                 _ => 0,
             };
             let _ = ix.store(r, Tier::Device, None, blocks(held));
@@ -113,7 +126,7 @@ fn setup(n: usize, tokens: usize) -> Setup {
     for (i, e) in eps.iter().enumerate() {
         let r = rank(e);
         kv.register_rank(r);
-        let hashes = if i % 2 == 0 {
+        let hashes = if i % every == 0 {
             let mut l = locals[..system / BLOCK].to_vec();
             l.extend(chain(2_000_000 + i as u64, 32).0);
             sequence_hashes(&l)
@@ -123,6 +136,12 @@ fn setup(n: usize, tokens: usize) -> Setup {
         kv.reserve(&format!("active-{i}"), r, &hashes, 512, now)
             .unwrap();
     }
+    // One pick makes the candidate list's roster (once per change of the pool, not per pick).
+    black_box(kv.rank(
+        &eps,
+        &PickRequest::prompt(Some(&prompt)),
+        &mut PickContext::seeded(0),
+    ));
     Setup { kv, eps, prompt }
 }
 
@@ -209,8 +228,8 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
     println!(
         "## KV-aware pick latency (µs), against the load-only pick over the same candidates\n"
     );
-    println!("| endpoints | prompt tokens | KV-aware p50 | KV-aware p99 | load-only p50 | load-only p99 | KV-aware ÷ load-only (p50) | pick+book+release p50 | p99 |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| endpoints | prompt tokens | KV-aware p50 | KV-aware p99 | load-only p50 | load-only p99 | KV-aware ÷ load-only (p50) | full scan p50 | KV-aware ÷ full scan (p50) | pick+book+release p50 | p99 |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut p50 = std::collections::BTreeMap::new();
     let mut distributions = Vec::new();
     for &n in sizes {
@@ -233,6 +252,17 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             let base_times = timings(iters, || {
                 black_box(LeastLoaded.rank(black_box(refs), &PickRequest::prompt(None), &mut ctx));
             });
+            // The same pick reading every candidate (ordered picks off), the reference.
+            s.kv.set_ordered_picks(false);
+            let scan_times = timings(iters, || {
+                black_box(s.kv.rank(
+                    black_box(refs),
+                    &PickRequest::prompt(Some(&s.prompt)),
+                    &mut ctx,
+                ));
+            });
+            s.kv.set_ordered_picks(!SCAN.load(Ordering::Relaxed));
+            let scan_p50 = percentile(&scan_times, 0.5);
             let kv = (percentile(&kv_times, 0.5), percentile(&kv_times, 0.99));
             let base = (percentile(&base_times, 0.5), percentile(&base_times, 0.99));
             if shapes {
@@ -257,13 +287,15 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             });
             p50.insert((tokens, n), kv.0);
             println!(
-                "| {n} | {}k | {:.2} | {:.2} | {:.2} | {:.2} | {:.1}× | {:.2} | {:.2} |",
+                "| {n} | {}k | {:.2} | {:.2} | {:.2} | {:.2} | {:.1}× | {:.2} | {:.2}× | {:.2} | {:.2} |",
                 tokens >> 10,
                 kv.0,
                 kv.1,
                 base.0,
                 base.1,
                 kv.0 / base.0,
+                scan_p50,
+                kv.0 / scan_p50,
                 booked.0,
                 booked.1
             );
@@ -542,6 +574,10 @@ fn list(args: &[String], name: &str, default: &[usize]) -> Vec<usize> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if let Some(k) = arg::<usize>(&args, "--holders-every") {
+        HOLDERS_EVERY.store(k, Ordering::Relaxed);
+    }
+    SCAN.store(args.iter().any(|a| a == "--scan"), Ordering::Relaxed);
     if !args.iter().any(|a| a == "--bench") {
         // `cargo test`: a small case, checked.
         let s = setup(100, 1024);

@@ -576,7 +576,15 @@ impl KvState {
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
         let ordered = (self.ordered.load(Ordering::Relaxed)
             && Self::orderable(w, ctx.scores.is_some(), &ctx.bias))
-        .then(|| self.rank_ordered(candidates, prompt, (w, bs), &mut ctx.rng, &mut sc))
+        .then(|| {
+            self.rank_ordered(
+                candidates,
+                (prompt, req.list),
+                (w, bs),
+                &mut ctx.rng,
+                &mut sc,
+            )
+        })
         .flatten();
         if let Some(o) = ordered {
             self.return_scratch(pool, sc);

@@ -96,6 +96,11 @@ pub struct PickRequest<'a> {
     /// choice predicted slower fails with [`PickError::OverObjective`] (flow control holds the
     /// request until an endpoint can meet it, or rejects it). None: no objective.
     pub ttft_budget_ms: Option<f64>,
+    /// An identity the caller gives its endpoint list: one value only ever names the same
+    /// endpoints in the same order (a pool snapshot's serial number), so a picker that keeps
+    /// state per list ([`crate::KvPicker`]'s roster) recognises it without reading it. The
+    /// selector withholds it from the picker whenever it narrows the list. None: none.
+    pub list: Option<u64>,
 }
 
 /// A disaggregated pick's prefill leg: where the prompt is prefilled before the decode worker
@@ -423,6 +428,15 @@ impl Selector {
             }));
         }
         self.adapter_terms(&tuning, candidates, req.adapter, now, &mut ctx.bias);
+        // The list's identity holds only for the list as given.
+        let narrowed;
+        let req =
+            if candidates.as_ptr() == endpoints.as_ptr() && candidates.len() == endpoints.len() {
+                req
+            } else {
+                narrowed = PickRequest { list: None, ..*req };
+                &narrowed
+            };
         let mut r = self.picker.rank(candidates, req, ctx);
         let sticky = req
             .sticky
@@ -435,7 +449,9 @@ impl Selector {
             let b = ctx.bias.get(i).copied();
             ctx.bias.clear();
             ctx.bias.extend(b);
-            let one = self.picker.rank(&candidates[i..=i], req, ctx);
+            let one =
+                self.picker
+                    .rank(&candidates[i..=i], &PickRequest { list: None, ..*req }, ctx);
             ctx.scores = scores;
             r = Ranked {
                 best: i,

@@ -90,6 +90,8 @@ pub struct RequestFacts<'a> {
     pub session: Option<SessionKey>,
     /// What is left of the request's TTFT objective, in ms ([`PickRequest::ttft_budget_ms`]).
     pub ttft_budget_ms: Option<f64>,
+    /// The endpoint list's identity ([`PickRequest::list`]): a pool snapshot's serial number.
+    pub list: Option<u64>,
 }
 
 /// A routing decision and the load it booked.
@@ -300,6 +302,7 @@ impl Router {
             adapter: self.adapter_of(facts.model),
             sticky: bound,
             ttft_budget_ms: facts.ttft_budget_ms,
+            list: facts.list,
         };
         let mut repicks = 0;
         loop {
@@ -431,7 +434,12 @@ impl Router {
             .cloned()
             .collect();
         if prefill.is_empty() || prompt.is_none() || isl < self.disagg.prefill_threshold_tokens {
-            return self.route_among(facts, &decode, prompt, &[], ctx, book);
+            // The decode workers alone: not the list the caller named.
+            let facts = RequestFacts {
+                list: None,
+                ..facts.clone()
+            };
+            return self.route_among(&facts, &decode, prompt, &[], ctx, book);
         }
         let prefill = self.disagg.prefill_candidates(prefill, &decode);
         // Both legs need the adapter; the session binds the decode worker (where the proxy sends

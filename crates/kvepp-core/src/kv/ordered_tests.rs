@@ -145,7 +145,11 @@ fn ordered_picks_choose_as_the_scan_does() {
         for s in 0..4 {
             let p = prompt(&mut g, bs);
             let p = (s != 3).then_some(&p);
-            let req = PickRequest::prompt(p);
+            // Half the picks name the list, as a pool snapshot does.
+            let req = PickRequest {
+                list: (s % 2 == 0).then_some(round),
+                ..PickRequest::prompt(p)
+            };
             let mut a = PickContext::seeded(round * 8 + s);
             let mut b = a.clone();
             kv.set_ordered_picks(true);
@@ -163,7 +167,7 @@ fn ordered_picks_choose_as_the_scan_does() {
             let (pool, mut sc) = kv.take_scratch(0);
             let direct = kv.rank_ordered(
                 &cands,
-                p,
+                (p, None),
                 (&weights, kv.block_size()),
                 &mut fastrand::Rng::with_seed(1),
                 &mut sc,
@@ -197,7 +201,7 @@ fn a_large_fleet_is_picked_from_few_candidates() {
         let o = kv
             .rank_ordered(
                 cands,
-                Some(&p),
+                (Some(&p), None),
                 (&w, 16),
                 &mut fastrand::Rng::with_seed(s),
                 &mut sc,
@@ -227,5 +231,51 @@ fn a_large_fleet_is_picked_from_few_candidates() {
             kv.book_decision(&cands[best], Some(&p), &d, Instant::now())
                 .unwrap(),
         );
+    }
+}
+
+/// Through the selector, with the list named: when saturated endpoints are left out (a
+/// narrower list than the one named) and when a session's bound rank is ranked alone, the
+/// picks stay the scan's.
+#[test]
+fn a_named_list_narrowed_by_the_selector_picks_as_the_scan_does() {
+    use crate::{Admission, KvPicker, Saturation, Selector};
+    for round in 0..60u64 {
+        let mut g = fastrand::Rng::with_seed(1000 + round);
+        let n = g.usize(3..80);
+        let (kv, eps) = populate(&mut g, n, (CostWeights::dynamo(), 16, round % 2 == 0));
+        let cands = &eps[..n];
+        let selector = Selector::new(Box::new(KvPicker(kv.clone())), Saturation::in_flight(2));
+        for s in 0..4 {
+            let p = prompt(&mut g, 16);
+            let sticky = (s == 3).then(|| rank(&cands[g.usize(..n)]));
+            let req = PickRequest {
+                admission: Admission::Unsaturated,
+                list: Some(7),
+                sticky,
+                ..PickRequest::prompt(Some(&p))
+            };
+            // A different endpoint saturated at each pick: lists narrowed alike in length but
+            // not in members.
+            let j = g.usize(..n);
+            let _held: Vec<_> = (0..2).map(|_| cands[j].load.book()).collect();
+            let mut a = PickContext::seeded(s);
+            let mut b = a.clone();
+            kv.set_ordered_picks(true);
+            let fast = selector.pick(cands, &req, &mut a);
+            kv.set_ordered_picks(false);
+            let scan = selector.pick(cands, &req, &mut b);
+            match (fast, scan) {
+                (Ok(x), Ok(y)) => {
+                    assert!(Arc::ptr_eq(&x.primary, &y.primary), "round {round}");
+                    assert_eq!(x.fallback.map(|e| e.addr), y.fallback.map(|e| e.addr));
+                    assert_eq!(x.kv, y.kv);
+                }
+                (x, y) => assert_eq!(
+                    x.map(|p| p.primary.addr).err(),
+                    y.map(|p| p.primary.addr).err()
+                ),
+            }
+        }
     }
 }

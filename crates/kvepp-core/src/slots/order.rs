@@ -175,6 +175,22 @@ impl LoadOrder {
             .map_or(f64::INFINITY, key_of_bound)
     }
 
+    /// A dense id below `len` of least key (None: none has a finite key): the least key of the
+    /// chunk of least bound, which holds it unless the bound is stale.
+    pub(super) fn least_id(&self, len: usize) -> Option<u32> {
+        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
+        let bound = |c: usize| (self.words[c].load(Ordering::Acquire) >> 32) as u32;
+        let c = (0..chunks).min_by_key(|&c| bound(c))?;
+        let keys = self.keys.get(c).and_then(OnceLock::get)?;
+        let n = len.saturating_sub(c * self.per_chunk).min(self.per_chunk);
+        let (at, key) = keys[..n]
+            .iter()
+            .map(|k| f64::from_bits(k.load(Ordering::Acquire)))
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(&b.1))?;
+        key.is_finite().then_some((c * self.per_chunk + at) as u32)
+    }
+
     /// The key of dense id `id` (+∞ if none).
     pub(super) fn key(&self, id: u32) -> f64 {
         let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
@@ -226,16 +242,79 @@ impl LoadOrder {
                 lim = visit((base + at) as u32, key);
             }
         }
-        // Raise a stale bound to the least key seen, unless a writer came by meanwhile.
+        self.raise(c, seen, least);
+        lim
+    }
+
+    /// Raises chunk `c`'s bound to `least` (the least key a scan found, having read the word
+    /// `seen` before it), unless a writer came by since (the version moved on) or it is not
+    /// higher.
+    fn raise(&self, c: usize, seen: u64, least: f64) {
         let b = bound_of(least);
         if b > (seen >> 32) as u32 {
-            let _ = w.compare_exchange(
+            let _ = self.words[c].compare_exchange(
                 seen,
                 word(b, seen as u32),
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             );
         }
-        lim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::WorkerRank;
+
+    fn view(prefill_tokens: u64, decode_blocks: u64) -> RankView {
+        let rank = WorkerRank {
+            worker: 1,
+            dp_rank: 0,
+        };
+        let mut state = super::super::RankState::new(rank);
+        state.prefill_tokens = prefill_tokens;
+        let mut v = state.view();
+        v.decode_blocks = decode_blocks;
+        v
+    }
+
+    /// A scan that read the chunk before a writer lowered a key must not raise the bound above
+    /// that key; one that nobody disturbed does raise it (so visits skip the chunk again).
+    #[test]
+    fn a_raise_never_hides_a_key_stored_during_the_scan() {
+        let order = LoadOrder::new(2, 4);
+        for id in 0..4 {
+            order.set(id, &view(0, 100));
+        }
+        order.set(0, &view(0, 1));
+        order.set(0, &view(0, 100));
+        let stale = order.words[0].load(Ordering::Acquire);
+        assert_eq!(
+            key_of_bound((stale >> 32) as u32),
+            1.0,
+            "stale low until a scan"
+        );
+        // Undisturbed: raised to the true least key.
+        order.raise(0, stale, 100.0);
+        let w = order.words[0].load(Ordering::Acquire);
+        assert_eq!(key_of_bound((w >> 32) as u32), 100.0);
+        // A scan read the word, then a writer stored key 5: the scan's raise is refused.
+        order.set(1, &view(0, 1));
+        order.set(1, &view(0, 100));
+        let seen = order.words[0].load(Ordering::Acquire);
+        order.set(2, &view(0, 5));
+        order.raise(0, seen, 100.0);
+        let w = order.words[0].load(Ordering::Acquire);
+        assert!(
+            key_of_bound((w >> 32) as u32) <= 5.0,
+            "bound above a stored key"
+        );
+        let mut seen_ids = Vec::new();
+        order.visit(4, 10.0, |id, _| {
+            seen_ids.push(id);
+            10.0
+        });
+        assert_eq!(seen_ids, [2]);
     }
 }

@@ -320,6 +320,11 @@ impl SharedSlots {
         self.order.least(self.len.load(Ordering::Acquire))
     }
 
+    /// A registered rank of least load key, or nearly (its dense id).
+    pub fn least_loaded(&self) -> Option<u32> {
+        self.order.least_id(self.len.load(Ordering::Acquire))
+    }
+
     /// The load key of dense id `id` (+∞: free or none).
     pub fn load_key(&self, id: u32) -> f64 {
         self.order.key(id)

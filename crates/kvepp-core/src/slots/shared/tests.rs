@@ -289,3 +289,99 @@ fn views_are_never_torn() {
     });
     assert_eq!(cell.view().active_requests, 20_000);
 }
+
+/// The load order under threads that book, complete prefills, free and unregister while
+/// another visits (raising stale chunk bounds as it goes): once they stop, every rank's key is
+/// its load's, the least key's bound holds, and a visit yields exactly the ranks whose keys are
+/// within its limit.
+#[test]
+fn the_load_order_yields_exactly_the_keys_within_a_limit_after_concurrent_changes() {
+    let slots = SharedSlots::with_seed(Duration::from_secs(3600), 5);
+    let p = KeyParams {
+        prefill_load_scale: 1.5,
+        block_size: 16,
+        per_request: 0.5,
+    };
+    let ranks: Vec<WorkerRank> = (0..700).map(|w| rank(w, 0)).collect();
+    for &r in &ranks {
+        slots.register(r);
+    }
+    assert!(slots.keyed_by(&p));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let (slots, stop) = (&slots, &stop);
+        s.spawn(move || {
+            let mut rng = fastrand::Rng::with_seed(99);
+            while !stop.load(Ordering::Relaxed) {
+                slots.visit_by_load(rng.f64() * 400.0, |_, _| rng.f64() * 400.0);
+            }
+        });
+        let bookers: Vec<_> = (0..3u64)
+            .map(|t| {
+                let ranks = &ranks;
+                s.spawn(move || {
+                    let mut rng = fastrand::Rng::with_seed(t);
+                    let now = Instant::now();
+                    let mut live: Vec<String> = Vec::new();
+                    for step in 0..20_000 {
+                        let r = ranks[rng.usize(..ranks.len())];
+                        match rng.u8(..6) {
+                            0..=2 => {
+                                let id = format!("{t}-{step}");
+                                let tokens = rng.u64(..5000);
+                                if slots.add(&id, r, &prompt(&mut rng), tokens, now).is_ok() {
+                                    live.push(id);
+                                }
+                            }
+                            3 if !live.is_empty() => {
+                                let _ = slots.prefill_complete(&live[rng.usize(..live.len())]);
+                            }
+                            4 if !live.is_empty() => {
+                                let id = live.swap_remove(rng.usize(..live.len()));
+                                slots.free(&id);
+                            }
+                            5 if t == 0 && step % 300 == 0 => {
+                                slots.unregister_workers(&[r.worker]);
+                                slots.register(r);
+                            }
+                            _ => {}
+                        }
+                    }
+                })
+            })
+            .collect();
+        for b in bookers {
+            b.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    let key = |l: RankLoad| {
+        1.5 * (l.active_prefill_tokens as f64 * (1.0 / 16.0))
+            + l.active_decode_blocks as f64
+            + 0.5 * f64::from(l.active_requests)
+    };
+    let mut keys: Vec<(u32, f64)> = ranks
+        .iter()
+        .map(|&r| {
+            let id = slots.dense_id(r).unwrap();
+            let want = key(slots.load(r).unwrap());
+            assert_eq!(slots.load_key(id), want, "{r:?}");
+            (id, want)
+        })
+        .collect();
+    keys.sort_by_key(|k| k.0);
+    let least = keys.iter().map(|k| k.1).fold(f64::INFINITY, f64::min);
+    assert!(slots.least_key() <= least);
+    let mut rng = fastrand::Rng::with_seed(7);
+    for _ in 0..200 {
+        let limit = rng.f64() * 300.0;
+        let mut seen = Vec::new();
+        slots.visit_by_load(limit, |id, k| {
+            seen.push((id, k));
+            limit
+        });
+        seen.sort_by_key(|k| k.0);
+        let want: Vec<(u32, f64)> = keys.iter().copied().filter(|k| k.1 <= limit).collect();
+        assert_eq!(seen, want, "limit {limit}");
+    }
+}
