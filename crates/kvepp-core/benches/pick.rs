@@ -137,12 +137,17 @@ fn setup(n: usize, tokens: usize) -> Setup {
             .unwrap();
     }
     // One pick makes the candidate list's roster (once per change of the pool, not per pick).
-    black_box(kv.rank(
-        &eps,
-        &PickRequest::prompt(Some(&prompt)),
-        &mut PickContext::seeded(0),
-    ));
+    black_box(kv.rank(&eps, &named(&prompt), &mut PickContext::seeded(0)));
     Setup { kv, eps, prompt }
+}
+
+/// A request for `prompt` over the setup's endpoint list, named as a pool snapshot names its
+/// list (the list never changes within a setup).
+fn named(prompt: &PromptBlocks) -> PickRequest<'_> {
+    PickRequest {
+        list: Some(1),
+        ..PickRequest::prompt(Some(prompt))
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -239,15 +244,11 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             let mut ctx = PickContext::seeded(1);
             // Size the sample to the budget from one timed pick.
             let t = Instant::now();
-            black_box(s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx));
+            black_box(s.kv.rank(refs, &named(&s.prompt), &mut ctx));
             let one = t.elapsed().max(Duration::from_nanos(200));
             let iters = sample.iters(one);
             let kv_times = timings(iters, || {
-                black_box(s.kv.rank(
-                    black_box(refs),
-                    &PickRequest::prompt(Some(&s.prompt)),
-                    &mut ctx,
-                ));
+                black_box(s.kv.rank(black_box(refs), &named(&s.prompt), &mut ctx));
             });
             let base_times = timings(iters, || {
                 black_box(LeastLoaded.rank(black_box(refs), &PickRequest::prompt(None), &mut ctx));
@@ -255,11 +256,7 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
             // The same pick reading every candidate (ordered picks off), the reference.
             s.kv.set_ordered_picks(false);
             let scan_times = timings(iters, || {
-                black_box(s.kv.rank(
-                    black_box(refs),
-                    &PickRequest::prompt(Some(&s.prompt)),
-                    &mut ctx,
-                ));
+                black_box(s.kv.rank(black_box(refs), &named(&s.prompt), &mut ctx));
             });
             s.kv.set_ordered_picks(!SCAN.load(Ordering::Relaxed));
             let scan_p50 = percentile(&scan_times, 0.5);
@@ -279,8 +276,7 @@ fn latency(sizes: &[usize], token_sizes: &[usize], sample: Sample, shapes: bool)
                 ));
             }
             let booked = time(iters, || {
-                let (best, _, d) =
-                    s.kv.rank(refs, &PickRequest::prompt(Some(&s.prompt)), &mut ctx);
+                let (best, _, d) = s.kv.rank(refs, &named(&s.prompt), &mut ctx);
                 let g =
                     s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now);
                 drop(black_box(g));
@@ -465,12 +461,12 @@ fn scaling_run(
                 while !stop.load(Ordering::Relaxed) {
                     let p = &s.prompts[(n as usize + t * 3) % s.prompts.len()];
                     if !book {
-                        black_box(s.kv.rank(refs, &PickRequest::prompt(Some(p)), &mut ctx));
+                        black_box(s.kv.rank(refs, &named(p), &mut ctx));
                         n += 1;
                         continue;
                     }
                     let guard = loop {
-                        let (best, _, d) = s.kv.rank(refs, &PickRequest::prompt(Some(p)), &mut ctx);
+                        let (best, _, d) = s.kv.rank(refs, &named(p), &mut ctx);
                         if let Some(g) = s.kv.book_decision(&s.eps[best], Some(p), &d, ctx.now) {
                             break g;
                         }
@@ -582,11 +578,8 @@ fn main() {
         // `cargo test`: a small case, checked.
         let s = setup(100, 1024);
         let refs: &[Arc<Endpoint>] = &s.eps;
-        let (best, _, d) = s.kv.rank(
-            refs,
-            &PickRequest::prompt(Some(&s.prompt)),
-            &mut PickContext::seeded(1),
-        );
+        let (best, _, d) =
+            s.kv.rank(refs, &named(&s.prompt), &mut PickContext::seeded(1));
         assert_eq!(
             best, 0,
             "the endpoint caching 7/8 of the prompt wins: {d:?}"
@@ -610,11 +603,7 @@ fn main() {
                 let refs: &[Arc<Endpoint>] = &s.eps;
                 let mut ctx = PickContext::seeded(1);
                 for _ in 0..picks {
-                    black_box(s.kv.rank(
-                        black_box(refs),
-                        &PickRequest::prompt(Some(&s.prompt)),
-                        &mut ctx,
-                    ));
+                    black_box(s.kv.rank(black_box(refs), &named(&s.prompt), &mut ctx));
                 }
             }
         }

@@ -14,6 +14,10 @@
 //! or with the runner-up is among them, so the choice, its tie-break by requests in flight and
 //! the random draw among equals are the full scan's (`pick_tests::ordered_picks_choose_as_the_scan_does`).
 //!
+//! Exact ties cost it the most: every candidate tied with the cheapest or the runner-up must
+//! be costed (the scan's tie-break reads them all), so a pick that would cost more than an
+//! eighth of the candidates (an idle fleet, equal loads) stops and leaves the pick to the scan.
+//!
 //! Where the shortcut would not be exact or does not apply, the pick reads every candidate as
 //! before: another cost model (predicted TTFT reads per-endpoint speeds and engine metrics),
 //! temperature above 0 (sampling weighs every cost), bounded loads (they read every candidate's
@@ -235,6 +239,9 @@ impl KvState {
         if sc.seen[i] == sc.epoch {
             return Some(());
         }
+        if sc.visits.len() >= sc.budget {
+            return None;
+        }
         sc.seen[i] = sc.epoch;
         let (load, version) = self.load_of(walked, sc, i, &candidates[i])?;
         let cost = w.cost(bs, &load);
@@ -307,6 +314,9 @@ impl KvState {
             sc.seen.resize(n, 0);
             sc.epoch = 1;
         }
+        // Costing a candidate here costs about what the scan spends on one: past an eighth of
+        // them (many candidates tied with the runner-up, an idle fleet), the scan is cheaper.
+        sc.budget = (n / 8).max(32);
         let mut two = Two(f64::INFINITY, f64::INFINITY);
         // What every candidate pays for the prompt when it holds none of it.
         let share = w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
@@ -372,7 +382,12 @@ impl KvState {
                     .cost_once(&walked, sc, candidates, cw, i, &mut two)
                     .is_none();
             }
-            limit(&two)
+            // Once it has failed, nothing more is read.
+            if failed {
+                f64::NEG_INFINITY
+            } else {
+                limit(&two)
+            }
         });
         if failed {
             return None;

@@ -97,4 +97,6 @@ pub(super) struct PickScratch {
     pub(super) seen: Vec<u32>,
     pub(super) epoch: u32,
     pub(super) close: Vec<f64>,
+    /// How many candidates an ordered pick may cost before it leaves the pick to the scan.
+    pub(super) budget: usize,
 }
