@@ -9,15 +9,16 @@
 //! those of least key: a pick finds them by [`LoadOrder::visit`] instead of reading every rank.
 //!
 //! Layout: keys sit in arrays of `RANKS_PER_CHUNK` per chunk of dense ids (the slot tracker's
-//! chunks), each chunk with one word holding a lower bound of its keys (the top 32 bits of the
-//! least key's `f64`, which order like the keys themselves for keys ≥ 0) and a version.
+//! chunks); each group of 64 dense ids has one word holding a lower bound of its keys (the top
+//! 32 bits of the least key's `f64`, which order like the keys themselves for keys ≥ 0) and a
+//! version.
 //!
 //! Invariants:
-//! - a chunk's bound never exceeds the key of any rank in it: a writer stores the key, then
-//!   lowers the bound to it if needed (and bumps the version, also when it raised the key); a
-//!   reader that found the chunk's true least key while scanning raises the bound only if no
-//!   writer touched the chunk since it read the word (same version), so a raise never hides a
-//!   key stored meanwhile;
+//! - a group's bound never exceeds the key of any rank in it: a writer whose key fell stores
+//!   it, then lowers the bound to it if needed and bumps the version (a key that rose leaves the
+//!   word alone: the bound still holds); a reader that found the group's true least key while
+//!   scanning raises the bound only if no writer lowered a key since it read the word (same
+//!   version), so a raise never hides a key stored meanwhile;
 //! - a free dense id's key is +∞ (never visited);
 //! - keys are computed with the parameters [`LoadOrder::params`] names; while they change
 //!   ([`LoadOrder::rekey`]), [`LoadOrder::keyed_with`] answers false and picks read every rank.
@@ -74,12 +75,18 @@ fn word(bound: u32, version: u32) -> u64 {
     (u64::from(bound) << 32) | u64::from(version)
 }
 
+/// Ranks a bound word covers: a pick skips them together, and bookings on ranks of different
+/// groups never write the same word.
+const GROUP: usize = 64;
+
 /// See the module documentation.
 #[derive(Debug)]
 pub(super) struct LoadOrder {
     per_chunk: usize,
+    /// Ranks per bound word (divides `per_chunk`).
+    group: usize,
     keys: Box<[OnceLock<Box<[AtomicU64]>>]>,
-    /// Per chunk: its bound (high half) and version (low half).
+    /// Per group of ranks: its bound (high half) and version (low half).
     words: Box<[AtomicU64]>,
     /// The parameters keys are computed with (f64 bits, block size, f64 bits) and whether a
     /// rekey is under way (odd `state`).
@@ -90,10 +97,15 @@ pub(super) struct LoadOrder {
 
 impl LoadOrder {
     pub(super) fn new(chunks: usize, per_chunk: usize) -> Self {
+        let group = (1..=GROUP.min(per_chunk))
+            .rev()
+            .find(|g| per_chunk % g == 0)
+            .unwrap_or(1);
         LoadOrder {
             per_chunk,
+            group,
             keys: (0..chunks).map(|_| OnceLock::new()).collect(),
-            words: (0..chunks)
+            words: (0..chunks * per_chunk / group)
                 .map(|_| AtomicU64::new(word(bound_of(f64::INFINITY), 0)))
                 .collect(),
             params: [
@@ -129,14 +141,41 @@ impl LoadOrder {
         Some(keys)
     }
 
+    /// The keys of group `g`'s first `len` dense ids in all (None: never written).
+    fn group_keys(&self, g: usize, len: usize) -> Option<&[AtomicU64]> {
+        let base = g * self.group;
+        let keys = self.keys.get(base / self.per_chunk)?.get()?;
+        let at = base % self.per_chunk;
+        let n = len.saturating_sub(base).min(self.group);
+        keys.get(at..at + n)
+    }
+
+    /// Groups spanning the first `len` dense ids.
+    fn groups(&self, len: usize) -> usize {
+        len.div_ceil(self.group).min(self.words.len())
+    }
+
+    /// The bound of group `g` as read now.
+    fn bound(&self, g: usize) -> u32 {
+        (self.words[g].load(Ordering::Acquire) >> 32) as u32
+    }
+
     /// Stores the key of dense id `id` for its view `v` (the caller holds the rank's cell lock).
+    /// A key that did not fall leaves the group's word alone: the bound still holds, and a scan
+    /// that read the old key may raise the bound only to what it found, at most the new key.
     pub(super) fn set(&self, id: u32, v: &RankView) {
         let key = self.params().key(v);
         let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
-        let (Some(keys), Some(w)) = (self.chunk_keys(chunk), self.words.get(chunk)) else {
+        let (Some(keys), Some(w)) = (
+            self.chunk_keys(chunk),
+            self.words.get(id as usize / self.group),
+        ) else {
             return;
         };
-        keys[at].store(key.to_bits(), Ordering::Release);
+        let old = f64::from_bits(keys[at].swap(key.to_bits(), Ordering::AcqRel));
+        if key >= old {
+            return;
+        }
         let b = bound_of(key);
         let mut old = w.load(Ordering::Relaxed);
         loop {
@@ -167,28 +206,23 @@ impl LoadOrder {
 
     /// A lower bound of every key of the first `len` dense ids.
     pub(super) fn least(&self, len: usize) -> f64 {
-        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
-        self.words[..chunks]
-            .iter()
-            .map(|w| (w.load(Ordering::Acquire) >> 32) as u32)
+        (0..self.groups(len))
+            .map(|g| self.bound(g))
             .min()
             .map_or(f64::INFINITY, key_of_bound)
     }
 
     /// A dense id below `len` of least key (None: none has a finite key): the least key of the
-    /// chunk of least bound, which holds it unless the bound is stale.
+    /// group of least bound, which holds it unless the bound is stale.
     pub(super) fn least_id(&self, len: usize) -> Option<u32> {
-        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
-        let bound = |c: usize| (self.words[c].load(Ordering::Acquire) >> 32) as u32;
-        let c = (0..chunks).min_by_key(|&c| bound(c))?;
-        let keys = self.keys.get(c).and_then(OnceLock::get)?;
-        let n = len.saturating_sub(c * self.per_chunk).min(self.per_chunk);
-        let (at, key) = keys[..n]
+        let g = (0..self.groups(len)).min_by_key(|&g| self.bound(g))?;
+        let (at, key) = self
+            .group_keys(g, len)?
             .iter()
             .map(|k| f64::from_bits(k.load(Ordering::Acquire)))
             .enumerate()
             .min_by(|a, b| a.1.total_cmp(&b.1))?;
-        key.is_finite().then_some((c * self.per_chunk + at) as u32)
+        key.is_finite().then_some((g * self.group + at) as u32)
     }
 
     /// The key of dense id `id` (+∞ if none).
@@ -203,56 +237,53 @@ impl LoadOrder {
 
     /// Calls `visit(id, key)` for every dense id below `len` whose key is at most the limit,
     /// `limit` at first and then what the last visit returned (a visit may lower it), starting
-    /// with the chunk of least bound; chunks whose bound is above the limit are skipped unread.
+    /// with the group of least bound; groups whose bound is above the limit are skipped unread.
     pub(super) fn visit(&self, len: usize, limit: f64, mut visit: impl FnMut(u32, f64) -> f64) {
-        let chunks = len.div_ceil(self.per_chunk).min(self.words.len());
-        let bound = |c: usize| (self.words[c].load(Ordering::Acquire) >> 32) as u32;
-        let Some(first) = (0..chunks).min_by_key(|&c| bound(c)) else {
+        let groups = self.groups(len);
+        let Some(first) = (0..groups).min_by_key(|&g| self.bound(g)) else {
             return;
         };
-        let mut lim = self.visit_chunk(first, len, limit, &mut visit);
-        for c in (0..chunks).filter(|&c| c != first) {
-            lim = self.visit_chunk(c, len, lim, &mut visit);
+        let mut lim = self.visit_group(first, len, limit, &mut visit);
+        for g in (0..groups).filter(|&g| g != first) {
+            lim = self.visit_group(g, len, lim, &mut visit);
         }
     }
 
-    /// [`Self::visit`] over chunk `c`; the limit after it.
-    fn visit_chunk(
+    /// [`Self::visit`] over group `g`; the limit after it.
+    fn visit_group(
         &self,
-        c: usize,
+        g: usize,
         len: usize,
         mut lim: f64,
         visit: &mut impl FnMut(u32, f64) -> f64,
     ) -> f64 {
-        let w = &self.words[c];
-        let seen = w.load(Ordering::Acquire);
+        let seen = self.words[g].load(Ordering::Acquire);
         if key_of_bound((seen >> 32) as u32) > lim {
             return lim;
         }
-        let Some(keys) = self.keys.get(c).and_then(OnceLock::get) else {
+        let Some(keys) = self.group_keys(g, len) else {
             return lim;
         };
-        let base = c * self.per_chunk;
-        let n = len.saturating_sub(base).min(self.per_chunk);
+        let base = g * self.group;
         let mut least = f64::INFINITY;
-        for (at, k) in keys[..n].iter().enumerate() {
+        for (at, k) in keys.iter().enumerate() {
             let key = f64::from_bits(k.load(Ordering::Acquire));
             least = least.min(key);
             if key <= lim {
                 lim = visit((base + at) as u32, key);
             }
         }
-        self.raise(c, seen, least);
+        self.raise(g, seen, least);
         lim
     }
 
-    /// Raises chunk `c`'s bound to `least` (the least key a scan found, having read the word
-    /// `seen` before it), unless a writer came by since (the version moved on) or it is not
-    /// higher.
-    fn raise(&self, c: usize, seen: u64, least: f64) {
+    /// Raises group `g`'s bound to `least` (the least key a scan found, having read the word
+    /// `seen` before it), unless a writer lowered a key since (the version moved on) or it is
+    /// not higher.
+    fn raise(&self, g: usize, seen: u64, least: f64) {
         let b = bound_of(least);
         if b > (seen >> 32) as u32 {
-            let _ = self.words[c].compare_exchange(
+            let _ = self.words[g].compare_exchange(
                 seen,
                 word(b, seen as u32),
                 Ordering::AcqRel,
@@ -284,6 +315,7 @@ mod tests {
     #[test]
     fn a_raise_never_hides_a_key_stored_during_the_scan() {
         let order = LoadOrder::new(2, 4);
+        assert_eq!(order.group, 4);
         for id in 0..4 {
             order.set(id, &view(0, 100));
         }
