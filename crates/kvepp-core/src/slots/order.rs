@@ -99,7 +99,7 @@ impl LoadOrder {
     pub(super) fn new(chunks: usize, per_chunk: usize) -> Self {
         let group = (1..=GROUP.min(per_chunk))
             .rev()
-            .find(|g| per_chunk % g == 0)
+            .find(|&g| per_chunk.is_multiple_of(g))
             .unwrap_or(1);
         LoadOrder {
             per_chunk,
