@@ -120,6 +120,16 @@ pub struct Pairing {
 }
 
 impl<'a> PickRequest<'a> {
+    /// This request for a picker ranking `candidates` out of the caller's `endpoints`: the
+    /// list's identity holds only for the list as given.
+    fn narrowed_to(&self, candidates: &[Arc<Endpoint>], endpoints: &[Arc<Endpoint>]) -> Self {
+        let same = candidates.as_ptr() == endpoints.as_ptr() && candidates.len() == endpoints.len();
+        PickRequest {
+            list: self.list.filter(|_| same),
+            ..*self
+        }
+    }
+
     /// A request with `prompt` and nothing else (benchmarks and tests of a picker alone).
     pub fn prompt(prompt: Option<&'a PromptBlocks>) -> Self {
         PickRequest {
@@ -428,15 +438,7 @@ impl Selector {
             }));
         }
         self.adapter_terms(&tuning, candidates, req.adapter, now, &mut ctx.bias);
-        // The list's identity holds only for the list as given.
-        let narrowed;
-        let req =
-            if candidates.as_ptr() == endpoints.as_ptr() && candidates.len() == endpoints.len() {
-                req
-            } else {
-                narrowed = PickRequest { list: None, ..*req };
-                &narrowed
-            };
+        let req = &req.narrowed_to(candidates, endpoints);
         let mut r = self.picker.rank(candidates, req, ctx);
         let sticky = req
             .sticky

@@ -94,6 +94,17 @@ pub struct RequestFacts<'a> {
     pub list: Option<u64>,
 }
 
+impl RequestFacts<'_> {
+    /// The same facts for another endpoint list than the one `list` names (the decode workers
+    /// of a disaggregated pool).
+    fn unnamed(&self) -> Self {
+        RequestFacts {
+            list: None,
+            ..self.clone()
+        }
+    }
+}
+
 /// A routing decision and the load it booked.
 #[derive(Debug)]
 pub struct Decision {
@@ -434,12 +445,7 @@ impl Router {
             .cloned()
             .collect();
         if prefill.is_empty() || prompt.is_none() || isl < self.disagg.prefill_threshold_tokens {
-            // The decode workers alone: not the list the caller named.
-            let facts = RequestFacts {
-                list: None,
-                ..facts.clone()
-            };
-            return self.route_among(&facts, &decode, prompt, &[], ctx, book);
+            return self.route_among(&facts.unnamed(), &decode, prompt, &[], ctx, book);
         }
         let prefill = self.disagg.prefill_candidates(prefill, &decode);
         // Both legs need the adapter; the session binds the decode worker (where the proxy sends

@@ -21,6 +21,8 @@
 //! Two trackers with these semantics: [`SlotTracker`], owned by one caller (`&mut self`, the
 //! simple reference), and [`SharedSlots`] (the `shared` module), which the routing core uses:
 //! the same answers without one lock over the whole of it, tested against the first.
+//! [`SharedSlots`] also keeps its ranks in load-key order (the `order` module, [`KeyParams`]), so
+//! a pick under Dynamo's cost finds the least loaded without reading every rank.
 //!
 //! The clock is passed in, so nothing here sleeps or reads time.
 

@@ -255,27 +255,15 @@ impl KvState {
         Some(())
     }
 
-    /// The ordered pick (see the module documentation); None: it does not apply here, and the
-    /// caller scans. `w` must be [`Self::orderable`].
-    pub(super) fn rank_ordered(
+    /// An ordered pick's two walks (the prompt's index, its active requests' trie) and fresh
+    /// marks for `n` candidates; None: the index has data-parallel ranks (the scan gathers
+    /// those per worker).
+    fn walk_for_order(
         &self,
-        candidates: &[Arc<Endpoint>],
-        (prompt, list): (Option<&PromptBlocks>, Option<u64>),
-        (w, bs): (&CostWeights, u32),
-        rng: &mut fastrand::Rng,
+        prompt: Option<&PromptBlocks>,
+        n: usize,
         sc: &mut PickScratch,
-    ) -> Option<Ordered> {
-        let n = candidates.len();
-        let params = KeyParams {
-            prefill_load_scale: w.prefill_load_scale,
-            block_size: bs,
-            per_request: w.decode_active_request_weight,
-        };
-        if n < 2 || !self.slots.keyed_by(&params) {
-            return None;
-        }
-        let roster = self.roster(candidates, list);
-        let maps = roster.maps.as_ref()?;
+    ) -> Option<Walked> {
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
         let ix = if approximate {
@@ -314,6 +302,32 @@ impl KvState {
             sc.seen.resize(n, 0);
             sc.epoch = 1;
         }
+        Some(walked)
+    }
+
+    /// The ordered pick (see the module documentation); None: it does not apply here, and the
+    /// caller scans. `w` must be [`Self::orderable`].
+    pub(super) fn rank_ordered(
+        &self,
+        candidates: &[Arc<Endpoint>],
+        (prompt, list): (Option<&PromptBlocks>, Option<u64>),
+        (w, bs): (&CostWeights, u32),
+        rng: &mut fastrand::Rng,
+        sc: &mut PickScratch,
+    ) -> Option<Ordered> {
+        let n = candidates.len();
+        let params = KeyParams {
+            prefill_load_scale: w.prefill_load_scale,
+            block_size: bs,
+            per_request: w.decode_active_request_weight,
+        };
+        if n < 2 || !self.slots.keyed_by(&params) {
+            return None;
+        }
+        let roster = self.roster(candidates, list);
+        let maps = roster.maps.as_ref()?;
+        let walked = self.walk_for_order(prompt, n, sc)?;
+        let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         // Costing a candidate here costs about what the scan spends on one: past an eighth of
         // them (many candidates tied with the runner-up, an idle fleet), the scan is cheaper.
         sc.budget = (n / 8).max(32);

@@ -13,6 +13,8 @@
 //!   shard and sees every rank's share of the prompt, and a rank's distinct blocks are the sum
 //!   over shards);
 //! - **requests**: the active requests by id, in `REQUEST_SHARDS` maps by a keyed hash of the id.
+//! - **load order**: each rank's load key beside its view ([`LoadOrder`]), written with it under
+//!   the rank's cell lock; rekeyed as a whole when the cost's weights or block size change.
 //!
 //! Invariants:
 //! - a rank's counts equal the sum over its live bookings (those in the request maps): a booking
@@ -331,7 +333,7 @@ impl SharedSlots {
     }
 
     /// Calls `visit(id, key)` for every dense id whose load key is at most the limit (`limit`,
-    /// then what each visit returns), without reading the others' ([`LoadOrder`]).
+    /// then what each visit returns), without reading the others' (see the `order` module).
     pub fn visit_by_load(&self, limit: f64, visit: impl FnMut(u32, f64) -> f64) {
         self.order
             .visit(self.len.load(Ordering::Acquire), limit, visit);
