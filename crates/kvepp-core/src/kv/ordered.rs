@@ -91,9 +91,9 @@ pub(super) fn decision(
 /// A candidate list as the slot tracker numbers it.
 #[derive(Debug)]
 pub(super) struct Roster {
-    /// The list it maps (its endpoints' addresses in memory) and the tracker's registrations
-    /// when it was made.
-    ptrs: Box<[usize]>,
+    /// The list it maps (held, so no other endpoint can take an address of it while the
+    /// roster lives) and the tracker's registrations when it was made.
+    eps: Box<[Arc<Endpoint>]>,
     generation: u64,
     /// The list's identity as its caller named it ([`crate::PickRequest::list`]).
     list: Option<u64>,
@@ -125,23 +125,21 @@ impl Maps {
 
 impl Roster {
     fn is_of(&self, candidates: &[Arc<Endpoint>], generation: u64, list: Option<u64>) -> bool {
-        if self.generation != generation || self.ptrs.len() != candidates.len() {
+        if self.generation != generation || self.eps.len() != candidates.len() {
             return false;
         }
         // A list the caller named is the one its name was first seen with: nothing to read.
         if list.is_some() && list == self.list {
             return true;
         }
-        // Blocks of differences or-ed together without a branch per candidate (the compiler
-        // vectorises it): a few instructions per 8 candidates.
-        self.ptrs
+        // Blocks of differences or-ed together without a branch per candidate.
+        self.eps
             .chunks(64)
             .zip(candidates.chunks(64))
             .all(|(a, b)| {
-                a.iter()
-                    .zip(b)
-                    .fold(0, |acc, (&p, e)| acc | (p ^ Arc::as_ptr(e) as usize))
-                    == 0
+                a.iter().zip(b).fold(0, |acc, (p, e)| {
+                    acc | (Arc::as_ptr(p) as usize ^ Arc::as_ptr(e) as usize)
+                }) == 0
             })
     }
 }
@@ -213,7 +211,7 @@ impl KvState {
             by_dense[id as usize] = i as u32;
         }
         let roster = Arc::new(Roster {
-            ptrs: candidates.iter().map(|e| Arc::as_ptr(e) as usize).collect(),
+            eps: candidates.into(),
             generation,
             list,
             maps: usable.then_some(Maps {
