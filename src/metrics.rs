@@ -124,6 +124,13 @@ pub struct HashSourceLabels {
     pub source: &'static str,
 }
 
+/// How a KV-aware pick found its endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PickPathLabels {
+    /// `ordered` (the holders and the least loaded by load order) or `scan` (every candidate).
+    pub path: &'static str,
+}
+
 /// A model's tokenizer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ModelLabels {
@@ -171,6 +178,7 @@ pub struct Metrics {
     tokenizer_sources: TokenizerSources,
     /// Full blocks of token prompts by how their hashes were found (set at each scrape).
     pub prompt_hash_blocks: Family<HashSourceLabels, Counter>,
+    pub kv_picks: Family<PickPathLabels, Counter>,
     pub requests: Family<RequestLabels, Counter>,
     pub prepare_steps: PrepareSteps,
     pub pick_duration: Histogram,
@@ -221,6 +229,7 @@ impl Metrics {
             prefix_blocks: Family::<ModeLabels, Counter>::default(),
             prefix_matched_blocks: Family::<ModeLabels, Counter>::default(),
             prompt_hash_blocks: Family::<HashSourceLabels, Counter>::default(),
+            kv_picks: Family::<PickPathLabels, Counter>::default(),
             cache_lookups: Family::<CacheLabels, Counter>::default(),
             tokenizer_calls: Family::<ModelLabels, Counter>::default(),
             tokenizer_cpu: Family::<ModelLabels, Counter<f64, AtomicU64>>::default(),
@@ -340,6 +349,13 @@ impl Metrics {
             self.prompt_hash_blocks.clone(),
         );
         registry.register(
+            "kv_picks",
+            "KV-aware picks by how the endpoint was found: ordered (Dynamo's cost at temperature \
+             0 without bounded loads: the prompt's holders and the least loaded, by the slot \
+             tracker's load order) or scan (every candidate read)",
+            self.kv_picks.clone(),
+        );
+        registry.register(
             "tokenizer_cache_lookups",
             "Lookups in a model's tokenizer caches (messages: chat messages as template values; \
              segments: token ids of the text between added tokens), by result",
@@ -435,6 +451,16 @@ impl Metrics {
                 .prompt_hash_blocks
                 .get_or_create(&HashSourceLabels { source });
             catch_up(&counter, count);
+        }
+    }
+
+    /// KV-aware picks by path ([`kvepp_core::KvState::pick_paths`]).
+    pub fn collect_pick_paths(&self, (ordered, scanned): (u64, u64)) {
+        for (path, count) in [("ordered", ordered), ("scan", scanned)] {
+            catch_up(
+                &self.kv_picks.get_or_create(&PickPathLabels { path }),
+                count,
+            );
         }
     }
 

@@ -92,6 +92,7 @@ async fn metrics(State(st): State<ApiState>) -> impl IntoResponse {
     st.metrics.collect_tokenizers();
     if let Some(kv) = &st.kv {
         st.metrics.collect_prompt_hashes(kv.prompt_hash_stats());
+        st.metrics.collect_pick_paths(kv.pick_paths());
     }
     st.metrics.runtime_alive_tasks.set(
         tokio::runtime::Handle::current()

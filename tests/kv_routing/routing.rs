@@ -17,7 +17,25 @@ async fn four_blocks_held(envoy: &Envoy, epp: &Epp) -> (Vec<u32>, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() {
-    let (a, b, epp) = two_engines(|_| {}).await;
+    holder_wins_and_streams_stay_booked(false).await;
+}
+
+/// The same under Dynamo's cost without bounded loads, where picks take the ordered shortcut
+/// (the pool's endpoints registered in the slot tracker, the snapshot's list named): every pick
+/// is counted as ordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_dynamos_cost_the_same_picks_are_ordered() {
+    holder_wins_and_streams_stay_booked(true).await;
+}
+
+async fn holder_wins_and_streams_stay_booked(dynamo: bool) {
+    let (a, b, epp) = two_engines(|c| {
+        if dynamo {
+            c.router.cost_model = kvepp_core::cost::CostModel::Dynamo;
+            c.router.load_bound = 0.0;
+        }
+    })
+    .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let engines = [("a", &a), ("b", &b)];
     let other = |n: &str| if n == "a" { "b" } else { "a" };
@@ -72,6 +90,13 @@ async fn prefix_holder_wins_cold_goes_to_least_loaded_and_streams_stay_booked() 
         .await
         .expect("mode metric");
     assert_eq!(mode, 9.0, "every pick counted in token-id mode");
+    // The default cost (predicted TTFT) reads every candidate; Dynamo's takes the shortcut.
+    let (ordered, scanned) = (
+        epp.metric("kvepp_kv_picks_total{path=\"ordered\"}").await,
+        epp.metric("kvepp_kv_picks_total{path=\"scan\"}").await,
+    );
+    let want = if dynamo { (9.0, 0.0) } else { (0.0, 9.0) };
+    assert_eq!((ordered, scanned), (Some(want.0), Some(want.1)));
     drop(envoy);
     epp.stop().await;
 }

@@ -155,6 +155,7 @@ pub struct KvState {
     /// The last candidate list's roster for ordered picks ([`ordered`]), and whether they are on.
     roster: arc_swap::ArcSwapOption<ordered::Roster>,
     ordered: std::sync::atomic::AtomicBool,
+    paths: ordered::PickPaths,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -198,6 +199,7 @@ impl KvState {
             memo: PrefixMemo::default(),
             roster: arc_swap::ArcSwapOption::empty(),
             ordered: std::sync::atomic::AtomicBool::new(true),
+            paths: ordered::PickPaths::default(),
         }
     }
 
@@ -589,6 +591,7 @@ impl KvState {
             )
         })
         .flatten();
+        self.paths.count(pool, ordered.is_some());
         if let Some(o) = ordered {
             self.return_scratch(pool, sc);
             let d = ordered::decision(prompt, (w, bs), &o.load, o.cost, Some(o.version));

@@ -88,6 +88,27 @@ pub(super) fn decision(
     }
 }
 
+/// How many picks were ordered and how many scanned, counted per scratch pool (so concurrent
+/// picks rarely write one line).
+#[derive(Debug, Default)]
+pub(super) struct PickPaths([PathCounts; super::SCRATCH_POOLS]);
+
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct PathCounts {
+    ordered: std::sync::atomic::AtomicU64,
+    scanned: std::sync::atomic::AtomicU64,
+}
+
+impl PickPaths {
+    pub(super) fn count(&self, pool: usize, ordered: bool) {
+        if let Some(c) = self.0.get(pool) {
+            let n = if ordered { &c.ordered } else { &c.scanned };
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// A candidate list as the slot tracker numbers it.
 #[derive(Debug)]
 pub(super) struct Roster {
@@ -172,6 +193,16 @@ impl KvState {
         self.ordered.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Picks made so far by the ordered shortcut, and by reading every candidate.
+    pub fn pick_paths(&self) -> (u64, u64) {
+        self.paths.0.iter().fold((0, 0), |(o, s), c| {
+            (
+                o + c.ordered.load(Ordering::Relaxed),
+                s + c.scanned.load(Ordering::Relaxed),
+            )
+        })
+    }
+
     /// Whether a pick with these weights may take the ordered shortcut (the rest is checked by
     /// [`Self::rank_ordered`]).
     pub(super) fn orderable(w: &CostWeights, scores: bool, bias: &[f64]) -> bool {
@@ -182,13 +213,20 @@ impl KvState {
             && bias.is_empty()
     }
 
-    /// The roster of `candidates`, made anew if the list or the registrations changed.
+    /// The roster of `candidates`, made anew if the list or the registrations changed. A
+    /// candidate the slot tracker does not know yet is registered first (idle, as the scan
+    /// counts it, and as its first booking would register it).
     fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Arc<Roster> {
-        let generation = self.slots.generation();
         let cached = self.roster.load_full();
-        if let Some(r) = cached.filter(|r| r.is_of(candidates, generation, list)) {
+        if let Some(r) = cached.filter(|r| r.is_of(candidates, self.slots.generation(), list)) {
             return r;
         }
+        for e in candidates.iter().filter(|e| e.rank().dp_rank == 0) {
+            if self.slots.dense_id(e.rank()).is_none() {
+                self.slots.register(e.rank());
+            }
+        }
+        let generation = self.slots.generation();
         let mut by_worker = CandidateMap::default();
         by_worker.build(candidates.iter().map(|e| e.worker));
         let mut by_dense = Vec::new();
