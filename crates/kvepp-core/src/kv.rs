@@ -152,10 +152,12 @@ pub struct KvState {
     ttft: TtftModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
-    /// The last candidate list's roster for ordered picks ([`ordered`]), and whether they are on.
+    /// Ordered picks ([`ordered`]): the last candidate list's roster, whether they are on, how
+    /// many picks took each path, and the fingerprint of the last unnamed list left unmapped.
     roster: arc_swap::ArcSwapOption<ordered::Roster>,
     ordered: std::sync::atomic::AtomicBool,
     paths: ordered::PickPaths,
+    unnamed: AtomicU64,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -200,6 +202,7 @@ impl KvState {
             roster: arc_swap::ArcSwapOption::empty(),
             ordered: std::sync::atomic::AtomicBool::new(true),
             paths: ordered::PickPaths::default(),
+            unnamed: AtomicU64::new(0),
         }
     }
 

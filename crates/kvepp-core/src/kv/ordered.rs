@@ -165,6 +165,16 @@ impl Roster {
     }
 }
 
+/// A fingerprint of an unnamed candidate list: its endpoints in order (equal prints only make a
+/// roster worth building; [`Roster::is_of`] is what decides a match).
+fn fingerprint(candidates: &[Arc<Endpoint>]) -> u64 {
+    candidates.iter().fold(candidates.len() as u64, |h, e| {
+        (h ^ Arc::as_ptr(e) as u64)
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+            .rotate_left(29)
+    }) | 1
+}
+
 /// The two least costs seen (with repeats): the runner-up's cost bounds what may still matter.
 #[derive(Debug, Clone, Copy)]
 struct Two(f64, f64);
@@ -216,10 +226,21 @@ impl KvState {
     /// The roster of `candidates`, made anew if the list or the registrations changed. A
     /// candidate the slot tracker does not know yet is registered first (idle, as the scan
     /// counts it, and as its first booking would register it).
-    fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Arc<Roster> {
+    ///
+    /// An unnamed list is mapped only once it comes twice in a row (by a fingerprint of its
+    /// endpoints): a list that changes from pick to pick (the selector leaving out whichever
+    /// endpoints are saturated) would cost more to map each time than to scan. None: not
+    /// mapped this time.
+    fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Option<Arc<Roster>> {
         let cached = self.roster.load_full();
         if let Some(r) = cached.filter(|r| r.is_of(candidates, self.slots.generation(), list)) {
-            return r;
+            return Some(r);
+        }
+        if list.is_none() {
+            let print = fingerprint(candidates);
+            if self.unnamed.swap(print, Ordering::Relaxed) != print {
+                return None;
+            }
         }
         for e in candidates.iter().filter(|e| e.rank().dp_rank == 0) {
             if self.slots.dense_id(e.rank()).is_none() {
@@ -258,7 +279,7 @@ impl KvState {
             }),
         });
         self.roster.store(Some(roster.clone()));
-        roster
+        Some(roster)
     }
 
     /// Costs candidate `i` once (None: its tracker hint missed; the caller falls back).
@@ -360,7 +381,7 @@ impl KvState {
         if n < 2 || !self.slots.keyed_by(&params) {
             return None;
         }
-        let roster = self.roster(candidates, list);
+        let roster = self.roster(candidates, list)?;
         let maps = roster.maps.as_ref()?;
         let walked = self.walk_for_order(prompt, n, sc)?;
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));

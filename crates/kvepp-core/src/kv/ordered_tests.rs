@@ -208,7 +208,7 @@ fn a_large_fleet_is_picked_from_few_candidates() {
         let o = kv
             .rank_ordered(
                 cands,
-                (Some(&p), None),
+                (Some(&p), Some(1)),
                 (&w, 16),
                 &mut fastrand::Rng::with_seed(s),
                 &mut sc,
@@ -295,4 +295,35 @@ fn a_named_list_narrowed_by_the_selector_picks_as_the_scan_does() {
             }
         }
     }
+}
+
+/// An unnamed list is mapped once it comes twice in a row; lists that change from pick to pick
+/// (another endpoint left out each time) are scanned, not mapped anew for each pick.
+#[test]
+fn an_unnamed_list_is_mapped_once_it_comes_twice() {
+    let mut g = fastrand::Rng::with_seed(3);
+    let n = 40;
+    let (kv, eps) = populate(&mut g, n, (CostWeights::dynamo(), 16, false, 10));
+    let p = prompt(&mut g, 16);
+    let req = PickRequest::prompt(Some(&p));
+    let mut ctx = PickContext::seeded(1);
+    for k in 0..6 {
+        let list: Vec<Arc<Endpoint>> = eps[..n]
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != k)
+            .map(|(_, e)| e.clone())
+            .collect();
+        kv.rank(&list, &req, &mut ctx);
+    }
+    assert_eq!(kv.pick_paths(), (0, 6), "six different lists, all scanned");
+    let list = eps[..n].to_vec();
+    for _ in 0..4 {
+        kv.rank(&list, &req, &mut ctx);
+    }
+    assert_eq!(
+        kv.pick_paths(),
+        (3, 7),
+        "the second pick of one list maps it"
+    );
 }
