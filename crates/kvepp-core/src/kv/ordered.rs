@@ -7,12 +7,13 @@
 //! - holders whose lower bound (the least load key, or their own, with their cached and active
 //!   share of the prompt) is not above the runner-up's cost so far;
 //! - the ranks the slot tracker's order yields with keys up to the runner-up's cost less the
-//!   prompt's share (the order skips whole chunks of 256 ranks above it unread);
+//!   prompt's share (the order skips whole groups of 64 ranks above it unread);
 //!
 //! and then applies the scan's own choice ([`CostWeights::choose_two`]) to the costed candidates
 //! at most as dear as the runner-up, in candidate order: every candidate tied with the cheapest
 //! or with the runner-up is among them, so the choice, its tie-break by requests in flight and
-//! the random draw among equals are the full scan's (`pick_tests::ordered_picks_choose_as_the_scan_does`).
+//! the random draw among equals are the full scan's
+//! (`ordered_tests::ordered_picks_choose_as_the_scan_does`).
 //!
 //! Exact ties cost it the most: every candidate tied with the cheapest or the runner-up must
 //! be costed (the scan's tie-break reads them all), so a pick that would cost more than an
@@ -23,7 +24,14 @@
 //! temperature above 0 (sampling weighs every cost), bounded loads (they read every candidate's
 //! requests), per-candidate bias (a decode leg's transfer cost, adapter terms), scores asked
 //! for, data-parallel ranks in the index, or a candidate list the roster cannot map (a
-//! candidate not registered in the slot tracker, a worker named twice).
+//! data-parallel rank among the candidates, a worker named twice).
+//!
+//! The roster of a candidate list (which candidate each worker and dense id is) is made once
+//! per list: a list the caller names ([`crate::PickRequest::list`], the pool snapshot's serial)
+//! is recognised without reading it; an unnamed one is compared endpoint by endpoint, and mapped
+//! only once it comes twice in a row. Making it registers, idle, any candidate the slot tracker
+//! does not know yet (the scan counts such a candidate idle; its first booking would register
+//! it).
 //!
 //! Invariants: the candidate list's roster (which candidate each worker and dense id is) is
 //! rebuilt whenever the list or the tracker's registrations change, so it never names a
