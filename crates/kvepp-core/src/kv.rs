@@ -152,12 +152,8 @@ pub struct KvState {
     ttft: TtftModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
-    /// Ordered picks ([`ordered`]): the last candidate list's roster, whether they are on, how
-    /// many picks took each path, and the fingerprint of the last unnamed list left unmapped.
-    roster: arc_swap::ArcSwapOption<ordered::Roster>,
-    ordered: std::sync::atomic::AtomicBool,
-    paths: ordered::PickPaths,
-    unnamed: AtomicU64,
+    /// Ordered picks' own state ([`ordered`]).
+    ordered: ordered::OrderedPicks,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -199,10 +195,7 @@ impl KvState {
             hub: Arc::default(),
             ttft: TtftModel::default(),
             memo: PrefixMemo::default(),
-            roster: arc_swap::ArcSwapOption::empty(),
-            ordered: std::sync::atomic::AtomicBool::new(true),
-            paths: ordered::PickPaths::default(),
-            unnamed: AtomicU64::new(0),
+            ordered: ordered::OrderedPicks::default(),
         }
     }
 
@@ -582,7 +575,7 @@ impl KvState {
         let bs = self.block_size();
         let predicted = w.cost_model == CostModel::PredictedTtft;
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
-        let ordered = (self.ordered.load(Ordering::Relaxed)
+        let ordered = (self.ordered.on.load(Ordering::Relaxed)
             && Self::orderable(w, ctx.scores.is_some(), &ctx.bias))
         .then(|| {
             self.rank_ordered(
@@ -594,7 +587,7 @@ impl KvState {
             )
         })
         .flatten();
-        self.paths.count(pool, ordered.is_some());
+        self.ordered.paths.count(pool, ordered.is_some());
         if let Some(o) = ordered {
             self.return_scratch(pool, sc);
             let d = ordered::decision(prompt, (w, bs), &o.load, o.cost, Some(o.version));

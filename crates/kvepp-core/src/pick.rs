@@ -451,9 +451,10 @@ impl Selector {
             let b = ctx.bias.get(i).copied();
             ctx.bias.clear();
             ctx.bias.extend(b);
-            let one =
-                self.picker
-                    .rank(&candidates[i..=i], &PickRequest { list: None, ..*req }, ctx);
+            let alone = &candidates[i..=i];
+            let one = self
+                .picker
+                .rank(alone, &req.narrowed_to(alone, candidates), ctx);
             ctx.scores = scores;
             r = Ranked {
                 best: i,

@@ -96,6 +96,28 @@ pub(super) fn decision(
     }
 }
 
+/// What ordered picks keep in a [`KvState`]: the last candidate list's roster, whether they
+/// are on, how many picks took each path, and the fingerprint of the last unnamed list left
+/// unmapped.
+#[derive(Debug)]
+pub(super) struct OrderedPicks {
+    roster: arc_swap::ArcSwapOption<Roster>,
+    pub(super) on: std::sync::atomic::AtomicBool,
+    pub(super) paths: PickPaths,
+    unnamed: std::sync::atomic::AtomicU64,
+}
+
+impl Default for OrderedPicks {
+    fn default() -> Self {
+        OrderedPicks {
+            roster: arc_swap::ArcSwapOption::empty(),
+            on: std::sync::atomic::AtomicBool::new(true),
+            paths: PickPaths::default(),
+            unnamed: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
 /// How many picks were ordered and how many scanned, counted per scratch pool (so concurrent
 /// picks rarely write one line).
 #[derive(Debug, Default)]
@@ -208,12 +230,12 @@ impl KvState {
     /// Turns ordered picks on (the default) or off (every pick reads every candidate: the
     /// reference the ordered pick is tested and measured against).
     pub fn set_ordered_picks(&self, on: bool) {
-        self.ordered.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.ordered.on.store(on, Ordering::Relaxed);
     }
 
     /// Picks made so far by the ordered shortcut, and by reading every candidate.
     pub fn pick_paths(&self) -> (u64, u64) {
-        self.paths.0.iter().fold((0, 0), |(o, s), c| {
+        self.ordered.paths.0.iter().fold((0, 0), |(o, s), c| {
             (
                 o + c.ordered.load(Ordering::Relaxed),
                 s + c.scanned.load(Ordering::Relaxed),
@@ -240,13 +262,13 @@ impl KvState {
     /// endpoints are saturated) would cost more to map each time than to scan. None: not
     /// mapped this time.
     fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Option<Arc<Roster>> {
-        let cached = self.roster.load_full();
+        let cached = self.ordered.roster.load_full();
         if let Some(r) = cached.filter(|r| r.is_of(candidates, self.slots.generation(), list)) {
             return Some(r);
         }
         if list.is_none() {
             let print = fingerprint(candidates);
-            if self.unnamed.swap(print, Ordering::Relaxed) != print {
+            if self.ordered.unnamed.swap(print, Ordering::Relaxed) != print {
                 return None;
             }
         }
@@ -286,7 +308,7 @@ impl KvState {
                 by_dense,
             }),
         });
-        self.roster.store(Some(roster.clone()));
+        self.ordered.roster.store(Some(roster.clone()));
         Some(roster)
     }
 

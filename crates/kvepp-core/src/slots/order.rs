@@ -155,6 +155,11 @@ impl LoadOrder {
         len.div_ceil(self.group).min(self.words.len())
     }
 
+    /// The group of least bound among the first `len` dense ids' (None: none).
+    fn least_group(&self, len: usize) -> Option<usize> {
+        (0..self.groups(len)).min_by_key(|&g| self.bound(g))
+    }
+
     /// The bound of group `g` as read now.
     fn bound(&self, g: usize) -> u32 {
         (self.words[g].load(Ordering::Acquire) >> 32) as u32
@@ -215,7 +220,7 @@ impl LoadOrder {
     /// A dense id below `len` of least key (None: none has a finite key): the least key of the
     /// group of least bound, which holds it unless the bound is stale.
     pub(super) fn least_id(&self, len: usize) -> Option<u32> {
-        let g = (0..self.groups(len)).min_by_key(|&g| self.bound(g))?;
+        let g = self.least_group(len)?;
         let (at, key) = self
             .group_keys(g, len)?
             .iter()
@@ -240,7 +245,7 @@ impl LoadOrder {
     /// with the group of least bound; groups whose bound is above the limit are skipped unread.
     pub(super) fn visit(&self, len: usize, limit: f64, mut visit: impl FnMut(u32, f64) -> f64) {
         let groups = self.groups(len);
-        let Some(first) = (0..groups).min_by_key(|&g| self.bound(g)) else {
+        let Some(first) = self.least_group(len) else {
             return;
         };
         let mut lim = self.visit_group(first, len, limit, &mut visit);
