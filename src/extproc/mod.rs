@@ -6,22 +6,23 @@
 //! metric labels. Responses leave through a small bounded channel, so a slow proxy applies
 //! backpressure instead of growing a queue.
 
+mod grpc;
 pub mod metadata;
 pub mod response;
 mod stream;
 pub mod trace;
+pub mod wire;
+
+pub use grpc::ExtProcServer;
 
 pub use trace::TraceInfo;
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
-use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use wire::{ProcessingRequest, ProcessingResponse};
 
 use crate::metrics::Metrics;
 use crate::request::{FlowControl, FlowControlSettings, Rejection, RouteRequest, Turn};
@@ -140,22 +141,14 @@ impl ExtProcService {
     }
 
     /// The tonic server with message limits that fit the largest accepted body.
-    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+    pub fn into_server(self) -> ExtProcServer {
         let limit = self.shared.settings().max_body_bytes + MESSAGE_HEADROOM;
-        ExternalProcessorServer::new(self)
-            .max_decoding_message_size(limit)
-            .max_encoding_message_size(limit)
+        ExtProcServer::new(self, limit)
     }
-}
 
-#[tonic::async_trait]
-impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
-
-    async fn process(
-        &self,
-        request: Request<Streaming<ProcessingRequest>>,
-    ) -> Result<Response<Self::ProcessStream>, Status> {
+    /// One ext_proc stream: its messages are handled on a task of their own, and the answers
+    /// leave through the returned stream.
+    fn process(&self, request: Request<Streaming<ProcessingRequest>>) -> Response<ProcessStream> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(STREAM_QUEUE);
         let mut state = stream::StreamState::new(self.shared.clone());
@@ -215,9 +208,12 @@ impl ExternalProcessor for ExtProcService {
                 }
             }
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Response::new(ReceiverStream::new(rx))
     }
 }
+
+/// The answers of one ext_proc stream, in order.
+pub type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
 
 /// The stream state machine without gRPC: the answers to `messages`, handled in order as one
 /// ext_proc stream (no readiness wait, no observability mode). The stream's booking is released

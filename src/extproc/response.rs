@@ -1,10 +1,12 @@
 //! Builders for the ext_proc messages kvepp sends back to the proxy.
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{
     header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+
+use super::wire::{
     body_mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse,
     HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse, StreamedBodyResponse,
     TrailersResponse,
@@ -156,7 +158,6 @@ pub fn request_headers(
             response: common(mutation, None),
         })),
         dynamic_metadata: metadata,
-        ..Default::default()
     }
 }
 
@@ -167,22 +168,20 @@ pub fn request_body_buffered(
     metadata: Struct,
 ) -> ProcessingResponse {
     let body_mutation = body.map(|b| BodyMutation {
-        mutation: Some(body_mutation::Mutation::Body(b)),
+        mutation: Some(body_mutation::Mutation::Body(Bytes::from(b))),
     });
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: common(Some(mutation), body_mutation),
         })),
         dynamic_metadata: Some(metadata),
-        ..Default::default()
     }
 }
 
-fn streamed(body: Vec<u8>, end_of_stream: bool) -> Option<CommonResponse> {
+fn streamed(body: Bytes, end_of_stream: bool) -> Option<CommonResponse> {
     let mutation = body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
         body,
         end_of_stream,
-        ..Default::default()
     });
     common(
         None,
@@ -192,8 +191,8 @@ fn streamed(body: Vec<u8>, end_of_stream: bool) -> Option<CommonResponse> {
     )
 }
 
-/// A body chunk sent back in FULL_DUPLEX_STREAMED mode.
-pub fn request_body_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+/// A body chunk sent back in FULL_DUPLEX_STREAMED mode (the chunk as it came: not copied).
+pub fn request_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: streamed(body, end_of_stream),
@@ -202,7 +201,7 @@ pub fn request_body_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingRespo
     }
 }
 
-pub fn response_body_chunk(body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+pub fn response_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseBody(BodyResponse {
             response: streamed(body, end_of_stream),

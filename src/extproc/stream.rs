@@ -22,8 +22,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+
+use super::wire::{
     processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
 };
@@ -107,7 +109,8 @@ pub(super) struct StreamState {
     response_mode: Mode,
     phase: Phase,
     subset: Subset,
-    chunks: Vec<Vec<u8>>,
+    /// The body as Envoy sent it: slices of the gRPC messages it came in.
+    chunks: Vec<Bytes>,
     body_len: usize,
     /// One copy of a body that came in several chunks (made once, kept while queued).
     joined: Option<Vec<u8>>,
@@ -488,7 +491,7 @@ impl StreamState {
     fn answer(
         &mut self,
         d: Decision,
-        chunks: Vec<Vec<u8>>,
+        chunks: Vec<Bytes>,
         joined: Option<Vec<u8>>,
         out: &mut Vec<ProcessingResponse>,
     ) {
@@ -526,12 +529,13 @@ impl StreamState {
                     Some((span, model)) => {
                         let max = chunks
                             .iter()
-                            .map(Vec::len)
+                            .map(Bytes::len)
                             .max()
                             .unwrap_or(0)
                             .max(resp::MAX_STREAMED_CHUNK);
                         let body = body_view(&chunks, joined.as_deref());
-                        Rewrite::new(body, span.clone(), model).chunks(max)
+                        let new = Rewrite::new(body, span.clone(), model).chunks(max);
+                        new.into_iter().map(Bytes::from).collect()
                     }
                 };
                 // Envoy keeps the client's framing (Content-Length or chunked) when the body length
@@ -539,14 +543,14 @@ impl StreamState {
                 let len = d
                     .rewrite
                     .is_some()
-                    .then(|| out_chunks.iter().map(Vec::len).sum::<usize>());
+                    .then(|| out_chunks.iter().map(Bytes::len).sum::<usize>());
                 out.push(resp::request_headers(
                     Some(self.mutation(&dest, len, &d.pick)),
                     Some(resp::lb_metadata(&dest, &d.pick)),
                 ));
                 let n = out_chunks.len();
                 if n == 0 {
-                    out.push(resp::request_body_chunk(Vec::new(), !trailers));
+                    out.push(resp::request_body_chunk(Bytes::new(), !trailers));
                 }
                 for (i, c) in out_chunks.into_iter().enumerate() {
                     out.push(resp::request_body_chunk(c, i + 1 == n && !trailers));
@@ -759,7 +763,7 @@ fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
 }
 
 /// The body as one slice: the single chunk, or the joined copy of several.
-fn body_view<'a>(chunks: &'a [Vec<u8>], joined: Option<&'a [u8]>) -> &'a [u8] {
+fn body_view<'a>(chunks: &'a [Bytes], joined: Option<&'a [u8]>) -> &'a [u8] {
     match (joined, chunks) {
         (Some(j), _) => j,
         (None, [one]) => one,

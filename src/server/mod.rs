@@ -24,7 +24,7 @@ use crate::api::{self, ApiState};
 use crate::config::Config;
 use crate::discovery::{feed_instances, Datastore, PoolRef};
 use crate::engine::metadata::MetadataStore;
-use crate::extproc::ExtProcService;
+use crate::extproc::{ExtProcServer, ExtProcService};
 use crate::metrics::Metrics;
 use crate::request::tokenize::ModelTokenizer;
 
@@ -321,7 +321,6 @@ struct Running {
     http: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
-type ExtProcServer = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer<ExtProcService>;
 type Doors = Vec<tokio::task::JoinHandle<std::io::Result<()>>>;
 
 /// Starts the servers; each stops accepting when `stop` turns true.

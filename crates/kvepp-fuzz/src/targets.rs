@@ -20,13 +20,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+use kvepp::discovery::objects::parse_documents;
+use kvepp::discovery::{Datastore, Inventory, PoolRef};
+use kvepp::extproc::wire::{
     body_mutation::Mutation, processing_request::Request as Req,
     processing_response::Response as Resp, CommonResponse, HttpBody, HttpHeaders,
     ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
 };
-use kvepp::discovery::objects::parse_documents;
-use kvepp::discovery::{Datastore, Inventory, PoolRef};
 use kvepp::extproc::{Settings, Shared};
 use kvepp::request::RequestRouter;
 use kvepp_core::catalog::{Catalog, Limits, Scope, Worker};
@@ -147,9 +147,8 @@ fn headers(mode: i32, body_len: usize) -> ProcessingRequest {
 fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Req::RequestBody(HttpBody {
-            body: bytes.to_vec(),
+            body: bytes.to_vec().into(),
             end_of_stream,
-            ..Default::default()
         })),
         ..Default::default()
     }

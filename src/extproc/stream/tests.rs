@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::{
+use crate::extproc::wire::{
     body_mutation::Mutation, processing_response::Response, HttpTrailers, ProtocolConfiguration,
 };
 use kvepp_core::{Endpoint, PrefixMode};
@@ -119,9 +119,8 @@ fn headers(mode: i32, end_of_stream: bool) -> ProcessingRequest {
 fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Msg::RequestBody(HttpBody {
-            body: bytes.to_vec(),
+            body: Bytes::copy_from_slice(bytes),
             end_of_stream,
-            ..Default::default()
         })),
         ..Default::default()
     }
@@ -130,9 +129,8 @@ fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
 fn response_body(end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(Msg::ResponseBody(HttpBody {
-            body: b"data".to_vec(),
+            body: Bytes::from_static(b"data"),
             end_of_stream,
-            ..Default::default()
         })),
         ..Default::default()
     }
@@ -173,7 +171,7 @@ fn streamed_chunks(out: &[ProcessingResponse]) -> Vec<(Vec<u8>, bool)> {
         .filter_map(|r| match r.response.as_ref()? {
             Response::RequestBody(b) => match b.response.as_ref()?.body_mutation.as_ref()?.mutation
             {
-                Some(Mutation::StreamedResponse(ref s)) => Some((s.body.clone(), s.end_of_stream)),
+                Some(Mutation::StreamedResponse(ref s)) => Some((s.body.to_vec(), s.end_of_stream)),
                 _ => None,
             },
             _ => None,

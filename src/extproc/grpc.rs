@@ -1,0 +1,101 @@
+//! The gRPC service `envoy.service.ext_proc.v3.ExternalProcessor`, method `Process`, serving
+//! [`super::wire`]'s messages (bodies as `Bytes`) in place of the `envoy-types` server, whose
+//! generated code is tied to its `Vec<u8>` bodies.
+//!
+//! Owns: routing the one method's path to [`ExtProcService::process`], the message size limits,
+//! and the gRPC `UNIMPLEMENTED` answer for any other path, as tonic's generated servers give it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
+use tonic::server::{NamedService, StreamingService};
+use tonic::{Request, Response, Status, Streaming};
+use tonic_prost::ProstCodec;
+
+use super::wire::{ProcessingRequest, ProcessingResponse};
+use super::ExtProcService;
+
+/// The service's full name, as Envoy's `grpc_service` calls it.
+pub const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+/// The one method's path.
+const PROCESS: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+
+/// [`ExtProcService`] as a tower service for tonic's router.
+#[derive(Debug, Clone)]
+pub struct ExtProcServer {
+    inner: Arc<ExtProcService>,
+    max_decoding: usize,
+    max_encoding: usize,
+}
+
+impl ExtProcServer {
+    /// Serves `inner`, refusing messages above `limit` bytes either way.
+    pub fn new(inner: ExtProcService, limit: usize) -> Self {
+        ExtProcServer {
+            inner: Arc::new(inner),
+            max_decoding: limit,
+            max_encoding: limit,
+        }
+    }
+}
+
+impl NamedService for ExtProcServer {
+    const NAME: &'static str = SERVICE;
+}
+
+/// One `Process` call.
+struct Process(Arc<ExtProcService>);
+
+impl StreamingService<ProcessingRequest> for Process {
+    type Response = ProcessingResponse;
+    type ResponseStream = super::ProcessStream;
+    type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
+
+    fn call(&mut self, request: Request<Streaming<ProcessingRequest>>) -> Self::Future {
+        let inner = self.0.clone();
+        Box::pin(async move { Ok(inner.process(request)) })
+    }
+}
+
+impl<B> Service<http::Request<B>> for ExtProcServer
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != PROCESS {
+            return Box::pin(async move {
+                let mut response = http::Response::new(tonic::body::Body::default());
+                let headers = response.headers_mut();
+                headers.insert(
+                    Status::GRPC_STATUS,
+                    (tonic::Code::Unimplemented as i32).into(),
+                );
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    tonic::metadata::GRPC_CONTENT_TYPE,
+                );
+                Ok(response)
+            });
+        }
+        let (method, limits) = (
+            Process(self.inner.clone()),
+            (Some(self.max_decoding), Some(self.max_encoding)),
+        );
+        Box::pin(async move {
+            let codec = ProstCodec::<ProcessingResponse, ProcessingRequest>::default();
+            let mut grpc =
+                tonic::server::Grpc::new(codec).apply_max_message_size_config(limits.0, limits.1);
+            Ok(grpc.streaming(method, req).await)
+        })
+    }
+}
