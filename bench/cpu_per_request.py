@@ -33,6 +33,7 @@ import sys
 import yaml
 
 from benchlib import Stack
+import extproc_overhead
 from extproc_overhead import ROOT, bootstrap, floor_stack, load_through_envoy, parse_wrk
 
 # Tokenizer folder, served model and report label of each tokens mode.
@@ -79,7 +80,10 @@ def main():
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="approximate,token_ids,tokens,tokens-deepseek")
+    ap.add_argument("--kvepp-bin", default=extproc_overhead.KVEPP,
+                    help="the kvepp binary to measure (A/B runs against another build)")
     args = ap.parse_args()
+    extproc_overhead.KVEPP = args.kvepp_bin
     modes = args.modes.split(",")
     tokens_modes = [m for m in modes if m in TOKENIZERS]
     if "tokens-deepseek" in modes:

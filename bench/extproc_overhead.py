@@ -86,6 +86,20 @@ def floor_stack(tmp, spawn, models=("bench-model",), kvepp_args=()):
     backend_proc = spawn([FLOOR, "backend", "--listen", backend], "backend.log")
     floor_port = free_port()
     floor = spawn([FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend], "floor.log")
+    mdir = pool_manifests(tmp, backend_port, models)
+    kp = [free_port() for _ in range(3)]
+    kvepp = spawn([KVEPP, "serve", *kvepp_args, "--pool-name", "bench", "--manifests-dir", mdir, "--bind-address", "127.0.0.1",
+                   "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]),
+                   "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
+    wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
+    wait("backend", lambda: http_ok(f"http://{backend}/"))
+    return {"backend": backend, "backend_proc": backend_proc, "floor": (floor, floor_port), "kvepp": (kvepp, kp[0]),
+            "kvepp_metrics": f"http://127.0.0.1:{kp[2]}/metrics"}
+
+
+def pool_manifests(tmp, backend_port, models):
+    """Writes the pool `bench` (one endpoint, the backend at `backend_port`, serving `models`) into
+    a manifests directory under `tmp`; returns its path."""
     mdir = os.path.join(tmp, "manifests")
     os.makedirs(mdir)
     docs = [f"""apiVersion: inference.networking.x-k8s.io/v1alpha2
@@ -104,14 +118,7 @@ ports: [{{name: http, port: {backend_port}}}]
 """]
     with open(os.path.join(mdir, "pool.yaml"), "w") as f:
         f.write("---\n".join(docs))
-    kp = [free_port() for _ in range(3)]
-    kvepp = spawn([KVEPP, "serve", *kvepp_args, "--pool-name", "bench", "--manifests-dir", mdir, "--bind-address", "127.0.0.1",
-                   "--grpc-port", str(kp[0]), "--grpc-health-port", str(kp[1]), "--metrics-port", str(kp[2]),
-                   "--grpc-tls-mode", "off", "--log-level", "warn"], "kvepp.log")
-    wait("kvepp ready", lambda: http_ok(f"http://127.0.0.1:{kp[2]}/ready"))
-    wait("backend", lambda: http_ok(f"http://{backend}/"))
-    return {"backend": backend, "backend_proc": backend_proc, "floor": (floor, floor_port), "kvepp": (kvepp, kp[0]),
-            "kvepp_metrics": f"http://127.0.0.1:{kp[2]}/metrics"}
+    return mdir
 
 
 def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured, probe=None):
