@@ -33,12 +33,12 @@ fn completion_prompts_match_python_tokenizers() {
     let cases = expected["completions"].as_array().expect("cases");
     assert!(cases.len() >= 5);
     for c in cases {
-        let got = tok.completion_ids(&raw(&c["prompt"])).expect("encode");
+        let got = tok.completion_ids(raw(&c["prompt"]).get()).expect("encode");
         assert_eq!(got, ids(&c["ids"]), "prompt {}", c["prompt"]);
     }
     // Not a single string: an error, never a panic.
     assert!(matches!(
-        tok.completion_ids(&raw(&serde_json::json!(["a", "b"]))),
+        tok.completion_ids(raw(&serde_json::json!(["a", "b"])).get()),
         Err(TokenizeError::Prompt(_))
     ));
 }

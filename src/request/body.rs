@@ -20,7 +20,9 @@ use std::ops::Range;
 use serde_json::value::RawValue;
 
 mod int_array;
+mod plain_string;
 use int_array::int_array;
+use plain_string::plain_string;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -41,7 +43,19 @@ pub enum RawPrompt<'a> {
     /// A flat array of integers that fit u32, read while the body was validated.
     Ids(Vec<u32>),
     /// Any other value, raw.
-    Json(&'a RawValue),
+    Json(RawJson<'a>),
+}
+
+/// A JSON value's text as the body holds it, validated: the borrowed form of serde's
+/// `RawValue`, which a plain string gets without serde reading it ([`plain_string`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawJson<'a>(&'a str);
+
+impl<'a> RawJson<'a> {
+    /// The value's JSON text.
+    pub fn get(&self) -> &'a str {
+        self.0
+    }
 }
 
 /// A chat request's `messages`, borrowed from the body.
@@ -182,7 +196,7 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
                         fields.prompt = Some(RawPrompt::Ids(ids));
                         i += n;
                     } else {
-                        let (v, n) = raw_at(body, i)?;
+                        let (v, n) = raw_text_at(body, i)?;
                         fields.prompt = Some(RawPrompt::Json(v));
                         i = n;
                     }
@@ -191,7 +205,7 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
                 "messages" => {
                     (fields.messages, i) = messages_at(body, i).map(|(v, n)| (Some(v), n))?
                 }
-                _ => i = raw_at(body, i)?.1,
+                _ => i = raw_text_at(body, i)?.1,
             }
             i = skip_ws(body, i);
             match body.get(i) {
@@ -214,6 +228,14 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
 
 fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
     value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
+}
+
+/// The value at `at` as [`raw_at`] reads it, a plain string without serde.
+fn raw_text_at(body: &[u8], at: usize) -> Result<(RawJson<'_>, usize), BodyError> {
+    match plain_string(body, at) {
+        Some((text, end)) => Ok((RawJson(text), end)),
+        None => raw_at(body, at).map(|(v, end)| (RawJson(v.get()), end)),
+    }
 }
 
 /// A `messages` array with more elements than this is not split (its elements are not kept: a

@@ -1,8 +1,6 @@
 //! What of a request's prompt the KV-aware picker can use, borrowed from the body.
 
-use serde_json::value::RawValue;
-
-use super::body::{RawMessages, RawPrompt};
+use super::body::{RawJson, RawMessages, RawPrompt};
 use super::tokenize::ModelTokenizer;
 use kvepp_core::Prompt;
 
@@ -17,7 +15,7 @@ pub enum PromptInput<'a> {
     /// The raw JSON of a chat request's `messages`.
     Messages(RawMessages<'a>),
     /// The raw JSON of a completions `prompt` that is not token ids (a string, or a batch).
-    Prompt(&'a RawValue),
+    Prompt(RawJson<'a>),
     /// No prompt in the body.
     Absent,
 }
@@ -73,7 +71,7 @@ pub fn prompt_for_routing<'a>(
         (PromptInput::Absent, _) => return Prompt::None,
         (PromptInput::Messages(m), Some(t)) => Some(offload(m.text.len(), || t.messages_prompt(m))),
         (PromptInput::Prompt(raw), Some(t)) => Some(offload(raw.get().len(), || {
-            t.completion_ids(raw).map(Prompt::Tokens)
+            t.completion_ids(raw.get()).map(Prompt::Tokens)
         })),
         (PromptInput::TokenIds(_), _) | (_, None) => None,
     };

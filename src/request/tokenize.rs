@@ -204,8 +204,8 @@ impl ModelTokenizer {
     }
 
     /// Token ids of a completions `prompt` string (JSON, as in the body).
-    pub fn completion_ids(&self, prompt: &RawValue) -> Result<Vec<u32>, TokenizeError> {
-        let text: std::borrow::Cow<'_, str> = serde_json::from_str(prompt.get())
+    pub fn completion_ids(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        let text: std::borrow::Cow<'_, str> = serde_json::from_str(prompt)
             .map_err(|e| TokenizeError::Prompt(format!("prompt is not one string: {e}")))?;
         self.encode(&text, true)
     }

@@ -184,7 +184,7 @@ fn prompt_tokens(
     let raw = serde_json::value::to_raw_value(p).map_err(|e| bad(e.to_string()))?;
     match (&a.tokenizer, api) {
         (Some(t), Api::Chat) => t.chat_ids(&raw).map_err(|e| bad(e.to_string())),
-        (Some(t), Api::Completions) => t.completion_ids(&raw).map_err(|e| bad(e.to_string())),
+        (Some(t), Api::Completions) => t.completion_ids(raw.get()).map_err(|e| bad(e.to_string())),
         (None, _) => Ok(match p.as_str() {
             Some(s) => s.bytes().map(u32::from).collect(),
             None => raw.get().bytes().map(u32::from).collect(),
