@@ -518,8 +518,10 @@ mod tests {
     /// prompt and messages (and the same message elements), and a rewrite changes nothing else.
     #[test]
     fn agrees_with_a_full_parse_on_mutated_bodies() {
-        let seeds: [&[u8]; 7] = [
+        let seeds: [&[u8]; 8] = [
             br#"{"model":"m","prompt":"hi \"there\" \u00e9","max_tokens":3,"stream":true}"#,
+            // Plain strings longer than a step of the plain-string reader.
+            r#"{"model":"m","prompt":"The quick brown fox jumps over the lazy dog, é 漢字 🦀 and on","suffix":"a second plain string, again over thirty-two bytes"}"#.as_bytes(),
             br#"{"model":"m","messages":[ {"role":"system","content":"x"} ,{"role":"user","content":"\"y\""},[1],"z" ] }"#,
             br#"{"model":"m","prompt":[101, 2023,0 ,19,4294967295],"max_tokens":3}"#,
             br#"{"prompt":[7,8,9],"model":"m","prompt":[1,20,300]}"#,
@@ -534,7 +536,7 @@ mod tests {
             for _ in 0..rng.usize(0..3) {
                 let i = rng.usize(..b.len());
                 match rng.u8(..3) {
-                    0 => b[i] = b"{}[]\",:0a \\"[rng.usize(..11)],
+                    0 => b[i] = b"{}[]\",:0a \\\x01\x80"[rng.usize(..13)],
                     1 => {
                         b.remove(i);
                     }
