@@ -72,6 +72,29 @@ fn ratios(_: &mut Criterion) {
             ours / base
         );
     }
+    // A completions body whose prompt is one ~400 KiB plain string (approximate mode's usual
+    // body): read without serde, against serde's own scan of the same value (skipped unbuilt).
+    let b = completion_body(400 << 10);
+    let ours = time(300, || {
+        kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
+    });
+    let skip = time(300, || {
+        serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
+    });
+    println!(
+        "ratio completion_string/{}: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
+        400 << 10,
+        ours * 1e6,
+        skip * 1e6,
+        ours / skip
+    );
+}
+
+/// A completions body with a plain `prompt` string of about `size` bytes.
+fn completion_body(size: usize) -> Vec<u8> {
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(size / 45 + 1);
+    format!("{{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"max_tokens\":128,\"prompt\":\"{prompt}\"}}")
+        .into_bytes()
 }
 
 /// A completions body whose prompt is `n` token ids (the `token_ids` prefix mode).
