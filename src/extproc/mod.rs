@@ -13,7 +13,7 @@ mod stream;
 pub mod trace;
 pub mod wire;
 
-pub use grpc::ExtProcServer;
+pub use grpc::{ExtProcServer, SERVICE};
 
 pub use trace::TraceInfo;
 
