@@ -27,7 +27,7 @@ import yaml
 
 from benchlib import Stack, free_port, wait
 import extproc_overhead
-from extproc_overhead import ROOT, bootstrap, http_ok, pool_manifests
+from extproc_overhead import ROOT, bootstrap, http_ok, pool_manifests, start_envoy
 from cpu_per_request import bodies
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--quiet", "--compress-strings=no", "--compress-pos=no"]
@@ -54,19 +54,6 @@ def dumped_instructions(tmp, name, before):
                         return path, int(line.split()[1])
         time.sleep(0.1)
     sys.exit(f"bench: no callgrind dump from {name}")
-
-
-def start_envoy(envoy_bin, tmp, boot):
-    listen, admin = free_port(), free_port()
-    boot["admin"]["address"]["socket_address"]["port_value"] = admin
-    boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
-    cfg = os.path.join(tmp, "envoy-instr.yaml")
-    with open(cfg, "w") as f:
-        yaml.safe_dump(boot, f)
-    envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "error"],
-                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
-    wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
-    return envoy, listen
 
 
 def send(port, path, payload, backend):
@@ -122,9 +109,10 @@ def main():
             payloads = [(json.dumps(b).encode(), path) for b, path in bodies(mode, 16)]
             counts = {}
             for name, (proc, port) in epps.items():
-                envoy, listen = start_envoy(args.envoy, tmp, bootstrap("floor" if name == "floor" else "kvepp",
-                                                                       "FULL_DUPLEX_STREAMED", 0, 0, port))
+                boot = bootstrap("floor" if name == "floor" else "kvepp", "FULL_DUPLEX_STREAMED", 0, 0, port)
+                envoy, listen, admin = start_envoy(args.envoy, tmp, boot, 1)
                 try:
+                    wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
                     for n in range(args.warmup):
                         send(listen, payloads[n % 16][1], payloads[n % 16][0], backend)
                     control(proc.pid, "-z")

@@ -121,11 +121,9 @@ ports: [{{name: http, port: {backend_port}}}]
     return mdir
 
 
-def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured, probe=None):
-    """Envoy on `boot` (listener and admin ports filled in here) under wrk (`wrk_args`, e.g. a
-    script) for a warm-up, then `duration` seconds; returns wrk's output and the CPU seconds of
-    `measured` processes (Envoy where None) before and after the measured run, each list followed
-    by `probe()`'s value at that moment where a probe is given."""
+def start_envoy(envoy_bin, tmp, boot, workers):
+    """Envoy on `boot` with its listener and admin ports filled in (free ones), `workers` worker
+    threads: (process, listener port, admin port), not yet waited on."""
     listen, admin = free_port(), free_port()
     boot["admin"]["address"]["socket_address"]["port_value"] = admin
     boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
@@ -134,6 +132,15 @@ def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connection
         yaml.safe_dump(boot, f)
     envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", str(workers), "--use-dynamic-base-id", "-l", "error"],
                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
+    return envoy, listen, admin
+
+
+def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured, probe=None):
+    """Envoy on `boot` (listener and admin ports filled in here) under wrk (`wrk_args`, e.g. a
+    script) for a warm-up, then `duration` seconds; returns wrk's output and the CPU seconds of
+    `measured` processes (Envoy where None) before and after the measured run, each list followed
+    by `probe()`'s value at that moment where a probe is given."""
+    envoy, listen, admin = start_envoy(envoy_bin, tmp, boot, workers)
     pids = [p.pid if p else envoy.pid for p in measured]
     try:
         wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
