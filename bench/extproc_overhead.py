@@ -130,7 +130,7 @@ def start_envoy(envoy_bin, tmp, boot, workers):
     cfg = os.path.join(tmp, "envoy-bench.yaml")
     with open(cfg, "w") as f:
         yaml.safe_dump(boot, f)
-    envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", str(workers), "--use-dynamic-base-id", "-l", "error"],
+    envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", str(workers), "--use-dynamic-base-id", "-l", os.environ.get("ENVOY_LOG_LEVEL", "error")],
                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
     return envoy, listen, admin
 
