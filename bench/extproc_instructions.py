@@ -4,9 +4,9 @@ each run under valgrind behind the same Envoy (FULL_DUPLEX_STREAMED, ~100k-token
 bodies of bench/cpu_per_request.py). Per mode and EPP: a warm-up, then the counters are zeroed,
 `--requests` requests are sent one at a time, and the counters dumped. An instruction count does
 not drift with this VM's speed (CPU time per request moves by ±25% between runs here, and this VM
-has no hardware counters), so two builds compare within a few per cent; it counts instructions,
-not cache misses, and includes the EPP's background tasks during the run (the same for both
-builds; engine metrics are off).
+has no hardware counters); it counts instructions, not cache misses, and includes the EPP's
+background work during the run (timers, connections; engine metrics are off), so the same binary
+counts up to ~8% apart between runs here: repeat a run before trusting a difference under ~10%.
 
 Usage: bench/extproc_instructions.sh [--modes approximate,token_ids,tokens,tokens-deepseek] [--requests 20]
        [--kvepp-bin A[,B]]   (several binaries: a column each, for A/B between builds)
