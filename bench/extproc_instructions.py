@@ -16,6 +16,7 @@ Usage: bench/extproc_instructions.sh [--modes approximate,token_ids,tokens,token
 import argparse
 import glob
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -111,16 +112,15 @@ def main():
             epps[name] = (proc, kp[0])
         wait("backend", lambda: http_ok(f"http://{backend}/"))
         rows = []
+        serial = itertools.count(1)
         for mode in modes:
             # A chat body's marker becomes a number never sent before: a new last message each
             # request, as `cpu_per_request`'s wrk script sends it.
             payloads = [(json.dumps(b), path) for b, path in bodies(mode, 16)]
-            sent = [0]
 
             def post(n, listen):
                 body, path = payloads[n % 16]
-                sent[0] += 1
-                send(listen, path, body.replace(NEW, f"{sent[0]}").encode(), backend)
+                send(listen, path, body.replace(NEW, f"{next(serial)}").encode(), backend)
 
             counts = {}
             for name, (proc, port) in epps.items():
@@ -131,9 +131,8 @@ def main():
                     if f["name"] == "envoy.filters.http.ext_proc":
                         f["typed_config"]["message_timeout"] = "300s"
                         f["typed_config"]["grpc_service"]["timeout"] = "300s"
-                envoy, listen, admin = start_envoy(args.envoy, tmp, boot, 1)
+                envoy, listen = start_envoy(args.envoy, tmp, boot, 1)
                 try:
-                    wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
                     for n in range(args.warmup):
                         post(n, listen)
                     control(proc.pid, "-z")

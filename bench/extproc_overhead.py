@@ -123,7 +123,7 @@ ports: [{{name: http, port: {backend_port}}}]
 
 def start_envoy(envoy_bin, tmp, boot, workers):
     """Envoy on `boot` with its listener and admin ports filled in (free ones), `workers` worker
-    threads: (process, listener port, admin port), not yet waited on."""
+    threads, once ready: (process, listener port). Stopped again if it never gets ready."""
     listen, admin = free_port(), free_port()
     boot["admin"]["address"]["socket_address"]["port_value"] = admin
     boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
@@ -132,7 +132,13 @@ def start_envoy(envoy_bin, tmp, boot, workers):
         yaml.safe_dump(boot, f)
     envoy = subprocess.Popen([envoy_bin, "-c", cfg, "--concurrency", str(workers), "--use-dynamic-base-id", "-l", os.environ.get("ENVOY_LOG_LEVEL", "error")],
                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "envoy.log"), "a"))
-    return envoy, listen, admin
+    try:
+        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
+    except BaseException:
+        envoy.terminate()
+        envoy.wait()
+        raise
+    return envoy, listen
 
 
 def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connections, warmup, duration, measured, probe=None):
@@ -140,10 +146,9 @@ def load_through_envoy(envoy_bin, tmp, boot, workers, wrk_args, path, connection
     script) for a warm-up, then `duration` seconds; returns wrk's output and the CPU seconds of
     `measured` processes (Envoy where None) before and after the measured run, each list followed
     by `probe()`'s value at that moment where a probe is given."""
-    envoy, listen, admin = start_envoy(envoy_bin, tmp, boot, workers)
+    envoy, listen = start_envoy(envoy_bin, tmp, boot, workers)
     pids = [p.pid if p else envoy.pid for p in measured]
     try:
-        wait("envoy ready", lambda: http_ok(f"http://127.0.0.1:{admin}/ready"))
         wrk = ["wrk", f"-t{workers}", f"-c{connections}", "--latency", *wrk_args, f"http://127.0.0.1:{listen}{path}"]
         subprocess.run(wrk[:2] + [f"-d{warmup}s"] + wrk[2:], check=True, capture_output=True)
         before = [cpu_seconds(p) for p in pids] + ([probe()] if probe else [])

@@ -773,3 +773,27 @@ async fn streams_wait_for_the_pool_after_a_start_then_503() {
     );
     epp.stop().await;
 }
+
+/// A method the ext_proc service does not have is answered UNIMPLEMENTED, naming the path.
+#[tokio::test]
+async fn an_unknown_method_is_unimplemented() {
+    let epp = Epp::start(&manifests(), |_| {}).await;
+    let channel = Channel::from_shared(format!("http://{}", epp.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = tonic::client::Grpc::new(channel);
+    client.ready().await.expect("ready");
+    let path = "/envoy.service.ext_proc.v3.ExternalProcessor/Other";
+    let answer = client
+        .unary(
+            tonic::Request::new(()),
+            http::uri::PathAndQuery::from_static(path),
+            tonic_prost::ProstCodec::<(), ()>::default(),
+        )
+        .await;
+    let status = answer.expect_err("no such method");
+    assert_eq!(status.code(), tonic::Code::Unimplemented, "{status:?}");
+    assert!(status.message().contains(path), "{status:?}");
+}

@@ -3,7 +3,7 @@
 //! generated code is tied to its `Vec<u8>` bodies.
 //!
 //! Owns: routing the one method's path to [`ExtProcService::process`], the message size limits,
-//! and the gRPC `UNIMPLEMENTED` answer for any other path, as tonic's generated servers give it.
+//! and the gRPC `UNIMPLEMENTED` answer for any other path (tonic's `Status::into_http`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -73,19 +73,9 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         if req.uri().path() != PROCESS {
-            return Box::pin(async move {
-                let mut response = http::Response::new(tonic::body::Body::default());
-                let headers = response.headers_mut();
-                headers.insert(
-                    Status::GRPC_STATUS,
-                    (tonic::Code::Unimplemented as i32).into(),
-                );
-                headers.insert(
-                    http::header::CONTENT_TYPE,
-                    tonic::metadata::GRPC_CONTENT_TYPE,
-                );
-                Ok(response)
-            });
+            let status =
+                Status::unimplemented(format!("{SERVICE} has no method {}", req.uri().path()));
+            return Box::pin(async move { Ok(status.into_http()) });
         }
         let (method, limits) = (
             Process(self.inner.clone()),
