@@ -21,6 +21,7 @@ use serde_json::value::RawValue;
 
 mod int_array;
 mod plain_string;
+mod walk;
 use int_array::int_array;
 use plain_string::plain_string;
 
@@ -66,7 +67,7 @@ pub struct RawMessages<'a> {
     /// Its elements, raw, when it is an array of at most [`MAX_SPLIT_MESSAGES`] (None: another
     /// kind of value, or a longer array), found in the pass that validates it, so a chat
     /// template's input can be built (or found cached) message by message.
-    pub items: Option<Vec<&'a RawValue>>,
+    pub items: Option<Vec<RawJson<'a>>>,
 }
 
 /// The parts of a body the EPP needs, borrowed from the body bytes.
@@ -230,9 +231,15 @@ fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
     value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
 }
 
-/// The value at `at` as [`raw_at`] reads it, a plain string without serde.
+/// The value at `at` as [`raw_at`] reads it: a plain string, or any value the walk can tell,
+/// without serde; serde for the rest (and for every error).
 fn raw_text_at(body: &[u8], at: usize) -> Result<(RawJson<'_>, usize), BodyError> {
-    match plain_string(body, at) {
+    if let Some((text, end)) = plain_string(body, at) {
+        return Ok((RawJson(text), end));
+    }
+    let walked = walk::skip_value(body, at)
+        .and_then(|end| Some((std::str::from_utf8(&body[at..end]).ok()?, end)));
+    match walked {
         Some((text, end)) => Ok((RawJson(text), end)),
         None => raw_at(body, at).map(|(v, end)| (RawJson(v.get()), end)),
     }
@@ -287,11 +294,19 @@ impl<'a> RawMessages<'a> {
     }
 }
 
-/// The `messages` value at `at` (no whitespace first): an array is read by serde as a list of raw
-/// values, so its elements come out of the pass that validates it.
+/// The `messages` value at `at` (no whitespace first): an array is read as a list of raw values
+/// (by the walk, else by serde), so its elements come out of the pass that validates it.
 fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {
     if body.get(at) == Some(&b'[') {
-        let (Items(items), end) = value_at::<Items<'_>>(body, at).map_err(|e| malformed(&e, at))?;
+        let (items, end) = match walk::split_array(body, at, MAX_SPLIT_MESSAGES) {
+            Some(split) => split,
+            None => {
+                let (Items(items), end) =
+                    value_at::<Items<'_>>(body, at).map_err(|e| malformed(&e, at))?;
+                let texts = items.map(|items| items.iter().map(|r| RawJson(r.get())).collect());
+                (texts, end)
+            }
+        };
         let messages = RawMessages {
             text: &body[at..end],
             items,

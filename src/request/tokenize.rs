@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::value::RawValue;
 
-use super::body::RawMessages;
+use super::body::{RawJson, RawMessages};
 pub use super::generations::CacheStats;
 use super::generations::ContentCache;
 
@@ -243,7 +243,7 @@ impl ModelTokenizer {
 
     /// One message as a template value (straight from JSON, no serde_json::Value in between), from
     /// the cache when these bytes were seen recently.
-    fn message_value(&self, raw: &RawValue) -> Result<Value, TokenizeError> {
+    fn message_value(&self, raw: &RawJson<'_>) -> Result<Value, TokenizeError> {
         let bytes = raw.get().as_bytes();
         self.messages.get_or_make(bytes, || {
             serde_json::from_str::<Value>(raw.get())

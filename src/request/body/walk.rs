@@ -1,0 +1,220 @@
+//! JSON values skipped (validated, not built) without serde, strings 16 bytes a step: each step
+//! marks its quotes, backslashes and control characters in one vector compare each and a
+//! movemask, so a step with a hit finds it at once and the scan goes on right after it. That is
+//! what makes strings with dense escapes cheap (a chat's content has a `\n` every few dozen
+//! bytes, where serde's scan restarts its 8-byte words after every escape).
+//!
+//! It answers for JSON as RFC 8259 writes it, nested up to [`MAX_DEPTH`] levels. Anything it does
+//! not accept (an error anywhere, or deeper nesting) is None and left to serde, whose answer and
+//! error message it is. UTF-8 is not checked here: the caller checks a value's whole text once
+//! (every structural byte is ASCII, so that is the check serde makes of each raw value).
+//!
+//! Invariant: where [`skip_value`] or [`split_array`] answer, serde_json accepts the same bytes
+//! as one value (once their UTF-8 is valid), ending where they say, with the same elements
+//! (`walk_tests`, differential on generated and mutated JSON).
+
+use super::{skip_ws, RawJson};
+
+/// Nesting deeper than this is left to serde (whose own limit is 128).
+pub(super) const MAX_DEPTH: usize = 64;
+
+/// Bytes examined per string step.
+const LANE: usize = 16;
+
+/// Bit `i` set where byte `i` of the lane ends a string's plain run: `"`, `\` or a control
+/// character (below 0x20). SSE2: three compares and one movemask.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn specials(lane: &[u8; LANE]) -> u32 {
+    use safe_arch::{
+        bitor_m128i, cmp_eq_mask_i8_m128i, m128i, min_u8_m128i, move_mask_i8_m128i,
+        set_splat_i8_m128i,
+    };
+    let x = m128i::from(*lane);
+    let quote = cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'"' as i8));
+    let backslash = cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'\\' as i8));
+    // Below 0x20 (unsigned): min(x, 0x1F) == x.
+    let control = cmp_eq_mask_i8_m128i(min_u8_m128i(x, set_splat_i8_m128i(0x1F)), x);
+    move_mask_i8_m128i(bitor_m128i(bitor_m128i(quote, backslash), control)) as u32
+}
+
+/// [`specials`] byte by byte: the reference, and the reading on other targets.
+#[cfg(any(test, not(target_arch = "x86_64")))]
+fn specials_simple(lane: &[u8; LANE]) -> u32 {
+    lane.iter().enumerate().fold(0, |m, (i, &c)| {
+        m | u32::from(c == b'"' || c == b'\\' || c < 0x20) << i
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+use specials_simple as specials;
+
+/// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
+/// closing quote, a control character, or an escape JSON does not have.
+fn skip_string(b: &[u8], at: usize) -> Option<usize> {
+    let mut i = at + 1;
+    loop {
+        // The next special byte at or after `i`.
+        let hit = match b.get(i..i + LANE) {
+            Some(lane) => {
+                let m = specials(<&[u8; LANE]>::try_from(lane).ok()?);
+                if m == 0 {
+                    i += LANE;
+                    continue;
+                }
+                i + m.trailing_zeros() as usize
+            }
+            None => i + b.get(i..)?.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20)?,
+        };
+        match b[hit] {
+            b'"' => return Some(hit + 1),
+            b'\\' => i = skip_escape(b, hit + 1)?,
+            _ => return None,
+        }
+    }
+}
+
+/// The escape whose letter is at `b[at]` (just after its backslash): the offset past it.
+#[inline(always)]
+fn skip_escape(b: &[u8], at: usize) -> Option<usize> {
+    match *b.get(at)? {
+        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(at + 1),
+        b'u' => b
+            .get(at + 1..at + 5)?
+            .iter()
+            .all(u8::is_ascii_hexdigit)
+            .then_some(at + 5),
+        _ => None,
+    }
+}
+
+/// The digits at `b[at]`: the offset past them, None if there is none.
+fn skip_digits(b: &[u8], at: usize) -> Option<usize> {
+    let n = b.get(at..)?.iter().take_while(|c| c.is_ascii_digit()).count();
+    (n > 0).then_some(at + n)
+}
+
+/// The number at `b[at]`: `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`.
+fn skip_number(b: &[u8], at: usize) -> Option<usize> {
+    let mut i = at + usize::from(b.get(at) == Some(&b'-'));
+    i = match *b.get(i)? {
+        // One zero only: a digit after it is rejected by whatever reads on (a container wants
+        // `,` or its end; a value alone, a delimiter).
+        b'0' => i + 1,
+        _ => skip_digits(b, i)?,
+    };
+    if b.get(i) == Some(&b'.') {
+        i = skip_digits(b, i + 1)?;
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        i = skip_digits(b, i)?;
+    }
+    Some(i)
+}
+
+/// The value at `b[at]` (no whitespace before it): the offset just past it. As serde reads a value
+/// out of a stream, a number or a literal must end where whitespace, a structural byte or the
+/// input does.
+pub(super) fn skip_value(b: &[u8], at: usize) -> Option<usize> {
+    let end = value(b, at, 0)?;
+    let delimited = matches!(b.get(at), Some(b'"' | b'[' | b'{'))
+        || matches!(
+            b.get(end),
+            None | Some(b' ' | b'\n' | b'\t' | b'\r' | b'"' | b'[' | b']' | b'{' | b'}' | b',' | b':')
+        );
+    delimited.then_some(end)
+}
+
+fn value(b: &[u8], at: usize, depth: usize) -> Option<usize> {
+    match *b.get(at)? {
+        b'"' => skip_string(b, at),
+        b'{' if depth < MAX_DEPTH => object(b, at, depth + 1),
+        b'[' if depth < MAX_DEPTH => array(b, at, depth + 1, |_, _| {}),
+        b't' => literal(b, at, b"true"),
+        b'f' => literal(b, at, b"false"),
+        b'n' => literal(b, at, b"null"),
+        b'-' | b'0'..=b'9' => skip_number(b, at),
+        _ => None,
+    }
+}
+
+fn literal(b: &[u8], at: usize, word: &[u8]) -> Option<usize> {
+    (b.get(at..at + word.len())? == word).then_some(at + word.len())
+}
+
+/// The object at `b[at]` (`{`), members nested at `depth`.
+fn object(b: &[u8], at: usize, depth: usize) -> Option<usize> {
+    let mut i = skip_ws(b, at + 1);
+    if b.get(i) == Some(&b'}') {
+        return Some(i + 1);
+    }
+    loop {
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        i = skip_ws(b, skip_string(b, i)?);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i = skip_ws(b, value(b, skip_ws(b, i + 1), depth)?);
+        match *b.get(i)? {
+            b',' => i = skip_ws(b, i + 1),
+            b'}' => return Some(i + 1),
+            _ => return None,
+        }
+    }
+}
+
+/// The array at `b[at]` (`[`), elements nested at `depth`; `each` sees every element's span.
+fn array(b: &[u8], at: usize, depth: usize, mut each: impl FnMut(usize, usize)) -> Option<usize> {
+    let mut i = skip_ws(b, at + 1);
+    if b.get(i) == Some(&b']') {
+        return Some(i + 1);
+    }
+    loop {
+        let end = value(b, i, depth)?;
+        each(i, end);
+        i = skip_ws(b, end);
+        match *b.get(i)? {
+            b',' => i = skip_ws(b, i + 1),
+            b']' => return Some(i + 1),
+            _ => return None,
+        }
+    }
+}
+
+/// The array at `b[at]` (`b[at] == b'['`) as serde splits it into raw elements: their texts
+/// when there are at most `cap` (None beyond: validated only), and the offset just past it.
+/// None: the walk cannot tell (invalid, too deep, or not UTF-8); serde decides.
+pub(super) fn split_array(
+    b: &[u8],
+    at: usize,
+    cap: usize,
+) -> Option<(Option<Vec<RawJson<'_>>>, usize)> {
+    let mut spans = Vec::new();
+    let mut n = 0usize;
+    let end = array(b, at, 1, |start, end| {
+        if n < cap {
+            spans.push((start, end));
+        }
+        n += 1;
+    })?;
+    let text = std::str::from_utf8(&b[at..end]).ok()?;
+    if n > cap {
+        return Some((None, end));
+    }
+    // Every span starts and ends at an ASCII byte of `text`: char boundaries.
+    let items = spans
+        .into_iter()
+        .map(|(s, e)| text.get(s - at..e - at).map(RawJson))
+        .collect::<Option<Vec<_>>>()?;
+    Some((Some(items), end))
+}
+
+#[cfg(test)]
+#[path = "walk_tests.rs"]
+mod tests;
