@@ -52,24 +52,42 @@ use specials_simple as specials;
 /// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
 /// closing quote, a control character, or an escape JSON does not have.
 fn skip_string(b: &[u8], at: usize) -> Option<usize> {
+    // `i`: where the current lane starts; `m`: its special bytes not yet dealt with.
     let mut i = at + 1;
-    loop {
-        // The next special byte at or after `i`.
-        let hit = match b.get(i..i + LANE) {
-            Some(lane) => {
-                let m = specials(<&[u8; LANE]>::try_from(lane).ok()?);
-                if m == 0 {
-                    i += LANE;
-                    continue;
-                }
-                i + m.trailing_zeros() as usize
-            }
-            None => i + b.get(i..)?.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20)?,
+    'lanes: loop {
+        let Some(lane) = b.get(i..i + LANE) else {
+            return skip_string_tail(b, i);
         };
-        match b[hit] {
-            b'"' => return Some(hit + 1),
-            b'\\' => i = skip_escape(b, hit + 1)?,
-            _ => return None,
+        let mut m = specials(<&[u8; LANE]>::try_from(lane).ok()?);
+        // Every hit of the lane from its mask: an escape that ends within the lane only
+        // clears the bits before its end (its own letter may be a `"` or `\\`).
+        while m != 0 {
+            let hit = i + m.trailing_zeros() as usize;
+            match b[hit] {
+                b'"' => return Some(hit + 1),
+                b'\\' => {
+                    let next = skip_escape(b, hit + 1)?;
+                    if next >= i + LANE {
+                        i = next;
+                        continue 'lanes;
+                    }
+                    m &= u32::MAX << (next - i);
+                }
+                _ => return None,
+            }
+        }
+        i += LANE;
+    }
+}
+
+/// [`skip_string`] from `b[i]` on, where fewer than a lane's bytes are left: byte by byte.
+fn skip_string_tail(b: &[u8], mut i: usize) -> Option<usize> {
+    loop {
+        match *b.get(i)? {
+            b'"' => return Some(i + 1),
+            b'\\' => i = skip_escape(b, i + 1)?,
+            c if c < 0x20 => return None,
+            _ => i += 1,
         }
     }
 }
@@ -90,7 +108,11 @@ fn skip_escape(b: &[u8], at: usize) -> Option<usize> {
 
 /// The digits at `b[at]`: the offset past them, None if there is none.
 fn skip_digits(b: &[u8], at: usize) -> Option<usize> {
-    let n = b.get(at..)?.iter().take_while(|c| c.is_ascii_digit()).count();
+    let n = b
+        .get(at..)?
+        .iter()
+        .take_while(|c| c.is_ascii_digit())
+        .count();
     (n > 0).then_some(at + n)
 }
 
@@ -124,7 +146,9 @@ pub(super) fn skip_value(b: &[u8], at: usize) -> Option<usize> {
     let delimited = matches!(b.get(at), Some(b'"' | b'[' | b'{'))
         || matches!(
             b.get(end),
-            None | Some(b' ' | b'\n' | b'\t' | b'\r' | b'"' | b'[' | b']' | b'{' | b'}' | b',' | b':')
+            None | Some(
+                b' ' | b'\n' | b'\t' | b'\r' | b'"' | b'[' | b']' | b'{' | b'}' | b',' | b':'
+            )
         );
     delimited.then_some(end)
 }

@@ -42,7 +42,15 @@ fn string(rng: &mut fastrand::Rng, out: &mut Vec<u8>) {
         match rng.u8(..10) {
             0 => out.extend_from_slice(br#"\n"#),
             1 => out.extend_from_slice(
-                [&br#"\""#[..], br"\\", br"\/", br"\b", br"\f", br"\r", br"\t"][rng.usize(..7)],
+                [
+                    &br#"\""#[..],
+                    br"\\",
+                    br"\/",
+                    br"\b",
+                    br"\f",
+                    br"\r",
+                    br"\t",
+                ][rng.usize(..7)],
             ),
             2 => out.extend_from_slice(format!("\\u{:04x}", rng.u16(..)).as_bytes()),
             3 => out.extend_from_slice(format!("\\u{:04X}", rng.u16(0xD800..0xE000)).as_bytes()),
@@ -56,7 +64,17 @@ fn string(rng: &mut fastrand::Rng, out: &mut Vec<u8>) {
 
 fn number(rng: &mut fastrand::Rng, out: &mut Vec<u8>) {
     let n = [
-        "0", "-0", "7", "-12", "1.5", "0.25", "-0.0e0", "3e10", "2E-3", "4e+2", "123456789012345678901234567890",
+        "0",
+        "-0",
+        "7",
+        "-12",
+        "1.5",
+        "0.25",
+        "-0.0e0",
+        "3e10",
+        "2E-3",
+        "4e+2",
+        "123456789012345678901234567890",
     ][rng.usize(..11)];
     out.extend_from_slice(n.as_bytes());
 }
@@ -163,9 +181,14 @@ fn the_walk_agrees_with_serde() {
             _ => {}
         }
         if b.first() == Some(&b'[') {
-            let want = value_at::<Items<'_>>(&b, 0).ok().map(|(Items(items), end)| {
-                (items.map(|i| i.iter().map(|r| r.get()).collect::<Vec<_>>()), end)
-            });
+            let want = value_at::<Items<'_>>(&b, 0)
+                .ok()
+                .map(|(Items(items), end)| {
+                    (
+                        items.map(|i| i.iter().map(|r| r.get()).collect::<Vec<_>>()),
+                        end,
+                    )
+                });
             if let Some((items, end)) = split_array(&b, 0, MAX_SPLIT_MESSAGES) {
                 arrays += 1;
                 let items = items.map(|i| i.iter().map(|r| r.get()).collect::<Vec<_>>());
@@ -174,7 +197,10 @@ fn the_walk_agrees_with_serde() {
         }
     }
     assert_eq!(refused_valid, 0);
-    assert!(answered > 12_000 && arrays > 2_000, "{answered} answered, {arrays} arrays");
+    assert!(
+        answered > 12_000 && arrays > 2_000,
+        "{answered} answered, {arrays} arrays"
+    );
 }
 
 /// Past [`MAX_DEPTH`] levels the walk leaves the value to serde; up to it, it answers.
@@ -192,7 +218,10 @@ fn deep_nesting_is_left_to_serde() {
 fn arrays_past_the_cap_are_not_split() {
     let b = br#"[{"a":1}, "b" ,[2]] "#;
     let two = split_array(b, 0, 2);
-    assert_eq!(two.map(|(items, end)| (items.is_none(), end)), Some((true, 19)));
+    assert_eq!(
+        two.map(|(items, end)| (items.is_none(), end)),
+        Some((true, 19))
+    );
     let three = split_array(b, 0, 3).and_then(|(items, _)| items);
     let texts: Vec<&str> = three.iter().flatten().map(|r| r.get()).collect();
     assert_eq!(texts, [r#"{"a":1}"#, r#""b""#, "[2]"]);
