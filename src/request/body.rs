@@ -22,10 +22,8 @@ use std::ops::Range;
 use serde_json::value::RawValue;
 
 mod int_array;
-mod plain_string;
 mod walk;
 use int_array::int_array;
-use plain_string::plain_string;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -50,7 +48,7 @@ pub enum RawPrompt<'a> {
 }
 
 /// A JSON value's text as the body holds it, validated: the borrowed form of serde's
-/// `RawValue`, which a plain string gets without serde reading it ([`plain_string`]).
+/// `RawValue`, which a value the walk accepts gets without serde reading it ([`walk`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawJson<'a>(&'a str);
 
@@ -233,12 +231,9 @@ fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
     value_at::<&RawValue>(body, at).map_err(|e| malformed(&e, at))
 }
 
-/// The value at `at` as [`raw_at`] reads it: a plain string, or any value the walk can tell,
-/// without serde; serde for the rest (and for every error).
+/// The value at `at` as [`raw_at`] reads it: without serde when the walk can tell; serde for the
+/// rest (and for every error).
 fn raw_text_at(body: &[u8], at: usize) -> Result<(RawJson<'_>, usize), BodyError> {
-    if let Some((text, end)) = plain_string(body, at) {
-        return Ok((RawJson(text), end));
-    }
     let walked = walk::skip_value(body, at)
         .and_then(|end| Some((std::str::from_utf8(&body[at..end]).ok()?, end)));
     match walked {

@@ -226,3 +226,73 @@ fn arrays_past_the_cap_are_not_split() {
     let texts: Vec<&str> = three.iter().flatten().map(|r| r.get()).collect();
     assert_eq!(texts, [r#"{"a":1}"#, r#""b""#, "[2]"]);
 }
+
+/// Strings around the lanes' boundaries, of every byte class: plain ASCII, multi-byte UTF-8,
+/// escapes, control characters, stray continuation bytes, a missing closing quote. The walk
+/// (with the caller's UTF-8 check) reads exactly what serde reads, and leaves serde only what
+/// serde rejects.
+#[test]
+fn strings_of_every_kind_agree_with_serde() {
+    let pieces: [&[u8]; 12] = [
+        b"a",
+        b"quick brown fox ",
+        "é".as_bytes(),
+        "漢字".as_bytes(),
+        "🦀".as_bytes(),
+        b"\\n",
+        b"\\\"",
+        b"\\u00e9",
+        b"\x01",
+        b"\x1f",
+        b"\x7f",
+        b"\x80",
+    ];
+    let mut rng = fastrand::Rng::with_seed(38);
+    let (mut read, mut cases) = (0, 0);
+    for _ in 0..20_000 {
+        let mut body = b"  ".to_vec();
+        let at = body.len();
+        body.push(b'"');
+        let target = rng.usize(0..6 * LANE + 5);
+        // Mostly plain text; now and then a piece of another class.
+        while body.len() < at + 1 + target {
+            let p = if rng.u8(..) < 245 {
+                pieces[rng.usize(0..2)]
+            } else {
+                pieces[rng.usize(..pieces.len())]
+            };
+            body.extend_from_slice(p);
+        }
+        if rng.u8(..) < 250 {
+            body.push(b'"');
+        }
+        body.extend_from_slice(b" , 1");
+        cases += 1;
+        let ours = skip_value(&body, at)
+            .and_then(|end| Some((std::str::from_utf8(&body[at..end]).ok()?, end)));
+        let theirs = value_at::<&RawValue>(&body, at)
+            .ok()
+            .map(|(v, end)| (v.get().to_owned(), end));
+        match ours {
+            Some((text, end)) => {
+                read += 1;
+                assert_eq!(theirs, Some((text.to_owned(), end)), "{body:?}");
+            }
+            None => assert_eq!(theirs, None, "{body:?}"),
+        }
+    }
+    assert!(
+        read * 4 > cases && cases - read > 1_000,
+        "{read} of {cases} read"
+    );
+}
+
+#[test]
+fn only_a_value_is_read() {
+    assert_eq!(skip_value(b"[\"a\"]", 0), Some(5));
+    assert_eq!(skip_value(b"\"a\"", 1), None);
+    assert_eq!(skip_value(b"\"\"", 0), Some(2));
+    assert_eq!(skip_value(b"x\"ab\"y", 1), Some(5));
+    assert_eq!(skip_value(b"\"ab", 0), None);
+    assert_eq!(skip_value(b"", 0), None);
+}
