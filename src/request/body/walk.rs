@@ -19,30 +19,44 @@ use super::{skip_ws, RawJson};
 pub(super) const MAX_DEPTH: usize = 64;
 
 /// Bytes examined per string step.
-const LANE: usize = 16;
+const LANE: usize = 64;
 
 /// Bit `i` set where byte `i` of the lane ends a string's plain run: `"`, `\` or a control
-/// character (below 0x20). SSE2: three compares and one movemask.
+/// character (below 0x20). SSE2, for each 16 bytes: three compares and one movemask.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn specials(lane: &[u8; LANE]) -> u32 {
+fn specials(lane: &[u8; LANE]) -> u64 {
     use safe_arch::{
         bitor_m128i, cmp_eq_mask_i8_m128i, m128i, min_u8_m128i, move_mask_i8_m128i,
         set_splat_i8_m128i,
     };
-    let x = m128i::from(*lane);
-    let quote = cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'"' as i8));
-    let backslash = cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'\\' as i8));
-    // Below 0x20 (unsigned): min(x, 0x1F) == x.
-    let control = cmp_eq_mask_i8_m128i(min_u8_m128i(x, set_splat_i8_m128i(0x1F)), x);
-    move_mask_i8_m128i(bitor_m128i(bitor_m128i(quote, backslash), control)) as u32
+    let quote = set_splat_i8_m128i(b'"' as i8);
+    let backslash = set_splat_i8_m128i(b'\\' as i8);
+    let below_space = set_splat_i8_m128i(0x1F);
+    let mut m = 0;
+    for (j, v) in lane.chunks_exact(16).enumerate() {
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(v);
+        let x = m128i::from(bytes);
+        // Below 0x20 (unsigned): min(x, 0x1F) == x.
+        let control = cmp_eq_mask_i8_m128i(min_u8_m128i(x, below_space), x);
+        let hits = bitor_m128i(
+            bitor_m128i(
+                cmp_eq_mask_i8_m128i(x, quote),
+                cmp_eq_mask_i8_m128i(x, backslash),
+            ),
+            control,
+        );
+        m |= u64::from(move_mask_i8_m128i(hits) as u16) << (16 * j);
+    }
+    m
 }
 
 /// [`specials`] byte by byte: the reference, and the reading on other targets.
 #[cfg(any(test, not(target_arch = "x86_64")))]
-fn specials_simple(lane: &[u8; LANE]) -> u32 {
+fn specials_simple(lane: &[u8; LANE]) -> u64 {
     lane.iter().enumerate().fold(0, |m, (i, &c)| {
-        m | u32::from(c == b'"' || c == b'\\' || c < 0x20) << i
+        m | u64::from(c == b'"' || c == b'\\' || c < 0x20) << i
     })
 }
 
@@ -71,7 +85,7 @@ fn skip_string(b: &[u8], at: usize) -> Option<usize> {
                         i = next;
                         continue 'lanes;
                     }
-                    m &= u32::MAX << (next - i);
+                    m &= u64::MAX << (next - i);
                 }
                 _ => return None,
             }
