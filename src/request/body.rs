@@ -234,8 +234,8 @@ fn raw_at(body: &[u8], at: usize) -> Result<(&RawValue, usize), BodyError> {
 /// The value at `at` as [`raw_at`] reads it: without serde when the walk can tell; serde for the
 /// rest (and for every error).
 fn raw_text_at(body: &[u8], at: usize) -> Result<(RawJson<'_>, usize), BodyError> {
-    let walked = walk::skip_value(body, at)
-        .and_then(|end| Some((std::str::from_utf8(&body[at..end]).ok()?, end)));
+    let walked =
+        walk::skip_value(body, at).and_then(|end| Some((walk::utf8(&body[at..end])?, end)));
     match walked {
         Some((text, end)) => Ok((RawJson(text), end)),
         None => raw_at(body, at).map(|(v, end)| (RawJson(v.get()), end)),

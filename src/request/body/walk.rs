@@ -6,8 +6,9 @@
 //!
 //! It answers for JSON as RFC 8259 writes it, nested up to [`MAX_DEPTH`] levels. Anything it does
 //! not accept (an error anywhere, or deeper nesting) is None and left to serde, whose answer and
-//! error message it is. UTF-8 is not checked here: the caller checks a value's whole text once
-//! (every structural byte is ASCII, so that is the check serde makes of each raw value).
+//! error message it is. UTF-8 is not checked while walking: the caller checks a value's whole
+//! text once ([`utf8`]; every structural byte is ASCII, so that is the check serde makes of each
+//! raw value).
 //!
 //! Invariant: where [`skip_value`] or [`split_array`] answer, serde_json accepts the same bytes
 //! as one value (once their UTF-8 is valid), ending where they say, with the same elements
@@ -152,6 +153,12 @@ fn skip_number(b: &[u8], at: usize) -> Option<usize> {
     Some(i)
 }
 
+/// `b` as text when it is valid UTF-8 (SIMD-checked: the same answer as `std::str::from_utf8`,
+/// several times faster on long text).
+pub(super) fn utf8(b: &[u8]) -> Option<&str> {
+    simdutf8::basic::from_utf8(b).ok()
+}
+
 /// The value at `b[at]` (no whitespace before it): the offset just past it. As serde reads a value
 /// out of a stream, a number or a literal must end where whitespace, a structural byte or the
 /// input does.
@@ -241,7 +248,7 @@ pub(super) fn split_array(
         }
         n += 1;
     })?;
-    let text = std::str::from_utf8(&b[at..end]).ok()?;
+    let text = utf8(&b[at..end])?;
     if n > cap {
         return Some((None, end));
     }

@@ -173,7 +173,7 @@ fn the_walk_agrees_with_serde() {
         }
         let serde_end = value_at::<&RawValue>(&b, 0).ok().map(|(_, end)| end);
         match skip_value(&b, 0) {
-            Some(end) if std::str::from_utf8(&b[..end]).is_ok() => {
+            Some(end) if utf8(&b[..end]).is_some() => {
                 answered += 1;
                 assert_eq!(Some(end), serde_end, "{}", String::from_utf8_lossy(&b));
             }
@@ -268,8 +268,7 @@ fn strings_of_every_kind_agree_with_serde() {
         }
         body.extend_from_slice(b" , 1");
         cases += 1;
-        let ours = skip_value(&body, at)
-            .and_then(|end| Some((std::str::from_utf8(&body[at..end]).ok()?, end)));
+        let ours = skip_value(&body, at).and_then(|end| Some((utf8(&body[at..end])?, end)));
         let theirs = value_at::<&RawValue>(&body, at)
             .ok()
             .map(|(v, end)| (v.get().to_owned(), end));
@@ -295,4 +294,42 @@ fn only_a_value_is_read() {
     assert_eq!(skip_value(b"x\"ab\"y", 1), Some(5));
     assert_eq!(skip_value(b"\"ab", 0), None);
     assert_eq!(skip_value(b"", 0), None);
+}
+
+/// The SIMD UTF-8 check answers as the standard library's, on text of every length around its
+/// vectors' sizes with valid and broken sequences anywhere.
+#[test]
+fn utf8_agrees_with_the_standard_check() {
+    let mut rng = fastrand::Rng::with_seed(9);
+    let pieces: [&[u8]; 9] = [
+        b"plain ascii text ",
+        "é".as_bytes(),
+        "漢字".as_bytes(),
+        "🦀".as_bytes(),
+        b"\x80",
+        b"\xc3",
+        b"\xed\xa0\x80",
+        b"\xf4\x90\x80\x80",
+        b"\xff",
+    ];
+    let (mut valid, mut cases) = (0, 0);
+    for _ in 0..20_000 {
+        let mut b = Vec::new();
+        while b.len() < rng.usize(..300) {
+            let p = if rng.u8(..8) == 0 {
+                pieces[rng.usize(..pieces.len())]
+            } else {
+                pieces[rng.usize(..4)]
+            };
+            b.extend_from_slice(p);
+        }
+        let want = std::str::from_utf8(&b).ok();
+        assert_eq!(utf8(&b), want, "{b:?}");
+        valid += usize::from(want.is_some());
+        cases += 1;
+    }
+    assert!(
+        valid * 5 > cases && valid * 5 < cases * 4,
+        "{valid} of {cases} valid"
+    );
 }
