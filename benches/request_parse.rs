@@ -73,38 +73,26 @@ fn ratios(_: &mut Criterion) {
         );
     }
     // A completions body whose prompt is one ~400 KiB plain string (approximate mode's usual
-    // body): read by kvepp's JSON walk, against serde's own scan of the same value (skipped
-    // unbuilt).
-    let b = completion_body(400 << 10);
-    let ours = time(300, || {
-        kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
-    });
-    let skip = time(300, || {
-        serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
-    });
-    println!(
-        "ratio completion_string/{}: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
-        400 << 10,
-        ours * 1e6,
-        skip * 1e6,
-        ours / skip
-    );
-    // A chat body with dense escapes: its messages split by the walk, against serde skipping the
-    // same body.
-    let b = chat_escapes_body(400 << 10);
-    let ours = time(300, || {
-        kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
-    });
-    let skip = time(300, || {
-        serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
-    });
-    println!(
-        "ratio chat_escapes/{}: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
-        400 << 10,
-        ours * 1e6,
-        skip * 1e6,
-        ours / skip
-    );
+    // body), and a chat body with dense escapes (its messages split): read by kvepp's JSON walk,
+    // against serde's own scan of the same body (skipped unbuilt).
+    for (name, b) in [
+        ("completion_string", completion_body(400 << 10)),
+        ("chat_escapes", chat_escapes_body(400 << 10)),
+    ] {
+        let ours = time(300, || {
+            kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
+        });
+        let skip = time(300, || {
+            serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
+        });
+        println!(
+            "ratio {name}/{}: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
+            400 << 10,
+            ours * 1e6,
+            skip * 1e6,
+            ours / skip
+        );
+    }
 }
 
 /// A chat body whose system message holds a document of about `size` bytes with an escaped

@@ -87,37 +87,36 @@ fn value_text(rng: &mut fastrand::Rng, out: &mut Vec<u8>, depth: usize) {
         1 => number(rng, out),
         2 => out.extend_from_slice([&b"true"[..], b"false", b"null"][rng.usize(..3)]),
         3 => string(rng, out),
-        4 | 5 => {
-            out.push(b'{');
+        4 | 5 => list(rng, out, *b"{}", |rng, out| {
+            string(rng, out);
             ws(rng, out);
-            for i in 0..rng.usize(..5) {
-                if i > 0 {
-                    out.push(b',');
-                    ws(rng, out);
-                }
-                string(rng, out);
-                ws(rng, out);
-                out.push(b':');
-                ws(rng, out);
-                value_text(rng, out, depth - 1);
-                ws(rng, out);
-            }
-            out.push(b'}');
-        }
-        _ => {
-            out.push(b'[');
+            out.push(b':');
             ws(rng, out);
-            for i in 0..rng.usize(..5) {
-                if i > 0 {
-                    out.push(b',');
-                    ws(rng, out);
-                }
-                value_text(rng, out, depth - 1);
-                ws(rng, out);
-            }
-            out.push(b']');
-        }
+            value_text(rng, out, depth - 1);
+        }),
+        _ => list(rng, out, *b"[]", |rng, out| value_text(rng, out, depth - 1)),
     }
+}
+
+/// A container: `open`, up to four entries made by `entry`, separated by commas, and `close`,
+/// with some whitespace around them.
+fn list(
+    rng: &mut fastrand::Rng,
+    out: &mut Vec<u8>,
+    [open, close]: [u8; 2],
+    mut entry: impl FnMut(&mut fastrand::Rng, &mut Vec<u8>),
+) {
+    out.push(open);
+    ws(rng, out);
+    for i in 0..rng.usize(..5) {
+        if i > 0 {
+            out.push(b',');
+            ws(rng, out);
+        }
+        entry(rng, out);
+        ws(rng, out);
+    }
+    out.push(close);
 }
 
 /// One mutation: a byte replaced by one that JSON treats specially, a byte removed or
