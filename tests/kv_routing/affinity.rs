@@ -127,7 +127,13 @@ async fn a_prefix_cached_under_an_adapter_matches_only_that_adapter() {
     let home_addr = if home == "a" { a.http } else { b.http }.to_string();
     let other_addr = if home == "a" { b.http } else { a.http }.to_string();
     let score = |v: &serde_json::Value, addr: &str| v["scores"][addr].as_f64().expect("score");
-    // The adapter's prefix is found on its engine (once kvepp has the event).
+    // Its engine's event applied first: a probe sent while both scored alike could be routed to
+    // the other engine, which would then cache the prefix too and never score lower.
+    wait_for("the adapter's blocks applied", || async {
+        (epp.metric("kvepp_kv_event_blocks_stored_total").await? > 0.0).then_some(())
+    })
+    .await;
+    // The adapter's prefix is found on its engine (once the index publishes the event).
     wait_for("the adapter's prefix found on its engine", || {
         let (p, home_addr, other_addr) = (p.clone(), home_addr.clone(), other_addr.clone());
         let envoy = &envoy;
