@@ -78,6 +78,7 @@ fn ratios(_: &mut Criterion) {
     for (name, b) in [
         ("completion_string", completion_body(400 << 10)),
         ("chat_escapes", chat_escapes_body(400 << 10)),
+        ("tools_short_strings", tools_body(300)),
     ] {
         let ours = time(300, || {
             kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
@@ -86,8 +87,8 @@ fn ratios(_: &mut Criterion) {
             serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
         });
         println!(
-            "ratio {name}/{}: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
-            400 << 10,
+            "ratio {name}/{} bytes: kvepp {:.2} µs vs serde skipping it {:.2} µs = {:.2}×",
+            b.len(),
             ours * 1e6,
             skip * 1e6,
             ours / skip
@@ -101,6 +102,22 @@ fn chat_escapes_body(size: usize) -> Vec<u8> {
     let doc = "kv cache routing prefill decode block 42,\\n".repeat(size / 44 + 1);
     format!(
         "{{\"model\":\"m\",\"messages\":[{{\"role\":\"system\",\"content\":\"{doc}\"}},{{\"role\":\"user\",\"content\":\"And about \\\"decode\\\"?\"}}]}}"
+    )
+    .into_bytes()
+}
+
+/// A chat body with `n` tool definitions: many short strings and small objects (an agent's
+/// request), where a string rarely fills a step.
+fn tools_body(n: usize) -> Vec<u8> {
+    let tool = |i: usize| {
+        format!(
+            r#"{{"type":"function","function":{{"name":"tool_{i}","description":"Looks up item {i} in the catalog.","parameters":{{"type":"object","properties":{{"id":{{"type":"integer"}},"verbose":{{"type":"boolean","default":false}}}},"required":["id"]}}}}}}"#
+        )
+    };
+    let tools: Vec<String> = (0..n).map(tool).collect();
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"Find item 7."}}],"tools":[{}],"tool_choice":"auto","temperature":0.2}}"#,
+        tools.join(",")
     )
     .into_bytes()
 }

@@ -19,79 +19,111 @@ use super::{skip_ws, RawJson};
 /// Nesting deeper than this is left to serde (whose own limit is 128).
 pub(super) const MAX_DEPTH: usize = 64;
 
-/// Bytes examined per string step.
+/// Bytes examined per string step; a string's first step takes [`FIRST`] (most keys and short
+/// values end within it).
 const LANE: usize = 64;
+const FIRST: usize = 16;
 
-/// Bit `i` set where byte `i` of the lane ends a string's plain run: `"`, `\` or a control
-/// character (below 0x20). SSE2, for each 16 bytes: three compares and one movemask.
+/// Bit `i` set where byte `i` of the 16 ends a string's plain run: `"`, `\` or a control
+/// character (below 0x20). SSE2: three compares and one movemask.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn specials(lane: &[u8; LANE]) -> u64 {
+fn specials16(v: &[u8; 16]) -> u64 {
     use safe_arch::{
         bitor_m128i, cmp_eq_mask_i8_m128i, m128i, min_u8_m128i, move_mask_i8_m128i,
         set_splat_i8_m128i,
     };
-    let quote = set_splat_i8_m128i(b'"' as i8);
-    let backslash = set_splat_i8_m128i(b'\\' as i8);
-    let below_space = set_splat_i8_m128i(0x1F);
-    let mut m = 0;
-    for (j, v) in lane.chunks_exact(16).enumerate() {
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(v);
-        let x = m128i::from(bytes);
-        // Below 0x20 (unsigned): min(x, 0x1F) == x.
-        let control = cmp_eq_mask_i8_m128i(min_u8_m128i(x, below_space), x);
-        let hits = bitor_m128i(
-            bitor_m128i(
-                cmp_eq_mask_i8_m128i(x, quote),
-                cmp_eq_mask_i8_m128i(x, backslash),
-            ),
-            control,
-        );
-        m |= u64::from(move_mask_i8_m128i(hits) as u16) << (16 * j);
-    }
-    m
+    let x = m128i::from(*v);
+    // Below 0x20 (unsigned): min(x, 0x1F) == x.
+    let control = cmp_eq_mask_i8_m128i(min_u8_m128i(x, set_splat_i8_m128i(0x1F)), x);
+    let hits = bitor_m128i(
+        bitor_m128i(
+            cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'"' as i8)),
+            cmp_eq_mask_i8_m128i(x, set_splat_i8_m128i(b'\\' as i8)),
+        ),
+        control,
+    );
+    u64::from(move_mask_i8_m128i(hits) as u16)
 }
 
-/// [`specials`] byte by byte: the reference, and the reading on other targets.
+/// [`specials16`] byte by byte, of any width up to 64: the reference, and the reading on other
+/// targets.
 #[cfg(any(test, not(target_arch = "x86_64")))]
-fn specials_simple(lane: &[u8; LANE]) -> u64 {
-    lane.iter().enumerate().fold(0, |m, (i, &c)| {
+fn specials_simple(v: &[u8]) -> u64 {
+    v.iter().enumerate().fold(0, |m, (i, &c)| {
         m | u64::from(c == b'"' || c == b'\\' || c < 0x20) << i
     })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-use specials_simple as specials;
+fn specials16(v: &[u8; 16]) -> u64 {
+    specials_simple(v)
+}
+
+/// [`specials16`] of a lane's four 16-byte parts, as one mask.
+#[inline(always)]
+fn specials(lane: &[u8; LANE]) -> u64 {
+    let mut m = 0;
+    for (j, v) in lane.chunks_exact(16).enumerate() {
+        let mut part = [0u8; 16];
+        part.copy_from_slice(v);
+        m |= specials16(&part) << (16 * j);
+    }
+    m
+}
+
+/// Where a string's scan goes after a step.
+enum Step {
+    /// Its closing quote ends here (the offset past it).
+    End(usize),
+    /// The next step starts here.
+    At(usize),
+}
+
+/// Deals with every hit `m` of the step of `width` bytes at `b[i]`. An escape that ends within the
+/// step only clears the bits before its end (its own letter may be a `"` or `\\`).
+#[inline(always)]
+fn step(b: &[u8], i: usize, width: usize, mut m: u64) -> Option<Step> {
+    while m != 0 {
+        let hit = i + m.trailing_zeros() as usize;
+        match b[hit] {
+            b'"' => return Some(Step::End(hit + 1)),
+            b'\\' => {
+                let next = skip_escape(b, hit + 1)?;
+                if next >= i + width {
+                    return Some(Step::At(next));
+                }
+                m &= u64::MAX << (next - i);
+            }
+            _ => return None,
+        }
+    }
+    Some(Step::At(i + width))
+}
 
 /// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
 /// closing quote, a control character, or an escape JSON does not have.
 fn skip_string(b: &[u8], at: usize) -> Option<usize> {
-    // `i`: where the current lane starts; `m`: its special bytes not yet dealt with.
     let mut i = at + 1;
-    'lanes: loop {
+    if let Some(first) = b.get(i..i + FIRST) {
+        match step(
+            b,
+            i,
+            FIRST,
+            specials16(<&[u8; FIRST]>::try_from(first).ok()?),
+        )? {
+            Step::End(end) => return Some(end),
+            Step::At(next) => i = next,
+        }
+    }
+    loop {
         let Some(lane) = b.get(i..i + LANE) else {
             return skip_string_tail(b, i);
         };
-        let mut m = specials(<&[u8; LANE]>::try_from(lane).ok()?);
-        // Every hit of the lane from its mask: an escape that ends within the lane only
-        // clears the bits before its end (its own letter may be a `"` or `\\`).
-        while m != 0 {
-            let hit = i + m.trailing_zeros() as usize;
-            match b[hit] {
-                b'"' => return Some(hit + 1),
-                b'\\' => {
-                    let next = skip_escape(b, hit + 1)?;
-                    if next >= i + LANE {
-                        i = next;
-                        continue 'lanes;
-                    }
-                    m &= u64::MAX << (next - i);
-                }
-                _ => return None,
-            }
+        match step(b, i, LANE, specials(<&[u8; LANE]>::try_from(lane).ok()?))? {
+            Step::End(end) => return Some(end),
+            Step::At(next) => i = next,
         }
-        i += LANE;
     }
 }
 
