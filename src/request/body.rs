@@ -2,7 +2,7 @@
 //!
 //! The whole body is validated as JSON (so malformed input is rejected before it reaches a model
 //! server), but only the top-level `model` value is materialised. The top-level object is walked
-//! here. Each member's value is skipped by kvepp's own JSON walk ([`walk`]: strings 16 bytes a
+//! here. Each member's value is skipped by kvepp's own JSON walk ([`walk`]: strings 64 bytes a
 //! step with vector compares, so a chat's dense `\n` escapes stay cheap), which answers only for
 //! values it accepts; anything else goes to serde_json (`&RawValue`: validated, borrowed, never
 //! built), whose answer and error message it is. A `messages` array comes out of the same pass
