@@ -388,6 +388,30 @@ fn chunk_parts(parts: &[&[u8]], max: usize) -> Vec<Vec<u8>> {
 mod tests {
     use super::*;
 
+    /// One mutation of `b` at or past byte `from` (the body scanners' differential tests): a
+    /// byte replaced by one of `replace`, a byte removed, one of `insert` inserted, or the rest
+    /// cut. Nothing when `b` has no byte there.
+    pub(super) fn mutate(
+        rng: &mut fastrand::Rng,
+        b: &mut Vec<u8>,
+        from: usize,
+        replace: &[u8],
+        insert: &[u8],
+    ) {
+        if b.len() <= from {
+            return;
+        }
+        let i = rng.usize(from..b.len());
+        match rng.u8(..4) {
+            0 => b[i] = replace[rng.usize(..replace.len())],
+            1 => {
+                b.remove(i);
+            }
+            2 => b.insert(i, insert[rng.usize(..insert.len())]),
+            _ => b.truncate(i),
+        }
+    }
+
     #[test]
     fn finds_model_and_span() {
         let body = br#"{"prompt":"hi","model":"llama","max_tokens":3}"#;
@@ -532,7 +556,7 @@ mod tests {
     fn agrees_with_a_full_parse_on_mutated_bodies() {
         let seeds: [&[u8]; 8] = [
             br#"{"model":"m","prompt":"hi \"there\" \u00e9","max_tokens":3,"stream":true}"#,
-            // Plain strings longer than a step of the plain-string reader.
+            // Plain strings longer than the walk's first 16-byte step of a string.
             r#"{"model":"m","prompt":"The quick brown fox jumps over the lazy dog, é 漢字 🦀 and on","suffix":"a second plain string, again over thirty-two bytes"}"#.as_bytes(),
             br#"{"model":"m","messages":[ {"role":"system","content":"x"} ,{"role":"user","content":"\"y\""},[1],"z" ] }"#,
             br#"{"model":"m","prompt":[101, 2023,0 ,19,4294967295],"max_tokens":3}"#,
