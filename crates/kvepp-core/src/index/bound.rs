@@ -106,10 +106,10 @@ impl PrefixIndex {
             Holders::One(_) => false,
             Holders::Spill(i) => {
                 let list = &mut self.spill[i as usize];
-                let Some(pos) = list.iter().position(|h| h.rank == s) else {
+                let Ok(pos) = super::holders::find(list, s) else {
                     return false;
                 };
-                list.swap_remove(pos);
+                list.remove(pos);
                 self.spill_fp[i as usize] = super::fingerprint(list);
                 if let [only] = list.as_slice() {
                     *word = Holders::One(*only).pack();

@@ -2,7 +2,8 @@
 //! in a spilled list; and what a walk compares of them (identities, fingerprints).
 //!
 //! Invariants: a packed word is never 0 (a holder has a non-zero reference count); the spill
-//! marker is never a real rank slot; a fingerprint does not depend on the holders' order.
+//! marker is never a real rank slot; a spilled list is in slot order (the index keeps it so);
+//! a fingerprint does not depend on the holders' order.
 
 use super::Tier;
 
@@ -45,6 +46,12 @@ impl HolderList<'_> {
             HolderList::Many(l) => l,
         }
     }
+}
+
+/// Where slot `s` is in a spilled list (kept in slot order): Ok its position, Err where it
+/// would go.
+pub(super) fn find(list: &[Holder], s: u16) -> Result<usize, usize> {
+    list.binary_search_by_key(&s, |h| h.rank)
 }
 
 /// What a walk reads of one holder: its rank and the fastest tier it holds the block in (3:

@@ -13,7 +13,8 @@
 //! Invariants (checked against `reference::ReferenceIndex` by a differential test):
 //! - a (block, rank) pair exists iff one of its tier reference counts is non-zero; duplicate stores
 //!   add references, removals take them away, `AllBlocksCleared` drops the rank's pairs;
-//! - a spilled holder list has at least two holders, never the same rank twice;
+//! - a spilled holder list has at least two holders, never the same rank twice, in rank slot
+//!   order (so a lookup of one rank in it is a binary search, `holders::find`);
 //! - `blocks` of a rank is its number of pairs, and never exceeds the rank's limit (at most
 //!   `max_blocks_per_rank`; [`PrefixIndex::set_rank_limit`] lowers it to what the engine reports):
 //!   a store beyond it first drops the rank's oldest pair, counted (`bound`), so a publisher that
@@ -37,6 +38,7 @@
 
 mod bound;
 mod holders;
+mod levels;
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
 pub mod reference;
@@ -45,6 +47,7 @@ mod table;
 mod walk;
 
 use self::holders::{fingerprint, Holder, HolderList, Holders};
+pub use self::levels::LevelView;
 pub use self::shared::SharedIndex;
 pub use self::walk::MatchScratch;
 
@@ -516,7 +519,12 @@ impl PrefixIndex {
                     if full {
                         return Err(refused);
                     }
-                    let list = vec![h, Holder::new(s, tier)];
+                    let new = Holder::new(s, tier);
+                    let list = if h.rank < s {
+                        vec![h, new]
+                    } else {
+                        vec![new, h]
+                    };
                     let fp = fingerprint(&list);
                     let i = match self.spill_free.pop() {
                         Some(i) => {
@@ -534,15 +542,19 @@ impl PrefixIndex {
                 }
                 Holders::Spill(i) => {
                     let list = &mut self.spill[i as usize];
-                    if let Some(h) = list.iter_mut().find(|h| h.rank == s) {
-                        h.refs[t] = h.refs[t].saturating_add(1);
-                        self.spill_fp[i as usize] = fingerprint(list);
-                        return Ok(false);
-                    }
+                    let at = match holders::find(list, s) {
+                        Ok(at) => {
+                            let h = &mut list[at];
+                            h.refs[t] = h.refs[t].saturating_add(1);
+                            self.spill_fp[i as usize] = fingerprint(list);
+                            return Ok(false);
+                        }
+                        Err(at) => at,
+                    };
                     if full {
                         return Err(refused);
                     }
-                    list.push(Holder::new(s, tier));
+                    list.insert(at, Holder::new(s, tier));
                     self.spill_fp[i as usize] = fingerprint(list);
                 }
             }
@@ -570,7 +582,7 @@ impl PrefixIndex {
             }
             Holders::Spill(i) => {
                 let list = &mut self.spill[i as usize];
-                let Some(pos) = list.iter().position(|h| h.rank == s && h.refs[t] > 0) else {
+                let Some(pos) = holders::find(list, s).ok().filter(|&p| list[p].refs[t] > 0) else {
                     return Removal::NotHeld;
                 };
                 list[pos].refs[t] -= 1;
@@ -578,7 +590,7 @@ impl PrefixIndex {
                     self.spill_fp[i as usize] = fingerprint(list);
                     return Removal::Decremented;
                 }
-                list.swap_remove(pos);
+                list.remove(pos);
                 self.spill_fp[i as usize] = fingerprint(list);
                 if let [only] = list.as_slice() {
                     *word = Holders::One(*only).pack();

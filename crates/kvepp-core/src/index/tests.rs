@@ -307,6 +307,8 @@ fn differential(seed: u64, limit: u64, ops: usize) {
                     let ov = o.overlap;
                     assert!(ov.device <= ov.host && ov.host <= ov.disk && ov.disk > 0);
                 }
+                let exact = sorted(out.clone());
+                assert_levels_agree(&fast, &q, false, &exact, &all_ranks, &ctx);
             }
         }
         if op % 50 == 0 {
@@ -473,6 +475,47 @@ fn shared_prefixes_with_many_holders_agree_with_reference() {
     }
 }
 
+/// A walk into levels ([`PrefixIndex::walk_levels`]) reads the same runs as the walk that
+/// writes them (`want`, sorted), all at once and rank by rank (`ranks`, some holding nothing).
+fn assert_levels_agree(
+    ix: &PrefixIndex,
+    q: &[SequenceHash],
+    jump: bool,
+    want: &[RankOverlap],
+    ranks: &[WorkerRank],
+    ctx: &str,
+) {
+    let mut scratch = MatchScratch::default();
+    let mut out = Vec::new();
+    ix.walk_levels(q, &mut scratch, jump);
+    ix.walked_all(&scratch, &mut out);
+    assert_eq!(sorted(out), want, "{ctx}: levels, all ranks");
+    let hint = std::sync::atomic::AtomicU32::new(0);
+    for &r in ranks {
+        let got = ix.walked(&scratch, r, &hint);
+        let expected = want.iter().find(|o| o.rank == r).map(|o| o.overlap);
+        assert_eq!(got, expected, "{ctx}: levels, {r:?}");
+    }
+    // Each level ends where its holders' runs through it may end, and the first holds them all.
+    let levels: Vec<_> = (0..ix.level_count(&scratch))
+        .map(|k| ix.level(&scratch, k).unwrap())
+        .collect();
+    for o in want {
+        let first = levels.first().unwrap();
+        assert!(
+            (0..first.len()).any(|j| first.rank(j) == Some(o.rank)),
+            "{ctx}"
+        );
+        assert!(
+            levels
+                .iter()
+                .any(|l| l.end() >= o.overlap.disk
+                    && (0..l.len()).any(|j| l.rank(j) == Some(o.rank))),
+            "{ctx}"
+        );
+    }
+}
+
 /// The jumping walk against the exact one (and the reference) on prefix-closed contents: many
 /// ranks hold, per tier class, a prefix of one of a few long prompts that share a system prompt
 /// (device ⊆ device-or-host ⊆ any), some trimmed from the tail afterwards as an engine evicts,
@@ -558,6 +601,9 @@ fn jumping_walk_equals_the_exact_walk_on_prefix_closed_indexes() {
                     exact,
                     "round {round}, {cut} blocks"
                 );
+                let ranks: Vec<WorkerRank> = (0..60u64).map(|w| wr(w, (w % 3) as u32)).collect();
+                let ctx = format!("round {round}, {cut} blocks");
+                assert_levels_agree(&ix, q, true, &exact, &ranks, &ctx);
                 jumped += usize::from(exact.iter().any(|o| o.overlap.disk > 100));
             }
         }

@@ -15,11 +15,15 @@ pub struct MatchScratch {
     pub(super) runs: Vec<Run>,
     pub(super) touched: Vec<u16>,
     pub(super) epoch: u32,
+    /// The last walk was [`PrefixIndex::walk_levels`]: runs are read from `levels`.
+    pub(super) lazy: bool,
+    pub(super) levels: Vec<super::levels::Level>,
 }
 
 impl MatchScratch {
     /// Starts a walk over an index of `ranks` rank slots: no run is current.
     pub(super) fn begin(&mut self, ranks: usize) {
+        self.lazy = false;
         self.touched.clear();
         if self.runs.len() < ranks {
             self.runs.resize(ranks, Run::default());
@@ -29,6 +33,12 @@ impl MatchScratch {
             self.runs.fill(Run::default());
             self.epoch = 1;
         }
+    }
+
+    /// Starts a walk into levels ([`PrefixIndex::walk_levels`]).
+    pub(super) fn begin_levels(&mut self) {
+        self.lazy = true;
+        self.levels.clear();
     }
 }
 
@@ -125,7 +135,7 @@ impl PrefixIndex {
 
     /// The holders of a non-empty table word, with the identity the walks compare
     /// ([`holder_ident`] or the spilled list's [`fingerprint`]).
-    fn holders_ident(&self, word: u64) -> (u64, HolderList<'_>) {
+    pub(super) fn holders_ident(&self, word: u64) -> (u64, HolderList<'_>) {
         match Holders::unpack(word) {
             Holders::One(h) => (holder_ident(&h), HolderList::One(h)),
             Holders::Spill(i) => (
@@ -183,7 +193,7 @@ impl PrefixIndex {
     /// `len` holders), with its table word (0: nobody holds it); `hashes.len()` and 0 if every
     /// later block is held alike. Assumes "held alike" is true up to a point and false after it
     /// (see [`Self::find_matches_jumping`]).
-    fn first_unlike(
+    pub(super) fn first_unlike(
         &self,
         hashes: &[SequenceHash],
         ident: u64,
@@ -244,6 +254,9 @@ impl PrefixIndex {
                 s
             }
         };
+        if scratch.lazy {
+            return self.level_run(scratch, s as u16);
+        }
         scratch
             .runs
             .get(s)
@@ -260,6 +273,9 @@ impl PrefixIndex {
     /// (cleared first).
     pub fn walked_all(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
         out.clear();
+        if scratch.lazy {
+            return self.level_runs_all(scratch, out);
+        }
         out.extend(scratch.touched.iter().map(|&s| RankOverlap {
             rank: self.slot(s).id,
             overlap: scratch.runs[usize::from(s)].overlap(),

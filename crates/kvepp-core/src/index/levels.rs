@@ -1,0 +1,204 @@
+//! Walks that leave the holders where they are: [`PrefixIndex::walk_levels`] records the
+//! prompt's *levels* (each stretch of blocks held alike, with the table word of its holders)
+//! instead of writing a run for every holder, so a walk over blocks that half the fleet holds
+//! costs its table probes, not a write per holder. One rank's run is then worked out when it is
+//! asked for ([`PrefixIndex::walked`] on such a scratch): the levels replayed for that rank
+//! alone, one binary search in each spilled list (they are kept in slot order).
+//!
+//! What it owns: the levels of the last lazy walk in a [`MatchScratch`].
+//!
+//! Invariants: a rank's run read from levels equals the run [`PrefixIndex::walk`] would have
+//! written for it (`tests::level_runs_equal_the_walks_runs`); every rank that holds any of the
+//! prompt is a holder of the first level, and of a level whose end is at least its run.
+
+use super::holders::{find, Holder, HolderList};
+use super::walk::Run;
+use super::*;
+
+/// Blocks `start ..= start + alike` of a walked prompt, held alike by the holders in `word`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Level {
+    start: u32,
+    alike: u32,
+    word: u64,
+}
+
+/// One level as a pick reads it: where it ends and who holds it.
+#[derive(Clone, Copy)]
+pub struct LevelView<'a> {
+    ix: &'a PrefixIndex,
+    end: u32,
+    list: HolderList<'a>,
+}
+
+impl LevelView<'_> {
+    /// Blocks from the prompt's start to the level's end: no holder of it has a longer run
+    /// through it (a holder that missed an earlier block has a shorter one).
+    pub fn end(&self) -> u64 {
+        u64::from(self.end)
+    }
+
+    /// How many ranks hold the level's blocks.
+    pub fn len(&self) -> usize {
+        self.list.as_slice().len()
+    }
+
+    /// Whether no rank holds it (never, for a level a walk recorded).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `j`-th holder (in slot order).
+    pub fn rank(&self, j: usize) -> Option<WorkerRank> {
+        let h = self.list.as_slice().get(j)?;
+        Some(self.ix.slot(h.rank).id)
+    }
+}
+
+impl PrefixIndex {
+    /// Walks `hashes` into `scratch` as levels (see the module documentation): the search of
+    /// [`Self::find_matches_jumping`] where `jump`, else every block; [`Self::walked`] and
+    /// [`Self::walked_all`] then read runs from the levels. Unlike [`Self::walk`], it does not
+    /// stop where no rank's run is still alive, only where nobody holds a block (the runs are
+    /// the same: a rank's run ends at its first gap either way).
+    pub fn walk_levels(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch, jump: bool) {
+        scratch.begin_levels();
+        if jump && hashes.len() >= JUMP_MIN_BLOCKS {
+            self.levels_jumping(hashes, scratch);
+        } else {
+            self.levels_exact(hashes, scratch);
+        }
+    }
+
+    fn levels_exact(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
+        let mut cur: Option<(u64, usize, Level)> = None;
+        let (mut start, mut batch) = (0, 4);
+        'walk: while start < hashes.len() {
+            let end = (start + batch).min(hashes.len());
+            let mut keys = [0u64; MAX_BATCH];
+            for (k, seq) in keys.iter_mut().zip(&hashes[start..end]) {
+                *k = seq.0;
+            }
+            let mut words = [0u64; MAX_BATCH];
+            let n = end - start;
+            self.blocks.get_batch(&keys[..n], &mut words);
+            for (j, &word) in words[..n].iter().enumerate() {
+                if word == 0 {
+                    break 'walk;
+                }
+                let (ident, list) = self.holders_ident(word);
+                let len = list.as_slice().len();
+                match &mut cur {
+                    Some((id, l, level)) if *id == ident && *l == len => level.alike += 1,
+                    _ => {
+                        scratch.levels.extend(cur.map(|c| c.2));
+                        let start = (start + j) as u32;
+                        cur = Some((
+                            ident,
+                            len,
+                            Level {
+                                start,
+                                alike: 0,
+                                word,
+                            },
+                        ));
+                    }
+                }
+            }
+            start = end;
+            batch = MAX_BATCH;
+        }
+        scratch.levels.extend(cur.map(|c| c.2));
+    }
+
+    fn levels_jumping(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
+        let n = hashes.len();
+        let Some(mut word) = self.blocks.get(hashes[0].0) else {
+            return;
+        };
+        let mut at = 0usize;
+        loop {
+            let (ident, list) = self.holders_ident(word);
+            let (end, next) = self.first_unlike(hashes, ident, list.as_slice().len(), at);
+            scratch.levels.push(Level {
+                start: at as u32,
+                alike: (end - at - 1) as u32,
+                word,
+            });
+            if end == n || next == 0 {
+                break;
+            }
+            (word, at) = (next, end);
+        }
+    }
+
+    /// How many levels the last [`Self::walk_levels`] with `scratch` recorded (0 after a
+    /// [`Self::walk`]).
+    pub fn level_count(&self, scratch: &MatchScratch) -> usize {
+        if scratch.lazy {
+            scratch.levels.len()
+        } else {
+            0
+        }
+    }
+
+    /// Level `k` of the last [`Self::walk_levels`] with `scratch`.
+    pub fn level<'a>(&'a self, scratch: &MatchScratch, k: usize) -> Option<LevelView<'a>> {
+        let l = scratch.levels.get(k).filter(|_| scratch.lazy)?;
+        Some(LevelView {
+            ix: self,
+            end: l.start + l.alike + 1,
+            list: self.holders_ident(l.word).1,
+        })
+    }
+
+    /// Slot `s`'s run over the levels in `scratch`: what [`Self::walk`] would have written.
+    pub(super) fn level_run(&self, scratch: &MatchScratch, s: u16) -> Option<Overlap> {
+        let mut run = Run::default();
+        for (k, l) in scratch.levels.iter().enumerate() {
+            let held: Option<Holder> = match self.holders_ident(l.word).1 {
+                HolderList::One(h) => (h.rank == s).then_some(h),
+                HolderList::Many(list) => find(list, s).ok().map(|p| list[p]),
+            };
+            let Some(h) = held else {
+                break;
+            };
+            let i = l.start;
+            if k > 0 && run.any != i {
+                break;
+            }
+            run.any = i + 1;
+            if run.host == i && (h.refs[0] > 0 || h.refs[1] > 0) {
+                run.host = i + 1;
+            }
+            if run.device == i && h.refs[0] > 0 {
+                run.device = i + 1;
+            }
+            // The level's other blocks are held alike: every run it extended grows with them.
+            let next = i + 1;
+            run.any += l.alike;
+            if run.host == next {
+                run.host += l.alike;
+            }
+            if run.device == next {
+                run.device += l.alike;
+            }
+        }
+        (run.any > 0).then(|| run.overlap())
+    }
+
+    /// [`Self::walked_all`] over levels: every holder of the first level, with its run.
+    pub(super) fn level_runs_all(&self, scratch: &MatchScratch, out: &mut Vec<RankOverlap>) {
+        let Some(first) = scratch.levels.first() else {
+            return;
+        };
+        for h in self.holders_ident(first.word).1.as_slice() {
+            if let Some(overlap) = self.level_run(scratch, h.rank) {
+                out.push(RankOverlap {
+                    rank: self.slot(h.rank).id,
+                    overlap,
+                });
+            }
+        }
+    }
+}
