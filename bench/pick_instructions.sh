@@ -5,19 +5,22 @@
 # beside the first size's (the issue's target: 4000 endpoints ≤ 1.5× 1000 at 128k tokens).
 # Each size is counted twice: ordered picks (the default) and the full scan (`--scan`, the
 # reference). `--holders-every K`: every K-th endpoint holds the prompt's system prompt (2: the
-# bench's default fleet, where half the fleet holds it; 64: few holders).
+# bench's default fleet, where half the fleet holds it; 64: few holders). `--varied-loads`: each
+# endpoint's active request has its own length, so loads differ (by default they are equal and
+# endpoints of one kind tie exactly, which the scan's tie-break makes a pick read in full).
 # Usage: bench/pick_instructions.sh [--endpoints 1000,4000] [--tokens-k 128] [--picks 100]
-#        [--holders-every 2]
+#        [--holders-every 2] [--varied-loads]
 # PREBUILT=1 uses the bench binary already in target/release/deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-endpoints=1000,4000 tokens=128 picks=100 every=2
+endpoints=1000,4000 tokens=128 picks=100 every=2 varied=
 while [ $# -gt 0 ]; do
   case "$1" in
     --endpoints) endpoints=$2; shift 2 ;;
     --tokens-k) tokens=$2; shift 2 ;;
     --picks) picks=$2; shift 2 ;;
     --holders-every) every=$2; shift 2 ;;
+    --varied-loads) varied=--varied-loads; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -29,10 +32,10 @@ trap 'rm -rf "$tmp"' EXIT
 # Instructions callgrind collected for one run of the bench with `--kv-picks $3` (and `$4`).
 count() {
   valgrind --tool=callgrind --callgrind-out-file="$tmp/out" --log-file="$tmp/log" \
-    "$bin" --bench --endpoints "$1" --tokens-k "$2" --kv-picks "$3" --holders-every "$every" $4 >/dev/null
+    "$bin" --bench --endpoints "$1" --tokens-k "$2" --kv-picks "$3" --holders-every "$every" $varied $4 >/dev/null
   sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$tmp/log"
 }
-echo "## Instructions per KV-aware pick (callgrind, $picks picks a size, setup subtracted; every $every-th endpoint holds the system prompt)"
+echo "## Instructions per KV-aware pick (callgrind, $picks picks a size, setup subtracted; every $every-th endpoint holds the system prompt${varied:+, loads varied})"
 echo
 echo "| endpoints | prompt tokens | ordered pick | ÷ first size | full scan | ÷ first size | ordered ÷ scan |"
 echo "|---:|---:|---:|---:|---:|---:|---:|"

@@ -10,6 +10,7 @@
 //!                                     # ordered and full scan (`--kv-picks N`: the setups and N
 //!                                     # picks, nothing else; `--scan`: ordered picks off)
 //! cargo bench -p kvepp-core --bench pick -- --holders-every 64   # few endpoints hold the prompt
+//! cargo bench -p kvepp-core --bench pick -- --varied-loads       # no two endpoints' loads tie
 //! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
 //!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's and
 //!                                     # fixed work of the same median (the machine's own tail)
@@ -21,7 +22,8 @@
 //!    off). Index contents: every even endpoint (every K-th with `--holders-every K`) caches the
 //!    prompt's system prompt (a quarter of it, at most 2k tokens), every 16th (8K-th) a half,
 //!    endpoint 0 seven eighths, and every endpoint one unrelated 64-block chain; each endpoint has
-//!    one active request (those even ones share the system prompt). Also pick + book + release
+//!    one active request of 512 tokens (those even ones share the system prompt; with
+//!    `--varied-loads`, of 64 to 16k tokens, so loads differ). Also pick + book + release
 //!    at each size.
 //! 2. Scaling: picks per second from 1, 2, … threads over 1000 endpoints with 32k-token prompts
 //!    from 8 families, picks alone and pick + book + release, while another thread applies KV
@@ -87,6 +89,10 @@ struct Setup {
 /// its active request, every 8K-th caches half the prompt (a large K: few endpoints hold any of
 /// the prompt, the rest are told apart by load alone).
 static HOLDERS_EVERY: AtomicUsize = AtomicUsize::new(2);
+/// `--varied-loads`: each endpoint's active request has a prompt of its own length (64 to
+/// 16k tokens, spread by a hash of its number), so loads differ; else all are 512 tokens and
+/// endpoints of one kind tie exactly (every tied candidate must then be costed).
+static VARIED: AtomicBool = AtomicBool::new(false);
 /// `--scan`: every pick reads every candidate (ordered picks off), the reference.
 static SCAN: AtomicBool = AtomicBool::new(false);
 
@@ -133,7 +139,12 @@ fn setup(n: usize, tokens: usize) -> Setup {
         } else {
             sequence_hashes(&chain(3_000_000 + i as u64, 64).0)
         };
-        kv.reserve(&format!("active-{i}"), r, &hashes, 512, now)
+        let isl = if VARIED.load(Ordering::Relaxed) {
+            64 + (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) % 16_384
+        } else {
+            512
+        };
+        kv.reserve(&format!("active-{i}"), r, &hashes, isl, now)
             .unwrap();
     }
     // One pick makes the candidate list's roster (once per change of the pool, not per pick).
@@ -574,6 +585,10 @@ fn main() {
         HOLDERS_EVERY.store(k, Ordering::Relaxed);
     }
     SCAN.store(args.iter().any(|a| a == "--scan"), Ordering::Relaxed);
+    VARIED.store(
+        args.iter().any(|a| a == "--varied-loads"),
+        Ordering::Relaxed,
+    );
     if !args.iter().any(|a| a == "--bench") {
         // `cargo test`: a small case, checked.
         let s = setup(100, 1024);

@@ -293,6 +293,16 @@ impl CostWeights {
             + self.disk_cache_hit_weight * float(disk_only)
     }
 
+    /// The most [`Self::overlap_credit`] gives for `blocks` cached blocks in any tiers.
+    pub fn overlap_credit_bound(&self, blocks: u64) -> f64 {
+        let most = self
+            .overlap_score_credit
+            .max(self.host_cache_hit_weight)
+            .max(self.disk_cache_hit_weight)
+            .max(0.0);
+        most * float(blocks)
+    }
+
     pub fn cost(&self, block_size: u32, c: &CandidateLoad) -> f64 {
         // A product with the reciprocal (hoisted out of a loop over candidates; exact for the
         // power-of-two block sizes engines use).

@@ -133,9 +133,9 @@ impl PrefixIndex {
     }
 
     /// How many levels the last [`Self::walk_levels`] with `scratch` recorded (0 after a
-    /// [`Self::walk`]).
+    /// [`Self::walk`]; [`Self::materialize`] keeps them).
     pub fn level_count(&self, scratch: &MatchScratch) -> usize {
-        if scratch.lazy {
+        if scratch.has_levels {
             scratch.levels.len()
         } else {
             0
@@ -144,7 +144,7 @@ impl PrefixIndex {
 
     /// Level `k` of the last [`Self::walk_levels`] with `scratch`.
     pub fn level<'a>(&'a self, scratch: &MatchScratch, k: usize) -> Option<LevelView<'a>> {
-        let l = scratch.levels.get(k).filter(|_| scratch.lazy)?;
+        let l = scratch.levels.get(k).filter(|_| scratch.has_levels)?;
         Some(LevelView {
             ix: self,
             end: l.start + l.alike + 1,
@@ -185,6 +185,26 @@ impl PrefixIndex {
             }
         }
         (run.any > 0).then(|| run.overlap())
+    }
+
+    /// Writes every holder's run from the levels in `scratch`, as [`Self::walk`] would have
+    /// (a write per holder per level), so that [`Self::walked`] reads each in one step after:
+    /// for a caller about to ask for many ranks' runs. No-op after a [`Self::walk`].
+    pub fn materialize(&self, scratch: &mut MatchScratch) {
+        if !scratch.lazy {
+            return;
+        }
+        let levels = std::mem::take(&mut scratch.levels);
+        scratch.begin(self.ranks.len());
+        for l in &levels {
+            let list = self.holders_ident(l.word).1;
+            if !Self::extend_runs(scratch, list.as_slice(), l.start) {
+                break;
+            }
+            Self::extend_alike(scratch, list.as_slice(), l.start, l.alike);
+        }
+        scratch.levels = levels;
+        scratch.has_levels = true;
     }
 
     /// [`Self::walked_all`] over levels: every holder of the first level, with its run.

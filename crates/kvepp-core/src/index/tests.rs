@@ -514,6 +514,21 @@ fn assert_levels_agree(
             "{ctx}"
         );
     }
+    // Written out, the levels give the same runs again (and stay readable).
+    let count = levels.len();
+    ix.materialize(&mut scratch);
+    assert_eq!(ix.level_count(&scratch), count, "{ctx}: levels kept");
+    let mut out = Vec::new();
+    ix.walked_all(&scratch, &mut out);
+    assert_eq!(sorted(out), want, "{ctx}: materialized, all ranks");
+    for &r in ranks {
+        let expected = want.iter().find(|o| o.rank == r).map(|o| o.overlap);
+        assert_eq!(
+            ix.walked(&scratch, r, &hint),
+            expected,
+            "{ctx}: materialized, {r:?}"
+        );
+    }
 }
 
 /// The jumping walk against the exact one (and the reference) on prefix-closed contents: many

@@ -15,8 +15,11 @@ pub struct MatchScratch {
     pub(super) runs: Vec<Run>,
     pub(super) touched: Vec<u16>,
     pub(super) epoch: u32,
-    /// The last walk was [`PrefixIndex::walk_levels`]: runs are read from `levels`.
+    /// The last walk was [`PrefixIndex::walk_levels`], not materialized since: runs are read
+    /// from `levels`.
     pub(super) lazy: bool,
+    /// The last walk was [`PrefixIndex::walk_levels`]: `levels` are its.
+    pub(super) has_levels: bool,
     pub(super) levels: Vec<super::levels::Level>,
 }
 
@@ -24,6 +27,7 @@ impl MatchScratch {
     /// Starts a walk over an index of `ranks` rank slots: no run is current.
     pub(super) fn begin(&mut self, ranks: usize) {
         self.lazy = false;
+        self.has_levels = false;
         self.touched.clear();
         if self.runs.len() < ranks {
             self.runs.resize(ranks, Run::default());
@@ -38,6 +42,7 @@ impl MatchScratch {
     /// Starts a walk into levels ([`PrefixIndex::walk_levels`]).
     pub(super) fn begin_levels(&mut self) {
         self.lazy = true;
+        self.has_levels = true;
         self.levels.clear();
     }
 }
@@ -284,7 +289,7 @@ impl PrefixIndex {
 
     /// The `k` blocks after block `at` had the same holders as block `at`: every run that block
     /// `at` extended grows by `k` (in each tier it was extended in).
-    fn extend_alike(scratch: &mut MatchScratch, holders: &[Holder], at: u32, k: u32) {
+    pub(super) fn extend_alike(scratch: &mut MatchScratch, holders: &[Holder], at: u32, k: u32) {
         if k == 0 {
             return;
         }
@@ -307,7 +312,7 @@ impl PrefixIndex {
 
     /// Extends the runs of the ranks in `holders` that held every block before block `i`; false
     /// when none did (the walk is over).
-    fn extend_runs(scratch: &mut MatchScratch, holders: &[Holder], i: u32) -> bool {
+    pub(super) fn extend_runs(scratch: &mut MatchScratch, holders: &[Holder], i: u32) -> bool {
         let epoch = scratch.epoch;
         let mut alive = false;
         for h in holders {

@@ -220,6 +220,15 @@ impl Two {
     }
 }
 
+/// A level of the prompt held by at most this many ranks has them costed one by one; a larger
+/// one is left to the walk by load (small in tests, so random fleets take both paths).
+const ENUMERATE: usize = if cfg!(test) { 2 } else { 32 };
+
+/// The fewest reads of one rank's cached prefix from the levels after which an ordered pick
+/// writes every holder's run out (each read is a binary search per level; writing them all out
+/// costs about what the walk did before levels).
+const MATERIALIZE_AFTER: usize = if cfg!(test) { 3 } else { 48 };
+
 /// Floating-point slack for a bound against a cost computed in another order (far above the
 /// rounding of either, far below any difference a block count makes).
 fn slack(x: f64) -> f64 {
@@ -330,6 +339,7 @@ impl KvState {
             return None;
         }
         sc.seen[i] = sc.epoch;
+        Self::read_cached(walked, sc);
         let (load, version) = self.load_of(walked, sc, i, &candidates[i])?;
         let cost = w.cost(bs, &load);
         two.add(cost);
@@ -340,6 +350,18 @@ impl KvState {
             version,
         });
         Some(())
+    }
+
+    /// Counts a read of one rank's cached prefix; once the reads from the levels have cost
+    /// about what writing every holder's run out does (`sc.materialize_at`), writes them out
+    /// (each later read is then one step).
+    fn read_cached(walked: &Walked, sc: &mut PickScratch) {
+        sc.lazy_reads += 1;
+        if sc.lazy_reads == sc.materialize_at {
+            if let Some(ix) = &walked.index {
+                ix.materialize(&mut sc.matching);
+            }
+        }
     }
 
     /// An ordered pick's two walks (the prompt's index, its active requests' trie) and fresh
@@ -361,14 +383,12 @@ impl KvState {
         if ix.has_nonzero_dp_ranks() {
             return None;
         }
-        sc.found.clear();
         if !hashes.is_empty() {
-            ix.walk(
+            ix.walk_levels(
                 hashes,
                 &mut sc.matching,
                 self.settings.prefix_closed && !approximate,
             );
-            ix.walked_all(&sc.matching, &mut sc.found);
         }
         let walked = Walked {
             index: (!hashes.is_empty()).then_some(ix),
@@ -381,8 +401,17 @@ impl KvState {
             blocks: hashes.len() as u64,
             isl,
         };
-        self.slots.walk_held(hashes, &mut sc.held);
+        self.slots.walk_held_path(hashes, &mut sc.held);
         sc.visits.clear();
+        sc.lazy_reads = 0;
+        // A read from the levels costs about as many steps as writing out eight holders.
+        let holders: usize = walked.index.as_ref().map_or(0, |ix| {
+            (0..ix.level_count(&sc.matching))
+                .filter_map(|k| ix.level(&sc.matching, k))
+                .map(|l| l.len())
+                .sum()
+        });
+        sc.materialize_at = MATERIALIZE_AFTER.max(holders / 8);
         sc.epoch = sc.epoch.wrapping_add(1);
         if sc.seen.len() != n || sc.epoch == 0 {
             sc.seen.clear();
@@ -423,14 +452,20 @@ impl KvState {
         let share = w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
             + hashes.len() as f64;
         let cw = (w, bs);
-        // 1. The holder that may be cheapest (most cached), for a tight bound early.
         let credit = |o| w.prefill_load_scale * w.overlap_credit(o);
-        if let Some(top) = sc
-            .found
-            .iter()
-            .max_by(|a, b| credit(a.overlap).total_cmp(&credit(b.overlap)))
-        {
-            if let Some(i) = maps.of_worker(top.rank.worker, candidates) {
+        // The most any rank holding `end` blocks of the prompt can be credited for them.
+        let most_credit = |end: u64| w.prefill_load_scale * w.overlap_credit_bound(end);
+        let levels = walked
+            .index
+            .as_ref()
+            .map_or(0, |ix| ix.level_count(&sc.matching));
+        // 1. A holder of the deepest level (it may be the cheapest), for a tight bound early.
+        let level_rank = |sc: &PickScratch, k: usize, j: usize| {
+            let ix = walked.index.as_ref()?;
+            ix.level(&sc.matching, k)?.rank(j)
+        };
+        if let Some(r) = levels.checked_sub(1).and_then(|k| level_rank(sc, k, 0)) {
+            if let Some(i) = maps.of_worker(r.worker, candidates) {
                 self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
             }
         }
@@ -440,56 +475,106 @@ impl KvState {
                 self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
             }
         }
-        // 2. Holders of cached blocks whose bound does not rule them out.
+        // 2. Levels of cached blocks, deepest first, unless their bound (the least key, less
+        // the most their holders can be credited and the most any rank has active) rules them
+        // out: the holders of a level of at most an eighth of the candidates are read one by
+        // one (costed when their own key does not rule them out); a larger one's are left to
+        // the walk by load (step 4), which then allows for the credit they may have (`loose`).
         let least = self.slots.least_key();
         let most_held = sc.held.most() as f64;
-        let mut k = 0;
-        while let Some(&f) = sc.found.get(k) {
-            k += 1;
-            let below = share - credit(f.overlap) - most_held;
-            if least + below > two.1 + slack(two.1) {
-                continue;
-            }
-            if let Some(i) = maps.of_worker(f.rank.worker, candidates) {
-                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
-            }
-        }
-        // 3. Holders of active blocks, likewise (with their own key and share).
-        let mut k = 0;
-        while let Some(&id) = sc.held.holders().get(k) {
-            k += 1;
-            let Some(i) = maps.of_dense(id, candidates) else {
-                continue;
-            };
-            let e = &candidates[i];
-            let cached = walked
+        let mut loose = 0.0f64;
+        for k in (0..levels).rev() {
+            let Some((end, len)) = walked
                 .index
                 .as_ref()
-                .and_then(|ix| ix.walked(&sc.matching, e.rank(), &e.hints.index[walked.hint]));
-            let bound = self.slots.load_key(id) + share
-                - cached.map_or(0.0, credit)
-                - sc.held.get(id as usize) as f64;
-            if bound <= two.1 + slack(two.1) {
-                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+                .and_then(|ix| ix.level(&sc.matching, k))
+                .map(|l| (l.end(), l.len()))
+            else {
+                continue;
+            };
+            if least + share - most_credit(end) - most_held > two.1 + slack(two.1) {
+                continue;
+            }
+            if len > ENUMERATE.max(n / 8) {
+                loose = loose.max(most_credit(end));
+                continue;
+            }
+            // Each holder's own key bounds it (with the level's most credit and the most held).
+            let below = share - most_credit(end) - most_held;
+            for j in 0..len {
+                let Some(r) = level_rank(sc, k, j) else {
+                    break;
+                };
+                let Some(i) = maps.of_worker(r.worker, candidates) else {
+                    continue;
+                };
+                let id = candidates[i].hints.slot.load(Ordering::Relaxed);
+                if self.slots.load_key(id) + below <= two.1 + slack(two.1) {
+                    self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+                }
             }
         }
-        // 4. The least loaded, as long as their keys could beat the runner-up (every
-        // candidate not costed yet pays the whole share of the prompt).
-        let limit = |two: &Two| two.1 - share + slack(two.1);
+        // 3. Holders of active blocks, likewise (with their own key and share); when many
+        // ranks have some of the prompt active, the walk by load allows for the most any has.
+        let cached_credit = |sc: &PickScratch, e: &Endpoint| {
+            walked
+                .index
+                .as_ref()
+                .and_then(|ix| ix.walked(&sc.matching, e.rank(), &e.hints.index[walked.hint]))
+                .map_or(0.0, credit)
+        };
+        let loose_cached = loose;
+        if sc.held.holder_count() > ENUMERATE {
+            loose += most_held;
+        } else {
+            let mut k = 0;
+            while let Some(id) = sc.held.holder(k) {
+                k += 1;
+                let Some(i) = maps.of_dense(id, candidates) else {
+                    continue;
+                };
+                let bound = self.slots.load_key(id) + share
+                    - cached_credit(sc, &candidates[i])
+                    - sc.held.get(id as usize) as f64;
+                if bound <= two.1 + slack(two.1) {
+                    self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+                }
+            }
+        }
+        // 4. The least loaded, as long as their keys could beat the runner-up: every candidate
+        // not costed yet pays the whole share of the prompt, less what `loose` allows for. With
+        // an allowance, each one's own bound decides (a few reads of memory: at worst every
+        // candidate is read so, still far cheaper than costing it).
+        let limit = |two: &Two| two.1 - share + loose + slack(two.1);
         let mut failed = false;
-        self.slots.visit_by_load(limit(&two), |id, _| {
-            if let Some(i) = maps.of_dense(id, candidates) {
-                failed |= self
-                    .cost_once(&walked, sc, candidates, cw, i, &mut two)
-                    .is_none();
-            }
-            // Once it has failed, nothing more is read.
-            if failed {
-                f64::NEG_INFINITY
-            } else {
-                limit(&two)
-            }
-        });
+        let mut by_load = std::mem::take(&mut sc.by_load);
+        self.slots
+            .visit_by_load(limit(&two), &mut by_load, |id, key| {
+                if let Some(i) = maps.of_dense(id, candidates) {
+                    let e = &candidates[i];
+                    // Its own active share first (one read), then its cached one: read from the
+                    // levels one rank at a time, or, past a few dozen such reads, written out for
+                    // every holder at once.
+                    let uncached = key + share - sc.held.get(id as usize) as f64;
+                    let may_beat = loose == 0.0
+                        || (uncached - loose_cached <= two.1 + slack(two.1) && {
+                            Self::read_cached(&walked, sc);
+                            uncached - cached_credit(sc, e) <= two.1 + slack(two.1)
+                        });
+                    if may_beat {
+                        failed |= self
+                            .cost_once(&walked, sc, candidates, cw, i, &mut two)
+                            .is_none();
+                    }
+                }
+                // Once it has failed, nothing more is read.
+                if failed {
+                    f64::NEG_INFINITY
+                } else {
+                    limit(&two)
+                }
+            });
+        sc.by_load = by_load;
         if failed {
             return None;
         }

@@ -223,7 +223,7 @@ fn a_large_fleet_is_picked_from_few_candidates() {
             ix.find_matches(&p.hashes, &mut m, &mut found);
             let mut held = crate::slots::HeldScratch::default();
             kv.slots.walk_held(&p.hashes, &mut held);
-            found.len() + held.holders().len()
+            found.len() + held.holder_count()
         };
         // Half the fleet holds some of it (active bookings of the same stems): the bounds leave
         // a few dozen of them to cost (16 to 91 here).

@@ -99,4 +99,9 @@ pub(super) struct PickScratch {
     pub(super) close: Vec<f64>,
     /// How many candidates an ordered pick may cost before it leaves the pick to the scan.
     pub(super) budget: usize,
+    /// An ordered pick's walk over the ranks by load.
+    pub(super) by_load: crate::slots::VisitScratch,
+    /// Reads of one rank's cached prefix the ordered pick made (see `ordered::read_cached`).
+    pub(super) lazy_reads: usize,
+    pub(super) materialize_at: usize,
 }

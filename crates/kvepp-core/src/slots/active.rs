@@ -9,8 +9,8 @@
 //!   through it (`seq`, shared with the request that created it, never copied per node); a
 //!   child's run starts where its parent's ends, and the children of one node start with distinct
 //!   hashes (the key of the edge table);
-//! - a node's `ranks` holds, per dense rank id, how many of that rank's requests pass through it
-//!   (entries are never 0), and `total` their sum; a node whose total falls to 0 is removed at once,
+//! - a node's `ranks` holds, per dense rank id in id order, how many of that rank's requests
+//!   pass through it (entries are never 0), and `total` their sum; a node whose total falls to 0 is removed at once,
 //!   so nothing outlives the requests (no leak, whatever the hash lists);
 //! - a rank's distinct active blocks are the sum of the lengths of the nodes it is present in:
 //!   [`ActiveTrie::insert`] and [`ActiveTrie::remove`] return the change, so the tracker keeps the
@@ -55,7 +55,7 @@ struct Node {
     seq: Arc<[SequenceHash]>,
     start: usize,
     end: usize,
-    /// (dense rank id, requests of that rank through this node), unordered, counts ≥ 1.
+    /// (dense rank id, requests of that rank through this node), in id order, counts ≥ 1.
     ranks: Vec<(u32, u32)>,
     /// Requests through this node.
     total: u32,
@@ -103,21 +103,62 @@ pub struct HeldScratch {
     /// The dense ids the last walk found holding some of the prompt, and the most any holds.
     touched: Vec<u32>,
     most: u64,
+    /// The last walk was [`ActiveTrie::walk_path`]: per node on the path with ranks, how many
+    /// leading blocks it holds and where its ranks end in `copied` (its ranks, in id order).
+    lazy: bool,
+    path: Vec<(u64, u32)>,
+    copied: Vec<(u32, u32)>,
 }
 
 impl HeldScratch {
     /// Leading blocks of the last walk's prompt that the rank with this dense id has active.
     #[inline]
     pub(crate) fn get(&self, id: usize) -> u64 {
+        if self.lazy {
+            return self.on_path(id);
+        }
         match self.held.get(id) {
             Some(&(e, h)) if e == self.epoch => h,
             _ => 0,
         }
     }
 
-    /// The dense ids the last walk found holding some of its prompt active (each once).
-    pub(crate) fn holders(&self) -> &[u32] {
-        &self.touched
+    /// [`Self::get`] after a walk of the path: the deepest node on it that the rank is in.
+    fn on_path(&self, id: usize) -> u64 {
+        let Ok(id) = u32::try_from(id) else {
+            return 0;
+        };
+        let mut end = self.copied.len();
+        for &(held, at) in self.path.iter().rev() {
+            let start = at as usize;
+            if self.copied[start..end]
+                .binary_search_by_key(&id, |&(r, _)| r)
+                .is_ok()
+            {
+                return held;
+            }
+            end = start;
+        }
+        0
+    }
+
+    /// How many dense ids [`Self::holder`] lists: each holder of some of the prompt once, or
+    /// after a walk of the path, once per node it is in.
+    pub(crate) fn holder_count(&self) -> usize {
+        if self.lazy {
+            self.copied.len()
+        } else {
+            self.touched.len()
+        }
+    }
+
+    /// The `k`-th of [`Self::holder_count`].
+    pub(crate) fn holder(&self, k: usize) -> Option<u32> {
+        if self.lazy {
+            self.copied.get(k).map(|&(r, _)| r)
+        } else {
+            self.touched.get(k).copied()
+        }
     }
 
     /// The most leading blocks of the last walk's prompt any rank has active.
@@ -217,10 +258,10 @@ impl ActiveTrie {
             };
             let c = self.node_mut(child);
             c.total += 1;
-            match c.ranks.iter_mut().find(|(r, _)| *r == rank) {
-                Some((_, n)) => *n += 1,
-                None => {
-                    c.ranks.push((rank, 1));
+            match c.ranks.binary_search_by_key(&rank, |&(r, _)| r) {
+                Ok(i) => c.ranks[i].1 += 1,
+                Err(i) => {
+                    c.ranks.insert(i, (rank, 1));
                     added += c.len();
                 }
             }
@@ -269,10 +310,10 @@ impl ActiveTrie {
             let node = self.node_mut(n);
             let parent = node.parent;
             node.total = node.total.saturating_sub(1);
-            if let Some(i) = node.ranks.iter().position(|(r, _)| *r == rank) {
+            if let Ok(i) = node.ranks.binary_search_by_key(&rank, |&(r, _)| r) {
                 node.ranks[i].1 -= 1;
                 if node.ranks[i].1 == 0 {
-                    node.ranks.swap_remove(i);
+                    node.ranks.remove(i);
                     freed += node.len();
                 }
             }
@@ -339,6 +380,7 @@ impl ActiveTrie {
     /// How many leading blocks of `hashes` every rank has active, into `scratch` (read it with
     /// [`HeldScratch::get`]); `ranks` bounds the dense rank ids.
     pub(crate) fn walk(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch, ranks: usize) {
+        scratch.lazy = false;
         scratch.epoch += 1;
         scratch.touched.clear();
         scratch.most = 0;
@@ -379,6 +421,47 @@ impl ActiveTrie {
     }
 }
 
+impl ActiveTrie {
+    /// [`Self::walk`] that copies each node's ranks on the path as they are (a block copy
+    /// each) instead of writing an entry per rank, for a caller that asks for few ranks:
+    /// [`HeldScratch::get`] then searches the copies, deepest first.
+    pub(crate) fn walk_path(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
+        scratch.lazy = true;
+        scratch.touched.clear();
+        scratch.path.clear();
+        scratch.copied.clear();
+        scratch.most = 0;
+        let mut node = ROOT;
+        let mut pos = 0;
+        while let Some(&first) = hashes.get(pos) {
+            let Some(&child) = self.edges.get(&Edge {
+                parent: node,
+                first,
+            }) else {
+                break;
+            };
+            let c = self.node(child);
+            let m = common_prefix(c.run(), &hashes[pos..]);
+            if !c.ranks.is_empty() {
+                let held = (pos + m) as u64;
+                scratch.copied.extend_from_slice(&c.ranks);
+                scratch.path.push((held, scratch.copied.len() as u32));
+                scratch.most = scratch.most.max(held);
+            }
+            if (m as u64) < c.len() {
+                break;
+            }
+            pos = c.end;
+            node = child;
+        }
+        // Each node's entry names where its ranks end: turn ends into starts.
+        let mut start = 0;
+        for p in &mut scratch.path {
+            (p.1, start) = (start, p.1);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,10 +470,20 @@ mod tests {
         xs.iter().map(|&x| SequenceHash(x)).collect()
     }
 
+    /// The rank's active share of `xs`, by both walks (which must agree).
     fn held(t: &ActiveTrie, xs: &[u64], rank: usize) -> u64 {
         let mut s = HeldScratch::default();
         t.walk(&seq(xs), &mut s, 8);
-        s.get(rank)
+        let (got, most) = (s.get(rank), s.most());
+        let holders: std::collections::BTreeSet<u32> =
+            (0..s.holder_count()).filter_map(|k| s.holder(k)).collect();
+        t.walk_path(&seq(xs), &mut s);
+        assert_eq!(s.get(rank), got, "walk_path, rank {rank}");
+        assert_eq!(s.most(), most, "walk_path: the most held");
+        let listed: std::collections::BTreeSet<u32> =
+            (0..s.holder_count()).filter_map(|k| s.holder(k)).collect();
+        assert_eq!(listed, holders, "walk_path: the holders");
+        got
     }
 
     #[test]

@@ -28,6 +28,8 @@
 //! everything a pick reads of the tracker.
 
 use parking_lot::Mutex;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
@@ -75,24 +77,70 @@ fn word(bound: u32, version: u32) -> u64 {
     (u64::from(bound) << 32) | u64::from(version)
 }
 
-/// Ranks a bound word covers: a pick skips them together, and bookings on ranks of different
-/// groups never write the same word.
-const GROUP: usize = 64;
+/// Ranks a group's bound word covers: bookings on ranks of different groups never write the
+/// same group word.
+const GROUP: usize = 16;
+
+/// What a visit pops in key order: a rank, a group of ranks or a chunk of groups (the tag's top
+/// two bits; the rest is its number).
+const RANK: u32 = 0;
+const GROUP_TAG: u32 = 1 << 30;
+const CHUNK_TAG: u32 = 2 << 30;
+const NUMBER: u32 = (1 << 30) - 1;
+
+/// Reusable space of [`LoadOrder::visit`] (one per picking thread): its heap of what is still to
+/// read, least key or bound first.
+#[derive(Debug, Default)]
+pub struct VisitScratch(Vec<Reverse<(u64, u32)>>);
+
+/// One chunk of dense ids: their keys and, per group of them, a bound word.
+#[derive(Debug)]
+struct Chunk {
+    keys: Box<[AtomicU64]>,
+    groups: Box<[AtomicU64]>,
+}
 
 /// See the module documentation.
 #[derive(Debug)]
 pub(super) struct LoadOrder {
     per_chunk: usize,
-    /// Ranks per bound word (divides `per_chunk`).
+    /// Ranks per group word (divides `per_chunk`).
     group: usize,
-    keys: Box<[OnceLock<Box<[AtomicU64]>>]>,
-    /// Per group of ranks: its bound (high half) and version (low half).
-    words: Box<[AtomicU64]>,
+    chunks: Box<[OnceLock<Chunk>]>,
+    /// Per chunk: a bound of its groups' bounds (high half) and a version (low half).
+    tops: Box<[AtomicU64]>,
     /// The parameters keys are computed with (f64 bits, block size, f64 bits) and whether a
     /// rekey is under way (odd `state`).
     params: [AtomicU64; 3],
     state: AtomicU64,
     rekeying: Mutex<()>,
+}
+
+/// Lowers the bound in word `w` to `b` (if above) and moves its version on either way: a
+/// reader that read the word before cannot raise it after.
+fn lower(w: &AtomicU64, b: u32) {
+    let mut old = w.load(Ordering::Relaxed);
+    loop {
+        let new = word(((old >> 32) as u32).min(b), (old as u32).wrapping_add(1));
+        match w.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => break,
+            Err(x) => old = x,
+        }
+    }
+}
+
+/// Raises the bound in word `w` to `b`, the least of what it covers as read after `seen` was
+/// read from it, unless a writer lowered something since (the version moved on) or it is not
+/// higher.
+fn raise(w: &AtomicU64, seen: u64, b: u32) {
+    if b > (seen >> 32) as u32 {
+        let _ = w.compare_exchange(
+            seen,
+            word(b, seen as u32),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
 }
 
 impl LoadOrder {
@@ -104,8 +152,8 @@ impl LoadOrder {
         LoadOrder {
             per_chunk,
             group,
-            keys: (0..chunks).map(|_| OnceLock::new()).collect(),
-            words: (0..chunks * per_chunk / group)
+            chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
+            tops: (0..chunks)
                 .map(|_| AtomicU64::new(word(bound_of(f64::INFINITY), 0)))
                 .collect(),
             params: [
@@ -132,64 +180,54 @@ impl LoadOrder {
         self.state.load(Ordering::Acquire) & 1 == 0 && self.params() == *p
     }
 
-    fn chunk_keys(&self, chunk: usize) -> Option<&[AtomicU64]> {
-        let keys = self.keys.get(chunk)?.get_or_init(|| {
-            (0..self.per_chunk)
-                .map(|_| AtomicU64::new(f64::INFINITY.to_bits()))
-                .collect()
-        });
-        Some(keys)
+    /// Chunk `c`, made (every key +∞) on first use.
+    fn chunk_init(&self, c: usize) -> Option<&Chunk> {
+        Some(self.chunks.get(c)?.get_or_init(|| {
+            Chunk {
+                keys: (0..self.per_chunk)
+                    .map(|_| AtomicU64::new(f64::INFINITY.to_bits()))
+                    .collect(),
+                groups: (0..self.per_chunk / self.group)
+                    .map(|_| AtomicU64::new(word(bound_of(f64::INFINITY), 0)))
+                    .collect(),
+            }
+        }))
     }
 
-    /// The keys of group `g`'s first `len` dense ids in all (None: never written).
-    fn group_keys(&self, g: usize, len: usize) -> Option<&[AtomicU64]> {
-        let base = g * self.group;
-        let keys = self.keys.get(base / self.per_chunk)?.get()?;
-        let at = base % self.per_chunk;
+    /// Chunks spanning the first `len` dense ids.
+    fn chunk_count(&self, len: usize) -> usize {
+        len.div_ceil(self.per_chunk).min(self.chunks.len())
+    }
+
+    /// Group `g` of chunk `c` (numbered within it): its word and its keys among the first `len`
+    /// dense ids (None: the chunk was never written).
+    fn group(&self, c: usize, g: usize, len: usize) -> Option<(&AtomicU64, &[AtomicU64])> {
+        let chunk = self.chunks.get(c)?.get()?;
+        let base = c * self.per_chunk + g * self.group;
         let n = len.saturating_sub(base).min(self.group);
-        keys.get(at..at + n)
-    }
-
-    /// Groups spanning the first `len` dense ids.
-    fn groups(&self, len: usize) -> usize {
-        len.div_ceil(self.group).min(self.words.len())
-    }
-
-    /// The group of least bound among the first `len` dense ids' (None: none).
-    fn least_group(&self, len: usize) -> Option<usize> {
-        (0..self.groups(len)).min_by_key(|&g| self.bound(g))
-    }
-
-    /// The bound of group `g` as read now.
-    fn bound(&self, g: usize) -> u32 {
-        (self.words[g].load(Ordering::Acquire) >> 32) as u32
+        let at = g * self.group;
+        Some((chunk.groups.get(g)?, chunk.keys.get(at..at + n)?))
     }
 
     /// Stores the key of dense id `id` for its view `v` (the caller holds the rank's cell lock).
-    /// A key that did not fall leaves the group's word alone: the bound still holds, and a scan
-    /// that read the old key may raise the bound only to what it found, at most the new key.
+    /// A key that fell lowers its group's bound and its chunk's, in that order, moving both
+    /// versions on; a key that did not fall leaves them alone (they still hold, and a visit
+    /// that read the old key raises a bound only to what it found).
     pub(super) fn set(&self, id: u32, v: &RankView) {
         let key = self.params().key(v);
-        let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
-        let (Some(keys), Some(w)) = (
-            self.chunk_keys(chunk),
-            self.words.get(id as usize / self.group),
-        ) else {
+        let (c, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
+        let (Some(chunk), Some(top)) = (self.chunk_init(c), self.tops.get(c)) else {
             return;
         };
-        let old = f64::from_bits(keys[at].swap(key.to_bits(), Ordering::AcqRel));
+        let old = f64::from_bits(chunk.keys[at].swap(key.to_bits(), Ordering::AcqRel));
         if key >= old {
             return;
         }
         let b = bound_of(key);
-        let mut old = w.load(Ordering::Relaxed);
-        loop {
-            let new = word(((old >> 32) as u32).min(b), (old as u32).wrapping_add(1));
-            match w.compare_exchange_weak(old, new, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => break,
-                Err(x) => old = x,
-            }
+        if let Some(g) = chunk.groups.get(at / self.group) {
+            lower(g, b);
         }
+        lower(top, b);
     }
 
     /// Rekeys every rank with `p`: `each(id)` must call [`Self::set`] for each dense id below
@@ -211,90 +249,129 @@ impl LoadOrder {
 
     /// A lower bound of every key of the first `len` dense ids.
     pub(super) fn least(&self, len: usize) -> f64 {
-        (0..self.groups(len))
-            .map(|g| self.bound(g))
+        self.tops[..self.chunk_count(len)]
+            .iter()
+            .map(|w| (w.load(Ordering::Acquire) >> 32) as u32)
             .min()
             .map_or(f64::INFINITY, key_of_bound)
     }
 
-    /// A dense id below `len` of least key (None: none has a finite key): the least key of the
-    /// group of least bound, which holds it unless the bound is stale.
+    /// A dense id below `len` of least key (None: none has a finite key), or nearly: the least
+    /// key of the group of least bound in the chunk of least bound (stale bounds may mislead).
     pub(super) fn least_id(&self, len: usize) -> Option<u32> {
-        let g = self.least_group(len)?;
-        let (at, key) = self
-            .group_keys(g, len)?
+        let c = (0..self.chunk_count(len))
+            .min_by_key(|&c| self.tops[c].load(Ordering::Acquire) >> 32)?;
+        let chunk = self.chunks[c].get()?;
+        let g = (0..chunk.groups.len())
+            .min_by_key(|&g| chunk.groups[g].load(Ordering::Acquire) >> 32)?;
+        let (_, keys) = self.group(c, g, len)?;
+        let (at, key) = keys
             .iter()
             .map(|k| f64::from_bits(k.load(Ordering::Acquire)))
             .enumerate()
             .min_by(|a, b| a.1.total_cmp(&b.1))?;
-        key.is_finite().then_some((g * self.group + at) as u32)
+        key.is_finite()
+            .then_some((c * self.per_chunk + g * self.group + at) as u32)
     }
 
     /// The key of dense id `id` (+∞ if none).
     pub(super) fn key(&self, id: u32) -> f64 {
-        let (chunk, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
-        self.keys
-            .get(chunk)
+        let (c, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
+        self.chunks
+            .get(c)
             .and_then(OnceLock::get)
-            .and_then(|k| k.get(at))
+            .and_then(|k| k.keys.get(at))
             .map_or(f64::INFINITY, |k| f64::from_bits(k.load(Ordering::Acquire)))
     }
 
     /// Calls `visit(id, key)` for every dense id below `len` whose key is at most the limit,
-    /// `limit` at first and then what the last visit returned (a visit may lower it), starting
-    /// with the group of least bound; groups whose bound is above the limit are skipped unread.
-    pub(super) fn visit(&self, len: usize, limit: f64, mut visit: impl FnMut(u32, f64) -> f64) {
-        let groups = self.groups(len);
-        let Some(first) = self.least_group(len) else {
-            return;
-        };
-        let mut lim = self.visit_group(first, len, limit, &mut visit);
-        for g in (0..groups).filter(|&g| g != first) {
-            lim = self.visit_group(g, len, lim, &mut visit);
+    /// in order of key: `limit` at first, then what the last visit returned (a visit may lower
+    /// it, never raise it: what was left unread under a lower limit stays unread). Chunks and
+    /// groups are read only when their bound is the least of what is left and within the
+    /// limit, so a visit that stops early reads a few groups, however many ranks there are;
+    /// reading a group's keys (or a chunk's group bounds) raises its bound to the least found.
+    pub(super) fn visit(
+        &self,
+        len: usize,
+        limit: f64,
+        scratch: &mut VisitScratch,
+        mut visit: impl FnMut(u32, f64) -> f64,
+    ) {
+        let mut heap = BinaryHeap::from(std::mem::take(&mut scratch.0));
+        heap.clear();
+        let mut lim = limit;
+        for (c, w) in self.tops[..self.chunk_count(len)].iter().enumerate() {
+            let b = key_of_bound((w.load(Ordering::Acquire) >> 32) as u32);
+            if b <= lim {
+                heap.push(Reverse((b.to_bits(), CHUNK_TAG | c as u32)));
+            }
         }
+        while let Some(Reverse((bits, tag))) = heap.pop() {
+            let v = f64::from_bits(bits);
+            if v > lim {
+                break;
+            }
+            let n = (tag & NUMBER) as usize;
+            match tag & !NUMBER {
+                RANK => lim = visit(n as u32, v),
+                GROUP_TAG => self.read_group(n, len, lim, &mut heap),
+                _ => self.read_chunk(n, len, lim, &mut heap),
+            }
+        }
+        scratch.0 = heap.into_vec();
     }
 
-    /// [`Self::visit`] over group `g`; the limit after it.
-    fn visit_group(
+    /// A visit reads chunk `c`: its groups within `lim` go on the heap; its bound is raised.
+    fn read_chunk(
         &self,
-        g: usize,
+        c: usize,
         len: usize,
-        mut lim: f64,
-        visit: &mut impl FnMut(u32, f64) -> f64,
-    ) -> f64 {
-        let seen = self.words[g].load(Ordering::Acquire);
-        if key_of_bound((seen >> 32) as u32) > lim {
-            return lim;
-        }
-        let Some(keys) = self.group_keys(g, len) else {
-            return lim;
+        lim: f64,
+        heap: &mut BinaryHeap<Reverse<(u64, u32)>>,
+    ) {
+        let Some(chunk) = self.chunks.get(c).and_then(OnceLock::get) else {
+            return;
         };
-        let base = g * self.group;
+        let seen = self.tops[c].load(Ordering::Acquire);
+        let groups = (len.saturating_sub(c * self.per_chunk)).div_ceil(self.group);
+        let mut least = u32::MAX;
+        for (g, w) in chunk.groups.iter().take(groups).enumerate() {
+            let b = (w.load(Ordering::Acquire) >> 32) as u32;
+            least = least.min(b);
+            let k = key_of_bound(b);
+            if k <= lim {
+                let n = c * (self.per_chunk / self.group) + g;
+                heap.push(Reverse((k.to_bits(), GROUP_TAG | n as u32)));
+            }
+        }
+        raise(&self.tops[c], seen, least);
+    }
+
+    /// A visit reads group `n` (numbered over all chunks): its keys within `lim` go on the heap;
+    /// its bound is raised.
+    fn read_group(
+        &self,
+        n: usize,
+        len: usize,
+        lim: f64,
+        heap: &mut BinaryHeap<Reverse<(u64, u32)>>,
+    ) {
+        let per = self.per_chunk / self.group;
+        let (c, g) = (n / per, n % per);
+        let Some((w, keys)) = self.group(c, g, len) else {
+            return;
+        };
+        let seen = w.load(Ordering::Acquire);
+        let base = c * self.per_chunk + g * self.group;
         let mut least = f64::INFINITY;
         for (at, k) in keys.iter().enumerate() {
             let key = f64::from_bits(k.load(Ordering::Acquire));
             least = least.min(key);
             if key <= lim {
-                lim = visit((base + at) as u32, key);
+                heap.push(Reverse((key.to_bits(), RANK | (base + at) as u32)));
             }
         }
-        self.raise(g, seen, least);
-        lim
-    }
-
-    /// Raises group `g`'s bound to `least` (the least key a scan found, having read the word
-    /// `seen` before it), unless a writer lowered a key since (the version moved on) or it is
-    /// not higher.
-    fn raise(&self, g: usize, seen: u64, least: f64) {
-        let b = bound_of(least);
-        if b > (seen >> 32) as u32 {
-            let _ = self.words[g].compare_exchange(
-                seen,
-                word(b, seen as u32),
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            );
-        }
+        raise(w, seen, bound_of(least));
     }
 }
 
@@ -315,8 +392,9 @@ mod tests {
         v
     }
 
-    /// A scan that read the chunk before a writer lowered a key must not raise the bound above
-    /// that key; one that nobody disturbed does raise it (so visits skip the chunk again).
+    /// A visit that read a group (or a chunk) before a writer lowered a key must not raise its
+    /// bound above that key; one that nobody disturbed does raise it (so visits skip it again);
+    /// a visit yields the keys within its limit least first.
     #[test]
     fn a_raise_never_hides_a_key_stored_during_the_scan() {
         let order = LoadOrder::new(2, 4);
@@ -326,32 +404,32 @@ mod tests {
         }
         order.set(0, &view(0, 1));
         order.set(0, &view(0, 100));
-        let stale = order.words[0].load(Ordering::Acquire);
-        assert_eq!(
-            key_of_bound((stale >> 32) as u32),
-            1.0,
-            "stale low until a scan"
-        );
+        let g = &order.chunks[0].get().unwrap().groups[0];
+        let bound = |w: &AtomicU64| key_of_bound((w.load(Ordering::Acquire) >> 32) as u32);
+        let stale = g.load(Ordering::Acquire);
+        assert_eq!(bound(g), 1.0, "stale low until a scan");
         // Undisturbed: raised to the true least key.
-        order.raise(0, stale, 100.0);
-        let w = order.words[0].load(Ordering::Acquire);
-        assert_eq!(key_of_bound((w >> 32) as u32), 100.0);
+        raise(g, stale, bound_of(100.0));
+        assert_eq!(bound(g), 100.0);
         // A scan read the word, then a writer stored key 5: the scan's raise is refused.
         order.set(1, &view(0, 1));
         order.set(1, &view(0, 100));
-        let seen = order.words[0].load(Ordering::Acquire);
+        let seen = g.load(Ordering::Acquire);
         order.set(2, &view(0, 5));
-        order.raise(0, seen, 100.0);
-        let w = order.words[0].load(Ordering::Acquire);
-        assert!(
-            key_of_bound((w >> 32) as u32) <= 5.0,
-            "bound above a stored key"
-        );
+        raise(g, seen, bound_of(100.0));
+        assert!(bound(g) <= 5.0, "group bound above a stored key");
+        // Likewise a chunk's bound, even when the key that fell was above it.
+        let top = &order.tops[0];
+        let seen = top.load(Ordering::Acquire);
+        order.set(3, &view(0, 50));
+        raise(top, seen, bound_of(100.0));
+        assert!(bound(top) <= 5.0, "chunk bound above a stored key");
+        order.set(3, &view(0, 2));
         let mut seen_ids = Vec::new();
-        order.visit(4, 10.0, |id, _| {
+        order.visit(4, 10.0, &mut VisitScratch::default(), |id, _| {
             seen_ids.push(id);
             10.0
         });
-        assert_eq!(seen_ids, [2]);
+        assert_eq!(seen_ids, [3, 2], "least key first");
     }
 }

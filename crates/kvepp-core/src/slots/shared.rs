@@ -42,7 +42,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::active::{ActiveTrie, HeldScratch};
-use super::order::{KeyParams, LoadOrder};
+use super::order::{KeyParams, LoadOrder, VisitScratch};
 use super::{
     output_weight, Active, Map, NewRequest, PotentialLoad, RankLoad, RankState, RankView, SlotError,
 };
@@ -334,9 +334,14 @@ impl SharedSlots {
 
     /// Calls `visit(id, key)` for every dense id whose load key is at most the limit (`limit`,
     /// then what each visit returns), without reading the others' (see the `order` module).
-    pub fn visit_by_load(&self, limit: f64, visit: impl FnMut(u32, f64) -> f64) {
+    pub fn visit_by_load(
+        &self,
+        limit: f64,
+        scratch: &mut VisitScratch,
+        visit: impl FnMut(u32, f64) -> f64,
+    ) {
         self.order
-            .visit(self.len.load(Ordering::Acquire), limit, visit);
+            .visit(self.len.load(Ordering::Acquire), limit, scratch, visit);
     }
 
     /// The dense id of `rank` (for a hint that [`Self::project`] found wrong).
@@ -559,6 +564,15 @@ impl SharedSlots {
         self.tries[usize::from(shard)]
             .read()
             .walk(hashes, scratch, ranks);
+    }
+
+    /// [`Self::walk_held`] that copies the path's rank lists instead of writing an entry per
+    /// rank (see `ActiveTrie::walk_path`): for a pick that reads few ranks.
+    pub fn walk_held_path(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
+        let shard = self.trie_shard(hashes);
+        self.tries[usize::from(shard)]
+            .read()
+            .walk_path(hashes, scratch);
     }
 
     /// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to

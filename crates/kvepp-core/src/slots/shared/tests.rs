@@ -313,7 +313,9 @@ fn the_load_order_yields_exactly_the_keys_within_a_limit_after_concurrent_change
         s.spawn(move || {
             let mut rng = fastrand::Rng::with_seed(99);
             while !stop.load(Ordering::Relaxed) {
-                slots.visit_by_load(rng.f64() * 400.0, |_, _| rng.f64() * 400.0);
+                slots.visit_by_load(rng.f64() * 400.0, &mut VisitScratch::default(), |_, _| {
+                    rng.f64() * 400.0
+                });
             }
         });
         let bookers: Vec<_> = (0..3u64)
@@ -373,13 +375,15 @@ fn the_load_order_yields_exactly_the_keys_within_a_limit_after_concurrent_change
     let least = keys.iter().map(|k| k.1).fold(f64::INFINITY, f64::min);
     assert!(slots.least_key() <= least);
     let mut rng = fastrand::Rng::with_seed(7);
+    let mut scratch = VisitScratch::default();
     for _ in 0..200 {
         let limit = rng.f64() * 300.0;
         let mut seen = Vec::new();
-        slots.visit_by_load(limit, |id, k| {
+        slots.visit_by_load(limit, &mut scratch, |id, k| {
             seen.push((id, k));
             limit
         });
+        assert!(seen.windows(2).all(|w| w[0].1 <= w[1].1), "least key first");
         seen.sort_by_key(|k| k.0);
         let want: Vec<(u32, f64)> = keys.iter().copied().filter(|k| k.1 <= limit).collect();
         assert_eq!(seen, want, "limit {limit}");
