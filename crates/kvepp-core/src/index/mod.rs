@@ -33,6 +33,11 @@
 //! block. A walk leaves its runs in a [`MatchScratch`] indexed by rank slot; a caller reads one
 //! rank's with [`PrefixIndex::walked`] (a remembered slot hint, checked against a dense array of
 //! slot owners) or all of them with [`PrefixIndex::walked_all`].
+//! [`PrefixIndex::walk_levels`] walks the same way but writes no run: it keeps the prompt's
+//! levels (stretches held alike, with their holder lists, which are kept in slot order), and a
+//! rank's run is read from them when asked for, a binary search per level; for picks that read
+//! few of the holders of a widely held prefix ([`PrefixIndex::materialize`] writes the runs out
+//! when many are read after all).
 //!
 //! Clearing a rank scans the table (rare: engine restarts and departures).
 

@@ -3,11 +3,21 @@
 //! A candidate that caches nothing of the prompt and has none of it active costs its load key
 //! (the slot tracker's [`crate::slots::KeyParams`] order) plus the prompt's own share, the same
 //! for all of them; every other candidate is a *holder*, found by the two walks a pick makes
-//! anyway (the prefix index's and the active requests' trie). So the pick costs exactly:
-//! - holders whose lower bound (the least load key, or their own, with their cached and active
-//!   share of the prompt) is not above the runner-up's cost so far;
-//! - the ranks the slot tracker's order yields with keys up to the runner-up's cost less the
-//!   prompt's share (the order skips whole groups of 64 ranks above it unread);
+//! anyway (the prefix index's and the active requests' trie). Neither walk writes an entry per
+//! holder: the index's leaves the prompt's *levels* (stretches held alike, each with its
+//! holder list, [`crate::index::LevelView`]) and the trie's copies each node's rank list, and a
+//! rank's share is looked up in them when the rank is costed. So the pick costs exactly:
+//! - the holders of each level, deepest first, unless the level's bound (the least load key, less
+//!   the most its holders can be credited and the most any rank has active) rules the whole
+//!   level out; a level held by at most an eighth of the candidates is read holder by holder,
+//!   each costed unless its own key rules it out; a larger one is left to the walk by load,
+//!   which then allows for the credit its holders may have;
+//! - the holders of active blocks likewise, when few (when many, the walk by load allows for
+//!   the most any has);
+//! - the ranks the slot tracker's order yields, least key first, with keys up to the
+//!   runner-up's cost less the prompt's share plus those allowances (each one's own bound then
+//!   decides whether it is costed); the order reads a group of 16 ranks only when its bound is
+//!   the least left, so a walk that stops early reads a few groups however large the fleet;
 //!
 //! and then applies the scan's own choice ([`CostWeights::choose_two`]) to the costed candidates
 //! at most as dear as the runner-up, in candidate order: every candidate tied with the cheapest
@@ -17,7 +27,12 @@
 //!
 //! Exact ties cost it the most: every candidate tied with the cheapest or the runner-up must
 //! be costed (the scan's tie-break reads them all), so a pick that would cost more than an
-//! eighth of the candidates (an idle fleet, equal loads) stops and leaves the pick to the scan.
+//! eighth of the candidates stops and leaves the pick to the scan, as does a walk by load that
+//! costs 32 candidates (or a 32nd of them) in a row at the runner-up's cost (an idle fleet,
+//! equal loads).
+//! Reading one rank's cached prefix from the levels is a binary search per level; once a pick
+//! has read about as many as writing every holder's run out would cost, it writes them out
+//! ([`crate::index::PrefixIndex::materialize`]) and reads each in one step after.
 //!
 //! Where the shortcut would not be exact or does not apply, the pick reads every candidate as
 //! before: another cost model (predicted TTFT reads per-endpoint speeds and engine metrics),
@@ -223,6 +238,11 @@ impl Two {
 /// A level of the prompt held by at most this many ranks has them costed one by one; a larger
 /// one is left to the walk by load (small in tests, so random fleets take both paths).
 const ENUMERATE: usize = if cfg!(test) { 2 } else { 32 };
+
+/// Candidates costed in a row at the runner-up's cost (at least; a 32nd of the candidates if
+/// more) after which the walk by load takes it for a plateau of ties and leaves the pick to the
+/// scan (which reads them all at less cost each).
+const TIE_RUN: usize = 32;
 
 /// The fewest reads of one rank's cached prefix from the levels after which an ordered pick
 /// writes every holder's run out (each read is a binary search per level; writing them all out
@@ -547,6 +567,9 @@ impl KvState {
         // candidate is read so, still far cheaper than costing it).
         let limit = |two: &Two| two.1 - share + loose + slack(two.1);
         let mut failed = false;
+        // Candidates costed in a row at exactly the runner-up's cost: a plateau of ties (an idle
+        // fleet, equal loads), whose every member the scan's tie-break must read.
+        let mut tied = 0;
         let mut by_load = std::mem::take(&mut sc.by_load);
         self.slots
             .visit_by_load(limit(&two), &mut by_load, |id, key| {
@@ -562,9 +585,15 @@ impl KvState {
                             uncached - cached_credit(sc, e) <= two.1 + slack(two.1)
                         });
                     if may_beat {
+                        let before = sc.visits.len();
                         failed |= self
                             .cost_once(&walked, sc, candidates, cw, i, &mut two)
                             .is_none();
+                        if sc.visits.len() > before {
+                            let tie = sc.visits.last().is_some_and(|v| v.cost == two.1);
+                            tied = if tie { tied + 1 } else { 0 };
+                            failed |= tied >= TIE_RUN.max(n / 32);
+                        }
                     }
                 }
                 // Once it has failed, nothing more is read.

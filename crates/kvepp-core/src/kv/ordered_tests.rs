@@ -327,3 +327,85 @@ fn an_unnamed_list_is_mapped_once_it_comes_twice() {
         "the second pick of one list maps it"
     );
 }
+
+/// The bench's fleet in small: half of 2000 endpoints cache the prompt's system prompt and
+/// have it active, one in 16 caches half the prompt, one most of it, and loads differ. The
+/// levels held by a thousand endpoints are allowed for, not read holder by holder, so the
+/// ordered pick costs a handful of candidates and still agrees with the scan, pick after pick
+/// as bookings change the loads.
+#[test]
+fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
+    let n = 2000;
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = fleet(n);
+    let locals: Vec<LocalBlockHash> = (0..100u64).map(|i| LocalBlockHash(i + 1)).collect();
+    let hashes = sequence_hashes(&locals);
+    let blocks = |k: usize| -> Vec<(EngineBlockHash, LocalBlockHash)> {
+        hashes[..k]
+            .iter()
+            .map(|s| EngineBlockHash(s.0))
+            .zip(locals[..k].iter().copied())
+            .collect()
+    };
+    let now = Instant::now();
+    let mut g = fastrand::Rng::with_seed(11);
+    for (i, e) in eps.iter().enumerate() {
+        let r = rank(e);
+        kv.register_rank(r);
+        let cached = match i {
+            0 => 95,
+            i if i % 16 == 0 => 60,
+            i if i % 2 == 0 => 30,
+            _ => 0,
+        };
+        if cached > 0 {
+            let _ = kv
+                .index()
+                .write(|ix| ix.store(r, Tier::Device, None, blocks(cached)));
+        }
+        let mut mine = if i % 2 == 0 {
+            locals[..30].to_vec()
+        } else {
+            Vec::new()
+        };
+        mine.extend((0..8).map(|_| LocalBlockHash(g.u64(..) | 1 << 63)));
+        kv.reserve(
+            &format!("a{i}"),
+            r,
+            &sequence_hashes(&mine),
+            g.u64(64..16_384),
+            now,
+        )
+        .unwrap();
+    }
+    let p = PromptBlocks {
+        mode: PrefixMode::TokenIds,
+        isl_tokens: 100 * 16,
+        locals: locals.clone(),
+        hashes: hashes.clone(),
+    };
+    let mut guards = Vec::new();
+    for s in 0..20u64 {
+        let w = kv.weights();
+        let (pool, mut sc) = kv.take_scratch(0);
+        let o = kv
+            .rank_ordered(
+                &eps,
+                (Some(&p), Some(1)),
+                (&w, 16),
+                &mut fastrand::Rng::with_seed(s),
+                &mut sc,
+            )
+            .expect("ordered");
+        kv.return_scratch(pool, sc);
+        assert!(o.costed * 50 <= n, "pick {s}: costed {} of {n}", o.costed);
+        let req = PickRequest::prompt(Some(&p));
+        let (best, second, d) = kv.rank(&eps, &req, &mut PickContext::seeded(s));
+        assert_eq!((best, second), (o.best, o.second), "pick {s}");
+        kv.set_ordered_picks(false);
+        let scan = kv.rank(&eps, &req, &mut PickContext::seeded(s));
+        kv.set_ordered_picks(true);
+        assert_eq!((best, second, d), scan, "pick {s}");
+        guards.push(kv.book_decision(&eps[best], Some(&p), &d, now).unwrap());
+    }
+}

@@ -9,16 +9,22 @@
 //! those of least key: a pick finds them by [`LoadOrder::visit`] instead of reading every rank.
 //!
 //! Layout: keys sit in arrays of `RANKS_PER_CHUNK` per chunk of dense ids (the slot tracker's
-//! chunks); each group of 64 dense ids has one word holding a lower bound of its keys (the top
-//! 32 bits of the least key's `f64`, which order like the keys themselves for keys ≥ 0) and a
-//! version.
+//! chunks, made on first use with their group words); each group of 16 dense ids has one word
+//! holding a lower bound of its keys (the top 32 bits of the least key's `f64`, which order like
+//! the keys themselves for keys ≥ 0) and a version, and each chunk one word of the same shape
+//! bounding its groups' bounds. A visit pops what is left least first from a heap: a chunk's
+//! word (it then reads the chunk's group words), a group's (it then reads the group's keys) or
+//! a rank's key (it visits the rank), so it meets ranks in key order and reads only groups
+//! whose bound is within its limit when their turn comes.
 //!
 //! Invariants:
-//! - a group's bound never exceeds the key of any rank in it: a writer whose key fell stores
-//!   it, then lowers the bound to it if needed and bumps the version (a key that rose leaves the
-//!   word alone: the bound still holds); a reader that found the group's true least key while
-//!   scanning raises the bound only if no writer lowered a key since it read the word (same
-//!   version), so a raise never hides a key stored meanwhile;
+//! - a group's bound never exceeds the key of any rank in it, and a chunk's never exceeds the
+//!   bound of any group in it: a writer whose key fell stores it, then lowers the group's bound
+//!   and the chunk's to it if needed, moving both versions on even where a bound was already
+//!   lower (a key that rose leaves the words alone: the bounds still hold); a reader that read
+//!   a group's keys (a chunk's group words) raises its bound to the least it found only if no
+//!   writer moved the version on since it read the word, so a raise never hides a key stored
+//!   meanwhile;
 //! - a free dense id's key is +∞ (never visited);
 //! - keys are computed with the parameters [`LoadOrder::params`] names; while they change
 //!   ([`LoadOrder::rekey`]), [`LoadOrder::keyed_with`] answers false and picks read every rank.
