@@ -220,6 +220,40 @@ fn fingerprint(candidates: &[Arc<Endpoint>]) -> u64 {
     }) | 1
 }
 
+/// What every step of one ordered pick reads: the walks, the candidates and their roster, the
+/// weights and the prompt's share.
+struct Pass<'a> {
+    walked: &'a Walked,
+    candidates: &'a [Arc<Endpoint>],
+    maps: &'a Maps,
+    w: &'a CostWeights,
+    bs: u32,
+    share: f64,
+}
+
+impl Pass<'_> {
+    /// The most any rank holding `end` blocks of the prompt can be credited for them.
+    fn most_credit(&self, end: u64) -> f64 {
+        self.w.prefill_load_scale * self.w.overlap_credit_bound(end)
+    }
+
+    /// What candidate `e`'s cached prefix takes off its cost.
+    fn cached_credit(&self, sc: &PickScratch, e: &Endpoint) -> f64 {
+        self.walked
+            .index
+            .as_ref()
+            .and_then(|ix| ix.walked(&sc.matching, e.rank(), &e.hints.index[self.walked.hint]))
+            .map_or(0.0, |o| {
+                self.w.prefill_load_scale * self.w.overlap_credit(o)
+            })
+    }
+
+    /// The `j`-th holder of level `k` of the index walk.
+    fn level_rank(&self, sc: &PickScratch, k: usize, j: usize) -> Option<crate::slots::WorkerRank> {
+        self.walked.index.as_ref()?.level(&sc.matching, k)?.rank(j)
+    }
+}
+
 /// The two least costs seen (with repeats): the runner-up's cost bounds what may still matter.
 #[derive(Debug, Clone, Copy)]
 struct Two(f64, f64);
@@ -341,14 +375,13 @@ impl KvState {
         Some(roster)
     }
 
-    /// Costs candidate `i` once (None: its tracker hint missed; the caller falls back).
+    /// Costs candidate `i` once (None: its tracker hint missed, or the budget is spent; the
+    /// caller falls back).
     #[inline]
     fn cost_once(
         &self,
-        walked: &Walked,
+        cx: &Pass<'_>,
         sc: &mut PickScratch,
-        candidates: &[Arc<Endpoint>],
-        (w, bs): (&CostWeights, u32),
         i: usize,
         two: &mut Two,
     ) -> Option<()> {
@@ -359,9 +392,9 @@ impl KvState {
             return None;
         }
         sc.seen[i] = sc.epoch;
-        Self::read_cached(walked, sc);
-        let (load, version) = self.load_of(walked, sc, i, &candidates[i])?;
-        let cost = w.cost(bs, &load);
+        Self::read_cached(cx.walked, sc);
+        let (load, version) = self.load_of(cx.walked, sc, i, &cx.candidates[i])?;
+        let cost = cx.w.cost(cx.bs, &load);
         two.add(cost);
         sc.visits.push(Visit {
             i: i as u32,
@@ -467,44 +500,53 @@ impl KvState {
         // Costing a candidate here costs about what the scan spends on one: past an eighth of
         // them (many candidates tied with the runner-up, an idle fleet), the scan is cheaper.
         sc.budget = (n / 8).max(32);
+        let cx = Pass {
+            walked: &walked,
+            candidates,
+            maps,
+            w,
+            bs,
+            // What every candidate pays for the prompt when it holds none of it.
+            share: w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
+                + hashes.len() as f64,
+        };
         let mut two = Two(f64::INFINITY, f64::INFINITY);
-        // What every candidate pays for the prompt when it holds none of it.
-        let share = w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
-            + hashes.len() as f64;
-        let cw = (w, bs);
-        let credit = |o| w.prefill_load_scale * w.overlap_credit(o);
-        // The most any rank holding `end` blocks of the prompt can be credited for them.
-        let most_credit = |end: u64| w.prefill_load_scale * w.overlap_credit_bound(end);
-        let levels = walked
+        let loose_cached = self.cost_levels(&cx, sc, &mut two)?;
+        let loose_held = self.cost_active(&cx, sc, &mut two)?;
+        self.walk_by_load(&cx, sc, &mut two, (loose_cached, loose_held))?;
+        drop(walked);
+        self.choose_among_visits(candidates, w, two, rng, sc)
+    }
+
+    /// Steps 1 and 2 of an ordered pick: a holder of the deepest level and the least loaded
+    /// rank, for a first bound; then the levels of cached blocks, deepest first, unless their
+    /// bound (the least key, less the most their holders can be credited and the most any rank
+    /// has active) rules them out. The holders of a level of at most an eighth of the
+    /// candidates are read one by one (costed when their own key does not rule them out); a
+    /// larger one's are left to the walk by load, which allows for the credit they may have:
+    /// the most of that is returned (None: fall back to the scan).
+    fn cost_levels(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<f64> {
+        let levels = cx
+            .walked
             .index
             .as_ref()
             .map_or(0, |ix| ix.level_count(&sc.matching));
-        // 1. A holder of the deepest level (it may be the cheapest), for a tight bound early.
-        let level_rank = |sc: &PickScratch, k: usize, j: usize| {
-            let ix = walked.index.as_ref()?;
-            ix.level(&sc.matching, k)?.rank(j)
-        };
-        if let Some(r) = levels.checked_sub(1).and_then(|k| level_rank(sc, k, 0)) {
-            if let Some(i) = maps.of_worker(r.worker, candidates) {
-                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+        if let Some(r) = levels.checked_sub(1).and_then(|k| cx.level_rank(sc, k, 0)) {
+            if let Some(i) = cx.maps.of_worker(r.worker, cx.candidates) {
+                self.cost_once(cx, sc, i, two)?;
             }
         }
-        // The least loaded rank, for a finite bound before the holders.
         if let Some(id) = self.slots.least_loaded() {
-            if let Some(i) = maps.of_dense(id, candidates) {
-                self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+            if let Some(i) = cx.maps.of_dense(id, cx.candidates) {
+                self.cost_once(cx, sc, i, two)?;
             }
         }
-        // 2. Levels of cached blocks, deepest first, unless their bound (the least key, less
-        // the most their holders can be credited and the most any rank has active) rules them
-        // out: the holders of a level of at most an eighth of the candidates are read one by
-        // one (costed when their own key does not rule them out); a larger one's are left to
-        // the walk by load (step 4), which then allows for the credit they may have (`loose`).
         let least = self.slots.least_key();
         let most_held = sc.held.most() as f64;
         let mut loose = 0.0f64;
         for k in (0..levels).rev() {
-            let Some((end, len)) = walked
+            let Some((end, len)) = cx
+                .walked
                 .index
                 .as_ref()
                 .and_then(|ix| ix.level(&sc.matching, k))
@@ -512,87 +554,94 @@ impl KvState {
             else {
                 continue;
             };
-            if least + share - most_credit(end) - most_held > two.1 + slack(two.1) {
+            // What every holder of the level pays for the prompt at the least.
+            let below = cx.share - cx.most_credit(end) - most_held;
+            if least + below > two.1 + slack(two.1) {
                 continue;
             }
-            if len > ENUMERATE.max(n / 8) {
-                loose = loose.max(most_credit(end));
+            if len > ENUMERATE.max(cx.candidates.len() / 8) {
+                loose = loose.max(cx.most_credit(end));
                 continue;
             }
-            // Each holder's own key bounds it (with the level's most credit and the most held).
-            let below = share - most_credit(end) - most_held;
             for j in 0..len {
-                let Some(r) = level_rank(sc, k, j) else {
+                let Some(r) = cx.level_rank(sc, k, j) else {
                     break;
                 };
-                let Some(i) = maps.of_worker(r.worker, candidates) else {
+                let Some(i) = cx.maps.of_worker(r.worker, cx.candidates) else {
                     continue;
                 };
-                let id = candidates[i].hints.slot.load(Ordering::Relaxed);
+                let id = cx.candidates[i].hints.slot.load(Ordering::Relaxed);
                 if self.slots.load_key(id) + below <= two.1 + slack(two.1) {
-                    self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
+                    self.cost_once(cx, sc, i, two)?;
                 }
             }
         }
-        // 3. Holders of active blocks, likewise (with their own key and share); when many
-        // ranks have some of the prompt active, the walk by load allows for the most any has.
-        let cached_credit = |sc: &PickScratch, e: &Endpoint| {
-            walked
-                .index
-                .as_ref()
-                .and_then(|ix| ix.walked(&sc.matching, e.rank(), &e.hints.index[walked.hint]))
-                .map_or(0.0, credit)
-        };
-        let loose_cached = loose;
+        Some(loose)
+    }
+
+    /// Step 3: holders of active blocks, each costed unless its own key, cached and active
+    /// share rule it out; when many ranks have some of the prompt active, none is read here and
+    /// the walk by load allows for the most any has (returned; None: fall back to the scan).
+    fn cost_active(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<f64> {
         if sc.held.holder_count() > ENUMERATE {
-            loose += most_held;
-        } else {
-            let mut k = 0;
-            while let Some(id) = sc.held.holder(k) {
-                k += 1;
-                let Some(i) = maps.of_dense(id, candidates) else {
-                    continue;
-                };
-                let bound = self.slots.load_key(id) + share
-                    - cached_credit(sc, &candidates[i])
-                    - sc.held.get(id as usize) as f64;
-                if bound <= two.1 + slack(two.1) {
-                    self.cost_once(&walked, sc, candidates, cw, i, &mut two)?;
-                }
+            return Some(sc.held.most() as f64);
+        }
+        let mut k = 0;
+        while let Some(id) = sc.held.holder(k) {
+            k += 1;
+            let Some(i) = cx.maps.of_dense(id, cx.candidates) else {
+                continue;
+            };
+            let bound = self.slots.load_key(id) + cx.share
+                - cx.cached_credit(sc, &cx.candidates[i])
+                - sc.held.get(id as usize) as f64;
+            if bound <= two.1 + slack(two.1) {
+                self.cost_once(cx, sc, i, two)?;
             }
         }
-        // 4. The least loaded, as long as their keys could beat the runner-up: every candidate
-        // not costed yet pays the whole share of the prompt, less what `loose` allows for. With
-        // an allowance, each one's own bound decides (a few reads of memory: at worst every
-        // candidate is read so, still far cheaper than costing it).
-        let limit = |two: &Two| two.1 - share + loose + slack(two.1);
+        Some(0.0)
+    }
+
+    /// Step 4: the least loaded, least key first, as long as their keys could beat the
+    /// runner-up: every candidate not costed yet pays the whole share of the prompt, less what
+    /// the allowances (`loose`: cached, active) leave room for. With an allowance, each one's own
+    /// bound decides (a few reads of memory: at worst every candidate is read so, still far
+    /// cheaper than costing it). None: fall back to the scan (budget spent, a hint missed, or a
+    /// plateau of ties).
+    fn walk_by_load(
+        &self,
+        cx: &Pass<'_>,
+        sc: &mut PickScratch,
+        two: &mut Two,
+        (loose_cached, loose_held): (f64, f64),
+    ) -> Option<()> {
+        let loose = loose_cached + loose_held;
+        let limit = |two: &Two| two.1 - cx.share + loose + slack(two.1);
         let mut failed = false;
         // Candidates costed in a row at exactly the runner-up's cost: a plateau of ties (an idle
         // fleet, equal loads), whose every member the scan's tie-break must read.
         let mut tied = 0;
+        let plateau = TIE_RUN.max(cx.candidates.len() / 32);
         let mut by_load = std::mem::take(&mut sc.by_load);
         self.slots
-            .visit_by_load(limit(&two), &mut by_load, |id, key| {
-                if let Some(i) = maps.of_dense(id, candidates) {
-                    let e = &candidates[i];
-                    // Its own active share first (one read), then its cached one: read from the
-                    // levels one rank at a time, or, past a few dozen such reads, written out for
-                    // every holder at once.
-                    let uncached = key + share - sc.held.get(id as usize) as f64;
+            .visit_by_load(limit(two), &mut by_load, |id, key| {
+                if let Some(i) = cx.maps.of_dense(id, cx.candidates) {
+                    // Its own active share first (one read), then its cached one (from the levels,
+                    // or written out once many were read).
+                    let uncached = key + cx.share - sc.held.get(id as usize) as f64;
                     let may_beat = loose == 0.0
                         || (uncached - loose_cached <= two.1 + slack(two.1) && {
-                            Self::read_cached(&walked, sc);
-                            uncached - cached_credit(sc, e) <= two.1 + slack(two.1)
+                            Self::read_cached(cx.walked, sc);
+                            uncached - cx.cached_credit(sc, &cx.candidates[i])
+                                <= two.1 + slack(two.1)
                         });
                     if may_beat {
                         let before = sc.visits.len();
-                        failed |= self
-                            .cost_once(&walked, sc, candidates, cw, i, &mut two)
-                            .is_none();
+                        failed |= self.cost_once(cx, sc, i, two).is_none();
                         if sc.visits.len() > before {
                             let tie = sc.visits.last().is_some_and(|v| v.cost == two.1);
                             tied = if tie { tied + 1 } else { 0 };
-                            failed |= tied >= TIE_RUN.max(n / 32);
+                            failed |= tied >= plateau;
                         }
                     }
                 }
@@ -600,15 +649,11 @@ impl KvState {
                 if failed {
                     f64::NEG_INFINITY
                 } else {
-                    limit(&two)
+                    limit(two)
                 }
             });
         sc.by_load = by_load;
-        if failed {
-            return None;
-        }
-        drop(walked);
-        self.choose_among_visits(candidates, w, two, rng, sc)
+        (!failed).then_some(())
     }
 
     /// The scan's choice over the costed candidates at most as dear as the runner-up.
