@@ -72,42 +72,27 @@ impl PrefixIndex {
 
     fn levels_exact(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
         let mut cur: Option<(u64, usize, Level)> = None;
-        let (mut start, mut batch) = (0, 4);
-        'walk: while start < hashes.len() {
-            let end = (start + batch).min(hashes.len());
-            let mut keys = [0u64; MAX_BATCH];
-            for (k, seq) in keys.iter_mut().zip(&hashes[start..end]) {
-                *k = seq.0;
-            }
-            let mut words = [0u64; MAX_BATCH];
-            let n = end - start;
-            self.blocks.get_batch(&keys[..n], &mut words);
-            for (j, &word) in words[..n].iter().enumerate() {
-                if word == 0 {
-                    break 'walk;
-                }
-                let (ident, list) = self.holders_ident(word);
-                let len = list.as_slice().len();
-                match &mut cur {
-                    Some((id, l, level)) if *id == ident && *l == len => level.alike += 1,
-                    _ => {
-                        scratch.levels.extend(cur.map(|c| c.2));
-                        let start = (start + j) as u32;
-                        cur = Some((
-                            ident,
-                            len,
-                            Level {
-                                start,
-                                alike: 0,
-                                word,
-                            },
-                        ));
-                    }
+        self.probe_each(hashes, |i, word| {
+            let (ident, list) = self.holders_ident(word);
+            let len = list.as_slice().len();
+            match &mut cur {
+                Some((id, l, level)) if *id == ident && *l == len => level.alike += 1,
+                _ => {
+                    scratch.levels.extend(cur.map(|c| c.2));
+                    let start = i as u32;
+                    cur = Some((
+                        ident,
+                        len,
+                        Level {
+                            start,
+                            alike: 0,
+                            word,
+                        },
+                    ));
                 }
             }
-            start = end;
-            batch = MAX_BATCH;
-        }
+            true
+        });
         scratch.levels.extend(cur.map(|c| c.2));
     }
 

@@ -96,11 +96,42 @@ impl PrefixIndex {
         // alike (their extension is applied when the holders change or the walk ends).
         let mut streak: Option<(u64, HolderList<'_>, u32)> = None;
         let mut pending = 0u32;
-        // Lookups go in batches of independent probes (4 first: most requests stop early; then 64),
-        // so the table's cache misses overlap instead of queueing one behind another.
+        self.probe_each(hashes, |i, word| {
+            let (ident, list) = self.holders_ident(word);
+            if let Some((id, prev, _)) = &streak {
+                if *id == ident && prev.as_slice().len() == list.as_slice().len() {
+                    pending += 1;
+                    return true;
+                }
+            }
+            if let Some((_, prev, at)) = streak.take() {
+                Self::extend_alike(scratch, prev.as_slice(), at, pending);
+                pending = 0;
+            }
+            let i = i as u32;
+            if !Self::extend_runs(scratch, list.as_slice(), i) {
+                return false;
+            }
+            streak = Some((ident, list, i));
+            true
+        });
+        if let Some((_, prev, at)) = streak {
+            Self::extend_alike(scratch, prev.as_slice(), at, pending);
+        }
+    }
+
+    /// Probes the blocks of `hashes` from the first, calling `f(i, word)` for each held one
+    /// until one is not held or `f` answers false. Lookups go in batches of independent probes
+    /// (4 first: most requests stop early; then 64), so the table's cache misses overlap instead
+    /// of queueing one behind another.
+    pub(super) fn probe_each(
+        &self,
+        hashes: &[SequenceHash],
+        mut f: impl FnMut(usize, u64) -> bool,
+    ) {
         let mut start = 0;
         let mut batch = 4;
-        'walk: while start < hashes.len() {
+        while start < hashes.len() {
             let end = (start + batch).min(hashes.len());
             let mut keys = [0u64; MAX_BATCH];
             for (k, seq) in keys.iter_mut().zip(&hashes[start..end]) {
@@ -110,31 +141,12 @@ impl PrefixIndex {
             let n = end - start;
             self.blocks.get_batch(&keys[..n], &mut words);
             for (j, &word) in words[..n].iter().enumerate() {
-                if word == 0 {
-                    break 'walk;
+                if word == 0 || !f(start + j, word) {
+                    return;
                 }
-                let (ident, list) = self.holders_ident(word);
-                if let Some((id, prev, _)) = &streak {
-                    if *id == ident && prev.as_slice().len() == list.as_slice().len() {
-                        pending += 1;
-                        continue;
-                    }
-                }
-                if let Some((_, prev, at)) = streak.take() {
-                    Self::extend_alike(scratch, prev.as_slice(), at, pending);
-                    pending = 0;
-                }
-                let i = (start + j) as u32;
-                if !Self::extend_runs(scratch, list.as_slice(), i) {
-                    break 'walk;
-                }
-                streak = Some((ident, list, i));
             }
             start = end;
             batch = MAX_BATCH;
-        }
-        if let Some((_, prev, at)) = streak {
-            Self::extend_alike(scratch, prev.as_slice(), at, pending);
         }
     }
 

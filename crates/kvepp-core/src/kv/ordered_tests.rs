@@ -109,6 +109,27 @@ fn populate(
     (kv, eps)
 }
 
+/// The ordered pick alone over a named list (None: it left the pick to the scan).
+fn ordered(
+    kv: &KvState,
+    cands: &[Arc<Endpoint>],
+    p: &PromptBlocks,
+    seed: u64,
+) -> Option<super::ordered::Ordered> {
+    let w = kv.weights();
+    let (pool, mut sc) = kv.take_scratch(0);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let o = kv.rank_ordered(
+        cands,
+        (Some(p), Some(1)),
+        (&w, kv.block_size()),
+        &mut rng,
+        &mut sc,
+    );
+    kv.return_scratch(pool, sc);
+    o
+}
+
 #[test]
 fn ordered_picks_choose_as_the_scan_does() {
     let (mut answered, mut orderable, mut compared) = (0, 0, 0);
@@ -203,18 +224,7 @@ fn a_large_fleet_is_picked_from_few_candidates() {
     for s in 0..50u64 {
         let p = prompt(&mut g, 16);
         let req = PickRequest::prompt(Some(&p));
-        let w = kv.weights();
-        let (pool, mut sc) = kv.take_scratch(0);
-        let o = kv
-            .rank_ordered(
-                cands,
-                (Some(&p), Some(1)),
-                (&w, 16),
-                &mut fastrand::Rng::with_seed(s),
-                &mut sc,
-            )
-            .expect("ordered");
-        kv.return_scratch(pool, sc);
+        let o = ordered(&kv, cands, &p, s).expect("ordered");
         // Holders of the prompt: cached in the index, or active (bookings of the same stems).
         let holders = {
             let ix = kv.index().read();
@@ -386,18 +396,7 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     };
     let mut guards = Vec::new();
     for s in 0..20u64 {
-        let w = kv.weights();
-        let (pool, mut sc) = kv.take_scratch(0);
-        let o = kv
-            .rank_ordered(
-                &eps,
-                (Some(&p), Some(1)),
-                (&w, 16),
-                &mut fastrand::Rng::with_seed(s),
-                &mut sc,
-            )
-            .expect("ordered");
-        kv.return_scratch(pool, sc);
+        let o = ordered(&kv, &eps, &p, s).expect("ordered");
         assert!(o.costed * 50 <= n, "pick {s}: costed {} of {n}", o.costed);
         let req = PickRequest::prompt(Some(&p));
         let (best, second, d) = kv.rank(&eps, &req, &mut PickContext::seeded(s));

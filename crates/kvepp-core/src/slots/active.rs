@@ -390,18 +390,7 @@ impl ActiveTrie {
             scratch.held.resize(ranks, (0, 0));
         }
         let epoch = scratch.epoch;
-        let mut node = ROOT;
-        let mut pos = 0;
-        while let Some(&first) = hashes.get(pos) {
-            let Some(&child) = self.edges.get(&Edge {
-                parent: node,
-                first,
-            }) else {
-                break;
-            };
-            let c = self.node(child);
-            let m = common_prefix(c.run(), &hashes[pos..]);
-            let held = (pos + m) as u64;
+        self.descend(hashes, |c, held| {
             // Deeper nodes overwrite: a rank's entry ends at the last node it is present in.
             for &(r, _) in &c.ranks {
                 if let Some(s) = scratch.held.get_mut(r as usize) {
@@ -414,6 +403,24 @@ impl ActiveTrie {
             if !c.ranks.is_empty() {
                 scratch.most = scratch.most.max(held);
             }
+        });
+    }
+
+    /// Follows `hashes` down from the root, calling `f(node, held)` for each node the prompt
+    /// enters, `held` being how many of its leading blocks the path to it (and into it) covers.
+    fn descend(&self, hashes: &[SequenceHash], mut f: impl FnMut(&Node, u64)) {
+        let mut node = ROOT;
+        let mut pos = 0;
+        while let Some(&first) = hashes.get(pos) {
+            let Some(&child) = self.edges.get(&Edge {
+                parent: node,
+                first,
+            }) else {
+                break;
+            };
+            let c = self.node(child);
+            let m = common_prefix(c.run(), &hashes[pos..]);
+            f(c, (pos + m) as u64);
             if (m as u64) < c.len() {
                 break;
             }
@@ -433,29 +440,13 @@ impl ActiveTrie {
         scratch.path.clear();
         scratch.copied.clear();
         scratch.most = 0;
-        let mut node = ROOT;
-        let mut pos = 0;
-        while let Some(&first) = hashes.get(pos) {
-            let Some(&child) = self.edges.get(&Edge {
-                parent: node,
-                first,
-            }) else {
-                break;
-            };
-            let c = self.node(child);
-            let m = common_prefix(c.run(), &hashes[pos..]);
+        self.descend(hashes, |c, held| {
             if !c.ranks.is_empty() {
-                let held = (pos + m) as u64;
                 scratch.copied.extend_from_slice(&c.ranks);
                 scratch.path.push((held, scratch.copied.len() as u32));
                 scratch.most = scratch.most.max(held);
             }
-            if (m as u64) < c.len() {
-                break;
-            }
-            pos = c.end;
-            node = child;
-        }
+        });
         // Each node's entry names where its ranks end: turn ends into starts.
         let mut start = 0;
         for p in &mut scratch.path {
