@@ -339,7 +339,8 @@ fn an_unnamed_list_is_mapped_once_it_comes_twice() {
 }
 
 /// The bench's fleet in small: half of 2000 endpoints cache the prompt's system prompt and
-/// have it active, one in 16 caches half the prompt, one most of it, and loads differ. The
+/// have it active, one in 16 caches half the prompt, one most of it, and loads differ (a
+/// 200-block prompt: the index walk searches for where its holders change). The
 /// levels held by a thousand endpoints are allowed for, not read holder by holder, so the
 /// ordered pick costs a handful of candidates and still agrees with the scan, pick after pick
 /// as bookings change the loads.
@@ -348,7 +349,7 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     let n = 2000;
     let kv = Arc::new(KvState::new(KvSettings::default()));
     let eps = fleet(n);
-    let locals: Vec<LocalBlockHash> = (0..100u64).map(|i| LocalBlockHash(i + 1)).collect();
+    let locals: Vec<LocalBlockHash> = (0..200u64).map(|i| LocalBlockHash(i + 1)).collect();
     let hashes = sequence_hashes(&locals);
     let blocks = |k: usize| -> Vec<(EngineBlockHash, LocalBlockHash)> {
         hashes[..k]
@@ -363,9 +364,9 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
         let r = rank(e);
         kv.register_rank(r);
         let cached = match i {
-            0 => 95,
-            i if i % 16 == 0 => 60,
-            i if i % 2 == 0 => 30,
+            0 => 190,
+            i if i % 16 == 0 => 120,
+            i if i % 2 == 0 => 60,
             _ => 0,
         };
         if cached > 0 {
@@ -374,7 +375,7 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
                 .write(|ix| ix.store(r, Tier::Device, None, blocks(cached)));
         }
         let mut mine = if i % 2 == 0 {
-            locals[..30].to_vec()
+            locals[..60].to_vec()
         } else {
             Vec::new()
         };
@@ -390,7 +391,7 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     }
     let p = PromptBlocks {
         mode: PrefixMode::TokenIds,
-        isl_tokens: 100 * 16,
+        isl_tokens: 200 * 16,
         locals: locals.clone(),
         hashes: hashes.clone(),
     };
