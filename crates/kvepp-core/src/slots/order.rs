@@ -303,8 +303,8 @@ impl LoadOrder {
         scratch: &mut VisitScratch,
         mut visit: impl FnMut(u32, f64) -> f64,
     ) {
+        // Left empty by the last visit: no heapify.
         let mut heap = BinaryHeap::from(std::mem::take(&mut scratch.0));
-        heap.clear();
         let mut lim = limit;
         for (c, w) in self.tops[..self.chunk_count(len)].iter().enumerate() {
             let b = key_of_bound((w.load(Ordering::Acquire) >> 32) as u32);
@@ -325,6 +325,7 @@ impl LoadOrder {
             }
         }
         scratch.0 = heap.into_vec();
+        scratch.0.clear();
     }
 
     /// A visit reads chunk `c`: its groups within `lim` go on the heap; its bound is raised.
