@@ -94,7 +94,7 @@ const GROUP_TAG: u32 = 1 << 30;
 const CHUNK_TAG: u32 = 2 << 30;
 const NUMBER: u32 = (1 << 30) - 1;
 
-/// Reusable space of [`LoadOrder::visit`] (one per picking thread): its heap of what is still to
+/// Reusable space of [`super::SharedSlots::visit_by_load`] (one per picking thread): its heap of what is still to
 /// read, least key or bound first.
 #[derive(Debug, Default)]
 pub struct VisitScratch(Vec<Reverse<(u64, u32)>>);
