@@ -210,6 +210,22 @@ impl Roster {
     }
 }
 
+/// A roster as a pick holds it: the shared one, borrowed without a write to its reference
+/// count (which every picking thread would otherwise share), or one just made.
+enum RosterRef {
+    Shared(arc_swap::Guard<Option<Arc<Roster>>>),
+    Made(Arc<Roster>),
+}
+
+impl RosterRef {
+    fn get(&self) -> Option<&Roster> {
+        match self {
+            RosterRef::Shared(g) => g.as_deref(),
+            RosterRef::Made(r) => Some(r),
+        }
+    }
+}
+
 /// A fingerprint of an unnamed candidate list: its endpoints in order (equal prints only make a
 /// roster worth building; [`Roster::is_of`] is what decides a match).
 fn fingerprint(candidates: &[Arc<Endpoint>]) -> u64 {
@@ -324,10 +340,14 @@ impl KvState {
     /// endpoints): a list that changes from pick to pick (the selector leaving out whichever
     /// endpoints are saturated) would cost more to map each time than to scan. None: not
     /// mapped this time.
-    fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Option<Arc<Roster>> {
-        let cached = self.ordered.roster.load_full();
-        if let Some(r) = cached.filter(|r| r.is_of(candidates, self.slots.generation(), list)) {
-            return Some(r);
+    fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Option<RosterRef> {
+        let cached = self.ordered.roster.load();
+        let generation = self.slots.generation();
+        if cached
+            .as_ref()
+            .is_some_and(|r| r.is_of(candidates, generation, list))
+        {
+            return Some(RosterRef::Shared(cached));
         }
         if list.is_none() {
             let print = fingerprint(candidates);
@@ -372,7 +392,7 @@ impl KvState {
             }),
         });
         self.ordered.roster.store(Some(roster.clone()));
-        Some(roster)
+        Some(RosterRef::Made(roster))
     }
 
     /// Costs candidate `i` once (None: its tracker hint missed, or the budget is spent; the
@@ -494,7 +514,7 @@ impl KvState {
             return None;
         }
         let roster = self.roster(candidates, list)?;
-        let maps = roster.maps.as_ref()?;
+        let maps = roster.get()?.maps.as_ref()?;
         let walked = self.walk_for_order(prompt, n, sc)?;
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         // Costing a candidate here costs about what the scan spends on one: past an eighth of

@@ -9,9 +9,9 @@
 //!   through it (`seq`, shared with the request that created it, never copied per node); a
 //!   child's run starts where its parent's ends, and the children of one node start with distinct
 //!   hashes (the key of the edge table);
-//! - a node's `ranks` holds, per dense rank id in id order, how many of that rank's requests
-//!   pass through it (entries are never 0), and `total` their sum; a node whose total falls to 0 is removed at once,
-//!   so nothing outlives the requests (no leak, whatever the hash lists);
+//! - a node's `ids` lists the dense rank ids with requests through it, in id order, and `counts`
+//!   beside them how many (never 0), and `total` their sum; a node whose total falls to 0 is
+//!   removed at once, so nothing outlives the requests (no leak, whatever the hash lists);
 //! - a rank's distinct active blocks are the sum of the lengths of the nodes it is present in:
 //!   [`ActiveTrie::insert`] and [`ActiveTrie::remove`] return the change, so the tracker keeps the
 //!   count without recounting. For chained sequence hashes (each names its whole prefix, the
@@ -58,7 +58,8 @@ struct Node {
     start: usize,
     end: usize,
     /// (dense rank id, requests of that rank through this node), in id order, counts ≥ 1.
-    ranks: Vec<(u32, u32)>,
+    ids: Vec<u32>,
+    counts: Vec<u32>,
     /// Requests through this node.
     total: u32,
     children: u32,
@@ -106,10 +107,10 @@ pub struct HeldScratch {
     touched: Vec<u32>,
     most: u64,
     /// The last walk was [`ActiveTrie::walk_path`]: per node on the path with ranks, how many
-    /// leading blocks it holds and where its ranks end in `copied` (its ranks, in id order).
+    /// leading blocks it holds and where its ranks end in `copied` (its ranks' ids, in order).
     lazy: bool,
     path: Vec<(u64, u32)>,
-    copied: Vec<(u32, u32)>,
+    copied: Vec<u32>,
 }
 
 impl HeldScratch {
@@ -133,10 +134,7 @@ impl HeldScratch {
         let mut end = self.copied.len();
         for &(held, at) in self.path.iter().rev() {
             let start = at as usize;
-            if self.copied[start..end]
-                .binary_search_by_key(&id, |&(r, _)| r)
-                .is_ok()
-            {
+            if self.copied[start..end].binary_search(&id).is_ok() {
                 return held;
             }
             end = start;
@@ -157,7 +155,7 @@ impl HeldScratch {
     /// The `k`-th of [`Self::holder_count`].
     pub(crate) fn holder(&self, k: usize) -> Option<u32> {
         if self.lazy {
-            self.copied.get(k).map(|&(r, _)| r)
+            self.copied.get(k).copied()
         } else {
             self.touched.get(k).copied()
         }
@@ -184,7 +182,8 @@ impl ActiveTrie {
                 seq: Arc::from(Vec::new()),
                 start: 0,
                 end: 0,
-                ranks: Vec::new(),
+                ids: Vec::new(),
+                counts: Vec::new(),
                 total: 0,
                 children: 0,
                 child_xor: 0,
@@ -238,7 +237,8 @@ impl ActiveTrie {
                     seq: Arc::clone(seq),
                     start: pos,
                     end: seq.len(),
-                    ranks: vec![(rank, 1)],
+                    ids: vec![rank],
+                    counts: vec![1],
                     total: 1,
                     children: 0,
                     child_xor: 0,
@@ -260,10 +260,11 @@ impl ActiveTrie {
             };
             let c = self.node_mut(child);
             c.total += 1;
-            match c.ranks.binary_search_by_key(&rank, |&(r, _)| r) {
-                Ok(i) => c.ranks[i].1 += 1,
+            match c.ids.binary_search(&rank) {
+                Ok(i) => c.counts[i] += 1,
                 Err(i) => {
-                    c.ranks.insert(i, (rank, 1));
+                    c.ids.insert(i, rank);
+                    c.counts.insert(i, 1);
                     added += c.len();
                 }
             }
@@ -284,7 +285,8 @@ impl ActiveTrie {
             seq: Arc::clone(&c.seq),
             start,
             end: cut,
-            ranks: c.ranks.clone(),
+            ids: c.ids.clone(),
+            counts: c.counts.clone(),
             total: c.total,
             children: 1,
             child_xor: child,
@@ -312,10 +314,11 @@ impl ActiveTrie {
             let node = self.node_mut(n);
             let parent = node.parent;
             node.total = node.total.saturating_sub(1);
-            if let Ok(i) = node.ranks.binary_search_by_key(&rank, |&(r, _)| r) {
-                node.ranks[i].1 -= 1;
-                if node.ranks[i].1 == 0 {
-                    node.ranks.remove(i);
+            if let Ok(i) = node.ids.binary_search(&rank) {
+                node.counts[i] -= 1;
+                if node.counts[i] == 0 {
+                    node.ids.remove(i);
+                    node.counts.remove(i);
                     freed += node.len();
                 }
             }
@@ -335,7 +338,8 @@ impl ActiveTrie {
         let parent = node.parent;
         let first = node.first();
         node.seq = Arc::from(Vec::new());
-        node.ranks = Vec::new();
+        node.ids = Vec::new();
+        node.counts = Vec::new();
         if let Some(first) = first {
             self.edges.remove(&Edge { parent, first });
         }
@@ -373,7 +377,8 @@ impl ActiveTrie {
         self.node_mut(parent).child_xor ^= n ^ child;
         let node = self.node_mut(n);
         node.seq = Arc::from(Vec::new());
-        node.ranks = Vec::new();
+        node.ids = Vec::new();
+        node.counts = Vec::new();
         node.children = 0;
         node.child_xor = 0;
         self.free.push(n);
@@ -392,7 +397,7 @@ impl ActiveTrie {
         let epoch = scratch.epoch;
         self.descend(hashes, |c, held| {
             // Deeper nodes overwrite: a rank's entry ends at the last node it is present in.
-            for &(r, _) in &c.ranks {
+            for &r in &c.ids {
                 if let Some(s) = scratch.held.get_mut(r as usize) {
                     if s.0 != epoch {
                         scratch.touched.push(r);
@@ -400,7 +405,7 @@ impl ActiveTrie {
                     *s = (epoch, held);
                 }
             }
-            if !c.ranks.is_empty() {
+            if !c.ids.is_empty() {
                 scratch.most = scratch.most.max(held);
             }
         });
@@ -441,8 +446,8 @@ impl ActiveTrie {
         scratch.copied.clear();
         scratch.most = 0;
         self.descend(hashes, |c, held| {
-            if !c.ranks.is_empty() {
-                scratch.copied.extend_from_slice(&c.ranks);
+            if !c.ids.is_empty() {
+                scratch.copied.extend_from_slice(&c.ids);
                 scratch.path.push((held, scratch.copied.len() as u32));
                 scratch.most = scratch.most.max(held);
             }
