@@ -58,9 +58,9 @@ impl LevelView<'_> {
 impl PrefixIndex {
     /// Walks `hashes` into `scratch` as levels (see the module documentation): the search of
     /// [`Self::find_matches_jumping`] where `jump`, else every block; [`Self::walked`] and
-    /// [`Self::walked_all`] then read runs from the levels. Unlike [`Self::walk`], it does not
-    /// stop where no rank's run is still alive, only where nobody holds a block (the runs are
-    /// the same: a rank's run ends at its first gap either way).
+    /// [`Self::walked_all`] then read runs from the levels. Like [`Self::walk`], it stops where
+    /// nobody holds a block or no rank's run is still alive (a rank that lost a prompt's first
+    /// blocks but kept later ones is not followed through them).
     pub fn walk_levels(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch, jump: bool) {
         scratch.begin_levels();
         if jump && hashes.len() >= JUMP_MIN_BLOCKS {
@@ -71,29 +71,20 @@ impl PrefixIndex {
     }
 
     fn levels_exact(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
-        let mut cur: Option<(u64, usize, Level)> = None;
+        // The identity of the current level's holders; a block held alike extends it.
+        let mut cur: Option<(u64, usize)> = None;
         self.probe_each(hashes, |i, word| {
             let (ident, list) = self.holders_ident(word);
             let len = list.as_slice().len();
-            match &mut cur {
-                Some((id, l, level)) if *id == ident && *l == len => level.alike += 1,
-                _ => {
-                    scratch.levels.extend(cur.map(|c| c.2));
-                    let start = i as u32;
-                    cur = Some((
-                        ident,
-                        len,
-                        Level {
-                            start,
-                            alike: 0,
-                            word,
-                        },
-                    ));
+            if cur == Some((ident, len)) {
+                if let Some(l) = scratch.levels.last_mut() {
+                    l.alike += 1;
                 }
+                return true;
             }
-            true
+            cur = Some((ident, len));
+            self.open_level(scratch, i, word)
         });
-        scratch.levels.extend(cur.map(|c| c.2));
     }
 
     fn levels_jumping(&self, hashes: &[SequenceHash], scratch: &mut MatchScratch) {
@@ -102,18 +93,51 @@ impl PrefixIndex {
             return;
         };
         let mut at = 0usize;
-        loop {
+        while self.open_level(scratch, at, word) {
             let (ident, list) = self.holders_ident(word);
             let (end, next) = self.first_unlike(hashes, ident, list.as_slice().len(), at);
-            scratch.levels.push(Level {
-                start: at as u32,
-                alike: (end - at - 1) as u32,
-                word,
-            });
+            if let Some(l) = scratch.levels.last_mut() {
+                l.alike = (end - at - 1) as u32;
+            }
             if end == n || next == 0 {
                 break;
             }
             (word, at) = (next, end);
+        }
+    }
+
+    /// Starts a level at block `start` held by `word`'s holders, if some rank's run is still
+    /// alive there (it held every block before): false, and no level, where none is, and the
+    /// walk stops, as [`Self::walk`] does. One rank known alive (`scratch.witness`) is checked
+    /// first; only when its run has ended are the level's holders searched for another.
+    fn open_level(&self, scratch: &mut MatchScratch, start: usize, word: u64) -> bool {
+        scratch.levels.push(Level {
+            start: start as u32,
+            alike: 0,
+            word,
+        });
+        let list = self.holders_ident(word).1;
+        if start == 0 {
+            scratch.witness = list.as_slice().first().map_or(0, |h| h.rank);
+            return true;
+        }
+        let alive = |s: u16| {
+            self.level_run(scratch, s)
+                .is_some_and(|o| o.disk > start as u64)
+        };
+        if alive(scratch.witness) {
+            return true;
+        }
+        let found = list.as_slice().iter().map(|h| h.rank).find(|&s| alive(s));
+        match found {
+            Some(s) => {
+                scratch.witness = s;
+                true
+            }
+            None => {
+                scratch.levels.pop();
+                false
+            }
         }
     }
 

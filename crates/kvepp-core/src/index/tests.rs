@@ -668,3 +668,35 @@ fn jumping_walk_finds_long_prefixes_with_few_probes() {
         "the exact walk reads every block"
     );
 }
+
+/// A rank that lost a prompt's first blocks but kept later ones (an engine's oldest pairs
+/// dropped at capacity) is not followed: a walk into levels stops where no run is alive, as
+/// the walk that writes runs does, in both kinds of walk.
+#[test]
+fn a_walk_into_levels_stops_where_no_run_is_alive() {
+    let mut ix = PrefixIndex::new(u64::MAX);
+    let prompt: Vec<u64> = (1..=400).collect();
+    let (a, b) = (wr(1, 0), wr(2, 0));
+    store_chain(&mut ix, a, Tier::Device, &prompt[..10]);
+    store_chain(&mut ix, b, Tier::Device, &prompt);
+    // B's first five blocks go, as if dropped oldest first.
+    let first: Vec<EngineBlockHash> = seqs(&prompt)[..5]
+        .iter()
+        .map(|s| EngineBlockHash(s.0))
+        .collect();
+    ix.remove(b, Tier::Device, first.iter().copied());
+    let q = seqs(&prompt);
+    for jump in [false, true] {
+        let mut scratch = MatchScratch::default();
+        ix.walk_levels(&q, &mut scratch, jump);
+        let levels: Vec<_> = (0..ix.level_count(&scratch))
+            .map(|k| ix.level(&scratch, k).unwrap())
+            .collect();
+        assert_eq!(levels.len(), 2, "jump {jump}: A alone, then A with B");
+        assert_eq!(levels[1].end(), 10, "jump {jump}: nothing past A's run");
+        let mut out = Vec::new();
+        ix.walked_all(&scratch, &mut out);
+        assert_eq!(out.len(), 1, "jump {jump}: only A holds the prompt's start");
+        assert_eq!(out[0].overlap.disk, 10);
+    }
+}

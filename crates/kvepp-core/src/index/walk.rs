@@ -21,6 +21,8 @@ pub struct MatchScratch {
     /// The last walk was [`PrefixIndex::walk_levels`]: `levels` are its.
     pub(super) has_levels: bool,
     pub(super) levels: Vec<super::levels::Level>,
+    /// A rank whose run was alive at the last level a walk into levels opened.
+    pub(super) witness: u16,
 }
 
 impl MatchScratch {
