@@ -253,8 +253,10 @@ impl Pass<'_> {
         self.w.prefill_load_scale * self.w.overlap_credit_bound(end)
     }
 
-    /// What candidate `e`'s cached prefix takes off its cost.
-    fn cached_credit(&self, sc: &PickScratch, e: &Endpoint) -> f64 {
+    /// What candidate `e`'s cached prefix takes off its cost (a read counted as
+    /// [`KvState::read_cached`] counts it).
+    fn cached_credit(&self, sc: &mut PickScratch, e: &Endpoint) -> f64 {
+        KvState::read_cached(self.walked, sc);
         self.walked
             .index
             .as_ref()
@@ -650,11 +652,9 @@ impl KvState {
                     // or written out once many were read).
                     let uncached = key + cx.share - sc.held.get(id as usize) as f64;
                     let may_beat = loose == 0.0
-                        || (uncached - loose_cached <= two.1 + slack(two.1) && {
-                            Self::read_cached(cx.walked, sc);
-                            uncached - cx.cached_credit(sc, &cx.candidates[i])
-                                <= two.1 + slack(two.1)
-                        });
+                        || (uncached - loose_cached <= two.1 + slack(two.1)
+                            && uncached - cx.cached_credit(sc, &cx.candidates[i])
+                                <= two.1 + slack(two.1));
                     if may_beat {
                         let before = sc.visits.len();
                         failed |= self.cost_once(cx, sc, i, two).is_none();
