@@ -399,6 +399,10 @@ struct ScalingRun {
     /// Event blocks per second published.
     events: f64,
     conflicts: u64,
+    /// Bookings whose planned trie path went stale before their insertion.
+    stale: u64,
+    /// Share of the picks that read every candidate (the ordered pick did not apply or gave up).
+    scanned: f64,
     /// p99 of an event chain's lag from its arrival to its publication.
     lag_p99_us: f64,
 }
@@ -417,6 +421,8 @@ fn scaling_run(
     // Each event chain's lag from its arrival (queued) to its publication, µs.
     let lags = Arc::new(parking_lot::Mutex::new(Vec::<f64>::new()));
     let conflicts_before = s.kv.booking_conflicts();
+    let stale_before = s.kv.stale_booking_plans();
+    let paths_before = s.kv.pick_paths();
     let writer = {
         let (s, stop, applied, lags) = (s.clone(), stop.clone(), applied.clone(), lags.clone());
         std::thread::spawn(move || {
@@ -501,6 +507,12 @@ fn scaling_run(
         picks: picks as f64 / elapsed,
         events: applied.load(Ordering::Relaxed) as f64 / elapsed,
         conflicts: s.kv.booking_conflicts() - conflicts_before,
+        stale: s.kv.stale_booking_plans() - stale_before,
+        scanned: {
+            let (o, sc) = s.kv.pick_paths();
+            let (o, sc) = (o - paths_before.0, sc - paths_before.1);
+            sc as f64 / (o + sc).max(1) as f64
+        },
         lag_p99_us: p99,
     }
 }
@@ -547,21 +559,23 @@ fn scaling(
             tokens >> 10,
             event_rate / 1e3
         );
-        println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | ÷ offered | event lag p99 (µs) | booking conflicts |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| threads | picks/s | per thread | ÷ linear (1 thread × n) | event blocks/s applied | ÷ offered | event lag p99 (µs) | booking conflicts | stale trie plans | picks scanned |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut one = None;
         for &t in thread_counts {
             let r = scaling_run(&s, t, seconds, event_rate, book);
             let single = *one.get_or_insert(r.picks);
             println!(
-                "| {t} | {:.0} | {:.0} | {:.2}× | {:.0} | {:.2} | {:.0} | {} |",
+                "| {t} | {:.0} | {:.0} | {:.2}× | {:.0} | {:.2} | {:.0} | {} | {} | {:.1}% |",
                 r.picks,
                 r.picks / t as f64,
                 r.picks / (single * t as f64),
                 r.events,
                 r.events / event_rate.max(1.0),
                 r.lag_p99_us,
-                r.conflicts
+                r.conflicts,
+                r.stale,
+                r.scanned * 100.0
             );
         }
     }

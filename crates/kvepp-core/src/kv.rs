@@ -253,6 +253,12 @@ impl KvState {
         self.booking_conflicts.load(Ordering::Relaxed)
     }
 
+    /// Bookings whose path through the active requests' trie changed between its planning and
+    /// its insertion ([`SharedSlots::stale_plans`]).
+    pub fn stale_booking_plans(&self) -> u64 {
+        self.slots.stale_plans()
+    }
+
     /// Tokens per block used for hashing and cost (configured, or learned from the engines).
     pub fn block_size(&self) -> u32 {
         self.block_size.load(Ordering::Relaxed)

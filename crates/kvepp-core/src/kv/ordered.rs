@@ -83,6 +83,9 @@ pub(super) struct Ordered {
     /// Candidates it costed (what the tests bound).
     #[cfg_attr(not(test), allow(dead_code))]
     pub(super) costed: usize,
+    /// Ranks its walk by load read (what the tests bound).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(super) walk_reads: usize,
 }
 
 /// The decision for a chosen candidate with load `c` and cost `cost` (no bounded loads, no
@@ -601,27 +604,44 @@ impl KvState {
         Some(loose)
     }
 
-    /// Step 3: holders of active blocks, each costed unless its own key, cached and active
-    /// share rule it out; when many ranks have some of the prompt active, none is read here and
-    /// the walk by load allows for the most any has (returned; None: fall back to the scan).
+    /// Step 3: holders of active blocks, node by node along the prompt's path in the active
+    /// requests' trie, deepest first. A node with at most an eighth of the candidates has its
+    /// ranks costed one by one unless a rank's own key, cached and active share rule it out; a
+    /// larger one (a system prompt many requests share) is left to the walk by load, which
+    /// allows for the most its ranks may have active (returned; None: fall back to the scan).
+    /// A rank's share is that of the deepest node it is in, so one that a wide node leaves to
+    /// the walk has at most that node's depth active, or is read in a narrower deeper node.
     fn cost_active(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<f64> {
-        if sc.held.holder_count() > ENUMERATE {
+        if sc.held.path_len() == 0 && sc.held.holder_count() > 0 {
+            // Not a walk of the path: no nodes to tell apart.
             return Some(sc.held.most() as f64);
         }
-        let mut k = 0;
-        while let Some(id) = sc.held.holder(k) {
-            k += 1;
-            let Some(i) = cx.maps.of_dense(id, cx.candidates) else {
+        let wide = ENUMERATE.max(cx.candidates.len() / 8);
+        let mut loose = 0.0f64;
+        for k in (0..sc.held.path_len()).rev() {
+            let Some((held, ranks)) = sc.held.path_node(k) else {
                 continue;
             };
-            let bound = self.slots.load_key(id) + cx.share
-                - cx.cached_credit(sc, &cx.candidates[i])
-                - sc.held.get(id as usize) as f64;
-            if bound <= two.1 + slack(two.1) {
-                self.cost_once(cx, sc, i, two)?;
+            if ranks.len() > wide {
+                loose = loose.max(held as f64);
+                continue;
+            }
+            for j in ranks {
+                let Some(id) = sc.held.holder(j) else {
+                    break;
+                };
+                let Some(i) = cx.maps.of_dense(id, cx.candidates) else {
+                    continue;
+                };
+                let bound = self.slots.load_key(id) + cx.share
+                    - cx.cached_credit(sc, &cx.candidates[i])
+                    - sc.held.get(id as usize) as f64;
+                if bound <= two.1 + slack(two.1) {
+                    self.cost_once(cx, sc, i, two)?;
+                }
             }
         }
-        Some(0.0)
+        Some(loose)
     }
 
     /// Step 4: the least loaded, least key first, as long as their keys could beat the
@@ -645,8 +665,10 @@ impl KvState {
         let mut tied = 0;
         let plateau = TIE_RUN.max(cx.candidates.len() / 32);
         let mut by_load = std::mem::take(&mut sc.by_load);
+        sc.walk_reads = 0;
         self.slots
             .visit_by_load(limit(two), &mut by_load, |id, key| {
+                sc.walk_reads += 1;
                 if let Some(i) = cx.maps.of_dense(id, cx.candidates) {
                     // Its own active share first (one read), then its cached one (from the levels,
                     // or written out once many were read).
@@ -704,6 +726,7 @@ impl KvState {
             version: b.version,
             cost: b.cost,
             costed,
+            walk_reads: sc.walk_reads,
         })
     }
 }

@@ -399,6 +399,14 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     for s in 0..20u64 {
         let o = ordered(&kv, &eps, &p, s).expect("ordered");
         assert!(o.costed * 50 <= n, "pick {s}: costed {} of {n}", o.costed);
+        // The picks booked so far have the whole prompt active: each is read in its own
+        // narrow node of the trie, not allowed for across the fleet (which would have the
+        // walk by load read every rank).
+        assert!(
+            o.walk_reads * 20 <= n,
+            "pick {s}: read {} of {n}",
+            o.walk_reads
+        );
         let req = PickRequest::prompt(Some(&p));
         let (best, second, d) = kv.rank(&eps, &req, &mut PickContext::seeded(s));
         assert_eq!((best, second), (o.best, o.second), "pick {s}");

@@ -104,4 +104,6 @@ pub(super) struct PickScratch {
     /// Reads of one rank's cached prefix the ordered pick made (see `ordered::read_cached`).
     pub(super) lazy_reads: usize,
     pub(super) materialize_at: usize,
+    /// Ranks the ordered pick's walk by load read (what the tests bound).
+    pub(super) walk_reads: usize,
 }

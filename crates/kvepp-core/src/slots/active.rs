@@ -65,6 +65,9 @@ struct Node {
     children: u32,
     /// XOR of the children's ids: the only child's id when `children == 1`.
     child_xor: u32,
+    /// Changes whenever the node's run or parent does, or it is freed (never repeats in one
+    /// trie): what an [`InsertPlan`] checks its nodes by.
+    serial: u64,
 }
 
 impl Node {
@@ -161,6 +164,27 @@ impl HeldScratch {
         }
     }
 
+    /// After a walk of the path ([`ActiveTrie::walk_path`]), its nodes with ranks, root first:
+    /// how many (0 after [`ActiveTrie::walk`]).
+    pub(crate) fn path_len(&self) -> usize {
+        if self.lazy {
+            self.path.len()
+        } else {
+            0
+        }
+    }
+
+    /// Node `k` of [`Self::path_len`]: how many leading blocks of the prompt it reaches, and
+    /// which of [`Self::holder`]'s positions list its ranks.
+    pub(crate) fn path_node(&self, k: usize) -> Option<(u64, std::ops::Range<usize>)> {
+        let &(held, start) = self.path.get(k).filter(|_| self.lazy)?;
+        let end = self
+            .path
+            .get(k + 1)
+            .map_or(self.copied.len(), |p| p.1 as usize);
+        Some((held, start as usize..end))
+    }
+
     /// The most leading blocks of the last walk's prompt any rank has active.
     pub(crate) fn most(&self) -> u64 {
         self.most
@@ -172,6 +196,10 @@ pub(crate) struct ActiveTrie {
     nodes: Vec<Node>,
     free: Vec<u32>,
     edges: HashMap<Edge, u32, KeyedBuild>,
+    /// The last serial handed to a node.
+    serial: u64,
+    /// Plans found stale when applied ([`Self::insert_planned`]).
+    stale_plans: u64,
 }
 
 impl ActiveTrie {
@@ -187,9 +215,12 @@ impl ActiveTrie {
                 total: 0,
                 children: 0,
                 child_xor: 0,
+                serial: 0,
             }],
             free: Vec::new(),
             edges: HashMap::with_hasher(KeyedBuild::with_key(seed)),
+            serial: 0,
+            stale_plans: 0,
         }
     }
 
@@ -197,6 +228,17 @@ impl ActiveTrie {
     #[cfg(test)]
     pub(crate) fn node_count(&self) -> usize {
         self.nodes.len() - self.free.len()
+    }
+
+    fn next_serial(&mut self) -> u64 {
+        self.serial += 1;
+        self.serial
+    }
+
+    /// Gives node `n` a new serial: its run or parent changed, or it was freed.
+    fn restamp(&mut self, n: u32) {
+        let serial = self.next_serial();
+        self.node_mut(n).serial = serial;
     }
 
     fn node(&self, id: u32) -> &Node {
@@ -207,7 +249,8 @@ impl ActiveTrie {
         &mut self.nodes[id as usize]
     }
 
-    fn alloc(&mut self, node: Node) -> u32 {
+    fn alloc(&mut self, mut node: Node) -> u32 {
+        node.serial = self.next_serial();
         match self.free.pop() {
             Some(id) => {
                 *self.node_mut(id) = node;
@@ -232,21 +275,7 @@ impl ActiveTrie {
                 first,
             };
             let Some(&child) = self.edges.get(&edge) else {
-                let leaf = self.alloc(Node {
-                    parent: node,
-                    seq: Arc::clone(seq),
-                    start: pos,
-                    end: seq.len(),
-                    ids: vec![rank],
-                    counts: vec![1],
-                    total: 1,
-                    children: 0,
-                    child_xor: 0,
-                });
-                self.edges.insert(edge, leaf);
-                let p = self.node_mut(node);
-                p.children += 1;
-                p.child_xor ^= leaf;
+                let leaf = self.add_leaf(node, rank, seq, pos);
                 return (leaf, added + (seq.len() - pos) as u64);
             };
             let c = self.node(child);
@@ -258,20 +287,51 @@ impl ActiveTrie {
             } else {
                 child
             };
-            let c = self.node_mut(child);
-            c.total += 1;
-            match c.ids.binary_search(&rank) {
-                Ok(i) => c.counts[i] += 1,
-                Err(i) => {
-                    c.ids.insert(i, rank);
-                    c.counts.insert(i, 1);
-                    added += c.len();
-                }
-            }
-            pos = c.end;
+            added += self.enter(child, rank);
+            pos = self.node(child).end;
             node = child;
         }
         (node, added)
+    }
+
+    /// Counts one more request of `rank` through node `n`: the blocks it adds to the rank.
+    fn enter(&mut self, n: u32, rank: u32) -> u64 {
+        let c = self.node_mut(n);
+        c.total += 1;
+        match c.ids.binary_search(&rank) {
+            Ok(i) => {
+                c.counts[i] += 1;
+                0
+            }
+            Err(i) => {
+                c.ids.insert(i, rank);
+                c.counts.insert(i, 1);
+                c.len()
+            }
+        }
+    }
+
+    /// Hangs a new leaf for `seq[pos..]` (one request of `rank`) from `parent`.
+    fn add_leaf(&mut self, parent: u32, rank: u32, seq: &Arc<[SequenceHash]>, pos: usize) -> u32 {
+        let leaf = self.alloc(Node {
+            parent,
+            seq: Arc::clone(seq),
+            start: pos,
+            end: seq.len(),
+            ids: vec![rank],
+            counts: vec![1],
+            total: 1,
+            children: 0,
+            child_xor: 0,
+            serial: 0,
+        });
+        if let Some(&first) = seq.get(pos) {
+            self.edges.insert(Edge { parent, first }, leaf);
+        }
+        let p = self.node_mut(parent);
+        p.children += 1;
+        p.child_xor ^= leaf;
+        leaf
     }
 
     /// Splits `child` (of `parent`) after its first `m` blocks: the top part becomes a new node
@@ -290,8 +350,10 @@ impl ActiveTrie {
             total: c.total,
             children: 1,
             child_xor: child,
+            serial: 0,
         };
         let top = self.alloc(top);
+        self.restamp(child);
         let c = self.node_mut(child);
         c.start = cut;
         c.parent = top;
@@ -346,6 +408,7 @@ impl ActiveTrie {
         let p = self.node_mut(parent);
         p.children -= 1;
         p.child_xor ^= n;
+        self.restamp(n);
         self.free.push(n);
     }
 
@@ -368,6 +431,8 @@ impl ActiveTrie {
             });
         }
         // The child's list passes through `n`, so it holds `n`'s run at the same positions.
+        self.restamp(child);
+        self.restamp(n);
         let c = self.node_mut(child);
         c.start = start;
         c.parent = parent;
@@ -460,6 +525,119 @@ impl ActiveTrie {
     }
 }
 
+/// Most nodes an [`InsertPlan`] names; a longer path is inserted as before, all under the
+/// write lock.
+const PLAN_STEPS: usize = 8;
+
+/// Where a prompt's path goes through the trie, worked out by [`ActiveTrie::plan`] under a
+/// read lock (the hash comparisons along the whole prompt) so that the write lock only counts
+/// the request on the nodes it names ([`ActiveTrie::insert_planned`]). Each node is named with
+/// its serial; if any has changed since, the plan is stale and the insertion starts over.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct InsertPlan {
+    /// The nodes entered, in path order, with their serials.
+    steps: [(u32, u64); PLAN_STEPS],
+    len: u8,
+    /// The last node is split after this many of its blocks (0: it is entered whole).
+    split: u32,
+    /// A leaf for the rest of the prompt hangs from the path's last node.
+    leaf: bool,
+    /// The path fitted in `steps`.
+    whole: bool,
+}
+
+impl ActiveTrie {
+    /// The plan of [`Self::insert`] for `seq` as the trie is now (see [`InsertPlan`]).
+    pub(crate) fn plan(&self, seq: &[SequenceHash]) -> InsertPlan {
+        let mut p = InsertPlan::default();
+        let (mut node, mut pos) = (ROOT, 0);
+        while let Some(&first) = seq.get(pos) {
+            let Some(&child) = self.edges.get(&Edge {
+                parent: node,
+                first,
+            }) else {
+                p.leaf = true;
+                break;
+            };
+            let Some(step) = p.steps.get_mut(usize::from(p.len)) else {
+                return p;
+            };
+            let c = self.node(child);
+            *step = (child, c.serial);
+            p.len += 1;
+            let m = common_prefix(c.run(), &seq[pos..]).max(1);
+            if (m as u64) < c.len() {
+                p.split = m as u32;
+                p.leaf = pos + m < seq.len();
+                break;
+            }
+            pos = c.end;
+            node = child;
+        }
+        p.whole = true;
+        p
+    }
+
+    /// [`Self::insert`] along `plan` (made by [`Self::plan`] for the same `seq`) when every
+    /// node it names is as it was then, without comparing hashes again; else the insertion
+    /// as [`Self::insert`] does it. Either way, exactly what [`Self::insert`] returns.
+    pub(crate) fn insert_planned(
+        &mut self,
+        rank: u32,
+        seq: &Arc<[SequenceHash]>,
+        plan: &InsertPlan,
+    ) -> (u32, u64) {
+        if !self.plan_holds(seq, plan) {
+            self.stale_plans += 1;
+            return self.insert(rank, seq);
+        }
+        let steps = &plan.steps[..usize::from(plan.len)];
+        let (mut node, mut pos, mut added) = (ROOT, 0, 0);
+        for (k, &(id, _)) in steps.iter().enumerate() {
+            let child = if k + 1 == steps.len() && plan.split > 0 {
+                self.split(node, id, plan.split as usize)
+            } else {
+                id
+            };
+            added += self.enter(child, rank);
+            pos = self.node(child).end;
+            node = child;
+        }
+        if plan.leaf {
+            let leaf = self.add_leaf(node, rank, seq, pos);
+            return (leaf, added + (seq.len() - pos) as u64);
+        }
+        (node, added)
+    }
+
+    /// Whether `plan` still describes `seq`'s path: every node it names has its serial (so the
+    /// same run and parent), and the leaf it would add does not exist meanwhile.
+    fn plan_holds(&self, seq: &[SequenceHash], plan: &InsertPlan) -> bool {
+        let steps = &plan.steps[..usize::from(plan.len)];
+        if !plan.whole
+            || steps
+                .iter()
+                .any(|&(id, serial)| self.nodes.get(id as usize).map(|n| n.serial) != Some(serial))
+        {
+            return false;
+        }
+        if !plan.leaf || plan.split > 0 {
+            // A split's upper half is new, so no other leaf hangs from it yet.
+            return true;
+        }
+        let (parent, pos) = steps
+            .last()
+            .map_or((ROOT, 0), |&(id, _)| (id, self.node(id).end));
+        seq.get(pos)
+            .is_some_and(|&first| !self.edges.contains_key(&Edge { parent, first }))
+    }
+
+    /// Plans found stale when applied (a write between the plan and the insertion).
+    pub(crate) fn stale_plans(&self) -> u64 {
+        self.stale_plans
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,6 +694,11 @@ mod tests {
         let mut t = ActiveTrie::with_seed(3);
         let mut live: Vec<(u32, Vec<u64>, u32)> = Vec::new();
         let mut blocks = [0u64; 3];
+        // Insertions planned at one step and made at a later one, as a booking plans under the
+        // read lock and inserts under the write lock, with other writes in between.
+        type Planned = (u32, Arc<[SequenceHash]>, InsertPlan, Vec<u64>);
+        let mut planned: Vec<Planned> = Vec::new();
+        let mut applied = 0;
         for step in 0..4_000 {
             if live.len() < 40 && rng.bool() {
                 let rank = rng.u32(..3);
@@ -529,7 +712,18 @@ mod tests {
                         }
                     })
                     .collect();
-                let (end, added) = t.insert(rank, &seq(&xs));
+                let s = seq(&xs);
+                if rng.bool() {
+                    planned.push((rank, Arc::clone(&s), t.plan(&s), xs));
+                } else {
+                    let (end, added) = t.insert(rank, &s);
+                    blocks[rank as usize] += added;
+                    live.push((rank, xs, end));
+                }
+            } else if !planned.is_empty() && rng.bool() {
+                let (rank, s, plan, xs) = planned.swap_remove(rng.usize(..planned.len()));
+                let (end, added) = t.insert_planned(rank, &s, &plan);
+                applied += 1;
                 blocks[rank as usize] += added;
                 live.push((rank, xs, end));
             } else if !live.is_empty() {
@@ -567,5 +761,8 @@ mod tests {
         }
         assert_eq!(blocks, [0; 3]);
         assert_eq!(t.node_count(), 1);
+        // Both kinds of planned insertion ran: along a plan that held, and anew after a stale one.
+        assert!(t.stale_plans() > 0, "no plan went stale");
+        assert!(t.stale_plans() < applied, "every plan went stale");
     }
 }

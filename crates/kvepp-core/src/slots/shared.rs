@@ -25,7 +25,10 @@
 //!   version books only if it is still that one, checked under the rank's cell lock: a pick books
 //!   exactly the counts it read, or nothing;
 //! - locks are always taken in the order registry → request shard → rank cell → trie shard, and
-//!   none is held across a call out, so they cannot deadlock;
+//!   none is held across a call out, so they cannot deadlock (a booking first reads its trie
+//!   shard with no other lock held, to plan its path: the hash comparisons along the prompt;
+//!   the write lock then only counts the request on the planned nodes, or inserts anew if a
+//!   write changed them meanwhile);
 //! - an unregistered rank's cell is marked free (its view says so) before its requests are
 //!   removed, and its dense id is reused only after they are, so no request outlives its rank
 //!   and a stale hint never reads another rank's load as its own.
@@ -408,6 +411,11 @@ impl SharedSlots {
         expected: Option<u64>,
         hint: Option<u32>,
     ) -> Result<bool, SlotError> {
+        // The path through the prompt's trie shard is worked out first, under its read lock
+        // alone (comparing the prompt's hashes along it); the write lock below only counts the
+        // request on the nodes found, unless a write meanwhile changed them.
+        let shard = self.trie_shard(&booking.hashes);
+        let plan = self.tries[usize::from(shard)].read().plan(&booking.hashes);
         let mut map = self.request_shard(&booking.id).lock();
         if map.contains_key(&booking.id) {
             return Err(SlotError::DuplicateRequest(booking.id));
@@ -440,10 +448,10 @@ impl SharedSlots {
         if expected.is_some_and(|v| v != s.version) {
             return Ok(false);
         }
-        let shard = self.trie_shard(&booking.hashes);
-        let (end, added) = self.tries[usize::from(shard)]
-            .write()
-            .insert(id, &booking.hashes);
+        let (end, added) =
+            self.tries[usize::from(shard)]
+                .write()
+                .insert_planned(id, &booking.hashes, &plan);
         s.take(booking.new_isl_tokens, added);
         self.publish(id, cell, Some(s));
         drop(state);
@@ -554,6 +562,12 @@ impl SharedSlots {
             }
         }
         expired
+    }
+
+    /// Bookings whose planned path a write changed before they took the trie's write lock
+    /// (they compared the prompt's hashes again under it).
+    pub fn stale_plans(&self) -> u64 {
+        self.tries.iter().map(|t| t.read().stale_plans()).sum()
     }
 
     /// How many leading blocks of `hashes` every rank has active: one walk down the prompt's
