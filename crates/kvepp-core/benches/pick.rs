@@ -625,12 +625,21 @@ fn main() {
         .collect();
     if let Some(picks) = arg::<u64>(&args, "--kv-picks") {
         // For instruction counts (`bench/pick_instructions.sh`): the setup of each size and
-        // exactly this many KV-aware picks, nothing else.
+        // exactly this many KV-aware picks, nothing else. `--live-bookings K`: first K picks of
+        // the prompt booked and kept (requests in flight with the whole prompt active, as other
+        // threads' bookings are while a thread picks).
+        let live = arg::<usize>(&args, "--live-bookings").unwrap_or(0);
         for &n in &sizes {
             for &t in &tokens {
                 let s = setup(n, t);
                 let refs: &[Arc<Endpoint>] = &s.eps;
                 let mut ctx = PickContext::seeded(1);
+                let _guards: Vec<_> = (0..live)
+                    .filter_map(|_| {
+                        let (best, _, d) = s.kv.rank(refs, &named(&s.prompt), &mut ctx);
+                        s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now)
+                    })
+                    .collect();
                 for _ in 0..picks {
                     black_box(s.kv.rank(black_box(refs), &named(&s.prompt), &mut ctx));
                 }

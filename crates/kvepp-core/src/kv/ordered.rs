@@ -12,8 +12,10 @@
 //!   level out; a level held by at most an eighth of the candidates is read holder by holder,
 //!   each costed unless its own key rules it out; a larger one is left to the walk by load,
 //!   which then allows for the credit its holders may have;
-//! - the holders of active blocks likewise, when few (when many, the walk by load allows for
-//!   the most any has);
+//! - the holders of active blocks likewise, node by node along the prompt's path in the active
+//!   requests' trie, deepest first: a node with at most an eighth of the candidates has its
+//!   ranks read one by one, a wider one (a system prompt many requests share) is allowed for by
+//!   its depth in the walk by load;
 //! - the ranks the slot tracker's order yields, least key first, with keys up to the
 //!   runner-up's cost less the prompt's share plus those allowances (each one's own bound then
 //!   decides whether it is costed); the order reads a group of 16 ranks only when its bound is

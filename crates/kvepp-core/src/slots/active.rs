@@ -20,6 +20,11 @@
 //!   removal passes it (`child_xor` names the child when there is one), so paths stay as short as
 //!   the live requests' divergence points make them.
 //!
+//! A booking may split its insertion in two: [`ActiveTrie::plan`] compares its hashes along
+//! the path (read-only, so under a shared lock), and [`ActiveTrie::insert_planned`] then counts
+//! the request on the planned nodes; every node carries a serial that changes with its run or
+//! parent, so a plan that a write made stale is seen and the insertion done anew.
+//!
 //! Costs: booking and releasing a request compare hashes along its path (no hashing or table
 //! write per block: one table probe per node) and touch one count per node; a walk does the same
 //! plus one write per (node, rank) on the path; [`ActiveTrie::walk_path`] copies each node's rank
