@@ -11,6 +11,8 @@
 //!                                     # picks, nothing else; `--scan`: ordered picks off)
 //! cargo bench -p kvepp-core --bench pick -- --holders-every 64   # few endpoints hold the prompt
 //! cargo bench -p kvepp-core --bench pick -- --varied-loads       # no two endpoints' loads tie
+//! cargo bench -p kvepp-core --bench pick -- --live-bookings 2     # picks with 2 requests of the
+//!                                                                 # prompt in flight
 //! cargo bench -p kvepp-core --bench pick -- --endpoints 1000 --tokens-k 128 --budget 1 \
 //!     --no-scaling --percentiles      # each row's distribution, beside the load-only pick's and
 //!                                     # fixed work of the same median (the machine's own tail)
@@ -43,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use kvepp_core::hash::{local_block_hashes, sequence_hashes, LocalBlockHash};
 use kvepp_core::index::{EngineBlockHash, Tier};
+use kvepp_core::kv::SlotGuard;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{
     Admission, Endpoint, EngineMetrics, KvPicker, KvSettings, KvState, LeastLoaded, PickContext,
@@ -83,7 +86,13 @@ struct Setup {
     kv: Arc<KvState>,
     eps: Vec<Arc<Endpoint>>,
     prompt: PromptBlocks,
+    /// The `--live-bookings` requests, in flight until the setup is dropped.
+    _live: Vec<SlotGuard>,
 }
+
+/// `--live-bookings K` (0): after the setup, K picks of the prompt are booked and kept: requests
+/// in flight with the whole prompt active, as other threads' bookings are while one picks.
+static LIVE_BOOKINGS: AtomicUsize = AtomicUsize::new(0);
 
 /// `--holders-every K` (2): every K-th endpoint caches the system prompt and shares it with
 /// its active request, every 8K-th caches half the prompt (a large K: few endpoints hold any of
@@ -148,8 +157,20 @@ fn setup(n: usize, tokens: usize) -> Setup {
             .unwrap();
     }
     // One pick makes the candidate list's roster (once per change of the pool, not per pick).
-    black_box(kv.rank(&eps, &named(&prompt), &mut PickContext::seeded(0)));
-    Setup { kv, eps, prompt }
+    let mut ctx = PickContext::seeded(0);
+    black_box(kv.rank(&eps, &named(&prompt), &mut ctx));
+    let live = (0..LIVE_BOOKINGS.load(Ordering::Relaxed))
+        .filter_map(|_| {
+            let (best, _, d) = kv.rank(&eps, &named(&prompt), &mut ctx);
+            kv.book_decision(&eps[best], Some(&prompt), &d, ctx.now)
+        })
+        .collect();
+    Setup {
+        kv,
+        eps,
+        prompt,
+        _live: live,
+    }
 }
 
 /// A request for `prompt` over the setup's endpoint list, named as a pool snapshot names its
@@ -599,6 +620,9 @@ fn main() {
         HOLDERS_EVERY.store(k, Ordering::Relaxed);
     }
     SCAN.store(args.iter().any(|a| a == "--scan"), Ordering::Relaxed);
+    if let Some(k) = arg::<usize>(&args, "--live-bookings") {
+        LIVE_BOOKINGS.store(k, Ordering::Relaxed);
+    }
     VARIED.store(
         args.iter().any(|a| a == "--varied-loads"),
         Ordering::Relaxed,
@@ -625,21 +649,12 @@ fn main() {
         .collect();
     if let Some(picks) = arg::<u64>(&args, "--kv-picks") {
         // For instruction counts (`bench/pick_instructions.sh`): the setup of each size and
-        // exactly this many KV-aware picks, nothing else. `--live-bookings K`: first K picks of
-        // the prompt booked and kept (requests in flight with the whole prompt active, as other
-        // threads' bookings are while a thread picks).
-        let live = arg::<usize>(&args, "--live-bookings").unwrap_or(0);
+        // exactly this many KV-aware picks, nothing else.
         for &n in &sizes {
             for &t in &tokens {
                 let s = setup(n, t);
                 let refs: &[Arc<Endpoint>] = &s.eps;
                 let mut ctx = PickContext::seeded(1);
-                let _guards: Vec<_> = (0..live)
-                    .filter_map(|_| {
-                        let (best, _, d) = s.kv.rank(refs, &named(&s.prompt), &mut ctx);
-                        s.kv.book_decision(&s.eps[best], Some(&s.prompt), &d, ctx.now)
-                    })
-                    .collect();
                 for _ in 0..picks {
                     black_box(s.kv.rank(black_box(refs), &named(&s.prompt), &mut ctx));
                 }

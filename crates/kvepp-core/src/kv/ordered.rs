@@ -8,7 +8,8 @@
 //! holder list, [`crate::index::LevelView`]) and the trie's copies each node's rank list, and a
 //! rank's share is looked up in them when the rank is costed. So the pick costs exactly:
 //! - the holders of each level, deepest first, unless the level's bound (the least load key, less
-//!   the most its holders can be credited and the most any rank has active) rules the whole
+//!   the most its holders can be credited and the most a rank left to the walk by load has
+//!   active, see the next step) rules the whole
 //!   level out; a level held by at most an eighth of the candidates is read holder by holder,
 //!   each costed unless its own key rules it out; a larger one is left to the walk by load,
 //!   which then allows for the credit its holders may have;
@@ -272,6 +273,28 @@ impl Pass<'_> {
     }
 
     /// The `j`-th holder of level `k` of the index walk.
+    /// More holders than this (a level's, an active node's) are allowed for in the walk by
+    /// load rather than read one by one.
+    fn wide(&self) -> usize {
+        ENUMERATE.max(self.candidates.len() / 8)
+    }
+
+    /// The most leading blocks of the prompt a rank may have active without being read in step
+    /// 3: the depth of the deepest wide node on the prompt's path (a rank's share is that of
+    /// the deepest node it is in, so one in no narrow node has at most that); without a walk
+    /// of the path, the most any rank has.
+    fn active_allowance(&self, sc: &PickScratch) -> f64 {
+        if sc.held.path_len() == 0 {
+            return sc.held.most() as f64;
+        }
+        let wide = self.wide();
+        (0..sc.held.path_len())
+            .filter_map(|k| sc.held.path_node(k))
+            .filter(|(_, ranks)| ranks.len() > wide)
+            .map(|(held, _)| held as f64)
+            .fold(0.0, f64::max)
+    }
+
     fn level_rank(&self, sc: &PickScratch, k: usize, j: usize) -> Option<crate::slots::WorkerRank> {
         self.walked.index.as_ref()?.level(&sc.matching, k)?.rank(j)
     }
@@ -538,8 +561,11 @@ impl KvState {
                 + hashes.len() as f64,
         };
         let mut two = Two(f64::INFINITY, f64::INFINITY);
-        let loose_cached = self.cost_levels(&cx, sc, &mut two)?;
-        let loose_held = self.cost_active(&cx, sc, &mut two)?;
+        // The most a rank not read in step 3 can have active: every bound before the walk by
+        // load may use it, since step 3 reads the others against their own share.
+        let loose_held = cx.active_allowance(sc);
+        let loose_cached = self.cost_levels(&cx, sc, &mut two, loose_held)?;
+        self.cost_active(&cx, sc, &mut two)?;
         self.walk_by_load(&cx, sc, &mut two, (loose_cached, loose_held))?;
         drop(walked);
         self.choose_among_visits(candidates, w, two, rng, sc)
@@ -547,12 +573,20 @@ impl KvState {
 
     /// Steps 1 and 2 of an ordered pick: a holder of the deepest level and the least loaded
     /// rank, for a first bound; then the levels of cached blocks, deepest first, unless their
-    /// bound (the least key, less the most their holders can be credited and the most any rank
-    /// has active) rules them out. The holders of a level of at most an eighth of the
+    /// bound (the least key, less the most their holders can be credited and `most_held`, the
+    /// most a rank that step 3 does not read may have active) rules them out. A rank that step
+    /// 3 reads is checked there against its own share, so it may be skipped here. The holders
+    /// of a level of at most an eighth of the
     /// candidates are read one by one (costed when their own key does not rule them out); a
     /// larger one's are left to the walk by load, which allows for the credit they may have:
     /// the most of that is returned (None: fall back to the scan).
-    fn cost_levels(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<f64> {
+    fn cost_levels(
+        &self,
+        cx: &Pass<'_>,
+        sc: &mut PickScratch,
+        two: &mut Two,
+        most_held: f64,
+    ) -> Option<f64> {
         let levels = cx
             .walked
             .index
@@ -569,7 +603,6 @@ impl KvState {
             }
         }
         let least = self.slots.least_key();
-        let most_held = sc.held.most() as f64;
         let mut loose = 0.0f64;
         for k in (0..levels).rev() {
             let Some((end, len)) = cx
@@ -586,7 +619,7 @@ impl KvState {
             if least + below > two.1 + slack(two.1) {
                 continue;
             }
-            if len > ENUMERATE.max(cx.candidates.len() / 8) {
+            if len > cx.wide() {
                 loose = loose.max(cx.most_credit(end));
                 continue;
             }
@@ -607,27 +640,16 @@ impl KvState {
     }
 
     /// Step 3: holders of active blocks, node by node along the prompt's path in the active
-    /// requests' trie, deepest first. A node with at most an eighth of the candidates has its
-    /// ranks costed one by one unless a rank's own key, cached and active share rule it out; a
-    /// larger one (a system prompt many requests share) is left to the walk by load, which
-    /// allows for the most its ranks may have active (returned; None: fall back to the scan).
-    /// A rank's share is that of the deepest node it is in, so one that a wide node leaves to
-    /// the walk has at most that node's depth active, or is read in a narrower deeper node.
-    fn cost_active(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<f64> {
-        if sc.held.path_len() == 0 && sc.held.holder_count() > 0 {
-            // Not a walk of the path: no nodes to tell apart.
-            return Some(sc.held.most() as f64);
-        }
-        let wide = ENUMERATE.max(cx.candidates.len() / 8);
-        let mut loose = 0.0f64;
+    /// requests' trie, deepest first: the ranks of a node with at most an eighth of the
+    /// candidates are each costed unless their own key, cached and active share rule them out.
+    /// A wider node (a system prompt many requests share) is left to the walk by load, which
+    /// allows for its depth ([`Pass::active_allowance`]). None: fall back to the scan.
+    fn cost_active(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<()> {
+        let wide = cx.wide();
         for k in (0..sc.held.path_len()).rev() {
-            let Some((held, ranks)) = sc.held.path_node(k) else {
+            let Some((_, ranks)) = sc.held.path_node(k).filter(|(_, r)| r.len() <= wide) else {
                 continue;
             };
-            if ranks.len() > wide {
-                loose = loose.max(held as f64);
-                continue;
-            }
             for j in ranks {
                 let Some(id) = sc.held.holder(j) else {
                     break;
@@ -643,7 +665,7 @@ impl KvState {
                 }
             }
         }
-        Some(loose)
+        Some(())
     }
 
     /// Step 4: the least loaded, least key first, as long as their keys could beat the

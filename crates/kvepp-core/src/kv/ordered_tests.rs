@@ -398,7 +398,10 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     let mut guards = Vec::new();
     for s in 0..20u64 {
         let o = ordered(&kv, &eps, &p, s).expect("ordered");
-        assert!(o.costed * 50 <= n, "pick {s}: costed {} of {n}", o.costed);
+        // The picks booked so far have the whole prompt active; a level's bound allows only
+        // for what a rank outside the trie's narrow nodes may have (the system prompt's
+        // depth), not for their 200 blocks (which had ~35 costed a pick).
+        assert!(o.costed * 100 <= n, "pick {s}: costed {} of {n}", o.costed);
         // The picks booked so far have the whole prompt active: each is read in its own
         // narrow node of the trie, not allowed for across the fleet (which would have the
         // walk by load read every rank).

@@ -152,6 +152,7 @@ impl HeldScratch {
 
     /// How many dense ids [`Self::holder`] lists: each holder of some of the prompt once, or
     /// after a walk of the path, once per node it is in.
+    #[cfg(test)]
     pub(crate) fn holder_count(&self) -> usize {
         if self.lazy {
             self.copied.len()
