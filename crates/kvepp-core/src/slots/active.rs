@@ -204,7 +204,8 @@ pub(crate) struct ActiveTrie {
     edges: HashMap<Edge, u32, KeyedBuild>,
     /// The last serial handed to a node.
     serial: u64,
-    /// Plans found stale when applied ([`Self::insert_planned`]).
+    /// Plans found stale when applied ([`Self::insert_planned`]; not those of a path too long
+    /// to plan).
     stale_plans: u64,
 }
 
@@ -531,9 +532,10 @@ impl ActiveTrie {
     }
 }
 
-/// Most nodes an [`InsertPlan`] names; a longer path is inserted as before, all under the
-/// write lock.
-const PLAN_STEPS: usize = 8;
+/// Most nodes an [`InsertPlan`] names (a path branches where live requests part: a system
+/// prompt, a tool list, each turn of a conversation others are still in); a longer path is
+/// inserted as before, all under the write lock.
+const PLAN_STEPS: usize = 16;
 
 /// Where a prompt's path goes through the trie, worked out by [`ActiveTrie::plan`] under a
 /// read lock (the hash comparisons along the whole prompt) so that the write lock only counts
@@ -594,7 +596,7 @@ impl ActiveTrie {
         plan: &InsertPlan,
     ) -> (u32, u64) {
         if !self.plan_holds(seq, plan) {
-            self.stale_plans += 1;
+            self.stale_plans += u64::from(plan.whole);
             return self.insert(rank, seq);
         }
         let steps = &plan.steps[..usize::from(plan.len)];
@@ -690,6 +692,32 @@ mod tests {
         assert_eq!(t.remove(0, a), 4);
         assert_eq!(t.node_count(), 1, "only the root is left");
         assert!(t.edges.is_empty());
+    }
+
+    /// A path through more nodes than a plan names is inserted the plain way, and is not
+    /// counted as a stale plan.
+    #[test]
+    fn a_path_too_long_to_plan_is_inserted_anew() {
+        let mut t = ActiveTrie::with_seed(2);
+        let xs: Vec<u64> = (1..=40).collect();
+        // A request ending at every other block: a node per two blocks along the path.
+        for k in (2..=xs.len()).step_by(2) {
+            t.insert(1, &seq(&xs[..k]));
+        }
+        let long = seq(&[&xs[..], &[99]].concat());
+        let plan = t.plan(&long);
+        assert!(!plan.whole, "{} nodes fit a plan", PLAN_STEPS);
+        let (end, added) = t.insert_planned(0, &long, &plan);
+        assert_eq!(added, 41, "every block is new to rank 0");
+        assert_eq!(t.stale_plans(), 0);
+        assert_eq!(held(&t, &[&xs[..], &[99]].concat(), 0), 41);
+        assert_eq!(t.remove(0, end), 41);
+        // A short one is planned whole and inserted along its plan.
+        let short = seq(&xs[..4]);
+        let plan = t.plan(&short);
+        assert!(plan.whole);
+        assert_eq!(t.insert_planned(0, &short, &plan).1, 4);
+        assert_eq!(t.stale_plans(), 0);
     }
 
     /// Differential: random chained and unchained lists over a few ranks against counting
