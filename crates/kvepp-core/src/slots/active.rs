@@ -273,9 +273,17 @@ impl ActiveTrie {
     /// Adds a request of rank `rank` whose prompt is `seq`: the node its path ends at (for
     /// [`Self::remove`]) and how many blocks are new to the rank.
     pub(crate) fn insert(&mut self, rank: u32, seq: &Arc<[SequenceHash]>) -> (u32, u64) {
-        let mut node = ROOT;
-        let mut pos = 0;
-        let mut added = 0;
+        self.insert_from(rank, seq, (ROOT, 0, 0))
+    }
+
+    /// [`Self::insert`] from `node`, on `seq`'s path and ending at its block `pos`, with `added`
+    /// blocks new to the rank so far (the request already counted on the nodes above).
+    fn insert_from(
+        &mut self,
+        rank: u32,
+        seq: &Arc<[SequenceHash]>,
+        (mut node, mut pos, mut added): (u32, usize, u64),
+    ) -> (u32, u64) {
         while let Some(&first) = seq.get(pos) {
             let edge = Edge {
                 parent: node,
@@ -587,19 +595,35 @@ impl ActiveTrie {
     }
 
     /// [`Self::insert`] along `plan` (made by [`Self::plan`] for the same `seq`) when every
-    /// node it names is as it was then, without comparing hashes again; else the insertion
-    /// as [`Self::insert`] does it. Either way, exactly what [`Self::insert`] returns.
+    /// node it names is as it was then, without comparing hashes again; else along the nodes
+    /// from the root that still are, comparing hashes only from where they end. Either way,
+    /// exactly what [`Self::insert`] returns.
     pub(crate) fn insert_planned(
         &mut self,
         rank: u32,
         seq: &Arc<[SequenceHash]>,
         plan: &InsertPlan,
     ) -> (u32, u64) {
-        if !self.plan_holds(seq, plan) {
-            self.stale_plans += u64::from(plan.whole);
-            return self.insert(rank, seq);
-        }
         let steps = &plan.steps[..usize::from(plan.len)];
+        if !self.plan_holds(seq, plan) {
+            if !plan.whole {
+                return self.insert(rank, seq);
+            }
+            self.stale_plans += 1;
+            // The planned nodes whose serials still hold, from the root, entered whole, are
+            // still the prompt's path: count the request on them and compare on from there.
+            let whole = steps.len() - usize::from(plan.split > 0);
+            let (mut node, mut pos, mut added) = (ROOT, 0, 0);
+            for &(id, serial) in &steps[..whole] {
+                if self.nodes.get(id as usize).map(|n| n.serial) != Some(serial) {
+                    break;
+                }
+                added += self.enter(id, rank);
+                pos = self.node(id).end;
+                node = id;
+            }
+            return self.insert_from(rank, seq, (node, pos, added));
+        }
         let (mut node, mut pos, mut added) = (ROOT, 0, 0);
         for (k, &(id, _)) in steps.iter().enumerate() {
             let child = if k + 1 == steps.len() && plan.split > 0 {
