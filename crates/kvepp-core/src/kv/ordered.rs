@@ -7,12 +7,12 @@
 //! holder: the index's leaves the prompt's *levels* (stretches held alike, each with its
 //! holder list, [`crate::index::LevelView`]) and the trie's copies each node's rank list, and a
 //! rank's share is looked up in them when the rank is costed. So the pick costs exactly:
-//! - the holders of each level, deepest first, unless the level's bound (the least load key, less
-//!   the most its holders can be credited and the most a rank left to the walk by load has
-//!   active, see the next step) rules the whole
-//!   level out; a level held by at most an eighth of the candidates is read holder by holder,
-//!   each costed unless its own key rules it out; a larger one is left to the walk by load,
-//!   which then allows for the credit its holders may have;
+//! - the holders of each level, deepest first, unless the level's bound (the least load key,
+//!   less the most its holders can be credited and the most a rank left to the walk by load
+//!   has active, see the next step) rules the whole level out; a level held by at most an
+//!   eighth of the candidates is read holder by holder, each costed unless its own key rules
+//!   it out; a larger one is left to the walk by load, which then allows for the credit its
+//!   holders may have;
 //! - the holders of active blocks likewise, node by node along the prompt's path in the active
 //!   requests' trie, deepest first: a node with at most an eighth of the candidates has its
 //!   ranks read one by one, a wider one (a system prompt many requests share) is allowed for by
@@ -272,7 +272,6 @@ impl Pass<'_> {
             })
     }
 
-    /// The `j`-th holder of level `k` of the index walk.
     /// More holders than this (a level's, an active node's) are allowed for in the walk by
     /// load rather than read one by one.
     fn wide(&self) -> usize {
@@ -295,6 +294,7 @@ impl Pass<'_> {
             .fold(0.0, f64::max)
     }
 
+    /// The `j`-th holder of level `k` of the index walk.
     fn level_rank(&self, sc: &PickScratch, k: usize, j: usize) -> Option<crate::slots::WorkerRank> {
         self.walked.index.as_ref()?.level(&sc.matching, k)?.rank(j)
     }
@@ -576,10 +576,10 @@ impl KvState {
     /// bound (the least key, less the most their holders can be credited and `most_held`, the
     /// most a rank that step 3 does not read may have active) rules them out. A rank that step
     /// 3 reads is checked there against its own share, so it may be skipped here. The holders
-    /// of a level of at most an eighth of the
-    /// candidates are read one by one (costed when their own key does not rule them out); a
-    /// larger one's are left to the walk by load, which allows for the credit they may have:
-    /// the most of that is returned (None: fall back to the scan).
+    /// of a level of at most an eighth of the candidates are read one by one (costed when their
+    /// own key does not rule them out); a larger one's are left to the walk by load, which
+    /// allows for the credit they may have: the most of that is returned (None: fall back to
+    /// the scan).
     fn cost_levels(
         &self,
         cx: &Pass<'_>,

@@ -23,7 +23,8 @@
 //! A booking may split its insertion in two: [`ActiveTrie::plan`] compares its hashes along
 //! the path (read-only, so under a shared lock), and [`ActiveTrie::insert_planned`] then counts
 //! the request on the planned nodes; every node carries a serial that changes with its run or
-//! parent, so a plan that a write made stale is seen and the insertion done anew.
+//! parent, so a plan that a write made stale is seen, and the insertion goes on from the last
+//! planned node that is unchanged, comparing hashes from there.
 //!
 //! Costs: booking and releasing a request compare hashes along its path (no hashing or table
 //! write per block: one table probe per node) and touch one count per node; a walk does the same
@@ -475,7 +476,7 @@ impl ActiveTrie {
             scratch.held.resize(ranks, (0, 0));
         }
         let epoch = scratch.epoch;
-        self.descend(hashes, |c, held| {
+        self.descend(hashes, |_, c, held| {
             // Deeper nodes overwrite: a rank's entry ends at the last node it is present in.
             for &r in &c.ids {
                 if let Some(s) = scratch.held.get_mut(r as usize) {
@@ -491,9 +492,10 @@ impl ActiveTrie {
         });
     }
 
-    /// Follows `hashes` down from the root, calling `f(node, held)` for each node the prompt
-    /// enters, `held` being how many of its leading blocks the path to it (and into it) covers.
-    fn descend(&self, hashes: &[SequenceHash], mut f: impl FnMut(&Node, u64)) {
+    /// Follows `hashes` down from the root, calling `f(id, node, held)` for each node the
+    /// prompt enters, `held` being how many of its leading blocks the path to it (and into it)
+    /// covers.
+    fn descend(&self, hashes: &[SequenceHash], mut f: impl FnMut(u32, &Node, u64)) {
         let mut node = ROOT;
         let mut pos = 0;
         while let Some(&first) = hashes.get(pos) {
@@ -505,7 +507,7 @@ impl ActiveTrie {
             };
             let c = self.node(child);
             let m = common_prefix(c.run(), &hashes[pos..]);
-            f(c, (pos + m) as u64);
+            f(child, c, (pos + m) as u64);
             if (m as u64) < c.len() {
                 break;
             }
@@ -525,7 +527,7 @@ impl ActiveTrie {
         scratch.path.clear();
         scratch.copied.clear();
         scratch.most = 0;
-        self.descend(hashes, |c, held| {
+        self.descend(hashes, |_, c, held| {
             if !c.ids.is_empty() {
                 scratch.copied.extend_from_slice(&c.ids);
                 scratch.path.push((held, scratch.copied.len() as u32));
@@ -548,7 +550,8 @@ const PLAN_STEPS: usize = 16;
 /// Where a prompt's path goes through the trie, worked out by [`ActiveTrie::plan`] under a
 /// read lock (the hash comparisons along the whole prompt) so that the write lock only counts
 /// the request on the nodes it names ([`ActiveTrie::insert_planned`]). Each node is named with
-/// its serial; if any has changed since, the plan is stale and the insertion starts over.
+/// its serial; if any has changed since, the plan is stale and the insertion compares hashes
+/// again from the last unchanged node.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct InsertPlan {
     /// The nodes entered, in path order, with their serials.
@@ -565,32 +568,26 @@ pub(crate) struct InsertPlan {
 impl ActiveTrie {
     /// The plan of [`Self::insert`] for `seq` as the trie is now (see [`InsertPlan`]).
     pub(crate) fn plan(&self, seq: &[SequenceHash]) -> InsertPlan {
-        let mut p = InsertPlan::default();
-        let (mut node, mut pos) = (ROOT, 0);
-        while let Some(&first) = seq.get(pos) {
-            let Some(&child) = self.edges.get(&Edge {
-                parent: node,
-                first,
-            }) else {
-                p.leaf = true;
-                break;
-            };
-            let Some(step) = p.steps.get_mut(usize::from(p.len)) else {
-                return p;
-            };
-            let c = self.node(child);
-            *step = (child, c.serial);
-            p.len += 1;
-            let m = common_prefix(c.run(), &seq[pos..]).max(1);
-            if (m as u64) < c.len() {
-                p.split = m as u32;
-                p.leaf = pos + m < seq.len();
-                break;
+        let mut p = InsertPlan {
+            whole: true,
+            ..InsertPlan::default()
+        };
+        let mut reached = 0;
+        self.descend(seq, |id, c, held| {
+            match p.steps.get_mut(usize::from(p.len)) {
+                Some(step) => {
+                    *step = (id, c.serial);
+                    p.len += 1;
+                }
+                None => p.whole = false,
             }
-            pos = c.end;
-            node = child;
-        }
-        p.whole = true;
+            // A node's run sits at the same positions as the prompt's (both from the root).
+            if held < c.end as u64 {
+                p.split = (held as usize - c.start).max(1) as u32;
+            }
+            reached = held;
+        });
+        p.leaf = (reached as usize) < seq.len();
         p
     }
 
@@ -604,29 +601,21 @@ impl ActiveTrie {
         seq: &Arc<[SequenceHash]>,
         plan: &InsertPlan,
     ) -> (u32, u64) {
-        let steps = &plan.steps[..usize::from(plan.len)];
-        if !self.plan_holds(seq, plan) {
-            if !plan.whole {
-                return self.insert(rank, seq);
-            }
-            self.stale_plans += 1;
-            // The planned nodes whose serials still hold, from the root, entered whole, are
-            // still the prompt's path: count the request on them and compare on from there.
-            let whole = steps.len() - usize::from(plan.split > 0);
-            let (mut node, mut pos, mut added) = (ROOT, 0, 0);
-            for &(id, serial) in &steps[..whole] {
-                if self.nodes.get(id as usize).map(|n| n.serial) != Some(serial) {
-                    break;
-                }
-                added += self.enter(id, rank);
-                pos = self.node(id).end;
-                node = id;
-            }
-            return self.insert_from(rank, seq, (node, pos, added));
+        if !plan.whole {
+            return self.insert(rank, seq);
         }
+        let holds = self.plan_holds(seq, plan);
+        self.stale_plans += u64::from(!holds);
+        // A stale plan's nodes from the root whose serials still hold, entered whole, are still
+        // the prompt's path: the request is counted on them and hashes compared on from there.
+        let steps = &plan.steps[..usize::from(plan.len)];
         let (mut node, mut pos, mut added) = (ROOT, 0, 0);
-        for (k, &(id, _)) in steps.iter().enumerate() {
-            let child = if k + 1 == steps.len() && plan.split > 0 {
+        for (k, &(id, serial)) in steps.iter().enumerate() {
+            let split = k + 1 == steps.len() && plan.split > 0;
+            if !holds && (split || !self.unchanged(id, serial)) {
+                break;
+            }
+            let child = if split {
                 self.split(node, id, plan.split as usize)
             } else {
                 id
@@ -635,6 +624,9 @@ impl ActiveTrie {
             pos = self.node(child).end;
             node = child;
         }
+        if !holds {
+            return self.insert_from(rank, seq, (node, pos, added));
+        }
         if plan.leaf {
             let leaf = self.add_leaf(node, rank, seq, pos);
             return (leaf, added + (seq.len() - pos) as u64);
@@ -642,15 +634,11 @@ impl ActiveTrie {
         (node, added)
     }
 
-    /// Whether `plan` still describes `seq`'s path: every node it names has its serial (so the
-    /// same run and parent), and the leaf it would add does not exist meanwhile.
+    /// Whether `plan` (whole) still describes `seq`'s path: every node it names has its serial
+    /// (so the same run and parent), and the leaf it would add does not exist meanwhile.
     fn plan_holds(&self, seq: &[SequenceHash], plan: &InsertPlan) -> bool {
         let steps = &plan.steps[..usize::from(plan.len)];
-        if !plan.whole
-            || steps
-                .iter()
-                .any(|&(id, serial)| self.nodes.get(id as usize).map(|n| n.serial) != Some(serial))
-        {
+        if !steps.iter().all(|&(id, serial)| self.unchanged(id, serial)) {
             return false;
         }
         if !plan.leaf || plan.split > 0 {
@@ -662,6 +650,11 @@ impl ActiveTrie {
             .map_or((ROOT, 0), |&(id, _)| (id, self.node(id).end));
         seq.get(pos)
             .is_some_and(|&first| !self.edges.contains_key(&Edge { parent, first }))
+    }
+
+    /// Whether node `id` still has the serial a plan named it with (same run and parent).
+    fn unchanged(&self, id: u32, serial: u64) -> bool {
+        self.nodes.get(id as usize).map(|n| n.serial) == Some(serial)
     }
 
     /// Plans found stale when applied (a write between the plan and the insertion).

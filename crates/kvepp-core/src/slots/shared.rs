@@ -27,8 +27,8 @@
 //! - locks are always taken in the order registry → request shard → rank cell → trie shard, and
 //!   none is held across a call out, so they cannot deadlock (a booking first reads its trie
 //!   shard with no other lock held, to plan its path: the hash comparisons along the prompt;
-//!   the write lock then only counts the request on the planned nodes, or inserts anew if a
-//!   write changed them meanwhile);
+//!   the write lock then only counts the request on the planned nodes, or, if a write changed
+//!   some of them meanwhile, compares hashes again from the last unchanged one);
 //! - an unregistered rank's cell is marked free (its view says so) before its requests are
 //!   removed, and its dense id is reused only after they are, so no request outlives its rank
 //!   and a stale hint never reads another rank's load as its own.
@@ -565,7 +565,7 @@ impl SharedSlots {
     }
 
     /// Bookings whose planned path a write changed before they took the trie's write lock
-    /// (they compared the prompt's hashes again under it).
+    /// (they compared the prompt's hashes again under it, from the last unchanged node).
     pub fn stale_plans(&self) -> u64 {
         self.tries.iter().map(|t| t.read().stale_plans()).sum()
     }
