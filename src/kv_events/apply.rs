@@ -6,7 +6,10 @@
 //! endpoint that leaves the pool has its subscriptions stopped (its blocks are forgotten by the
 //! router's upkeep); a publisher restart or a loss (batches that could not be replayed) clears the
 //! ranks that publisher published for, and only those, so no entry outlives a removal kvepp
-//! missed: the index then holds what the batches delivered after it build.
+//! missed: the index then holds what the batches delivered after it build. The one exception is
+//! a subscription's opening gap (it joined a publisher already past batch 0 and could not replay
+//! from 0): nothing that subscription delivered can be stale, so what the index already holds for
+//! the rank (a peer's dump recovered at start) is kept and built on.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -468,6 +471,9 @@ async fn subscription(
     let mut seen_undecodable = 0;
     let mut seen_lost = 0;
     let mut counted_without_replay = false;
+    // Whether this subscription has delivered anything yet: a loss before that is the gap it
+    // opened with, not a removal missed after blocks it delivered.
+    let mut delivered = false;
     // The ranks this publisher has published for: what a restart or a loss makes void.
     let mut ranks = std::collections::BTreeSet::from([rank]);
     let forget = |ranks: &std::collections::BTreeSet<u32>| {
@@ -494,6 +500,7 @@ async fn subscription(
                     received,
                     ..
                 } => {
+                    delivered = true;
                     if pin_rank {
                         batch.data_parallel_rank = None;
                     }
@@ -512,8 +519,12 @@ async fn subscription(
                     );
                 }
                 Delivery::PublisherRestarted => {
+                    delivered = true;
                     metrics.publisher_restarts.inc();
                     forget(&ranks);
+                }
+                Delivery::Lost { from, to } if !delivered => {
+                    tracing::info!(endpoint = %labels.endpoint, from, to, "joined a publisher past its first batches; the rank's recovered blocks are kept");
                 }
                 Delivery::Lost { .. } => forget(&ranks),
             }

@@ -336,11 +336,11 @@ impl Wiring {
         }
     }
 
-    /// The router: the picker, saturation limits and disaggregation from the tree; its upkeep
-    /// task follows the pool.
-    pub fn router(&mut self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
+    /// The router: the picker, saturation limits and disaggregation from the tree (its upkeep is
+    /// [`Self::upkeep`]).
+    pub fn router(&self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
         let saturation = saturation(&self.cfg);
-        let router = Arc::new(
+        Arc::new(
             match (&kv, self.cfg.picker) {
                 (Some(kv), _) => Router::kv_aware(kv.clone(), saturation),
                 (None, PickerKind::RoundRobin) => {
@@ -351,13 +351,18 @@ impl Wiring {
             .with_disaggregation(self.cfg.disaggregation.clone())
             .with_adapter_affinity(self.cfg.adapter_affinity)
             .with_sessions(self.cfg.session_affinity.table()),
-        );
+        )
+    }
+
+    /// The router's upkeep, following the pool. Started after [`Self::recover_index`]: an upkeep
+    /// pass that read the pool before it was loaded must not run after the recovered index is in
+    /// place (it would forget every endpoint the pool was about to list).
+    pub fn upkeep(&mut self, router: &Arc<Router>) {
         self.tasks.push(tokio::spawn(crate::upkeep::run(
             router.clone(),
             self.store.watch(),
             self.stop.clone(),
         )));
-        router
     }
 
     /// The routing service over `router`, with the tokenizers of the tree.

@@ -216,6 +216,7 @@ pub async fn run_with(
     }
     let router = w.router(&kv);
     w.recover_index(&kv, &router).await;
+    w.upkeep(&router);
     let request_router = w.routing(&router)?;
     let routing: Arc<dyn crate::request::RouteRequest> = request_router.clone();
     let flow = w.flow_control(&router, &routing);

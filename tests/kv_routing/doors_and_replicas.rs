@@ -313,10 +313,18 @@ async fn replicas_find_each_other_through_their_own_service() {
 }
 
 /// A (re)started `kvepp serve` replica recovers the KV index from a peer's `/dump` before it serves:
-/// with no KV events of its own, it holds what the peer learned from the engines.
+/// before any KV event of its own, it holds what the peer learned from the engines, and keeps it
+/// once its own subscriptions start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_replica_recovers_the_index_from_a_peer() {
-    let (a, b, one) = two_engines(|_| {}).await;
+    let (a, b, m, events_port) = engine_pair().await;
+    let subscribed = |c: &mut kvepp::config::Config| {
+        c.kv_events.enabled = true;
+        c.kv_events.port = events_port;
+        c.block_size = Some(BLOCK as u32);
+    };
+    let one = Epp::start(&m, subscribed).await;
+    until_engines_publish(&one, &[&a, &b]).await;
     let envoy = Envoy::start(bootstrap(), one.grpc).await;
     served_by(&envoy, &tokens(300, 4 * BLOCK)).await;
     served_by(&envoy, &tokens(301, 6 * BLOCK)).await;
@@ -324,12 +332,9 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
         (one.metric("kvepp_kv_event_blocks_stored_total").await? >= 10.0).then_some(())
     })
     .await;
-    let mut m = pool_yaml("pool") + &standard_models();
-    m += &slice_yaml("a", a.http, true);
-    m += &slice_yaml("b", b.http, true);
     let peer = format!("http://{}", one.metrics);
     let two = Epp::start(&m, |c| {
-        c.block_size = Some(BLOCK as u32);
+        subscribed(c);
         c.replica_sync.indexer_peers = vec!["http://127.0.0.1:1".into(), peer];
     })
     .await;
@@ -350,6 +355,14 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
         .map(|e| e["blocks"].as_array().unwrap().len())
         .sum();
     assert_eq!(blocks, 10);
+    // Replica two's own subscriptions join engines long past their first batches, with no replay
+    // socket: that opening gap must not void what the peer's dump gave it.
+    until_engines_publish(&two, &[&a, &b]).await;
+    assert_eq!(
+        index(&two).await,
+        index(&one).await,
+        "the recovered index outlives the subscriptions' opening gap"
+    );
     drop(envoy);
     one.stop().await;
     two.stop().await;

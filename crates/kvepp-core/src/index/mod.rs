@@ -662,12 +662,12 @@ impl PrefixIndex {
         slot.order = Default::default();
     }
 
-    /// Forgets every rank of `worker` and its blocks.
     /// The workers holding at least one rank here (each once).
     pub fn workers(&self) -> std::collections::HashSet<u64> {
         self.rank_ids.keys().map(|r| r.worker).collect()
     }
 
+    /// Forgets every rank of `worker` and its blocks.
     pub fn remove_worker(&mut self, worker: u64) {
         let gone: Vec<u16> = self
             .rank_ids
