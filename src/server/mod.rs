@@ -185,10 +185,9 @@ pub async fn run_with(
         token: crate::api::auth::ApiToken::load(cfg.api_token_file.as_deref())?,
         refused: metrics.http_unauthorized.clone(),
     };
-    let pool = pool_ref(&cfg);
     let counters = crate::discovery::DiscoveryCounters::default();
     let gauge = counters.ready_endpoints.clone();
-    let store = Arc::new(Datastore::new(pool, move |snap| {
+    let store = Arc::new(Datastore::new(pool_ref(&cfg), move |snap| {
         gauge.set(snap.endpoints.len() as i64);
     }));
     // Before anything is spawned: a refused start leaves nothing running.
