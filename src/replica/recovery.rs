@@ -23,6 +23,49 @@ use kvepp_core::{KvState, SequenceHash};
 
 pub const FORMAT: &str = "kvepp-index-dump/1";
 
+/// What the start's recovery did: `kvepp_index_recoveries_total{result}` (`recovered`: a peer's
+/// dump applied; `failed`: no peer usable, the replica started with an empty index) and
+/// `kvepp_index_recovered_pairs` (the pairs the applied dump restored).
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryMetrics {
+    pub recoveries: prometheus_client::metrics::family::Family<
+        crate::metrics::ResultLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    pub pairs: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl RecoveryMetrics {
+    /// Records one recovery's outcome.
+    pub fn observe(&self, outcome: &Result<(String, u64), RecoveryError>) {
+        let result = match outcome {
+            Ok((_, pairs)) => {
+                self.pairs.set(i64::try_from(*pairs).unwrap_or(i64::MAX));
+                "recovered"
+            }
+            Err(_) => "failed",
+        };
+        self.recoveries
+            .get_or_create(&crate::metrics::ResultLabels { result })
+            .inc();
+    }
+}
+
+impl crate::metrics::Register for RecoveryMetrics {
+    fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "index_recoveries",
+            "KV-index recoveries from an indexer peer's /dump at start, by result: recovered, failed (no peer usable: started with an empty index)",
+            self.recoveries.clone(),
+        );
+        registry.register(
+            "index_recovered_pairs",
+            "Pairs (block, rank) the last recovery from a peer's /dump restored",
+            self.pairs.clone(),
+        );
+    }
+}
+
 /// Largest dump accepted from a peer.
 pub const MAX_DUMP_BYTES: usize = 256 << 20;
 

@@ -324,13 +324,16 @@ impl Wiring {
             let mut ready = self.store.ready();
             let wait = Duration::from_millis(self.cfg.startup_wait_ms);
             let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
-            if let Err(e) = crate::replica::recovery::recover_pool(
+            let counters = crate::replica::recovery::RecoveryMetrics::default();
+            self.metrics.add(&counters);
+            let outcome = crate::replica::recovery::recover_pool(
                 kv,
                 router,
                 &self.cfg.replica_sync.indexer_peers,
             )
-            .await
-            {
+            .await;
+            counters.observe(&outcome);
+            if let Err(e) = outcome {
                 tracing::warn!(error = %e, "starting without a recovered KV index");
             }
         }

@@ -342,6 +342,18 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
         let addr = epp.metrics;
         async move { http(addr, "GET", "/debug/kv-index", &[], "").await.json() }
     };
+    // The recovery's own account: one dump applied (the unusable peer skipped), ten pairs.
+    assert_eq!(
+        (
+            two.metric("kvepp_index_recoveries_total{result=\"recovered\"}")
+                .await,
+            two.metric("kvepp_index_recoveries_total{result=\"failed\"}")
+                .await,
+            two.metric("kvepp_index_recovered_pairs").await,
+        ),
+        (Some(1.0), None, Some(10.0)),
+        "replica two's recovery metrics"
+    );
     let recovered = index(&two).await;
     assert_eq!(
         recovered,
@@ -366,6 +378,38 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
     drop(envoy);
     one.stop().await;
     two.stop().await;
+}
+
+/// A replica none of whose indexer peers is usable starts anyway, with an empty index, and says
+/// so in its metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_without_a_usable_peer_starts_empty_and_counts_it() {
+    let (a, b, m, _) = engine_pair().await;
+    let epp = Epp::start(&m, |c| {
+        c.block_size = Some(BLOCK as u32);
+        c.replica_sync.indexer_peers = vec!["http://127.0.0.1:1".into()];
+    })
+    .await;
+    assert_eq!(
+        (
+            epp.metric("kvepp_index_recoveries_total{result=\"failed\"}")
+                .await,
+            epp.metric("kvepp_index_recoveries_total{result=\"recovered\"}")
+                .await,
+            epp.metric("kvepp_index_recovered_pairs").await,
+        ),
+        (Some(1.0), None, Some(0.0))
+    );
+    let index = http(epp.metrics, "GET", "/debug/kv-index", &[], "")
+        .await
+        .json();
+    for e in [&a, &b] {
+        assert_eq!(
+            index["endpoints"][e.http.to_string()]["blocks"],
+            serde_json::json!([])
+        );
+    }
+    epp.stop().await;
 }
 
 async fn picks(epp: &Epp) -> f64 {
