@@ -344,14 +344,8 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
     };
     // The recovery's own account: one dump applied (the unusable peer skipped), ten pairs.
     assert_eq!(
-        (
-            two.metric("kvepp_index_recoveries_total{result=\"recovered\"}")
-                .await,
-            two.metric("kvepp_index_recoveries_total{result=\"failed\"}")
-                .await,
-            two.metric("kvepp_index_recovered_pairs").await,
-        ),
-        (Some(1.0), None, Some(10.0)),
+        recovery_metrics(&two).await,
+        [Some(1.0), None, Some(10.0)],
         "replica two's recovery metrics"
     );
     let recovered = index(&two).await;
@@ -390,16 +384,7 @@ async fn a_replica_without_a_usable_peer_starts_empty_and_counts_it() {
         c.replica_sync.indexer_peers = vec!["http://127.0.0.1:1".into()];
     })
     .await;
-    assert_eq!(
-        (
-            epp.metric("kvepp_index_recoveries_total{result=\"failed\"}")
-                .await,
-            epp.metric("kvepp_index_recoveries_total{result=\"recovered\"}")
-                .await,
-            epp.metric("kvepp_index_recovered_pairs").await,
-        ),
-        (Some(1.0), None, Some(0.0))
-    );
+    assert_eq!(recovery_metrics(&epp).await, [None, Some(1.0), Some(0.0)]);
     let index = http(epp.metrics, "GET", "/debug/kv-index", &[], "")
         .await
         .json();
@@ -410,6 +395,18 @@ async fn a_replica_without_a_usable_peer_starts_empty_and_counts_it() {
         );
     }
     epp.stop().await;
+}
+
+/// A replica's recoveries that applied a dump, those that found no usable peer, and the pairs
+/// restored.
+async fn recovery_metrics(epp: &Epp) -> [Option<f64>; 3] {
+    [
+        epp.metric("kvepp_index_recoveries_total{result=\"recovered\"}")
+            .await,
+        epp.metric("kvepp_index_recoveries_total{result=\"failed\"}")
+            .await,
+        epp.metric("kvepp_index_recovered_pairs").await,
+    ]
 }
 
 async fn picks(epp: &Epp) -> f64 {
