@@ -1,9 +1,9 @@
 //! `kvepp serve`'s components, each started from its own section of the configuration: discovery
 //! (manifests or the Kubernetes API), the gRPC health reporter, the KV-aware state with its
-//! KV-event subscriptions, engine metadata and metrics scraping, index recovery from a peer, the
-//! router, the routing service with its tokenizers, and flow control. [`super::run`] lists them in
-//! order; each registers its metrics and pushes the tasks it spawns onto the shared list, which
-//! shutdown aborts.
+//! KV-event subscriptions, engine metadata and metrics scraping, the router, index recovery from
+//! a peer, the router's upkeep (only once the recovery is done), the routing service with its
+//! tokenizers, and flow control. [`super::run`] lists them in order; each registers its metrics
+//! and pushes the tasks it spawns onto the shared list, which shutdown aborts.
 //!
 //! Invariant: a component reads its settings from the tree and nothing else; its tasks stop when
 //! the stop signal turns true (or are aborted after the grace period).
