@@ -316,11 +316,10 @@ impl Wiring {
     }
 
     /// Before any ext_proc stream is served: the KV index from a peer's `/dump`, once the pool is
-    /// loaded (the upkeep forgets the state of endpoints not in the pool, so it must know them).
+    /// loaded (the upkeep, started after, forgets the state of endpoints not in the pool, so the
+    /// pool must list the recovered ones).
     pub async fn recover_index(&self, kv: &Option<Arc<KvState>>, router: &Router) {
         if let (Some(kv), false) = (&kv, self.cfg.replica_sync.indexer_peers.is_empty()) {
-            // Before any ext_proc stream is served, once the pool is loaded (the upkeep forgets the
-            // state of endpoints not in the pool, so it must know them first).
             let mut ready = self.store.ready();
             let wait = Duration::from_millis(self.cfg.startup_wait_ms);
             let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;

@@ -318,12 +318,7 @@ async fn replicas_find_each_other_through_their_own_service() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_replica_recovers_the_index_from_a_peer() {
     let (a, b, m, events_port) = engine_pair().await;
-    let subscribed = |c: &mut kvepp::config::Config| {
-        c.kv_events.enabled = true;
-        c.kv_events.port = events_port;
-        c.block_size = Some(BLOCK as u32);
-    };
-    let one = Epp::start(&m, subscribed).await;
+    let one = Epp::start(&m, |c| subscribed(c, events_port)).await;
     until_engines_publish(&one, &[&a, &b]).await;
     let envoy = Envoy::start(bootstrap(), one.grpc).await;
     served_by(&envoy, &tokens(300, 4 * BLOCK)).await;
@@ -334,24 +329,20 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
     .await;
     let peer = format!("http://{}", one.metrics);
     let two = Epp::start(&m, |c| {
-        subscribed(c);
+        subscribed(c, events_port);
         c.replica_sync.indexer_peers = vec!["http://127.0.0.1:1".into(), peer];
     })
     .await;
-    let index = |epp: &Epp| {
-        let addr = epp.metrics;
-        async move { http(addr, "GET", "/debug/kv-index", &[], "").await.json() }
-    };
     // The recovery's own account: one dump applied (the unusable peer skipped), ten pairs.
     assert_eq!(
         recovery_metrics(&two).await,
         [Some(1.0), None, Some(10.0)],
         "replica two's recovery metrics"
     );
-    let recovered = index(&two).await;
+    let recovered = kv_index(&two).await;
     assert_eq!(
         recovered,
-        index(&one).await,
+        kv_index(&one).await,
         "the same index, first unusable peer skipped"
     );
     let blocks: usize = recovered["endpoints"]
@@ -365,8 +356,8 @@ async fn restarted_replica_recovers_the_index_from_a_peer() {
     // socket: that opening gap must not void what the peer's dump gave it.
     until_engines_publish(&two, &[&a, &b]).await;
     assert_eq!(
-        index(&two).await,
-        index(&one).await,
+        kv_index(&two).await,
+        kv_index(&one).await,
         "the recovered index outlives the subscriptions' opening gap"
     );
     drop(envoy);
@@ -385,9 +376,7 @@ async fn a_replica_without_a_usable_peer_starts_empty_and_counts_it() {
     })
     .await;
     assert_eq!(recovery_metrics(&epp).await, [None, Some(1.0), Some(0.0)]);
-    let index = http(epp.metrics, "GET", "/debug/kv-index", &[], "")
-        .await
-        .json();
+    let index = kv_index(&epp).await;
     for e in [&a, &b] {
         assert_eq!(
             index["endpoints"][e.http.to_string()]["blocks"],

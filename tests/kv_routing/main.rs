@@ -285,14 +285,27 @@ fn all_idle(loads: &serde_json::Value) -> Option<()> {
         .then_some(())
 }
 
+/// kvepp subscribed to the KV events every engine publishes on `events_port`, at the tests'
+/// block size.
+fn subscribed(c: &mut kvepp::config::Config, events_port: u16) {
+    c.kv_events.enabled = true;
+    c.kv_events.port = events_port;
+    c.block_size = Some(BLOCK as u32);
+}
+
+/// `epp`'s `/debug/kv-index`.
+async fn kv_index(epp: &Epp) -> serde_json::Value {
+    http(epp.metrics, "GET", "/debug/kv-index", &[], "")
+        .await
+        .json()
+}
+
 /// Engines a (127.0.0.2) and b (127.0.0.3) publishing on the same port number (kvepp subscribes
 /// to tcp://<endpoint ip>:<kv_events.port>, as with vLLM pods), and kvepp subscribed to both.
 async fn two_engines(tweak: impl FnOnce(&mut kvepp::config::Config)) -> (Engine, Engine, Epp) {
     let (a, b, m, events_port) = engine_pair().await;
     let epp = Epp::start(&m, |c| {
-        c.kv_events.enabled = true;
-        c.kv_events.port = events_port;
-        c.block_size = Some(BLOCK as u32);
+        subscribed(c, events_port);
         tweak(c);
     })
     .await;

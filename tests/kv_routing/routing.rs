@@ -355,8 +355,7 @@ async fn publisher_that_binds_late_and_goes_quiet_is_routed_to() {
 
 /// The EPP hashes kvepp's index holds for endpoint `addr` (rank 0).
 async fn indexed(epp: &Epp, addr: SocketAddr) -> Vec<u64> {
-    let r = http(epp.metrics, "GET", "/debug/kv-index", &[], "").await;
-    let mut blocks: Vec<u64> = r.json()["endpoints"][addr.to_string()]["blocks"]
+    let mut blocks: Vec<u64> = kv_index(epp).await["endpoints"][addr.to_string()]["blocks"]
         .as_array()
         .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
         .unwrap_or_default();
