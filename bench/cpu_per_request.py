@@ -3,7 +3,10 @@
 Bodies (16 variants per mode, sharing all but their last ~2%, so the prefix indexes see a
 conversation that goes on rather than one repeated request):
 - approximate: /v1/completions with a ~400 KB text prompt (no tokenizer for the model: byte blocks);
-- token_ids: /v1/completions with a prompt of 100k token ids;
+- token_ids: /v1/completions with a prompt of 100k token ids, one of them the request counter
+  (~1,000 ids before the end: a conversation's next turn, whose new ids kvepp has never read);
+- token_ids-fresh: the same with the counter as the first id: every prompt unlike any before
+  (what the chunk cache of token-id prompts costs when it never hits);
 - tokens: /v1/chat/completions of a ~100k-token conversation (fixture tokenizer): the same system
   document and turns, and a last user message that differs on every request (a counter in it), so
   kvepp tokenizes that message every time, as it would a real conversation's new turn, while the
@@ -58,8 +61,9 @@ def bodies(mode, n):
         if mode == "approximate":
             text = "The quick brown fox jumps over the lazy dog. " * 8900
             out.append(({"model": "text-model", "prompt": text + f" question {i}: " + "why? " * (i + 40)}, "/v1/completions"))
-        elif mode == "token_ids":
+        elif mode in ("token_ids", "token_ids-fresh"):
             ids = [(t * 2654435761) % 50000 for t in range(98_000)] + [(i * 7919 + t) % 50000 for t in range(2_000)]
+            ids[99_000 if mode == "token_ids" else 0] = NEW
             out.append(({"model": "ids-model", "prompt": ids}, "/v1/completions"))
         else:
             messages = [
@@ -72,6 +76,12 @@ def bodies(mode, n):
     return out
 
 
+def dumps(body):
+    """A body's JSON with the NEW marker where the request counter goes: inside a message's text,
+    or bare where it stands for a token id."""
+    return json.dumps(body).replace(json.dumps(NEW), NEW)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--envoy", required=True)
@@ -79,7 +89,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--modes", default="approximate,token_ids,tokens,tokens-deepseek")
+    ap.add_argument("--modes", default="approximate,token_ids,token_ids-fresh,tokens,tokens-deepseek")
     ap.add_argument("--kvepp-bin", default=extproc_overhead.KVEPP,
                     help="the kvepp binary to measure (A/B runs against another build)")
     args = ap.parse_args()
@@ -138,7 +148,7 @@ def main():
             for i, (body, _) in enumerate(variants):
                 path = os.path.join(tmp, f"{mode}-{i}.json")
                 with open(path, "w") as f:
-                    json.dump(body, f)
+                    f.write(dumps(body))
                 files.append(path)
             script = os.path.join(tmp, f"{mode}.lua")
             with open(script, "w") as f:
@@ -148,8 +158,8 @@ def main():
                 # Counted on from the clock: every wrk run (warm-up, each repeat, each EPP) starts a
                 # new Lua state, and a counter from 0 would send the messages of the previous runs
                 # again, which kvepp's caches then serve without tokenizing (runs start seconds
-                # apart and send under 10^4 requests a second; the numbers stay below 10^14, which
-                # Lua prints whole).
+                # apart and send under 10^4 requests a second). Taken modulo 4·10^9, so that a
+                # counter standing for a token id fits u32 (and Lua prints it whole).
                 f.write("local n = (os.time() % 1000000) * 10000\n")
                 f.write(f"local path = {json.dumps(variants[0][1])}\n")
                 f.write("local headers = {['content-type'] = 'application/json', "
@@ -161,7 +171,7 @@ def main():
                 f.write("for i, b in ipairs(bodies) do local at = string.find(b, marker, 1, true); "
                         "if at then heads[i] = b:sub(1, at - 1); tails[i] = b:sub(at + #marker) end end\n")
                 f.write("request = function() n = n + 1; local i = n % #bodies + 1; "
-                        "local body = bodies[i]; if heads[i] then body = heads[i] .. n .. tails[i] end; "
+                        "local body = bodies[i]; if heads[i] then body = heads[i] .. (n % 4000000000) .. tails[i] end; "
                         "return wrk.format('POST', path, headers, body) end\n")
             size = os.path.getsize(files[0])
             for rep in range(args.repeat):

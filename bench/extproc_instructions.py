@@ -8,7 +8,7 @@ has no hardware counters); it counts instructions, not cache misses, and include
 background work during the run (timers, connections; engine metrics are off), so the same binary
 counts up to ~8% apart between runs here: repeat a run before trusting a difference under ~10%.
 
-Usage: bench/extproc_instructions.sh [--modes approximate,token_ids,tokens,tokens-deepseek] [--requests 20]
+Usage: bench/extproc_instructions.sh [--modes approximate,token_ids,token_ids-fresh,tokens,tokens-deepseek] [--requests 20]
        [--kvepp-bin A[,B]]   (several binaries: a column each, for A/B between builds)
        [--keep DIR]          (the dumps, for callgrind_annotate)
 """
@@ -17,7 +17,6 @@ import argparse
 import glob
 import http.client
 import itertools
-import json
 import os
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ import yaml
 from benchlib import Stack, free_port, wait
 import extproc_overhead
 from extproc_overhead import ROOT, bootstrap, http_ok, pool_manifests, start_envoy
-from cpu_per_request import NEW, TOKENIZERS, bodies
+from cpu_per_request import NEW, TOKENIZERS, bodies, dumps
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--quiet", "--compress-strings=no", "--compress-pos=no"]
 
@@ -72,7 +71,7 @@ def send(port, path, payload, backend):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--envoy", required=True)
-    ap.add_argument("--modes", default="approximate,token_ids")
+    ap.add_argument("--modes", default="approximate,token_ids,token_ids-fresh")
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--keep", help="copy each measured dump here (callgrind_annotate reads them)")
@@ -116,7 +115,7 @@ def main():
         for mode in modes:
             # A chat body's marker becomes a number never sent before: a new last message each
             # request, as `cpu_per_request`'s wrk script sends it.
-            payloads = [(json.dumps(b), path) for b, path in bodies(mode, 16)]
+            payloads = [(dumps(b), path) for b, path in bodies(mode, 16)]
 
             def post(n, listen):
                 body, path = payloads[n % 16]

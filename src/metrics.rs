@@ -117,10 +117,11 @@ impl PrepareSteps {
     }
 }
 
-/// How a token prompt's block hashes were found.
+/// How a token prompt's block hashes, or its ids, were found.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct HashSourceLabels {
-    /// `reused` (copied from the recent prompt that starts the same way) or `hashed`.
+    /// Hashes: `reused` (copied from the recent prompt that starts the same way) or `hashed`.
+    /// Ids: `cached` (a chunk the chunk cache held) or `read` (from the body).
     pub source: &'static str,
 }
 
@@ -178,6 +179,8 @@ pub struct Metrics {
     tokenizer_sources: TokenizerSources,
     /// Full blocks of token prompts by how their hashes were found (set at each scrape).
     pub prompt_hash_blocks: Family<HashSourceLabels, Counter>,
+    /// Token ids of `prompt` arrays by where they came from (counted as requests are read).
+    pub prompt_token_ids: Family<HashSourceLabels, Counter>,
     pub kv_picks: Family<PickPathLabels, Counter>,
     pub requests: Family<RequestLabels, Counter>,
     pub prepare_steps: PrepareSteps,
@@ -229,6 +232,7 @@ impl Metrics {
             prefix_blocks: Family::<ModeLabels, Counter>::default(),
             prefix_matched_blocks: Family::<ModeLabels, Counter>::default(),
             prompt_hash_blocks: Family::<HashSourceLabels, Counter>::default(),
+            prompt_token_ids: Family::<HashSourceLabels, Counter>::default(),
             kv_picks: Family::<PickPathLabels, Counter>::default(),
             cache_lookups: Family::<CacheLabels, Counter>::default(),
             tokenizer_calls: Family::<ModelLabels, Counter>::default(),
@@ -347,6 +351,12 @@ impl Metrics {
             "Full blocks of token prompts by how their hashes were found: reused from the recent \
              prompt that starts the same way, or hashed",
             self.prompt_hash_blocks.clone(),
+        );
+        registry.register(
+            "prompt_token_ids",
+            "Token ids of completions prompts given as ids, by where they came from: cached (a \
+             chunk of the array the chunk cache held, not read) or read (from the body)",
+            self.prompt_token_ids.clone(),
         );
         registry.register(
             "kv_picks",

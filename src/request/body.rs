@@ -18,11 +18,14 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde_json::value::RawValue;
 
+mod id_chunks;
 mod int_array;
 mod walk;
+pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
 use int_array::int_array;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
@@ -43,6 +46,9 @@ pub enum BodyError {
 pub enum RawPrompt<'a> {
     /// A flat array of integers that fit u32, read while the body was validated.
     Ids(Vec<u32>),
+    /// The same, read with a chunk cache ([`IdChunks`]): the ids as the chunks they were found
+    /// in, in order.
+    IdPieces(Vec<Arc<[u32]>>),
     /// Any other value, raw.
     Json(RawJson<'a>),
 }
@@ -84,11 +90,20 @@ pub struct ParsedBody<'a> {
 
 /// Scans `body` and returns the model name and its location.
 pub fn parse_body(body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
+    parse_body_with(body, None)
+}
+
+/// [`parse_body`], a `prompt` of token ids read through `chunks` (its leading chunks from the
+/// cache) when given.
+pub fn parse_body_with<'a>(
+    body: &'a [u8],
+    chunks: Option<&IdChunks>,
+) -> Result<ParsedBody<'a>, BodyError> {
     let Fields {
         model,
         prompt,
         messages,
-    } = scan(body)?;
+    } = scan(body, chunks)?;
     let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
@@ -153,7 +168,7 @@ fn malformed(e: &serde_json::Error, at: usize) -> BodyError {
 }
 
 /// Walks the top-level object.
-fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
+fn scan<'a>(body: &'a [u8], chunks: Option<&IdChunks>) -> Result<Fields<'a>, BodyError> {
     let mut i = skip_ws(body, 0);
     match body.get(i) {
         Some(b'{') => i += 1,
@@ -192,9 +207,12 @@ fn scan(body: &[u8]) -> Result<Fields<'_>, BodyError> {
             i = skip_ws(body, i + 1);
             match &*key {
                 "prompt" => {
-                    let ids = (body.get(i) == Some(&b'[')).then(|| int_array(&body[i..]));
+                    let ids = (body.get(i) == Some(&b'[')).then(|| match chunks {
+                        Some(c) => c.read(&body[i..]).map(|(p, n)| (RawPrompt::IdPieces(p), n)),
+                        None => int_array(&body[i..]).map(|(v, n)| (RawPrompt::Ids(v), n)),
+                    });
                     if let Some(Some((ids, n))) = ids {
-                        fields.prompt = Some(RawPrompt::Ids(ids));
+                        fields.prompt = Some(ids);
                         i += n;
                     } else {
                         let (v, n) = raw_text_at(body, i)?;
@@ -567,7 +585,9 @@ mod tests {
         ];
         let mut rng = fastrand::Rng::with_seed(7);
         let (mut accepted, mut rejected, mut ids_read, mut messages_split) = (0, 0, 0, 0);
-        for _ in 0..20_000 {
+        // Every other body reads its token ids through one chunk cache (chunks of 8 bytes or so here).
+        let chunks = IdChunks::new(1 << 12);
+        for case in 0..20_000 {
             let mut b = seeds[rng.usize(..seeds.len())].to_vec();
             for _ in 0..rng.usize(0..3) {
                 let i = rng.usize(..b.len());
@@ -588,7 +608,8 @@ mod tests {
                         .filter(|m| !m.is_empty())
                         .map(str::to_owned)
                 });
-            match (parse_body(&b), reference) {
+            let parsed = parse_body_with(&b, (case % 2 == 1).then_some(&chunks));
+            match (parsed, reference) {
                 (Ok(p), Some(model)) => {
                     assert_eq!(p.model, model, "{}", String::from_utf8_lossy(&b));
                     let want_prompt =
@@ -597,6 +618,11 @@ mod tests {
                         Some(RawPrompt::Ids(ids)) => {
                             let want: Vec<u32> = serde_json::from_value(want_prompt).unwrap();
                             assert_eq!(ids, &want, "{}", String::from_utf8_lossy(&b));
+                            ids_read += 1;
+                        }
+                        Some(RawPrompt::IdPieces(pieces)) => {
+                            let want: Vec<u32> = serde_json::from_value(want_prompt).unwrap();
+                            assert_eq!(pieces.concat(), want, "{}", String::from_utf8_lossy(&b));
                             ids_read += 1;
                         }
                         Some(RawPrompt::Json(raw)) => {

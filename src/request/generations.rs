@@ -137,6 +137,17 @@ impl<V: Clone> ContentCache<V> {
         Ok(v)
     }
 
+    /// The value remembered for `content`, if any (counted as a hit or a miss).
+    pub fn get(&self, content: &[u8]) -> Option<V> {
+        self.lock().get(xxh3_128(content))
+    }
+
+    /// Remembers `value` (weighing `weight`) as made from `content`.
+    pub fn insert(&self, content: &[u8], value: V, weight: usize) {
+        self.lock()
+            .insert(xxh3_128(content), value, weight + self.overhead);
+    }
+
     fn lock(&self) -> MutexGuard<'_, Generations<V>> {
         self.inner.lock()
     }

@@ -12,6 +12,8 @@ pub const OFFLOAD_TOKENIZE_BYTES: usize = 32 << 10;
 pub enum PromptInput<'a> {
     /// A completions `prompt` given as token ids (used as is, no tokenizer).
     TokenIds(Vec<u32>),
+    /// The same, as the chunks the body's reading found them in ([`super::body::IdChunks`]).
+    TokenIdPieces(Vec<std::sync::Arc<[u32]>>),
     /// The raw JSON of a chat request's `messages`.
     Messages(RawMessages<'a>),
     /// The raw JSON of a completions `prompt` that is not token ids (a string, or a batch).
@@ -44,6 +46,7 @@ pub fn prompt_input<'a>(
     match prompt {
         None => PromptInput::Absent,
         Some(RawPrompt::Ids(ids)) => PromptInput::TokenIds(ids),
+        Some(RawPrompt::IdPieces(pieces)) => PromptInput::TokenIdPieces(pieces),
         Some(RawPrompt::Json(p)) if p.get().starts_with('[') => match token_ids(p.get()) {
             Some(ids) => PromptInput::TokenIds(ids),
             None => PromptInput::Prompt(p),
@@ -73,10 +76,11 @@ pub fn prompt_for_routing<'a>(
         (PromptInput::Prompt(raw), Some(t)) => Some(offload(raw.get().len(), || {
             t.completion_ids(raw.get()).map(Prompt::Tokens)
         })),
-        (PromptInput::TokenIds(_), _) | (_, None) => None,
+        (PromptInput::TokenIds(_) | PromptInput::TokenIdPieces(_), _) | (_, None) => None,
     };
     match (tokens, input) {
         (_, PromptInput::TokenIds(ids)) => Prompt::TokenIds(ids),
+        (_, PromptInput::TokenIdPieces(pieces)) => Prompt::TokenIdPieces(pieces),
         (Some(Ok(p)), _) => p,
         (Some(Err(e)), input) => {
             tracing::debug!(model = served_model, error = %e, "tokenization failed; approximate prefix used");
@@ -107,6 +111,7 @@ fn offload<T>(len: usize, f: impl FnOnce() -> T) -> T {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::body::{parse_body_with, IdChunks};
     use crate::request::parse_body;
 
     /// (kind, raw text) of the prompt input.
@@ -114,6 +119,7 @@ mod tests {
         let parsed = parse_body(body.as_bytes()).unwrap();
         match prompt_input(parsed.messages, parsed.prompt) {
             PromptInput::TokenIds(ids) => ("ids", Some(format!("{ids:?}"))),
+            PromptInput::TokenIdPieces(p) => ("ids", Some(format!("{:?}", p.concat()))),
             PromptInput::Messages(m) => (
                 "messages",
                 Some(String::from_utf8_lossy(m.text).into_owned()),
@@ -151,8 +157,9 @@ mod tests {
         ];
         let ws = ["", " ", "\n", "\t ", "\r\n"];
         let mut ids_seen = 0;
+        let chunks = IdChunks::new(1 << 12);
         for case in 0..5_000 {
-            let n = rng.usize(..6);
+            let n = rng.usize(..12);
             let plain = rng.bool();
             let parts: Vec<String> = (0..n)
                 .map(|_| {
@@ -171,9 +178,12 @@ mod tests {
             let raw = format!("[{}{}]", parts.join(","), ws[rng.usize(..ws.len())]);
             let want = serde_json::from_str::<Vec<u32>>(&raw).ok();
             let body = format!(r#"{{"model":"m","prompt":{raw},"n":1}}"#);
-            let parsed = parse_body(body.as_bytes()).unwrap();
+            // Every other body through one chunk cache (chunks of 8 bytes or so here).
+            let parsed =
+                parse_body_with(body.as_bytes(), (case % 2 == 1).then_some(&chunks)).unwrap();
             let got = match prompt_input(parsed.messages, parsed.prompt) {
                 PromptInput::TokenIds(ids) => Some(ids),
+                PromptInput::TokenIdPieces(p) => Some(p.concat()),
                 PromptInput::Prompt(p) => {
                     assert_eq!(p.get(), raw.trim_end(), "case {case}");
                     None

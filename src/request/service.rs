@@ -20,9 +20,10 @@ use kvepp_core::{
     PromptBlocks, RequestFacts, Router,
 };
 
+use super::body::{parse_body_with, IdChunks, ID_CHUNK_CACHE_IDS};
 use super::prompt::{prompt_for_routing, prompt_input};
 use super::tokenize::ModelTokenizer;
-use super::{parse_body, resolve_model, BodyError, ModelError, UNLISTED_MODEL_LABEL};
+use super::{resolve_model, BodyError, ModelError, UNLISTED_MODEL_LABEL};
 use crate::discovery::Datastore;
 use crate::metrics::PrepareSteps;
 
@@ -211,6 +212,8 @@ pub struct RequestRouter {
     unlisted_model: Arc<str>,
     /// What preparing requests took: bodies parsed, prompts tokenized, prompts hashed.
     steps: PrepareSteps,
+    /// Chunks of token-id prompts already read, by their text.
+    id_chunks: IdChunks,
 }
 
 impl RequestRouter {
@@ -223,7 +226,25 @@ impl RequestRouter {
             no_model: "none".into(),
             unlisted_model: UNLISTED_MODEL_LABEL.into(),
             steps: PrepareSteps::default(),
+            id_chunks: IdChunks::new(ID_CHUNK_CACHE_IDS),
         }
+    }
+
+    /// Counts token ids of prompts by where they came from into `ids`
+    /// (`kvepp_prompt_token_ids_total{source}`).
+    pub fn with_id_counts(
+        mut self,
+        ids: &prometheus_client::metrics::family::Family<
+            crate::metrics::HashSourceLabels,
+            prometheus_client::metrics::counter::Counter,
+        >,
+    ) -> Self {
+        let count = |source| {
+            ids.get_or_create(&crate::metrics::HashSourceLabels { source })
+                .clone()
+        };
+        self.id_chunks = self.id_chunks.counting_into(count("cached"), count("read"));
+        self
     }
 
     /// Counts the preparation steps into `steps` (`kvepp_request_preparation_steps_total`).
@@ -333,7 +354,7 @@ impl RouteRequest for RequestRouter {
             });
         };
         self.steps.count("parse");
-        let mut parsed = parse_body(body)?;
+        let mut parsed = parse_body_with(body, Some(&self.id_chunks))?;
         let unlisted = self.passes_unknown().then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted) {
             Ok(m) => m,

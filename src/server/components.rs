@@ -374,7 +374,8 @@ impl Wiring {
             router.clone(),
             self.cfg.unknown_models == UnknownModels::PassThrough,
         )
-        .with_steps(self.metrics.prepare_steps.clone());
+        .with_steps(self.metrics.prepare_steps.clone())
+        .with_id_counts(&self.metrics.prompt_token_ids);
         for (model, dir) in &self.cfg.tokenizers {
             let t = load_tokenizer(&self.metrics, model, dir)?;
             routing = routing.with_tokenizer(model.clone(), t);

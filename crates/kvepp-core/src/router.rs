@@ -48,6 +48,10 @@ pub enum Prompt<'a> {
     None,
     /// Token ids the client sent (a completions `prompt` of integers).
     TokenIds(Vec<u32>),
+    /// The same, as the pieces the request path found them in, in order (chunks of the body's
+    /// array, shared with its chunk cache: hashed without a flat copy, and compared with a
+    /// recent prompt's pieces by address).
+    TokenIdPieces(Vec<Arc<[u32]>>),
     /// Token ids from kvepp's tokenizer.
     Tokens(Vec<u32>),
     /// Token ids from kvepp's tokenizer, as the pieces they were assembled from in order (a
@@ -615,6 +619,9 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
         }
         Prompt::Pieces(pieces) => {
             Some(kv.blocks_from_pieces(pieces, lora().as_deref(), PrefixMode::Tokens))
+        }
+        Prompt::TokenIdPieces(pieces) => {
+            Some(kv.blocks_from_pieces(pieces, lora().as_deref(), PrefixMode::TokenIds))
         }
         Prompt::Text { scope, bytes } => Some(kv.blocks_from_text(scope, bytes)),
         Prompt::Hashes { hashes, isl_tokens } => Some(PromptBlocks {

@@ -24,6 +24,13 @@ pub(super) fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
     if b.get(first) == Some(&b']') {
         return Some((Vec::new(), first + 1));
     }
+    ids_to_end(b, first)
+}
+
+/// The rest of an array of plain integers whose next id starts at `b[first]` (after its `[` or
+/// a separator, and the whitespace after it): the ids up to its `]` and the offset past that.
+/// None as [`int_array`].
+pub(super) fn ids_to_end(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
     let mid = first + (b.len() - first.min(b.len())) / 2;
     let Some(stop) = b
         .get(mid..)
