@@ -208,7 +208,7 @@ fn scan<'a>(body: &'a [u8], chunks: Option<&IdChunks>) -> Result<Fields<'a>, Bod
             match &*key {
                 "prompt" => {
                     let ids = (body.get(i) == Some(&b'[')).then(|| match chunks {
-                        Some(c) => c.read(&body[i..]).map(|(p, n)| (RawPrompt::IdPieces(p), n)),
+                        Some(c) => c.read(&body[i..]),
                         None => int_array(&body[i..]).map(|(v, n)| (RawPrompt::Ids(v), n)),
                     });
                     if let Some(Some((ids, n))) = ids {
@@ -585,7 +585,7 @@ mod tests {
         ];
         let mut rng = fastrand::Rng::with_seed(7);
         let (mut accepted, mut rejected, mut ids_read, mut messages_split) = (0, 0, 0, 0);
-        // Every other body reads its token ids through one chunk cache (chunks of 8 bytes or so here).
+        // Every other body reads its token ids through one chunk cache (chunks of ~8 bytes here).
         let chunks = IdChunks::new(1 << 12);
         for case in 0..20_000 {
             let mut b = seeds[rng.usize(..seeds.len())].to_vec();

@@ -5,7 +5,8 @@
 //! capacity survives, without per-entry recency bookkeeping.
 //!
 //! [`ContentCache`] shares one between threads, keyed by a 128-bit hash of each value's source
-//! bytes (the segment and message caches of a model's tokenizer).
+//! bytes (the segment and message caches of a model's tokenizer, the chunk cache of token-id
+//! prompts).
 //!
 //! Invariants: the weights held never exceed the capacity (an entry heavier than half of it is
 //! never kept); hits and misses are counted by [`Generations::get`]; a value is made outside the

@@ -178,7 +178,7 @@ mod tests {
             let raw = format!("[{}{}]", parts.join(","), ws[rng.usize(..ws.len())]);
             let want = serde_json::from_str::<Vec<u32>>(&raw).ok();
             let body = format!(r#"{{"model":"m","prompt":{raw},"n":1}}"#);
-            // Every other body through one chunk cache (chunks of 8 bytes or so here).
+            // Every other body through one chunk cache (chunks of ~8 bytes here).
             let parsed =
                 parse_body_with(body.as_bytes(), (case % 2 == 1).then_some(&chunks)).unwrap();
             let got = match prompt_input(parsed.messages, parsed.prompt) {

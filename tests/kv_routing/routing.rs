@@ -101,40 +101,43 @@ async fn holder_wins_and_streams_stay_booked(dynamo: bool) {
     epp.stop().await;
 }
 
-/// A conversation's next turn sent as token ids through Envoy: the ids its earlier turn already
-/// sent come from the chunk cache of token-id prompts instead of being read again (counted by
-/// source), and the turn still goes to the engine holding the earlier turn's blocks.
+/// A conversation's turns sent as token ids through Envoy: the first is read whole (its first
+/// chunk remembered), the second reads all but that chunk (and has its chunks remembered), the
+/// third reads only what follows the second's last whole chunk (counted by source); every turn
+/// goes to the engine holding the earlier turns' blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_next_turn_of_token_ids_reads_only_what_it_adds() {
     let (_a, _b, epp) = two_engines(|_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
-    let ids = |source: &str| format!("kvepp_prompt_token_ids_total{{source=\"{source}\"}}");
-    // ~21 KB of ids: two chunks of at least 8 KiB (~1,170 ids each here), then the last ids.
-    let first = tokens(1, 3000);
-    let holder = served_by(&envoy, &first).await;
+    let counts = || async {
+        let ids = |source: &str| format!("kvepp_prompt_token_ids_total{{source=\"{source}\"}}");
+        (
+            epp.metric(&ids("cached")).await.unwrap_or(-1.0),
+            epp.metric(&ids("read")).await.unwrap_or(-1.0),
+        )
+    };
+    // ~21 KB of ids: chunks of at least 8 KiB (~1,170 ids each here), then the last ids.
+    let mut turn = tokens(1, 3000);
+    let holder = served_by(&envoy, &turn).await;
     wait_for("the first turn in kvepp's index", || async {
         let stored = epp.metric("kvepp_kv_event_blocks_stored_total").await?;
         (stored >= (3000 / BLOCK) as f64).then_some(())
     })
     .await;
-    assert_eq!(epp.metric(&ids("read")).await, Some(3000.0));
-    assert_eq!(epp.metric(&ids("cached")).await, Some(0.0));
-    let mut next = first.clone();
-    next.extend(tokens(2, 500));
-    assert_eq!(
-        served_by(&envoy, &next).await,
-        holder,
-        "the next turn goes to the engine holding the first"
-    );
-    let (cached, read) = (
-        epp.metric(&ids("cached")).await.unwrap_or(0.0),
-        epp.metric(&ids("read")).await.unwrap_or(0.0),
-    );
-    assert_eq!(cached + read, 6500.0, "every id counted once");
-    assert!(
-        (2000.0..3000.0).contains(&cached),
-        "the first turn's whole chunks come from the cache: {cached} ids"
-    );
+    assert_eq!(counts().await, (0.0, 3000.0));
+    let mut before = 0.0;
+    for (k, (low, high)) in [(2, (1000.0, 1500.0)), (3, (2000.0, 3500.0))] {
+        turn.extend(tokens(k, 500));
+        assert_eq!(served_by(&envoy, &turn).await, holder, "turn {k}");
+        let (cached, read) = counts().await;
+        assert_eq!(cached + read, [0, 0, 6500, 10500][k as usize] as f64);
+        assert!(
+            (low..high).contains(&(cached - before)),
+            "turn {k}: {} ids from the cache",
+            cached - before
+        );
+        before = cached;
+    }
     drop(envoy);
     epp.stop().await;
 }

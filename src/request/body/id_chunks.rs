@@ -13,8 +13,12 @@
 //! compares by address ([`kvepp_core::Prompt::TokenIdPieces`]), so the next turn's block hashes
 //! are reused without its ids being compared either.
 //!
-//! What it costs a prompt never seen before, on top of reading it: one xxh3 pass and one pass
-//! counting commas over the array's text, and one copy of its ids into the remembered chunks.
+//! A prompt whose first chunk the cache does not hold (a first sight) has only that chunk
+//! remembered, and its ids go on as the one array they were read into: a stream of prompts that
+//! never repeat (batch inference) costs a lookup and one chunk's hash and copy more than reading
+//! them, not a pass over the text and a copy of every id. Should its start come again (the
+//! conversation's next turn, another sample of the same prompt, a long shared system prompt),
+//! that prompt's chunks are all remembered, and from the turn after on only the new ids are read.
 //!
 //! Invariants: the ids it gives, and whether it gives any, are exactly [`super::int_array`]'s (a
 //! differential test checks it on prompts that share prefixes, mutated ones among them, with one
@@ -29,7 +33,7 @@ use std::sync::Arc;
 use prometheus_client::metrics::counter::Counter;
 
 use super::int_array::ids_to_end;
-use super::skip_ws;
+use super::{skip_ws, RawPrompt};
 use crate::request::generations::ContentCache;
 
 /// A chunk's text runs from its start to the first comma at least this many bytes on (~1,200 ids
@@ -71,13 +75,14 @@ impl IdChunks {
         self
     }
 
-    /// Reads the JSON array at the start of `b` (`b[0] == b'['`) as [`super::int_array`] does,
-    /// its ids as the chunks they were found in (leading chunks from the cache): the pieces and
-    /// the bytes the array takes. None where `int_array` is None.
-    pub(super) fn read(&self, b: &[u8]) -> Option<(Vec<Arc<[u32]>>, usize)> {
+    /// Reads the JSON array at the start of `b` (`b[0] == b'['`) as [`super::int_array`] does:
+    /// the ids as the chunks they were found in (leading chunks from the cache), or as one array
+    /// when the cache held none of them; and the bytes the array takes. None where `int_array`
+    /// is None.
+    pub(super) fn read(&self, b: &[u8]) -> Option<(RawPrompt<'static>, usize)> {
         let first = skip_ws(b, 1);
         if b.get(first) == Some(&b']') {
-            return Some((Vec::new(), first + 1));
+            return Some((RawPrompt::Ids(Vec::new()), first + 1));
         }
         let mut pieces = Vec::new();
         // Where the next chunk's text starts. A text the cache holds was read as plain ids
@@ -95,18 +100,29 @@ impl IdChunks {
         let (rest, end) = ids_to_end(b, skip_ws(b, at))?;
         self.cached.inc_by(cached as u64);
         self.read.inc_by(rest.len() as u64);
-        // The rest's chunks that end at a comma of the array (before its `]` at `end - 1`), each
-        // remembered; then its last ids. Every comma in the array separates two of its ids.
+        // The rest's chunks that end at a comma of the array (before its `]` at `end - 1`);
+        // every comma in the array separates two of its ids.
+        let chunk = |at: usize| {
+            let comma = comma_from(b, at + CHUNK_BYTES).filter(|&c| c < end - 1)?;
+            Some((comma, 1 + commas(&b[at..comma])))
+        };
+        if pieces.is_empty() {
+            // A first sight: only its first chunk is remembered (should it come again, the rest
+            // will be), and the ids go on in the array they were read into, not copied.
+            if let Some((comma, n)) = chunk(at) {
+                self.cache.insert(&b[at..comma], rest.get(..n)?.into(), n);
+            }
+            return Some((RawPrompt::Ids(rest), end));
+        }
         let mut from = 0;
-        while let Some(comma) = comma_from(b, at + CHUNK_BYTES).filter(|&c| c < end - 1) {
-            let n = 1 + commas(&b[at..comma]);
+        while let Some((comma, n)) = chunk(at) {
             let ids: Arc<[u32]> = rest.get(from..from + n)?.into();
             self.cache.insert(&b[at..comma], ids.clone(), n);
             pieces.push(ids);
             (from, at) = (from + n, comma + 1);
         }
         pieces.push(rest.get(from..)?.into());
-        Some((pieces, end))
+        Some((RawPrompt::IdPieces(pieces), end))
     }
 }
 
@@ -162,8 +178,20 @@ mod tests {
     use crate::request::body::tests::mutate;
 
     /// The array's ids, flattened.
-    fn flat(read: Option<(Vec<Arc<[u32]>>, usize)>) -> Option<(Vec<u32>, usize)> {
-        read.map(|(pieces, n)| (pieces.iter().flat_map(|p| p.iter().copied()).collect(), n))
+    fn flat(read: Option<(RawPrompt<'_>, usize)>) -> Option<(Vec<u32>, usize)> {
+        read.map(|(prompt, n)| match prompt {
+            RawPrompt::Ids(ids) => (ids, n),
+            RawPrompt::IdPieces(pieces) => (pieces.concat(), n),
+            RawPrompt::Json(j) => panic!("not ids: {j:?}"),
+        })
+    }
+
+    /// The pieces of a reading (none when it came as one array).
+    fn pieces(read: &Option<(RawPrompt<'_>, usize)>) -> Vec<Arc<[u32]>> {
+        match read {
+            Some((RawPrompt::IdPieces(p), _)) => p.clone(),
+            _ => Vec::new(),
+        }
     }
 
     /// The vector count agrees with the plain one at every length around its steps and groups.
@@ -209,15 +237,11 @@ mod tests {
             let before = chunks.cached.get();
             let got = chunks.read(&b);
             from_cache += usize::from(chunks.cached.get() > before);
-            assert_eq!(
-                flat(got.clone()),
-                want,
-                "case {case}: {}",
-                String::from_utf8_lossy(&b)
-            );
-            if let Some((pieces, _)) = got {
+            assert!(pieces(&got).iter().all(|p| !p.is_empty()));
+            let got = flat(got);
+            assert_eq!(got, want, "case {case}: {}", String::from_utf8_lossy(&b));
+            if got.is_some() {
                 read += 1;
-                assert!(pieces.iter().all(|p| !p.is_empty()));
                 earlier.push(ids);
             }
         }
@@ -227,8 +251,9 @@ mod tests {
         );
     }
 
-    /// A prompt sent again comes from the cache but for its last chunk, as the same
-    /// allocations; a cache too small for it still reads it right.
+    /// A prompt seen once has its first chunk remembered and goes on as one array; seen twice,
+    /// its other chunks are remembered; from then on it comes from the cache but for its last
+    /// chunk, as the same allocations. A cache too small for it still reads it right.
     #[test]
     fn a_repeated_prompt_reads_only_its_last_chunk() {
         // Chunks of at least 8 bytes ("0, 1, 2, 3" then "4, 5, 6" ...) to the first comma after.
@@ -239,30 +264,28 @@ mod tests {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        let b = body.as_bytes();
         let chunks = IdChunks::new(4_096);
-        let (first, n) = chunks.read(body.as_bytes()).unwrap();
-        assert_eq!(n, body.len());
-        assert_eq!((chunks.read.get(), chunks.cached.get()), (41, 0));
-        let (again, _) = chunks.read(body.as_bytes()).unwrap();
-        let last = again.last().unwrap().len() as u64;
-        assert_eq!(
-            (chunks.read.get(), chunks.cached.get()),
-            (41 + last, 41 - last)
-        );
-        assert!(again.len() > 10 && last < 5, "{again:?}");
-        assert_eq!(first.len(), again.len());
-        let n = again.len() - 1;
-        assert!(first[..n]
-            .iter()
-            .zip(&again)
-            .all(|(a, b)| Arc::ptr_eq(a, b)));
-        assert_eq!(
-            flat(Some((again, 0))).unwrap().0,
-            (0..41).collect::<Vec<_>>()
-        );
+        let counts = || (chunks.read.get(), chunks.cached.get());
+        let first = chunks.read(b);
+        assert!(matches!(first, Some((RawPrompt::Ids(_), n)) if n == body.len()));
+        assert_eq!(counts(), (41, 0));
+        let second = chunks.read(b);
+        let head = pieces(&second)[0].len() as u64;
+        assert_eq!(head, 4, "the first chunk: 0, 1, 2, 3");
+        assert_eq!(counts(), (41 + 41 - head, head));
+        let third = chunks.read(b);
+        let (two, three) = (pieces(&second), pieces(&third));
+        let last = three.last().unwrap().len() as u64;
+        assert_eq!(counts(), (82 - head + last, head + 41 - last));
+        assert!(three.len() > 10 && last < 5, "{three:?}");
+        assert_eq!(two.len(), three.len());
+        let n = three.len() - 1;
+        assert!(two[..n].iter().zip(&three).all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert_eq!(flat(third).unwrap().0, (0..41).collect::<Vec<_>>());
         let tiny = IdChunks::new(8);
         for _ in 0..3 {
-            assert_eq!(flat(tiny.read(body.as_bytes())), int_array(body.as_bytes()));
+            assert_eq!(flat(tiny.read(b)), int_array(b));
         }
         assert_eq!(tiny.cached.get(), 0);
     }
