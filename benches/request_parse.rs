@@ -131,14 +131,63 @@ fn completion_body(size: usize) -> Vec<u8> {
 
 /// A completions body whose prompt is `n` token ids (the `token_ids` prefix mode).
 fn token_ids_body(n: u32) -> Vec<u8> {
-    let ids: Vec<String> = (0..n)
-        .map(|i| (i.wrapping_mul(2_654_435_761) % 128_000).to_string())
-        .collect();
+    ids_body((0..n).map(|i| i.wrapping_mul(2_654_435_761) % 128_000))
+}
+
+fn ids_body(ids: impl Iterator<Item = u32>) -> Vec<u8> {
+    let ids: Vec<String> = ids.map(|i| i.to_string()).collect();
     format!(
         "{{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"max_tokens\":128,\"prompt\":[{}]}}",
         ids.join(",")
     )
     .into_bytes()
+}
+
+/// The chunk cache of token-id prompts against reading every id, in the same run, call for call
+/// (the median of each): 100k-id prompts never seen before (each starts with its own id), and
+/// conversation turns (the same 99k ids, then 1,000 of their own).
+fn token_id_chunk_ratios(_: &mut Criterion) {
+    let ids = |i: u32| i.wrapping_mul(2_654_435_761) % 128_000;
+    let fresh: Vec<Vec<u8>> = (0..60)
+        .map(|k| ids_body(std::iter::once(200_000 + k).chain((1..100_000).map(ids))))
+        .collect();
+    let turns: Vec<Vec<u8>> = (0..60)
+        .map(|k| {
+            ids_body(
+                (0..99_000)
+                    .map(ids)
+                    .chain((0..1_000).map(|i| 300_000 + k * 1_000 + i)),
+            )
+        })
+        .collect();
+    let chunks = kvepp::request::IdChunks::new(kvepp::request::ID_CHUNK_CACHE_IDS);
+    // The conversation's earlier turns: its start seen twice (then every chunk is remembered).
+    for b in &turns[..2] {
+        black_box(kvepp::request::parse_body_with(b, Some(&chunks)).is_ok());
+    }
+    let once = |f: &dyn Fn() -> bool| {
+        let start = std::time::Instant::now();
+        assert!(black_box(f()));
+        start.elapsed().as_secs_f64()
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] * 1e6
+    };
+    for (name, bodies) in [("fresh", &fresh), ("next turn", &turns[2..].to_vec())] {
+        let (mut plain, mut cached) = (Vec::new(), Vec::new());
+        for b in bodies.iter() {
+            plain.push(once(&|| kvepp::request::parse_body(black_box(b)).is_ok()));
+            cached.push(once(&|| {
+                kvepp::request::parse_body_with(black_box(b), Some(&chunks)).is_ok()
+            }));
+        }
+        let (p, c) = (median(plain), median(cached));
+        println!(
+            "ratio token_id_chunks/{name}: with the chunk cache {c:.0} µs, reading every id {p:.0} µs = {:.2}×",
+            c / p
+        );
+    }
 }
 
 /// A token-id prompt of 100k ids: parsing the body and reading the ids (what kvepp does per
@@ -181,5 +230,11 @@ fn token_id_ratios(_: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, parse, ratios, token_id_ratios);
+criterion_group!(
+    benches,
+    parse,
+    ratios,
+    token_id_ratios,
+    token_id_chunk_ratios
+);
 criterion_main!(benches);

@@ -9,8 +9,10 @@
 //! split into its elements. A `prompt` that is an array of plain integers is read into token ids
 //! in the pass that validates it ([`int_array`]; serde's skip of 100k integers costs more than
 //! reading them); anything unusual in such an array (signs, fractions, exponents, values beyond
-//! u32) sends it back to serde. The byte span of the `model` value is kept so a target-model
-//! rewrite can splice a new value in without touching the rest of the body.
+//! u32) sends it back to serde. With a chunk cache ([`IdChunks`], the request router's), the
+//! leading chunks of such an array that an earlier prompt sent are taken from it unread. The
+//! byte span of the `model` value is kept so a target-model rewrite can splice a new value in
+//! without touching the rest of the body.
 //!
 //! Invariants: a body is accepted iff it is one valid JSON object (with a non-empty string
 //! `model`), as serde_json accepts it (a differential test checks it on mutated bodies); for

@@ -19,7 +19,10 @@ pub mod service;
 pub mod tokenize;
 
 pub use affinity::Affinity;
-pub use body::{parse_body, BodyError, ParsedBody, RawMessages, Rewrite};
+pub use body::{
+    parse_body, parse_body_with, BodyError, IdChunks, ParsedBody, RawMessages, Rewrite,
+    ID_CHUNK_CACHE_IDS,
+};
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
