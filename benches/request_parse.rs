@@ -228,6 +228,20 @@ fn token_id_ratios(_: &mut Criterion) {
         base * 1e6,
         ids / base
     );
+    // The same ids after one of ten digits (a request counter, say): each stretch reads such an
+    // id byte by byte in its turn and goes on two at a time.
+    let long = ids_body(
+        std::iter::once(4_000_000_000)
+            .chain((1..100_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000)),
+    );
+    let long_first =
+        time(&|| kvepp::request::parse_body(black_box(&long)).map_or(0, |p| p.model_span.len()));
+    println!(
+        "ratio token_ids/a first id of ten digits: parse_body {:.0} µs against {:.0} µs = {:.2}×",
+        long_first * 1e6,
+        parse * 1e6,
+        long_first / parse
+    );
 }
 
 criterion_group!(

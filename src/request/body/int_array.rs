@@ -53,16 +53,15 @@ pub(super) fn ids_to_end(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
     // separator (those are checked beside it); anything else leaves this loop below.
     let sp = usize::from(b.get(stop + 1) == Some(&b' ') && b.get(stop + 2) != Some(&b' '));
     let separated = |i: usize| b.get(i) == Some(&b',') && (sp == 0 || b.get(i + 1) == Some(&b' '));
-    // Both stretches an id at a time while both ids are short and followed by the layout's
-    // separator (the head's not at `stop`).
+    // Both stretches an id at a time while both ids are followed by the layout's separator (the
+    // head's not at `stop`); an id of eight digits or more is read byte by byte in its turn.
     let (head_next, tail_next) = loop {
-        let (Some((va, la)), Some((vc, lc))) = (short_at(b, a), short_at(b, c)) else {
+        let (Some((va, ia)), Some((vc, ic))) = (read_id(b, a), read_id(b, c)) else {
             // More whitespace than the layout's may come first.
             break (Next::Id(skip_ws(b, a)), Next::Id(skip_ws(b, c)));
         };
         head.push(va);
         tail.push(vc);
-        let (ia, ic) = (a + la, c + lc);
         if separated(ia) && ia != stop && separated(ic) {
             (a, c) = (ia + 1 + sp, ic + 1 + sp);
         } else {
