@@ -102,8 +102,9 @@ impl IdChunks {
         self.read.inc_by(rest.len() as u64);
         // The rest's chunks that end at a comma of the array (before its `]` at `end - 1`);
         // every comma in the array separates two of its ids.
+        let array = &b[..end - 1];
         let chunk = |at: usize| {
-            let comma = comma_from(b, at + CHUNK_BYTES).filter(|&c| c < end - 1)?;
+            let comma = comma_from(array, at + CHUNK_BYTES)?;
             Some((comma, 1 + commas(&b[at..comma])))
         };
         if pieces.is_empty() {
