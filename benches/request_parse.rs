@@ -129,9 +129,14 @@ fn completion_body(size: usize) -> Vec<u8> {
         .into_bytes()
 }
 
+/// The `i`-th id of the benches' prompts (spread over a 128k vocabulary).
+fn bench_id(i: u32) -> u32 {
+    i.wrapping_mul(2_654_435_761) % 128_000
+}
+
 /// A completions body whose prompt is `n` token ids (the `token_ids` prefix mode).
 fn token_ids_body(n: u32) -> Vec<u8> {
-    ids_body((0..n).map(|i| i.wrapping_mul(2_654_435_761) % 128_000))
+    ids_body((0..n).map(bench_id))
 }
 
 fn ids_body(ids: impl Iterator<Item = u32>) -> Vec<u8> {
@@ -147,7 +152,7 @@ fn ids_body(ids: impl Iterator<Item = u32>) -> Vec<u8> {
 /// (the median of each): 100k-id prompts never seen before (each starts with its own id), and
 /// conversation turns (the same 99k ids, then 1,000 of their own).
 fn token_id_chunk_ratios(_: &mut Criterion) {
-    let ids = |i: u32| i.wrapping_mul(2_654_435_761) % 128_000;
+    let ids = bench_id;
     let fresh: Vec<Vec<u8>> = (0..60)
         .map(|k| ids_body(std::iter::once(200_000 + k).chain((1..100_000).map(ids))))
         .collect();
@@ -174,7 +179,7 @@ fn token_id_chunk_ratios(_: &mut Criterion) {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2] * 1e6
     };
-    for (name, bodies) in [("fresh", &fresh), ("next turn", &turns[2..].to_vec())] {
+    for (name, bodies) in [("fresh", &fresh[..]), ("next turn", &turns[2..])] {
         let (mut plain, mut cached) = (Vec::new(), Vec::new());
         for b in bodies.iter() {
             plain.push(once(&|| kvepp::request::parse_body(black_box(b)).is_ok()));
@@ -230,10 +235,7 @@ fn token_id_ratios(_: &mut Criterion) {
     );
     // The same ids after one of ten digits (a request counter, say): each stretch reads such an
     // id byte by byte in its turn and goes on two at a time.
-    let long = ids_body(
-        std::iter::once(4_000_000_000)
-            .chain((1..100_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000)),
-    );
+    let long = ids_body(std::iter::once(4_000_000_000).chain((1..100_000).map(bench_id)));
     let long_first =
         time(&|| kvepp::request::parse_body(black_box(&long)).map_or(0, |p| p.model_span.len()));
     println!(
