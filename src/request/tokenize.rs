@@ -52,6 +52,10 @@ pub const MESSAGE_CACHE_BYTES: usize = 32 << 20;
 /// structure (a map of a few entries), so a flood of short messages stays within the capacity.
 pub const MESSAGE_OVERHEAD_BYTES: usize = 256;
 
+/// Room a rendered chat template gets beyond its messages' JSON (role markers, a system prompt
+/// of its own); more than that and the buffer grows as any other.
+const RENDER_SLACK_BYTES: usize = 4 << 10;
+
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -217,8 +221,16 @@ impl ModelTokenizer {
 
     /// [`Self::render_chat`] of messages the body scanner has already split.
     pub fn render_messages(&self, messages: &RawMessages<'_>) -> Result<String, TokenizeError> {
+        let rendered = self.render_into(messages)?;
+        String::from_utf8(rendered).map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// The chat template applied to `messages`, as UTF-8 bytes in one buffer sized from the
+    /// messages' own text (a rendered conversation is about as long as its JSON), so a long
+    /// conversation is written once instead of into a string that grows by doubling.
+    fn render_into(&self, messages: &RawMessages<'_>) -> Result<Vec<u8>, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        let messages = match &messages.items {
+        let values = match &messages.items {
             Some(items) => Value::from(
                 items
                     .iter()
@@ -232,13 +244,18 @@ impl ModelTokenizer {
         let t = env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => true,
-            bos_token => &self.bos,
-            eos_token => &self.eos,
-        })
-        .map_err(|e| TokenizeError::Template(e.to_string()))
+        let mut out = Vec::with_capacity(messages.text.len() + RENDER_SLACK_BYTES);
+        t.render_captured_to(
+            minijinja::context! {
+                messages => values,
+                add_generation_prompt => true,
+                bos_token => &self.bos,
+                eos_token => &self.eos,
+            },
+            &mut out,
+        )
+        .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        Ok(out)
     }
 
     /// One message as a template value (straight from JSON, no serde_json::Value in between), from
@@ -264,8 +281,8 @@ impl ModelTokenizer {
 
     /// [`Self::chat_ids`] of messages the body scanner has already split.
     pub fn messages_ids(&self, messages: &RawMessages<'_>) -> Result<Vec<u32>, TokenizeError> {
-        let text = self.render_messages(messages)?;
-        self.text_ids(&text)
+        let rendered = self.render_into(messages)?;
+        self.text_ids(rendered_text(&rendered)?)
     }
 
     /// A chat request's `messages` tokenized as the router takes them: the pieces the ids come
@@ -275,12 +292,13 @@ impl ModelTokenizer {
         &self,
         messages: &RawMessages<'_>,
     ) -> Result<kvepp_core::Prompt<'a>, TokenizeError> {
-        let text = self.render_messages(messages)?;
+        let rendered = self.render_into(messages)?;
+        let text = rendered_text(&rendered)?;
         match &self.segments {
             Some(s) => s
-                .encode_pieces(&text, |seg| self.encode(seg, false))
+                .encode_pieces(text, |seg| self.encode(seg, false))
                 .map(kvepp_core::Prompt::Pieces),
-            None => self.encode(&text, false).map(kvepp_core::Prompt::Tokens),
+            None => self.encode(text, false).map(kvepp_core::Prompt::Tokens),
         }
     }
 
@@ -302,6 +320,13 @@ impl ModelTokenizer {
     pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
     }
+}
+
+/// The rendered template's bytes as text (one vectorised UTF-8 check: the template writes only
+/// strings, so this fails only if minijinja broke that).
+fn rendered_text(rendered: &[u8]) -> Result<&str, TokenizeError> {
+    simdutf8::basic::from_utf8(rendered)
+        .map_err(|_| TokenizeError::Template("the rendered template is not UTF-8".into()))
 }
 
 /// A string that `.strip()`, `.lstrip()`, `.rstrip()` or `| trim` without arguments leaves as it
