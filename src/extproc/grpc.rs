@@ -3,15 +3,23 @@
 //! generated code is tied to its `Vec<u8>` bodies.
 //!
 //! Owns: routing the one method's path to [`ExtProcService::process`], the message size limits,
-//! and the gRPC `UNIMPLEMENTED` answer for any other path (tonic's `Status::into_http`).
+//! the codec, and the gRPC `UNIMPLEMENTED` answer for any other path (tonic's `Status::into_http`).
+//!
+//! The codec decodes as tonic-prost does (tonic already sizes its read buffer from each message's
+//! length prefix) and encodes a response into room made for its whole encoded length first: an
+//! answer that carries a streamed body back (FULL_DUPLEX_STREAMED) is written once into a buffer
+//! of its size, where prost alone would grow tonic's 8 KiB buffer by doubling, copying the body
+//! again at each step.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use prost::Message;
+use tonic::codec::{Codec, EncodeBuf, Encoder};
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::server::{NamedService, StreamingService};
 use tonic::{Request, Response, Status, Streaming};
-use tonic_prost::ProstCodec;
+use tonic_prost::ProstDecoder;
 
 use super::wire::{ProcessingRequest, ProcessingResponse};
 use super::ExtProcService;
@@ -82,10 +90,45 @@ where
             (Some(self.max_decoding), Some(self.max_encoding)),
         );
         Box::pin(async move {
-            let codec = ProstCodec::<ProcessingResponse, ProcessingRequest>::default();
-            let mut grpc =
-                tonic::server::Grpc::new(codec).apply_max_message_size_config(limits.0, limits.1);
+            let mut grpc = tonic::server::Grpc::new(ExtProcCodec)
+                .apply_max_message_size_config(limits.0, limits.1);
             Ok(grpc.streaming(method, req).await)
         })
+    }
+}
+
+/// The `Process` method's codec: requests as tonic-prost decodes them, responses through
+/// [`SizedEncoder`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExtProcCodec;
+
+impl Codec for ExtProcCodec {
+    type Encode = ProcessingResponse;
+    type Decode = ProcessingRequest;
+    type Encoder = SizedEncoder;
+    type Decoder = ProstDecoder<ProcessingRequest>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        SizedEncoder
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        ProstDecoder::default()
+    }
+}
+
+/// Encodes a response into room reserved for its encoded length, so the buffer is allocated
+/// once at its size whatever the body it carries.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SizedEncoder;
+
+impl Encoder for SizedEncoder {
+    type Item = ProcessingResponse;
+    type Error = Status;
+
+    fn encode(&mut self, item: Self::Item, buf: &mut EncodeBuf<'_>) -> Result<(), Self::Error> {
+        buf.reserve(item.encoded_len());
+        item.encode(buf)
+            .map_err(|e| Status::internal(format!("encoding the ext_proc response: {e}")))
     }
 }
