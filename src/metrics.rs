@@ -86,8 +86,8 @@ pub struct ModeLabels {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct CacheLabels {
     pub model: Arc<str>,
-    /// `messages` (chat messages as template values) or `segments` (token ids of the text between
-    /// added tokens).
+    /// `messages` (chat messages as template values), `segments` (token ids of the text between
+    /// added tokens) or `renders` (rendered chat prompts resumed from a recent one).
     pub cache: &'static str,
     /// `hit` or `miss`.
     pub result: &'static str,
@@ -368,7 +368,8 @@ impl Metrics {
         registry.register(
             "tokenizer_cache_lookups",
             "Lookups in a model's tokenizer caches (messages: chat messages as template values; \
-             segments: token ids of the text between added tokens), by result",
+             segments: token ids of the text between added tokens; renders: rendered chat \
+             prompts resumed from a recent render), by result",
             self.cache_lookups.clone(),
         );
         registry.register(

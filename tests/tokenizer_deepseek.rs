@@ -16,6 +16,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use kvepp::request::tokenize::ModelTokenizer;
+use kvepp::request::RawMessages;
+use kvepp_core::Prompt;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
@@ -110,6 +112,26 @@ fn chats(seed: u64, conversations: usize) -> Vec<Value> {
     out
 }
 
+/// Conversations behind a long system prompt (several KiB rendered), each turn a chat of its
+/// own: the router's path resumes each turn's cutting from the previous turn's render.
+fn long_chats(seed: u64, conversations: usize) -> Vec<Value> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut out = Vec::new();
+    for _ in 0..conversations {
+        let words = 1500 + rng.usize(..500);
+        let mut messages = vec![json!({"role": "system", "content": text(&mut rng, words)})];
+        for turn in 0..6 {
+            let role = if turn % 2 == 0 { "user" } else { "assistant" };
+            let words = 1 + rng.usize(..120);
+            messages.push(json!({"role": role, "content": text(&mut rng, words)}));
+            if role == "user" {
+                out.push(Value::from(messages.clone()));
+            }
+        }
+    }
+    out
+}
+
 /// The reference's rendering and ids of each chat.
 fn reference(dir: &std::path::Path, chats: &[Value]) -> Vec<Value> {
     let python = common::repo_root().join(".venv/bin/python");
@@ -144,8 +166,9 @@ fn chat_turn_ids_equal_python_tokenizers_on_deepseeks_tokenizer() {
         tok.segment_stats().is_some(),
         "DeepSeek's tokenizer (an empty normalizer, normalized added tokens) tokenizes by segment"
     );
-    let chats = chats(38, 40);
+    let mut chats = chats(38, 40);
     assert!(chats.len() >= 100, "{} chats", chats.len());
+    chats.extend(long_chats(39, 4));
     let want = reference(&dir, &chats);
     assert_eq!(want.len(), chats.len());
     for (i, (chat, want)) in chats.iter().zip(&want).enumerate() {
@@ -164,7 +187,19 @@ fn chat_turn_ids_equal_python_tokenizers_on_deepseeks_tokenizer() {
         );
         // The whole-prompt encoding agrees too: the segments are exact, not merely self-consistent.
         assert_eq!(tok.text_ids_whole(&rendered).expect("encode"), ids);
+        // So do the pieces the router takes (resumed from a recent render where one fits).
+        let pieces = match tok.messages_prompt(&RawMessages::of(&raw)).expect("prompt") {
+            Prompt::Pieces(p) => p,
+            _ => panic!("chat {i}: segments give pieces"),
+        };
+        let joined: Vec<u32> = pieces.iter().flat_map(|p| p.iter().copied()).collect();
+        assert_eq!(joined, ids, "chat {i}: the router's pieces");
     }
+    let r = tok.render_stats().expect("render stats");
+    assert!(
+        r.hits >= 8,
+        "the long conversations' later turns resumed from their previous render: {r:?}"
+    );
     let s = tok.segment_stats().expect("stats");
     assert!(
         s.hits > s.misses,

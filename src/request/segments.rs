@@ -13,7 +13,16 @@
 //! the normalized text is the raw text, so the same two rounds over the raw text find the same
 //! tokens; that is what [`SegmentTokenizer::encode`] does.
 //!
-//! Invariants: the ids equal a whole-prompt `encode(text, false)`; that holds only for tokenizers
+//! A rendered chat prompt ([`SegmentTokenizer::encode_rendered`]) is also compared with the
+//! model's last few renders ([`recent`]): the pieces before the last added token that lies well
+//! inside the part they share are taken from that render as they are, and cutting resumes just
+//! after that token. Added tokens are found leftmost, then longest, so whether a token is found
+//! where it ends depends on no byte more than the longest token's length after it; a cut at `e`
+//! is taken only when the shared part runs at least twice that length past `e` (and, for a
+//! token of the second round, the piece of text it was found in did too), so every token and
+//! segment before `e` is what a cut from the start would find.
+//!
+//! Invariants: the ids equal a whole-prompt `encode(text, false)`, resumed or not; that holds only for tokenizers
 //! whose added tokens match text exactly (no `lstrip`/`rstrip`/`single_word`), with no normalizer
 //! or one that changes nothing, and a byte-level pre-tokenizer that adds no prefix space (GPT-2,
 //! Llama 3, Qwen, DeepSeek style); [`SegmentTokenizer::new`] returns None for any other, and the
@@ -23,6 +32,9 @@
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+
+mod recent;
+use recent::{Cut, RecentRenders, Render};
 
 /// What an entry weighs beyond its ids (its key, table slot and allocation: ~64 bytes), so many
 /// short segments cannot hold more memory than the capacity says.
@@ -40,6 +52,10 @@ pub struct SegmentTokenizer {
     /// Segment text hash → its ids, weighed in ids.
     cache: ContentCache<Arc<[u32]>>,
     capacity: usize,
+    /// The longest added token's length in bytes (0: none).
+    longest: usize,
+    /// The last few rendered prompts as they were cut.
+    recent: RecentRenders,
 }
 
 impl std::fmt::Debug for SegmentTokenizer {
@@ -62,6 +78,8 @@ struct Matcher {
     ac: AhoCorasick,
     /// Each pattern's token id as a one-id piece (shared by every prompt).
     pieces: Vec<Arc<[u32]>>,
+    /// The longest pattern's length in bytes.
+    longest: usize,
 }
 
 impl Matcher {
@@ -72,33 +90,18 @@ impl Matcher {
             return Some(None);
         }
         added.sort();
+        let longest = added.iter().map(|(_, c)| c.len()).max().unwrap_or(0);
         let ac = AhoCorasickBuilder::new()
             .match_kind(MatchKind::LeftmostLongest)
             .build(added.iter().map(|(_, c)| c.as_str()))
             .ok()?;
         let pieces = added.into_iter().map(|(id, _)| Arc::from([id])).collect();
-        Some(Some(Matcher { ac, pieces }))
+        Some(Some(Matcher {
+            ac,
+            pieces,
+            longest,
+        }))
     }
-}
-
-/// `text` cut at `m`'s tokens: their one-id pieces into `out`, what lies between them (empty
-/// pieces too) to `rest`, in order; all of `text` to `rest` without a matcher.
-fn split<E>(
-    m: Option<&Matcher>,
-    text: &str,
-    out: &mut Vec<Arc<[u32]>>,
-    mut rest: impl FnMut(&str, &mut Vec<Arc<[u32]>>) -> Result<(), E>,
-) -> Result<(), E> {
-    let Some(m) = m else {
-        return rest(text, out);
-    };
-    let mut at = 0;
-    for hit in m.ac.find_iter(text) {
-        rest(&text[at..hit.start()], out)?;
-        out.push(m.pieces[hit.pattern().as_usize()].clone());
-        at = hit.end();
-    }
-    rest(&text[at..], out)
 }
 
 /// Whether `v` (a serialized normalizer) changes nothing: an empty `Sequence`, or one of such.
@@ -149,16 +152,29 @@ impl SegmentTokenizer {
             };
             round.push((id, t.content.clone()));
         }
+        let (raw, normalized) = (Matcher::new(raw)?, Matcher::new(normalized)?);
+        let longest = [&raw, &normalized]
+            .iter()
+            .filter_map(|m| m.as_ref().map(|m| m.longest))
+            .max()
+            .unwrap_or(0);
         Some(SegmentTokenizer {
-            raw: Matcher::new(raw)?,
-            normalized: Matcher::new(normalized)?,
+            raw,
+            normalized,
             cache: ContentCache::new(capacity, ENTRY_OVERHEAD_IDS),
             capacity,
+            longest,
+            recent: RecentRenders::default(),
         })
     }
 
     pub fn stats(&self) -> SegmentStats {
         self.cache.stats()
+    }
+
+    /// Renders that resumed from a recent one (hits) and long ones that could not (misses).
+    pub fn render_stats(&self) -> SegmentStats {
+        self.recent.stats()
     }
 
     /// The ids of `text` (no special tokens added), a segment at a time, as the pieces they
@@ -168,30 +184,58 @@ impl SegmentTokenizer {
     pub fn encode_pieces<E>(
         &self,
         text: &str,
-        mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+        encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
     ) -> Result<Vec<Arc<[u32]>>, E> {
-        let mut out: Vec<Arc<[u32]>> = Vec::new();
-        let mut piece = |seg: &str, out: &mut Vec<Arc<[u32]>>| -> Result<(), E> {
-            if seg.is_empty() {
-                return Ok(());
-            }
-            // Short segments too: the fixture tokenizer takes 2.7 µs for one letter and 27 µs for a
-            // 49-byte question, a lookup tens of nanoseconds.
-            let ids = self.cache.get_or_make(seg.as_bytes(), || {
-                let ids: Arc<[u32]> = encode(seg)?.into();
-                let n = ids.len();
-                Ok((ids, n))
-            })?;
-            if !ids.is_empty() {
-                out.push(ids);
-            }
-            Ok(())
+        let mut c = Cutting::new(self, encode);
+        c.text(text, 0)?;
+        Ok(c.out)
+    }
+
+    /// [`Self::encode_pieces`] of a rendered chat prompt (checked as UTF-8 here; `not_utf8` is
+    /// the error when it is not), resumed from the recent render it shares the most with (see
+    /// the module doc) and kept for the next one.
+    pub fn encode_rendered<E>(
+        &self,
+        rendered: Vec<u8>,
+        not_utf8: impl FnOnce() -> E,
+        encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<Vec<Arc<[u32]>>, E> {
+        let Ok(text) = simdutf8::basic::from_utf8(&rendered) else {
+            return Err(not_utf8());
         };
-        // Between the raw round's tokens, the normalized round's; between those, segments.
-        let normalized = self.normalized.as_ref();
-        split(self.raw.as_ref(), text, &mut out, |between, out| {
-            split(normalized, between, out, &mut piece)
-        })?;
+        if self.longest == 0 {
+            // No added tokens: one segment, nothing to resume from.
+            return self.encode_pieces(text, encode);
+        }
+        let reach = 2 * self.longest;
+        let resume = self
+            .recent
+            .resume(rendered.as_slice(), |c, shared| c.end + reach <= shared);
+        let mut c = Cutting::new(self, encode);
+        let mut from = 0;
+        if let Some(r) = &resume {
+            let cut = r.from.cuts[r.cut];
+            c.out.extend_from_slice(&r.from.pieces[..cut.pieces]);
+            c.cuts.extend_from_slice(&r.from.cuts[..=r.cut]);
+            from = cut.end;
+        }
+        // A cut ends an added token, a char boundary of the shared text; `get` in any case.
+        match text.get(from..) {
+            Some(rest) => c.text(rest, from)?,
+            None => {
+                (c.out, c.cuts) = (Vec::new(), Vec::new());
+                c.text(text, 0)?;
+            }
+        }
+        let Cutting { out, cuts, .. } = c;
+        self.recent.remember(
+            resume.as_ref(),
+            Render {
+                text: rendered,
+                pieces: out.clone(),
+                cuts,
+            },
+        );
         Ok(out)
     }
 
@@ -207,6 +251,98 @@ impl SegmentTokenizer {
             out.extend_from_slice(p);
         }
         Ok(out)
+    }
+}
+
+/// One text being cut into pieces, with the points where a later text that starts alike may
+/// resume (see the module doc).
+struct Cutting<'s, F> {
+    seg: &'s SegmentTokenizer,
+    encode: F,
+    out: Vec<Arc<[u32]>>,
+    cuts: Vec<Cut>,
+}
+
+impl<'s, F> Cutting<'s, F> {
+    fn new(seg: &'s SegmentTokenizer, encode: F) -> Self {
+        Cutting {
+            seg,
+            encode,
+            out: Vec::new(),
+            cuts: Vec::new(),
+        }
+    }
+
+    /// `text` (at byte `start` of the whole): the raw round's tokens, and what lies between them
+    /// to [`Self::between`]; a cut after each token.
+    fn text<E>(&mut self, text: &str, start: usize) -> Result<(), E>
+    where
+        F: FnMut(&str) -> Result<Vec<u32>, E>,
+    {
+        let seg = self.seg;
+        let Some(m) = seg.raw.as_ref() else {
+            return self.between(text, start);
+        };
+        let mut at = 0;
+        for hit in m.ac.find_iter(text) {
+            self.between(&text[at..hit.start()], start + at)?;
+            self.out.push(m.pieces[hit.pattern().as_usize()].clone());
+            at = hit.end();
+            self.cut(start + at);
+        }
+        self.between(&text[at..], start + at)
+    }
+
+    /// Text between the raw round's tokens (at byte `start`): the normalized round's tokens and
+    /// the segments between them; a cut after a token only where this text runs on for at least
+    /// the longest token's length (so the token was found without looking past it).
+    fn between<E>(&mut self, text: &str, start: usize) -> Result<(), E>
+    where
+        F: FnMut(&str) -> Result<Vec<u32>, E>,
+    {
+        let seg = self.seg;
+        let Some(m) = seg.normalized.as_ref() else {
+            return self.segment(text);
+        };
+        let mut at = 0;
+        for hit in m.ac.find_iter(text) {
+            self.segment(&text[at..hit.start()])?;
+            self.out.push(m.pieces[hit.pattern().as_usize()].clone());
+            at = hit.end();
+            if at + seg.longest <= text.len() {
+                self.cut(start + at);
+            }
+        }
+        self.segment(&text[at..])
+    }
+
+    /// One segment's ids, from the cache or the tokenizer.
+    fn segment<E>(&mut self, seg: &str) -> Result<(), E>
+    where
+        F: FnMut(&str) -> Result<Vec<u32>, E>,
+    {
+        if seg.is_empty() {
+            return Ok(());
+        }
+        let encode = &mut self.encode;
+        // Short segments too: the fixture tokenizer takes 2.7 µs for one letter and 27 µs for a
+        // 49-byte question, a lookup tens of nanoseconds.
+        let ids = self.seg.cache.get_or_make(seg.as_bytes(), || {
+            let ids: Arc<[u32]> = encode(seg)?.into();
+            let n = ids.len();
+            Ok((ids, n))
+        })?;
+        if !ids.is_empty() {
+            self.out.push(ids);
+        }
+        Ok(())
+    }
+
+    fn cut(&mut self, end: usize) {
+        self.cuts.push(Cut {
+            end,
+            pieces: self.out.len(),
+        });
     }
 }
 
@@ -304,6 +440,104 @@ mod tests {
             s.hits > s.misses,
             "later turns reuse earlier segments: {s:?}"
         );
+    }
+
+    /// `t` cut back to a char boundary at or before `at`.
+    fn floor(t: &str, mut at: usize) -> &str {
+        at = at.min(t.len());
+        while !t.is_char_boundary(at) {
+            at -= 1;
+        }
+        &t[..at]
+    }
+
+    #[test]
+    fn resumed_renders_give_the_whole_prompts_ids() {
+        for (name, tok) in [
+            (
+                "fixture",
+                tokenizers::Tokenizer::from_bytes(fixture_json().to_string()).unwrap(),
+            ),
+            ("two rounds", two_round_tokenizer()),
+        ] {
+            let seg = super::SegmentTokenizer::new(&tok, 1 << 20).expect("exact");
+            let enc = |s: &str| -> Result<Vec<u32>, String> {
+                tok.encode_fast(s, false)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| e.to_string())
+            };
+            let mut rng = fastrand::Rng::with_seed(5);
+            // A few conversations that share a start, each going on from a random point of its
+            // previous text (inside an added token, just before or after one, anywhere).
+            let start = text(&mut rng, 4000).replace("é", "x");
+            let mut convs = vec![start.clone(); 3];
+            for step in 0..80 {
+                let k = rng.usize(..convs.len());
+                let prev = &convs[k];
+                let at = match prev.rfind("<|im_end|>") {
+                    Some(i) if rng.bool() && i > prev.len() / 2 => i + rng.usize(..12),
+                    _ => prev.len() - rng.usize(..=prev.len().min(600)),
+                };
+                let words = 1 + rng.usize(..200);
+                let next = format!(
+                    "{}{}",
+                    floor(prev, at),
+                    text(&mut rng, words).replace("é", "x")
+                );
+                let got: Vec<u32> = seg
+                    .encode_rendered(next.clone().into_bytes(), || "not utf-8".to_string(), enc)
+                    .unwrap()
+                    .iter()
+                    .flat_map(|p| p.iter().copied())
+                    .collect();
+                assert_eq!(got, enc(&next).unwrap(), "{name}, step {step}: {next:?}");
+                convs[k] = next;
+            }
+            // Added tokens cut short where the shared part ends and completed after it: a
+            // token found in the earlier text must not be taken where the later one has a longer
+            // or an earlier-starting one (a cut needs the shared part to run on past it).
+            let added: Vec<String> = tok
+                .get_added_tokens_decoder()
+                .into_values()
+                .map(|t| t.content)
+                .collect();
+            let base = text(&mut rng, 1800).replace("é", "x");
+            for case in 0..200 {
+                let w = format!(
+                    "{}{}{}",
+                    ["", "x", "a"][rng.usize(..3)],
+                    added[rng.usize(..added.len())],
+                    added[rng.usize(..added.len())]
+                );
+                let j = rng.usize(1..w.len());
+                let head = format!("{base}{}", floor(&w, j));
+                let tail = text(&mut rng, 20);
+                let old = format!("{head}Q{tail}");
+                let new = format!("{head}{}{tail}", &w[head.len() - base.len()..]);
+                for t in [old, new] {
+                    let got: Vec<u32> = seg
+                        .encode_rendered(t.clone().into_bytes(), || "not utf-8".to_string(), enc)
+                        .unwrap()
+                        .iter()
+                        .flat_map(|p| p.iter().copied())
+                        .collect();
+                    assert_eq!(
+                        got,
+                        enc(&t).unwrap(),
+                        "{name}, case {case}: {w:?} cut at {j}"
+                    );
+                }
+            }
+            let r = seg.render_stats();
+            assert!(
+                r.hits > 200 && r.misses < 10,
+                "{name}: most renders resumed: {r:?}"
+            );
+            assert_eq!(
+                seg.encode_rendered(vec![b'a', 0xff], || "not utf-8".to_string(), enc),
+                Err("not utf-8".to_string())
+            );
+        }
     }
 
     #[test]

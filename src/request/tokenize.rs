@@ -11,7 +11,9 @@
 //! A chat's messages become the template's values one message at a time, and each message's value
 //! is kept in a bounded cache keyed by a 128-bit hash of its raw JSON: the same bytes always give
 //! the same value, so a conversation's earlier turns (and their long documents) are not decoded
-//! again on every turn. The template itself is rendered over the whole conversation every time.
+//! again on every turn. The template itself is rendered over the whole conversation every time;
+//! the rendered text is then cut at its added tokens only from near where it stops matching one
+//! of the model's recent renders ([`super::segments`]).
 //!
 //! Every call into the tokenizer is counted with the CPU time its thread spent in it
 //! ([`ModelTokenizer::tokenizer_stats`]): what tokenization costs inside the running process,
@@ -293,12 +295,13 @@ impl ModelTokenizer {
         messages: &RawMessages<'_>,
     ) -> Result<kvepp_core::Prompt<'a>, TokenizeError> {
         let rendered = self.render_into(messages)?;
-        let text = rendered_text(&rendered)?;
         match &self.segments {
             Some(s) => s
-                .encode_pieces(text, |seg| self.encode(seg, false))
+                .encode_rendered(rendered, not_utf8, |seg| self.encode(seg, false))
                 .map(kvepp_core::Prompt::Pieces),
-            None => self.encode(text, false).map(kvepp_core::Prompt::Tokens),
+            None => self
+                .encode(rendered_text(&rendered)?, false)
+                .map(kvepp_core::Prompt::Tokens),
         }
     }
 
@@ -320,13 +323,22 @@ impl ModelTokenizer {
     pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
     }
+
+    /// Chat prompts that resumed from a recent render (hits) and long ones that could not
+    /// (misses); None: this tokenizer tokenizes whole.
+    pub fn render_stats(&self) -> Option<super::segments::SegmentStats> {
+        self.segments.as_ref().map(|s| s.render_stats())
+    }
 }
 
 /// The rendered template's bytes as text (one vectorised UTF-8 check: the template writes only
 /// strings, so this fails only if minijinja broke that).
 fn rendered_text(rendered: &[u8]) -> Result<&str, TokenizeError> {
-    simdutf8::basic::from_utf8(rendered)
-        .map_err(|_| TokenizeError::Template("the rendered template is not UTF-8".into()))
+    simdutf8::basic::from_utf8(rendered).map_err(|_| not_utf8())
+}
+
+fn not_utf8() -> TokenizeError {
+    TokenizeError::Template("the rendered template is not UTF-8".into())
 }
 
 /// A string that `.strip()`, `.lstrip()`, `.rstrip()` or `| trim` without arguments leaves as it

@@ -425,6 +425,7 @@ fn tokenizer_source(
         let (m, work) = (t.message_stats(), t.tokenizer_stats());
         let mut caches = vec![("messages", m.hits, m.misses)];
         caches.extend(t.segment_stats().map(|s| ("segments", s.hits, s.misses)));
+        caches.extend(t.render_stats().map(|s| ("renders", s.hits, s.misses)));
         Some(crate::metrics::TokenizerSample {
             model: model.clone(),
             caches,
