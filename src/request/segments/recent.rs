@@ -74,11 +74,22 @@ impl RecentRenders {
         for (slot, r) in kept.iter_mut().zip(self.ways.lock().iter()) {
             *slot = Some(r.clone());
         }
-        let best = kept
-            .into_iter()
-            .flatten()
-            .map(|r| (common_prefix(text, &r.text), r))
-            .max_by_key(|(shared, _)| *shared);
+        // Most recent first; the first that shares at least half of `text` is taken (a turn of
+        // the same conversation: renders kept from requests in flight together often all share
+        // nearly everything, and comparing each would cost a pass over the text apiece), and
+        // at most about twice `text`'s length is compared in all.
+        let mut best: Option<(usize, Arc<Render>)> = None;
+        let mut budget = 2 * text.len();
+        for r in kept.into_iter().flatten() {
+            let shared = common_prefix(text, &r.text);
+            budget = budget.saturating_sub(shared.max(1));
+            if best.as_ref().is_none_or(|(s, _)| shared > *s) {
+                best = Some((shared, r));
+            }
+            if shared * 2 >= text.len() || budget == 0 {
+                break;
+            }
+        }
         let found = best
             .filter(|(shared, _)| *shared >= MIN_SHARED)
             .and_then(|(shared, r)| {
@@ -207,13 +218,28 @@ mod tests {
                 pieces: 3
             }
         );
+        // The most recent render that shares half is taken without reading older ones.
+        let mut near = text.clone();
+        near.truncate(text.len() - 5);
+        recent.remember(None, render(near, &[200]));
+        let first = recent
+            .resume(&text, |c, shared| c.end + 16 <= shared)
+            .expect("resumes");
+        assert_eq!(
+            first.from.cuts[first.cut],
+            Cut {
+                end: 200,
+                pieces: 1
+            }
+        );
+        recent.ways.lock().remove(0);
         // A turn later: kept in place of the render it carried on from.
         recent.remember(Some(&r), render(text.clone(), &[100]));
         assert_eq!(recent.ways.lock().len(), 2);
         assert!(recent.resume(b"short", |_, _| true).is_none());
         let unrelated = vec![b'q'; 2 * MIN_SHARED];
         assert!(recent.resume(&unrelated, |_, _| true).is_none());
-        assert_eq!(recent.stats().hits, 1);
+        assert_eq!(recent.stats().hits, 2);
         assert_eq!(recent.stats().misses, 1, "a short prompt is not counted");
         for i in 0..2 * WAYS {
             let mut t = vec![b'b'; MIN_SHARED];
