@@ -113,7 +113,7 @@ pub(super) struct StreamState {
     chunks: Vec<Bytes>,
     body_len: usize,
     /// One copy of a body that came in several chunks (made once, kept while queued).
-    joined: Option<Vec<u8>>,
+    joined: Option<Bytes>,
     held: Held,
     /// The request's facts, once prepared (kept while it waits in flow control's queue).
     prepared: Option<Prepared>,
@@ -413,11 +413,11 @@ impl StreamState {
         // One contiguous view of the body: the chunk itself, or a single copy of many chunks
         // (made once, kept while the request waits).
         if self.joined.is_none() && self.chunks.len() > 1 {
-            self.joined = Some(self.chunks.concat());
+            self.joined = Some(Bytes::from(self.chunks.concat()));
         }
         let body = match self.held {
             Held::Headers => None,
-            _ => Some(body_view(&self.chunks, self.joined.as_deref())),
+            _ => Some(body_view(&self.chunks, self.joined.as_ref())),
         };
         if let Some(t) = &mut self.trace {
             t.body_done();
@@ -492,7 +492,7 @@ impl StreamState {
         &mut self,
         d: Decision,
         chunks: Vec<Bytes>,
-        joined: Option<Vec<u8>>,
+        joined: Option<Bytes>,
         out: &mut Vec<ProcessingResponse>,
     ) {
         let dest = resp::destination_value(&d.pick, self.shared.settings().destination_list);
@@ -505,7 +505,7 @@ impl StreamState {
                 ));
             }
             Held::Buffered => {
-                let body = body_view(&chunks, joined.as_deref());
+                let body = body_view(&chunks, joined.as_ref());
                 let (new_body, len) = match &d.rewrite {
                     Some((span, model)) => {
                         let new = Rewrite::new(body, span.clone(), model).to_vec();
@@ -533,7 +533,7 @@ impl StreamState {
                             .max()
                             .unwrap_or(0)
                             .max(resp::MAX_STREAMED_CHUNK);
-                        let body = body_view(&chunks, joined.as_deref());
+                        let body = body_view(&chunks, joined.as_ref());
                         let new = Rewrite::new(body, span.clone(), model).chunks(max);
                         new.into_iter().map(Bytes::from).collect()
                     }
@@ -762,12 +762,13 @@ fn status_of(headers: Option<&HeaderMap>) -> Option<u16> {
     header_str(h)?.parse().ok()
 }
 
-/// The body as one slice: the single chunk, or the joined copy of several.
-fn body_view<'a>(chunks: &'a [Bytes], joined: Option<&'a [u8]>) -> &'a [u8] {
+/// The body as one buffer: the single chunk, or the joined copy of several.
+fn body_view<'a>(chunks: &'a [Bytes], joined: Option<&'a Bytes>) -> &'a Bytes {
+    static EMPTY: Bytes = Bytes::new();
     match (joined, chunks) {
         (Some(j), _) => j,
         (None, [one]) => one,
-        (None, _) => &[],
+        (None, _) => &EMPTY,
     }
 }
 

@@ -22,12 +22,19 @@ use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use serde_json::value::RawValue;
 
 mod id_chunks;
 mod int_array;
+mod known;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
+pub use known::KnownArrays;
+
+/// A body the caller owns, with the cache of recent `messages` arrays its own may be compared
+/// with (see [`parse_body_owned`]).
+type Owned<'a> = Option<(&'a KnownArrays, &'a Bytes)>;
 use int_array::int_array;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
@@ -101,11 +108,30 @@ pub fn parse_body_with<'a>(
     body: &'a [u8],
     chunks: Option<&IdChunks>,
 ) -> Result<ParsedBody<'a>, BodyError> {
+    parse(body, chunks, None)
+}
+
+/// [`parse_body_with`] of a body held as `Bytes`: a `messages` array's leading elements that a
+/// recent array in `arrays` has too, byte for byte, are taken as its walk found them
+/// ([`KnownArrays`]), and the array is kept there (the body shared, not copied).
+pub fn parse_body_owned<'a>(
+    body: &'a Bytes,
+    chunks: Option<&IdChunks>,
+    arrays: &'a KnownArrays,
+) -> Result<ParsedBody<'a>, BodyError> {
+    parse(body, chunks, Some((arrays, body)))
+}
+
+fn parse<'a>(
+    body: &'a [u8],
+    chunks: Option<&IdChunks>,
+    owned: Owned<'a>,
+) -> Result<ParsedBody<'a>, BodyError> {
     let Fields {
         model,
         prompt,
         messages,
-    } = scan(body, chunks)?;
+    } = scan(body, chunks, owned)?;
     let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
@@ -170,7 +196,11 @@ fn malformed(e: &serde_json::Error, at: usize) -> BodyError {
 }
 
 /// Walks the top-level object.
-fn scan<'a>(body: &'a [u8], chunks: Option<&IdChunks>) -> Result<Fields<'a>, BodyError> {
+fn scan<'a>(
+    body: &'a [u8],
+    chunks: Option<&IdChunks>,
+    owned: Owned<'a>,
+) -> Result<Fields<'a>, BodyError> {
     let mut i = skip_ws(body, 0);
     match body.get(i) {
         Some(b'{') => i += 1,
@@ -224,7 +254,7 @@ fn scan<'a>(body: &'a [u8], chunks: Option<&IdChunks>) -> Result<Fields<'a>, Bod
                 }
                 "model" => (fields.model, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
                 "messages" => {
-                    (fields.messages, i) = messages_at(body, i).map(|(v, n)| (Some(v), n))?
+                    (fields.messages, i) = messages_at(body, i, owned).map(|(v, n)| (Some(v), n))?
                 }
                 _ => i = raw_text_at(body, i)?.1,
             }
@@ -303,7 +333,7 @@ impl<'a> RawMessages<'a> {
     /// it.
     pub fn of(messages: &'a RawValue) -> Self {
         let text = messages.get().as_bytes();
-        match messages_at(text, 0) {
+        match messages_at(text, 0, None) {
             Ok((m, _)) => m,
             // Unreachable for valid JSON; whole, as any value that is not an array.
             Err(_) => RawMessages { text, items: None },
@@ -313,9 +343,20 @@ impl<'a> RawMessages<'a> {
 
 /// The `messages` value at `at` (no whitespace first): an array is read as a list of raw values
 /// (by the walk, else by serde), so its elements come out of the pass that validates it.
-fn messages_at(body: &[u8], at: usize) -> Result<(RawMessages<'_>, usize), BodyError> {
+fn messages_at<'a>(
+    body: &'a [u8],
+    at: usize,
+    owned: Owned<'a>,
+) -> Result<(RawMessages<'a>, usize), BodyError> {
     if body.get(at) == Some(&b'[') {
-        let (items, end) = match walk::split_array(body, at, MAX_SPLIT_MESSAGES) {
+        let split = match owned {
+            // The body the caller owns is `body` itself.
+            Some((arrays, bytes)) => arrays
+                .split(bytes, at, MAX_SPLIT_MESSAGES)
+                .and_then(walk::split_items),
+            None => walk::split_array(body, at, MAX_SPLIT_MESSAGES),
+        };
+        let (items, end) = match split {
             Some(split) => split,
             None => {
                 let (Items(items), end) =

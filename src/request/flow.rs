@@ -550,7 +550,7 @@ mod tests {
     impl RouteRequest for Open {
         fn prepare(
             &self,
-            _: Option<&[u8]>,
+            _: Option<&bytes::Bytes>,
             _: Option<&str>,
         ) -> Result<super::super::Prepared, super::super::Rejection> {
             Err(super::super::Rejection::new(500, "test", "unused"))

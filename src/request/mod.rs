@@ -14,6 +14,7 @@ pub mod flow;
 mod generations;
 mod model;
 mod prompt;
+mod recent;
 pub mod segments;
 pub mod service;
 pub mod tokenize;

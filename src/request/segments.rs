@@ -33,8 +33,29 @@ use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 
-mod recent;
-use recent::{Cut, RecentRenders, Render};
+use super::recent::{Kept, Recent};
+
+/// A point where cutting may resume: just after an added token ending at byte `end`, with the
+/// text's first `pieces` pieces (that token's own included) before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cut {
+    end: usize,
+    pieces: usize,
+}
+
+/// A rendered prompt as it was cut: its pieces and its cuts, in text order.
+#[derive(Debug)]
+struct Render {
+    text: Vec<u8>,
+    pieces: Vec<Arc<[u32]>>,
+    cuts: Vec<Cut>,
+}
+
+impl Kept for Render {
+    fn text(&self) -> &[u8] {
+        &self.text
+    }
+}
 
 /// What an entry weighs beyond its ids (its key, table slot and allocation: ~64 bytes), so many
 /// short segments cannot hold more memory than the capacity says.
@@ -55,7 +76,7 @@ pub struct SegmentTokenizer {
     /// The longest added token's length in bytes (0: none).
     longest: usize,
     /// The last few rendered prompts as they were cut.
-    recent: RecentRenders,
+    recent: Recent<Render>,
 }
 
 impl std::fmt::Debug for SegmentTokenizer {
@@ -164,7 +185,7 @@ impl SegmentTokenizer {
             cache: ContentCache::new(capacity, ENTRY_OVERHEAD_IDS),
             capacity,
             longest,
-            recent: RecentRenders::default(),
+            recent: Recent::default(),
         })
     }
 
@@ -208,15 +229,18 @@ impl SegmentTokenizer {
             return self.encode_pieces(text, encode);
         }
         let reach = 2 * self.longest;
-        let resume = self
-            .recent
-            .resume(rendered.as_slice(), |c, shared| c.end + reach <= shared);
+        // The last cut the shared part runs on past by `reach`.
+        let resume = self.recent.resume(rendered.as_slice(), |r, shared| {
+            r.cuts
+                .partition_point(|c| c.end + reach <= shared)
+                .checked_sub(1)
+        });
         let mut c = Cutting::new(self, encode);
         let mut from = 0;
         if let Some(r) = &resume {
-            let cut = r.from.cuts[r.cut];
+            let cut = r.from.cuts[r.usable];
             c.out.extend_from_slice(&r.from.pieces[..cut.pieces]);
-            c.cuts.extend_from_slice(&r.from.cuts[..=r.cut]);
+            c.cuts.extend_from_slice(&r.from.cuts[..=r.usable]);
             from = cut.end;
         }
         // A cut ends an added token, a char boundary of the shared text; `get` in any case.

@@ -10,6 +10,7 @@
 //! [`Router`], which picks and books. It knows nothing of ext_proc messages or HTTP servers: a
 //! rejection is a status code, a stable reason and a message, which each front door renders.
 
+use bytes::Bytes;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use kvepp_core::{
     PromptBlocks, RequestFacts, Router,
 };
 
-use super::body::{parse_body_with, IdChunks, ID_CHUNK_CACHE_IDS};
+use super::body::{parse_body_owned, IdChunks, KnownArrays, ID_CHUNK_CACHE_IDS};
 use super::prompt::{prompt_for_routing, prompt_input};
 use super::tokenize::ModelTokenizer;
 use super::{resolve_model, BodyError, ModelError, UNLISTED_MODEL_LABEL};
@@ -182,7 +183,8 @@ pub enum Verdict {
 pub trait RouteRequest: Send + Sync + std::fmt::Debug {
     /// The request's facts from its `body` (None: decided at the headers, no model) and the
     /// InferenceObjective its header names.
-    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection>;
+    fn prepare(&self, body: Option<&Bytes>, objective: Option<&str>)
+        -> Result<Prepared, Rejection>;
 
     /// Decides `req` among the pool's ready endpoints, restricted to the hints' subset when the
     /// proxy sent one.
@@ -214,6 +216,8 @@ pub struct RequestRouter {
     steps: PrepareSteps,
     /// Chunks of token-id prompts already read, by their text.
     id_chunks: IdChunks,
+    /// Recent chat requests' `messages` arrays, split.
+    known_arrays: KnownArrays,
 }
 
 impl RequestRouter {
@@ -227,6 +231,7 @@ impl RequestRouter {
             unlisted_model: UNLISTED_MODEL_LABEL.into(),
             steps: PrepareSteps::default(),
             id_chunks: IdChunks::new(ID_CHUNK_CACHE_IDS),
+            known_arrays: KnownArrays::default(),
         }
     }
 
@@ -337,7 +342,11 @@ impl RequestRouter {
 }
 
 impl RouteRequest for RequestRouter {
-    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection> {
+    fn prepare(
+        &self,
+        body: Option<&Bytes>,
+        objective: Option<&str>,
+    ) -> Result<Prepared, Rejection> {
         let snap = self.store.snapshot();
         if snap.pool.is_none() {
             return Err(self.pool_not_found());
@@ -354,7 +363,7 @@ impl RouteRequest for RequestRouter {
             });
         };
         self.steps.count("parse");
-        let mut parsed = parse_body_with(body, Some(&self.id_chunks))?;
+        let mut parsed = parse_body_owned(body, Some(&self.id_chunks), &self.known_arrays)?;
         let unlisted = self.passes_unknown().then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted) {
             Ok(m) => m,

@@ -26,7 +26,11 @@ struct Fixed {
 }
 
 impl RouteRequest for Fixed {
-    fn prepare(&self, body: Option<&[u8]>, objective: Option<&str>) -> Result<Prepared, Rejection> {
+    fn prepare(
+        &self,
+        body: Option<&Bytes>,
+        objective: Option<&str>,
+    ) -> Result<Prepared, Rejection> {
         if let Some(r) = &self.reject {
             return Err(r.clone());
         }

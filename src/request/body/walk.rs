@@ -248,16 +248,31 @@ fn object(b: &[u8], at: usize, depth: usize) -> Option<usize> {
 
 /// The array at `b[at]` (`[`), elements nested at `depth`; `each` sees every element's span.
 fn array(b: &[u8], at: usize, depth: usize, mut each: impl FnMut(usize, usize)) -> Option<usize> {
-    let mut i = skip_ws(b, at + 1);
+    let i = skip_ws(b, at + 1);
     if b.get(i) == Some(&b']') {
         return Some(i + 1);
     }
+    let end = value(b, i, depth)?;
+    each(i, end);
+    array_after(b, end, depth, each)
+}
+
+/// The rest of an array after an element that ends at `end` (elements nested at `depth`): the
+/// offset just past its `]`; `each` sees every further element's span.
+fn array_after(
+    b: &[u8],
+    mut end: usize,
+    depth: usize,
+    mut each: impl FnMut(usize, usize),
+) -> Option<usize> {
     loop {
-        let end = value(b, i, depth)?;
-        each(i, end);
-        i = skip_ws(b, end);
+        let i = skip_ws(b, end);
         match *b.get(i)? {
-            b',' => i = skip_ws(b, i + 1),
+            b',' => {
+                let start = skip_ws(b, i + 1);
+                end = value(b, start, depth)?;
+                each(start, end);
+            }
             b']' => return Some(i + 1),
             _ => return None,
         }
@@ -272,24 +287,61 @@ pub(super) fn split_array(
     at: usize,
     cap: usize,
 ) -> Option<(Option<Vec<RawJson<'_>>>, usize)> {
-    let mut spans = Vec::new();
-    let mut n = 0usize;
-    let end = array(b, at, 1, |start, end| {
-        if n < cap {
-            spans.push((start, end));
-        }
-        n += 1;
-    })?;
-    let text = utf8(&b[at..end])?;
-    if n > cap {
+    split_array_after(b, at, cap, &[]).and_then(split_items)
+}
+
+/// An array as [`split_array_after`] split it.
+pub(super) struct Split<'b> {
+    /// The array's text.
+    pub text: &'b str,
+    /// Its elements' spans (offsets into `text`); None beyond the cap.
+    pub spans: Option<Vec<(usize, usize)>>,
+    /// The offset just past it.
+    pub end: usize,
+}
+
+/// [`split_array_after`]'s answer as [`split_array`]'s: the elements' texts (None beyond the
+/// cap) and the offset just past the array.
+pub(super) fn split_items(
+    Split { text, spans, end }: Split<'_>,
+) -> Option<(Option<Vec<RawJson<'_>>>, usize)> {
+    let Some(spans) = spans else {
         return Some((None, end));
-    }
+    };
     // Every span starts and ends at an ASCII byte of `text`: char boundaries.
     let items = spans
-        .into_iter()
-        .map(|(s, e)| text.get(s - at..e - at).map(RawJson))
+        .iter()
+        .map(|&(s, e)| text.get(s..e).map(RawJson))
         .collect::<Option<Vec<_>>>()?;
     Some((Some(items), end))
+}
+
+/// [`split_array`] as a [`Split`], the walk taking `known` (the spans of the array's first
+/// elements, each ending before a byte known to be what the walk saw there) as they are and
+/// resuming after the last of them.
+pub(super) fn split_array_after<'b>(
+    b: &'b [u8],
+    at: usize,
+    cap: usize,
+    known: &[(usize, usize)],
+) -> Option<Split<'b>> {
+    let mut spans: Vec<(usize, usize)> = known.to_vec();
+    let mut n = known.len();
+    let each = |start: usize, end: usize| {
+        if n < cap {
+            spans.push((start - at, end - at));
+        }
+        n += 1;
+    };
+    let end = match known.last() {
+        Some(&(_, e)) => array_after(b, at + e, 1, each)?,
+        None => array(b, at, 1, each)?,
+    };
+    Some(Split {
+        text: utf8(&b[at..end])?,
+        spans: (n <= cap).then_some(spans),
+        end,
+    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,157 @@
+//! The `messages` arrays of the last few chat requests, each with its elements' spans, so that a
+//! conversation's next turn (which sends every earlier message again) walks only the messages
+//! it adds: the elements that lie inside the part its array shares with a recent one, byte for
+//! byte, are taken as that array's walk found them ([`super::super::recent`]).
+//!
+//! What it owns: up to eight arrays, each held as the request body it came in (`Bytes`, shared
+//! with the request, never copied) with its position and its elements' spans.
+//!
+//! Invariants: an element is taken unwalked only when it ends before the last shared byte (so
+//! even a number ended by the byte after it was read alike), and the walk then resumes just
+//! after it; the array's text is still checked as UTF-8 whole, so what it gives is exactly
+//! [`super::walk::split_array`]'s (a differential test checks it on conversations that go on,
+//! branch and are cut short, with one cache across them).
+
+use bytes::Bytes;
+
+use super::super::recent::{Kept, Recent};
+use super::walk::{split_array_after, Split};
+
+/// An array as a body held it.
+#[derive(Debug)]
+struct Array {
+    body: Bytes,
+    at: usize,
+    end: usize,
+    /// Its elements' spans, as offsets from `at`.
+    spans: Vec<(usize, usize)>,
+}
+
+impl Kept for Array {
+    fn text(&self) -> &[u8] {
+        self.body.get(self.at..self.end).unwrap_or_default()
+    }
+}
+
+/// Recent `messages` arrays (see the module doc).
+#[derive(Debug, Default)]
+pub struct KnownArrays {
+    recent: Recent<Array>,
+}
+
+impl KnownArrays {
+    /// The array at `body[at]` (`[`) as [`split_array_after`] splits it, its leading elements
+    /// taken from the recent array it shares the most with; kept for the next one when split.
+    pub(super) fn split<'b>(&self, body: &'b Bytes, at: usize, cap: usize) -> Option<Split<'b>> {
+        let rest = body.get(at..)?;
+        let resume = self.recent.resume(rest, |a, shared| {
+            let k = a.spans.partition_point(|&(_, end)| end < shared);
+            (k > 0).then_some(k)
+        });
+        let known = resume
+            .as_ref()
+            .map_or(&[][..], |r| &r.from.spans[..r.usable]);
+        let split = split_array_after(body, at, cap, known)?;
+        if let Some(spans) = &split.spans {
+            let array = Array {
+                body: body.clone(),
+                at,
+                end: split.end,
+                spans: spans.clone(),
+            };
+            self.recent.remember(resume.as_ref(), array);
+        }
+        Some(split)
+    }
+
+    /// Arrays that resumed from a recent one (hits) and long ones that could not (misses).
+    #[cfg(test)]
+    pub fn stats(&self) -> super::super::generations::CacheStats {
+        self.recent.stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{parse_body, parse_body_owned, ParsedBody};
+    use super::*;
+
+    /// What a parse gives that the walk decides: the messages' element texts, or the error.
+    fn seen(p: Result<ParsedBody<'_>, super::super::BodyError>) -> Result<Vec<String>, String> {
+        match p {
+            Ok(p) => Ok(p
+                .messages
+                .and_then(|m| m.items)
+                .unwrap_or_default()
+                .iter()
+                .map(|r| r.get().to_owned())
+                .collect()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// A message of about `len` bytes of content, escapes and non-ASCII among them.
+    fn message(rng: &mut fastrand::Rng, len: usize) -> String {
+        const WORDS: &[&str] = &["tokens ", "KV\\n", "é ", "\\\"q\\\" ", "123 ", "cache\\t"];
+        let mut content = String::new();
+        while content.len() < len {
+            content.push_str(WORDS[rng.usize(..WORDS.len())]);
+        }
+        let role = ["user", "assistant", "system"][rng.usize(..3)];
+        format!(r#"{{"role":"{role}","content":"{content}"}}"#)
+    }
+
+    #[test]
+    fn resumed_arrays_split_as_the_walk_does() {
+        let known = KnownArrays::default();
+        let mut rng = fastrand::Rng::with_seed(9);
+        let mut convs: Vec<Vec<String>> = vec![vec![message(&mut rng, 6000)]; 3];
+        for step in 0..300 {
+            let k = rng.usize(..convs.len());
+            // Go on, branch from an earlier turn, or drop the last message.
+            match rng.u8(..10) {
+                0 => {
+                    let keep = rng.usize(..=convs[k].len());
+                    convs[k].truncate(keep.max(1));
+                }
+                1 => {
+                    convs[k].pop();
+                }
+                _ => {}
+            }
+            let len = rng.usize(1..400);
+            convs[k].push(message(&mut rng, len));
+            let mut elements = convs[k].join(if k.is_multiple_of(2) { "," } else { " ,\n " });
+            // Now and then: a number element (its digits may go on in the next body) or bytes
+            // that break the array after the common part.
+            match rng.u8(..12) {
+                0 => elements.push_str(",12"),
+                1 => elements.push_str(",123]x"),
+                2 => elements.push_str(",{\"role\":"),
+                3 => elements.push_str(",\"\\u00e9\\x\""),
+                _ => {}
+            }
+            let body = format!(r#"{{"model":"m","messages":[{elements}],"max_tokens":5}}"#);
+            let bytes = Bytes::from(body.into_bytes());
+            let want = seen(parse_body(&bytes));
+            let got = seen(parse_body_owned(&bytes, None, &known));
+            assert_eq!(got, want, "step {step}");
+            // The same body with a raw tab (not allowed in a JSON string) late in its last
+            // message, at the same length: the elements after the common part are walked.
+            if let Some(i) = bytes.iter().rposition(|&b| b == b'K') {
+                let mut bad = bytes.to_vec();
+                bad[i] = b'\t';
+                let bad = Bytes::from(bad);
+                let want = seen(parse_body(&bad));
+                assert!(want.is_err(), "step {step}: a raw tab");
+                assert_eq!(
+                    seen(parse_body_owned(&bad, None, &known)),
+                    want,
+                    "step {step}"
+                );
+            }
+        }
+        let s = known.stats();
+        assert!(s.hits > 200, "most arrays resumed: {s:?}");
+    }
+}
