@@ -100,16 +100,28 @@ fn chats(seed: u64, conversations: usize) -> Vec<Value> {
             let words = 20 + rng.usize(..400);
             messages.push(json!({"role": "system", "content": text(&mut rng, words)}));
         }
-        for turn in 0..1 + rng.usize(..8) {
-            let role = if turn % 2 == 0 { "user" } else { "assistant" };
-            let words = 1 + rng.usize(..120);
-            messages.push(json!({"role": role, "content": text(&mut rng, words)}));
-            if role == "user" {
-                out.push(Value::from(messages.clone()));
-            }
-        }
+        let turns = 1 + rng.usize(..8);
+        add_turns(&mut rng, messages, turns, &mut out);
     }
     out
+}
+
+/// `turns` turns after `messages`, user and assistant in turn; each user turn is a chat of its
+/// own (the conversation so far) in `out`.
+fn add_turns(
+    rng: &mut fastrand::Rng,
+    mut messages: Vec<Value>,
+    turns: usize,
+    out: &mut Vec<Value>,
+) {
+    for turn in 0..turns {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let words = 1 + rng.usize(..120);
+        messages.push(json!({"role": role, "content": text(rng, words)}));
+        if role == "user" {
+            out.push(Value::from(messages.clone()));
+        }
+    }
 }
 
 /// Conversations behind a long system prompt (several KiB rendered), each turn a chat of its
@@ -119,15 +131,8 @@ fn long_chats(seed: u64, conversations: usize) -> Vec<Value> {
     let mut out = Vec::new();
     for _ in 0..conversations {
         let words = 1500 + rng.usize(..500);
-        let mut messages = vec![json!({"role": "system", "content": text(&mut rng, words)})];
-        for turn in 0..6 {
-            let role = if turn % 2 == 0 { "user" } else { "assistant" };
-            let words = 1 + rng.usize(..120);
-            messages.push(json!({"role": role, "content": text(&mut rng, words)}));
-            if role == "user" {
-                out.push(Value::from(messages.clone()));
-            }
-        }
+        let messages = vec![json!({"role": "system", "content": text(&mut rng, words)})];
+        add_turns(&mut rng, messages, 6, &mut out);
     }
     out
 }

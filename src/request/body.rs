@@ -10,7 +10,9 @@
 //! in the pass that validates it ([`int_array`]; serde's skip of 100k integers costs more than
 //! reading them); anything unusual in such an array (signs, fractions, exponents, values beyond
 //! u32) sends it back to serde. With a chunk cache ([`IdChunks`], the request router's), the
-//! leading chunks of such an array that an earlier prompt sent are taken from it unread. The
+//! leading chunks of such an array that an earlier prompt sent are taken from it unread; with
+//! recent `messages` arrays ([`KnownArrays`], for a body held as `Bytes`), the leading messages a
+//! recent array has too, byte for byte, are taken as its walk found them. The
 //! byte span of the `model` value is kept so a target-model rewrite can splice a new value in
 //! without touching the rest of the body.
 //!

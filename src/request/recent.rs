@@ -8,6 +8,8 @@
 //! What of an entry may be reused for a given common part is the caller's to say
 //! ([`Recent::resume`]'s `usable`).
 //!
+//! The comparison is the core's [`common_prefix`] (long runs by `memcmp`).
+//!
 //! Invariants: an entry is never changed once kept (readers hold it by `Arc`, so one being
 //! replaced stays valid for a request comparing against it); the lock is held only to copy or
 //! swap the handles, never while comparing; a lookup compares at most about twice its text's
@@ -16,6 +18,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use kvepp_core::hash::common_prefix;
 use parking_lot::Mutex;
 
 use super::generations::CacheStats;
@@ -144,43 +147,9 @@ impl<E: Kept> Recent<E> {
     }
 }
 
-/// How many leading bytes `a` and `b` share: compared a block at a time (the slice comparison is
-/// the C library's vectorised one), then byte by byte within the first block that differs.
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 512;
-    let n = a.len().min(b.len());
-    let mut i = 0;
-    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
-        i += BLOCK;
-    }
-    i + a[i..n]
-        .iter()
-        .zip(&b[i..n])
-        .take_while(|(x, y)| x == y)
-        .count()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn common_prefix_counts_equal_leading_bytes() {
-        let mut rng = fastrand::Rng::with_seed(3);
-        for _ in 0..300 {
-            let len = rng.usize(..3000);
-            let a: Vec<u8> = (0..len).map(|_| rng.u8(b'a'..=b'c')).collect();
-            let mut b = a.clone();
-            b.truncate(rng.usize(..=len));
-            if !b.is_empty() && rng.bool() {
-                let at = rng.usize(..b.len());
-                b[at] = b'x';
-            }
-            let want = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-            assert_eq!(common_prefix(&a, &b), want);
-            assert_eq!(common_prefix(&b, &a), want);
-        }
-    }
 
     /// A text and the offsets worked out from it.
     struct Marks(Vec<u8>, Vec<usize>);

@@ -490,6 +490,14 @@ mod tests {
                     .map(|e| e.get_ids().to_vec())
                     .map_err(|e| e.to_string())
             };
+            // The ids `encode_rendered` gives, joined.
+            let resumed = |t: &str| -> Vec<u32> {
+                seg.encode_rendered(t.as_bytes().to_vec(), || "not utf-8".to_string(), enc)
+                    .unwrap()
+                    .iter()
+                    .flat_map(|p| p.iter().copied())
+                    .collect()
+            };
             let mut rng = fastrand::Rng::with_seed(5);
             // A few conversations that share a start, each going on from a random point of its
             // previous text (inside an added token, just before or after one, anywhere).
@@ -508,13 +516,11 @@ mod tests {
                     floor(prev, at),
                     text(&mut rng, words).replace("é", "x")
                 );
-                let got: Vec<u32> = seg
-                    .encode_rendered(next.clone().into_bytes(), || "not utf-8".to_string(), enc)
-                    .unwrap()
-                    .iter()
-                    .flat_map(|p| p.iter().copied())
-                    .collect();
-                assert_eq!(got, enc(&next).unwrap(), "{name}, step {step}: {next:?}");
+                assert_eq!(
+                    resumed(&next),
+                    enc(&next).unwrap(),
+                    "{name}, step {step}: {next:?}"
+                );
                 convs[k] = next;
             }
             // Added tokens cut short where the shared part ends and completed after it: a
@@ -539,14 +545,8 @@ mod tests {
                 let old = format!("{head}Q{tail}");
                 let new = format!("{head}{}{tail}", &w[head.len() - base.len()..]);
                 for t in [old, new] {
-                    let got: Vec<u32> = seg
-                        .encode_rendered(t.clone().into_bytes(), || "not utf-8".to_string(), enc)
-                        .unwrap()
-                        .iter()
-                        .flat_map(|p| p.iter().copied())
-                        .collect();
                     assert_eq!(
-                        got,
+                        resumed(&t),
                         enc(&t).unwrap(),
                         "{name}, case {case}: {w:?} cut at {j}"
                     );

@@ -11,7 +11,7 @@
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 mod memo;
-pub use memo::{MemoStats, PrefixMemo};
+pub use memo::{common_prefix, MemoStats, PrefixMemo};
 
 /// Dynamo's XXH3 seed.
 pub const XXH3_SEED: u64 = 1337;

@@ -143,9 +143,9 @@ fn common_tokens(a: &[&[u32]], b: &[&[u32]], limit: usize) -> usize {
     n
 }
 
-/// The length of the common prefix of two slices: long runs first (one memcmp each), then
-/// token by token inside the run that differs.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+/// The length of the common prefix of two slices: long runs first (one memcmp each for plain
+/// data such as tokens or bytes), then element by element inside the run that differs.
+pub fn common_prefix<T: PartialEq>(a: &[T], b: &[T]) -> usize {
     const RUN: usize = 1024;
     let end = a.len().min(b.len());
     let mut i = 0;
