@@ -67,6 +67,18 @@ impl<V: Clone> Generations<V> {
         found
     }
 
+    /// Keeps the entry under `key` in the current generation, as a hit would (uncounted): moved
+    /// there from the previous one, or `value` (of `weight`) put back when it was dropped.
+    pub fn keep(&mut self, key: u128, value: V, weight: usize) {
+        if self.current.contains_key(&key) {
+            return;
+        }
+        match self.previous.remove(&key) {
+            Some((v, w)) => self.admit(key, v, w),
+            None => self.insert(key, value, weight),
+        }
+    }
+
     /// Keeps `value` (of `weight`) under `key`, unless it weighs more than a generation.
     pub fn insert(&mut self, key: u128, value: V, weight: usize) {
         if weight <= self.half {
@@ -129,7 +141,20 @@ impl<V: Clone> ContentCache<V> {
         content: &[u8],
         make: impl FnOnce() -> Result<(V, usize), E>,
     ) -> Result<V, E> {
-        let key = xxh3_128(content);
+        self.get_or_make_keyed(Self::key(content), make)
+    }
+
+    /// The key `content` is remembered under.
+    pub fn key(content: &[u8]) -> u128 {
+        xxh3_128(content)
+    }
+
+    /// [`Self::get_or_make`] of the content whose [`Self::key`] is `key`.
+    pub fn get_or_make_keyed<E>(
+        &self,
+        key: u128,
+        make: impl FnOnce() -> Result<(V, usize), E>,
+    ) -> Result<V, E> {
         if let Some(v) = self.lock().get(key) {
             return Ok(v);
         }
@@ -147,6 +172,15 @@ impl<V: Clone> ContentCache<V> {
     pub fn insert(&self, content: &[u8], value: V, weight: usize) {
         self.lock()
             .insert(xxh3_128(content), value, weight + self.overhead);
+    }
+
+    /// Keeps each `(key, value, weight)` as a hit would (uncounted, under one lock): values a
+    /// caller reuses without looking them up stay as recent as if it had.
+    pub fn keep_all(&self, entries: impl IntoIterator<Item = (u128, V, usize)>) {
+        let mut g = self.lock();
+        for (key, value, weight) in entries {
+            g.keep(key, value, weight + self.overhead);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Generations<V>> {
@@ -181,6 +215,24 @@ mod tests {
         assert_eq!((s.hits, s.misses), (1_999, 1));
         g.insert(5_000, 5_000, 51);
         assert_eq!(g.get(5_000), None, "heavier than a generation: never kept");
+    }
+
+    #[test]
+    fn kept_entries_stay_recent_and_dropped_ones_come_back() {
+        let c = ContentCache::new(40, 0);
+        c.insert(b"a", 1u32, 10);
+        c.insert(b"b", 2, 10);
+        // A third entry fills the generation: `a` and `b` move to the previous one.
+        c.insert(b"c", 3, 10);
+        c.keep_all([(ContentCache::<u32>::key(b"a"), 1, 10)]);
+        // Filling the generation again drops the previous one, but for `a`, kept in between.
+        c.insert(b"d", 4, 10);
+        c.insert(b"e", 5, 10);
+        assert_eq!(c.get(b"a"), Some(1), "kept");
+        assert_eq!(c.get(b"b"), None, "not kept: dropped");
+        c.keep_all([(ContentCache::<u32>::key(b"b"), 2, 10)]);
+        assert_eq!(c.get(b"b"), Some(2), "put back");
+        assert!(c.weight() <= 40);
     }
 
     #[test]

@@ -138,6 +138,12 @@ impl<E: Kept> Recent<E> {
         drop(dropped);
     }
 
+    /// Forgets every kept entry.
+    #[cfg(test)]
+    pub fn clear(&self) {
+        self.ways.lock().clear();
+    }
+
     /// Texts that resumed from a kept one (hits) and long enough ones that could not (misses).
     pub fn stats(&self) -> CacheStats {
         CacheStats {

@@ -14,20 +14,21 @@
 //! tokens; that is what [`SegmentTokenizer::encode`] does.
 //!
 //! A rendered chat prompt ([`SegmentTokenizer::encode_rendered`]) is also compared with the
-//! model's last few renders ([`recent`]): the pieces before the last added token that lies well
-//! inside the part they share are taken from that render as they are, and cutting resumes just
-//! after that token. Added tokens are found leftmost, then longest, so whether a token is found
-//! where it ends depends on no byte more than the longest token's length after it; a cut at `e`
-//! is taken only when the shared part runs at least twice that length past `e` (and, for a
-//! token of the second round, the piece of text it was found in did too), so every token and
-//! segment before `e` is what a cut from the start would find.
+//! model's last few renders ([`super::recent`]): the pieces before the last added token that lies
+//! well inside the part they share are taken from that render as they are, and cutting resumes
+//! just after that token. Added tokens are found leftmost, then longest, so the tokens found up
+//! to a point depend on no byte more than the longest token's length past it; a cut just after a
+//! token ending at `e` is taken only when the shared part runs on at least twice that length
+//! past `e` (and, for a token of the second round, the text between first-round tokens it was
+//! found in ran on at least that length past `e`), so every token and segment before `e` is what
+//! cutting from the start would find.
 //!
-//! Invariants: the ids equal a whole-prompt `encode(text, false)`, resumed or not; that holds only for tokenizers
-//! whose added tokens match text exactly (no `lstrip`/`rstrip`/`single_word`), with no normalizer
-//! or one that changes nothing, and a byte-level pre-tokenizer that adds no prefix space (GPT-2,
-//! Llama 3, Qwen, DeepSeek style); [`SegmentTokenizer::new`] returns None for any other, and the
-//! caller tokenizes whole. The cache holds about `capacity` token ids at most
-//! ([`super::generations`]: recently used segments survive).
+//! Invariants: the ids equal a whole-prompt `encode(text, false)`, resumed or not; that holds
+//! only for tokenizers whose added tokens match text exactly (no `lstrip`/`rstrip`/
+//! `single_word`), with no normalizer or one that changes nothing, and a byte-level pre-tokenizer
+//! that adds no prefix space (GPT-2, Llama 3, Qwen, DeepSeek style); [`SegmentTokenizer::new`]
+//! returns None for any other, and the caller tokenizes whole. The cache holds about `capacity`
+//! token ids at most ([`super::generations`]: recently used segments survive).
 
 use std::sync::Arc;
 
@@ -43,12 +44,14 @@ struct Cut {
     pieces: usize,
 }
 
-/// A rendered prompt as it was cut: its pieces and its cuts, in text order.
+/// A rendered prompt as it was cut: its pieces, its cuts, and its segments' cache keys with the
+/// index of each one's piece, in text order.
 #[derive(Debug)]
 struct Render {
     text: Vec<u8>,
     pieces: Vec<Arc<[u32]>>,
     cuts: Vec<Cut>,
+    keys: Vec<(u128, usize)>,
 }
 
 impl Kept for Render {
@@ -238,26 +241,38 @@ impl SegmentTokenizer {
         let mut c = Cutting::new(self, encode);
         let mut from = 0;
         if let Some(r) = &resume {
-            let cut = r.from.cuts[r.usable];
-            c.out.extend_from_slice(&r.from.pieces[..cut.pieces]);
-            c.cuts.extend_from_slice(&r.from.cuts[..=r.usable]);
+            let (kept, cut) = (&r.from, r.from.cuts[r.usable]);
+            c.out.extend_from_slice(&kept.pieces[..cut.pieces]);
+            c.cuts.extend_from_slice(&kept.cuts[..=r.usable]);
+            let keys = &kept.keys[..kept.keys.partition_point(|&(_, i)| i < cut.pieces)];
+            c.keys.extend_from_slice(keys);
+            // The segments taken stay as recent in the segment cache as if looked up, so a turn
+            // that cannot resume later (its render dropped) still finds them there.
+            self.cache.keep_all(keys.iter().map(|&(key, i)| {
+                let ids = kept.pieces[i].clone();
+                let n = ids.len();
+                (key, ids, n)
+            }));
             from = cut.end;
         }
         // A cut ends an added token, a char boundary of the shared text; `get` in any case.
         match text.get(from..) {
             Some(rest) => c.text(rest, from)?,
             None => {
-                (c.out, c.cuts) = (Vec::new(), Vec::new());
+                (c.out, c.cuts, c.keys) = (Vec::new(), Vec::new(), Vec::new());
                 c.text(text, 0)?;
             }
         }
-        let Cutting { out, cuts, .. } = c;
+        let Cutting {
+            out, cuts, keys, ..
+        } = c;
         self.recent.remember(
             resume.as_ref(),
             Render {
                 text: rendered,
                 pieces: out.clone(),
                 cuts,
+                keys,
             },
         );
         Ok(out)
@@ -285,6 +300,8 @@ struct Cutting<'s, F> {
     encode: F,
     out: Vec<Arc<[u32]>>,
     cuts: Vec<Cut>,
+    /// Each segment piece's cache key and index in `out`.
+    keys: Vec<(u128, usize)>,
 }
 
 impl<'s, F> Cutting<'s, F> {
@@ -294,6 +311,7 @@ impl<'s, F> Cutting<'s, F> {
             encode,
             out: Vec::new(),
             cuts: Vec::new(),
+            keys: Vec::new(),
         }
     }
 
@@ -351,12 +369,14 @@ impl<'s, F> Cutting<'s, F> {
         let encode = &mut self.encode;
         // Short segments too: the fixture tokenizer takes 2.7 µs for one letter and 27 µs for a
         // 49-byte question, a lookup tens of nanoseconds.
-        let ids = self.seg.cache.get_or_make(seg.as_bytes(), || {
+        let key = ContentCache::<Arc<[u32]>>::key(seg.as_bytes());
+        let ids = self.seg.cache.get_or_make_keyed(key, || {
             let ids: Arc<[u32]> = encode(seg)?.into();
             let n = ids.len();
             Ok((ids, n))
         })?;
         if !ids.is_empty() {
+            self.keys.push((key, self.out.len()));
             self.out.push(ids);
         }
         Ok(())
@@ -562,6 +582,41 @@ mod tests {
                 Err("not utf-8".to_string())
             );
         }
+    }
+
+    #[test]
+    fn segments_taken_from_a_render_stay_in_the_segment_cache() {
+        let tok = tokenizers::Tokenizer::from_bytes(fixture_json().to_string()).unwrap();
+        let seg = super::SegmentTokenizer::new(&tok, 30_000).expect("exact");
+        let calls = std::cell::Cell::new(0usize);
+        let enc = |s: &str| -> Result<Vec<u32>, String> {
+            calls.set(calls.get() + 1);
+            tok.encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string())
+        };
+        let mut rng = fastrand::Rng::with_seed(13);
+        let mut history = text(&mut rng, 3000);
+        seg.encode_rendered(history.clone().into_bytes(), String::new, enc)
+            .unwrap();
+        for _ in 0..10 {
+            // Other traffic turns the segment cache's generations over...
+            seg.encode_pieces(&text(&mut rng, 3000), enc).unwrap();
+            // ...while the conversation goes on, resumed from its previous render.
+            history.push_str("<|im_end|> and on");
+            seg.encode_rendered(history.clone().into_bytes(), String::new, enc)
+                .unwrap();
+        }
+        assert!(seg.render_stats().hits >= 10);
+        // Its render dropped, the next turn is cut from the start: its earlier segments are
+        // still cached.
+        seg.recent.clear();
+        let before = calls.get();
+        history.push_str("<|im_end|> more");
+        seg.encode_rendered(history.clone().into_bytes(), String::new, enc)
+            .unwrap();
+        let new = calls.get() - before;
+        assert!(new <= 2, "{new} segments tokenized again");
     }
 
     #[test]
