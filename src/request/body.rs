@@ -33,11 +33,11 @@ mod known;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
 pub use known::KnownArrays;
+use int_array::int_array;
 
 /// A body the caller owns, with the cache of recent `messages` arrays its own may be compared
 /// with (see [`parse_body_owned`]).
 type Owned<'a> = Option<(&'a KnownArrays, &'a Bytes)>;
-use int_array::int_array;
 
 /// Why a body cannot be routed. Each maps to a 400 answer with this message.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
