@@ -32,8 +32,8 @@ mod int_array;
 mod known;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
-pub use known::KnownArrays;
 use int_array::int_array;
+pub use known::KnownArrays;
 
 /// A body the caller owns, with the cache of recent `messages` arrays its own may be compared
 /// with (see [`parse_body_owned`]).
