@@ -53,13 +53,7 @@ impl<V: Clone> Generations<V> {
 
     /// The value under `key`, counted as a hit or a miss.
     pub fn get(&mut self, key: u128) -> Option<V> {
-        let found = match self.current.get(&key) {
-            Some((v, _)) => Some(v.clone()),
-            None => self.previous.remove(&key).map(|(v, w)| {
-                self.admit(key, v.clone(), w);
-                v
-            }),
-        };
+        let found = self.find(key);
         match found {
             Some(_) => self.stats.hits += 1,
             None => self.stats.misses += 1,
@@ -70,12 +64,20 @@ impl<V: Clone> Generations<V> {
     /// Keeps the entry under `key` in the current generation, as a hit would (uncounted): moved
     /// there from the previous one, or `value` (of `weight`) put back when it was dropped.
     pub fn keep(&mut self, key: u128, value: V, weight: usize) {
-        if self.current.contains_key(&key) {
-            return;
+        if self.find(key).is_none() {
+            self.insert(key, value, weight);
         }
-        match self.previous.remove(&key) {
-            Some((v, w)) => self.admit(key, v, w),
-            None => self.insert(key, value, weight),
+    }
+
+    /// The value under `key`, moved into the current generation if it was in the previous one
+    /// (uncounted).
+    fn find(&mut self, key: u128) -> Option<V> {
+        match self.current.get(&key) {
+            Some((v, _)) => Some(v.clone()),
+            None => self.previous.remove(&key).map(|(v, w)| {
+                self.admit(key, v.clone(), w);
+                v
+            }),
         }
     }
 
