@@ -31,7 +31,7 @@ const WAYS: usize = 8;
 const MAX_TEXT: usize = 2 << 20;
 /// Texts shorter than this, or sharing less than this with every kept one, are worked on from
 /// the start (the comparison would save little).
-pub(super) const MIN_SHARED: usize = 4 << 10;
+const MIN_SHARED: usize = 4 << 10;
 
 /// An entry: its text and whatever was worked out from it.
 pub(super) trait Kept {

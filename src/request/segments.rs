@@ -232,11 +232,13 @@ impl SegmentTokenizer {
             return self.encode_pieces(text, encode);
         }
         let reach = 2 * self.longest;
-        // The last cut the shared part runs on past by `reach`.
+        // The last cut the shared part runs on past by `reach` (it ends an added token, so a char
+        // boundary of the shared text; checked all the same, so slicing there cannot panic).
         let resume = self.recent.resume(rendered.as_slice(), |r, shared| {
             r.cuts
                 .partition_point(|c| c.end + reach <= shared)
                 .checked_sub(1)
+                .filter(|&i| text.is_char_boundary(r.cuts[i].end))
         });
         let mut c = Cutting::new(self, encode);
         let mut from = 0;
@@ -255,14 +257,7 @@ impl SegmentTokenizer {
             }));
             from = cut.end;
         }
-        // A cut ends an added token, a char boundary of the shared text; `get` in any case.
-        match text.get(from..) {
-            Some(rest) => c.text(rest, from)?,
-            None => {
-                (c.out, c.cuts, c.keys) = (Vec::new(), Vec::new(), Vec::new());
-                c.text(text, 0)?;
-            }
-        }
+        c.text(&text[from..], from)?;
         let Cutting {
             out, cuts, keys, ..
         } = c;
