@@ -303,6 +303,30 @@ impl CostWeights {
         most * float(blocks)
     }
 
+    /// A magnitude below which [`Self::cost`], the slot tracker's load keys and the bounds an
+    /// ordered pick sums from them are exact in floating point (0.0: not so for these weights),
+    /// so equal sums of their terms are equal floats whatever the order they were added in.
+    ///
+    /// It holds when every weight is a multiple of 2⁻¹⁰ from 0 to 1024 and the block size a
+    /// power of two up to 2¹⁶: every term and product is then a multiple of 2⁻²⁰ ÷ block size,
+    /// which is exact while below 2⁵³ of that unit; an eighth of that is returned, room for a
+    /// few terms below it summed. Dynamo's default weights (1, 0.75, 0.25, 1, 0) qualify.
+    pub fn exact_below(&self, block_size: u32) -> f64 {
+        let dyadic = |w: f64| (0.0..=1024.0).contains(&w) && (w * 1024.0).fract() == 0.0;
+        let weights = [
+            self.overlap_score_credit,
+            self.host_cache_hit_weight,
+            self.disk_cache_hit_weight,
+            self.prefill_load_scale,
+            self.decode_active_request_weight,
+        ];
+        if !block_size.is_power_of_two() || block_size > 1 << 16 || !weights.into_iter().all(dyadic)
+        {
+            return 0.0;
+        }
+        f64::from(1u32 << 30) / f64::from(block_size)
+    }
+
     pub fn cost(&self, block_size: u32, c: &CandidateLoad) -> f64 {
         // A product with the reciprocal (hoisted out of a loop over candidates; exact for the
         // power-of-two block sizes engines use).

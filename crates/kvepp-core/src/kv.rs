@@ -60,6 +60,7 @@ mod guard;
 mod ordered;
 mod prompt;
 mod ranks;
+mod roster;
 mod scratch;
 mod ttft;
 
@@ -153,7 +154,7 @@ pub struct KvState {
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
     /// Ordered picks' own state ([`ordered`]).
-    ordered: ordered::OrderedPicks,
+    ordered: roster::OrderedPicks,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -195,7 +196,7 @@ impl KvState {
             hub: Arc::default(),
             ttft: TtftModel::default(),
             memo: PrefixMemo::default(),
-            ordered: ordered::OrderedPicks::default(),
+            ordered: roster::OrderedPicks::default(),
         }
     }
 

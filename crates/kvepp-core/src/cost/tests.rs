@@ -286,3 +286,95 @@ fn load_bound_is_zero_or_at_least_one() {
         );
     }
 }
+
+/// `exact_below`: Dynamo's weights and power-of-two blocks qualify, anything else does not;
+/// below the limit a cost summed in another order (a load key plus the prompt's share, less the
+/// credit and the active share, as an ordered pick bounds it) is the same float, and with a
+/// weight that is not a multiple of 2⁻¹⁰ it is not always.
+#[test]
+fn costs_below_exact_below_are_the_same_in_any_order() {
+    let d = CostWeights::dynamo();
+    assert_eq!(d.exact_below(16), f64::from(1u32 << 26));
+    for (w, bs) in [
+        (
+            CostWeights {
+                prefill_load_scale: 0.7,
+                ..d
+            },
+            16,
+        ),
+        (
+            CostWeights {
+                host_cache_hit_weight: 0.1,
+                ..d
+            },
+            16,
+        ),
+        (
+            CostWeights {
+                decode_active_request_weight: -1.0,
+                ..d
+            },
+            16,
+        ),
+        (
+            CostWeights {
+                overlap_score_credit: 2048.0,
+                ..d
+            },
+            16,
+        ),
+        (d, 12),
+        (d, 1 << 17),
+    ] {
+        assert_eq!(w.exact_below(bs), 0.0, "{w:?} at block size {bs}");
+    }
+    // The same real sums in two orders: always equal floats with dyadic weights, not always
+    // with 0.1 and 0.7.
+    let sums = |w: &CostWeights, g: &mut fastrand::Rng| -> bool {
+        let bs = [1u32, 4, 16, 64][g.usize(..4)];
+        let limit = w.exact_below(bs).max(1e6) / 8.0;
+        let (active_prefill, isl) = (g.u64(..1 << 16), g.u64(1..1 << 16));
+        let blocks = isl / u64::from(bs);
+        let (decode, held, requests) = (g.u64(..1 << 14), g.u64(..=blocks), g.u32(..64));
+        let device = g.u64(..=blocks);
+        let c = load(
+            device,
+            0,
+            0,
+            active_prefill + isl,
+            decode + blocks - held,
+            requests,
+        );
+        let inv = 1.0 / f64::from(bs);
+        let key = w.prefill_load_scale * (active_prefill as f64 * inv)
+            + decode as f64
+            + w.decode_active_request_weight * f64::from(requests);
+        let share = w.prefill_load_scale * (isl as f64 * inv) + blocks as f64;
+        let bound = key + share - w.prefill_load_scale * w.overlap_credit(c.overlap) - held as f64;
+        let clamped = (active_prefill + isl) as f64 * inv < w.overlap_credit(c.overlap);
+        assert!(key < limit && share < limit);
+        clamped || bound == w.cost(bs, &c)
+    };
+    let mut g = fastrand::Rng::with_seed(5);
+    let dyadic = |g: &mut fastrand::Rng| [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0][g.usize(..8)];
+    for _ in 0..20_000 {
+        let w = CostWeights {
+            overlap_score_credit: dyadic(&mut g),
+            host_cache_hit_weight: dyadic(&mut g),
+            prefill_load_scale: dyadic(&mut g),
+            decode_active_request_weight: dyadic(&mut g),
+            ..d
+        };
+        assert!(w.exact_below(16) > 0.0);
+        assert!(sums(&w, &mut g), "{w:?}");
+    }
+    let inexact = CostWeights {
+        prefill_load_scale: 0.7,
+        overlap_score_credit: 0.1,
+        decode_active_request_weight: 0.3,
+        ..d
+    };
+    let differ = (0..20_000).filter(|_| !sums(&inexact, &mut g)).count();
+    assert!(differ > 0, "0.7, 0.1 and 0.3 never rounded apart");
+}

@@ -28,11 +28,17 @@
 //! the random draw among equals are the full scan's
 //! (`ordered_tests::ordered_picks_choose_as_the_scan_does`).
 //!
-//! Exact ties cost it the most: every candidate tied with the cheapest or the runner-up must
-//! be costed (the scan's tie-break reads them all), so a pick that would cost more than an
-//! eighth of the candidates stops and leaves the pick to the scan, as does a walk by load that
-//! costs 32 candidates (or a 32nd of them) in a row at the runner-up's cost (an idle fleet,
-//! equal loads).
+//! Exact ties cost it the most. Every candidate tied with the cheapest must be costed (the
+//! random draw among them reads them all). A tie with the runner-up need not be, when the
+//! cheapest is alone below it and the sums are exact ([`CostWeights::exact_below`]: dyadic
+//! weights such as Dynamo's, power-of-two blocks, loads below 2²⁶ blocks): a candidate's bound
+//! (its key, the share, its credit and active share) is then its cost to the last bit, and one
+//! that only ties with the runner-up and comes after it in the scan's tie-break (requests in
+//! flight, then the earlier candidate) cannot be chosen, so it is passed over uncosted. With
+//! weights that round (0.7), a tie within the bounds' slack is costed. A pick that would cost
+//! more than an eighth of the candidates stops and leaves the pick to the scan, as does a walk
+//! by load that costs 32 candidates (or a 32nd of them) in a row at the runner-up's cost (an
+//! idle fleet, equal loads).
 //! Reading one rank's cached prefix from the levels is a binary search per level; once a pick
 //! has read about as many as writing every holder's run out would cost, it writes them out
 //! ([`crate::index::PrefixIndex::materialize`]) and reads each in one step after.
@@ -44,22 +50,19 @@
 //! for, data-parallel ranks in the index, or a candidate list the roster cannot map (a
 //! data-parallel rank among the candidates, a worker named twice).
 //!
-//! The roster of a candidate list (which candidate each worker and dense id is) is made once
-//! per list: a list the caller names ([`crate::PickRequest::list`], the pool snapshot's serial)
-//! is recognised without reading it; an unnamed one is compared endpoint by endpoint, and mapped
-//! only once it comes twice in a row. Making it registers, idle, any candidate the slot tracker
-//! does not know yet (the scan counts such a candidate idle; its first booking would register
-//! it).
+//! Which candidate each worker and dense id is comes from the list's roster (`roster.rs`, made
+//! once per list).
 //!
-//! Invariants: the candidate list's roster (which candidate each worker and dense id is) is
-//! rebuilt whenever the list or the tracker's registrations change, so it never names a
-//! candidate for a rank that is not it; the shortcut never consumes randomness before it is
-//! sure to answer, so falling back leaves the pick's random draws as they were.
+//! Invariants: the shortcut never consumes randomness before it is sure to answer, so falling
+//! back leaves the pick's random draws as they were; a candidate passed over uncosted is
+//! dearer than the runner-up, or tied with it and behind it in the scan's tie-break, by a
+//! bound that is its cost exactly or less.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::scratch::{CandidateMap, PickScratch};
+use super::roster::Maps;
+use super::scratch::PickScratch;
 use super::{KvState, PrefixMode, PromptBlocks, Walked, HINT_APPROX_INDEX, HINT_EVENT_INDEX};
 use crate::cost::{CandidateLoad, CostWeights, KvDecision};
 use crate::slots::KeyParams;
@@ -117,131 +120,6 @@ pub(super) fn decision(
     }
 }
 
-/// What ordered picks keep in a [`KvState`]: the last candidate list's roster, whether they
-/// are on, how many picks took each path, and the fingerprint of the last unnamed list left
-/// unmapped.
-#[derive(Debug)]
-pub(super) struct OrderedPicks {
-    roster: arc_swap::ArcSwapOption<Roster>,
-    pub(super) on: std::sync::atomic::AtomicBool,
-    pub(super) paths: PickPaths,
-    unnamed: std::sync::atomic::AtomicU64,
-}
-
-impl Default for OrderedPicks {
-    fn default() -> Self {
-        OrderedPicks {
-            roster: arc_swap::ArcSwapOption::empty(),
-            on: std::sync::atomic::AtomicBool::new(true),
-            paths: PickPaths::default(),
-            unnamed: std::sync::atomic::AtomicU64::new(0),
-        }
-    }
-}
-
-/// How many picks were ordered and how many scanned, counted per scratch pool (so concurrent
-/// picks rarely write one line).
-#[derive(Debug, Default)]
-pub(super) struct PickPaths([PathCounts; super::SCRATCH_POOLS]);
-
-#[derive(Debug, Default)]
-#[repr(align(128))]
-struct PathCounts {
-    ordered: std::sync::atomic::AtomicU64,
-    scanned: std::sync::atomic::AtomicU64,
-}
-
-impl PickPaths {
-    pub(super) fn count(&self, pool: usize, ordered: bool) {
-        if let Some(c) = self.0.get(pool) {
-            let n = if ordered { &c.ordered } else { &c.scanned };
-            n.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// A candidate list as the slot tracker numbers it.
-#[derive(Debug)]
-pub(super) struct Roster {
-    /// The list it maps (held, so no other endpoint can take an address of it while the
-    /// roster lives) and the tracker's registrations when it was made.
-    eps: Box<[Arc<Endpoint>]>,
-    generation: u64,
-    /// The list's identity as its caller named it ([`crate::PickRequest::list`]).
-    list: Option<u64>,
-    /// None: some candidate cannot be picked this way.
-    maps: Option<Maps>,
-}
-
-#[derive(Debug)]
-struct Maps {
-    by_worker: CandidateMap,
-    /// Dense id → candidate index (`u32::MAX`: not a candidate).
-    by_dense: Vec<u32>,
-}
-
-impl Maps {
-    /// The candidate with dense id `id`, if it is one (and its endpoint agrees).
-    fn of_dense(&self, id: u32, candidates: &[Arc<Endpoint>]) -> Option<usize> {
-        let i = *self.by_dense.get(id as usize)? as usize;
-        let e = candidates.get(i)?;
-        (e.hints.slot.load(Ordering::Relaxed) == id).then_some(i)
-    }
-
-    /// The candidate of `worker`, if it is one.
-    fn of_worker(&self, worker: u64, candidates: &[Arc<Endpoint>]) -> Option<usize> {
-        let i = self.by_worker.get(worker)?;
-        (candidates.get(i)?.worker == worker).then_some(i)
-    }
-}
-
-impl Roster {
-    fn is_of(&self, candidates: &[Arc<Endpoint>], generation: u64, list: Option<u64>) -> bool {
-        if self.generation != generation || self.eps.len() != candidates.len() {
-            return false;
-        }
-        // A list the caller named is the one its name was first seen with: nothing to read.
-        if list.is_some() && list == self.list {
-            return true;
-        }
-        // Blocks of differences or-ed together without a branch per candidate.
-        self.eps
-            .chunks(64)
-            .zip(candidates.chunks(64))
-            .all(|(a, b)| {
-                a.iter().zip(b).fold(0, |acc, (p, e)| {
-                    acc | (Arc::as_ptr(p) as usize ^ Arc::as_ptr(e) as usize)
-                }) == 0
-            })
-    }
-}
-
-/// A roster as a pick holds it: the shared one, borrowed without a write to its reference
-/// count (which every picking thread would otherwise share), or one just made.
-enum RosterRef {
-    Shared(arc_swap::Guard<Option<Arc<Roster>>>),
-    Made(Arc<Roster>),
-}
-
-impl RosterRef {
-    fn get(&self) -> Option<&Roster> {
-        match self {
-            RosterRef::Shared(g) => g.as_deref(),
-            RosterRef::Made(r) => Some(r),
-        }
-    }
-}
-
-/// A fingerprint of an unnamed candidate list: its endpoints in order (equal prints only make a
-/// roster worth building; [`Roster::is_of`] is what decides a match).
-fn fingerprint(candidates: &[Arc<Endpoint>]) -> u64 {
-    candidates.iter().fold(candidates.len() as u64, |h, e| {
-        (h ^ Arc::as_ptr(e) as u64)
-            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
-            .rotate_left(29)
-    }) | 1
-}
-
 /// What every step of one ordered pick reads: the walks, the candidates and their roster, the
 /// weights and the prompt's share.
 struct Pass<'a> {
@@ -251,9 +129,29 @@ struct Pass<'a> {
     w: &'a CostWeights,
     bs: u32,
     share: f64,
+    /// [`CostWeights::exact_below`] for this pick, or 0.0 where its prompt or weights make the
+    /// sums inexact: below it a bound summed from a rank's key, the share, its credit and its
+    /// active share is its cost exactly, so a tie is known without costing the candidate.
+    exact: f64,
 }
 
 impl Pass<'_> {
+    /// Whether candidate `i`, whose load key is `key` and whose cost is at least `bound` (summed
+    /// from exact terms, each below [`Self::exact`]), may still be the choice or the runner-up
+    /// and so must be costed: false only for a candidate known to be behind the runner-up
+    /// ([`Two::behind`]). Without exact sums, every candidate within the bounds is costed.
+    fn may_matter(&self, two: &Two, bound: f64, key: f64, i: usize) -> bool {
+        if !(key < self.exact && two.cut() < self.exact) {
+            return true;
+        }
+        let at = Seen {
+            cost: bound,
+            in_flight: self.candidates[i].load.in_flight(),
+            i: i as u32,
+        };
+        !two.behind(at)
+    }
+
     /// The most any rank holding `end` blocks of the prompt can be credited for them.
     fn most_credit(&self, end: u64) -> f64 {
         self.w.prefill_load_scale * self.w.overlap_credit_bound(end)
@@ -300,18 +198,61 @@ impl Pass<'_> {
     }
 }
 
-/// The two least costs seen (with repeats): the runner-up's cost bounds what may still matter.
+/// A costed candidate as the scan's choice orders it: by cost, then requests in flight, then
+/// its index (the runner-up's tie-break, [`CostWeights::choose_two`]).
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+struct Seen {
+    cost: f64,
+    in_flight: u32,
+    i: u32,
+}
+
+impl Seen {
+    const NONE: Seen = Seen {
+        cost: f64::INFINITY,
+        in_flight: u32::MAX,
+        i: u32::MAX,
+    };
+}
+
+/// The two least costed candidates in [`Seen`]'s order: their costs are the two least seen
+/// (with repeats), and the runner-up's cost bounds what may still matter. When the least is
+/// alone at its cost, it is the scan's choice and the second is the scan's runner-up among
+/// those costed so far.
 #[derive(Debug, Clone, Copy)]
-struct Two(f64, f64);
+struct Two {
+    least: Seen,
+    second: Seen,
+}
 
 impl Two {
-    fn add(&mut self, c: f64) {
-        if c < self.0 {
-            self.1 = self.0;
-            self.0 = c;
-        } else if c < self.1 {
-            self.1 = c;
+    const NONE: Two = Two {
+        least: Seen::NONE,
+        second: Seen::NONE,
+    };
+
+    fn add(&mut self, s: Seen) {
+        if s < self.least {
+            self.second = self.least;
+            self.least = s;
+        } else if s < self.second {
+            self.second = s;
         }
+    }
+
+    /// The runner-up's cost.
+    fn cut(&self) -> f64 {
+        self.second.cost
+    }
+
+    /// Whether a candidate costing at least `at.cost` (exactly) cannot be the scan's choice or
+    /// runner-up, whatever is costed later: it is dearer than the runner-up, or ties with it
+    /// and comes after it in the tie-break while the cheapest is alone below them (so the
+    /// random draw among the cheapest does not read it). The runner-up only gets cheaper or
+    /// earlier, so the answer stays true.
+    fn behind(&self, at: Seen) -> bool {
+        at.cost > self.second.cost
+            || (self.least.cost < self.second.cost && self.second.cost > 0.0 && at > self.second)
     }
 }
 
@@ -336,22 +277,6 @@ fn slack(x: f64) -> f64 {
 }
 
 impl KvState {
-    /// Turns ordered picks on (the default) or off (every pick reads every candidate: the
-    /// reference the ordered pick is tested and measured against).
-    pub fn set_ordered_picks(&self, on: bool) {
-        self.ordered.on.store(on, Ordering::Relaxed);
-    }
-
-    /// Picks made so far by the ordered shortcut, and by reading every candidate.
-    pub fn pick_paths(&self) -> (u64, u64) {
-        self.ordered.paths.0.iter().fold((0, 0), |(o, s), c| {
-            (
-                o + c.ordered.load(Ordering::Relaxed),
-                s + c.scanned.load(Ordering::Relaxed),
-            )
-        })
-    }
-
     /// Whether a pick with these weights may take the ordered shortcut (the rest is checked by
     /// [`Self::rank_ordered`]).
     pub(super) fn orderable(w: &CostWeights, scores: bool, bias: &[f64]) -> bool {
@@ -360,69 +285,6 @@ impl KvState {
             && !w.bounds_loads()
             && !scores
             && bias.is_empty()
-    }
-
-    /// The roster of `candidates`, made anew if the list or the registrations changed. A
-    /// candidate the slot tracker does not know yet is registered first (idle, as the scan
-    /// counts it, and as its first booking would register it).
-    ///
-    /// An unnamed list is mapped only once it comes twice in a row (by a fingerprint of its
-    /// endpoints): a list that changes from pick to pick (the selector leaving out whichever
-    /// endpoints are saturated) would cost more to map each time than to scan. None: not
-    /// mapped this time.
-    fn roster(&self, candidates: &[Arc<Endpoint>], list: Option<u64>) -> Option<RosterRef> {
-        let cached = self.ordered.roster.load();
-        let generation = self.slots.generation();
-        if cached
-            .as_ref()
-            .is_some_and(|r| r.is_of(candidates, generation, list))
-        {
-            return Some(RosterRef::Shared(cached));
-        }
-        if list.is_none() {
-            let print = fingerprint(candidates);
-            if self.ordered.unnamed.swap(print, Ordering::Relaxed) != print {
-                return None;
-            }
-        }
-        for e in candidates.iter().filter(|e| e.rank().dp_rank == 0) {
-            if self.slots.dense_id(e.rank()).is_none() {
-                self.slots.register(e.rank());
-            }
-        }
-        let generation = self.slots.generation();
-        let mut by_worker = CandidateMap::default();
-        by_worker.build(candidates.iter().map(|e| e.worker));
-        let mut by_dense = Vec::new();
-        let mut usable = true;
-        for (i, e) in candidates.iter().enumerate() {
-            let rank = e.rank();
-            let id = self
-                .slots
-                .dense_id(rank)
-                .filter(|_| rank.dp_rank == 0 && by_worker.get(e.worker) == Some(i));
-            let Some(id) = id else {
-                usable = false;
-                break;
-            };
-            // Picks read a candidate's load through this hint.
-            e.hints.slot.store(id, Ordering::Relaxed);
-            if by_dense.len() <= id as usize {
-                by_dense.resize(id as usize + 1, u32::MAX);
-            }
-            by_dense[id as usize] = i as u32;
-        }
-        let roster = Arc::new(Roster {
-            eps: candidates.into(),
-            generation,
-            list,
-            maps: usable.then_some(Maps {
-                by_worker,
-                by_dense,
-            }),
-        });
-        self.ordered.roster.store(Some(roster.clone()));
-        Some(RosterRef::Made(roster))
     }
 
     /// Costs candidate `i` once (None: its tracker hint missed, or the budget is spent; the
@@ -445,7 +307,11 @@ impl KvState {
         Self::read_cached(cx.walked, sc);
         let (load, version) = self.load_of(cx.walked, sc, i, &cx.candidates[i])?;
         let cost = cx.w.cost(cx.bs, &load);
-        two.add(cost);
+        two.add(Seen {
+            cost,
+            in_flight: cx.candidates[i].load.in_flight(),
+            i: i as u32,
+        });
         sc.visits.push(Visit {
             i: i as u32,
             cost,
@@ -550,17 +416,25 @@ impl KvState {
         // Costing a candidate here costs about what the scan spends on one: past an eighth of
         // them (many candidates tied with the runner-up, an idle fleet), the scan is cheaper.
         sc.budget = (n / 8).max(32);
+        // What every candidate pays for the prompt when it holds none of it.
+        let share = w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
+            + hashes.len() as f64;
+        let exact = w.exact_below(bs);
+        let most_credit = w.prefill_load_scale * w.overlap_credit_bound(hashes.len() as u64);
         let cx = Pass {
             walked: &walked,
             candidates,
             maps,
             w,
             bs,
-            // What every candidate pays for the prompt when it holds none of it.
-            share: w.prefill_load_scale * (isl as f64 * (1.0 / f64::from(bs.max(1))))
-                + hashes.len() as f64,
+            share,
+            exact: if share < exact && most_credit < exact {
+                exact
+            } else {
+                0.0
+            },
         };
-        let mut two = Two(f64::INFINITY, f64::INFINITY);
+        let mut two = Two::NONE;
         // The most a rank not read in step 3 can have active: every bound before the walk by
         // load may use it, since step 3 reads the others against their own share.
         let loose_held = cx.active_allowance(sc);
@@ -616,7 +490,7 @@ impl KvState {
             };
             // What every holder of the level pays for the prompt at the least.
             let below = cx.share - cx.most_credit(end) - most_held;
-            if least + below > two.1 + slack(two.1) {
+            if least + below > two.cut() + slack(two.cut()) {
                 continue;
             }
             if len > cx.wide() {
@@ -631,7 +505,17 @@ impl KvState {
                     continue;
                 };
                 let id = cx.candidates[i].hints.slot.load(Ordering::Relaxed);
-                if self.slots.load_key(id) + below <= two.1 + slack(two.1) {
+                let key = self.slots.load_key(id);
+                if key + below > two.cut() + slack(two.cut())
+                    || !cx.may_matter(two, key + below, key, i)
+                {
+                    continue;
+                }
+                // Its own bound: a holder not costed yet ends its run in this level (one that
+                // runs deeper was costed or ruled out there), so this is its cost but for a
+                // tier weighing less than the most.
+                let own = key + cx.share - cx.most_credit(end) - sc.held.get(id as usize) as f64;
+                if cx.may_matter(two, own, key, i) {
                     self.cost_once(cx, sc, i, two)?;
                 }
             }
@@ -657,10 +541,11 @@ impl KvState {
                 let Some(i) = cx.maps.of_dense(id, cx.candidates) else {
                     continue;
                 };
-                let bound = self.slots.load_key(id) + cx.share
+                let key = self.slots.load_key(id);
+                let bound = key + cx.share
                     - cx.cached_credit(sc, &cx.candidates[i])
                     - sc.held.get(id as usize) as f64;
-                if bound <= two.1 + slack(two.1) {
+                if bound <= two.cut() + slack(two.cut()) && cx.may_matter(two, bound, key, i) {
                     self.cost_once(cx, sc, i, two)?;
                 }
             }
@@ -682,7 +567,7 @@ impl KvState {
         (loose_cached, loose_held): (f64, f64),
     ) -> Option<()> {
         let loose = loose_cached + loose_held;
-        let limit = |two: &Two| two.1 - cx.share + loose + slack(two.1);
+        let limit = |two: &Two| two.cut() - cx.share + loose + slack(two.cut());
         let mut failed = false;
         // Candidates costed in a row at exactly the runner-up's cost: a plateau of ties (an idle
         // fleet, equal loads), whose every member the scan's tie-break must read.
@@ -695,17 +580,23 @@ impl KvState {
                 sc.walk_reads += 1;
                 if let Some(i) = cx.maps.of_dense(id, cx.candidates) {
                     // Its own active share first (one read), then its cached one (from the levels,
-                    // or written out once many were read).
+                    // or written out once many were read). Without an allowance every holder of
+                    // the prompt was costed or ruled out before, so it pays the whole share.
                     let uncached = key + cx.share - sc.held.get(id as usize) as f64;
-                    let may_beat = loose == 0.0
-                        || (uncached - loose_cached <= two.1 + slack(two.1)
-                            && uncached - cx.cached_credit(sc, &cx.candidates[i])
-                                <= two.1 + slack(two.1));
-                    if may_beat {
+                    let cut = two.cut() + slack(two.cut());
+                    let bound = if loose == 0.0 {
+                        Some(uncached)
+                    } else if uncached - loose_cached > cut {
+                        None
+                    } else {
+                        Some(uncached - cx.cached_credit(sc, &cx.candidates[i]))
+                            .filter(|&b| b <= cut)
+                    };
+                    if bound.is_some_and(|b| cx.may_matter(two, b, key, i)) {
                         let before = sc.visits.len();
                         failed |= self.cost_once(cx, sc, i, two).is_none();
                         if sc.visits.len() > before {
-                            let tie = sc.visits.last().is_some_and(|v| v.cost == two.1);
+                            let tie = sc.visits.last().is_some_and(|v| v.cost == two.cut());
                             tied = if tie { tied + 1 } else { 0 };
                             failed |= tied >= plateau;
                         }
@@ -735,7 +626,7 @@ impl KvState {
             return None;
         }
         let costed = sc.visits.len();
-        let cut = two.1;
+        let cut = two.cut();
         sc.visits.retain(|v| v.cost <= cut);
         sc.visits.sort_unstable_by_key(|v| v.i);
         sc.close.clear();
