@@ -141,7 +141,7 @@ impl Pass<'_> {
     /// and so must be costed: false only for a candidate known to be behind the runner-up
     /// ([`Two::behind`]). Without exact sums, every candidate within the bounds is costed.
     fn may_matter(&self, two: &Two, bound: f64, key: f64, i: usize) -> bool {
-        if !(key < self.exact && two.cut() < self.exact) {
+        if bound < two.cut() || !(key < self.exact && two.cut() < self.exact) {
             return true;
         }
         let at = Seen {
@@ -260,9 +260,9 @@ impl Two {
 /// one is left to the walk by load (small in tests, so random fleets take both paths).
 const ENUMERATE: usize = if cfg!(test) { 2 } else { 32 };
 
-/// Candidates costed in a row at the runner-up's cost (at least; a 32nd of the candidates if
-/// more) after which the walk by load takes it for a plateau of ties and leaves the pick to the
-/// scan (which reads them all at less cost each).
+/// Candidates costed or passed over in a row at the runner-up's cost (at least; a 32nd of the
+/// candidates if more) after which the walk by load takes it for a plateau of ties and leaves
+/// the pick to the scan (which reads them all at less cost each).
 const TIE_RUN: usize = 32;
 
 /// The fewest reads of one rank's cached prefix from the levels after which an ordered pick
@@ -514,8 +514,11 @@ impl KvState {
                 // Its own bound: a holder not costed yet ends its run in this level (one that
                 // runs deeper was costed or ruled out there), so this is its cost but for a
                 // tier weighing less than the most.
-                let own = key + cx.share - cx.most_credit(end) - sc.held.get(id as usize) as f64;
-                if cx.may_matter(two, own, key, i) {
+                // (Looked up only where it may rule the holder out: with nothing active it
+                // would still be below the runner-up otherwise.)
+                let may_tie = key + below + most_held >= two.cut();
+                let own = || key + cx.share - cx.most_credit(end) - sc.held.get(id as usize) as f64;
+                if !may_tie || cx.may_matter(two, own(), key, i) {
                     self.cost_once(cx, sc, i, two)?;
                 }
             }
@@ -569,8 +572,8 @@ impl KvState {
         let loose = loose_cached + loose_held;
         let limit = |two: &Two| two.cut() - cx.share + loose + slack(two.cut());
         let mut failed = false;
-        // Candidates costed in a row at exactly the runner-up's cost: a plateau of ties (an idle
-        // fleet, equal loads), whose every member the scan's tie-break must read.
+        // Candidates costed or passed over in a row at exactly the runner-up's cost: a plateau of
+        // ties (an idle fleet, equal loads), which the walk would read to its end.
         let mut tied = 0;
         let plateau = TIE_RUN.max(cx.candidates.len() / 32);
         let mut by_load = std::mem::take(&mut sc.by_load);
@@ -592,14 +595,20 @@ impl KvState {
                         Some(uncached - cx.cached_credit(sc, &cx.candidates[i]))
                             .filter(|&b| b <= cut)
                     };
-                    if bound.is_some_and(|b| cx.may_matter(two, b, key, i)) {
-                        let before = sc.visits.len();
-                        failed |= self.cost_once(cx, sc, i, two).is_none();
-                        if sc.visits.len() > before {
-                            let tie = sc.visits.last().is_some_and(|v| v.cost == two.cut());
-                            tied = if tie { tied + 1 } else { 0 };
-                            failed |= tied >= plateau;
+                    if let Some(b) = bound {
+                        if cx.may_matter(two, b, key, i) {
+                            let before = sc.visits.len();
+                            failed |= self.cost_once(cx, sc, i, two).is_none();
+                            if sc.visits.len() > before {
+                                let tie = sc.visits.last().is_some_and(|v| v.cost == two.cut());
+                                tied = if tie { tied + 1 } else { 0 };
+                            }
+                        } else if b == two.cut() {
+                            // A tie passed over counts toward the plateau all the same: reading
+                            // every rank of an idle fleet costs more than the scan.
+                            tied += 1;
                         }
+                        failed |= tied >= plateau;
                     }
                 }
                 // Once it has failed, nothing more is read.
