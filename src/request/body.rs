@@ -33,7 +33,7 @@ mod known;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
 use int_array::int_array;
-pub use known::KnownArrays;
+pub use known::{ElementKeys, KnownArrays};
 
 /// A body the caller owns, with the cache of recent `messages` arrays its own may be compared
 /// with (see [`parse_body_owned`]).
@@ -85,6 +85,9 @@ pub struct RawMessages<'a> {
     /// kind of value, or a longer array), found in the pass that validates it, so a chat
     /// template's input can be built (or found cached) message by message.
     pub items: Option<Vec<RawJson<'a>>>,
+    /// The items' message cache key slots, when the array came from a body kept for the next
+    /// turn ([`known::ElementKeys`]): those of messages an earlier turn sent already set.
+    pub keys: Option<ElementKeys>,
 }
 
 /// The parts of a body the EPP needs, borrowed from the body bytes.
@@ -338,7 +341,11 @@ impl<'a> RawMessages<'a> {
         match messages_at(text, 0, None) {
             Ok((m, _)) => m,
             // Unreachable for valid JSON; whole, as any value that is not an array.
-            Err(_) => RawMessages { text, items: None },
+            Err(_) => RawMessages {
+                text,
+                items: None,
+                keys: None,
+            },
         }
     }
 }
@@ -351,11 +358,18 @@ fn messages_at<'a>(
     owned: Owned<'a>,
 ) -> Result<(RawMessages<'a>, usize), BodyError> {
     if body.get(at) == Some(&b'[') {
+        let mut keys = None;
         let split = match owned {
             // The body the caller owns is `body` itself.
-            Some((arrays, bytes)) => arrays
-                .split(bytes, at, MAX_SPLIT_MESSAGES)
-                .and_then(walk::split_items),
+            Some((arrays, bytes)) => {
+                arrays
+                    .split(bytes, at, MAX_SPLIT_MESSAGES)
+                    .and_then(|(split, k)| {
+                        let items = walk::split_items(split);
+                        keys = k.filter(|_| items.is_some());
+                        items
+                    })
+            }
             None => walk::split_array(body, at, MAX_SPLIT_MESSAGES),
         };
         let (items, end) = match split {
@@ -369,6 +383,8 @@ fn messages_at<'a>(
         };
         let messages = RawMessages {
             text: &body[at..end],
+            // Slots only for items the walk gave (serde's fallback has none).
+            keys: keys.filter(|k| items.as_ref().is_some_and(|i| i.len() == k.len())),
             items,
         };
         return Ok((messages, end));
@@ -377,6 +393,7 @@ fn messages_at<'a>(
     let messages = RawMessages {
         text: raw.get().as_bytes(),
         items: None,
+        keys: None,
     };
     Ok((messages, end))
 }

@@ -136,22 +136,13 @@ impl<V: Clone> ContentCache<V> {
         self.lock().stats()
     }
 
-    /// The value made from `content`: remembered, or made by `make` (the value and its weight)
-    /// without the lock held, then remembered.
-    pub fn get_or_make<E>(
-        &self,
-        content: &[u8],
-        make: impl FnOnce() -> Result<(V, usize), E>,
-    ) -> Result<V, E> {
-        self.get_or_make_keyed(Self::key(content), make)
-    }
-
     /// The key `content` is remembered under.
     pub fn key(content: &[u8]) -> u128 {
         xxh3_128(content)
     }
 
-    /// [`Self::get_or_make`] of the content whose [`Self::key`] is `key`.
+    /// The value made from the content whose [`Self::key`] is `key`: remembered, or made by
+    /// `make` (the value and its weight) without the lock held, then remembered.
     pub fn get_or_make_keyed<E>(
         &self,
         key: u128,

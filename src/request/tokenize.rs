@@ -233,12 +233,16 @@ impl ModelTokenizer {
     fn render_into(&self, messages: &RawMessages<'_>) -> Result<Vec<u8>, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let values = match &messages.items {
-            Some(items) => Value::from(
-                items
-                    .iter()
-                    .map(|m| self.message_value(m))
-                    .collect::<Result<Vec<_>, _>>()?,
-            ),
+            Some(items) => {
+                let slots = messages.keys.as_deref().unwrap_or_default();
+                Value::from(
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(k, m)| self.message_value(m, slots.get(k)))
+                        .collect::<Result<Vec<_>, _>>()?,
+                )
+            }
             // Not an array: whatever it is, the template decides what to make of it.
             None => serde_json::from_slice(messages.text)
                 .map_err(|e| TokenizeError::Prompt(e.to_string()))?,
@@ -261,10 +265,19 @@ impl ModelTokenizer {
     }
 
     /// One message as a template value (straight from JSON, no serde_json::Value in between), from
-    /// the cache when these bytes were seen recently.
-    fn message_value(&self, raw: &RawJson<'_>) -> Result<Value, TokenizeError> {
+    /// the cache when these bytes were seen recently. Its cache key is read from `slot` when an
+    /// earlier turn's array left it there (else computed, and left there for the next turn).
+    fn message_value(
+        &self,
+        raw: &RawJson<'_>,
+        slot: Option<&std::sync::OnceLock<u128>>,
+    ) -> Result<Value, TokenizeError> {
         let bytes = raw.get().as_bytes();
-        self.messages.get_or_make(bytes, || {
+        let key = match slot {
+            Some(slot) => *slot.get_or_init(|| ContentCache::<Value>::key(bytes)),
+            None => ContentCache::<Value>::key(bytes),
+        };
+        self.messages.get_or_make_keyed(key, || {
             serde_json::from_str::<Value>(raw.get())
                 .map(|v| (v, bytes.len()))
                 .map_err(|e| TokenizeError::Prompt(e.to_string()))

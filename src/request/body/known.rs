@@ -4,13 +4,19 @@
 //! byte, are taken as that array's walk found them ([`super::super::recent`]).
 //!
 //! What it owns: up to eight arrays, each held as the request body it came in (`Bytes`, shared
-//! with the request, never copied) with its position and its elements' spans.
+//! with the request, never copied) with its position, its elements' spans and their message
+//! cache keys ([`ElementKeys`]: filled in by the tokenizer as it computes them, and carried to
+//! the next turn's array for the elements it takes, so a conversation's earlier messages are
+//! not hashed again).
 //!
 //! Invariants: an element is taken unwalked only when it ends before the last shared byte (so
 //! even a number ended by the byte after it was read alike), and the walk then resumes just
 //! after it; the array's text is still checked as UTF-8 whole, so what it gives is exactly
 //! [`super::walk::split_array`]'s (a differential test checks it on conversations that go on,
-//! branch and are cut short, with one cache across them).
+//! branch and are cut short, with one cache across them); a key is carried only with the
+//! element whose bytes it was computed from, so a carried key is always that element's.
+
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 
@@ -25,7 +31,12 @@ struct Array {
     end: usize,
     /// Its elements' spans, as offsets from `at`.
     spans: Vec<(usize, usize)>,
+    keys: ElementKeys,
 }
+
+/// The message cache keys of an array's elements, one slot each, set by whoever computes one
+/// (the key of the element's bytes: [`crate::request::generations::ContentCache::key`]).
+pub type ElementKeys = Arc<[OnceLock<u128>]>;
 
 impl Kept for Array {
     fn text(&self) -> &[u8] {
@@ -41,8 +52,15 @@ pub struct KnownArrays {
 
 impl KnownArrays {
     /// The array at `body[at]` (`[`) as [`split_array_after`] splits it, its leading elements
-    /// taken from the recent array it shares the most with; kept for the next one when split.
-    pub(super) fn split<'b>(&self, body: &'b Bytes, at: usize, cap: usize) -> Option<Split<'b>> {
+    /// taken from the recent array it shares the most with; kept for the next one when split,
+    /// with its elements' key slots (returned too), those of the elements taken already set
+    /// where the recent array's were.
+    pub(super) fn split<'b>(
+        &self,
+        body: &'b Bytes,
+        at: usize,
+        cap: usize,
+    ) -> Option<(Split<'b>, Option<ElementKeys>)> {
         let rest = body.get(at..)?;
         let resume = self.recent.resume(rest, |a, shared| {
             let k = a.spans.partition_point(|&(_, end)| end < shared);
@@ -52,16 +70,26 @@ impl KnownArrays {
             .as_ref()
             .map_or(&[][..], |r| &r.from.spans[..r.usable]);
         let split = split_array_after(body, at, cap, known)?;
-        if let Some(spans) = &split.spans {
-            let array = Array {
-                body: body.clone(),
-                at,
-                end: split.end,
-                spans: spans.clone(),
-            };
-            self.recent.remember(resume.as_ref(), array);
+        let Some(spans) = &split.spans else {
+            return Some((split, None));
+        };
+        let keys: ElementKeys = (0..spans.len()).map(|_| OnceLock::new()).collect();
+        if let Some(r) = &resume {
+            for (slot, from) in keys.iter().zip(&r.from.keys[..r.usable]) {
+                if let Some(&k) = from.get() {
+                    let _ = slot.set(k);
+                }
+            }
         }
-        Some(split)
+        let array = Array {
+            body: body.clone(),
+            at,
+            end: split.end,
+            spans: spans.clone(),
+            keys: keys.clone(),
+        };
+        self.recent.remember(resume.as_ref(), array);
+        Some((split, Some(keys)))
     }
 
     /// Arrays that resumed from a recent one (hits) and long ones that could not (misses).
@@ -75,6 +103,7 @@ impl KnownArrays {
 mod tests {
     use super::super::{parse_body, parse_body_owned, ParsedBody};
     use super::*;
+    use crate::request::generations::ContentCache;
 
     /// What a parse gives that the walk decides: the messages' element texts, or the error.
     fn seen(p: Result<ParsedBody<'_>, super::super::BodyError>) -> Result<Vec<String>, String> {
@@ -104,6 +133,7 @@ mod tests {
     #[test]
     fn resumed_arrays_split_as_the_walk_does() {
         let known = KnownArrays::default();
+        let mut carried = 0;
         let mut rng = fastrand::Rng::with_seed(9);
         let mut convs: Vec<Vec<String>> = vec![vec![message(&mut rng, 6000)]; 3];
         for step in 0..300 {
@@ -134,7 +164,27 @@ mod tests {
             let body = format!(r#"{{"model":"m","messages":[{elements}],"max_tokens":5}}"#);
             let bytes = Bytes::from(body.into_bytes());
             let want = seen(parse_body(&bytes));
-            let got = seen(parse_body_owned(&bytes, None, &known));
+            let parsed = parse_body_owned(&bytes, None, &known);
+            // Keys carried from an earlier turn are the keys of these very elements; the rest
+            // are filled in as the tokenizer would.
+            if let Some(m) = parsed.as_ref().ok().and_then(|p| p.messages.as_ref()) {
+                if let (Some(items), Some(keys)) = (&m.items, &m.keys) {
+                    assert_eq!(items.len(), keys.len(), "step {step}");
+                    for (item, slot) in items.iter().zip(keys.iter()) {
+                        let key = ContentCache::<()>::key(item.get().as_bytes());
+                        match slot.get() {
+                            Some(&k) => {
+                                assert_eq!(k, key, "step {step}: a carried key");
+                                carried += 1;
+                            }
+                            None => {
+                                let _ = slot.set(key);
+                            }
+                        }
+                    }
+                }
+            }
+            let got = seen(parsed);
             assert_eq!(got, want, "step {step}");
             // The same body with a raw tab (not allowed in a JSON string) late in its last
             // message, at the same length: the elements after the common part are walked.
@@ -153,5 +203,6 @@ mod tests {
         }
         let s = known.stats();
         assert!(s.hits > 200, "most arrays resumed: {s:?}");
+        assert!(carried > 1000, "earlier messages' keys carried: {carried}");
     }
 }
