@@ -339,6 +339,37 @@ fn an_unnamed_list_is_mapped_once_it_comes_twice() {
     );
 }
 
+/// Registers every endpoint and caches the first blocks of `locals` as the pick bench's fleet
+/// does: `depths.0` on endpoint 0, `depths.1` on every 16th, `depths.2` on every other even one.
+fn cache_like_the_bench(
+    kv: &KvState,
+    eps: &[Arc<Endpoint>],
+    locals: &[LocalBlockHash],
+    depths: (usize, usize, usize),
+) {
+    let hashes = sequence_hashes(locals);
+    for (i, e) in eps.iter().enumerate() {
+        let r = rank(e);
+        kv.register_rank(r);
+        let cached = match i {
+            0 => depths.0,
+            i if i % 16 == 0 => depths.1,
+            i if i % 2 == 0 => depths.2,
+            _ => 0,
+        };
+        let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = hashes[..cached]
+            .iter()
+            .map(|s| EngineBlockHash(s.0))
+            .zip(locals[..cached].iter().copied())
+            .collect();
+        if !blocks.is_empty() {
+            let _ = kv
+                .index()
+                .write(|ix| ix.store(r, Tier::Device, None, blocks.iter().copied()));
+        }
+    }
+}
+
 /// The bench's fleet in small: half of 2000 endpoints cache the prompt's system prompt and
 /// have it active, one in 16 caches half the prompt, one most of it, and loads differ (a
 /// 200-block prompt: the index walk searches for where its holders change). The
@@ -352,29 +383,11 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
     let eps = fleet(n);
     let locals: Vec<LocalBlockHash> = (0..200u64).map(|i| LocalBlockHash(i + 1)).collect();
     let hashes = sequence_hashes(&locals);
-    let blocks = |k: usize| -> Vec<(EngineBlockHash, LocalBlockHash)> {
-        hashes[..k]
-            .iter()
-            .map(|s| EngineBlockHash(s.0))
-            .zip(locals[..k].iter().copied())
-            .collect()
-    };
+    cache_like_the_bench(&kv, &eps, &locals, (190, 120, 60));
     let now = Instant::now();
     let mut g = fastrand::Rng::with_seed(11);
     for (i, e) in eps.iter().enumerate() {
         let r = rank(e);
-        kv.register_rank(r);
-        let cached = match i {
-            0 => 190,
-            i if i % 16 == 0 => 120,
-            i if i % 2 == 0 => 60,
-            _ => 0,
-        };
-        if cached > 0 {
-            let _ = kv
-                .index()
-                .write(|ix| ix.store(r, Tier::Device, None, blocks(cached)));
-        }
         let mut mine = if i % 2 == 0 {
             locals[..60].to_vec()
         } else {
@@ -454,26 +467,10 @@ fn ties_behind_the_runner_up_are_not_costed_when_sums_are_exact() {
             ..KvSettings::default()
         }));
         let eps = fleet(n);
+        cache_like_the_bench(&kv, &eps, &locals, (190, 100, 20));
         let now = Instant::now();
         for (i, e) in eps.iter().enumerate() {
             let r = rank(e);
-            kv.register_rank(r);
-            let cached = match i {
-                0 => 190,
-                i if i % 16 == 0 => 100,
-                i if i % 2 == 0 => 20,
-                _ => 0,
-            };
-            if cached > 0 {
-                let blocks: Vec<(EngineBlockHash, LocalBlockHash)> = hashes[..cached]
-                    .iter()
-                    .map(|s| EngineBlockHash(s.0))
-                    .zip(locals[..cached].iter().copied())
-                    .collect();
-                let _ = kv
-                    .index()
-                    .write(|ix| ix.store(r, Tier::Device, None, blocks.iter().copied()));
-            }
             // One request each, all of one size: the half holders tie exactly.
             let mine = [LocalBlockHash(1 << 62 | i as u64)];
             kv.reserve(&format!("a{i}"), r, &sequence_hashes(&mine), 512, now)
