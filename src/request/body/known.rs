@@ -75,7 +75,10 @@ impl KnownArrays {
         };
         let keys: ElementKeys = (0..spans.len()).map(|_| OnceLock::new()).collect();
         if let Some(r) = &resume {
-            for (slot, from) in keys.iter().zip(&r.from.keys[..r.usable]) {
+            for (slot, from) in keys
+                .iter()
+                .zip(r.from.keys.get(..r.usable).unwrap_or_default())
+            {
                 if let Some(&k) = from.get() {
                     let _ = slot.set(k);
                 }
