@@ -479,15 +479,17 @@ impl KvState {
         let least = self.slots.least_key();
         let mut loose = 0.0f64;
         for k in (0..levels).rev() {
-            let Some((end, len)) = cx
+            // The level's view borrows the index, not the scratch (a pick's writes to the
+            // scratch leave its levels as they are).
+            let Some(view) = cx
                 .walked
                 .index
                 .as_ref()
                 .and_then(|ix| ix.level(&sc.matching, k))
-                .map(|l| (l.end(), l.len()))
             else {
                 continue;
             };
+            let (end, len) = (view.end(), view.len());
             // What every holder of the level pays for the prompt at the least.
             let below = cx.share - cx.most_credit(end) - most_held;
             if least + below > two.cut() + slack(two.cut()) {
@@ -498,7 +500,7 @@ impl KvState {
                 continue;
             }
             for j in 0..len {
-                let Some(r) = cx.level_rank(sc, k, j) else {
+                let Some(r) = view.rank(j) else {
                     break;
                 };
                 let Some(i) = cx.maps.of_worker(r.worker, cx.candidates) else {

@@ -331,6 +331,7 @@ impl SharedSlots {
     }
 
     /// The load key of dense id `id` (+∞: free or none).
+    #[inline]
     pub fn load_key(&self, id: u32) -> f64 {
         self.order.key(id)
     }
