@@ -358,34 +358,28 @@ fn messages_at<'a>(
     owned: Owned<'a>,
 ) -> Result<(RawMessages<'a>, usize), BodyError> {
     if body.get(at) == Some(&b'[') {
-        let mut keys = None;
-        let split = match owned {
-            // The body the caller owns is `body` itself.
-            Some((arrays, bytes)) => {
-                arrays
-                    .split(bytes, at, MAX_SPLIT_MESSAGES)
-                    .and_then(|(split, k)| {
-                        let items = walk::split_items(split);
-                        keys = k.filter(|_| items.is_some());
-                        items
-                    })
-            }
-            None => walk::split_array(body, at, MAX_SPLIT_MESSAGES),
+        // The key slots come with the walk's split of a body the caller owns (`body` itself),
+        // one per element; serde's fallback has none.
+        let (split, keys) = match owned {
+            Some((arrays, bytes)) => match arrays.split(bytes, at, MAX_SPLIT_MESSAGES) {
+                Some((split, keys)) => (walk::split_items(split), keys),
+                None => (None, None),
+            },
+            None => (walk::split_array(body, at, MAX_SPLIT_MESSAGES), None),
         };
-        let (items, end) = match split {
-            Some(split) => split,
+        let ((items, end), keys) = match split {
+            Some(split) => (split, keys),
             None => {
                 let (Items(items), end) =
                     value_at::<Items<'_>>(body, at).map_err(|e| malformed(&e, at))?;
                 let texts = items.map(|items| items.iter().map(|r| RawJson(r.get())).collect());
-                (texts, end)
+                ((texts, end), None)
             }
         };
         let messages = RawMessages {
             text: &body[at..end],
-            // Slots only for items the walk gave (serde's fallback has none).
-            keys: keys.filter(|k| items.as_ref().is_some_and(|i| i.len() == k.len())),
             items,
+            keys,
         };
         return Ok((messages, end));
     }

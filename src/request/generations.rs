@@ -158,13 +158,13 @@ impl<V: Clone> ContentCache<V> {
 
     /// The value remembered for `content`, if any (counted as a hit or a miss).
     pub fn get(&self, content: &[u8]) -> Option<V> {
-        self.lock().get(xxh3_128(content))
+        self.lock().get(Self::key(content))
     }
 
     /// Remembers `value` (weighing `weight`) as made from `content`.
     pub fn insert(&self, content: &[u8], value: V, weight: usize) {
         self.lock()
-            .insert(xxh3_128(content), value, weight + self.overhead);
+            .insert(Self::key(content), value, weight + self.overhead);
     }
 
     /// Keeps each `(key, value, weight)` as a hit would (uncounted, under one lock): values a

@@ -317,17 +317,7 @@ impl<'s, F> Cutting<'s, F> {
         F: FnMut(&str) -> Result<Vec<u32>, E>,
     {
         let seg = self.seg;
-        let Some(m) = seg.raw.as_ref() else {
-            return self.between(text, start);
-        };
-        let mut at = 0;
-        for hit in m.ac.find_iter(text) {
-            self.between(&text[at..hit.start()], start + at)?;
-            self.out.push(m.pieces[hit.pattern().as_usize()].clone());
-            at = hit.end();
-            self.cut(start + at);
-        }
-        self.between(&text[at..], start + at)
+        self.round(seg.raw.as_ref(), (text, start), 0, Self::between)
     }
 
     /// Text between the raw round's tokens (at byte `start`): the normalized round's tokens and
@@ -338,19 +328,37 @@ impl<'s, F> Cutting<'s, F> {
         F: FnMut(&str) -> Result<Vec<u32>, E>,
     {
         let seg = self.seg;
-        let Some(m) = seg.normalized.as_ref() else {
-            return self.segment(text);
+        self.round(
+            seg.normalized.as_ref(),
+            (text, start),
+            seg.longest,
+            |c, t, _| c.segment(t),
+        )
+    }
+
+    /// `text` (at byte `start`) cut at `m`'s tokens: their one-id pieces, what lies between them
+    /// (empty too) to `inner` with its start, in order; all of it to `inner` without a matcher.
+    /// A cut after a token where the text runs on for at least `margin` bytes past it.
+    fn round<E>(
+        &mut self,
+        m: Option<&Matcher>,
+        (text, start): (&str, usize),
+        margin: usize,
+        inner: fn(&mut Self, &str, usize) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let Some(m) = m else {
+            return inner(self, text, start);
         };
         let mut at = 0;
         for hit in m.ac.find_iter(text) {
-            self.segment(&text[at..hit.start()])?;
+            inner(self, &text[at..hit.start()], start + at)?;
             self.out.push(m.pieces[hit.pattern().as_usize()].clone());
             at = hit.end();
-            if at + seg.longest <= text.len() {
+            if at + margin <= text.len() {
                 self.cut(start + at);
             }
         }
-        self.segment(&text[at..])
+        inner(self, &text[at..], start + at)
     }
 
     /// One segment's ids, from the cache or the tokenizer.

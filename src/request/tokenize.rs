@@ -273,10 +273,8 @@ impl ModelTokenizer {
         slot: Option<&std::sync::OnceLock<u128>>,
     ) -> Result<Value, TokenizeError> {
         let bytes = raw.get().as_bytes();
-        let key = match slot {
-            Some(slot) => *slot.get_or_init(|| ContentCache::<Value>::key(bytes)),
-            None => ContentCache::<Value>::key(bytes),
-        };
+        let hash = || ContentCache::<Value>::key(bytes);
+        let key = slot.map_or_else(hash, |slot| *slot.get_or_init(hash));
         self.messages.get_or_make_keyed(key, || {
             serde_json::from_str::<Value>(raw.get())
                 .map(|v| (v, bytes.len()))

@@ -245,6 +245,12 @@ impl Two {
         self.second.cost
     }
 
+    /// The most a bound summed in another order may be and still not rule its candidate out:
+    /// the runner-up's cost and the slack.
+    fn reach(&self) -> f64 {
+        self.cut() + slack(self.cut())
+    }
+
     /// Whether a candidate costing at least `at.cost` (exactly) cannot be the scan's choice or
     /// runner-up, whatever is costed later: it is dearer than the runner-up, or ties with it
     /// and comes after it in the tie-break while the cheapest is alone below them (so the
@@ -492,7 +498,7 @@ impl KvState {
             let (end, len) = (view.end(), view.len());
             // What every holder of the level pays for the prompt at the least.
             let below = cx.share - cx.most_credit(end) - most_held;
-            if least + below > two.cut() + slack(two.cut()) {
+            if least + below > two.reach() {
                 continue;
             }
             if len > cx.wide() {
@@ -508,9 +514,7 @@ impl KvState {
                 };
                 let id = cx.candidates[i].hints.slot.load(Ordering::Relaxed);
                 let key = self.slots.load_key(id);
-                if key + below > two.cut() + slack(two.cut())
-                    || !cx.may_matter(two, key + below, key, i)
-                {
+                if key + below > two.reach() || !cx.may_matter(two, key + below, key, i) {
                     continue;
                 }
                 // Its own bound: a holder not costed yet ends its run in this level (one that
@@ -550,7 +554,7 @@ impl KvState {
                 let bound = key + cx.share
                     - cx.cached_credit(sc, &cx.candidates[i])
                     - sc.held.get(id as usize) as f64;
-                if bound <= two.cut() + slack(two.cut()) && cx.may_matter(two, bound, key, i) {
+                if bound <= two.reach() && cx.may_matter(two, bound, key, i) {
                     self.cost_once(cx, sc, i, two)?;
                 }
             }
@@ -588,14 +592,14 @@ impl KvState {
                     // or written out once many were read). Without an allowance every holder of
                     // the prompt was costed or ruled out before, so it pays the whole share.
                     let uncached = key + cx.share - sc.held.get(id as usize) as f64;
-                    let cut = two.cut() + slack(two.cut());
+                    let reach = two.reach();
                     let bound = if loose == 0.0 {
                         Some(uncached)
-                    } else if uncached - loose_cached > cut {
+                    } else if uncached - loose_cached > reach {
                         None
                     } else {
                         Some(uncached - cx.cached_credit(sc, &cx.candidates[i]))
-                            .filter(|&b| b <= cut)
+                            .filter(|&b| b <= reach)
                     };
                     if let Some(b) = bound {
                         if cx.may_matter(two, b, key, i) {
