@@ -40,7 +40,7 @@ mod shared;
 
 use active::ActiveTrie;
 pub use active::HeldScratch;
-pub use order::{KeyParams, VisitScratch};
+pub use order::{KeyParams, KeyReader, VisitScratch};
 pub use shared::SharedSlots;
 
 /// Requests older than this are dropped by [`SlotTracker::expire`] (Dynamo's default).

@@ -53,6 +53,16 @@ impl LevelView<'_> {
         let h = self.list.as_slice().get(j)?;
         Some(self.ix.slot(h.rank).id)
     }
+
+    /// The holders' slots and workers, in slot order (read from the flat slot table: what a
+    /// pick that visits every holder of a level reads of each).
+    pub fn slots(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        let ids = &self.ix.slot_ids;
+        self.list
+            .as_slice()
+            .iter()
+            .filter_map(move |h| ids.get(usize::from(h.rank)).map(|id| (h.rank, id.worker)))
+    }
 }
 
 impl PrefixIndex {
@@ -139,6 +149,15 @@ impl PrefixIndex {
                 false
             }
         }
+    }
+
+    /// Every live slot and its worker (the numbering [`LevelView::slots`] uses).
+    pub fn slot_workers(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        self.slot_ids
+            .iter()
+            .zip(0..=u16::MAX)
+            .filter(|(id, _)| id.live)
+            .map(|(id, s)| (s, id.worker))
     }
 
     /// How many levels the last [`Self::walk_levels`] with `scratch` recorded (0 after a

@@ -58,7 +58,6 @@
 //! dearer than the runner-up, or tied with it and behind it in the scan's tie-break, by a
 //! bound that is its cost exactly or less.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::roster::Maps;
@@ -144,12 +143,7 @@ impl Pass<'_> {
         if bound < two.cut() || !(key < self.exact && two.cut() < self.exact) {
             return true;
         }
-        let at = Seen {
-            cost: bound,
-            in_flight: self.candidates[i].load.in_flight(),
-            i: i as u32,
-        };
-        !two.behind(at)
+        !two.behind(bound, i as u32, || self.candidates[i].load.in_flight())
     }
 
     /// The most any rank holding `end` blocks of the prompt can be credited for them.
@@ -256,9 +250,63 @@ impl Two {
     /// and comes after it in the tie-break while the cheapest is alone below them (so the
     /// random draw among the cheapest does not read it). The runner-up only gets cheaper or
     /// earlier, so the answer stays true.
-    fn behind(&self, at: Seen) -> bool {
-        at.cost > self.second.cost
-            || (self.least.cost < self.second.cost && self.second.cost > 0.0 && at > self.second)
+    ///
+    /// The candidate is `(cost, in_flight(), i)`; its requests in flight are read only where
+    /// they decide (not when it ties with a runner-up that has none in flight and comes
+    /// before it: it is behind however many it has).
+    fn behind(&self, cost: f64, i: u32, in_flight: impl FnOnce() -> u32) -> bool {
+        if cost > self.second.cost {
+            return true;
+        }
+        if !(self.least.cost < self.second.cost && self.second.cost > 0.0) {
+            return false;
+        }
+        if cost == self.second.cost && self.second.in_flight == 0 && i > self.second.i {
+            return true;
+        }
+        let at = Seen {
+            cost,
+            in_flight: in_flight(),
+            i,
+        };
+        at > self.second
+    }
+}
+
+/// [`Two`] as the loop over a level's holders tests it, worked out once per change of the
+/// runner-up: `passed_over` is [`Pass::may_matter`]'s false answer where it needs no more
+/// than the bound, the key and the index (the rest go to `may_matter`).
+#[derive(Debug, Clone, Copy)]
+struct Gate {
+    reach: f64,
+    /// The runner-up's cost where sums below `exact` are exact (+∞ otherwise: nothing is
+    /// passed over).
+    cut: f64,
+    exact: f64,
+    /// The runner-up's index where a tie with it comes after it whatever the candidate has in
+    /// flight (the cheapest alone below it, and it has none in flight); else `u32::MAX`.
+    tie_i: u32,
+}
+
+impl Gate {
+    fn of(two: &Two, exact: f64) -> Gate {
+        let cut = two.cut();
+        let exact_cut = cut < exact;
+        let s = two.second;
+        let tie = exact_cut && two.least.cost < cut && cut > 0.0 && s.in_flight == 0;
+        Gate {
+            reach: two.reach(),
+            cut: if exact_cut { cut } else { f64::INFINITY },
+            exact,
+            tie_i: if tie { s.i } else { u32::MAX },
+        }
+    }
+
+    /// Whether a candidate with key `key`, bound `bound` and index `i` is known to be behind
+    /// the runner-up ([`Two::behind`]) from these alone.
+    #[inline]
+    fn passed_over(&self, bound: f64, key: f64, i: usize) -> bool {
+        key < self.exact && (bound > self.cut || (bound == self.cut && i as u32 > self.tie_i))
     }
 }
 
@@ -505,16 +553,20 @@ impl KvState {
                 loose = loose.max(cx.most_credit(end));
                 continue;
             }
-            for j in 0..len {
-                let Some(r) = view.rank(j) else {
-                    break;
-                };
-                let Some(i) = cx.maps.of_worker(r.worker, cx.candidates) else {
+            let ix = cx.walked.index.as_ref()?;
+            let by_slot = cx.maps.slot_map(|| ix.slot_workers());
+            let mut keys = self.slots.load_keys();
+            let mut gate = Gate::of(two, cx.exact);
+            for (slot, worker) in view.slots() {
+                let Some((i, id)) = by_slot.get(slot, worker) else {
                     continue;
                 };
-                let id = cx.candidates[i].hints.slot.load(Ordering::Relaxed);
-                let key = self.slots.load_key(id);
-                if key + below > two.reach() || !cx.may_matter(two, key + below, key, i) {
+                let key = keys.key(id);
+                let bound = key + below;
+                if bound > gate.reach
+                    || gate.passed_over(bound, key, i)
+                    || !cx.may_matter(two, bound, key, i)
+                {
                     continue;
                 }
                 // Its own bound: a holder not costed yet ends its run in this level (one that
@@ -526,6 +578,7 @@ impl KvState {
                 let own = || key + cx.share - cx.most_credit(end) - sc.held.get(id as usize) as f64;
                 if !may_tie || cx.may_matter(two, own(), key, i) {
                     self.cost_once(cx, sc, i, two)?;
+                    gate = Gate::of(two, cx.exact);
                 }
             }
         }
@@ -658,5 +711,57 @@ impl KvState {
             costed,
             walk_reads: sc.walk_reads,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over every small runner-up pair and candidate: `Two::behind`, reading in-flight counts
+    /// only where they decide, answers as the whole order does, and `Gate::passed_over` passes
+    /// over only candidates that are behind.
+    #[test]
+    fn the_gate_and_the_lazy_tie_break_agree_with_the_whole_order() {
+        let seen = |cost: f64, in_flight: u32, i: u32| Seen { cost, in_flight, i };
+        let mut grid = Vec::new();
+        for cost in [0.0, 1.0, 2.0, 3.0] {
+            for in_flight in 0..3 {
+                for i in 0..4 {
+                    grid.push(seen(cost, in_flight, i));
+                }
+            }
+        }
+        let (mut checked, mut passed) = (0, 0);
+        for (a, b) in grid.iter().flat_map(|a| grid.iter().map(move |b| (a, b))) {
+            let mut two = Two::NONE;
+            two.add(*a);
+            two.add(*b);
+            let gate = Gate::of(&two, 1e9);
+            for at in &grid {
+                let whole = at.cost > two.second.cost
+                    || (two.least.cost < two.second.cost
+                        && two.second.cost > 0.0
+                        && *at > two.second);
+                assert_eq!(
+                    two.behind(at.cost, at.i, || at.in_flight),
+                    whole,
+                    "{two:?} {at:?}"
+                );
+                if gate.passed_over(at.cost, 0.0, at.i as usize) {
+                    assert!(whole, "passed over but not behind: {two:?} {at:?}");
+                    passed += 1;
+                }
+                checked += 1;
+            }
+        }
+        assert!(passed > 0 && passed < checked);
+        // Without exact sums nothing is passed over.
+        let mut two = Two::NONE;
+        two.add(seen(1.0, 0, 0));
+        two.add(seen(2.0, 0, 1));
+        assert!(Gate::of(&two, 1e9).passed_over(2.0, 0.0, 3));
+        assert!(!Gate::of(&two, 0.0).passed_over(2.0, 0.0, 3));
+        assert!(!Gate::of(&two, 1e9).passed_over(2.0, 2e9, 3));
     }
 }

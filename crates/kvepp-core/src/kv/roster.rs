@@ -1,5 +1,5 @@
-//! The roster of a candidate list for ordered picks: which candidate each worker and dense id
-//! is, made once per list, and the counts of picks by path.
+//! The roster of a candidate list for ordered picks: which candidate each worker, dense id and
+//! KV-event index slot is, made once per list, and the counts of picks by path.
 //!
 //! A list the caller names ([`crate::PickRequest::list`], the pool snapshot's serial) is
 //! recognised without reading it; an unnamed one is compared endpoint by endpoint, and mapped
@@ -9,10 +9,12 @@
 //!
 //! Invariants: a roster is rebuilt whenever the list or the tracker's registrations change, so
 //! it never names a candidate for a rank that is not it; a candidate's slot hint is written
-//! only with the dense id the tracker gave its rank.
+//! only with the dense id the tracker gave its rank. The index's slots can change without the
+//! tracker's registrations changing, so each entry of the slot map names the worker it was
+//! made for, and a slot whose worker differs now is looked up by worker.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::scratch::CandidateMap;
 use super::KvState;
@@ -79,6 +81,37 @@ pub(super) struct Maps {
     by_worker: CandidateMap,
     /// Dense id → candidate index (`u32::MAX`: not a candidate).
     by_dense: Vec<u32>,
+    /// Candidate index → dense id (the hint each candidate was given).
+    dense_of: Vec<u32>,
+    /// KV-event index slot → its worker's candidate, made at the first pick that reads a
+    /// level's holders one by one (see [`Maps::of_slot`]).
+    by_slot: OnceLock<Box<[SlotEntry]>>,
+}
+
+/// What [`Maps::by_slot`] knows of an index slot: the worker it had when the map was made, and
+/// that worker's candidate index and dense id. `i == u32::MAX`: not a candidate (`dense` 0) or
+/// a slot that was not live (`dense` `u32::MAX`, which no lookup trusts).
+#[derive(Debug, Clone, Copy)]
+struct SlotEntry {
+    worker: u64,
+    i: u32,
+    dense: u32,
+}
+
+impl SlotEntry {
+    const UNKNOWN: SlotEntry = SlotEntry {
+        worker: 0,
+        i: u32::MAX,
+        dense: u32::MAX,
+    };
+
+    fn not_a_candidate(worker: u64) -> SlotEntry {
+        SlotEntry {
+            worker,
+            i: u32::MAX,
+            dense: 0,
+        }
+    }
 }
 
 impl Maps {
@@ -93,6 +126,65 @@ impl Maps {
     pub(super) fn of_worker(&self, worker: u64, candidates: &[Arc<Endpoint>]) -> Option<usize> {
         let i = self.by_worker.get(worker)?;
         (candidates.get(i)?.worker == worker).then_some(i)
+    }
+
+    /// The index slots' candidates ([`SlotMap`]), the map made on first use from `slots` (the
+    /// index's live slots and their workers).
+    pub(super) fn slot_map<I>(&self, slots: impl FnOnce() -> I) -> SlotMap<'_>
+    where
+        I: Iterator<Item = (u16, u64)>,
+    {
+        SlotMap {
+            maps: self,
+            entries: self.by_slot.get_or_init(|| self.make_slot_map(slots())),
+        }
+    }
+
+    fn make_slot_map(&self, slots: impl Iterator<Item = (u16, u64)>) -> Box<[SlotEntry]> {
+        let mut map = Vec::new();
+        for (s, worker) in slots {
+            let s = usize::from(s);
+            if map.len() <= s {
+                map.resize(s + 1, SlotEntry::UNKNOWN);
+            }
+            map[s] = self.of_worker_dense(worker).map_or(
+                SlotEntry::not_a_candidate(worker),
+                |(i, dense)| SlotEntry {
+                    worker,
+                    i: i as u32,
+                    dense,
+                },
+            );
+        }
+        map.into_boxed_slice()
+    }
+
+    /// The candidate of `worker` and its dense id, from the roster alone (no read of the
+    /// endpoint: the roster is of this very list, so its map names the candidate's worker).
+    #[inline]
+    pub(super) fn of_worker_dense(&self, worker: u64) -> Option<(usize, u32)> {
+        let i = self.by_worker.get(worker)?;
+        Some((i, *self.dense_of.get(i)?))
+    }
+}
+
+/// Index slot → candidate, read without hashing: one entry per slot. Each entry says which
+/// worker it is for, so a slot the index has given another worker since the map was made is
+/// looked up by worker instead: never a wrong candidate, at worst the slower way.
+pub(super) struct SlotMap<'a> {
+    maps: &'a Maps,
+    entries: &'a [SlotEntry],
+}
+
+impl SlotMap<'_> {
+    /// The candidate of index slot `slot`, whose worker is `worker` now, and its dense id.
+    #[inline]
+    pub(super) fn get(&self, slot: u16, worker: u64) -> Option<(usize, u32)> {
+        match self.entries.get(usize::from(slot)) {
+            Some(e) if e.worker == worker && e.i != u32::MAX => Some((e.i as usize, e.dense)),
+            Some(e) if e.worker == worker && e.dense == 0 => None,
+            _ => self.maps.of_worker_dense(worker),
+        }
     }
 }
 
@@ -196,6 +288,7 @@ impl KvState {
         let mut by_worker = CandidateMap::default();
         by_worker.build(candidates.iter().map(|e| e.worker));
         let mut by_dense = Vec::new();
+        let mut dense_of = Vec::with_capacity(candidates.len());
         let mut usable = true;
         for (i, e) in candidates.iter().enumerate() {
             let rank = e.rank();
@@ -213,6 +306,7 @@ impl KvState {
                 by_dense.resize(id as usize + 1, u32::MAX);
             }
             by_dense[id as usize] = i as u32;
+            dense_of.push(id);
         }
         let roster = Arc::new(Roster {
             eps: candidates.into(),
@@ -221,9 +315,52 @@ impl KvState {
             maps: usable.then_some(Maps {
                 by_worker,
                 by_dense,
+                dense_of,
+                by_slot: OnceLock::new(),
             }),
         });
         self.ordered.roster.store(Some(roster.clone()));
         Some(RosterRef::Made(roster))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Workers 10, 20 and 30 are candidates 0, 1, 2 with dense ids 7, 8, 9; 40 is no candidate.
+    fn maps() -> Maps {
+        let mut by_worker = CandidateMap::default();
+        by_worker.build([10u64, 20, 30].into_iter());
+        Maps {
+            by_worker,
+            by_dense: Vec::new(),
+            dense_of: vec![7, 8, 9],
+            by_slot: OnceLock::new(),
+        }
+    }
+
+    #[test]
+    fn a_slot_given_another_worker_since_the_map_was_made_is_looked_up_by_worker() {
+        let maps = maps();
+        // The index when the map is made: slot 0 is worker 10's, 1 is 20's, 3 is 40's (no
+        // candidate), 2 is free.
+        let map = maps.slot_map(|| [(0u16, 10u64), (1, 20), (3, 40)].into_iter());
+        assert_eq!(map.get(0, 10), Some((0, 7)));
+        assert_eq!(map.get(1, 20), Some((1, 8)));
+        assert_eq!(map.get(3, 40), None);
+        // Since then the index freed slot 1 and gave it to worker 30, gave the free slot 2 to
+        // worker 20, slot 3 to worker 10, and made slot 9, past the map's end, worker 30's.
+        assert_eq!(map.get(1, 30), Some((2, 9)));
+        assert_eq!(map.get(2, 20), Some((1, 8)));
+        assert_eq!(map.get(3, 10), Some((0, 7)));
+        assert_eq!(map.get(9, 30), Some((2, 9)));
+        // A worker that is no candidate, in a slot the map gave a candidate.
+        assert_eq!(map.get(0, 40), None);
+        // The map is made once: a later call's slots are not read.
+        let again = maps.slot_map(|| -> std::vec::IntoIter<(u16, u64)> {
+            panic!("the slot map was made again")
+        });
+        assert_eq!(again.get(0, 10), Some((0, 7)));
     }
 }

@@ -52,6 +52,7 @@ impl CandidateMap {
         }
     }
 
+    #[inline]
     pub(super) fn get(&self, w: u64) -> Option<usize> {
         if self.len == 0 {
             return None;

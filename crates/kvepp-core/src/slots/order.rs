@@ -106,10 +106,41 @@ struct Chunk {
     groups: Box<[AtomicU64]>,
 }
 
+/// Reads keys as [`LoadOrder::key`] does, keeping the last chunk found: ids read in order
+/// (a level's holders, in slot order) mostly fall in the chunk of the one before.
+#[derive(Debug)]
+pub struct KeyReader<'a> {
+    order: &'a LoadOrder,
+    chunk: usize,
+    keys: &'a [AtomicU64],
+}
+
+impl KeyReader<'_> {
+    /// The key of dense id `id` (+∞ if none).
+    #[inline]
+    pub fn key(&mut self, id: u32) -> f64 {
+        let (c, at) = self.order.split(id);
+        if c != self.chunk {
+            self.chunk = c;
+            self.keys = self
+                .order
+                .chunks
+                .get(c)
+                .and_then(OnceLock::get)
+                .map_or(&[], |k| &k.keys[..]);
+        }
+        self.keys
+            .get(at)
+            .map_or(f64::INFINITY, |k| f64::from_bits(k.load(Ordering::Acquire)))
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub(super) struct LoadOrder {
+    /// Ranks per chunk: a power of two, `1 << shift`.
     per_chunk: usize,
+    shift: u32,
     /// Ranks per group word (divides `per_chunk`).
     group: usize,
     chunks: Box<[OnceLock<Chunk>]>,
@@ -151,12 +182,15 @@ fn raise(w: &AtomicU64, seen: u64, b: u32) {
 
 impl LoadOrder {
     pub(super) fn new(chunks: usize, per_chunk: usize) -> Self {
+        // A power of two, so a dense id splits into chunk and place by a shift and a mask.
+        let per_chunk = per_chunk.max(1).next_power_of_two();
         let group = (1..=GROUP.min(per_chunk))
             .rev()
             .find(|&g| per_chunk.is_multiple_of(g))
             .unwrap_or(1);
         LoadOrder {
             per_chunk,
+            shift: per_chunk.trailing_zeros(),
             group,
             chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
             tops: (0..chunks)
@@ -219,9 +253,16 @@ impl LoadOrder {
     /// A key that fell lowers its group's bound and its chunk's, in that order, moving both
     /// versions on; a key that did not fall leaves them alone (they still hold, and a visit
     /// that read the old key raises a bound only to what it found).
+    /// Dense id `id`'s chunk and place in it.
+    #[inline]
+    fn split(&self, id: u32) -> (usize, usize) {
+        let id = id as usize;
+        (id >> self.shift, id & (self.per_chunk - 1))
+    }
+
     pub(super) fn set(&self, id: u32, v: &RankView) {
         let key = self.params().key(v);
-        let (c, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
+        let (c, at) = self.split(id);
         let (Some(chunk), Some(top)) = (self.chunk_init(c), self.tops.get(c)) else {
             return;
         };
@@ -281,13 +322,18 @@ impl LoadOrder {
     }
 
     /// The key of dense id `id` (+∞ if none).
+    #[inline]
     pub(super) fn key(&self, id: u32) -> f64 {
-        let (c, at) = (id as usize / self.per_chunk, id as usize % self.per_chunk);
-        self.chunks
-            .get(c)
-            .and_then(OnceLock::get)
-            .and_then(|k| k.keys.get(at))
-            .map_or(f64::INFINITY, |k| f64::from_bits(k.load(Ordering::Acquire)))
+        self.reader().key(id)
+    }
+
+    /// A reader of keys one after another ([`KeyReader`]).
+    pub(super) fn reader(&self) -> KeyReader<'_> {
+        KeyReader {
+            order: self,
+            chunk: usize::MAX,
+            keys: &[],
+        }
     }
 
     /// Calls `visit(id, key)` for every dense id below `len` whose key is at most the limit,

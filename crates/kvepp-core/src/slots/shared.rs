@@ -45,7 +45,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::active::{ActiveTrie, HeldScratch};
-use super::order::{KeyParams, LoadOrder, VisitScratch};
+use super::order::{KeyParams, KeyReader, LoadOrder, VisitScratch};
 use super::{
     output_weight, Active, Map, NewRequest, PotentialLoad, RankLoad, RankState, RankView, SlotError,
 };
@@ -334,6 +334,11 @@ impl SharedSlots {
     #[inline]
     pub fn load_key(&self, id: u32) -> f64 {
         self.order.key(id)
+    }
+
+    /// A reader of load keys for many ids in a row ([`Self::load_key`] each, faster).
+    pub fn load_keys(&self) -> KeyReader<'_> {
+        self.order.reader()
     }
 
     /// Calls `visit(id, key)` for every dense id whose load key is at most the limit (`limit`,
