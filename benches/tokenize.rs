@@ -118,7 +118,7 @@ fn to_blocks(t: &ModelTokenizer, doc_words: usize, runs: usize) {
         let shared = a
             .hashes
             .iter()
-            .zip(&b.hashes)
+            .zip(b.hashes.iter())
             .take_while(|(x, y)| x == y)
             .count();
         assert!(

@@ -75,22 +75,6 @@ fn push_local_hashes(tokens: &[u32], block_size: usize, seed: u64, out: &mut Vec
     }));
 }
 
-/// Extends a prompt's hashes: `locals` and `hashes` hold its first blocks (equal lengths), and
-/// `tokens` are its full blocks after them (`block_size` > 0, `seed` from [`block_seed`]).
-pub fn extend_block_hashes(
-    tokens: &[u32],
-    block_size: usize,
-    seed: u64,
-    locals: &mut Vec<LocalBlockHash>,
-    hashes: &mut Vec<SequenceHash>,
-) {
-    let from = locals.len();
-    push_local_hashes(tokens, block_size, seed, locals);
-    for &local in &locals[from..] {
-        hashes.push(SequenceHash::chain(hashes.last().copied(), local));
-    }
-}
-
 impl SequenceHash {
     /// The one chaining step: the sequence hash of the block `local` after `parent` (`None`: the
     /// block starts a sequence, and its sequence hash is its local hash).
@@ -108,6 +92,27 @@ pub fn next_sequence_hash(parent: SequenceHash, local: LocalBlockHash) -> Sequen
     bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
     bytes[8..].copy_from_slice(&local.0.to_le_bytes());
     SequenceHash(xxh3_64_with_seed(&bytes, XXH3_SEED))
+}
+
+/// The sequence hashes of `locals`, of which the first `known.len()` are `known` (taken from a
+/// remembered prompt rather than chained again), written straight into the shared list.
+pub(crate) fn chained(
+    locals: &[LocalBlockHash],
+    known: &[SequenceHash],
+) -> std::sync::Arc<[SequenceHash]> {
+    let mut parent = None;
+    locals
+        .iter()
+        .enumerate()
+        .map(|(b, &local)| {
+            let h = known
+                .get(b)
+                .copied()
+                .unwrap_or_else(|| SequenceHash::chain(parent, local));
+            parent = Some(h);
+            h
+        })
+        .collect()
 }
 
 /// Chains local hashes into sequence hashes, starting a new sequence (`seq[0] = local[0]`).

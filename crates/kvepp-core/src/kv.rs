@@ -231,7 +231,7 @@ impl KvState {
         let p = PromptBlocks {
             mode: PrefixMode::Approximate,
             locals,
-            hashes,
+            hashes: hashes.into(),
             isl_tokens: 0,
         };
         let held = self.approx.held(worker, &p);
@@ -652,10 +652,11 @@ impl KvState {
             None => format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed)),
         };
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
-        // Owned before the locks: they cover the trie and the counts only.
+        // Owned before the locks (they cover the trie and the counts only): the prompt's own
+        // list, shared.
         let booking = super::slots::NewRequest {
             id: id.clone(),
-            hashes: Arc::from(hashes),
+            hashes: prompt.map_or_else(|| Arc::from([]), |p| p.hashes.clone()),
             new_isl_tokens: slot.prefill_tokens,
             now: slot.now,
         };

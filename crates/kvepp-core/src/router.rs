@@ -627,7 +627,7 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
         Prompt::Hashes { hashes, isl_tokens } => Some(PromptBlocks {
             mode: PrefixMode::TokenIds,
             locals: Vec::new(),
-            hashes,
+            hashes: hashes.into(),
             isl_tokens,
         }),
     }

@@ -65,7 +65,8 @@ impl PrefixMode {
 pub struct PromptBlocks {
     pub mode: PrefixMode,
     pub locals: Vec<LocalBlockHash>,
-    pub hashes: Vec<SequenceHash>,
+    /// Shared, not copied, by the request's booking (the slot tracker's trie keeps it).
+    pub hashes: std::sync::Arc<[SequenceHash]>,
     /// Prompt length in tokens (estimated in approximate mode).
     pub isl_tokens: u64,
 }

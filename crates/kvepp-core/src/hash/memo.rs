@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{block_seed, extend_block_hashes, LocalBlockHash, SequenceHash};
+use super::{block_seed, chained, push_local_hashes, LocalBlockHash, SequenceHash};
 
 /// Sets (chosen by a prompt's first block) and prompts remembered per set.
 const SETS: usize = 4;
@@ -166,7 +166,7 @@ fn hash_range(
     (from, to): (usize, usize),
     block_size: usize,
     seed: u64,
-    (locals, hashes): (&mut Vec<LocalBlockHash>, &mut Vec<SequenceHash>),
+    locals: &mut Vec<LocalBlockHash>,
 ) {
     let mut carry: Vec<u32> = Vec::new();
     let mut pos = 0;
@@ -183,13 +183,13 @@ fn hash_range(
             carry.extend_from_slice(&s[..take]);
             s = &s[take..];
             if carry.len() == block_size {
-                extend_block_hashes(&carry, block_size, seed, locals, hashes);
+                push_local_hashes(&carry, block_size, seed, locals);
                 carry.clear();
             }
         }
         let whole = s.len() / block_size * block_size;
         if whole > 0 {
-            extend_block_hashes(&s[..whole], block_size, seed, locals, hashes);
+            push_local_hashes(&s[..whole], block_size, seed, locals);
         }
         carry.extend_from_slice(&s[whole..]);
     }
@@ -253,7 +253,7 @@ impl PrefixMemo {
         tokens: &[u32],
         block_size: usize,
         lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
         self.count(self.hashes_counting_reuse(Tokens::Borrowed(tokens), block_size, lora))
     }
 
@@ -264,7 +264,7 @@ impl PrefixMemo {
         tokens: Vec<u32>,
         block_size: usize,
         lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
         self.count(self.hashes_counting_reuse(Tokens::Owned(tokens), block_size, lora))
     }
 
@@ -276,14 +276,14 @@ impl PrefixMemo {
         pieces: Vec<Arc<[u32]>>,
         block_size: usize,
         lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
         self.count(self.hashes_counting_reuse(Tokens::Shared(pieces), block_size, lora))
     }
 
     fn count(
         &self,
-        (locals, hashes, reused): (Vec<LocalBlockHash>, Vec<SequenceHash>, usize),
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+        (locals, hashes, reused): (Vec<LocalBlockHash>, Arc<[SequenceHash]>, usize),
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
         self.reused.fetch_add(reused as u64, Ordering::Relaxed);
         self.hashed
             .fetch_add((locals.len() - reused) as u64, Ordering::Relaxed);
@@ -304,10 +304,10 @@ impl PrefixMemo {
         input: Tokens<'_>,
         block_size: usize,
         lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>, usize) {
-        let (mut locals, mut hashes) = (Vec::new(), Vec::new());
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>, usize) {
+        let mut locals = Vec::new();
         if block_size == 0 {
-            return (locals, hashes, 0);
+            return (locals, Arc::from([]), 0);
         }
         let parts = input.parts();
         let full = parts.as_slice();
@@ -315,28 +315,23 @@ impl PrefixMemo {
         let full_len = blocks * block_size;
         let seed = block_seed(lora);
         locals.reserve_exact(blocks);
-        hashes.reserve_exact(blocks);
         // Hashes the blocks after those already in `locals`.
-        let hash_rest = |locals: &mut Vec<LocalBlockHash>, hashes: &mut Vec<SequenceHash>| {
+        let hash_rest = |locals: &mut Vec<LocalBlockHash>| {
             let from = locals.len() * block_size;
-            hash_range(full, (from, full_len), block_size, seed, (locals, hashes));
+            hash_range(full, (from, full_len), block_size, seed, locals);
         };
         if blocks < MIN_BLOCKS {
-            hash_rest(&mut locals, &mut hashes);
+            hash_rest(&mut locals);
+            let hashes = chained(&locals, &[]);
             return (locals, hashes, 0);
         }
         // The first block picks the entry (its hash is needed anyway).
-        hash_range(
-            full,
-            (0, block_size),
-            block_size,
-            seed,
-            (&mut locals, &mut hashes),
-        );
+        hash_range(full, (0, block_size), block_size, seed, &mut locals);
         let at = (locals[0].0 >> 32) as usize % self.sets.len();
         let Some(mut set) = self.sets.get(at).and_then(|e| e.try_lock()) else {
             // Another pick is on this set (or it was poisoned): hash without it.
-            hash_rest(&mut locals, &mut hashes);
+            hash_rest(&mut locals);
+            let hashes = chained(&locals, &[]);
             return (locals, hashes, 0);
         };
         let set = &mut *set;
@@ -355,13 +350,18 @@ impl PrefixMemo {
             let e = &ways[w];
             common_tokens(e.parts().as_slice(), full, e.len.min(full_len)) / block_size
         });
-        if let (Some(w), true) = (read, reuse > 1) {
-            locals.extend_from_slice(&ways[w].locals[1..reuse]);
-            hashes.extend_from_slice(&ways[w].hashes[1..reuse]);
-            ways[w].used = set.clock;
-        }
+        let known = match read {
+            Some(w) if reuse > 1 => {
+                locals.extend_from_slice(&ways[w].locals[1..reuse]);
+                ways[w].used = set.clock;
+                &ways[w].hashes[..reuse]
+            }
+            _ => &[],
+        };
         let copied = locals.len() - 1;
-        hash_rest(&mut locals, &mut hashes);
+        hash_rest(&mut locals);
+        // Written once, where the request's booking shares it (no copy of the list).
+        let hashes = chained(&locals, known);
         drop(parts);
         if full_len <= MAX_TOKENS {
             // In place of the prompt this one extends, else of the least recently used.
@@ -422,10 +422,10 @@ mod tests {
         tokens: &[u32],
         bs: usize,
         lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
         let l = local_block_hashes(tokens, bs, lora);
         let s = sequence_hashes(&l);
-        (l, s)
+        (l, s.into())
     }
 
     /// `old`'s pieces up to token `at` of `conv` (the piece holding `at` cut there, in a new
@@ -467,8 +467,8 @@ mod tests {
                     plain(&tokens, e.block_size, Some("adapter"))
                 };
                 assert_eq!(
-                    (&e.locals, &e.hashes),
-                    (&l, &h),
+                    (&e.locals, &e.hashes[..]),
+                    (&l, &h[..]),
                     "an entry's hashes are its tokens'"
                 );
             }
@@ -568,10 +568,10 @@ mod tests {
         let long: Vec<u32> = (0..MAX_TOKENS as u32 + 100).collect();
         assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
         assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
-        assert_eq!(memo.hashes(&long, 0, None), (vec![], vec![]));
+        assert_eq!(memo.hashes(&long, 0, None), (vec![], Arc::from([])));
         let (owned, zero) = (memo.hashes_owned(long.clone(), 16, None), long.clone());
         assert_eq!(owned, plain(&long, 16, None));
-        assert_eq!(memo.hashes_owned(zero, 0, None), (vec![], vec![]));
+        assert_eq!(memo.hashes_owned(zero, 0, None), (vec![], Arc::from([])));
         assert_consistent(&memo);
     }
 

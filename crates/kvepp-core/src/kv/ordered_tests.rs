@@ -32,7 +32,7 @@ fn prompt(rng: &mut fastrand::Rng, bs: u32) -> PromptBlocks {
         mode: PrefixMode::TokenIds,
         isl_tokens: hashes.len() as u64 * u64::from(bs) + rng.u64(..u64::from(bs)),
         locals,
-        hashes,
+        hashes: hashes.into(),
     }
 }
 
@@ -407,7 +407,7 @@ fn a_fleet_half_of_which_holds_the_system_prompt_is_picked_from_few() {
         mode: PrefixMode::TokenIds,
         isl_tokens: 200 * 16,
         locals: locals.clone(),
-        hashes: hashes.clone(),
+        hashes: hashes.clone().into(),
     };
     let mut guards = Vec::new();
     for s in 0..20u64 {
@@ -450,7 +450,7 @@ fn ties_behind_the_runner_up_are_not_costed_when_sums_are_exact() {
         mode: PrefixMode::TokenIds,
         isl_tokens: 200 * 16,
         locals: locals.clone(),
-        hashes: hashes.clone(),
+        hashes: hashes.clone().into(),
     };
     for (w, exact) in [
         (CostWeights::dynamo(), true),

@@ -33,7 +33,7 @@ fn prompt(rng: &mut fastrand::Rng, mode: PrefixMode, stem: u64) -> PromptBlocks 
         mode,
         isl_tokens: hashes.len() as u64 * 16 + rng.u64(..16),
         locals,
-        hashes,
+        hashes: hashes.into(),
     }
 }
 
@@ -128,7 +128,7 @@ fn differential(seed: u64, dp_ranks: u32, gaps: bool, stem: u64) {
                     .write(|ix| ix.store(rank, tier, None, blocks.iter().copied()));
                 let b = reference.store(rank, tier, None, blocks.iter().copied());
                 assert_eq!(a.is_ok(), b.is_ok());
-                stored.push((rank, tier, p.hashes.clone()));
+                stored.push((rank, tier, p.hashes.to_vec()));
             }
             2 if gaps => {
                 // An eviction somewhere in a chain (leaves a gap).
@@ -195,7 +195,7 @@ fn differential(seed: u64, dp_ranks: u32, gaps: bool, stem: u64) {
                 booked.push(Booked {
                     guard,
                     worker: eps[best].worker,
-                    hashes: p.hashes.clone(),
+                    hashes: p.hashes.to_vec(),
                     prefill: d.effective_prefill_tokens,
                 });
             }
@@ -280,6 +280,29 @@ fn a_booking_is_refused_when_the_load_it_read_changed() {
     // Read again: books.
     let (b, _, third) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
     assert!(kv.book_decision(&eps[b], Some(&p), &third, now).is_some());
+}
+
+/// A booking keeps the prompt's own hash list (the memo wrote it once, shared): no copy while
+/// it is live, and nothing of it kept once it is released.
+#[test]
+fn a_booking_shares_the_prompts_hash_list() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    let eps = endpoints(2);
+    let refs: &[Arc<Endpoint>] = &eps;
+    let tokens: Vec<u32> = (0..64 * 16).collect();
+    let p = kv.blocks_from_tokens(&tokens, None, PrefixMode::Tokens);
+    assert_eq!(p.hashes.len(), 64);
+    assert_eq!(Arc::strong_count(&p.hashes), 1);
+    let mut ctx = PickContext::seeded(1);
+    let (best, _, d) = kv.rank(refs, &PickRequest::prompt(Some(&p)), &mut ctx);
+    let guard = kv.book_decision(&eps[best], Some(&p), &d, Instant::now());
+    assert!(guard.is_some());
+    assert!(
+        Arc::strong_count(&p.hashes) > 1,
+        "the booking copied the list"
+    );
+    drop(guard);
+    assert_eq!(Arc::strong_count(&p.hashes), 1);
 }
 
 /// Threads picking and booking on one state while KV events are applied: every booking is
@@ -584,7 +607,7 @@ fn bounded_loads_spread_uncached_requests_by_count() {
             mode: PrefixMode::TokenIds,
             isl_tokens: blocks * 16,
             locals,
-            hashes,
+            hashes: hashes.into(),
         }
     };
     let (counts, worst, _) = bounded_run((0.0, 0.5, 0.0), &mut fresh);
@@ -611,7 +634,7 @@ fn a_prefix_every_endpoint_holds_exempts_none() {
             mode: PrefixMode::Approximate,
             isl_tokens: hashes.len() as u64 * 16,
             locals,
-            hashes,
+            hashes: hashes.into(),
         }
     };
     let system = with_tail(Vec::new());

@@ -9,7 +9,7 @@
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::KvState;
-use crate::hash::{block_seed, LocalBlockHash, SequenceHash, XXH3_SEED};
+use crate::hash::{block_seed, chained, LocalBlockHash, SequenceHash, XXH3_SEED};
 pub use crate::types::{PrefixMode, PromptBlocks};
 
 impl KvState {
@@ -58,7 +58,7 @@ impl KvState {
 
     fn token_blocks(
         &self,
-        (locals, hashes): (Vec<LocalBlockHash>, Vec<SequenceHash>),
+        (locals, hashes): (Vec<LocalBlockHash>, std::sync::Arc<[SequenceHash]>),
         isl: usize,
         mode: PrefixMode,
     ) -> PromptBlocks {
@@ -82,17 +82,14 @@ impl KvState {
         let seed = block_seed(Some(scope)) ^ XXH3_SEED;
         let n = text.len() / chunk;
         let mut locals = Vec::with_capacity(n);
-        let mut hashes = Vec::with_capacity(n);
-        for block in text.chunks_exact(chunk) {
-            let local = LocalBlockHash(xxh3_64_with_seed(block, seed));
-            let seq = SequenceHash::chain(hashes.last().copied(), local);
-            locals.push(local);
-            hashes.push(seq);
-        }
+        locals.extend(
+            text.chunks_exact(chunk)
+                .map(|block| LocalBlockHash(xxh3_64_with_seed(block, seed))),
+        );
         PromptBlocks {
             mode: PrefixMode::Approximate,
+            hashes: chained(&locals, &[]),
             locals,
-            hashes,
             isl_tokens: (text.len() / per_token) as u64,
         }
     }
