@@ -80,12 +80,10 @@ impl KvState {
         let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
         let chunk = (self.block_size() as usize) * per_token;
         let seed = block_seed(Some(scope)) ^ XXH3_SEED;
-        let n = text.len() / chunk;
-        let mut locals = Vec::with_capacity(n);
-        locals.extend(
-            text.chunks_exact(chunk)
-                .map(|block| LocalBlockHash(xxh3_64_with_seed(block, seed))),
-        );
+        let locals: Vec<LocalBlockHash> = text
+            .chunks_exact(chunk)
+            .map(|block| LocalBlockHash(xxh3_64_with_seed(block, seed)))
+            .collect();
         PromptBlocks {
             mode: PrefixMode::Approximate,
             hashes: chained(&locals, &[]),

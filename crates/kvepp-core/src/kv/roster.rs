@@ -84,7 +84,7 @@ pub(super) struct Maps {
     /// Candidate index → dense id (the hint each candidate was given).
     dense_of: Vec<u32>,
     /// KV-event index slot → its worker's candidate, made at the first pick that reads a
-    /// level's holders one by one (see [`Maps::of_slot`]).
+    /// level's holders one by one (see [`Maps::slot_map`]).
     by_slot: OnceLock<Box<[SlotEntry]>>,
 }
 

@@ -106,8 +106,9 @@ struct Chunk {
     groups: Box<[AtomicU64]>,
 }
 
-/// Reads keys as [`LoadOrder::key`] does, keeping the last chunk found: ids read in order
-/// (a level's holders, in slot order) mostly fall in the chunk of the one before.
+/// Reads load keys one id at a time, as `LoadOrder::key` does, keeping the last chunk found:
+/// ids read in order (a level's holders, in slot order) mostly fall in the chunk of the one
+/// before.
 #[derive(Debug)]
 pub struct KeyReader<'a> {
     order: &'a LoadOrder,
@@ -249,10 +250,6 @@ impl LoadOrder {
         Some((chunk.groups.get(g)?, chunk.keys.get(at..at + n)?))
     }
 
-    /// Stores the key of dense id `id` for its view `v` (the caller holds the rank's cell lock).
-    /// A key that fell lowers its group's bound and its chunk's, in that order, moving both
-    /// versions on; a key that did not fall leaves them alone (they still hold, and a visit
-    /// that read the old key raises a bound only to what it found).
     /// Dense id `id`'s chunk and place in it.
     #[inline]
     fn split(&self, id: u32) -> (usize, usize) {
@@ -260,6 +257,10 @@ impl LoadOrder {
         (id >> self.shift, id & (self.per_chunk - 1))
     }
 
+    /// Stores the key of dense id `id` for its view `v` (the caller holds the rank's cell lock).
+    /// A key that fell lowers its group's bound and its chunk's, in that order, moving both
+    /// versions on; a key that did not fall leaves them alone (they still hold, and a visit
+    /// that read the old key raises a bound only to what it found).
     pub(super) fn set(&self, id: u32, v: &RankView) {
         let key = self.params().key(v);
         let (c, at) = self.split(id);
