@@ -54,14 +54,10 @@ impl LevelView<'_> {
         Some(self.ix.slot(h.rank).id)
     }
 
-    /// The holders' slots and workers, in slot order (read from the flat slot table: what a
-    /// pick that visits every holder of a level reads of each).
-    pub fn slots(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
-        let ids = &self.ix.slot_ids;
-        self.list
-            .as_slice()
-            .iter()
-            .filter_map(move |h| ids.get(usize::from(h.rank)).map(|id| (h.rank, id.worker)))
+    /// The holders' slots, in slot order (what a pick that visits every holder of a level
+    /// reads of each; [`PrefixIndex::slot_worker`] names a slot's worker).
+    pub fn slots(&self) -> impl Iterator<Item = u16> + '_ {
+        self.list.as_slice().iter().map(|h| h.rank)
     }
 }
 
@@ -149,6 +145,18 @@ impl PrefixIndex {
                 false
             }
         }
+    }
+
+    /// The worker of slot `s` (read from the flat slot table); None past the table's end.
+    #[inline]
+    pub fn slot_worker(&self, s: u16) -> Option<u64> {
+        self.slot_ids.get(usize::from(s)).map(|id| id.worker)
+    }
+
+    /// Changes the slots have seen (each given to a rank, or freed): while the count stays,
+    /// [`Self::slot_workers`] stays as it was.
+    pub fn slot_epoch(&self) -> u64 {
+        self.slot_changes
     }
 
     /// Every live slot and its worker (the numbering [`LevelView::slots`] uses).

@@ -201,6 +201,9 @@ pub struct PrefixIndex {
     /// Each slot's rank, densely: what [`Self::walked`] checks a hint against without touching
     /// the slot itself.
     slot_ids: Vec<SlotId>,
+    /// How many times a slot was given to a rank or freed (the same in both copies of a
+    /// shared index, which take the same changes): while it stays, every slot has its rank.
+    slot_changes: u64,
     /// Live ranks whose data-parallel rank is not 0.
     nonzero_dp_ranks: usize,
     free_ranks: Vec<u16>,
@@ -232,6 +235,7 @@ impl PrefixIndex {
             ranks: Vec::new(),
             rank_ids: HashMap::with_hasher(build),
             slot_ids: Vec::new(),
+            slot_changes: 0,
             nonzero_dp_ranks: 0,
             free_ranks: Vec::new(),
             max_blocks_per_rank,
@@ -423,6 +427,7 @@ impl PrefixIndex {
         });
         self.rank_ids.insert(rank, s);
         self.slot_ids[usize::from(s)] = SlotId::live(rank);
+        self.slot_changes += 1;
         self.nonzero_dp_ranks += usize::from(rank.dp_rank != 0);
         Ok(s)
     }
@@ -683,6 +688,7 @@ impl PrefixIndex {
             if let Some(slot) = self.ranks[usize::from(s)].take() {
                 self.rank_ids.remove(&slot.id);
                 self.slot_ids[usize::from(s)] = SlotId::default();
+                self.slot_changes += 1;
                 self.nonzero_dp_ranks -= usize::from(slot.id.dp_rank != 0);
             }
             self.free_ranks.push(s);

@@ -202,6 +202,32 @@ fn remove_worker_frees_its_slots() {
     assert_eq!(ix.ranks().count(), 7, "slot reused");
 }
 
+/// The slot epoch moves with every slot given or freed, and with nothing else: what lets a
+/// pick's slot map trust its entries while it stays.
+#[test]
+fn the_slot_epoch_moves_with_every_slot_given_or_freed() {
+    let mut ix = PrefixIndex::default();
+    let workers = |ix: &PrefixIndex| ix.slot_workers().collect::<Vec<_>>();
+    let e0 = ix.slot_epoch();
+    store_chain(&mut ix, wr(1, 0), Tier::Device, &[1, 2]);
+    store_chain(&mut ix, wr(2, 0), Tier::Device, &[1]);
+    assert_eq!(ix.slot_epoch(), e0 + 2, "two slots given");
+    let (e1, before) = (ix.slot_epoch(), workers(&ix));
+    store_chain(&mut ix, wr(1, 0), Tier::Device, &[1, 2, 3]);
+    ix.clear_rank(wr(2, 0));
+    assert_eq!(
+        ix.slot_epoch(),
+        e1,
+        "blocks stored and cleared: no slot changed"
+    );
+    assert_eq!(workers(&ix), before);
+    ix.remove_worker(1);
+    assert_eq!(ix.slot_epoch(), e1 + 1, "a slot freed");
+    store_chain(&mut ix, wr(3, 0), Tier::Device, &[1]);
+    assert_eq!(ix.slot_epoch(), e1 + 2, "the freed slot given again");
+    assert_eq!(ix.slot_worker(0), Some(3), "to worker 3");
+}
+
 // ------------------------------------------------------------------------ differential test
 
 struct Gen {

@@ -167,7 +167,7 @@ impl Pass<'_> {
     /// More holders than this (a level's, an active node's) are allowed for in the walk by
     /// load rather than read one by one.
     fn wide(&self) -> usize {
-        ENUMERATE.max(self.candidates.len() / 8)
+        wide(self.candidates.len())
     }
 
     /// The most leading blocks of the prompt a rank may have active without being read in step
@@ -181,8 +181,8 @@ impl Pass<'_> {
         let wide = self.wide();
         (0..sc.held.path_len())
             .filter_map(|k| sc.held.path_node(k))
-            .filter(|(_, ranks)| ranks.len() > wide)
-            .map(|(held, _)| held as f64)
+            .filter(|p| p.count > wide)
+            .map(|p| p.held as f64)
             .fold(0.0, f64::max)
     }
 
@@ -314,6 +314,11 @@ impl Gate {
 /// one is left to the walk by load (small in tests, so random fleets take both paths).
 const ENUMERATE: usize = if cfg!(test) { 2 } else { 32 };
 
+/// More holders than this of `n` candidates are wide (see [`Pass::wide`]).
+fn wide(n: usize) -> usize {
+    ENUMERATE.max(n / 8)
+}
+
 /// Candidates costed or passed over in a row at the runner-up's cost (at least; a 32nd of the
 /// candidates if more) after which the walk by load takes it for a plateau of ties and leaves
 /// the pick to the scan (which reads them all at less cost each).
@@ -424,7 +429,7 @@ impl KvState {
             blocks: hashes.len() as u64,
             isl,
         };
-        self.slots.walk_held_path(hashes, &mut sc.held);
+        self.slots.walk_held_path(hashes, &mut sc.held, wide(n));
         sc.visits.clear();
         sc.lazy_reads = 0;
         // A read from the levels costs about as many steps as writing out eight holders.
@@ -554,11 +559,13 @@ impl KvState {
                 continue;
             }
             let ix = cx.walked.index.as_ref()?;
-            let by_slot = cx.maps.slot_map(|| ix.slot_workers());
+            let by_slot = cx
+                .maps
+                .slot_map((cx.walked.hint, ix.slot_epoch()), || ix.slot_workers());
             let mut keys = self.slots.load_keys();
             let mut gate = Gate::of(two, cx.exact);
-            for (slot, worker) in view.slots() {
-                let Some((i, id)) = by_slot.get(slot, worker) else {
+            for slot in view.slots() {
+                let Some((i, id)) = by_slot.get(slot, || ix.slot_worker(slot)) else {
                     continue;
                 };
                 let key = keys.key(id);
@@ -593,10 +600,10 @@ impl KvState {
     fn cost_active(&self, cx: &Pass<'_>, sc: &mut PickScratch, two: &mut Two) -> Option<()> {
         let wide = cx.wide();
         for k in (0..sc.held.path_len()).rev() {
-            let Some((_, ranks)) = sc.held.path_node(k).filter(|(_, r)| r.len() <= wide) else {
+            let Some(node) = sc.held.path_node(k).filter(|p| p.count <= wide) else {
                 continue;
             };
-            for j in ranks {
+            for j in node.ranks {
                 let Some(id) = sc.held.holder(j) else {
                     break;
                 };

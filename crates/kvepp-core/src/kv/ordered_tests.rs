@@ -110,6 +110,23 @@ fn populate(
     (kv, eps)
 }
 
+/// Frees the index slots of `two` endpoints' workers and stores a chain for the first again:
+/// it takes the slot the second had (the free list's last), so slot numbers now name other
+/// workers than the ones the roster's slot map was made from.
+fn swap_slots(kv: &KvState, two: &[Arc<Endpoint>], g: &mut fastrand::Rng) {
+    let l = chain(g.u64(..3), 30, 0, g);
+    let h = sequence_hashes(&l);
+    let blocks: Vec<(EngineBlockHash, LocalBlockHash)> =
+        h.iter().map(|s| EngineBlockHash(s.0)).zip(l).collect();
+    let epoch = kv.index().read().slot_epoch();
+    let _ = kv.index().write(|ix| {
+        ix.remove_worker(two[0].worker);
+        ix.remove_worker(two[1].worker);
+        ix.store(rank(&two[0]), Tier::Device, None, blocks.iter().copied())
+    });
+    assert!(kv.index().read().slot_epoch() > epoch, "the slots changed");
+}
+
 /// The ordered pick alone over a named list (None: it left the pick to the scan).
 fn ordered(
     kv: &KvState,
@@ -167,6 +184,9 @@ fn ordered_picks_choose_as_the_scan_does() {
             });
         }
         for s in 0..4 {
+            if s == 2 && round % 3 == 0 {
+                swap_slots(&kv, &eps[..2], &mut g);
+            }
             let p = prompt(&mut g, bs);
             let p = (s != 3).then_some(&p);
             // Half the picks name the list, as a pool snapshot does.
@@ -508,4 +528,67 @@ fn ties_behind_the_runner_up_are_not_costed_when_sums_are_exact() {
             "{ordered_picks} ordered, {alone}"
         );
     }
+}
+
+/// A level's holders read through the roster's slot map after the index has given their slots
+/// to other workers: the map's entries are checked against the slots' workers (its epoch moved),
+/// so the holder that took a freed slot is costed as itself and the pick stays the scan's.
+#[test]
+fn holders_in_slots_given_anew_are_costed_as_themselves() {
+    let n = 64;
+    let eps = fleet(n);
+    let kv = KvState::new(KvSettings::default());
+    for e in &eps {
+        kv.register_rank(rank(e));
+    }
+    let locals = chain(1, 12, 0, &mut fastrand::Rng::with_seed(1));
+    let hashes = sequence_hashes(&locals);
+    let store = |e: &Endpoint, blocks: usize| {
+        let b: Vec<(EngineBlockHash, LocalBlockHash)> = hashes[..blocks]
+            .iter()
+            .map(|s| EngineBlockHash(s.0))
+            .zip(locals[..blocks].iter().copied())
+            .collect();
+        let _ = kv
+            .index()
+            .write(|ix| ix.store(rank(e), Tier::Device, None, b.iter().copied()));
+    };
+    let p = PromptBlocks {
+        mode: PrefixMode::TokenIds,
+        isl_tokens: 12 * 16,
+        locals: locals.clone(),
+        hashes: hashes.clone().into(),
+    };
+    let req = PickRequest {
+        list: Some(1),
+        ..PickRequest::prompt(Some(&p))
+    };
+    let pick = |seed: u64| {
+        kv.set_ordered_picks(true);
+        let fast = kv.rank(&eps, &req, &mut PickContext::seeded(seed));
+        kv.set_ordered_picks(false);
+        let scan = kv.rank(&eps, &req, &mut PickContext::seeded(seed));
+        assert_eq!(fast, scan, "pick {seed}");
+        fast.0
+    };
+    // Endpoints 1, 2 and 3 (slots 0, 1, 2) cache 4 blocks: a narrow level, read holder by
+    // holder, so the first pick makes the slot map.
+    for e in &eps[1..4] {
+        store(e, 4);
+    }
+    pick(1);
+    pick(2);
+    // 1 and 2 leave the index; 9 takes slot 1 (the last freed), then 5 takes slot 0: both
+    // cache 8 blocks. 5 is busy, so 9 (whose slot the map gave endpoint 2) is the best.
+    kv.index().write(|ix| {
+        ix.remove_worker(eps[1].worker);
+        ix.remove_worker(eps[2].worker);
+    });
+    store(&eps[9], 8);
+    store(&eps[5], 8);
+    assert_eq!(kv.index().read().slot_worker(1), Some(eps[9].worker));
+    std::mem::forget(eps[5].load.book());
+    let (paths, best) = (kv.pick_paths(), pick(3));
+    assert_eq!(best, 9, "the holder of the freed slot");
+    assert_eq!(kv.pick_paths().0, paths.0 + 1, "the ordered pick answered");
 }

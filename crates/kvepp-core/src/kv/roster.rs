@@ -11,7 +11,9 @@
 //! it never names a candidate for a rank that is not it; a candidate's slot hint is written
 //! only with the dense id the tracker gave its rank. The index's slots can change without the
 //! tracker's registrations changing, so each entry of the slot map names the worker it was
-//! made for, and a slot whose worker differs now is looked up by worker.
+//! made for, and a slot whose worker differs now is looked up by worker. The map also names the
+//! index and slot epoch it was made from: while the index a pick reads is at that epoch, no
+//! slot has changed, and the entries are taken without reading the slots' workers.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -85,7 +87,15 @@ pub(super) struct Maps {
     dense_of: Vec<u32>,
     /// KV-event index slot → its worker's candidate, made at the first pick that reads a
     /// level's holders one by one (see [`Maps::slot_map`]).
-    by_slot: OnceLock<Box<[SlotEntry]>>,
+    by_slot: OnceLock<SlotTable>,
+}
+
+/// The entries of a [`SlotMap`], and which index, at which of its slot epochs, they were made
+/// from.
+#[derive(Debug)]
+struct SlotTable {
+    made_from: (usize, u64),
+    entries: Box<[SlotEntry]>,
 }
 
 /// What [`Maps::by_slot`] knows of an index slot: the worker it had when the map was made, and
@@ -129,14 +139,21 @@ impl Maps {
     }
 
     /// The index slots' candidates ([`SlotMap`]), the map made on first use from `slots` (the
-    /// index's live slots and their workers).
-    pub(super) fn slot_map<I>(&self, slots: impl FnOnce() -> I) -> SlotMap<'_>
+    /// index's live slots and their workers). `index` names the index and its slot epoch
+    /// ([`crate::index::PrefixIndex::slot_epoch`]) now: while they are those the map was made
+    /// from, its entries are taken without checking their workers.
+    pub(super) fn slot_map<I>(&self, index: (usize, u64), slots: impl FnOnce() -> I) -> SlotMap<'_>
     where
         I: Iterator<Item = (u16, u64)>,
     {
+        let table = self.by_slot.get_or_init(|| SlotTable {
+            made_from: index,
+            entries: self.make_slot_map(slots()),
+        });
         SlotMap {
             maps: self,
-            entries: self.by_slot.get_or_init(|| self.make_slot_map(slots())),
+            entries: &table.entries,
+            current: table.made_from == index,
         }
     }
 
@@ -170,17 +187,34 @@ impl Maps {
 
 /// Index slot → candidate, read without hashing: one entry per slot. Each entry says which
 /// worker it is for, so a slot the index has given another worker since the map was made is
-/// looked up by worker instead: never a wrong candidate, at worst the slower way.
+/// looked up by worker instead: never a wrong candidate, at worst the slower way. While the
+/// index's slots are as they were when the map was made (`current`), the worker is not read.
 pub(super) struct SlotMap<'a> {
     maps: &'a Maps,
     entries: &'a [SlotEntry],
+    current: bool,
 }
 
 impl SlotMap<'_> {
-    /// The candidate of index slot `slot`, whose worker is `worker` now, and its dense id.
+    /// The candidate of index slot `slot`, whose worker `worker` reads (None: the slot has
+    /// none), and its dense id.
     #[inline]
-    pub(super) fn get(&self, slot: u16, worker: u64) -> Option<(usize, u32)> {
-        match self.entries.get(usize::from(slot)) {
+    pub(super) fn get(
+        &self,
+        slot: u16,
+        worker: impl FnOnce() -> Option<u64>,
+    ) -> Option<(usize, u32)> {
+        let entry = self.entries.get(usize::from(slot));
+        if self.current {
+            match entry {
+                Some(e) if e.i != u32::MAX => return Some((e.i as usize, e.dense)),
+                Some(e) if e.dense == 0 => return None,
+                // A slot that was not live: read as a changed one.
+                _ => {}
+            }
+        }
+        let worker = worker()?;
+        match entry {
             Some(e) if e.worker == worker && e.i != u32::MAX => Some((e.i as usize, e.dense)),
             Some(e) if e.worker == worker && e.dense == 0 => None,
             _ => self.maps.of_worker_dense(worker),
@@ -343,24 +377,35 @@ mod tests {
     #[test]
     fn a_slot_given_another_worker_since_the_map_was_made_is_looked_up_by_worker() {
         let maps = maps();
-        // The index when the map is made: slot 0 is worker 10's, 1 is 20's, 3 is 40's (no
-        // candidate), 2 is free.
-        let map = maps.slot_map(|| [(0u16, 10u64), (1, 20), (3, 40)].into_iter());
-        assert_eq!(map.get(0, 10), Some((0, 7)));
-        assert_eq!(map.get(1, 20), Some((1, 8)));
-        assert_eq!(map.get(3, 40), None);
+        let w = |worker: u64| move || Some(worker);
+        // The index when the map is made (index 0 at slot epoch 5): slot 0 is worker 10's, 1
+        // is 20's, 3 is 40's (no candidate), 2 is free.
+        let map = maps.slot_map((0, 5), || [(0u16, 10u64), (1, 20), (3, 40)].into_iter());
+        assert_eq!(map.get(0, w(10)), Some((0, 7)));
+        assert_eq!(map.get(1, w(20)), Some((1, 8)));
+        assert_eq!(map.get(3, w(40)), None);
+        // While the slots are as they were, a holder's worker is not read...
+        let unread = || -> Option<u64> { panic!("the worker was read") };
+        assert_eq!(map.get(1, unread), Some((1, 8)));
+        assert_eq!(map.get(3, unread), None);
+        // ...but for a slot that was free (or past the map's end), which it reads as changed.
+        assert_eq!(map.get(2, w(30)), Some((2, 9)));
+        assert_eq!(map.get(9, || None), None);
         // Since then the index freed slot 1 and gave it to worker 30, gave the free slot 2 to
-        // worker 20, slot 3 to worker 10, and made slot 9, past the map's end, worker 30's.
-        assert_eq!(map.get(1, 30), Some((2, 9)));
-        assert_eq!(map.get(2, 20), Some((1, 8)));
-        assert_eq!(map.get(3, 10), Some((0, 7)));
-        assert_eq!(map.get(9, 30), Some((2, 9)));
-        // A worker that is no candidate, in a slot the map gave a candidate.
-        assert_eq!(map.get(0, 40), None);
-        // The map is made once: a later call's slots are not read.
-        let again = maps.slot_map(|| -> std::vec::IntoIter<(u16, u64)> {
-            panic!("the slot map was made again")
-        });
-        assert_eq!(again.get(0, 10), Some((0, 7)));
+        // worker 20, slot 3 to worker 10, and made slot 9, past the map's end, worker 30's. The
+        // map is not made again, but its entries are checked: at a later epoch, or read for the
+        // other index (whose slot epoch may be the same number).
+        for index in [(0, 6), (1, 5)] {
+            let map = maps.slot_map(index, || -> std::vec::IntoIter<(u16, u64)> {
+                panic!("the slot map was made again")
+            });
+            assert_eq!(map.get(1, w(30)), Some((2, 9)));
+            assert_eq!(map.get(2, w(20)), Some((1, 8)));
+            assert_eq!(map.get(3, w(10)), Some((0, 7)));
+            assert_eq!(map.get(9, w(30)), Some((2, 9)));
+            // A worker that is no candidate, in a slot the map gave a candidate.
+            assert_eq!(map.get(0, w(40)), None);
+            assert_eq!(map.get(0, w(10)), Some((0, 7)));
+        }
     }
 }

@@ -30,8 +30,11 @@
 //! write per block: one table probe per node) and touch one count per node; a walk does the same
 //! plus one write per (node, rank) on the path; [`ActiveTrie::walk_path`] copies each node's rank
 //! list whole instead (a block copy), for a pick that then looks up few ranks (a binary search
-//! per node on the path). The block-by-block index this replaced spent
-//! ~22 ns per block on both, under the tracker's write lock.
+//! per node on the path). A node with many ranks also keeps them as a bit set (`bits`, kept
+//! with `ids` on every change: empty, or exactly the ranks in `ids`), which that walk copies
+//! instead of a wide node's list: a system prompt half of 4000 ranks share is 63 words, not
+//! 2000 ids. The block-by-block index this replaced spent ~22 ns per block on both, under the
+//! tracker's write lock.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -66,6 +69,9 @@ struct Node {
     /// (dense rank id, requests of that rank through this node), in id order, counts ≥ 1.
     ids: Vec<u32>,
     counts: Vec<u32>,
+    /// Empty, or (once `ids` has reached [`BITS_FROM`]) the same ranks as a bit set (bit `r % 64`
+    /// of word `r / 64`), which a walk of the path copies instead of a wide node's `ids`.
+    bits: Vec<u64>,
     /// Requests through this node.
     total: u32,
     children: u32,
@@ -76,7 +82,59 @@ struct Node {
     serial: u64,
 }
 
+/// A node with this many ranks starts keeping them as a bit set too (a 16th of the bytes of
+/// their ids at the widest, so a walk copies a system prompt's ranks in a few instructions).
+const BITS_FROM: usize = if cfg!(test) { 3 } else { 64 };
+
 impl Node {
+    /// Counts one more request of `rank`: whether the rank is new to the node.
+    fn add_rank(&mut self, rank: u32) -> bool {
+        self.total += 1;
+        match self.ids.binary_search(&rank) {
+            Ok(i) => {
+                self.counts[i] += 1;
+                false
+            }
+            Err(i) => {
+                self.ids.insert(i, rank);
+                self.counts.insert(i, 1);
+                if !self.bits.is_empty() {
+                    set_bit(&mut self.bits, rank);
+                } else if self.ids.len() >= BITS_FROM {
+                    for &r in &self.ids {
+                        set_bit(&mut self.bits, r);
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    /// Counts one request of `rank` less: whether the rank left the node.
+    fn drop_rank(&mut self, rank: u32) -> bool {
+        self.total = self.total.saturating_sub(1);
+        let Ok(i) = self.ids.binary_search(&rank) else {
+            return false;
+        };
+        self.counts[i] -= 1;
+        if self.counts[i] > 0 {
+            return false;
+        }
+        self.ids.remove(i);
+        self.counts.remove(i);
+        if let Some(w) = self.bits.get_mut(rank as usize / 64) {
+            *w &= !(1 << (rank % 64));
+        }
+        true
+    }
+
+    /// Drops the node's ranks (it is freed).
+    fn clear_ranks(&mut self) {
+        self.ids = Vec::new();
+        self.counts = Vec::new();
+        self.bits = Vec::new();
+    }
+
     fn run(&self) -> &[SequenceHash] {
         self.seq.get(self.start..self.end).unwrap_or_default()
     }
@@ -88,6 +146,14 @@ impl Node {
     fn first(&self) -> Option<SequenceHash> {
         self.seq.get(self.start).copied()
     }
+}
+
+fn set_bit(bits: &mut Vec<u64>, r: u32) {
+    let w = r as usize / 64;
+    if bits.len() <= w {
+        bits.resize(w + 1, 0);
+    }
+    bits[w] |= 1 << (r % 64);
 }
 
 /// How many leading hashes `a` and `b` share (memcmp-like: 32 at a time, then one by one).
@@ -115,11 +181,37 @@ pub struct HeldScratch {
     /// The dense ids the last walk found holding some of the prompt, and the most any holds.
     touched: Vec<u32>,
     most: u64,
-    /// The last walk was [`ActiveTrie::walk_path`]: per node on the path with ranks, how many
-    /// leading blocks it holds and where its ranks end in `copied` (its ranks' ids, in order).
+    /// The last walk was [`ActiveTrie::walk_path`]: its nodes with ranks, root first, each
+    /// with its ranks' ids copied into `copied` or (a wide one) its bit set into `bits`.
     lazy: bool,
-    path: Vec<(u64, u32)>,
+    path: Vec<PathNode>,
     copied: Vec<u32>,
+    bits: Vec<u64>,
+}
+
+/// A node of the path [`ActiveTrie::walk_path`] walked.
+#[derive(Debug, Clone, Copy)]
+struct PathNode {
+    /// How many leading blocks of the prompt the node reaches.
+    held: u64,
+    /// How many ranks it has.
+    count: u32,
+    /// Where its ids are in `copied` (empty for a node copied as a bit set).
+    ids: (u32, u32),
+    /// Where its bit set is in `bits` (empty for a node whose ids were copied).
+    bits: (u32, u32),
+}
+
+/// A node of a walked path as [`HeldScratch::path_node`] gives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PathStep {
+    /// How many leading blocks of the prompt the node reaches.
+    pub(crate) held: u64,
+    /// How many ranks are in it.
+    pub(crate) count: usize,
+    /// Which of [`HeldScratch::holder`]'s positions list its ranks: all of them when `count`
+    /// is at most the walk's `wide`, else none.
+    pub(crate) ranks: std::ops::Range<usize>,
 }
 
 impl HeldScratch {
@@ -136,23 +228,30 @@ impl HeldScratch {
     }
 
     /// [`Self::get`] after a walk of the path: the deepest node on it that the rank is in.
+    #[inline]
     fn on_path(&self, id: usize) -> u64 {
         let Ok(id) = u32::try_from(id) else {
             return 0;
         };
-        let mut end = self.copied.len();
-        for &(held, at) in self.path.iter().rev() {
-            let start = at as usize;
-            if self.copied[start..end].binary_search(&id).is_ok() {
-                return held;
+        let (word, bit) = (id as usize / 64, id % 64);
+        for p in self.path.iter().rev() {
+            let hit = if p.bits.1 > p.bits.0 {
+                let bits = &self.bits[p.bits.0 as usize..p.bits.1 as usize];
+                bits.get(word).is_some_and(|w| w >> bit & 1 == 1)
+            } else {
+                self.copied[p.ids.0 as usize..p.ids.1 as usize]
+                    .binary_search(&id)
+                    .is_ok()
+            };
+            if hit {
+                return p.held;
             }
-            end = start;
         }
         0
     }
 
     /// How many dense ids [`Self::holder`] lists: each holder of some of the prompt once, or
-    /// after a walk of the path, once per node it is in.
+    /// after a walk of the path, once per node it is in (but those of wide nodes).
     #[cfg(test)]
     pub(crate) fn holder_count(&self) -> usize {
         if self.lazy {
@@ -181,15 +280,14 @@ impl HeldScratch {
         }
     }
 
-    /// Node `k` of [`Self::path_len`]: how many leading blocks of the prompt it reaches, and
-    /// which of [`Self::holder`]'s positions list its ranks.
-    pub(crate) fn path_node(&self, k: usize) -> Option<(u64, std::ops::Range<usize>)> {
-        let &(held, start) = self.path.get(k).filter(|_| self.lazy)?;
-        let end = self
-            .path
-            .get(k + 1)
-            .map_or(self.copied.len(), |p| p.1 as usize);
-        Some((held, start as usize..end))
+    /// Node `k` of [`Self::path_len`].
+    pub(crate) fn path_node(&self, k: usize) -> Option<PathStep> {
+        let p = self.path.get(k).filter(|_| self.lazy)?;
+        Some(PathStep {
+            held: p.held,
+            count: p.count as usize,
+            ranks: p.ids.0 as usize..p.ids.1 as usize,
+        })
     }
 
     /// The most leading blocks of the last walk's prompt any rank has active.
@@ -220,6 +318,7 @@ impl ActiveTrie {
                 end: 0,
                 ids: Vec::new(),
                 counts: Vec::new(),
+                bits: Vec::new(),
                 total: 0,
                 children: 0,
                 child_xor: 0,
@@ -313,17 +412,10 @@ impl ActiveTrie {
     /// Counts one more request of `rank` through node `n`: the blocks it adds to the rank.
     fn enter(&mut self, n: u32, rank: u32) -> u64 {
         let c = self.node_mut(n);
-        c.total += 1;
-        match c.ids.binary_search(&rank) {
-            Ok(i) => {
-                c.counts[i] += 1;
-                0
-            }
-            Err(i) => {
-                c.ids.insert(i, rank);
-                c.counts.insert(i, 1);
-                c.len()
-            }
+        if c.add_rank(rank) {
+            c.len()
+        } else {
+            0
         }
     }
 
@@ -336,6 +428,7 @@ impl ActiveTrie {
             end: seq.len(),
             ids: vec![rank],
             counts: vec![1],
+            bits: Vec::new(),
             total: 1,
             children: 0,
             child_xor: 0,
@@ -363,6 +456,7 @@ impl ActiveTrie {
             end: cut,
             ids: c.ids.clone(),
             counts: c.counts.clone(),
+            bits: c.bits.clone(),
             total: c.total,
             children: 1,
             child_xor: child,
@@ -391,14 +485,8 @@ impl ActiveTrie {
         while n != ROOT && (n as usize) < self.nodes.len() {
             let node = self.node_mut(n);
             let parent = node.parent;
-            node.total = node.total.saturating_sub(1);
-            if let Ok(i) = node.ids.binary_search(&rank) {
-                node.counts[i] -= 1;
-                if node.counts[i] == 0 {
-                    node.ids.remove(i);
-                    node.counts.remove(i);
-                    freed += node.len();
-                }
+            if node.drop_rank(rank) {
+                freed += node.len();
             }
             if node.total == 0 {
                 self.delete(n);
@@ -416,8 +504,7 @@ impl ActiveTrie {
         let parent = node.parent;
         let first = node.first();
         node.seq = Arc::from(Vec::new());
-        node.ids = Vec::new();
-        node.counts = Vec::new();
+        node.clear_ranks();
         if let Some(first) = first {
             self.edges.remove(&Edge { parent, first });
         }
@@ -458,8 +545,7 @@ impl ActiveTrie {
         self.node_mut(parent).child_xor ^= n ^ child;
         let node = self.node_mut(n);
         node.seq = Arc::from(Vec::new());
-        node.ids = Vec::new();
-        node.counts = Vec::new();
+        node.clear_ranks();
         node.children = 0;
         node.child_xor = 0;
         self.free.push(n);
@@ -520,25 +606,38 @@ impl ActiveTrie {
 impl ActiveTrie {
     /// [`Self::walk`] that copies each node's ranks on the path as they are (a block copy
     /// each) instead of writing an entry per rank, for a caller that asks for few ranks:
-    /// [`HeldScratch::get`] then searches the copies, deepest first.
-    pub(crate) fn walk_path(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
+    /// [`HeldScratch::get`] then searches the copies, deepest first. A node with more than
+    /// `wide` ranks that keeps a bit set has that copied instead of its ids.
+    pub(crate) fn walk_path(
+        &self,
+        hashes: &[SequenceHash],
+        scratch: &mut HeldScratch,
+        wide: usize,
+    ) {
         scratch.lazy = true;
         scratch.touched.clear();
         scratch.path.clear();
         scratch.copied.clear();
+        scratch.bits.clear();
         scratch.most = 0;
         self.descend(hashes, |_, c, held| {
-            if !c.ids.is_empty() {
-                scratch.copied.extend_from_slice(&c.ids);
-                scratch.path.push((held, scratch.copied.len() as u32));
-                scratch.most = scratch.most.max(held);
+            if c.ids.is_empty() {
+                return;
             }
+            let (ids, bits) = (scratch.copied.len() as u32, scratch.bits.len() as u32);
+            if c.ids.len() > wide && !c.bits.is_empty() {
+                scratch.bits.extend_from_slice(&c.bits);
+            } else {
+                scratch.copied.extend_from_slice(&c.ids);
+            }
+            scratch.path.push(PathNode {
+                held,
+                count: c.ids.len() as u32,
+                ids: (ids, scratch.copied.len() as u32),
+                bits: (bits, scratch.bits.len() as u32),
+            });
+            scratch.most = scratch.most.max(held);
         });
-        // Each node's entry names where its ranks end: turn ends into starts.
-        let mut start = 0;
-        for p in &mut scratch.path {
-            (p.1, start) = (start, p.1);
-        }
     }
 }
 

@@ -587,12 +587,13 @@ impl SharedSlots {
     }
 
     /// [`Self::walk_held`] that copies the path's rank lists instead of writing an entry per
-    /// rank (see `ActiveTrie::walk_path`): for a pick that reads few ranks.
-    pub fn walk_held_path(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch) {
+    /// rank (see `ActiveTrie::walk_path`): for a pick that reads few ranks. A node with more
+    /// than `wide` ranks may be copied as a bit set, its ranks then not listed.
+    pub fn walk_held_path(&self, hashes: &[SequenceHash], scratch: &mut HeldScratch, wide: usize) {
         let shard = self.trie_shard(hashes);
         self.tries[usize::from(shard)]
             .read()
-            .walk_path(hashes, scratch);
+            .walk_path(hashes, scratch, wide);
     }
 
     /// `rank`'s load if it took a request of `blocks` prompt blocks and `new_isl_tokens` to

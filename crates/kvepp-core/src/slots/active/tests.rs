@@ -9,16 +9,20 @@ fn seq(xs: &[u64]) -> Arc<[SequenceHash]> {
 /// The rank's active share of `xs`, by both walks (which must agree).
 fn held(t: &ActiveTrie, xs: &[u64], rank: usize) -> u64 {
     let mut s = HeldScratch::default();
-    t.walk(&seq(xs), &mut s, 8);
+    t.walk(&seq(xs), &mut s, 256);
     let (got, most) = (s.get(rank), s.most());
     let holders: std::collections::BTreeSet<u32> =
         (0..s.holder_count()).filter_map(|k| s.holder(k)).collect();
-    t.walk_path(&seq(xs), &mut s);
+    t.walk_path(&seq(xs), &mut s, usize::MAX);
     assert_eq!(s.get(rank), got, "walk_path, rank {rank}");
     assert_eq!(s.most(), most, "walk_path: the most held");
     let listed: std::collections::BTreeSet<u32> =
         (0..s.holder_count()).filter_map(|k| s.holder(k)).collect();
     assert_eq!(listed, holders, "walk_path: the holders");
+    // Wide nodes (every one with a bit set) copied as bit sets: the same shares.
+    t.walk_path(&seq(xs), &mut s, 0);
+    assert_eq!(s.get(rank), got, "walk_path with bit sets, rank {rank}");
+    assert_eq!(s.most(), most, "walk_path with bit sets: the most held");
     got
 }
 
@@ -74,6 +78,23 @@ fn a_path_too_long_to_plan_is_inserted_anew() {
 
 /// Differential: random chained and unchained lists over a few ranks against counting
 /// distinct prefixes per rank from the list of active requests.
+/// Every node's bit set is empty or names exactly its ranks.
+fn check_bits(t: &ActiveTrie) {
+    for (n, node) in t.nodes.iter().enumerate() {
+        if node.bits.is_empty() {
+            continue;
+        }
+        let set: Vec<u32> = (0..node.bits.len() as u32 * 64)
+            .filter(|&r| node.bits[r as usize / 64] >> (r % 64) & 1 == 1)
+            .collect();
+        assert_eq!(set, node.ids, "node {n}: the bit set names its ranks");
+    }
+}
+
+/// The dense ids of the differential test's three ranks: far apart, so their bits fall in
+/// different words.
+const IDS: [u32; 3] = [0, 67, 130];
+
 #[test]
 fn agrees_with_distinct_prefixes_of_the_active_requests() {
     let mut rng = fastrand::Rng::with_seed(7);
@@ -102,20 +123,21 @@ fn agrees_with_distinct_prefixes_of_the_active_requests() {
             if rng.bool() {
                 planned.push((rank, Arc::clone(&s), t.plan(&s), xs));
             } else {
-                let (end, added) = t.insert(rank, &s);
+                let (end, added) = t.insert(IDS[rank as usize], &s);
                 blocks[rank as usize] += added;
                 live.push((rank, xs, end));
             }
         } else if !planned.is_empty() && rng.bool() {
             let (rank, s, plan, xs) = planned.swap_remove(rng.usize(..planned.len()));
-            let (end, added) = t.insert_planned(rank, &s, &plan);
+            let (end, added) = t.insert_planned(IDS[rank as usize], &s, &plan);
             applied += 1;
             blocks[rank as usize] += added;
             live.push((rank, xs, end));
         } else if !live.is_empty() {
             let (rank, _, end) = live.swap_remove(rng.usize(..live.len()));
-            blocks[rank as usize] -= t.remove(rank, end);
+            blocks[rank as usize] -= t.remove(IDS[rank as usize], end);
         }
+        check_bits(&t);
         for rank in 0..3u32 {
             let mine: Vec<&Vec<u64>> = live.iter().filter(|l| l.0 == rank).map(|l| &l.1).collect();
             let prefixes: std::collections::HashSet<&[u64]> = mine
@@ -137,12 +159,13 @@ fn agrees_with_distinct_prefixes_of_the_active_requests() {
                 .map(|xs| xs.iter().zip(&probe).take_while(|(a, b)| a == b).count())
                 .max()
                 .unwrap_or(0) as u64;
-            assert_eq!(held(&t, &probe, rank as usize), want, "step {step}");
+            let id = IDS[rank as usize] as usize;
+            assert_eq!(held(&t, &probe, id), want, "step {step}");
         }
         assert!(t.node_count() <= 2 * live.len() + 1, "step {step}");
     }
     while let Some((rank, _, end)) = live.pop() {
-        blocks[rank as usize] -= t.remove(rank, end);
+        blocks[rank as usize] -= t.remove(IDS[rank as usize], end);
     }
     assert_eq!(blocks, [0; 3]);
     assert_eq!(t.node_count(), 1);
