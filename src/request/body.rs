@@ -7,7 +7,7 @@
 //! values it accepts; anything else goes to serde_json (`&RawValue`: validated, borrowed, never
 //! built), whose answer and error message it is. A `messages` array comes out of the same pass
 //! split into its elements. A `prompt` that is an array of plain integers is read into token ids
-//! in the pass that validates it ([`int_array`]; serde's skip of 100k integers costs more than
+//! in the pass that validates it ([`int_array()`]; serde's skip of 100k integers costs more than
 //! reading them); anything unusual in such an array (signs, fractions, exponents, values beyond
 //! u32) sends it back to serde. With a chunk cache ([`IdChunks`], the request router's), the
 //! leading chunks of such an array that an earlier prompt sent are taken from it unread; with

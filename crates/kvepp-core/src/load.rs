@@ -29,8 +29,8 @@ pub struct EndpointLoad {
     routed_total: AtomicU64,
     /// What saturation reads of the engine's last successful scrape, in plain atomics (a
     /// flow-controlled pick checks every candidate): waiting requests and KV-cache usage as f64
-    /// bits, the scrape's time as nanoseconds from [`ORIGIN`]; `scraped` is set once they hold a
-    /// scrape.
+    /// bits, the scrape's time as nanoseconds from [`crate::types`]'s `ORIGIN`; `scraped` is set
+    /// once they hold a scrape.
     scraped: AtomicBool,
     scraped_waiting: AtomicU64,
     scraped_kv_usage: AtomicU64,

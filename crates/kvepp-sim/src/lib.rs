@@ -1,8 +1,9 @@
 //! Tools around kvepp that never ship in the EPP binary: a simulated fleet of inference engines
 //! ([`fleet`]) and the routing-quality benchmark that replays workloads through Envoy and kvepp to
-//! that fleet ([`bench`]), the selection service's HTTP-overhead benchmark ([`select_bench`]), replica sync's cost to a
-//! receiving replica ([`replica_bench`]) and a rolling upgrade of two kvepp processes under load
-//! ([`rollout`]), and generated Mooncake-format traces ([`tracegen`]). `plotters` (and its font stack) lives only here.
+//! that fleet ([`mod@bench`]), the selection service's HTTP-overhead benchmark ([`select_bench`]),
+//! replica sync's cost to a receiving replica ([`replica_bench`]) and a rolling upgrade of two
+//! kvepp processes under load ([`rollout`]), and generated Mooncake-format traces
+//! ([`tracegen`]). `plotters` (and its font stack) lives only here.
 
 pub mod bench;
 pub mod fleet;

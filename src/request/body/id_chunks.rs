@@ -20,7 +20,7 @@
 //! conversation's next turn, another sample of the same prompt, a long shared system prompt),
 //! that prompt's chunks are all remembered, and from the turn after on only the new ids are read.
 //!
-//! Invariants: the ids it gives, and whether it gives any, are exactly [`super::int_array`]'s (a
+//! Invariants: the ids it gives, and whether it gives any, are exactly [`super::int_array()`]'s (a
 //! differential test checks it on prompts that share prefixes, mutated ones among them, with one
 //! cache across them); a chunk is remembered only after its text was read as plain ids ending at
 //! a comma of the array; the cache holds at most its capacity in ids (each entry counted
@@ -75,7 +75,7 @@ impl IdChunks {
         self
     }
 
-    /// Reads the JSON array at the start of `b` (`b[0] == b'['`) as [`super::int_array`] does:
+    /// Reads the JSON array at the start of `b` (`b[0] == b'['`) as [`super::int_array()`] does:
     /// the ids as the chunks they were found in (leading chunks from the cache), or as one array
     /// when the cache held none of them; and the bytes the array takes. None where `int_array`
     /// is None.

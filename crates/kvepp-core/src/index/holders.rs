@@ -68,7 +68,7 @@ pub(super) fn holder_ident(h: &Holder) -> u64 {
 }
 
 /// An order-independent digest of a holder list (its holders' [`holder_ident`]s): the walks of
-/// [`PrefixIndex::find_matches`] treat blocks with equal digests (and list lengths) as held alike.
+/// [`super::PrefixIndex::find_matches`] treat blocks with equal digests (and list lengths) as held alike.
 pub(super) fn fingerprint(list: &[Holder]) -> u64 {
     list.iter().fold(list.len() as u64, |fp, h| {
         let x = holder_ident(h) ^ 0x9E37_79B9_7F4A_7C15;

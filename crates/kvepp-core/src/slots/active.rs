@@ -261,7 +261,8 @@ impl HeldScratch {
         }
     }
 
-    /// The `k`-th of [`Self::holder_count`].
+    /// The `k`-th dense id the last walk listed: each holder of some of the prompt once, or
+    /// after a walk of the path, once per node it is in (but those of wide nodes).
     pub(crate) fn holder(&self, k: usize) -> Option<u32> {
         if self.lazy {
             self.copied.get(k).copied()

@@ -1,6 +1,6 @@
-//! The slot tracker for many threads at once: [`SlotTracker`]'s semantics without one lock over
-//! the whole of it, so bookings and releases on different ranks or prefixes do not wait for one
-//! another, and picks read loads without any lock.
+//! The slot tracker for many threads at once: [`super::SlotTracker`]'s semantics without one
+//! lock over the whole of it, so bookings and releases on different ranks or prefixes do not wait
+//! for one another, and picks read loads without any lock.
 //!
 //! What it owns, each behind its own lock:
 //! - **ranks**: a cell per dense id (`RANKS_PER_CHUNK` to a chunk, chunks made on first use and

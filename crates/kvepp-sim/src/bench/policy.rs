@@ -20,7 +20,7 @@ pub enum Policy {
     /// as given (the shipped defaults unless `--kvepp-config` changes them).
     Default,
     /// Not a router: the reference placement that reads every engine's true cache and queue
-    /// ([`oracle`]), sending each request straight to the engine with the lowest TTFT.
+    /// ([`super::oracle`]), sending each request straight to the engine with the lowest TTFT.
     Clairvoyant,
 }
 
