@@ -19,9 +19,12 @@
 //! just after that token. Added tokens are found leftmost, then longest, so the tokens found up
 //! to a point depend on no byte more than the longest token's length past it; a cut just after a
 //! token ending at `e` is taken only when the shared part runs on at least twice that length
-//! past `e` (and, for a token of the second round, the text between first-round tokens it was
-//! found in ran on at least that length past `e`), so every token and segment before `e` is what
-//! cutting from the start would find.
+//! past `e`, so every token and segment before `e` is what cutting from the start would find.
+//! That holds for a token of the second round too: the first-round token that ends the text it
+//! was found in either starts at least the longest length past `e` (in both texts: one found
+//! earlier in the new text would lie inside the shared part, so the old text has it too) or
+//! starts before, and then lies wholly inside the shared part, found in both; either way the
+//! second round read the same text up to that length past `e`.
 //!
 //! Invariants: the ids equal a whole-prompt `encode(text, false)`, resumed or not; that holds
 //! only for tokenizers whose added tokens match text exactly (no `lstrip`/`rstrip`/
@@ -317,33 +320,29 @@ impl<'s, F> Cutting<'s, F> {
         F: FnMut(&str) -> Result<Vec<u32>, E>,
     {
         let seg = self.seg;
-        self.round(seg.raw.as_ref(), (text, start), 0, Self::between)
+        self.round(seg.raw.as_ref(), (text, start), Self::between)
     }
 
     /// Text between the raw round's tokens (at byte `start`): the normalized round's tokens and
-    /// the segments between them; a cut after a token only where this text runs on for at least
-    /// the longest token's length (so the token was found without looking past it).
+    /// the segments between them; a cut after each token (the resume's margin covers where the
+    /// text ends: see the module doc).
     fn between<E>(&mut self, text: &str, start: usize) -> Result<(), E>
     where
         F: FnMut(&str) -> Result<Vec<u32>, E>,
     {
         let seg = self.seg;
-        self.round(
-            seg.normalized.as_ref(),
-            (text, start),
-            seg.longest,
-            |c, t, _| c.segment(t),
-        )
+        self.round(seg.normalized.as_ref(), (text, start), |c, t, _| {
+            c.segment(t)
+        })
     }
 
     /// `text` (at byte `start`) cut at `m`'s tokens: their one-id pieces, what lies between them
     /// (empty too) to `inner` with its start, in order; all of it to `inner` without a matcher.
-    /// A cut after a token where the text runs on for at least `margin` bytes past it.
+    /// A cut after each token.
     fn round<E>(
         &mut self,
         m: Option<&Matcher>,
         (text, start): (&str, usize),
-        margin: usize,
         inner: fn(&mut Self, &str, usize) -> Result<(), E>,
     ) -> Result<(), E> {
         let Some(m) = m else {
@@ -354,9 +353,7 @@ impl<'s, F> Cutting<'s, F> {
             inner(self, &text[at..hit.start()], start + at)?;
             self.out.push(m.pieces[hit.pattern().as_usize()].clone());
             at = hit.end();
-            if at + margin <= text.len() {
-                self.cut(start + at);
-            }
+            self.cut(start + at);
         }
         inner(self, &text[at..], start + at)
     }
@@ -689,6 +686,62 @@ mod tests {
                 .collect();
         assert_eq!(tok.add_tokens(&added), added.len());
         tok
+    }
+
+    /// A second-round token just before a first-round one: in a later text that shares the
+    /// first-round token only in part, the second round reads on past where the earlier text's
+    /// ended (`<a>bcd`, not `<a>`). The cut after `<a>` must not be taken there; the resume's
+    /// margin of twice the longest token is what keeps it out (with one longest length this
+    /// fails at k = 19).
+    #[test]
+    fn a_second_round_token_just_before_a_first_round_one_is_not_resumed_past() {
+        let mut json = fixture_json();
+        json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
+        let mut tok = tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap();
+        let raw = "cdRRRRRRRRRRRRRRRRRR";
+        let added = [
+            tokenizers::AddedToken::from("<a>", false).normalized(true),
+            tokenizers::AddedToken::from("<a>bcd", false).normalized(true),
+            tokenizers::AddedToken::from(raw, true).normalized(false),
+        ];
+        assert_eq!(tok.add_tokens(&added), added.len());
+        let seg = super::SegmentTokenizer::new(&tok, 1 << 20).expect("exact: two rounds");
+        assert_eq!(
+            seg.longest,
+            raw.len(),
+            "the first-round token is the longest"
+        );
+        let enc = |s: &str| -> Result<Vec<u32>, String> {
+            tok.encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string())
+        };
+        let resumed = |t: &str| -> Vec<u32> {
+            seg.encode_rendered(t.as_bytes().to_vec(), || "not utf-8".to_string(), enc)
+                .unwrap()
+                .iter()
+                .flat_map(|p| p.iter().copied())
+                .collect()
+        };
+        let mut rng = fastrand::Rng::with_seed(9);
+        let base = text(&mut rng, 2000).replace("é", "x");
+        let before = seg.render_stats();
+        for k in 0..raw.len() {
+            let old = format!("{base}<a>b{raw} and more");
+            assert_eq!(
+                resumed(&old),
+                enc(&old).unwrap(),
+                "k = {k}: the earlier text"
+            );
+            let new = format!("{base}<a>b{}Z and more", &raw[..k]);
+            let tail = &new[base.len()..];
+            assert_eq!(resumed(&new), enc(&new).unwrap(), "k = {k}: …{tail:?}");
+        }
+        let after = seg.render_stats();
+        assert!(
+            after.hits >= before.hits + 2 * raw.len() as u64 - 1,
+            "the texts resumed: {before:?} → {after:?}"
+        );
     }
 
     #[test]
