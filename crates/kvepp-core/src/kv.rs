@@ -57,6 +57,7 @@ pub use crate::types::worker_id;
 
 mod approx;
 mod guard;
+use guard::local_id;
 mod ordered;
 mod prompt;
 mod ranks;
@@ -646,10 +647,9 @@ impl KvState {
         slot: SlotBooking<'_>,
     ) -> Result<Option<SlotGuard>, crate::slots::SlotError> {
         let rank = endpoint.rank();
-        // A NUL-led id: never one a client of the HTTP services can have booked.
-        let id = match slot.id {
-            Some(id) => id.to_owned(),
-            None => format!("\0{}", self.next_request.fetch_add(1, Ordering::Relaxed)),
+        let id: Arc<str> = match slot.id {
+            Some(id) => id.into(),
+            None => local_id(self.next_request.fetch_add(1, Ordering::Relaxed)),
         };
         let hashes = prompt.map_or(&[][..], |p| &p.hashes[..]);
         // Owned before the locks (they cover the trie and the counts only): the prompt's own

@@ -128,7 +128,7 @@ impl RankView {
 /// trie as it is), prefill tokens and time ([`SlotTracker::add_booking`]).
 #[derive(Debug, Clone)]
 pub struct NewRequest {
-    pub id: String,
+    pub id: Arc<str>,
     pub hashes: Arc<[SequenceHash]>,
     pub new_isl_tokens: u64,
     pub now: Instant,
@@ -264,7 +264,7 @@ pub struct SlotTracker {
     ranks: Vec<Option<RankState>>,
     ids: Map<WorkerRank, u32>,
     free_ids: Vec<u32>,
-    requests: HashMap<String, Active>,
+    requests: HashMap<Arc<str>, Active>,
     /// Every active request's prompt blocks (see the module documentation).
     active: ActiveTrie,
     stale_after: Duration,
@@ -393,7 +393,7 @@ impl SlotTracker {
         expected: Option<u64>,
     ) -> Result<bool, SlotError> {
         let booking = NewRequest {
-            id: request_id.to_owned(),
+            id: request_id.into(),
             hashes: Arc::from(hashes),
             new_isl_tokens,
             now,
@@ -410,7 +410,7 @@ impl SlotTracker {
         expected: Option<u64>,
     ) -> Result<bool, SlotError> {
         if self.requests.contains_key(&booking.id) {
-            return Err(SlotError::DuplicateRequest(booking.id));
+            return Err(SlotError::DuplicateRequest(booking.id.to_string()));
         }
         let id = *self.ids.get(&rank).ok_or(SlotError::UnknownRank(rank))?;
         let Some(state) = self.ranks[id as usize].as_mut() else {
@@ -488,7 +488,7 @@ impl SlotTracker {
 
     /// Drops requests older than the stale limit; returns how many.
     pub fn expire(&mut self, now: Instant) -> usize {
-        let stale: Vec<String> = self
+        let stale: Vec<Arc<str>> = self
             .requests
             .iter()
             .filter(|(_, a)| now.saturating_duration_since(a.added) > self.stale_after)
@@ -497,7 +497,7 @@ impl SlotTracker {
         for id in &stale {
             if let Some(active) = self.requests.remove(id) {
                 let rank = self.ranks[active.rank as usize].as_ref().map(|s| s.id);
-                tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
+                tracing::warn!(request = ?id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
                 Self::release(&mut self.ranks, &mut self.active, active);
             }
         }

@@ -15,7 +15,7 @@ use crate::predict::{EndpointSpeed, TtftFeatures};
 pub struct SlotGuard {
     pub(super) state: Arc<KvState>,
     /// The slot tracker's request id (None when booking failed).
-    pub(super) id: Option<String>,
+    pub(super) id: Option<Arc<str>>,
     pub(super) prefill_done: bool,
     /// A pick by predicted TTFT: the endpoint's speed, what the prediction read, when booked.
     pub(super) learn: Option<(Arc<EndpointSpeed>, TtftFeatures, Instant)>,
@@ -58,6 +58,36 @@ impl Drop for SlotGuard {
             if self.state.slots.free(id) {
                 self.state.hub.each(|l| l.freed(id));
             }
+        }
+    }
+}
+
+/// The id of the `n`-th booking made without one: NUL and `n` in decimal, which no client of
+/// the HTTP services can have booked (their ids are text). One allocation, no formatter.
+pub(super) fn local_id(mut n: u64) -> Arc<str> {
+    // NUL and up to 20 digits.
+    let mut buf = [0u8; 21];
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    at -= 1;
+    buf[at] = 0;
+    // ASCII: always UTF-8.
+    Arc::from(std::str::from_utf8(&buf[at..]).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn local_ids_are_nul_and_the_number() {
+        for n in [0, 7, 10, 12_345, u64::MAX] {
+            assert_eq!(&*super::local_id(n), format!("\0{n}"));
         }
     }
 }

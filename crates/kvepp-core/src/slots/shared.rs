@@ -131,6 +131,9 @@ struct Registry {
     free_ids: Vec<u32>,
 }
 
+/// One shard of the active requests, by id.
+type Requests = HashMap<Arc<str>, Active>;
+
 /// See the module documentation.
 #[derive(Debug)]
 pub struct SharedSlots {
@@ -139,7 +142,7 @@ pub struct SharedSlots {
     /// Dense ids handed out so far (free ones included): what a walk's scratch spans.
     len: AtomicUsize,
     tries: Box<[RwLock<ActiveTrie>]>,
-    requests: Box<[Mutex<HashMap<String, Active>>]>,
+    requests: Box<[Mutex<Requests>]>,
     /// Keys the shard choice of request ids and prompts (both untrusted).
     keys: KeyedBuild,
     stale_after: Duration,
@@ -198,7 +201,7 @@ impl SharedSlots {
         chunk.get(id % RANKS_PER_CHUNK)
     }
 
-    fn request_shard(&self, id: &str) -> &Mutex<HashMap<String, Active>> {
+    fn request_shard(&self, id: &str) -> &Mutex<Requests> {
         let i = self.keys.hash_one(id) as usize % REQUEST_SHARDS;
         &self.requests[i]
     }
@@ -400,7 +403,7 @@ impl SharedSlots {
         now: Instant,
     ) -> Result<(), SlotError> {
         let booking = NewRequest {
-            id: request_id.to_owned(),
+            id: request_id.into(),
             hashes: Arc::from(hashes),
             new_isl_tokens,
             now,
@@ -424,7 +427,7 @@ impl SharedSlots {
         let plan = self.tries[usize::from(shard)].read().plan(&booking.hashes);
         let mut map = self.request_shard(&booking.id).lock();
         if map.contains_key(&booking.id) {
-            return Err(SlotError::DuplicateRequest(booking.id));
+            return Err(SlotError::DuplicateRequest(booking.id.to_string()));
         }
         let live = |id: u32| {
             let cell = self.cell(id)?;
@@ -442,7 +445,7 @@ impl SharedSlots {
                 let id = self.dense_id(rank).ok_or(SlotError::UnknownRank(rank))?;
                 map = self.request_shard(&booking.id).lock();
                 if map.contains_key(&booking.id) {
-                    return Err(SlotError::DuplicateRequest(booking.id));
+                    return Err(SlotError::DuplicateRequest(booking.id.to_string()));
                 }
                 live(id)
             }
@@ -551,7 +554,7 @@ impl SharedSlots {
         let mut expired = 0;
         for shard in self.requests.iter() {
             let mut map = shard.lock();
-            let stale: Vec<String> = map
+            let stale: Vec<Arc<str>> = map
                 .iter()
                 .filter(|(_, a)| now.saturating_duration_since(a.added) > self.stale_after)
                 .map(|(id, _)| id.clone())
@@ -561,7 +564,7 @@ impl SharedSlots {
                     let rank = self
                         .cell(active.rank)
                         .and_then(|c| c.state.lock().as_ref().map(|s| s.id));
-                    tracing::warn!(request = %id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
+                    tracing::warn!(request = ?id, worker = rank.map(|r| r.worker), dp_rank = rank.map(|r| r.dp_rank), "stale request expired from load accounting");
                     self.release(&active);
                     expired += 1;
                 }

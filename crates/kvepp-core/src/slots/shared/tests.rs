@@ -64,7 +64,7 @@ fn agrees_with_the_one_lock_tracker() {
                     _ => Some(rng.u64(..4)),
                 };
                 let booking = NewRequest {
-                    id: id.clone(),
+                    id: id.as_str().into(),
                     hashes: Arc::from(&hashes[..]),
                     new_isl_tokens: tokens,
                     now,
@@ -136,7 +136,7 @@ fn concurrent_bookings_keep_loads_equal_to_the_live_bookings() {
                         let hint = shared.dense_id(r);
                         let expected = shared.projection(r, 0, 0, 0).1;
                         let booking = NewRequest {
-                            id: id.clone(),
+                            id: id.as_str().into(),
                             hashes: Arc::from(&prompt(&mut rng)[..]),
                             new_isl_tokens: 10,
                             now: t0,
@@ -198,7 +198,7 @@ fn unregistering_under_bookings_leaves_nothing_behind() {
                     let r = rank(rng.u64(..3), 0);
                     let hint = shared.register(r);
                     let booking = NewRequest {
-                        id: format!("t{t}-{step}"),
+                        id: format!("t{t}-{step}").into(),
                         hashes: Arc::from(&prompt(&mut rng)[..]),
                         new_isl_tokens: 5,
                         now: t0,
