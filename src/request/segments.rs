@@ -495,6 +495,28 @@ mod tests {
         &t[..at]
     }
 
+    /// The tokenizer's own ids of a text, no special tokens added: the reference.
+    fn whole(tok: &tokenizers::Tokenizer) -> impl Fn(&str) -> Result<Vec<u32>, String> + Copy + '_ {
+        move |s| {
+            tok.encode_fast(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string())
+        }
+    }
+
+    /// The ids `encode_rendered` gives for `t`, joined.
+    fn resumed_ids(
+        seg: &super::SegmentTokenizer,
+        enc: impl Fn(&str) -> Result<Vec<u32>, String>,
+        t: &str,
+    ) -> Vec<u32> {
+        seg.encode_rendered(t.as_bytes().to_vec(), || "not utf-8".to_string(), enc)
+            .unwrap()
+            .iter()
+            .flat_map(|p| p.iter().copied())
+            .collect()
+    }
+
     #[test]
     fn resumed_renders_give_the_whole_prompts_ids() {
         for (name, tok) in [
@@ -505,19 +527,8 @@ mod tests {
             ("two rounds", two_round_tokenizer()),
         ] {
             let seg = super::SegmentTokenizer::new(&tok, 1 << 20).expect("exact");
-            let enc = |s: &str| -> Result<Vec<u32>, String> {
-                tok.encode_fast(s, false)
-                    .map(|e| e.get_ids().to_vec())
-                    .map_err(|e| e.to_string())
-            };
-            // The ids `encode_rendered` gives, joined.
-            let resumed = |t: &str| -> Vec<u32> {
-                seg.encode_rendered(t.as_bytes().to_vec(), || "not utf-8".to_string(), enc)
-                    .unwrap()
-                    .iter()
-                    .flat_map(|p| p.iter().copied())
-                    .collect()
-            };
+            let enc = whole(&tok);
+            let resumed = |t: &str| resumed_ids(&seg, enc, t);
             let mut rng = fastrand::Rng::with_seed(5);
             // A few conversations that share a start, each going on from a random point of its
             // previous text (inside an added token, just before or after one, anywhere).
@@ -711,18 +722,8 @@ mod tests {
             raw.len(),
             "the first-round token is the longest"
         );
-        let enc = |s: &str| -> Result<Vec<u32>, String> {
-            tok.encode_fast(s, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| e.to_string())
-        };
-        let resumed = |t: &str| -> Vec<u32> {
-            seg.encode_rendered(t.as_bytes().to_vec(), || "not utf-8".to_string(), enc)
-                .unwrap()
-                .iter()
-                .flat_map(|p| p.iter().copied())
-                .collect()
-        };
+        let enc = whole(&tok);
+        let resumed = |t: &str| resumed_ids(&seg, enc, t);
         let mut rng = fastrand::Rng::with_seed(9);
         let base = text(&mut rng, 2000).replace("é", "x");
         let before = seg.render_stats();
