@@ -34,6 +34,7 @@
 //! holds a read guard of the same index (it would wait for itself).
 
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,6 +65,8 @@ struct Spare {
 /// See the module documentation.
 pub struct SharedIndex {
     published: ArcSwap<PrefixIndex>,
+    /// The published copy's [`PrefixIndex::slot_epoch`], stored at each publication.
+    slot_epoch: AtomicU64,
     spare: Mutex<Spare>,
     /// Changes submitted and not yet taken into a publication.
     queue: Mutex<Vec<Queued>>,
@@ -82,12 +85,19 @@ impl SharedIndex {
     pub fn with_seed(max_blocks_per_rank: u64, seed: u64) -> Self {
         SharedIndex {
             published: ArcSwap::from_pointee(PrefixIndex::with_seed(max_blocks_per_rank, seed)),
+            slot_epoch: AtomicU64::new(0),
             spare: Mutex::new(Spare {
                 copy: Arc::new(PrefixIndex::with_seed(max_blocks_per_rank, seed)),
                 owed: Vec::new(),
             }),
             queue: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The published copy's slot epoch ([`PrefixIndex::slot_epoch`]; it may lag a reader's
+    /// copy for the moment of a publication): one atomic load, no guard.
+    pub fn slot_epoch(&self) -> u64 {
+        self.slot_epoch.load(Ordering::Acquire)
     }
 
     /// The published index. Hold the guard only for a lookup: a writer waits for it to drop
@@ -209,6 +219,8 @@ impl SharedIndex {
         }
         let result = change(ix);
         publish(&self.published, spare);
+        self.slot_epoch
+            .store(self.published.load().slot_epoch(), Ordering::Release);
         spare.owed = owed;
         (reports, result)
     }

@@ -530,9 +530,9 @@ fn ties_behind_the_runner_up_are_not_costed_when_sums_are_exact() {
     }
 }
 
-/// A level's holders read through the roster's slot map after the index has given their slots
-/// to other workers: the map's entries are checked against the slots' workers (its epoch moved),
-/// so the holder that took a freed slot is costed as itself and the pick stays the scan's.
+/// A level's holders after the index has given their slots to other workers: the roster and
+/// its slot map are made again for the new slots, so the holder that took a freed slot is
+/// costed as itself and the pick stays the scan's.
 #[test]
 fn holders_in_slots_given_anew_are_costed_as_themselves() {
     let n = 64;
@@ -578,6 +578,7 @@ fn holders_in_slots_given_anew_are_costed_as_themselves() {
     }
     pick(1);
     pick(2);
+    let made_at = kv.roster_made_at();
     // 1 and 2 leave the index; 9 takes slot 1 (the last freed), then 5 takes slot 0: both
     // cache 8 blocks. 5 is busy, so 9 (whose slot the map gave endpoint 2) is the best.
     kv.index().write(|ix| {
@@ -591,4 +592,8 @@ fn holders_in_slots_given_anew_are_costed_as_themselves() {
     let (paths, best) = (kv.pick_paths(), pick(3));
     assert_eq!(best, 9, "the holder of the freed slot");
     assert_eq!(kv.pick_paths().0, paths.0 + 1, "the ordered pick answered");
+    assert!(
+        kv.roster_made_at() > made_at,
+        "the roster (and its slot map) made again for the new slots"
+    );
 }

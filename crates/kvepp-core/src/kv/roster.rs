@@ -9,11 +9,12 @@
 //!
 //! Invariants: a roster is rebuilt whenever the list or the tracker's registrations change, so
 //! it never names a candidate for a rank that is not it; a candidate's slot hint is written
-//! only with the dense id the tracker gave its rank. The index's slots can change without the
-//! tracker's registrations changing, so each entry of the slot map names the worker it was
-//! made for, and a slot whose worker differs now is looked up by worker. The map also names the
-//! index and slot epoch it was made from: while the index a pick reads is at that epoch, no
-//! slot has changed, and the entries are taken without reading the slots' workers.
+//! only with the dense id the tracker gave its rank. A roster is also made again when an index
+//! gives or frees a slot (its slot epoch moves), and its slot map with it. The index a pick
+//! reads may still have moved since its roster was checked, so each entry of the slot map names
+//! the worker it was made for, and the map the slot epoch it was made at: at that epoch no slot
+//! has changed and the entries are taken as they are; at another, a slot whose worker differs
+//! now is looked up by worker.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -69,7 +70,8 @@ impl PickPaths {
 #[derive(Debug)]
 pub(super) struct Roster {
     /// The list it maps (held, so no other endpoint can take an address of it while the
-    /// roster lives) and the tracker's registrations when it was made.
+    /// roster lives) and the tracker's registrations and the indexes' slots when it was made
+    /// ([`KvState::roster_generation`]).
     eps: Box<[Arc<Endpoint>]>,
     generation: u64,
     /// The list's identity as its caller named it ([`crate::PickRequest::list`]).
@@ -85,16 +87,16 @@ pub(super) struct Maps {
     by_dense: Vec<u32>,
     /// Candidate index → dense id (the hint each candidate was given).
     dense_of: Vec<u32>,
-    /// KV-event index slot → its worker's candidate, made at the first pick that reads a
-    /// level's holders one by one (see [`Maps::slot_map`]).
-    by_slot: OnceLock<SlotTable>,
+    /// Index slot → its worker's candidate, per index (KV-event, approximate: each numbers its
+    /// slots its own way), made at the first pick that reads a level's holders one by one (see
+    /// [`Maps::slot_map`]).
+    by_slot: [OnceLock<SlotTable>; 2],
 }
 
-/// The entries of a [`SlotMap`], and which index, at which of its slot epochs, they were made
-/// from.
+/// The entries of a [`SlotMap`], and the index's slot epoch they were made at.
 #[derive(Debug)]
 struct SlotTable {
-    made_from: (usize, u64),
+    epoch: u64,
     entries: Box<[SlotEntry]>,
 }
 
@@ -139,21 +141,29 @@ impl Maps {
     }
 
     /// The index slots' candidates ([`SlotMap`]), the map made on first use from `slots` (the
-    /// index's live slots and their workers). `index` names the index and its slot epoch
-    /// ([`crate::index::PrefixIndex::slot_epoch`]) now: while they are those the map was made
-    /// from, its entries are taken without checking their workers.
+    /// index's live slots and their workers). `index` names the index (which of an endpoint's
+    /// index hints it uses) and its slot epoch ([`crate::index::PrefixIndex::slot_epoch`]) now:
+    /// while the epoch is the one the map was made at, its entries are taken without checking
+    /// their workers.
     pub(super) fn slot_map<I>(&self, index: (usize, u64), slots: impl FnOnce() -> I) -> SlotMap<'_>
     where
         I: Iterator<Item = (u16, u64)>,
     {
-        let table = self.by_slot.get_or_init(|| SlotTable {
-            made_from: index,
+        let Some(cell) = self.by_slot.get(index.0) else {
+            return SlotMap {
+                maps: self,
+                entries: &[],
+                current: false,
+            };
+        };
+        let table = cell.get_or_init(|| SlotTable {
+            epoch: index.1,
             entries: self.make_slot_map(slots()),
         });
         SlotMap {
             maps: self,
             entries: &table.entries,
-            current: table.made_from == index,
+            current: table.epoch == index.1,
         }
     }
 
@@ -286,9 +296,26 @@ impl KvState {
         })
     }
 
-    /// The roster of `candidates`, made anew if the list or the registrations changed. A
-    /// candidate the slot tracker does not know yet is registered first (idle, as the scan
-    /// counts it, and as its first booking would register it).
+    /// What a roster is made for besides its list: the tracker's registrations and both
+    /// indexes' slot epochs, summed (each only grows, so the sum moves whenever one does). A
+    /// roster made before an index gave or freed a slot is made again, and with it the slot
+    /// maps, which then hold for the new slots.
+    fn roster_generation(&self) -> u64 {
+        self.slots
+            .generation()
+            .wrapping_add(self.index.slot_epoch())
+            .wrapping_add(self.approx.index.slot_epoch())
+    }
+
+    /// The generation the current roster was made at (tests).
+    #[cfg(test)]
+    pub(super) fn roster_made_at(&self) -> Option<u64> {
+        self.ordered.roster.load().as_ref().map(|r| r.generation)
+    }
+
+    /// The roster of `candidates`, made anew if the list, the registrations or the indexes'
+    /// slots changed. A candidate the slot tracker does not know yet is registered first (idle,
+    /// as the scan counts it, and as its first booking would register it).
     ///
     /// An unnamed list is mapped only once it comes twice in a row (by a fingerprint of its
     /// endpoints): a list that changes from pick to pick (the selector leaving out whichever
@@ -300,7 +327,7 @@ impl KvState {
         list: Option<u64>,
     ) -> Option<RosterRef> {
         let cached = self.ordered.roster.load();
-        let generation = self.slots.generation();
+        let generation = self.roster_generation();
         if cached
             .as_ref()
             .is_some_and(|r| r.is_of(candidates, generation, list))
@@ -318,7 +345,7 @@ impl KvState {
                 self.slots.register(e.rank());
             }
         }
-        let generation = self.slots.generation();
+        let generation = self.roster_generation();
         let mut by_worker = CandidateMap::default();
         by_worker.build(candidates.iter().map(|e| e.worker));
         let mut by_dense = Vec::new();
@@ -350,7 +377,7 @@ impl KvState {
                 by_worker,
                 by_dense,
                 dense_of,
-                by_slot: OnceLock::new(),
+                by_slot: Default::default(),
             }),
         });
         self.ordered.roster.store(Some(roster.clone()));
@@ -370,7 +397,7 @@ mod tests {
             by_worker,
             by_dense: Vec::new(),
             dense_of: vec![7, 8, 9],
-            by_slot: OnceLock::new(),
+            by_slot: Default::default(),
         }
     }
 
@@ -393,19 +420,30 @@ mod tests {
         assert_eq!(map.get(9, || None), None);
         // Since then the index freed slot 1 and gave it to worker 30, gave the free slot 2 to
         // worker 20, slot 3 to worker 10, and made slot 9, past the map's end, worker 30's. The
-        // map is not made again, but its entries are checked: at a later epoch, or read for the
-        // other index (whose slot epoch may be the same number).
-        for index in [(0, 6), (1, 5)] {
-            let map = maps.slot_map(index, || -> std::vec::IntoIter<(u16, u64)> {
-                panic!("the slot map was made again")
-            });
-            assert_eq!(map.get(1, w(30)), Some((2, 9)));
-            assert_eq!(map.get(2, w(20)), Some((1, 8)));
-            assert_eq!(map.get(3, w(10)), Some((0, 7)));
-            assert_eq!(map.get(9, w(30)), Some((2, 9)));
-            // A worker that is no candidate, in a slot the map gave a candidate.
-            assert_eq!(map.get(0, w(40)), None);
-            assert_eq!(map.get(0, w(10)), Some((0, 7)));
-        }
+        // map is not made again, but at the later epoch its entries are checked.
+        let map = maps.slot_map((0, 6), || -> std::vec::IntoIter<(u16, u64)> {
+            panic!("the slot map was made again")
+        });
+        assert_eq!(map.get(1, w(30)), Some((2, 9)));
+        assert_eq!(map.get(2, w(20)), Some((1, 8)));
+        assert_eq!(map.get(3, w(10)), Some((0, 7)));
+        assert_eq!(map.get(9, w(30)), Some((2, 9)));
+        // A worker that is no candidate, in a slot the map gave a candidate.
+        assert_eq!(map.get(0, w(40)), None);
+        assert_eq!(map.get(0, w(10)), Some((0, 7)));
+        // The other index numbers its slots its own way (its epoch may be the same number): its
+        // own map, made from its own slots.
+        let other = maps.slot_map((1, 5), || [(0u16, 30u64), (1, 10)].into_iter());
+        assert_eq!(other.get(0, unread), Some((2, 9)));
+        assert_eq!(other.get(1, unread), Some((0, 7)));
+        assert_eq!(
+            maps.slot_map((0, 5), || None.into_iter()).get(0, unread),
+            Some((0, 7))
+        );
+        // An index the roster has no map for is read by worker.
+        assert_eq!(
+            maps.slot_map((2, 5), || None.into_iter()).get(0, w(20)),
+            Some((1, 8))
+        );
     }
 }
