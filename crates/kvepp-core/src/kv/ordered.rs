@@ -613,7 +613,7 @@ impl KvState {
                 let key = self.slots.load_key(id);
                 let bound = key + cx.share
                     - cx.cached_credit(sc, &cx.candidates[i])
-                    - sc.held.get(id as usize) as f64;
+                    - sc.held.get_listed(id as usize, k) as f64;
                 if bound <= two.reach() && cx.may_matter(two, bound, key, i) {
                     self.cost_once(cx, sc, i, two)?;
                 }

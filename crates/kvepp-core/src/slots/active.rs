@@ -230,11 +230,25 @@ impl HeldScratch {
     /// [`Self::get`] after a walk of the path: the deepest node on it that the rank is in.
     #[inline]
     fn on_path(&self, id: usize) -> u64 {
-        let Ok(id) = u32::try_from(id) else {
-            return 0;
-        };
+        self.deepest_below(id, 0).unwrap_or(0)
+    }
+
+    /// [`Self::get`] of a rank that node `k` of the path lists ([`Self::path_node`]): only the
+    /// nodes below `k` are searched (each node's ranks are among its parent's).
+    #[inline]
+    pub(crate) fn get_listed(&self, id: usize, k: usize) -> u64 {
+        self.deepest_below(id, k + 1)
+            .or_else(|| self.path.get(k).map(|p| p.held))
+            .unwrap_or(0)
+    }
+
+    /// What the deepest node from path node `from` down that has rank `id` holds.
+    #[inline]
+    fn deepest_below(&self, id: usize, from: usize) -> Option<u64> {
+        let id = u32::try_from(id).ok()?;
         let (word, bit) = (id as usize / 64, id % 64);
-        for p in self.path.iter().rev() {
+        let below = self.path.get(from..)?;
+        below.iter().rev().find_map(|p| {
             let hit = if p.bits.1 > p.bits.0 {
                 let bits = &self.bits[p.bits.0 as usize..p.bits.1 as usize];
                 bits.get(word).is_some_and(|w| w >> bit & 1 == 1)
@@ -243,11 +257,8 @@ impl HeldScratch {
                     .binary_search(&id)
                     .is_ok()
             };
-            if hit {
-                return p.held;
-            }
-        }
-        0
+            hit.then_some(p.held)
+        })
     }
 
     /// How many dense ids [`Self::holder`] lists: each holder of some of the prompt once, or

@@ -19,6 +19,14 @@ fn held(t: &ActiveTrie, xs: &[u64], rank: usize) -> u64 {
     let listed: std::collections::BTreeSet<u32> =
         (0..s.holder_count()).filter_map(|k| s.holder(k)).collect();
     assert_eq!(listed, holders, "walk_path: the holders");
+    // Each node's listed ranks read from that node down: what the whole path gives.
+    for k in 0..s.path_len() {
+        let node = s.path_node(k).expect("a node of the path");
+        for j in node.ranks {
+            let r = s.holder(j).expect("a listed rank") as usize;
+            assert_eq!(s.get_listed(r, k), s.get(r), "rank {r} listed in node {k}");
+        }
+    }
     // Wide nodes (every one with a bit set) copied as bit sets: the same shares.
     t.walk_path(&seq(xs), &mut s, 0);
     assert_eq!(s.get(rank), got, "walk_path with bit sets, rank {rank}");
