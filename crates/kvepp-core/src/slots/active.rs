@@ -216,7 +216,9 @@ pub(crate) struct PathStep {
 
 impl HeldScratch {
     /// Leading blocks of the last walk's prompt that the rank with this dense id has active.
-    #[inline]
+    /// (Always inlined, the path's search kept out of line: the scan reads every candidate
+    /// through it.)
+    #[inline(always)]
     pub(crate) fn get(&self, id: usize) -> u64 {
         if self.lazy {
             return self.on_path(id);
@@ -228,7 +230,7 @@ impl HeldScratch {
     }
 
     /// [`Self::get`] after a walk of the path: the deepest node on it that the rank is in.
-    #[inline]
+    #[inline(never)]
     fn on_path(&self, id: usize) -> u64 {
         self.deepest_below(id, 0).unwrap_or(0)
     }
