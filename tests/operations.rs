@@ -255,7 +255,11 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
         async move { over_tls(ext_proc, trust(&ca)).await.ok() }
     })
     .await;
-    assert!(metric(admin, tls_applied).await >= 1.0);
+    // The counter moves just after the new material is in: wait for it too.
+    wait_for("rotation counted", || async move {
+        (metric(admin, tls_applied).await >= 1.0).then_some(())
+    })
+    .await;
     assert!(over_tls(ext_proc, trust(&pki1.ca)).await.is_err());
     // A certificate that does not load: the rotated one keeps serving.
     let tls_rejected = "kvepp_tls_reloads_total{result=\"rejected\"}";
@@ -508,7 +512,11 @@ async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
     );
     assert_ne!(hex(&rejected.span.trace_id), trace_id);
     let exported = "kvepp_trace_spans_exported_total";
-    assert!(metric(admin, exported).await >= 5.0);
+    // The counter moves when the collector's answer is back, after it has the spans.
+    wait_for("exported spans counted", || async move {
+        (metric(admin, exported).await >= 5.0).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]
