@@ -50,6 +50,13 @@ NEW = "@@N@@"
 WORDS = ["kv", " cache", " routing", " prefill", " decode", " block", "\n", " 42", ","]
 
 
+def page_faults(pid):
+    """Minor and major page faults of `pid` so far (/proc/PID/stat fields 10 and 12)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]) + int(fields[9])
+
+
 def document(words):
     return "".join(WORDS[i % len(WORDS)] for i in range(words))
 
@@ -179,33 +186,36 @@ def main():
                     sample_segment_cost(mode)
                 for variant in ["floor", "kvepp"]:
                     proc, port = epps[variant]
-                    probe = tokenizer_cpu if mode in TOKENIZERS and variant == "kvepp" else None
-                    out, (c0, *t0), (c1, *t1) = load_through_envoy(
+                    inside_probe = tokenizer_cpu if mode in TOKENIZERS and variant == "kvepp" else None
+                    out, (c0, (f0, t0)), (c1, (f1, t1)) = load_through_envoy(
                         args.envoy, tmp, bootstrap(variant, "FULL_DUPLEX_STREAMED", 0, 0, port), 1,
-                        ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc], probe)
+                        ["-s", script], "", args.concurrency, args.warmup, args.duration, [proc],
+                        lambda: (page_faults(proc.pid), inside_probe() if inside_probe else None))
                     rps, p50, p99, errors, total = parse_wrk(out)
                     if errors:
                         sys.exit(f"bench: {mode} {variant}: {errors} errors\n{out}")
-                    if probe:
-                        (s0, n0), (s1, n1) = t0[0], t1[0]
+                    if inside_probe:
+                        (s0, n0), (s1, n1) = t0, t1
                         inside[mode].append(((s1 - s0) * 1e6 / total, (n1 - n0) / total))
                     cpu_us = (c1 - c0) * 1e6 / total
-                    results.setdefault((mode, variant), []).append((rps, p50, p99, cpu_us))
-                    print(f"  {mode} rep={rep} {variant:<6} rps={rps:8.0f} p50={p50:7.2f}ms p99={p99:7.2f}ms epp cpu/req={cpu_us:8.1f}us",
-                          file=sys.stderr)
+                    faults = (f1 - f0) / total
+                    results.setdefault((mode, variant), []).append((rps, p50, p99, cpu_us, faults))
+                    print(f"  {mode} rep={rep} {variant:<6} rps={rps:8.0f} p50={p50:7.2f}ms p99={p99:7.2f}ms "
+                          f"epp cpu/req={cpu_us:8.1f}us page faults/req={faults:6.1f}", file=sys.stderr)
             results[(mode, "size")] = size
         lines = [
             f"EPP CPU per request at ~100k-token prompts, Envoy 1.40 --concurrency 1, FULL_DUPLEX_STREAMED, wrk -t1 "
             f"-c{args.concurrency} -d{args.duration}s, median of {args.repeat} interleaved runs, {os.cpu_count()} cores",
             "",
-            "| mode | body | kvepp CPU µs/req | floor CPU µs/req | kvepp − floor | kvepp req/s | floor req/s | kvepp p99 ms | floor p99 ms |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| mode | body | kvepp CPU µs/req | floor CPU µs/req | kvepp − floor | kvepp req/s | floor req/s | kvepp p99 ms | floor p99 ms "
+            "| kvepp page faults/req | floor page faults/req |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in modes:
-            k = [statistics.median(x[i] for x in results[(mode, "kvepp")]) for i in range(4)]
-            f_ = [statistics.median(x[i] for x in results[(mode, "floor")]) for i in range(4)]
+            k = [statistics.median(x[i] for x in results[(mode, "kvepp")]) for i in range(5)]
+            f_ = [statistics.median(x[i] for x in results[(mode, "floor")]) for i in range(5)]
             lines.append(f"| {mode} | {results[(mode, 'size')] // 1024} KiB | {k[3]:.0f} | {f_[3]:.0f} | {k[3] - f_[3]:.0f} | "
-                         f"{k[0]:.0f} | {f_[0]:.0f} | {k[2]:.2f} | {f_[2]:.2f} |")
+                         f"{k[0]:.0f} | {f_[0]:.0f} | {k[2]:.2f} | {f_[2]:.2f} | {k[4]:.1f} | {f_[4]:.1f} |")
         lines += ["", "The reference EPP's operations guide: ~350,000 µs of CPU per request at 100k-token prompts."]
         for mode in tokens_modes:
             # Both yardsticks and kvepp's own tokenizer time were sampled for this tokens mode.

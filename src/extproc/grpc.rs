@@ -3,25 +3,24 @@
 //! generated code is tied to its `Vec<u8>` bodies.
 //!
 //! Owns: routing the one method's path to [`ExtProcService::process`], the message size limits,
-//! the codec, and the gRPC `UNIMPLEMENTED` answer for any other path (tonic's `Status::into_http`).
+//! the request side of the codec, and the gRPC `UNIMPLEMENTED` answer for any other path or a
+//! compressed request (tonic's `Status::into_http`).
 //!
-//! The codec decodes as tonic-prost does (tonic already sizes its read buffer from each message's
-//! length prefix) and encodes a response into room made for its whole encoded length first: an
-//! answer that carries a streamed body back (FULL_DUPLEX_STREAMED) is written once into a buffer
-//! of its size, where prost alone would grow tonic's 8 KiB buffer by doubling, copying the body
-//! again at each step.
+//! Requests are decoded as tonic-prost decodes them (tonic sizes its read buffer from each
+//! message's length prefix; a body is a slice of that buffer). Responses are framed by
+//! [`super::framing::ResponseBody`], which sends a body chunk going back to Envoy from where it
+//! lies instead of copying it into the outgoing buffer.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use prost::Message;
-use tonic::codec::{Codec, EncodeBuf, Encoder};
 use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
-use tonic::server::{NamedService, StreamingService};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::server::NamedService;
+use tonic::{Request, Status, Streaming};
 use tonic_prost::ProstDecoder;
 
-use super::wire::{ProcessingRequest, ProcessingResponse};
+use super::framing::ResponseBody;
+use super::wire::ProcessingRequest;
 use super::ExtProcService;
 
 /// The service's full name, as Envoy's `grpc_service` calls it.
@@ -52,20 +51,6 @@ impl NamedService for ExtProcServer {
     const NAME: &'static str = SERVICE;
 }
 
-/// One `Process` call.
-struct Process(Arc<ExtProcService>);
-
-impl StreamingService<ProcessingRequest> for Process {
-    type Response = ProcessingResponse;
-    type ResponseStream = super::ProcessStream;
-    type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
-
-    fn call(&mut self, request: Request<Streaming<ProcessingRequest>>) -> Self::Future {
-        let inner = self.0.clone();
-        Box::pin(async move { Ok(inner.process(request)) })
-    }
-}
-
 impl<B> Service<http::Request<B>> for ExtProcServer
 where
     B: Body + Send + 'static,
@@ -85,50 +70,42 @@ where
                 Status::unimplemented(format!("{SERVICE} has no method {}", req.uri().path()));
             return Box::pin(async move { Ok(status.into_http()) });
         }
-        let (method, limits) = (
-            Process(self.inner.clone()),
-            (Some(self.max_decoding), Some(self.max_encoding)),
-        );
+        if let Some(status) = unsupported_encoding(req.headers()) {
+            return Box::pin(async move { Ok(status.into_http()) });
+        }
+        let (inner, max_decoding, max_encoding) =
+            (self.inner.clone(), self.max_decoding, self.max_encoding);
         Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(ExtProcCodec)
-                .apply_max_message_size_config(limits.0, limits.1);
-            Ok(grpc.streaming(method, req).await)
+            let request = Request::from_http(req.map(|body| {
+                Streaming::new_request(
+                    ProstDecoder::<ProcessingRequest>::default(),
+                    body,
+                    None,
+                    Some(max_decoding),
+                )
+            }));
+            let answers = inner.process(request).into_inner();
+            let mut response = http::Response::new(tonic::body::Body::new(ResponseBody::new(
+                answers,
+                max_encoding,
+            )));
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/grpc"),
+            );
+            Ok(response)
         })
     }
 }
 
-/// The `Process` method's codec: requests as tonic-prost decodes them, responses through
-/// [`SizedEncoder`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ExtProcCodec;
-
-impl Codec for ExtProcCodec {
-    type Encode = ProcessingResponse;
-    type Decode = ProcessingRequest;
-    type Encoder = SizedEncoder;
-    type Decoder = ProstDecoder<ProcessingRequest>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        SizedEncoder
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        ProstDecoder::default()
-    }
-}
-
-/// Encodes a response into room reserved for its encoded length, so the buffer is allocated
-/// once at its size whatever the body it carries.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SizedEncoder;
-
-impl Encoder for SizedEncoder {
-    type Item = ProcessingResponse;
-    type Error = Status;
-
-    fn encode(&mut self, item: Self::Item, buf: &mut EncodeBuf<'_>) -> Result<(), Self::Error> {
-        buf.reserve(item.encoded_len());
-        item.encode(buf)
-            .map_err(|e| Status::internal(format!("encoding the ext_proc response: {e}")))
-    }
+/// `UNIMPLEMENTED` for a request compressed other than `identity` (kvepp reads messages as
+/// they come; Envoy does not compress ext_proc streams).
+fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
+    let value = headers.get("grpc-encoding")?;
+    (value.as_bytes() != b"identity").then(|| {
+        Status::unimplemented(format!(
+            "Content is compressed with `{}` which isn't supported",
+            String::from_utf8_lossy(value.as_bytes())
+        ))
+    })
 }

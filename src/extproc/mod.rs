@@ -6,6 +6,7 @@
 //! metric labels. Responses leave through a small bounded channel, so a slow proxy applies
 //! backpressure instead of growing a queue.
 
+mod framing;
 mod grpc;
 pub mod metadata;
 pub mod response;
