@@ -2,15 +2,15 @@
 //! from where it lies.
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
-use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use envoy_types::pb::google::protobuf::Struct;
 use http_body_util::BodyExt;
 use prost::Message;
 use tonic::Status;
 
+use super::super::wire::tests::{a_struct, header_map, mutation};
 use super::super::wire::{
     body_mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse,
-    HeaderMutation, HeadersResponse, ProcessingResponse, StreamedBodyResponse,
+    HeadersResponse, ProcessingResponse, StreamedBodyResponse,
 };
 use super::*;
 
@@ -75,29 +75,8 @@ fn body_of(len: usize, seed: u8) -> Bytes {
     )
 }
 
-fn mutation() -> HeaderMutation {
-    HeaderMutation {
-        set_headers: vec![HeaderValueOption {
-            header: Some(HeaderValue {
-                key: "x-gateway-destination-endpoint".into(),
-                raw_value: b"10.0.0.1:8000".to_vec(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
-}
-
 fn metadata() -> Struct {
-    let mut s = Struct::default();
-    s.fields.insert(
-        "envoy.lb".into(),
-        Value {
-            kind: Some(Kind::StringValue("10.0.0.1:8000".into())),
-        },
-    );
-    s
+    a_struct("envoy.lb", "10.0.0.1:8000")
 }
 
 /// One answer carrying `body` in each shape the framing splits, with the other fields on or off
@@ -119,13 +98,7 @@ fn answer(body: Bytes, fields: u32) -> ProcessingResponse {
             body_mutation: Some(BodyMutation {
                 mutation: Some(mutation_kind),
             }),
-            trailers: on(4).then(|| HeaderMap {
-                headers: vec![HeaderValue {
-                    key: "x-trailer".into(),
-                    raw_value: b"1".to_vec(),
-                    ..Default::default()
-                }],
-            }),
+            trailers: on(4).then(|| header_map(&[("x-trailer", "1")])),
             clear_route_cache: on(5),
         }),
     };

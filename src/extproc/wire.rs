@@ -167,4 +167,4 @@ pub struct StreamedBodyResponse {
 
 #[cfg(test)]
 #[path = "wire_tests.rs"]
-mod tests;
+pub(super) mod tests;

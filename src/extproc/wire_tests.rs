@@ -1,6 +1,7 @@
 //! kvepp's ext_proc messages against `envoy-types`' (generated from Envoy's protos): what Envoy
 //! encodes decodes here to the same values, what kvepp encodes decodes there to the same
-//! values, and a decoded body is a slice of the buffer it came in.
+//! values, and a decoded body is a slice of the buffer it came in. Its message builders serve
+//! `framing_tests` too.
 
 use std::collections::HashMap;
 
@@ -15,7 +16,7 @@ use prost::Message;
 
 use super::*;
 
-fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
+pub(crate) fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
     HeaderMap {
         headers: pairs
             .iter()
@@ -28,7 +29,7 @@ fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
     }
 }
 
-fn a_struct(key: &str, value: &str) -> Struct {
+pub(crate) fn a_struct(key: &str, value: &str) -> Struct {
     let mut s = Struct::default();
     s.fields.insert(
         key.to_owned(),
@@ -39,7 +40,7 @@ fn a_struct(key: &str, value: &str) -> Struct {
     s
 }
 
-fn mutation() -> HeaderMutation {
+pub(crate) fn mutation() -> HeaderMutation {
     HeaderMutation {
         set_headers: vec![HeaderValueOption {
             header: Some(HeaderValue {
