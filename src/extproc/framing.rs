@@ -192,6 +192,22 @@ struct Split<'a> {
     /// Some(end_of_stream): the body is a `StreamedBodyResponse`'s; None: a whole-body mutation.
     streamed: Option<bool>,
     dynamic_metadata: Option<&'a envoy_types::pb::google::protobuf::Struct>,
+    /// Encoded lengths, innermost first, each computed once.
+    lens: Lens,
+}
+
+/// The encoded lengths of the messages around a body.
+struct Lens {
+    /// `StreamedBodyResponse` (streamed bodies only).
+    streamed: usize,
+    /// `BodyMutation`.
+    mutation: usize,
+    /// `CommonResponse`.
+    common: usize,
+    /// `BodyResponse`.
+    answer: usize,
+    /// The whole `ProcessingResponse`.
+    message: usize,
 }
 
 impl<'a> Split<'a> {
@@ -207,79 +223,76 @@ impl<'a> Split<'a> {
             Mutation::Body(b) => (b, None),
             Mutation::ClearBody(_) => return None,
         };
-        (body.len() >= BY_REFERENCE).then_some(Split {
+        if body.len() < BY_REFERENCE {
+            return None;
+        }
+        let dynamic_metadata = msg.dynamic_metadata.as_ref();
+        // A bytes field sent by reference is never empty, so proto3 always writes it.
+        let body_field = nested_len(1, body.len());
+        let streamed_len = streamed.map_or(0, |eos| body_field + bool_len(2, eos));
+        let mutation = match streamed {
+            Some(_) => nested_len(3, streamed_len),
+            None => body_field,
+        };
+        let status = if common.status != 0 {
+            encoding::int32::encoded_len(1, &common.status)
+        } else {
+            0
+        };
+        let common_len = status
+            + common
+                .header_mutation
+                .as_ref()
+                .map_or(0, |m| encoding::message::encoded_len(2, m))
+            + nested_len(3, mutation)
+            + common
+                .trailers
+                .as_ref()
+                .map_or(0, |t| encoding::message::encoded_len(4, t))
+            + bool_len(5, common.clear_route_cache);
+        let answer_len = nested_len(1, common_len);
+        let message = nested_len(tag, answer_len)
+            + dynamic_metadata.map_or(0, |m| encoding::message::encoded_len(8, m));
+        Some(Split {
             tag,
             common,
             body,
             streamed,
-            dynamic_metadata: msg.dynamic_metadata.as_ref(),
+            dynamic_metadata,
+            lens: Lens {
+                streamed: streamed_len,
+                mutation,
+                common: common_len,
+                answer: answer_len,
+                message,
+            },
         })
-    }
-
-    /// `StreamedBodyResponse`'s length (streamed bodies only).
-    fn streamed_len(&self, end_of_stream: bool) -> usize {
-        bytes_field_len(1, self.body.len()) + bool_len(2, end_of_stream)
-    }
-
-    /// `BodyMutation`'s length.
-    fn mutation_len(&self) -> usize {
-        match self.streamed {
-            Some(eos) => nested_len(3, self.streamed_len(eos)),
-            None => bytes_field_len(1, self.body.len()),
-        }
-    }
-
-    /// `CommonResponse`'s length.
-    fn common_len(&self) -> usize {
-        let c = self.common;
-        let status = if c.status != 0 {
-            encoding::int32::encoded_len(1, &c.status)
-        } else {
-            0
-        };
-        status
-            + c.header_mutation
-                .as_ref()
-                .map_or(0, |m| encoding::message::encoded_len(2, m))
-            + nested_len(3, self.mutation_len())
-            + c.trailers
-                .as_ref()
-                .map_or(0, |t| encoding::message::encoded_len(4, t))
-            + bool_len(5, c.clear_route_cache)
-    }
-
-    /// The `BodyResponse`'s length.
-    fn answer_len(&self) -> usize {
-        nested_len(1, self.common_len())
     }
 
     /// The whole message's encoded length.
     fn message_len(&self) -> usize {
-        nested_len(self.tag, self.answer_len())
-            + self
-                .dynamic_metadata
-                .map_or(0, |m| encoding::message::encoded_len(8, m))
+        self.lens.message
     }
 
     /// The message's bytes other than the body's (room enough for the part before it).
     fn head_len(&self) -> usize {
-        self.message_len() - self.body.len()
+        self.lens.message - self.body.len()
     }
 
     /// Everything up to the body's first byte.
     fn head(&self, buf: &mut BytesMut) {
         let c = self.common;
-        open(self.tag, self.answer_len(), buf);
-        open(1, self.common_len(), buf);
+        open(self.tag, self.lens.answer, buf);
+        open(1, self.lens.common, buf);
         if c.status != 0 {
             encoding::int32::encode(1, &c.status, buf);
         }
         if let Some(m) = &c.header_mutation {
             encoding::message::encode(2, m, buf);
         }
-        open(3, self.mutation_len(), buf);
-        if let Some(eos) = self.streamed {
-            open(3, self.streamed_len(eos), buf);
+        open(3, self.lens.mutation, buf);
+        if self.streamed.is_some() {
+            open(3, self.lens.streamed, buf);
         }
         open(1, self.body.len(), buf);
     }
@@ -311,12 +324,6 @@ fn open(tag: u32, len: usize, buf: &mut BytesMut) {
 /// A length-delimited field of `len` bytes, with its key and length.
 fn nested_len(tag: u32, len: usize) -> usize {
     key_len(tag) + encoded_len_varint(len as u64) + len
-}
-
-/// A non-empty bytes field (proto3 leaves an empty one out; a body sent by reference is never
-/// empty).
-fn bytes_field_len(tag: u32, len: usize) -> usize {
-    nested_len(tag, len)
 }
 
 /// A proto3 bool: left out when false.
