@@ -195,6 +195,15 @@ fn token_id_chunk_ratios(_: &mut Criterion) {
     }
 }
 
+/// parse_body, then the prompt's token ids: how many there are.
+fn ids_read(body: &[u8]) -> usize {
+    let parsed = kvepp::request::parse_body(black_box(body)).expect("valid body");
+    match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
+        kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
+        _ => 0,
+    }
+}
+
 /// A token-id prompt of 100k ids: parsing the body and reading the ids (what kvepp does per
 /// request in `token_ids` mode), against a full `serde_json::Value` parse.
 fn token_id_ratios(_: &mut Criterion) {
@@ -214,13 +223,7 @@ fn token_id_ratios(_: &mut Criterion) {
     };
     let parse =
         time(&|| kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len()));
-    let ids = time(&|| {
-        let parsed = kvepp::request::parse_body(black_box(&b)).expect("valid body");
-        match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
-            kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
-            _ => 0,
-        }
-    });
+    let ids = time(&|| ids_read(&b));
     let base = time(&|| {
         serde_json::from_slice::<serde_json::Value>(black_box(&b))
             .map_or(0, |v| v["prompt"].as_array().map_or(0, Vec::len))
@@ -238,13 +241,7 @@ fn token_id_ratios(_: &mut Criterion) {
         .expect("ascii")
         .replace(',', ", ")
         .into_bytes();
-    let spaced_ids = time(&|| {
-        let parsed = kvepp::request::parse_body(black_box(&spaced)).expect("valid body");
-        match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
-            kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
-            _ => 0,
-        }
-    });
+    let spaced_ids = time(&|| ids_read(&spaced));
     println!(
         "ratio token_ids/`, ` between ids: parse_body + ids {:.0} µs against {:.0} µs with `,` = {:.2}×",
         spaced_ids * 1e6,
