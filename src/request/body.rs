@@ -28,6 +28,8 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 
 mod id_chunks;
+#[cfg(target_arch = "x86_64")]
+mod ids_avx512;
 mod int_array;
 mod known;
 mod walk;

@@ -30,7 +30,18 @@ pub(super) fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
 /// The rest of an array of plain integers whose next id starts at `b[first]` (after its `[` or
 /// a separator, and the whitespace after it): the ids up to its `]` and the offset past that.
 /// None as [`int_array`].
+/// On a CPU with AVX-512 the arrays clients send are read 64 bytes a step
+/// ([`super::ids_avx512`]); the rest, and on other CPUs all, as described at [`int_array`].
 pub(super) fn ids_to_end(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(read) = super::ids_avx512::ids_to_end(b, first) {
+        return Some(read);
+    }
+    two_stretches(b, first)
+}
+
+/// [`ids_to_end`] read as two stretches side by side (see [`int_array`]).
+fn two_stretches(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
     let mid = first + (b.len() - first.min(b.len())) / 2;
     let Some(stop) = b
         .get(mid..)
@@ -204,7 +215,7 @@ fn long_int(b: &[u8], mut i: usize) -> Option<(u32, usize)> {
 
 /// The plain reading [`int_array`] must agree with: one id after another.
 #[cfg(test)]
-fn int_array_simple(b: &[u8]) -> Option<(Vec<u32>, usize)> {
+pub(super) fn int_array_simple(b: &[u8]) -> Option<(Vec<u32>, usize)> {
     let mut ids = Vec::new();
     let mut i = skip_ws(b, 1);
     if b.get(i) == Some(&b']') {
