@@ -10,10 +10,11 @@
 //! step), the bytes before its first digit zeroed, and eight ids converted at once by multiply-adds.
 //! The portable reader instead finds where each id starts from where the one before it ended.
 //!
-//! It answers only for the arrays clients send: ids of one to seven digits, separated by a comma
-//! with spaces around it or not (`[1,2]`, `[1, 2]`). Anything else (another whitespace, an id of
-//! eight digits or more, anything that is not such an array) is None: "not read here", and the
-//! caller reads the array the portable way, which decides.
+//! It answers only for the arrays clients send: ids separated by a comma with spaces around it or
+//! not (`[1,2]`, `[1, 2]`). Ids of eight digits or more are read byte by byte in their turn
+//! (a lane holds eight bytes). Anything else (another whitespace, anything that is not such an
+//! array) is None: "not read here", and the caller reads the array the portable way, which
+//! decides.
 //!
 //! Invariant: where [`ids_to_end`] answers, the answer is the portable reader's (the differential
 //! tests in `int_array` run through it on a CPU that has the features, and check that it answered).
@@ -23,6 +24,7 @@
 //! body and the stores into the id vector's reserved room, each with its bound next to it.
 #![allow(unsafe_code)]
 
+use super::int_array::long_int;
 use std::arch::x86_64::{
     __m512i, _mm256_storeu_si256, _mm512_add_epi64, _mm512_add_epi8, _mm512_cmpeq_epi64_mask,
     _mm512_cmpeq_epi8_mask, _mm512_cmplt_epu8_mask, _mm512_cvtepi64_epi32, _mm512_loadu_si512,
@@ -176,8 +178,8 @@ fn load(b: &[u8], at: usize) -> __m512i {
 }
 
 /// Eight ids at once: lane j's value is the id whose last digit is at the table index in byte
-/// `8 * group + j` of `ends` (the table: `prev` then `cur`). None if one of the first `lanes`
-/// has eight digits or more (not read here).
+/// `8 * group + j` of `ends` (the table: `prev` then `cur`); and the lanes, of the first `lanes`,
+/// whose id has eight digits or more (their values are not read here).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,popcnt")]
 fn eight(
     k: &Consts,
@@ -186,7 +188,7 @@ fn eight(
     ends: __m512i,
     group: usize,
     lanes: usize,
-) -> Option<__m512i> {
+) -> (__m512i, u32) {
     // Each lane's end index in all its bytes, then the eight bytes up to and including it.
     let end = _mm512_permutexvar_epi8(
         _mm512_add_epi8(k.lane, _mm512_set1_epi8((8 * group) as i8)),
@@ -195,9 +197,6 @@ fn eight(
     let bytes = _mm512_permutex2var_epi8(prev, _mm512_sub_epi8(end, k.back), cur);
     let digits = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(bytes, k.zero), k.ten);
     let all_digits = _mm512_cmpeq_epi64_mask(_mm512_movm_epi8(digits), _mm512_set1_epi8(-1));
-    if u32::from(all_digits) & ((1u32 << lanes) - 1) != 0 {
-        return None;
-    }
     // Clear each lane's bytes from its last non-digit down: what is left is the id's digits,
     // at the top of the lane (the id's last digit is byte 7).
     let mut before = !digits;
@@ -208,10 +207,30 @@ fn eight(
     // Pairs of digits (x10 + 1), then fours (x100 + 1), then eight (x10000 + 1).
     let pairs = _mm512_maddubs_epi16(values, _mm512_set1_epi16(0x010A));
     let fours = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x0001_0064));
-    Some(_mm512_add_epi64(
+    let values = _mm512_add_epi64(
         _mm512_mul_epu32(fours, _mm512_set1_epi64(10_000)),
         _mm512_srli_epi64::<32>(fours),
-    ))
+    );
+    (values, u32::from(all_digits) & ((1u32 << lanes) - 1))
+}
+
+/// The ids of eight digits or more among a step's (bit k of `long`: the k-th id ending in the
+/// step, whose last digit is the k-th set bit of `ends`), read byte by byte into `ids[k]`. None
+/// if one does not fit u32 (or has a needless zero: [`shape`] declined those already).
+fn long_ids(b: &[u8], at: usize, mut ends: u64, long: u32, ids: &mut [u32]) -> Option<()> {
+    for (k, id) in ids.iter_mut().enumerate() {
+        let end = at + ends.trailing_zeros() as usize;
+        ends &= ends.wrapping_sub(1);
+        if long >> k & 1 == 1 {
+            let digits = b[..=end]
+                .iter()
+                .rev()
+                .take_while(|c| c.is_ascii_digit())
+                .count();
+            *id = long_int(b, end + 1 - digits)?.0;
+        }
+    }
+    Some(())
 }
 
 /// [`ids_to_end`] on a CPU with the features.
@@ -236,10 +255,11 @@ fn read(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
         ids.reserve(32);
         let room = &mut ids.spare_capacity_mut()[..32];
         let ends = _mm512_maskz_compress_epi8(step.ends, k.current);
-        let mut group = 0;
+        let (mut group, mut long) = (0, 0u32);
         while group < 2 || 8 * group < n {
             let lanes = n.saturating_sub(8 * group).min(8);
-            let values = eight(&k, prev, cur, ends, group, lanes)?;
+            let (values, long_lanes) = eight(&k, prev, cur, ends, group, lanes);
+            long |= long_lanes << (8 * group);
             let lane = &mut room[8 * group..8 * group + 8];
             // SAFETY: eight u32 stored into the eight slots of `lane`.
             unsafe { _mm256_storeu_si256(lane.as_mut_ptr().cast(), _mm512_cvtepi64_epi32(values)) };
@@ -248,6 +268,10 @@ fn read(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
         // SAFETY: the first n of the spare slots were just written (8 * group >= n), and
         // n <= 32 <= the room reserved.
         unsafe { ids.set_len(ids.len() + n) };
+        if long != 0 {
+            let from = ids.len() - n;
+            long_ids(b, at, step.ends, long, &mut ids[from..])?;
+        }
         if let Some(r) = step.close {
             return Some((ids, at + r + 1));
         }
@@ -296,9 +320,9 @@ mod tests {
         crate::request::body::skip_ws(b, 1)
     }
 
-    /// Every array of the usual layouts with ids of up to seven digits is read here, and read
-    /// as the one-id-after-another reading reads it: arrays of 0 to 400 ids (so their ids and
-    /// `]` fall at every offset of a 64-byte step), with more of the body after them.
+    /// Every array of the usual layouts is read here, and read as the one-id-after-another
+    /// reading reads it: arrays of 1 to 400 ids of up to nine digits (so their ids and `]` fall
+    /// at every offset of a 64-byte step), with more of the body after them.
     #[test]
     fn reads_the_usual_arrays_as_one_id_after_another() {
         if !available() {
@@ -307,7 +331,7 @@ mod tests {
         }
         let mut rng = fastrand::Rng::with_seed(3);
         for case in 0..4_000 {
-            let b = array(&mut rng, 400, 7, 200);
+            let b = array(&mut rng, 400, if case % 4 == 0 { 9 } else { 7 }, 200);
             let want = int_array_simple(&b).expect("a valid array");
             assert_eq!(
                 ids_to_end(&b, first(&b)),
@@ -316,6 +340,13 @@ mod tests {
                 String::from_utf8_lossy(&b)
             );
         }
+        // Ids of ten digits: read up to u32's largest, not beyond it (the portable reader says so).
+        let b = b"[7, 4294967295, 1000000000,3]";
+        assert_eq!(
+            ids_to_end(b, 1),
+            Some((vec![7, u32::MAX, 1_000_000_000, 3], b.len()))
+        );
+        assert_eq!(ids_to_end(b"[7, 4294967296]", 1), None);
         // The `]` at each offset of the first steps, the body ending right after it.
         for pad in 0..200 {
             let mut b = b"[".to_vec();
@@ -332,8 +363,8 @@ mod tests {
     }
 
     /// Anything else is not read here or read as the one-id-after-another reading reads it:
-    /// ids of eight to ten digits, other whitespace, mutated arrays (a sign, a fraction, a
-    /// needless zero, a stray comma or `]`, a cut). Some of them are still read here.
+    /// other whitespace, ids beyond u32, mutated arrays (a sign, a fraction, a needless zero, a
+    /// stray comma or `]`, a cut). Some of them are still read here.
     #[test]
     fn anything_else_is_declined_or_read_alike() {
         if !available() {

@@ -188,7 +188,7 @@ fn short_int(w: u64) -> Option<(u32, usize)> {
 
 /// The plain integer that starts at `b[i]`, read byte by byte, and where it ends: None if there
 /// is none, it has a needless leading zero or it does not fit u32.
-fn long_int(b: &[u8], mut i: usize) -> Option<(u32, usize)> {
+pub(super) fn long_int(b: &[u8], mut i: usize) -> Option<(u32, usize)> {
     let first = *b.get(i)?;
     let mut value = u64::from(first.wrapping_sub(b'0'));
     if value > 9 {
