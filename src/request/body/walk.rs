@@ -102,8 +102,19 @@ fn step(b: &[u8], i: usize, width: usize, mut m: u64) -> Option<Step> {
 }
 
 /// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
-/// closing quote, a control character, or an escape JSON does not have.
+/// closing quote, a control character, or an escape JSON does not have. Its lanes are marked
+/// with one AVX-512 compare each where the CPU has it ([`wide`]), else 16 bytes at a time.
 fn skip_string(b: &[u8], at: usize) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    return wide::skip_string(b, at);
+    #[cfg(not(target_arch = "x86_64"))]
+    skip_string_with(b, at, specials)
+}
+
+/// [`skip_string`] with `specials` marking a lane's hits (it is inlined into each caller, so a
+/// caller compiled for wider vectors gets them here too).
+#[inline(always)]
+fn skip_string_with(b: &[u8], at: usize, specials: impl Fn(&[u8; LANE]) -> u64) -> Option<usize> {
     let mut i = at + 1;
     if let Some(first) = b.get(i..i + FIRST) {
         match step(
@@ -123,6 +134,74 @@ fn skip_string(b: &[u8], at: usize) -> Option<usize> {
         match step(b, i, LANE, specials(<&[u8; LANE]>::try_from(lane).ok()?))? {
             Step::End(end) => return Some(end),
             Step::At(next) => i = next,
+        }
+    }
+}
+
+/// A lane's hits in one 64-byte AVX-512 compare per kind, where the CPU has AVX-512 BW (checked
+/// at run time; the standard library caches what it detects).
+///
+/// It has the crate's only `unsafe` code besides the token-id reader's (`super::ids_avx512`):
+/// the call into the scan compiled for AVX-512 once the CPU was checked, and the lane's load.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    #![allow(unsafe_code)]
+
+    use std::arch::x86_64::{
+        _mm512_cmpeq_epi8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512, _mm512_set1_epi8,
+    };
+
+    use super::{skip_string_with, specials, LANE};
+
+    /// [`super::skip_string`], with AVX-512 lanes where the CPU has them.
+    pub(super) fn skip_string(b: &[u8], at: usize) -> Option<usize> {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            // SAFETY: `skip_string_avx512` is compiled for exactly the features just found.
+            unsafe { skip_string_avx512(b, at) }
+        } else {
+            skip_string_with(b, at, specials)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn skip_string_avx512(b: &[u8], at: usize) -> Option<usize> {
+        skip_string_with(b, at, |lane| specials_avx512(lane))
+    }
+
+    /// [`specials`] of one lane: its quotes, backslashes and control characters.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    pub(super) fn specials_avx512(lane: &[u8; LANE]) -> u64 {
+        // SAFETY: reads the 64 bytes of `lane`.
+        let v = unsafe { _mm512_loadu_si512(lane.as_ptr().cast()) };
+        _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(b'"' as i8))
+            | _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(b'\\' as i8))
+            | _mm512_cmplt_epu8_mask(v, _mm512_set1_epi8(0x20))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The AVX-512 lane marks what the 16-byte parts mark, on lanes of every byte value.
+        #[test]
+        fn avx512_lanes_mark_what_sse2_parts_mark() {
+            if !std::arch::is_x86_feature_detected!("avx512bw") {
+                eprintln!("skipped: this CPU has no AVX-512 BW");
+                return;
+            }
+            let mut rng = fastrand::Rng::with_seed(2);
+            for case in 0..20_000 {
+                let lane: [u8; LANE] = std::array::from_fn(|_| match case % 3 {
+                    0 => rng.u8(..),
+                    _ => b"a\\\" \x1f\x00\x7f\xff"[rng.usize(..8)],
+                });
+                // SAFETY: the CPU has AVX-512 BW (checked above).
+                let wide = unsafe { specials_avx512(&lane) };
+                assert_eq!(wide, specials(&lane), "{lane:?}");
+            }
         }
     }
 }
