@@ -102,19 +102,10 @@ fn step(b: &[u8], i: usize, width: usize, mut m: u64) -> Option<Step> {
 }
 
 /// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
-/// closing quote, a control character, or an escape JSON does not have. Its lanes are marked
-/// with one AVX-512 compare each where the CPU has it ([`wide`]), else 16 bytes at a time.
+/// closing quote, a control character, or an escape JSON does not have. Past its first 16
+/// bytes (where most keys and short values end), its lanes are marked with one AVX-512 compare
+/// each where the CPU has it ([`wide`]), else 16 bytes at a time.
 fn skip_string(b: &[u8], at: usize) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
-    return wide::skip_string(b, at);
-    #[cfg(not(target_arch = "x86_64"))]
-    skip_string_with(b, at, specials)
-}
-
-/// [`skip_string`] with `specials` marking a lane's hits (it is inlined into each caller, so a
-/// caller compiled for wider vectors gets them here too).
-#[inline(always)]
-fn skip_string_with(b: &[u8], at: usize, specials: impl Fn(&[u8; LANE]) -> u64) -> Option<usize> {
     let mut i = at + 1;
     if let Some(first) = b.get(i..i + FIRST) {
         match step(
@@ -127,6 +118,16 @@ fn skip_string_with(b: &[u8], at: usize, specials: impl Fn(&[u8; LANE]) -> u64) 
             Step::At(next) => i = next,
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    return wide::skip_lanes(b, i);
+    #[cfg(not(target_arch = "x86_64"))]
+    skip_lanes_with(b, i, specials)
+}
+
+/// The rest of a string from `b[i]` on, a lane at a time, with `specials` marking a lane's hits
+/// (it is inlined into each caller, so a caller compiled for wider vectors gets them here too).
+#[inline(always)]
+fn skip_lanes_with(b: &[u8], mut i: usize, specials: impl Fn(&[u8; LANE]) -> u64) -> Option<usize> {
     loop {
         let Some(lane) = b.get(i..i + LANE) else {
             return skip_string_tail(b, i);
@@ -151,23 +152,23 @@ mod wide {
         _mm512_cmpeq_epi8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512, _mm512_set1_epi8,
     };
 
-    use super::{skip_string_with, specials, LANE};
+    use super::{skip_lanes_with, specials, LANE};
 
-    /// [`super::skip_string`], with AVX-512 lanes where the CPU has them.
-    pub(super) fn skip_string(b: &[u8], at: usize) -> Option<usize> {
+    /// [`super::skip_lanes_with`], with AVX-512 lanes where the CPU has them.
+    pub(super) fn skip_lanes(b: &[u8], at: usize) -> Option<usize> {
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
-            // SAFETY: `skip_string_avx512` is compiled for exactly the features just found.
-            unsafe { skip_string_avx512(b, at) }
+            // SAFETY: `skip_lanes_avx512` is compiled for exactly the features just found.
+            unsafe { skip_lanes_avx512(b, at) }
         } else {
-            skip_string_with(b, at, specials)
+            skip_lanes_with(b, at, specials)
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn skip_string_avx512(b: &[u8], at: usize) -> Option<usize> {
-        skip_string_with(b, at, |lane| specials_avx512(lane))
+    fn skip_lanes_avx512(b: &[u8], at: usize) -> Option<usize> {
+        skip_lanes_with(b, at, |lane| specials_avx512(lane))
     }
 
     /// [`specials`] of one lane: its quotes, backslashes and control characters.
