@@ -1,5 +1,5 @@
 //! Token ids read 64 bytes a step with AVX-512, where the CPU has it (checked at run time; the
-//! portable reader in [`super::int_array`] does the rest).
+//! portable reader in [`mod@super::int_array`] does the rest).
 //!
 //! A step loads 64 bytes of the array and marks its digits, commas, spaces and `]` in 64-bit
 //! masks. The masks alone check the array's shape: only those bytes before the `]`, an id never
@@ -16,8 +16,9 @@
 //! array) is None: "not read here", and the caller reads the array the portable way, which
 //! decides.
 //!
-//! Invariant: where [`ids_to_end`] answers, the answer is the portable reader's (the differential
-//! tests in `int_array` run through it on a CPU that has the features, and check that it answered).
+//! Invariant: where [`ids_to_end`] answers, the answer is the one-id-after-another reading's
+//! (differential tests below, on a CPU that has the features: every usual array is answered,
+//! anything else declined or answered alike; `int_array`'s tests run through it too).
 //!
 //! This is the one module of the crate with `unsafe` code (`unsafe_code` is denied elsewhere):
 //! the call into the function compiled for AVX-512 after the CPU was checked, the loads from the
