@@ -76,6 +76,7 @@ struct Ends {
 }
 
 /// Ones from each set bit up to the next set bit, exclusive (the running parity of the bits).
+#[inline(always)]
 fn prefix_xor(mut x: u64) -> u64 {
     for shift in [1, 2, 4, 8, 16, 32] {
         x ^= x << shift;
@@ -88,6 +89,7 @@ fn prefix_xor(mut x: u64) -> u64 {
 /// follows an id; no id starts with `0` followed by a digit; the array does not end in a comma.
 /// `next_digit` is whether the byte after the step is a digit. None: not an array this reader
 /// answers for.
+#[inline(always)]
 fn shape(m: &Masks, next_digit: bool, carry: &mut Carry) -> Option<Ends> {
     let close = (m.close != 0).then(|| m.close.trailing_zeros() as usize);
     let inside = close.map_or(!0, |r| (1u64 << r) - 1);
@@ -136,6 +138,7 @@ struct Consts {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,popcnt")]
+#[inline]
 fn consts() -> Consts {
     let table = |f: fn(usize) -> usize| -> __m512i {
         let bytes: [u8; STEP] = std::array::from_fn(|i| f(i) as u8);
@@ -152,6 +155,7 @@ fn consts() -> Consts {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,popcnt")]
+#[inline]
 fn masks(k: &Consts, v: __m512i) -> Masks {
     Masks {
         digit: _mm512_cmplt_epu8_mask(_mm512_sub_epi8(v, k.zero), k.ten),
@@ -164,6 +168,7 @@ fn masks(k: &Consts, v: __m512i) -> Masks {
 
 /// The 64 bytes at `b[at..]`; past the end of `b`, zero bytes (which no array has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,popcnt")]
+#[inline]
 fn load(b: &[u8], at: usize) -> __m512i {
     let rest = b.len().saturating_sub(at);
     if rest >= STEP {
@@ -182,6 +187,7 @@ fn load(b: &[u8], at: usize) -> __m512i {
 /// `8 * group + j` of `ends` (the table: `prev` then `cur`); and the lanes, of the first `lanes`,
 /// whose id has eight digits or more (their values are not read here).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,popcnt")]
+#[inline]
 fn eight(
     k: &Consts,
     prev: __m512i,
