@@ -20,9 +20,10 @@
 //! (differential tests below, on a CPU that has the features: every usual array is answered,
 //! anything else declined or answered alike; `int_array`'s tests run through it too).
 //!
-//! This is the one module of the crate with `unsafe` code (`unsafe_code` is denied elsewhere):
-//! the call into the function compiled for AVX-512 after the CPU was checked, the loads from the
-//! body and the stores into the id vector's reserved room, each with its bound next to it.
+//! One of the two places in this crate with `unsafe` code (the other is `walk`'s AVX-512 string
+//! lanes; `unsafe_code` is denied elsewhere): the call into the function compiled for AVX-512
+//! after the CPU was checked, the loads from the body and the stores into the id vector's
+//! reserved room, each with its bound next to it.
 #![allow(unsafe_code)]
 
 use super::int_array::long_int;
@@ -75,7 +76,7 @@ struct Ends {
     close: Option<usize>,
 }
 
-/// Ones from each set bit up to the next set bit, exclusive (the running parity of the bits).
+/// Bit i: the parity of `x`'s bits 0 to i (their running parity).
 #[inline(always)]
 fn prefix_xor(mut x: u64) -> u64 {
     for shift in [1, 2, 4, 8, 16, 32] {

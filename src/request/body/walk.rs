@@ -143,8 +143,9 @@ fn skip_lanes_with(b: &[u8], mut i: usize, specials: impl Fn(&[u8; LANE]) -> u64
 /// A lane's hits in one 64-byte AVX-512 compare per kind, where the CPU has AVX-512 BW (checked
 /// at run time; the standard library caches what it detects).
 ///
-/// It has the crate's only `unsafe` code besides the token-id reader's (`super::ids_avx512`):
-/// the call into the scan compiled for AVX-512 once the CPU was checked, and the lane's load.
+/// One of the two places in this crate with `unsafe` code (the other is the token-id reader,
+/// `super::ids_avx512`): the call into the scan compiled for AVX-512 once the CPU was checked,
+/// and the lane's load.
 #[cfg(target_arch = "x86_64")]
 mod wide {
     #![allow(unsafe_code)]
@@ -175,7 +176,7 @@ mod wide {
     /// [`specials`] of one lane: its quotes, backslashes and control characters.
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    pub(super) fn specials_avx512(lane: &[u8; LANE]) -> u64 {
+    fn specials_avx512(lane: &[u8; LANE]) -> u64 {
         // SAFETY: reads the 64 bytes of `lane`.
         let v = unsafe { _mm512_loadu_si512(lane.as_ptr().cast()) };
         _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(b'"' as i8))
@@ -190,7 +191,9 @@ mod wide {
         /// The AVX-512 lane marks what the 16-byte parts mark, on lanes of every byte value.
         #[test]
         fn avx512_lanes_mark_what_sse2_parts_mark() {
-            if !std::arch::is_x86_feature_detected!("avx512bw") {
+            if !(std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw"))
+            {
                 eprintln!("skipped: this CPU has no AVX-512 BW");
                 return;
             }
