@@ -51,7 +51,7 @@ pub(super) fn ids_to_end(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
 }
 
 /// Whether this CPU runs [`read`] (the standard library caches what it detects).
-pub(super) fn available() -> bool {
+fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
         && std::arch::is_x86_feature_detected!("avx512vbmi")
