@@ -171,6 +171,10 @@ fn chat_turn_ids_equal_python_tokenizers_on_deepseeks_tokenizer() {
         tok.segment_stats().is_some(),
         "DeepSeek's tokenizer (an empty normalizer, normalized added tokens) tokenizes by segment"
     );
+    assert!(
+        tok.own_bpe(),
+        "DeepSeek's segments go through kvepp's own byte-level BPE (three Splits, then ByteLevel)"
+    );
     let mut chats = chats(38, 40);
     assert!(chats.len() >= 100, "{} chats", chats.len());
     chats.extend(long_chats(39, 4));
@@ -209,5 +213,42 @@ fn chat_turn_ids_equal_python_tokenizers_on_deepseeks_tokenizer() {
     assert!(
         s.hits > s.misses,
         "later turns reuse earlier turns' segments: {s:?}"
+    );
+}
+
+/// kvepp's own byte-level BPE (what tokenizes each new segment) against the library's whole
+/// encoding on DeepSeek's tokenizer: generated text (added tokens inside it too, so the cutting is
+/// exercised with it), long runs of one kind (a CJK paragraph is one piece of its regex, digits go
+/// three at a time, whitespace and line breaks before words), and every text twice (the second
+/// time its pieces come from the cache).
+#[test]
+fn own_bpe_equals_the_tokenizers_library_on_deepseeks_tokenizer() {
+    let dir = tokenizer_dir();
+    let tok = ModelTokenizer::load(&dir).expect("load DeepSeek's tokenizer");
+    assert!(tok.own_bpe(), "DeepSeek's tokenizer is covered");
+    let mut rng = fastrand::Rng::with_seed(40);
+    let mut texts: Vec<String> = (0..400).map(|i| text(&mut rng, 1 + i % 90)).collect();
+    texts.extend([
+        "日本語の文章と中文文本".repeat(300),
+        "1234567890".repeat(100),
+        " \n\t  \r\n   x  \n\n y ".repeat(50),
+        "données été über naïve ".repeat(40),
+        "a".repeat(1000),
+        "🦀".repeat(200),
+    ]);
+    for (i, t) in texts.iter().enumerate() {
+        let want = tok.text_ids_whole(t).expect("library");
+        assert_eq!(tok.text_ids(t).expect("own"), want, "text {i}: {t:?}");
+        assert_eq!(
+            tok.text_ids(t).expect("own, cached"),
+            want,
+            "text {i} again"
+        );
+    }
+    // A segment alone (no added token in it): the call the bench times.
+    let turn = "And about decode? Question 1764400001: tell me more about blocks. ".repeat(20);
+    assert_eq!(
+        tok.segment_ids(&turn).unwrap(),
+        tok.text_ids_whole(&turn).unwrap()
     );
 }

@@ -10,6 +10,7 @@
 
 pub mod affinity;
 mod body;
+pub mod bpe;
 pub mod flow;
 mod generations;
 mod model;

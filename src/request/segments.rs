@@ -132,7 +132,7 @@ impl Matcher {
 }
 
 /// Whether `v` (a serialized normalizer) changes nothing: an empty `Sequence`, or one of such.
-fn normalizes_nothing(v: &serde_json::Value) -> bool {
+pub(super) fn normalizes_nothing(v: &serde_json::Value) -> bool {
     v["type"].as_str() == Some("Sequence")
         && v["normalizers"]
             .as_array()

@@ -6,7 +6,9 @@
 //!
 //! As vLLM does: a completions prompt is encoded with the tokenizer's special tokens (e.g. BOS); a
 //! rendered chat prompt without them (the template writes its own), a segment at a time with the
-//! segments between added tokens cached when that is exact for the tokenizer ([`super::segments`]).
+//! segments between added tokens cached when that is exact for the tokenizer ([`super::segments`]),
+//! and each new segment tokenized by kvepp's own byte-level BPE ([`super::bpe`]: the library's
+//! ids without its per-call pipeline) where that covers the tokenizer, else by the library.
 //!
 //! A chat's messages become the template's values one message at a time, and each message's value
 //! is kept in a bounded cache keyed by a 128-bit hash of its raw JSON: the same bytes always give
@@ -63,6 +65,8 @@ pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// Chat prompts segment by segment (None: not exact for this tokenizer; whole prompts).
     segments: Option<super::segments::SegmentTokenizer>,
+    /// The segments' own byte-level BPE (None: not of a shape it covers; the library's path).
+    bpe: Option<super::bpe::ByteBpe>,
     env: Option<Environment<'static>>,
     /// Raw message JSON hash → the message as a template value, weighed in bytes.
     messages: ContentCache<Value>,
@@ -142,8 +146,12 @@ impl ModelTokenizer {
             None => None,
         };
         let segments = super::segments::SegmentTokenizer::new(&tokenizer, SEGMENT_CACHE_IDS);
+        let bpe = segments
+            .as_ref()
+            .and_then(|_| super::bpe::ByteBpe::new(&tokenizer));
         Ok(ModelTokenizer {
             segments,
+            bpe,
             tokenizer,
             env,
             messages: ContentCache::new(MESSAGE_CACHE_BYTES, MESSAGE_OVERHEAD_BYTES),
@@ -189,16 +197,31 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.counted(|| {
+            self.tokenizer
+                .encode_fast(text, special)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TokenizeError::Encode(e.to_string()))
+        })
+    }
+
+    /// The ids of text between added tokens (no special tokens added): the segments' own
+    /// byte-level BPE where it covers this tokenizer, else the library.
+    fn encode_segment(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        match &self.bpe {
+            Some(bpe) => self.counted(|| Ok(bpe.encode(text))),
+            None => self.encode(text, false),
+        }
+    }
+
+    /// One call into a tokenizer, counted with its thread's CPU time.
+    fn counted<T>(&self, call: impl FnOnce() -> T) -> T {
         let start = thread_cpu_nanos();
-        let ids = self
-            .tokenizer
-            .encode_fast(text, special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()));
+        let out = call();
         self.cpu_nanos
             .fetch_add(thread_cpu_nanos().saturating_sub(start), Ordering::Relaxed);
         self.calls.fetch_add(1, Ordering::Relaxed);
-        ids
+        out
     }
 
     /// Calls into the tokenizer so far and the CPU time they took.
@@ -308,7 +331,7 @@ impl ModelTokenizer {
         let rendered = self.render_into(messages)?;
         match &self.segments {
             Some(s) => s
-                .encode_rendered(rendered, not_utf8, |seg| self.encode(seg, false))
+                .encode_rendered(rendered, not_utf8, |seg| self.encode_segment(seg))
                 .map(kvepp_core::Prompt::Pieces),
             None => self
                 .encode(rendered_text(&rendered)?, false)
@@ -320,7 +343,7 @@ impl ModelTokenizer {
     /// cache when that is exact for this tokenizer, else whole.
     pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         match &self.segments {
-            Some(s) => s.encode(text, |seg| self.encode(seg, false)),
+            Some(s) => s.encode(text, |seg| self.encode_segment(seg)),
             None => self.encode(text, false),
         }
     }
@@ -328,6 +351,17 @@ impl ModelTokenizer {
     /// Token ids of rendered text, tokenized whole (what [`Self::text_ids`] must equal).
     pub fn text_ids_whole(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.encode(text, false)
+    }
+
+    /// The ids of `text`, which has no added token in it, as a segment of it is tokenized (the
+    /// segments' own BPE where it covers this tokenizer): what the new text of a chat turn costs.
+    pub fn segment_ids(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_segment(text)
+    }
+
+    /// Whether segments are tokenized by kvepp's own byte-level BPE ([`super::bpe`]).
+    pub fn own_bpe(&self) -> bool {
+        self.bpe.is_some()
     }
 
     /// The segment cache's counters (None: this tokenizer tokenizes whole).

@@ -1,0 +1,190 @@
+//! [`super::ByteBpe`] against the `tokenizers` library on the fixture tokenizer (GPT-2 style:
+//! `ByteLevel` with its regex) and on variants of it: Split sequences, `ignore_merges`, and the
+//! shapes it must decline. DeepSeek's tokenizer is checked the same way in
+//! `tests/tokenizer_deepseek.rs`.
+
+use super::{ByteBpe, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
+
+fn fixture_json() -> serde_json::Value {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap()
+}
+
+fn tokenizer(json: &serde_json::Value) -> tokenizers::Tokenizer {
+    tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap()
+}
+
+fn library_ids(tok: &tokenizers::Tokenizer, text: &str) -> Vec<u32> {
+    tok.encode_fast(text, false).unwrap().get_ids().to_vec()
+}
+
+/// Text of words, numbers, contractions, whitespace and line-break runs, punctuation runs,
+/// Latin-1 and CJK letters, emoji and control bytes; no added token (the fixture's contain `<`).
+fn text(rng: &mut fastrand::Rng, pieces: usize) -> String {
+    const PIECES: &[&str] = &[
+        "The",
+        " model",
+        " routes",
+        " KV",
+        " cache",
+        "blocks",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\r\n",
+        "\t",
+        "  \n ",
+        "1234567",
+        " 42",
+        "3.14",
+        "'s",
+        "'ll",
+        " don't",
+        "é",
+        "données",
+        "日本語",
+        "かな",
+        "カナ",
+        "中文",
+        "🙂",
+        "👩‍💻",
+        "...",
+        "?!",
+        " --",
+        "(x)",
+        "{\"a\": 1}",
+        "\u{1}",
+        "\u{7f}",
+        "ÿ",
+        "Ā",
+        " ",
+        "a",
+        "re",
+        "he",
+    ];
+    (0..pieces)
+        .map(|_| PIECES[rng.usize(..PIECES.len())])
+        .collect()
+}
+
+/// Every text the same as the library's, first and second time (the cache).
+fn assert_same(tok: &tokenizers::Tokenizer, bpe: &ByteBpe, seed: u64, texts: usize) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    for i in 0..texts {
+        let t = text(&mut rng, 1 + i % 60);
+        let want = library_ids(tok, &t);
+        assert_eq!(bpe.encode(&t), want, "text {i}: {t:?}");
+        assert_eq!(bpe.encode(&t), want, "text {i} again (cached): {t:?}");
+    }
+}
+
+#[test]
+fn equals_the_library_on_the_fixture() {
+    let tok = tokenizer(&fixture_json());
+    let bpe = ByteBpe::new(&tok).expect("the fixture is byte-level BPE");
+    assert_same(&tok, &bpe, 1, 600);
+    // Long pieces (past the cache's length limit): a run of spaces, of one letter, of digits.
+    for long in [
+        " ".repeat(300),
+        "a".repeat(257),
+        "9".repeat(100),
+        "é".repeat(90),
+    ] {
+        assert!(long.len() > PIECE_CACHE_BYTES);
+        assert_eq!(bpe.encode(&long), library_ids(&tok, &long), "{long:?}");
+    }
+    assert_eq!(bpe.encode(""), Vec::<u32>::new());
+}
+
+#[test]
+fn equals_the_library_behind_splits_and_with_ignore_merges() {
+    let mut json = fixture_json();
+    // DeepSeek's shape: digit and CJK splits, a word regex with a look-ahead, then byte level
+    // without its own regex; a literal `Removed` split too.
+    json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
+    json["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"Regex": "[一-龥\u{3040}-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"String": "--"}, "behavior": "Removed", "invert": false},
+        {"type": "Split", "pattern": {"Regex": "[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+    ]});
+    let tok = tokenizer(&json);
+    let bpe = ByteBpe::new(&tok).expect("Split sequences are covered");
+    assert_same(&tok, &bpe, 2, 400);
+    // ignore_merges: a piece that is a vocabulary entry is taken whole even where the merges
+    // would not reach it ("abc" added as a token with no merge making it).
+    json["model"]["ignore_merges"] = true.into();
+    let n = json["model"]["vocab"].as_object().unwrap().len();
+    json["model"]["vocab"]["abc"] = n.into();
+    let tok = tokenizer(&json);
+    let bpe = ByteBpe::new(&tok).expect("ignore_merges is covered");
+    assert_eq!(bpe.encode("abc"), vec![u32::try_from(n).unwrap()]);
+    assert_eq!(bpe.encode(" abc abc"), library_ids(&tok, " abc abc"));
+    assert_same(&tok, &bpe, 3, 200);
+}
+
+#[test]
+fn the_cache_empties_when_full_and_stays_exact() {
+    let tok = tokenizer(&fixture_json());
+    let bpe = ByteBpe::new(&tok).unwrap();
+    let mut rng = fastrand::Rng::with_seed(4);
+    let words: Vec<String> = (0..PIECE_CACHE_ENTRIES + 500)
+        .map(|_| {
+            let len = rng.usize(4..12);
+            std::iter::repeat_with(|| rng.lowercase())
+                .take(len)
+                .collect()
+        })
+        .collect();
+    for (i, w) in words.iter().enumerate() {
+        bpe.encode(w);
+        assert!(bpe.cache.read().len() <= PIECE_CACHE_ENTRIES, "word {i}");
+    }
+    assert!(
+        bpe.cache.read().len() < PIECE_CACHE_ENTRIES,
+        "the cache was emptied once full"
+    );
+    for w in words.iter().step_by(97) {
+        assert_eq!(bpe.encode(w), library_ids(&tok, w), "{w:?}");
+    }
+}
+
+#[test]
+fn declines_what_it_does_not_cover() {
+    let base = fixture_json();
+    let declined = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = base.clone();
+        edit(&mut json);
+        ByteBpe::new(&tokenizer(&json)).is_none()
+    };
+    assert!(!declined(&|_| {}));
+    assert!(declined(
+        &|j| j["pre_tokenizer"]["add_prefix_space"] = true.into()
+    ));
+    assert!(declined(
+        &|j| j["normalizer"] = serde_json::json!({"type": "Lowercase"})
+    ));
+    assert!(declined(&|j| j["model"]["dropout"] = 0.1.into()));
+    assert!(declined(
+        &|j| j["model"]["end_of_word_suffix"] = "</w>".into()
+    ));
+    assert!(declined(
+        &|j| j["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "a"}, "behavior": "MergedWithNext", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]})
+    ));
+    assert!(declined(
+        &|j| j["pre_tokenizer"] = serde_json::json!({"type": "Whitespace"})
+    ));
+    assert!(declined(&|j| j["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0
+    })));
+    // A byte letter missing from the vocabulary: the library would fall back or fail; not here.
+    assert!(declined(&|j| {
+        j["model"]["vocab"].as_object_mut().unwrap().remove("Ā");
+        j["model"]["merges"] = serde_json::json!([]);
+    }));
+}
