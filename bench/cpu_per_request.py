@@ -20,7 +20,9 @@ measured by `examples/tokenize_cost` (the CPU time of its calls) on the same mac
 before the stack starts and before each repeat, with the stack idle (under load its wall time would
 count the waits for a core; run beside the loaded stack its CPU time read the same as idle), once
 as it is (its tables warm in the CPU caches from the previous call) and once with 32 MiB written
-before every call (`--evict-mib 32`: the tables out of the caches). Inside kvepp the tokenizer's
+before every call (`--evict-mib 32`: the tables out of the caches); and kvepp's own segment
+encoder on the same message (`--own`: its byte-level BPE, src/request/bpe.rs, which is what
+kvepp runs on a new segment when it covers the tokenizer). Inside kvepp the tokenizer's
 CPU time is read from its metrics (`kvepp_tokenizer_cpu_seconds_total`, the thread CPU time of
 each call) around the measured run: what the same work costs in a process that moves ~1 MB of
 body, ids and hashes per request, beside Envoy and the load generator."""
@@ -121,10 +123,12 @@ def main():
         # Per tokens mode: the new segment's cost, warm and with the tables evicted.
         segment_samples = {m: [] for m in tokens_modes}
         evicted_samples = {m: [] for m in tokens_modes}
+        own_samples = {m: [] for m in tokens_modes}
 
         def sample_segment_cost(mode):
             folder = TOKENIZERS[mode][0]
-            for extra, samples in (([], segment_samples), (["--evict-mib", "32"], evicted_samples)):
+            for extra, samples in (([], segment_samples), (["--evict-mib", "32"], evicted_samples),
+                                   (["--own"], own_samples)):
                 out = subprocess.run([COST, folder, last, "--seconds", "1", *extra], check=True,
                                      capture_output=True, text=True).stdout
                 samples[mode].append(float(out.split("; ")[1].split()[0]))
@@ -233,6 +237,10 @@ def main():
             lines.append(f"With its tables out of the CPU caches (32 MiB written before each call) the same call takes "
                          f"{evicted_us:.0f} µs (samples: {', '.join(f'{x:.0f}' for x in evicted_samples[mode])}): "
                          f"kvepp − floor is {extra / evicted_us:.1f}× that.")
+            own_us = statistics.median(own_samples[mode])
+            lines.append(f"kvepp's own segment encoder (its byte-level BPE where it covers the tokenizer) on the same "
+                         f"message alone: {own_us:.0f} µs (samples: {', '.join(f'{x:.0f}' for x in own_samples[mode])}); "
+                         f"kvepp − floor against that + 200 µs: {extra:.0f} vs {own_us + 200:.0f} µs.")
             cpu_us, calls = (statistics.median(x[i] for x in inside[mode]) for i in range(2))
             lines.append(f"Inside kvepp under the load its tokenizer took {cpu_us:.0f} µs of CPU per request "
                          f"({calls:.2f} calls per request; repeats: {', '.join(f'{x[0]:.0f}' for x in inside[mode])}).")

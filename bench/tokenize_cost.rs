@@ -1,8 +1,10 @@
 //! The tokenizer's own cost for one piece of text: `tokenize_cost DIR TEXT [--seconds S]
-//! [--evict-mib M]` tokenizes TEXT alone with the HuggingFace tokenizer in DIR (as kvepp loads
-//! it), 201 times or for S seconds, and prints the median wall-clock µs of a call and the thread's
-//! CPU µs per call (the thread's CPU clock). bench/cpu_per_request.py compares tokens mode's extra
-//! CPU per request with the CPU figure.
+//! [--evict-mib M] [--own]` tokenizes TEXT alone with the HuggingFace tokenizer in DIR (as kvepp
+//! loads it), 201 times or for S seconds, and prints the median wall-clock µs of a call and the
+//! thread's CPU µs per call (the thread's CPU clock). bench/cpu_per_request.py compares tokens
+//! mode's extra CPU per request with the CPU figure. With `--own` the calls are kvepp's own
+//! segment encoder instead (`ModelTokenizer::segment_ids`: its byte-level BPE where it covers
+//! the tokenizer), for TEXT without added tokens.
 //!
 //! With `--evict-mib M`, M MiB are written (a byte per cache line) before every call, so the
 //! tokenizer's tables are no longer in the CPU caches when it starts, as in a process that moves
@@ -35,10 +37,18 @@ fn main() -> anyhow::Result<()> {
             .parse()?,
         None => 0,
     };
+    let own = args.iter().any(|a| a == "--own");
     let mut junk = vec![0u8; evict_mib << 20];
     let mut calls_cpu = Duration::ZERO;
     let t = kvepp::request::tokenize::ModelTokenizer::load(std::path::Path::new(dir))?;
-    let n = t.text_ids_whole(text)?.len();
+    let call = |text: &str| {
+        if own {
+            t.segment_ids(text)
+        } else {
+            t.text_ids_whole(text)
+        }
+    };
+    let n = call(text)?.len();
     let until = seconds.map(|s| Instant::now() + Duration::from_secs_f64(s));
     let mut times = Vec::with_capacity(201);
     while match until {
@@ -51,7 +61,7 @@ fn main() -> anyhow::Result<()> {
         }
         std::hint::black_box(&junk);
         let (start, cpu_start) = (Instant::now(), thread_cpu());
-        t.text_ids_whole(text)?;
+        call(text)?;
         let wall = start.elapsed();
         times.push(wall);
         calls_cpu += thread_cpu().saturating_sub(cpu_start);

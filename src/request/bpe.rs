@@ -43,8 +43,82 @@ const GPT2_SPLIT: &str =
 /// One regex split: pieces are the matches and what lies between them (`keep_matches`), or only
 /// what lies between (`Removed`).
 struct Split {
-    re: fancy_regex::Regex,
+    re: Matcher,
     keep_matches: bool,
+}
+
+/// The tail of the GPT-2, Llama 3, Qwen and DeepSeek word regexes: a whitespace run, less its
+/// last character when a non-space follows (that character then leads the next word).
+const WHITESPACE_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// A split's regex: as `fancy-regex` compiles it, or, when its only look-around is
+/// [`WHITESPACE_TAIL`], the `regex` crate's automaton for the same pattern with that tail as a
+/// plain `\s+` group, and the look-ahead applied to the matches that group makes (see
+/// [`Matcher::each_match`]).
+enum Matcher {
+    Fancy(fancy_regex::Regex),
+    Plain {
+        re: regex::Regex,
+        /// The tail group's index.
+        tail: usize,
+    },
+}
+
+impl Matcher {
+    fn new(pattern: &str) -> Option<Self> {
+        if let Some(rest) = pattern.strip_suffix(WHITESPACE_TAIL) {
+            let plain = regex::Regex::new(&format!("(?:{rest})|(?P<kvepp_tail>\\s+)")).ok();
+            if let Some(re) = plain.filter(|re| !re.is_match("")) {
+                if let Some(tail) = re.capture_names().position(|n| n == Some("kvepp_tail")) {
+                    return Some(Matcher::Plain { re, tail });
+                }
+            }
+        }
+        fancy_regex::Regex::new(pattern).ok().map(Matcher::Fancy)
+    }
+
+    /// Calls `each` with every match's byte range in `text`, in order, as `fancy-regex`'s
+    /// iterator gives them (which ends at a match that gives up: its backtracking limit).
+    ///
+    /// The plain automaton's matches are leftmost-first, as backtracking's are, so they are the
+    /// same as the look-ahead pattern's except where the tail alternative matched: there `\s+`
+    /// took the whole run, and `\s+(?!\S)` (tried first) takes the run less its last
+    /// character when a non-space follows and the run has two or more (with one, it fails and
+    /// the plain `\s+` takes that one). The group is read only for whitespace matches.
+    fn each_match(&self, text: &str, each: &mut dyn FnMut(usize, usize)) {
+        match self {
+            Matcher::Fancy(re) => {
+                for m in re.find_iter(text) {
+                    let Ok(m) = m else { break };
+                    each(m.start(), m.end());
+                }
+            }
+            Matcher::Plain { re, tail } => {
+                let mut locs = re.capture_locations();
+                let mut at = 0;
+                // Not `find_iter`: a shortened match's next search starts where it now ends.
+                while let Some(m) = re.find_at(text, at) {
+                    let (start, mut end) = (m.start(), m.end());
+                    let run = m.as_str();
+                    if run.chars().all(char::is_whitespace) {
+                        re.captures_read_at(&mut locs, text, start);
+                        let from_tail = locs.get(*tail).is_some();
+                        let before_word = text[end..]
+                            .chars()
+                            .next()
+                            .is_some_and(|c| !c.is_whitespace());
+                        let last = run.chars().next_back().map_or(0, char::len_utf8);
+                        if from_tail && before_word && run.len() > last {
+                            end -= last;
+                        }
+                    }
+                    each(start, end);
+                    // Never empty (checked when built), so this moves on.
+                    at = end;
+                }
+            }
+        }
+    }
 }
 
 /// Hashes a merge pair's packed ids (the table's keys are fixed by the tokenizer file, so a
@@ -131,7 +205,7 @@ fn splits_of(pre: &Value) -> Option<Vec<Split>> {
         Some(match p["use_regex"].as_bool() {
             Some(false) => None,
             _ => Some(Split {
-                re: fancy_regex::Regex::new(GPT2_SPLIT).ok()?,
+                re: Matcher::new(GPT2_SPLIT)?,
                 keep_matches: true,
             }),
         })
@@ -154,7 +228,7 @@ fn splits_of(pre: &Value) -> Option<Vec<Split>> {
             _ => return None,
         };
         Some(Split {
-            re: fancy_regex::Regex::new(&pattern).ok()?,
+            re: Matcher::new(&pattern)?,
             keep_matches,
         })
     };
@@ -283,16 +357,15 @@ impl ByteBpe {
             return;
         };
         let mut at = 0;
-        for m in split.re.find_iter(text) {
-            let Ok(m) = m else { break };
-            if at < m.start() {
-                self.pieces(&text[at..m.start()], level + 1, each);
+        split.re.each_match(text, &mut |start, end| {
+            if at < start {
+                self.pieces(&text[at..start], level + 1, each);
             }
-            if split.keep_matches && m.start() < m.end() {
-                self.pieces(m.as_str(), level + 1, each);
+            if split.keep_matches && start < end {
+                self.pieces(&text[start..end], level + 1, each);
             }
-            at = m.end();
-        }
+            at = end;
+        });
         if at < text.len() {
             self.pieces(&text[at..], level + 1, each);
         }

@@ -3,7 +3,7 @@
 //! shapes it must decline. DeepSeek's tokenizer is checked the same way in
 //! `tests/tokenizer_deepseek.rs`.
 
-use super::{ByteBpe, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
+use super::{ByteBpe, Matcher, GPT2_SPLIT, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
 
 fn fixture_json() -> serde_json::Value {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
@@ -187,4 +187,41 @@ fn declines_what_it_does_not_cover() {
         j["model"]["vocab"].as_object_mut().unwrap().remove("Ā");
         j["model"]["merges"] = serde_json::json!([]);
     }));
+}
+
+/// The word regexes of GPT-2, DeepSeek and Llama 3 run on the plain automaton with the
+/// whitespace tail applied by hand, and give `fancy-regex`'s matches exactly: on runs of every
+/// kind of whitespace (ASCII, no-break, ideographic, line breaks) before words, digits,
+/// punctuation, combining marks, and at the end.
+#[test]
+fn plain_matcher_equals_fancy_regex() {
+    const DEEPSEEK: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##;
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const PIECES: &[&str] = &[
+        " ", "  ", "\t", "\n", "\r\n", "\r", "\u{a0}", "\u{3000}", "\u{2028}", "a", "word", "Été",
+        "1", "123456", "!", "?!", "é", "\u{301}", "'s", "'LL", "x", "日本", "🙂", "\u{1}",
+    ];
+    let mut rng = fastrand::Rng::with_seed(5);
+    for pattern in [GPT2_SPLIT, DEEPSEEK, LLAMA3] {
+        let plain = Matcher::new(pattern).unwrap();
+        assert!(matches!(plain, Matcher::Plain { .. }), "{pattern}");
+        let fancy = fancy_regex::Regex::new(pattern).unwrap();
+        for i in 0..3000 {
+            let text: String = (0..1 + i % 25)
+                .map(|_| PIECES[rng.usize(..PIECES.len())])
+                .collect();
+            let want: Vec<(usize, usize)> = fancy
+                .find_iter(&text)
+                .map(|m| m.map(|m| (m.start(), m.end())).unwrap())
+                .collect();
+            let mut got = Vec::new();
+            plain.each_match(&text, &mut |s, e| got.push((s, e)));
+            assert_eq!(got, want, "{pattern} on {text:?}");
+        }
+    }
+    // A pattern with other look-around stays with fancy-regex.
+    assert!(matches!(
+        Matcher::new(r"a(?=b)|\s+(?!\S)|\s+"),
+        Some(Matcher::Fancy(_))
+    ));
 }
