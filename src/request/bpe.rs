@@ -7,16 +7,18 @@
 //! `String` per id, and the result is an `Encoding` with offsets, masks and type ids. For the ids
 //! of one chat turn (a few hundred tokens) that is most of the call, and its allocations churn a
 //! few hundred KiB that a request's body has just pushed out of the CPU caches. [`ByteBpe`] does
-//! the same work on the raw bytes: the same regex splits (the same `fancy-regex` patterns, each
-//! run on each piece of the one before), then BPE merges on byte ids, ids straight into the
-//! caller's vector; a piece's ids are remembered by its bytes (as the model's own word cache does).
+//! the same work on the raw bytes: the same regex splits (each run on each piece of the one
+//! before; a word regex whose only look-around is the usual whitespace tail runs on the `regex`
+//! crate's automaton with that tail applied by hand, any other on `fancy-regex` as the library
+//! runs it), then BPE merges on byte ids, ids straight into the caller's vector; a piece's ids are
+//! remembered by its bytes (as the model's own word cache does).
 //!
 //! It covers what [`super::segments`] covers and is built only from the loaded tokenizer's own
-//! serialized parts: no normalizer or one that changes nothing, a pre-tokenizer that is `Split`s (`Isolated`
-//! or `Removed`, not inverted) ending in a `ByteLevel` without a prefix space, or a `ByteLevel`
-//! alone (with or without its GPT-2 regex), and a BPE model without dropout, subword prefix or
-//! suffix, whose vocabulary has all 256 byte letters; any other tokenizer gets None and keeps the
-//! library's path.
+//! serialized parts: no normalizer or one that changes nothing, a pre-tokenizer that is `Split`s
+//! (`Isolated` or `Removed`, not inverted) ending in a `ByteLevel` without a prefix space, or a
+//! `ByteLevel` alone (with or without its GPT-2 regex), and a BPE model without dropout, subword
+//! prefix or suffix, whose vocabulary has all 256 byte letters; any other tokenizer gets None and
+//! keeps the library's path.
 //!
 //! Invariants: for text with no added token in it, [`ByteBpe::encode`] equals the library's
 //! `encode(text, false)` ids; the merges follow the model's own order (lowest rank first, leftmost
@@ -67,8 +69,12 @@ enum Matcher {
 impl Matcher {
     fn new(pattern: &str) -> Option<Self> {
         if let Some(rest) = pattern.strip_suffix(WHITESPACE_TAIL) {
-            let plain = regex::Regex::new(&format!("(?:{rest})|(?P<kvepp_tail>\\s+)")).ok();
-            if let Some(re) = plain.filter(|re| !re.is_match("")) {
+            let plain = format!("(?:{rest})|(?P<kvepp_tail>\\s+)");
+            // Only a pattern that never matches empty text (anywhere: assertions too), so each
+            // search moves on from the last match's end.
+            let nonempty = regex_syntax::parse(&plain)
+                .is_ok_and(|hir| hir.properties().minimum_len().is_some_and(|n| n > 0));
+            if let Some(re) = nonempty.then(|| regex::Regex::new(&plain).ok()).flatten() {
                 if let Some(tail) = re.capture_names().position(|n| n == Some("kvepp_tail")) {
                     return Some(Matcher::Plain { re, tail });
                 }
@@ -113,7 +119,7 @@ impl Matcher {
                         }
                     }
                     each(start, end);
-                    // Never empty (checked when built), so this moves on.
+                    // Never empty (`Matcher::new` checked), so this moves on.
                     at = end;
                 }
             }

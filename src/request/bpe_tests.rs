@@ -219,9 +219,12 @@ fn plain_matcher_equals_fancy_regex() {
             assert_eq!(got, want, "{pattern} on {text:?}");
         }
     }
-    // A pattern with other look-around stays with fancy-regex.
-    assert!(matches!(
-        Matcher::new(r"a(?=b)|\s+(?!\S)|\s+"),
-        Some(Matcher::Fancy(_))
-    ));
+    // A pattern with other look-around stays with fancy-regex, and so does one that can match
+    // empty text somewhere (at a word boundary).
+    for other in [r"a(?=b)|\s+(?!\S)|\s+", r"\b|x+|\s+(?!\S)|\s+"] {
+        assert!(
+            matches!(Matcher::new(other), Some(Matcher::Fancy(_))),
+            "{other}"
+        );
+    }
 }
