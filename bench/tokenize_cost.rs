@@ -1,10 +1,12 @@
 //! The tokenizer's own cost for one piece of text: `tokenize_cost DIR TEXT [--seconds S]
-//! [--evict-mib M] [--own]` tokenizes TEXT alone with the HuggingFace tokenizer in DIR (as kvepp
-//! loads it), 201 times or for S seconds, and prints the median wall-clock µs of a call and the
-//! thread's CPU µs per call (the thread's CPU clock). bench/cpu_per_request.py compares tokens
-//! mode's extra CPU per request with the CPU figure. With `--own` the calls are kvepp's own
-//! segment encoder instead (`ModelTokenizer::segment_ids`: its byte-level BPE where it covers
-//! the tokenizer), for TEXT without added tokens.
+//! [--evict-mib M] [--own | --completion]` tokenizes TEXT alone with the HuggingFace tokenizer in
+//! DIR (as kvepp loads it), 201 times or for S seconds, and prints the median wall-clock µs of a
+//! call and the thread's CPU µs per call (the thread's CPU clock). bench/cpu_per_request.py
+//! compares tokens mode's extra CPU per request with the CPU figure. With `--own` the calls are
+//! kvepp's own segment encoder instead (`ModelTokenizer::segment_ids`: its byte-level BPE where it
+//! covers the tokenizer), for TEXT without added tokens. With `--completion` they are kvepp's
+//! tokens-mode completions path (`ModelTokenizer::completion_ids` on TEXT as a JSON string), to
+//! set against the library's whole encoding, which that path used before (special tokens aside).
 //!
 //! With `--evict-mib M`, M MiB are written (a byte per cache line) before every call, so the
 //! tokenizer's tables are no longer in the CPU caches when it starts, as in a process that moves
@@ -38,11 +40,15 @@ fn main() -> anyhow::Result<()> {
         None => 0,
     };
     let own = args.iter().any(|a| a == "--own");
+    let completion = args.iter().any(|a| a == "--completion");
+    let prompt = serde_json::to_string(text)?;
     let mut junk = vec![0u8; evict_mib << 20];
     let mut calls_cpu = Duration::ZERO;
     let t = kvepp::request::tokenize::ModelTokenizer::load(std::path::Path::new(dir))?;
     let call = |text: &str| {
-        if own {
+        if completion {
+            t.completion_ids(&prompt)
+        } else if own {
             t.segment_ids(text)
         } else {
             t.text_ids_whole(text)

@@ -245,6 +245,22 @@ fn own_bpe_equals_the_tokenizers_library_on_deepseeks_tokenizer() {
             "text {i} again"
         );
     }
+    // Completions prompts: BOS before the own BPE's ids where no added token is in the text,
+    // the library's path where one is; either way the library's `encode(text, true)`.
+    assert!(
+        tok.own_completions(),
+        "DeepSeek's post-processor only adds BOS"
+    );
+    let library = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("library");
+    for (i, t) in texts.iter().enumerate().step_by(3) {
+        let want = library.encode_fast(t.as_str(), true).expect("library");
+        let prompt = serde_json::to_string(t).expect("json");
+        assert_eq!(
+            tok.completion_ids(&prompt).expect("completion"),
+            want.get_ids(),
+            "completion {i}: {t:?}"
+        );
+    }
     // A segment alone (no added token in it): the call the bench times.
     let turn = "And about decode? Question 1764400001: tell me more about blocks. ".repeat(20);
     assert_eq!(

@@ -195,6 +195,14 @@ impl SegmentTokenizer {
         })
     }
 
+    /// Whether `text` holds an added token's text (of either round), as the tokenizer would
+    /// find it.
+    pub fn has_added_token(&self, text: &str) -> bool {
+        [&self.raw, &self.normalized]
+            .iter()
+            .any(|m| m.as_ref().is_some_and(|m| m.ac.is_match(text)))
+    }
+
     pub fn stats(&self) -> SegmentStats {
         self.cache.stats()
     }

@@ -67,6 +67,10 @@ pub struct ModelTokenizer {
     segments: Option<super::segments::SegmentTokenizer>,
     /// The segments' own byte-level BPE (None: not of a shape it covers; the library's path).
     bpe: Option<super::bpe::ByteBpe>,
+    /// The ids the post-processor puts before and after a completions prompt's own (BOS, ...),
+    /// when that is all it does (see [`special_wrap`]); with [`Self::bpe`], a completions prompt
+    /// without added tokens in its text is tokenized by it.
+    wrap: Option<(Vec<u32>, Vec<u32>)>,
     env: Option<Environment<'static>>,
     /// Raw message JSON hash → the message as a template value, weighed in bytes.
     messages: ContentCache<Value>,
@@ -149,9 +153,11 @@ impl ModelTokenizer {
         let bpe = segments
             .as_ref()
             .and_then(|_| super::bpe::ByteBpe::new(&tokenizer));
+        let wrap = bpe.as_ref().and_then(|bpe| special_wrap(&tokenizer, bpe));
         Ok(ModelTokenizer {
             segments,
             bpe,
+            wrap,
             tokenizer,
             env,
             messages: ContentCache::new(MESSAGE_CACHE_BYTES, MESSAGE_OVERHEAD_BYTES),
@@ -236,7 +242,15 @@ impl ModelTokenizer {
     pub fn completion_ids(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
         let text: std::borrow::Cow<'_, str> = serde_json::from_str(prompt)
             .map_err(|e| TokenizeError::Prompt(format!("prompt is not one string: {e}")))?;
-        self.encode(&text, true)
+        match (&self.bpe, &self.wrap, &self.segments) {
+            (Some(bpe), Some((before, after)), Some(s)) if !s.has_added_token(&text) => {
+                let mut ids = before.clone();
+                ids.extend(self.counted(|| bpe.encode(&text)));
+                ids.extend_from_slice(after);
+                Ok(ids)
+            }
+            _ => self.encode(&text, true),
+        }
     }
 
     /// The chat template applied to `messages` (JSON, as in the body), with the generation prompt.
@@ -364,6 +378,12 @@ impl ModelTokenizer {
         self.bpe.is_some()
     }
 
+    /// Whether completions prompts without added tokens go through that BPE (between the ids the
+    /// post-processor adds).
+    pub fn own_completions(&self) -> bool {
+        self.bpe.is_some() && self.wrap.is_some()
+    }
+
     /// The segment cache's counters (None: this tokenizer tokenizes whole).
     pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
@@ -374,6 +394,35 @@ impl ModelTokenizer {
     pub fn render_stats(&self) -> Option<super::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.render_stats())
     }
+}
+
+/// What `tok`'s post-processor does to one sequence with special tokens added, as the ids it puts
+/// before and after it, when that is all it does (BOS, `<s>…</s>`, nothing): read from a
+/// one-token sequence, then checked against the library's own `encode(text, true)` on a few
+/// texts through `bpe`; None otherwise (truncation, padding, or any other outcome).
+fn special_wrap(
+    tok: &tokenizers::Tokenizer,
+    bpe: &super::bpe::ByteBpe,
+) -> Option<(Vec<u32>, Vec<u32>)> {
+    const MARK: u32 = u32::MAX - 7;
+    let one = tokenizers::Encoding::from_tokens(
+        vec![tokenizers::Token::new(MARK, String::new(), (0, 0))],
+        0,
+    );
+    let ids = tok.post_process(one, None, true).ok()?.get_ids().to_vec();
+    let at = ids.iter().position(|&id| id == MARK)?;
+    if ids.iter().filter(|&&id| id == MARK).count() != 1 {
+        return None;
+    }
+    let (before, after) = (ids[..at].to_vec(), ids[at + 1..].to_vec());
+    let agrees = ["", "Hello, world!", " 42 routes\n\n  blocks"]
+        .iter()
+        .all(|text| {
+            let want = tok.encode_fast(*text, true).ok();
+            let got: Vec<u32> = [before.as_slice(), &bpe.encode(text), after.as_slice()].concat();
+            want.is_some_and(|w| w.get_ids() == got.as_slice())
+        });
+    agrees.then_some((before, after))
 }
 
 /// The rendered template's bytes as text (one vectorised UTF-8 check: the template writes only
@@ -407,6 +456,31 @@ mod tests {
     fn fixture() -> ModelTokenizer {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
         ModelTokenizer::load(&dir).expect("fixture tokenizer")
+    }
+
+    /// A completions prompt without added tokens goes through the own BPE between the
+    /// post-processor's ids (the fixture's `<s>`, id 0, before), and equals the library's
+    /// `encode(text, true)`; one with an added token's text in it keeps the library's path.
+    #[test]
+    fn completion_prompts_through_the_own_bpe_equal_the_library() {
+        let tok = fixture();
+        assert_eq!(tok.wrap, Some((vec![0], vec![])));
+        let mut rng = fastrand::Rng::with_seed(6);
+        const WORDS: &[&str] = &[
+            " the", " KV", "cache", "\n", "  ", "42", "é", "日本", "<s>", "'s",
+        ];
+        for i in 0..300 {
+            let text: String = (0..1 + i % 40)
+                .map(|_| WORDS[rng.usize(..WORDS.len())])
+                .collect();
+            let want = tok.tokenizer.encode_fast(text.as_str(), true).unwrap();
+            let prompt = serde_json::to_string(&text).unwrap();
+            assert_eq!(
+                tok.completion_ids(&prompt).unwrap(),
+                want.get_ids(),
+                "{text:?}"
+            );
+        }
     }
 
     /// The simple reference: the whole `messages` decoded at once, nothing cached.
