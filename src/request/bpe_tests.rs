@@ -228,3 +228,33 @@ fn plain_matcher_equals_fancy_regex() {
         );
     }
 }
+
+/// Threads sharing one encoder, with pieces new to the cache on every call (so lookups, inserts
+/// and the emptying of a full cache interleave): every result is still the library's.
+#[test]
+fn shared_between_threads_it_stays_exact() {
+    let tok = tokenizer(&fixture_json());
+    let bpe = ByteBpe::new(&tok).unwrap();
+    std::thread::scope(|s| {
+        for seed in 0..4u64 {
+            let (tok, bpe) = (&tok, &bpe);
+            s.spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(100 + seed);
+                for i in 0..400 {
+                    let mut t = text(&mut rng, 1 + i % 30);
+                    for _ in 0..20 {
+                        t.push(' ');
+                        let len = rng.usize(3..9);
+                        t.extend(std::iter::repeat_with(|| rng.lowercase()).take(len));
+                    }
+                    assert_eq!(
+                        bpe.encode(&t),
+                        library_ids(tok, &t),
+                        "thread {seed}, text {i}"
+                    );
+                }
+            });
+        }
+    });
+    assert!(bpe.cache.read().len() <= PIECE_CACHE_ENTRIES);
+}
