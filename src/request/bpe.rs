@@ -100,14 +100,16 @@ impl Matcher {
                 }
             }
             Matcher::Plain { re, tail } => {
-                let mut locs = re.capture_locations();
+                // Allocated at the first whitespace match only (most pieces have none).
+                let mut locs = None;
                 let mut at = 0;
                 // Not `find_iter`: a shortened match's next search starts where it now ends.
                 while let Some(m) = re.find_at(text, at) {
                     let (start, mut end) = (m.start(), m.end());
                     let run = m.as_str();
                     if run.chars().all(char::is_whitespace) {
-                        re.captures_read_at(&mut locs, text, start);
+                        let locs = locs.get_or_insert_with(|| re.capture_locations());
+                        re.captures_read_at(locs, text, start);
                         let from_tail = locs.get(*tail).is_some();
                         let before_word = text[end..]
                             .chars()
