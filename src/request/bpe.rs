@@ -293,8 +293,6 @@ impl ByteBpe {
         }
         let vocab = model["vocab"].as_object()?;
         let letters = byte_letters();
-        let byte_of: HashMap<char, u8> =
-            (0..=255u8).map(|b| (letters[usize::from(b)], b)).collect();
         let mut byte_ids = [0u32; 256];
         for (b, slot) in byte_ids.iter_mut().enumerate() {
             let id = vocab.get(letters[b].to_string().as_str())?.as_u64()?;
@@ -302,6 +300,8 @@ impl ByteBpe {
         }
         let merges = merges_of(&model, vocab)?;
         let whole = if model["ignore_merges"] == true {
+            let byte_of: HashMap<char, u8> =
+                (0..=255u8).map(|b| (letters[usize::from(b)], b)).collect();
             let mut whole = HashMap::with_capacity(vocab.len());
             for (token, id) in vocab {
                 if let (Some(bytes), Some(id)) = (entry_bytes(token, &byte_of), id.as_u64()) {

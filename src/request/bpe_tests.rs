@@ -4,11 +4,7 @@
 //! `tests/tokenizer_deepseek.rs`.
 
 use super::{ByteBpe, Matcher, GPT2_SPLIT, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
-
-fn fixture_json() -> serde_json::Value {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-    serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap()
-}
+use crate::request::segments::tests::fixture_json;
 
 fn tokenizer(json: &serde_json::Value) -> tokenizers::Tokenizer {
     tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap()

@@ -399,7 +399,7 @@ impl<'s, F> Cutting<'s, F> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use crate::request::tokenize::ModelTokenizer;
     use serde_json::value::RawValue;
 
@@ -682,8 +682,8 @@ mod tests {
         assert!(super::SegmentTokenizer::new(&tok, 1000).is_none());
     }
 
-    /// The fixture's tokenizer.json, to vary.
-    fn fixture_json() -> serde_json::Value {
+    /// The fixture's tokenizer.json, to vary (the byte-level BPE's tests vary it too).
+    pub(in crate::request) fn fixture_json() -> serde_json::Value {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap()
     }

@@ -242,10 +242,11 @@ impl ModelTokenizer {
     pub fn completion_ids(&self, prompt: &str) -> Result<Vec<u32>, TokenizeError> {
         let text: std::borrow::Cow<'_, str> = serde_json::from_str(prompt)
             .map_err(|e| TokenizeError::Prompt(format!("prompt is not one string: {e}")))?;
-        match (&self.bpe, &self.wrap, &self.segments) {
-            (Some(bpe), Some((before, after)), Some(s)) if !s.has_added_token(&text) => {
+        match (&self.wrap, &self.segments) {
+            // `wrap` is only there with the own BPE, which `encode_segment` then calls.
+            (Some((before, after)), Some(s)) if !s.has_added_token(&text) => {
                 let mut ids = before.clone();
-                ids.extend(self.counted(|| bpe.encode(&text)));
+                ids.extend(self.encode_segment(&text)?);
                 ids.extend_from_slice(after);
                 Ok(ids)
             }
@@ -381,7 +382,8 @@ impl ModelTokenizer {
     /// Whether completions prompts without added tokens go through that BPE (between the ids the
     /// post-processor adds).
     pub fn own_completions(&self) -> bool {
-        self.bpe.is_some() && self.wrap.is_some()
+        // `wrap` is read only when the own BPE is there.
+        self.wrap.is_some()
     }
 
     /// The segment cache's counters (None: this tokenizer tokenizes whole).
