@@ -348,8 +348,8 @@ impl Metrics {
         );
         registry.register(
             "kv_prompt_hash_blocks",
-            "Full blocks of token prompts by how their hashes were found: reused from the recent \
-             prompt that starts the same way, or hashed",
+            "Full blocks of prompts (token ids, or a text's approximate blocks) by how their \
+             hashes were found: reused from the recent prompt that starts the same way, or hashed",
             self.prompt_hash_blocks.clone(),
         );
         registry.register(

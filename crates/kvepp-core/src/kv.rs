@@ -154,6 +154,8 @@ pub struct KvState {
     ttft: TtftModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
+    /// Recent approximate prompts' block hashes (the same, over a text's bytes).
+    text_memo: PrefixMemo<u8>,
     /// Ordered picks' own state ([`ordered`]).
     ordered: roster::OrderedPicks,
 }
@@ -197,6 +199,7 @@ impl KvState {
             hub: Arc::default(),
             ttft: TtftModel::default(),
             memo: PrefixMemo::default(),
+            text_memo: PrefixMemo::default(),
             ordered: roster::OrderedPicks::default(),
         }
     }
@@ -246,9 +249,14 @@ impl KvState {
         &self.ttft
     }
 
-    /// How token prompts got their block hashes: reused from a recent prompt, or hashed.
+    /// How prompts (token and approximate) got their block hashes: reused from a recent prompt,
+    /// or hashed.
     pub fn prompt_hash_stats(&self) -> crate::hash::MemoStats {
-        self.memo.stats()
+        let (t, x) = (self.memo.stats(), self.text_memo.stats());
+        crate::hash::MemoStats {
+            blocks_reused: t.blocks_reused + x.blocks_reused,
+            blocks_hashed: t.blocks_hashed + x.blocks_hashed,
+        }
     }
 
     pub fn booking_conflicts(&self) -> u64 {

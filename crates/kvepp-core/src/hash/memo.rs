@@ -3,6 +3,10 @@
 //! prompt) hashes only its blocks after the common part. On a 100k-token prompt that turns ~6,000
 //! xxh3 calls into one comparison of the two prompts and the new blocks.
 //!
+//! The same memo serves approximate prompts (`PrefixMemo<u8>`): a text's bytes in place of
+//! tokens, blocks of a fixed number of bytes, hashed as they are. A long document or a
+//! conversation sent again as text then costs one comparison with the text it starts like.
+//!
 //! A prompt comes as one array of ids, or as the pieces it was assembled from (a chat's segments,
 //! each from the tokenizer's segment cache, shared rather than copied: [`PrefixMemo::hashes_shared`]).
 //! Two prompts are compared piece against piece: pieces that are the same allocation at the same
@@ -23,12 +27,14 @@
 //! entry's hashes are reused only for blocks whose tokens, seed and block size equal the prompt's
 //! (compared piece by piece, never by hash: a remembered piece is held by its entry, so no other
 //! allocation can have its address while it is compared); an entry another pick is using is
-//! skipped, never waited for; memory is bounded by `SETS × WAYS × MAX_TOKENS` tokens and their
+//! skipped, never waited for; memory is bounded by `SETS × WAYS × MAX_BYTES` of prompts and their
 //! hashes.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::{block_seed, chained, push_local_hashes, LocalBlockHash, SequenceHash};
 
@@ -37,44 +43,74 @@ const SETS: usize = 4;
 const WAYS: usize = 4;
 /// Prompts with fewer full blocks are hashed directly (the memo would save little).
 const MIN_BLOCKS: usize = 32;
-/// Prompts with more tokens than this are hashed but not remembered (memory bound: 1 MiB of
-/// tokens and 0.5 MiB of hashes an entry at block size 16).
-const MAX_TOKENS: usize = 256 << 10;
+/// Prompts larger than this are hashed but not remembered (memory bound: 1 MiB of tokens and
+/// 0.5 MiB of hashes an entry at block size 16; 1 MiB of text and 0.25 MiB of hashes at 64-byte
+/// blocks).
+const MAX_BYTES: usize = 1 << 20;
+
+/// What a remembered prompt is made of, and how whole blocks of it are hashed: token ids
+/// (Dynamo's local hashes of their little-endian bytes) or a text's bytes (approximate blocks:
+/// xxh3 of the bytes themselves).
+pub trait Unit: Copy + PartialEq + Default + std::fmt::Debug + Send + Sync + 'static {
+    /// Appends the local hashes of the full blocks of `run` (`block_size` > 0) under `seed`.
+    fn push_hashes(run: &[Self], block_size: usize, seed: u64, out: &mut Vec<LocalBlockHash>);
+}
+
+impl Unit for u32 {
+    fn push_hashes(run: &[u32], block_size: usize, seed: u64, out: &mut Vec<LocalBlockHash>) {
+        push_local_hashes(run, block_size, seed, out);
+    }
+}
+
+impl Unit for u8 {
+    fn push_hashes(run: &[u8], block_size: usize, seed: u64, out: &mut Vec<LocalBlockHash>) {
+        out.extend(
+            run.chunks_exact(block_size)
+                .map(|block| LocalBlockHash(xxh3_64_with_seed(block, seed))),
+        );
+    }
+}
+
+/// The most units of `T` a remembered prompt may have.
+const fn max_units<T>() -> usize {
+    MAX_BYTES / std::mem::size_of::<T>()
+}
 
 #[derive(Debug, Default)]
-struct Entry {
+struct Entry<T> {
     seed: u64,
     block_size: usize,
-    /// The remembered prompt's tokens: its own array, or (when `pieces` is not empty) the shared
-    /// pieces it was assembled from; either way only the first `len` tokens count (its full
-    /// blocks).
-    flat: Vec<u32>,
-    pieces: Vec<Arc<[u32]>>,
+    /// The remembered prompt's tokens: its own array, or (when `pieces` is not empty) pieces
+    /// shared with whoever else holds them (a chat's segments; the part a lent prompt shares with
+    /// the entry it read from); either way only the first `len` tokens count (its full blocks).
+    flat: Vec<T>,
+    pieces: Vec<Piece<T>>,
     len: usize,
     locals: Vec<LocalBlockHash>,
-    hashes: Vec<SequenceHash>,
+    /// The very list the prompt's request was given (shared, not copied).
+    hashes: Arc<[SequenceHash]>,
     /// The set's clock when it was last read or written (0: never).
     used: u64,
 }
 
-impl Entry {
+impl<T: Unit> Entry<T> {
     /// Whether its hashes can serve a prompt under `seed` and `block_size`.
     fn fits(&self, seed: u64, block_size: usize) -> bool {
         self.used > 0 && self.seed == seed && self.block_size == block_size
     }
 
     /// Its tokens' pieces (the last may run past `len`).
-    fn parts(&self) -> Parts<'_> {
+    fn parts(&self) -> Parts<'_, T> {
         if self.pieces.is_empty() {
             Parts::One([&self.flat[..self.len.min(self.flat.len())]])
         } else {
-            Parts::Many(self.pieces.iter().map(|p| &p[..]).collect())
+            Parts::Many(self.pieces.iter().map(Piece::units).collect())
         }
     }
 
     /// Whether it may be a prefix of `full` (`full_len` tokens): it fits and its last block
     /// equals `full`'s block at the same position (the whole comparison decides).
-    fn may_lead(&self, full: &[&[u32]], full_len: usize, seed: u64, block_size: usize) -> bool {
+    fn may_lead(&self, full: &[&[T]], full_len: usize, seed: u64, block_size: usize) -> bool {
         let n = self.len;
         self.fits(seed, block_size)
             && n >= block_size
@@ -85,14 +121,61 @@ impl Entry {
     }
 }
 
-/// A sequence of token pieces, without allocating for the common one-piece case.
-enum Parts<'a> {
-    One([&'a [u32]; 1]),
-    Many(Vec<&'a [u32]>),
+/// A run of a remembered prompt: the first `end` units of an allocation that other entries (or
+/// the tokenizer's segment cache) may share.
+#[derive(Debug, Clone)]
+struct Piece<T> {
+    data: Arc<[T]>,
+    end: usize,
 }
 
-impl<'a> Parts<'a> {
-    fn as_slice(&self) -> &[&'a [u32]] {
+impl<T> Piece<T> {
+    fn whole(data: Arc<[T]>) -> Self {
+        let end = data.len();
+        Piece { data, end }
+    }
+
+    fn units(&self) -> &[T] {
+        &self.data[..self.end]
+    }
+}
+
+/// A lent prompt kept in more pieces than this is joined into one (copied): a conversation
+/// remembered turn by turn adds a piece a turn.
+const MAX_PIECES: usize = 32;
+
+/// The first `n` units of `pieces`: the pieces wholly inside shared as they are, the one `n` cuts
+/// through shared up to the cut while that keeps at least half of its allocation, else copied (so
+/// an entry never holds more than twice the memory its tokens need).
+fn cut<T: Copy>(pieces: &[Piece<T>], n: usize) -> Vec<Piece<T>> {
+    let mut out = Vec::with_capacity(pieces.len() + 1);
+    let mut pos = 0;
+    for p in pieces {
+        if pos >= n {
+            break;
+        }
+        let take = p.end.min(n - pos);
+        out.push(if take * 2 >= p.data.len() {
+            Piece {
+                data: p.data.clone(),
+                end: take,
+            }
+        } else {
+            Piece::whole(Arc::from(&p.data[..take]))
+        });
+        pos += take;
+    }
+    out
+}
+
+/// A sequence of token pieces, without allocating for the common one-piece case.
+enum Parts<'a, T> {
+    One([&'a [T]; 1]),
+    Many(Vec<&'a [T]>),
+}
+
+impl<'a, T> Parts<'a, T> {
+    fn as_slice(&self) -> &[&'a [T]] {
         match self {
             Parts::One(p) => p,
             Parts::Many(p) => p,
@@ -101,7 +184,7 @@ impl<'a> Parts<'a> {
 }
 
 /// The tokens of `parts` from position `at` on.
-fn tokens_from<'a>(parts: &'a [&'a [u32]], at: usize) -> impl Iterator<Item = u32> + 'a {
+fn tokens_from<'a, T: Copy>(parts: &'a [&'a [T]], at: usize) -> impl Iterator<Item = T> + 'a {
     let mut skip = at;
     parts
         .iter()
@@ -115,7 +198,7 @@ fn tokens_from<'a>(parts: &'a [&'a [u32]], at: usize) -> impl Iterator<Item = u3
 
 /// How many leading tokens `a` and `b` share (within `limit`): pieces that are one allocation at
 /// the same place are skipped unread, the rest compared a run at a time.
-fn common_tokens(a: &[&[u32]], b: &[&[u32]], limit: usize) -> usize {
+fn common_tokens<T: PartialEq>(a: &[&[T]], b: &[&[T]], limit: usize) -> usize {
     let (mut ia, mut oa, mut ib, mut ob, mut n) = (0, 0, 0, 0, 0);
     while n < limit {
         let (Some(pa), Some(pb)) = (a.get(ia), b.get(ib)) else {
@@ -161,14 +244,14 @@ pub fn common_prefix<T: PartialEq>(a: &[T], b: &[T]) -> usize {
 /// Hashes the full blocks of `parts` from token `from` to `to` (multiples of `block_size`)
 /// after those already in `locals`: whole runs inside a piece directly, a block that spans two
 /// pieces gathered first.
-fn hash_range(
-    parts: &[&[u32]],
+fn hash_range<T: Unit>(
+    parts: &[&[T]],
     (from, to): (usize, usize),
     block_size: usize,
     seed: u64,
     locals: &mut Vec<LocalBlockHash>,
 ) {
-    let mut carry: Vec<u32> = Vec::new();
+    let mut carry: Vec<T> = Vec::new();
     let mut pos = 0;
     for p in parts {
         let (start, end) = (pos, pos + p.len());
@@ -183,28 +266,29 @@ fn hash_range(
             carry.extend_from_slice(&s[..take]);
             s = &s[take..];
             if carry.len() == block_size {
-                push_local_hashes(&carry, block_size, seed, locals);
+                T::push_hashes(&carry, block_size, seed, locals);
                 carry.clear();
             }
         }
         let whole = s.len() / block_size * block_size;
         if whole > 0 {
-            push_local_hashes(&s[..whole], block_size, seed, locals);
+            T::push_hashes(&s[..whole], block_size, seed, locals);
         }
         carry.extend_from_slice(&s[whole..]);
     }
 }
 
 #[derive(Debug, Default)]
-struct Set {
-    ways: [Entry; WAYS],
+struct Set<T> {
+    ways: [Entry<T>; WAYS],
     clock: u64,
 }
 
-/// Recent prompts' block hashes (see the module doc).
+/// Recent prompts' block hashes (see the module doc): of token prompts (`u32`, the default) or
+/// of texts (`u8`, approximate blocks).
 #[derive(Debug)]
-pub struct PrefixMemo {
-    sets: Box<[Mutex<Set>]>,
+pub struct PrefixMemo<T = u32> {
+    sets: Box<[Mutex<Set<T>>]>,
     /// Blocks whose hashes were copied from an entry, and blocks hashed.
     reused: AtomicU64,
     hashed: AtomicU64,
@@ -217,7 +301,7 @@ pub struct MemoStats {
     pub blocks_hashed: u64,
 }
 
-impl Default for PrefixMemo {
+impl<T: Unit> Default for PrefixMemo<T> {
     fn default() -> Self {
         PrefixMemo {
             sets: (0..SETS).map(|_| Mutex::default()).collect(),
@@ -228,14 +312,14 @@ impl Default for PrefixMemo {
 }
 
 /// A prompt's tokens, lent or handed over for the memo to keep.
-enum Tokens<'a> {
-    Borrowed(&'a [u32]),
-    Owned(Vec<u32>),
-    Shared(Vec<Arc<[u32]>>),
+enum Tokens<'a, T> {
+    Borrowed(&'a [T]),
+    Owned(Vec<T>),
+    Shared(Vec<Arc<[T]>>),
 }
 
-impl Tokens<'_> {
-    fn parts(&self) -> Parts<'_> {
+impl<T> Tokens<'_, T> {
+    fn parts(&self) -> Parts<'_, T> {
         match self {
             Tokens::Borrowed(t) => Parts::One([t]),
             Tokens::Owned(t) => Parts::One([t]),
@@ -254,7 +338,11 @@ impl PrefixMemo {
         block_size: usize,
         lora: Option<&str>,
     ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
-        self.count(self.hashes_counting_reuse(Tokens::Borrowed(tokens), block_size, lora))
+        self.count(self.hashes_counting_reuse(
+            Tokens::Borrowed(tokens),
+            block_size,
+            block_seed(lora),
+        ))
     }
 
     /// [`Self::hashes`] of tokens the caller has no further use for: they are remembered as they
@@ -265,7 +353,7 @@ impl PrefixMemo {
         block_size: usize,
         lora: Option<&str>,
     ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
-        self.count(self.hashes_counting_reuse(Tokens::Owned(tokens), block_size, lora))
+        self.count(self.hashes_counting_reuse(Tokens::Owned(tokens), block_size, block_seed(lora)))
     }
 
     /// [`Self::hashes`] of the tokens of `pieces` one after another (a chat's segments as the
@@ -277,9 +365,26 @@ impl PrefixMemo {
         block_size: usize,
         lora: Option<&str>,
     ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
-        self.count(self.hashes_counting_reuse(Tokens::Shared(pieces), block_size, lora))
+        self.count(self.hashes_counting_reuse(Tokens::Shared(pieces), block_size, block_seed(lora)))
     }
+}
 
+impl PrefixMemo<u8> {
+    /// Approximate blocks of a text: local hashes of its full `block_size`-byte blocks under
+    /// `seed`, and their chain, from the remembered text that shares the most leading blocks, and
+    /// remembered for the next (its bytes copied, only those past the part it shares where it
+    /// extends the text it read from).
+    pub fn text_hashes(
+        &self,
+        text: &[u8],
+        block_size: usize,
+        seed: u64,
+    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
+        self.count(self.hashes_counting_reuse(Tokens::Borrowed(text), block_size, seed))
+    }
+}
+
+impl<T: Unit> PrefixMemo<T> {
     fn count(
         &self,
         (locals, hashes, reused): (Vec<LocalBlockHash>, Arc<[SequenceHash]>, usize),
@@ -301,9 +406,9 @@ impl PrefixMemo {
     /// [`Self::hashes`], and how many blocks' hashes came from an entry.
     fn hashes_counting_reuse(
         &self,
-        input: Tokens<'_>,
+        input: Tokens<'_, T>,
         block_size: usize,
-        lora: Option<&str>,
+        seed: u64,
     ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>, usize) {
         let mut locals = Vec::new();
         if block_size == 0 {
@@ -313,7 +418,6 @@ impl PrefixMemo {
         let full = parts.as_slice();
         let blocks = full.iter().map(|p| p.len()).sum::<usize>() / block_size;
         let full_len = blocks * block_size;
-        let seed = block_seed(lora);
         locals.reserve_exact(blocks);
         // Hashes the blocks after those already in `locals`.
         let hash_rest = |locals: &mut Vec<LocalBlockHash>| {
@@ -363,32 +467,45 @@ impl PrefixMemo {
         // Written once, where the request's booking shares it (no copy of the list).
         let hashes = chained(&locals, known);
         drop(parts);
-        if full_len <= MAX_TOKENS {
+        if full_len <= max_units::<T>() {
             // In place of the prompt this one extends, else of the least recently used.
             let extended = read.filter(|&w| reuse == ways[w].locals.len());
             let target = extended
                 .or_else(|| (0..WAYS).min_by_key(|&w| ways[w].used))
                 .unwrap_or(0);
-            // The target's blocks that equal the prompt's stay; the rest is the prompt's.
+            // The target's blocks that equal the prompt's stay; the rest is the prompt's. A lent
+            // prompt that read from another entry shares that entry's memory for what they have
+            // in common (a shared document sent again with another ending copies its ending).
             let keep = if read == Some(target) { reuse } else { 0 };
+            let shared = match (read, &input) {
+                (Some(w), Tokens::Borrowed(_)) if keep == 0 => {
+                    cut(&ways[w].pieces, reuse * block_size)
+                }
+                _ => Vec::new(),
+            };
             let e = &mut ways[target];
             e.seed = seed;
             e.block_size = block_size;
-            e.remember(input, keep * block_size, full_len);
+            e.remember(input, (keep * block_size, shared), full_len);
             e.locals.truncate(keep);
             e.locals.extend_from_slice(&locals[keep..]);
-            e.hashes.truncate(keep);
-            e.hashes.extend_from_slice(&hashes[keep..]);
+            e.hashes = hashes.clone();
             e.used = set.clock;
         }
         (locals, hashes, copied)
     }
 }
 
-impl Entry {
+impl<T: Unit> Entry<T> {
     /// Takes the prompt's first `len` tokens as its own, of which its first `keep` are already
-    /// equal to the prompt's (kept in place where the entry holds its own array).
-    fn remember(&mut self, input: Tokens<'_>, keep: usize, len: usize) {
+    /// equal to the prompt's (kept in place) or, where it keeps none, the first of `shared` (the
+    /// pieces of the entry the prompt read from, as far as the two are equal).
+    fn remember(
+        &mut self,
+        input: Tokens<'_, T>,
+        (keep, shared): (usize, Vec<Piece<T>>),
+        len: usize,
+    ) {
         match input {
             // Nothing to copy: the prompt's own tokens, cut to its full blocks (in place).
             Tokens::Owned(mut own) => {
@@ -397,15 +514,31 @@ impl Entry {
                 self.flat = own;
                 self.pieces.clear();
             }
+            // Its own array, extended in place past the part it keeps.
+            Tokens::Borrowed(full) if self.pieces.is_empty() && keep > 0 => {
+                self.flat.truncate(keep);
+                self.flat.extend_from_slice(&full[keep..len]);
+            }
+            // What it keeps or shares, then the rest copied as one new piece.
             Tokens::Borrowed(full) => {
-                let keep = if self.pieces.is_empty() { keep } else { 0 };
-                self.flat.truncate(keep.min(self.flat.len()));
-                self.flat.extend_from_slice(&full[self.flat.len()..len]);
-                self.pieces.clear();
+                let mut pieces = if keep > 0 {
+                    cut(&self.pieces, keep)
+                } else {
+                    shared
+                };
+                let from: usize = pieces.iter().map(|p| p.end).sum();
+                if from < len {
+                    pieces.push(Piece::whole(Arc::from(&full[from..len])));
+                }
+                if pieces.len() > MAX_PIECES {
+                    pieces = vec![Piece::whole(Arc::from(&full[..len]))];
+                }
+                self.pieces = pieces;
+                self.flat = Vec::new();
             }
             // The pieces themselves, shared with whoever else holds them.
             Tokens::Shared(pieces) => {
-                self.pieces = pieces;
+                self.pieces = pieces.into_iter().map(Piece::whole).collect();
                 self.flat = Vec::new();
             }
         }
@@ -414,290 +547,4 @@ impl Entry {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::hash::{local_block_hashes, sequence_hashes};
-
-    fn plain(
-        tokens: &[u32],
-        bs: usize,
-        lora: Option<&str>,
-    ) -> (Vec<LocalBlockHash>, Arc<[SequenceHash]>) {
-        let l = local_block_hashes(tokens, bs, lora);
-        let s = sequence_hashes(&l);
-        (l, s.into())
-    }
-
-    /// `old`'s pieces up to token `at` of `conv` (the piece holding `at` cut there, in a new
-    /// allocation), then the rest of `conv` as one new piece.
-    fn repiece(old: &[Arc<[u32]>], conv: &[u32], at: usize) -> Vec<Arc<[u32]>> {
-        let mut out = Vec::new();
-        let mut pos = 0;
-        for p in old {
-            if pos + p.len() <= at {
-                out.push(p.clone());
-                pos += p.len();
-            } else {
-                break;
-            }
-        }
-        if pos < conv.len() {
-            out.push(Arc::from(&conv[pos..]));
-        }
-        out
-    }
-
-    /// Every remembered prompt's hashes are those of its own tokens (what makes reusing them
-    /// exact).
-    fn assert_consistent(memo: &PrefixMemo) {
-        for set in memo.sets.iter() {
-            let set = set.lock();
-            for e in set.ways.iter().filter(|e| e.used > 0) {
-                let tokens: Vec<u32> = tokens_from(e.parts().as_slice(), 0).take(e.len).collect();
-                assert_eq!(tokens.len(), e.len, "an entry holds its length");
-                assert_eq!(
-                    tokens.len(),
-                    e.locals.len() * e.block_size,
-                    "full blocks only"
-                );
-                let lora_free = e.seed == block_seed(None);
-                let (l, h) = if lora_free {
-                    plain(&tokens, e.block_size, None)
-                } else {
-                    plain(&tokens, e.block_size, Some("adapter"))
-                };
-                assert_eq!(
-                    (&e.locals, &e.hashes[..]),
-                    (&l, &h[..]),
-                    "an entry's hashes are its tokens'"
-                );
-            }
-        }
-    }
-
-    /// Differential test against hashing every prompt from scratch: conversations that grow turn
-    /// by turn, share a system prompt (or land in an entry that holds another one), edit an early
-    /// token, switch LoRA or block size, shrink, and prompts too short or too long to remember;
-    /// each prompt lent or handed over at random.
-    #[test]
-    fn memo_hashes_equal_plain_hashes() {
-        let memo = PrefixMemo::default();
-        let mut rng = fastrand::Rng::with_seed(3);
-        // 40 system prompts over 16 entries: prompts with other first blocks meet in an entry.
-        let systems: Vec<Vec<u32>> = (0..40)
-            .map(|_| (0..40 * 16).map(|_| rng.u32(..50_000)).collect())
-            .collect();
-        // Each conversation also as the pieces it was assembled from: the system prompt's piece
-        // shared by every conversation that has it, each turn's added tokens a piece of its own
-        // (as a chat's segments come from the tokenizer's cache), and now and then a piece copied
-        // anew (equal tokens in another allocation, as after the cache evicted and re-tokenized
-        // it).
-        let shared_systems: Vec<Arc<[u32]>> = systems.iter().map(|s| Arc::from(&s[..])).collect();
-        let mut conversations: Vec<Vec<u32>> = (0..60)
-            .map(|i| systems[i % systems.len()].clone())
-            .collect();
-        let mut pieces: Vec<Vec<Arc<[u32]>>> = (0..60)
-            .map(|i| vec![shared_systems[i % systems.len()].clone()])
-            .collect();
-        let (mut reused, mut blocks) = (0, 0);
-        for step in 0..3_000 {
-            let c = rng.usize(..conversations.len());
-            let conv = &mut conversations[c];
-            match rng.u8(..10) {
-                0 => {
-                    // An early edit: everything after it differs.
-                    let i = rng.usize(..conv.len());
-                    conv[i] ^= 1;
-                    pieces[c] = repiece(&pieces[c], conv, i);
-                }
-                1 => {
-                    let n = rng.usize(..conv.len() + 1);
-                    conv.truncate(n);
-                    pieces[c] = repiece(&pieces[c], conv, n);
-                }
-                2 if !pieces[c].is_empty() => {
-                    let k = rng.usize(..pieces[c].len());
-                    pieces[c][k] = Arc::from(&pieces[c][k][..]);
-                }
-                _ => {
-                    let n = rng.usize(1..300);
-                    let from = conv.len();
-                    conv.extend((0..n).map(|_| rng.u32(..50_000)));
-                    pieces[c].push(Arc::from(&conv[from..]));
-                }
-            }
-            assert_eq!(
-                pieces[c]
-                    .iter()
-                    .flat_map(|p| p.iter().copied())
-                    .collect::<Vec<_>>(),
-                *conv
-            );
-            let bs = if step % 50 == 49 { 8 } else { 16 };
-            let lora = [None, None, None, Some("adapter")][rng.usize(..4)];
-            let want = plain(conv, bs, lora);
-            // Lent, handed over (the memo then keeps that very vector) or in pieces: the same
-            // hashes.
-            let got = match rng.u8(..4) {
-                0 => memo.hashes(conv, bs, lora),
-                1 => memo.hashes_owned(conv.clone(), bs, lora),
-                _ => memo.hashes_shared(pieces[c].clone(), bs, lora),
-            };
-            blocks += want.0.len() as u64;
-            if step % 50 == 0 {
-                assert_consistent(&memo);
-            }
-            assert_eq!(
-                got,
-                want,
-                "step {step}: conversation {c}, {} tokens",
-                conv.len()
-            );
-            reused += usize::from(conv.len() / bs >= MIN_BLOCKS);
-        }
-        assert!(
-            reused > 1_500,
-            "{reused} prompts long enough to use the memo"
-        );
-        let stats = memo.stats();
-        assert_eq!(stats.blocks_reused + stats.blocks_hashed, blocks);
-        // 60 conversations over 16 entries, in random order: most turns find another
-        // conversation in their entry, so reuse is the shared system prompt's at best.
-        assert!(stats.blocks_reused > blocks / 10, "{stats:?} of {blocks}");
-        // Too long to remember, and block size 0.
-        let long: Vec<u32> = (0..MAX_TOKENS as u32 + 100).collect();
-        assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
-        assert_eq!(memo.hashes(&long, 16, None), plain(&long, 16, None));
-        assert_eq!(memo.hashes(&long, 0, None), (vec![], Arc::from([])));
-        let (owned, zero) = (memo.hashes_owned(long.clone(), 16, None), long.clone());
-        assert_eq!(owned, plain(&long, 16, None));
-        assert_eq!(memo.hashes_owned(zero, 0, None), (vec![], Arc::from([])));
-        assert_consistent(&memo);
-    }
-
-    /// Two prompts that differ only in their first block and meet in one entry: each is hashed as
-    /// itself, whichever came before (the entry keeps no block of the other's).
-    #[test]
-    fn prompts_differing_only_in_their_first_block_do_not_mix() {
-        let memo = PrefixMemo::default();
-        let entry = |t: &[u32]| (local_block_hashes(&t[..16], 16, None)[0].0 >> 32) as usize % SETS;
-        let rest: Vec<u32> = (100..100 + 16 * 40).collect();
-        let x: Vec<u32> = (0..16).chain(rest.iter().copied()).collect();
-        let y = (1_000u32..)
-            .map(|k| {
-                (k..k + 16)
-                    .chain(rest.iter().copied())
-                    .collect::<Vec<u32>>()
-            })
-            .find(|y| entry(y) == entry(&x))
-            .expect("a first block for the same entry");
-        for t in [&x, &y, &x, &y, &y, &x] {
-            assert_eq!(memo.hashes(t, 16, None), plain(t, 16, None));
-        }
-    }
-
-    /// Picks on several threads at once (entries busy, skipped, updated by whoever holds them):
-    /// every answer still equals hashing from scratch.
-    #[test]
-    fn concurrent_picks_get_exact_hashes() {
-        let memo = PrefixMemo::default();
-        let system: Vec<u32> = (0..64 * 16).map(|i| i * 7 + 1).collect();
-        std::thread::scope(|scope| {
-            for t in 0..4u32 {
-                let (memo, system) = (&memo, &system);
-                scope.spawn(move || {
-                    let mut rng = fastrand::Rng::with_seed(u64::from(t));
-                    let mut conv = system.clone();
-                    for _ in 0..300 {
-                        if rng.u8(..8) == 0 {
-                            conv.truncate(system.len());
-                        }
-                        conv.extend((0..rng.usize(1..100)).map(|_| rng.u32(..50_000)));
-                        assert_eq!(memo.hashes(&conv, 16, None), plain(&conv, 16, None));
-                    }
-                });
-            }
-        });
-    }
-
-    /// Four conversations taking turns behind one long system prompt each keep their own history:
-    /// after their first turns, every turn hashes only its new blocks (and the first).
-    #[test]
-    fn interleaved_conversations_keep_their_own_history() {
-        let memo = PrefixMemo::default();
-        let system: Vec<u32> = (0..100 * 16).map(|i| i * 3 + 7).collect();
-        let mut conversations: Vec<Vec<u32>> = vec![system.clone(); WAYS];
-        let mut rng = fastrand::Rng::with_seed(9);
-        for round in 0..10 {
-            for conv in conversations.iter_mut() {
-                conv.extend((0..16 * 5).map(|_| rng.u32(..50_000)));
-                let before = memo.stats();
-                assert_eq!(memo.hashes(conv, 16, None), plain(conv, 16, None));
-                assert_consistent(&memo);
-                let after = memo.stats();
-                if round > 0 {
-                    assert_eq!(
-                        after.blocks_hashed - before.blocks_hashed,
-                        1 + 5,
-                        "round {round}: only the first block and the 5 new ones hashed"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn common_tokens_reads_pieces_and_runs() {
-        let a: Vec<u32> = (0..10_000).collect();
-        let mut b = a.clone();
-        let n = |x: &[&[u32]], y: &[&[u32]]| common_tokens(x, y, usize::MAX);
-        assert_eq!(n(&[&a], &[&b]), 10_000);
-        assert_eq!(n(&[&a], &[&b[..1_000]]), 1_000);
-        assert_eq!(common_tokens(&[&a], &[&b], 4_321), 4_321);
-        // The same tokens cut into other pieces.
-        assert_eq!(
-            n(
-                &[&a[..3], &a[3..5_000], &a[5_000..]],
-                &[&b[..4_999], &b[4_999..]]
-            ),
-            10_000
-        );
-        b[5_000] = 0;
-        assert_eq!(n(&[&a], &[&b]), 5_000);
-        assert_eq!(n(&[&a[..7], &a[7..]], &[&b[..2_000], &b[2_000..]]), 5_000);
-        b[0] = 1;
-        assert_eq!(n(&[&a], &[&b]), 0);
-        assert_eq!(n(&[&a], &[]), 0);
-        assert_eq!(n(&[&[], &a], &[&a[..0], &a[..10]]), 10);
-    }
-
-    /// The memo is used: the second turn of a conversation copies the first turn's hashes (seen
-    /// through an entry that holds the second turn afterwards).
-    #[test]
-    fn a_next_turn_is_remembered_in_place() {
-        let memo = PrefixMemo::default();
-        let turn1: Vec<u32> = (0..64 * 16).collect();
-        let mut turn2 = turn1.clone();
-        turn2.extend(5_000..5_000 + 16 * 8);
-        memo.hashes(&turn1, 16, None);
-        memo.hashes(&turn2, 16, None);
-        let held: Vec<usize> = memo
-            .sets
-            .iter()
-            .flat_map(|s| {
-                let s = s.lock();
-                s.ways.iter().map(|e| e.len).collect::<Vec<_>>()
-            })
-            .collect();
-        assert_eq!(held.iter().sum::<usize>(), turn2.len(), "{held:?}");
-        // The second turn copied the first turn's 64 blocks but its first (hashed to find the
-        // entry), and hashed its first block and its 8 new ones.
-        assert_eq!(
-            memo.stats(),
-            MemoStats {
-                blocks_reused: 63,
-                blocks_hashed: 64 + 9
-            }
-        );
-    }
-}
+mod tests;

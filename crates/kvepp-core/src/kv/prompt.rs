@@ -6,10 +6,8 @@
 //! [`crate::hash::sequence_hashes`] of the prompt; approximate blocks are chained xxh3 over
 //! fixed-size byte blocks seeded by the model, and never meet token blocks (other seed).
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
-
 use super::KvState;
-use crate::hash::{block_seed, chained, LocalBlockHash, SequenceHash, XXH3_SEED};
+use crate::hash::{block_seed, LocalBlockHash, SequenceHash, XXH3_SEED};
 pub use crate::types::{PrefixMode, PromptBlocks};
 
 impl KvState {
@@ -75,18 +73,16 @@ impl KvState {
     }
 
     /// Approximate blocks of a prompt's bytes: chained xxh3 over blocks of
-    /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model).
+    /// `block_size × approx_bytes_per_token` bytes, seeded by `scope` (the model), through the
+    /// memo of recent texts (a text that starts like one of them hashes only what follows).
     pub fn blocks_from_text(&self, scope: &str, text: &[u8]) -> PromptBlocks {
         let per_token = self.settings.approx_bytes_per_token.max(1) as usize;
         let chunk = (self.block_size() as usize) * per_token;
         let seed = block_seed(Some(scope)) ^ XXH3_SEED;
-        let locals: Vec<LocalBlockHash> = text
-            .chunks_exact(chunk)
-            .map(|block| LocalBlockHash(xxh3_64_with_seed(block, seed)))
-            .collect();
+        let (locals, hashes) = self.text_memo.text_hashes(text, chunk, seed);
         PromptBlocks {
             mode: PrefixMode::Approximate,
-            hashes: chained(&locals, &[]),
+            hashes,
             locals,
             isl_tokens: (text.len() / per_token) as u64,
         }
