@@ -2,8 +2,9 @@
 //! - index apply (store + remove of 64-block chains) and find-matches, vs the reference index;
 //! - a KV-aware pick over 10/100/1000 endpoints for 1k/32k/128k-token prompts, vs the load-only
 //!   picker on the same candidates;
-//! - approximate (byte-block) hashing of two 400 KiB prompts sharing 392 KiB, through the memo of
-//!   recent texts, beside hashing every block and one xxh3 pass over the same bytes.
+//! - approximate (byte-block) hashing of two 400 KiB prompts sharing 392 KiB, and of prompts never
+//!   seen before, through the memo of recent texts, beside hashing every block and one xxh3 pass
+//!   over the same bytes.
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -192,6 +193,16 @@ fn approximate(c: &mut Criterion) {
                 &other[..]
             };
             kv.blocks_from_text("model", black_box(prompt)).hashes.len()
+        })
+    });
+    // Every prompt unlike any before (its first eight bytes a counter): what remembering costs
+    // when the memo never has the prompt's start (one copy of the prompt).
+    let mut fresh = bytes.to_vec();
+    g.bench_function("400KiB_never_seen/kvepp_blocks_from_text", |b| {
+        b.iter(|| {
+            turn += 1;
+            fresh[..8].copy_from_slice(&(turn as u64).to_le_bytes());
+            kv.blocks_from_text("model", black_box(&fresh)).hashes.len()
         })
     });
     g.bench_function("400KiB/every_block_hashed", |b| {
