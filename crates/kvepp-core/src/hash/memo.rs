@@ -1,4 +1,4 @@
-//! The block hashes of recent token prompts, so that a prompt which starts like one of them (a
+//! The block hashes of recent prompts, so that a prompt which starts like one of them (a
 //! conversation's next turn carries the whole previous turn; many requests share a long system
 //! prompt) hashes only its blocks after the common part. On a 100k-token prompt that turns ~6,000
 //! xxh3 calls into one comparison of the two prompts and the new blocks.
@@ -22,13 +22,18 @@
 //! start is reused by every prompt that has it, and up to `WAYS` conversations interleaving behind
 //! one system prompt each reuse their own history.
 //!
+//! A lent prompt (one the caller keeps) is remembered as pieces: the part it shares with the entry
+//! it read from is that entry's own memory, shared, and only the rest is copied; a next turn adds
+//! its new part as a piece in place. So a prompt is copied at most once, and a shared document
+//! sent again with another ending costs the copy of its ending.
+//!
 //! Invariants: every hashing call returns exactly what [`super::local_block_hashes`] and
 //! [`super::sequence_hashes`] return for the same tokens (a differential test checks it); an
 //! entry's hashes are reused only for blocks whose tokens, seed and block size equal the prompt's
 //! (compared piece by piece, never by hash: a remembered piece is held by its entry, so no other
 //! allocation can have its address while it is compared); an entry another pick is using is
-//! skipped, never waited for; memory is bounded by `SETS × WAYS × MAX_BYTES` of prompts and their
-//! hashes.
+//! skipped, never waited for; an entry's pieces use at least half of each allocation they hold,
+//! so memory is bounded by twice `SETS × WAYS × MAX_BYTES` of prompts, and their hashes.
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
