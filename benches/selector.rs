@@ -1,5 +1,6 @@
 //! KV-aware selection costs, each against a baseline measured in the same run:
-//! - index apply (store + remove of 64-block chains) and find-matches, vs the reference index;
+//! - index apply (store + remove of 64-block chains) and find-matches (64 blocks; 6,250 blocks with
+//!   the table in the caches and after 8 MiB were written), vs the reference index;
 //! - a KV-aware pick over 10/100/1000 endpoints for 1k/32k/128k-token prompts, vs the load-only
 //!   picker on the same candidates;
 //! - approximate (byte-block) hashing of two 400 KiB prompts sharing 392 KiB, and of prompts never
@@ -100,7 +101,65 @@ fn index(c: &mut Criterion) {
     g.bench_function("find_matches_64_blocks_64_holders/reference", |b| {
         b.iter(|| reference.overlaps(black_box(&query)).len())
     });
+    long_walk(&mut g);
     g.finish();
+}
+
+/// A 400 KiB approximate prompt's walk: 6,250 blocks, all held by 4 ranks, in a table of 46k
+/// blocks; with the table in the CPU caches, and after 8 MiB were written (as a request's body
+/// and buffers pass through them before its pick), beside the reference index.
+fn long_walk(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    let mut fast = PrefixIndex::default();
+    let mut reference = ReferenceIndex::new(u64::MAX);
+    let (l, e) = chain(7, 6_250);
+    for w in 0..44u64 {
+        let r = WorkerRank {
+            worker: w % 4,
+            dp_rank: 0,
+        };
+        let (l, e) = if w < 4 {
+            (l.clone(), e.clone())
+        } else {
+            chain(w, 1_000)
+        };
+        let _ = fast.store(
+            r,
+            Tier::Device,
+            None,
+            e.iter().copied().zip(l.iter().copied()),
+        );
+        let _ = reference.store(r, Tier::Device, None, e.into_iter().zip(l));
+    }
+    let query = sequence_hashes(&l);
+    let mut scratch = MatchScratch::default();
+    let mut out = Vec::new();
+    g.bench_function("find_matches_6250_blocks_4_holders/kvepp", |b| {
+        b.iter(|| {
+            fast.find_matches(black_box(&query), &mut scratch, &mut out);
+            out.len()
+        })
+    });
+    let mut junk = vec![0u8; 8 << 20];
+    let mut round = 0u8;
+    g.bench_function(
+        "find_matches_6250_blocks_4_holders/kvepp_after_8MiB_written",
+        |b| {
+            b.iter_batched(
+                || {
+                    round = round.wrapping_add(1);
+                    junk.iter_mut().step_by(64).for_each(|c| *c = round);
+                },
+                |()| {
+                    fast.find_matches(black_box(&query), &mut scratch, &mut out);
+                    out.len()
+                },
+                criterion::BatchSize::PerIteration,
+            )
+        },
+    );
+    g.bench_function("find_matches_6250_blocks_4_holders/reference", |b| {
+        b.iter(|| reference.overlaps(black_box(&query)).len())
+    });
 }
 
 fn endpoints(n: usize) -> Vec<Arc<Endpoint>> {

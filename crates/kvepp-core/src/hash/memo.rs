@@ -377,8 +377,8 @@ impl PrefixMemo {
 impl PrefixMemo<u8> {
     /// Approximate blocks of a text: local hashes of its full `block_size`-byte blocks under
     /// `seed`, and their chain, from the remembered text that shares the most leading blocks, and
-    /// remembered for the next (its bytes copied, only those past the part it shares where it
-    /// extends the text it read from).
+    /// remembered for the next (its bytes copied, only those past the part it shares with the
+    /// text it read from).
     pub fn text_hashes(
         &self,
         text: &[u8],
