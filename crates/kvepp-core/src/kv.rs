@@ -252,11 +252,7 @@ impl KvState {
     /// How prompts (token and approximate) got their block hashes: reused from a recent prompt,
     /// or hashed.
     pub fn prompt_hash_stats(&self) -> crate::hash::MemoStats {
-        let (t, x) = (self.memo.stats(), self.text_memo.stats());
-        crate::hash::MemoStats {
-            blocks_reused: t.blocks_reused + x.blocks_reused,
-            blocks_hashed: t.blocks_hashed + x.blocks_hashed,
-        }
+        self.memo.stats() + self.text_memo.stats()
     }
 
     pub fn booking_conflicts(&self) -> u64 {

@@ -306,6 +306,16 @@ pub struct MemoStats {
     pub blocks_hashed: u64,
 }
 
+impl std::ops::Add for MemoStats {
+    type Output = MemoStats;
+    fn add(self, o: MemoStats) -> MemoStats {
+        MemoStats {
+            blocks_reused: self.blocks_reused + o.blocks_reused,
+            blocks_hashed: self.blocks_hashed + o.blocks_hashed,
+        }
+    }
+}
+
 impl<T: Unit> Default for PrefixMemo<T> {
     fn default() -> Self {
         PrefixMemo {

@@ -658,3 +658,22 @@ fn a_prefix_every_endpoint_holds_exempts_none() {
     assert!(worst <= 1.0 && bounded > 0, "{counts:?}, {bounded} moved");
     assert_eq!(counts, [6; 4]);
 }
+
+/// Approximate prompts go through the memo of recent texts: the same text sent again hashes only
+/// its first block, its blocks equal hashing from scratch, and the state's counts include them.
+#[test]
+fn approximate_blocks_come_from_the_memo_of_recent_texts() {
+    let kv = KvState::new(KvSettings::default());
+    let text = b"a shared document, sent again. ".repeat(400);
+    let first = kv.blocks_from_text("model", &text);
+    let before = kv.prompt_hash_stats();
+    let again = kv.blocks_from_text("model", &text);
+    assert_eq!(again, first);
+    let after = kv.prompt_hash_stats();
+    let blocks = first.hashes.len() as u64;
+    assert!(blocks >= 100, "{blocks} blocks");
+    assert_eq!(after.blocks_hashed - before.blocks_hashed, 1);
+    assert_eq!(after.blocks_reused - before.blocks_reused, blocks - 1);
+    // Another model's blocks are its own.
+    assert_ne!(kv.blocks_from_text("other", &text).hashes, first.hashes);
+}
