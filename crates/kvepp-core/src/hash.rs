@@ -100,18 +100,17 @@ pub(crate) fn chained(
     locals: &[LocalBlockHash],
     known: &[SequenceHash],
 ) -> std::sync::Arc<[SequenceHash]> {
-    let mut parent = None;
-    locals
+    let known = &known[..known.len().min(locals.len())];
+    let mut parent = known.last().copied();
+    // The known part copied as a run, the rest chained on from its last hash.
+    known
         .iter()
-        .enumerate()
-        .map(|(b, &local)| {
-            let h = known
-                .get(b)
-                .copied()
-                .unwrap_or_else(|| SequenceHash::chain(parent, local));
+        .copied()
+        .chain(locals[known.len()..].iter().map(|&local| {
+            let h = SequenceHash::chain(parent, local);
             parent = Some(h);
             h
-        })
+        }))
         .collect()
 }
 
