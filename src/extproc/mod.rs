@@ -3,8 +3,9 @@
 //!
 //! Each stream is driven by a [`stream::StreamState`], a sans-IO state machine (a message in,
 //! responses out) that owns the request's body chunks, its booking on the picked endpoint and its
-//! metric labels. Responses leave through a small bounded channel, so a slow proxy applies
-//! backpressure instead of growing a queue.
+//! metric labels. It runs inside the stream's response body: a message is read and handled when
+//! the body is asked for its next answers, so there is no task or channel per stream, and a proxy
+//! that reads slowly stops the reading of its messages instead of growing a queue.
 
 mod framing;
 mod grpc;
@@ -20,8 +21,6 @@ pub use trace::TraceInfo;
 
 use std::sync::Arc;
 
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use wire::{ProcessingRequest, ProcessingResponse};
 
@@ -131,11 +130,6 @@ pub struct ExtProcService {
 /// attributes, metadata) is never near this, so a body at the limit still fits in one message.
 const MESSAGE_HEADROOM: usize = 64 << 10;
 
-/// Responses one stream may have queued for Envoy before its task waits: a request produces a
-/// handful (headers, one per body chunk, trailers), so this bounds memory per stream and is the
-/// backpressure when Envoy reads slowly.
-const STREAM_QUEUE: usize = 8;
-
 impl ExtProcService {
     pub fn new(shared: Arc<Shared>) -> Self {
         ExtProcService { shared }
@@ -147,74 +141,126 @@ impl ExtProcService {
         ExtProcServer::new(self, limit)
     }
 
-    /// One ext_proc stream: its messages are handled on a task of their own, and the answers
-    /// leave through the returned stream.
+    /// One ext_proc stream: its answers, produced as the response body asks for them.
     fn process(&self, request: Request<Streaming<ProcessingRequest>>) -> Response<ProcessStream> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
-        let mut state = stream::StreamState::new(self.shared.clone());
-        let ready = self.shared.ready.clone();
-        let ready_wait = self.shared.settings().ready_wait;
-        tokio::spawn(async move {
-            // Right after a start the pool may not be loaded yet: hold the stream (bounded)
-            // rather than answer 503 at once; after the bound the routing service answers 503.
-            if let Some(mut ready) = ready {
-                if !*ready.borrow() {
-                    let _ = tokio::time::timeout(ready_wait, ready.wait_for(|r| *r)).await;
-                }
-            }
-            let mut out = Vec::with_capacity(4);
-            loop {
-                match inbound.message().await {
-                    Ok(Some(msg)) => {
-                        let observe_only = msg.observability_mode;
-                        state.handle(msg, &mut out);
-                        if observe_only {
-                            out.clear();
-                        }
-                        if !flush(&tx, &mut out).await {
-                            return;
-                        }
-                        if state.queued().is_some()
-                            && !wait_for_capacity(&mut state, &mut inbound, &mut out).await
-                        {
-                            return; // the proxy went away while the request waited
-                        }
-                        if !flush(&tx, &mut out).await {
-                            return;
-                        }
-                    }
-                    Ok(None) => return,
-                    // Envoy ends every stream with a reset: a normal end once the request was
-                    // decided. Before that, the stream must not end quietly.
-                    Err(status) if !state.undecided() => {
-                        tracing::trace!(%status, "ext_proc stream closed by the proxy");
-                        return;
-                    }
-                    // A message over the gRPC limit: a body over max_body_bytes in one message.
-                    Err(status) if status.code() == tonic::Code::OutOfRange => {
-                        state.reject_oversized(status.message(), &mut out);
-                        flush(&tx, &mut out).await;
-                        return;
-                    }
-                    Err(status) => {
-                        tracing::warn!(%status, "ext_proc stream failed before a routing decision");
-                        let failed = Status::aborted(format!(
-                            "ext_proc stream failed before a routing decision: {}",
-                            status.message()
-                        ));
-                        let _ = tx.send(Err(failed)).await;
-                        return;
-                    }
-                }
-            }
-        });
-        Response::new(ReceiverStream::new(rx))
+        let settings = self.shared.settings();
+        let answers = Answers {
+            inbound: request.into_inner(),
+            state: stream::StreamState::new(self.shared.clone()),
+            ready: self.shared.ready.clone().map(|r| (r, settings.ready_wait)),
+            out: Vec::with_capacity(4),
+            sent: 0,
+            then: Next::Start,
+        };
+        Response::new(Box::pin(futures::stream::unfold(
+            answers,
+            |mut a| async move { a.next().await.map(|r| (r, a)) },
+        )))
     }
 }
 
 /// The answers of one ext_proc stream, in order.
-pub type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+pub type ProcessStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+/// One stream's messages turned into its answers, inside the response body's own polling: no
+/// task or channel per stream, and a message is read only when the answers before it have been
+/// taken (the proxy's flow control on the response is the backpressure). Dropping it (the proxy
+/// reset the stream) drops the state, which releases the request's booking at once.
+struct Answers {
+    inbound: Streaming<ProcessingRequest>,
+    state: stream::StreamState,
+    /// Readiness to wait for (bounded) before the first message: right after a start the pool
+    /// may not be loaded yet; after the bound the routing service answers 503.
+    ready: Option<(tokio::sync::watch::Receiver<bool>, std::time::Duration)>,
+    /// Answers of the last step; `out[..sent]` are handed on already.
+    out: Vec<ProcessingResponse>,
+    sent: usize,
+    then: Next,
+}
+
+/// What [`Answers`] does once its answers are handed on.
+enum Next {
+    Start,
+    Read,
+    /// A request waits in flow control's queue.
+    Wait,
+    /// End the stream with this status.
+    Fail(Status),
+    End,
+}
+
+impl Answers {
+    async fn next(&mut self) -> Option<Result<ProcessingResponse, Status>> {
+        loop {
+            if let Some(r) = self.out.get_mut(self.sent) {
+                self.sent += 1;
+                return Some(Ok(std::mem::take(r)));
+            }
+            self.out.clear();
+            self.sent = 0;
+            match std::mem::replace(&mut self.then, Next::End) {
+                Next::Start => {
+                    if let Some((mut ready, wait)) = self.ready.take() {
+                        if !*ready.borrow() {
+                            let _ = tokio::time::timeout(wait, ready.wait_for(|r| *r)).await;
+                        }
+                    }
+                    self.then = Next::Read;
+                }
+                Next::Read => self.then = self.read().await,
+                Next::Wait => {
+                    let (state, inbound) = (&mut self.state, &mut self.inbound);
+                    if wait_for_capacity(state, inbound, &mut self.out).await {
+                        self.then = Next::Read;
+                    } else {
+                        // The proxy went away while the request waited.
+                        self.out.clear();
+                    }
+                }
+                Next::Fail(status) => return Some(Err(status)),
+                Next::End => return None,
+            }
+        }
+    }
+
+    /// Reads and handles the next message, its answers into `out`.
+    async fn read(&mut self) -> Next {
+        match self.inbound.message().await {
+            Ok(Some(msg)) => {
+                let observe_only = msg.observability_mode;
+                self.state.handle(msg, &mut self.out);
+                if observe_only {
+                    self.out.clear();
+                }
+                if self.state.queued().is_some() {
+                    Next::Wait
+                } else {
+                    Next::Read
+                }
+            }
+            Ok(None) => Next::End,
+            // Envoy ends every stream with a reset: a normal end once the request was decided.
+            // Before that, the stream must not end quietly.
+            Err(status) if !self.state.undecided() => {
+                tracing::trace!(%status, "ext_proc stream closed by the proxy");
+                Next::End
+            }
+            // A message over the gRPC limit: a body over max_body_bytes in one message.
+            Err(status) if status.code() == tonic::Code::OutOfRange => {
+                self.state.reject_oversized(status.message(), &mut self.out);
+                Next::End
+            }
+            Err(status) => {
+                tracing::warn!(%status, "ext_proc stream failed before a routing decision");
+                Next::Fail(Status::aborted(format!(
+                    "ext_proc stream failed before a routing decision: {}",
+                    status.message()
+                )))
+            }
+        }
+    }
+}
 
 /// The stream state machine without gRPC: the answers to `messages`, handled in order as one
 /// ext_proc stream (no readiness wait, no observability mode). The stream's booking is released
@@ -319,19 +365,6 @@ async fn wait_for_capacity(
     }
     for m in later {
         state.handle(m, out);
-    }
-    true
-}
-
-/// Sends the responses in `out` (emptying it); false when the proxy went away.
-async fn flush(
-    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
-    out: &mut Vec<ProcessingResponse>,
-) -> bool {
-    for r in out.drain(..) {
-        if tx.send(Ok(r)).await.is_err() {
-            return false;
-        }
     }
     true
 }
