@@ -98,7 +98,15 @@ impl PrefixIndex {
         // alike (their extension is applied when the holders change or the walk ends).
         let mut streak: Option<(u64, HolderList<'_>, u32)> = None;
         let mut pending = 0u32;
+        // The table word of the last block held alike: an equal word is the same holders (one
+        // rank with the same counts, or the same spilled list), known without unpacking it.
+        let mut alike = 0u64;
         self.probe_each(hashes, |i, word| {
+            if word == alike {
+                pending += 1;
+                return true;
+            }
+            alike = word;
             let (ident, list) = self.holders_ident(word);
             if let Some((id, prev, _)) = &streak {
                 if *id == ident && prev.as_slice().len() == list.as_slice().len() {
