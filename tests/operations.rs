@@ -361,6 +361,36 @@ fn traced_kvepp(
     )
 }
 
+/// [`traced_kvepp`] once it is ready. Its ports were free a moment before it bound them, so
+/// another process may have taken one meanwhile: a kvepp that exits before it is ready is
+/// started again on other ports (three tries), and its log is shown when none gets ready.
+async fn ready_traced_kvepp(
+    manifests: &Path,
+    env: &[(&str, String)],
+    log: &Path,
+) -> (SocketAddr, SocketAddr, tokio::process::Child) {
+    for _ in 0..3 {
+        let (admin, ext_proc, mut child) = traced_kvepp(manifests, env, log);
+        let started = wait_for("kvepp ready or exited", || {
+            let exited = child.try_wait().unwrap().is_some();
+            async move {
+                if exited {
+                    return Some(false);
+                }
+                matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(true)
+            }
+        })
+        .await;
+        if started {
+            return (admin, ext_proc, child);
+        }
+    }
+    panic!(
+        "kvepp exited before it was ready, three times:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
 /// A traced kvepp (as `env` configures its exporter) over `backends`, behind Envoy.
 struct Traced {
     _dir: TempDir,
@@ -376,8 +406,7 @@ impl Traced {
         let dir = TempDir::new("traces");
         let manifests = manifests_dir(dir.path(), &backends);
         let log_path = dir.path().join("kvepp.log");
-        let (admin, ext_proc, child) = traced_kvepp(&manifests, env, &log_path);
-        ready(admin).await;
+        let (admin, ext_proc, child) = ready_traced_kvepp(&manifests, env, &log_path).await;
         let envoy = Envoy::start(bootstrap(), ext_proc).await;
         Traced {
             _dir: dir,
