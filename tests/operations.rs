@@ -43,10 +43,15 @@ fn spawn_kvepp(
         .unwrap()
 }
 
+/// Whether kvepp's `/ready` on `admin` answers 200 now.
+async fn is_ready(admin: SocketAddr) -> bool {
+    matches!(fetch(admin, "/ready").await, Ok((200, _)))
+}
+
 /// Waits for kvepp's `/ready` on `admin`.
 async fn ready(admin: SocketAddr) {
     wait_for("kvepp ready", || async move {
-        matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(())
+        is_ready(admin).await.then_some(())
     })
     .await;
 }
@@ -377,7 +382,7 @@ async fn ready_traced_kvepp(
                 if exited {
                     return Some(false);
                 }
-                matches!(fetch(admin, "/ready").await, Ok((200, _))).then_some(true)
+                is_ready(admin).await.then_some(true)
             }
         })
         .await;
