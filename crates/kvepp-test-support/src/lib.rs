@@ -1,6 +1,6 @@
 //! What kvepp's tests, benchmarks and demos need around the EPP, never the EPP itself: temporary
 //! directories, an echo backend standing in for a model server, a small HTTP/1.1 client, a real
-//! Envoy process, waiting for a condition with a deadline, and reading one Prometheus sample.
+//! Envoy process, real vLLM engines, waiting for a condition with a deadline, and reading one Prometheus sample.
 //!
 //! Used as a dev-dependency of `kvepp` (and by the `kvepp-sim` tool); it does not depend on
 //! `kvepp`, so the crate under test is linked once.
@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod envoy;
+pub mod vllm;
 
 use std::future::Future;
 use std::time::Duration;
