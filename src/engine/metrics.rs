@@ -1,11 +1,18 @@
-//! The load signals a vLLM engine publishes on its Prometheus `/metrics`, scraped per endpoint at
+//! The load signals a model server publishes on its Prometheus `/metrics`, scraped per endpoint at
 //! an interval ([`run_scraper`]) into each endpoint's load ([`kvepp_core::EndpointLoad`]),
-//! beside our own in-flight counters.
+//! beside our own in-flight counters. The engine kind is told by the names on the page
+//! ([`EngineKind`]); both kinds feed the same load and saturation model.
 //!
-//! Read: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
-//! (older vLLM: `vllm:gpu_cache_usage_perc`), and the labels `block_size` / `num_gpu_blocks` of
-//! `vllm:cache_config_info`. Several series of one metric (e.g. per model name) are summed (usage:
-//! the largest). A page without any of them is an error (the endpoint is not a vLLM engine).
+//! - vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`
+//!   (older vLLM: `vllm:gpu_cache_usage_perc`), and the labels `block_size` / `num_gpu_blocks` /
+//!   `num_cpu_blocks` of `vllm:cache_config_info`.
+//! - SGLang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`, and the
+//!   constants `sglang:page_size` (the block size) and `sglang:max_total_num_tokens` (the KV
+//!   capacity: `max_total_num_tokens / page_size` blocks).
+//!
+//! Several series of one metric (per model name, per data-parallel rank) are summed (usage: the
+//! largest; capacity: the largest rank's). A page with neither kind's load series is an error
+//! ([`NotAnEngine`]): the endpoint is routed by kvepp's own in-flight counts alone.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,8 +23,33 @@ use kvepp_core::Endpoint;
 use kvepp_core::EngineMetrics;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("no vLLM metrics on the page (vllm:num_requests_waiting / _running / kv_cache_usage_perc)")]
+#[error("neither vLLM nor SGLang metrics on the page (vllm:num_requests_waiting / _running / kv_cache_usage_perc, sglang:num_queue_reqs / num_running_reqs / token_usage)")]
 pub struct NotAnEngine;
+
+/// Which model server a metrics page comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
+        }
+    }
+
+    /// The series whose `model_name` label names the served base model.
+    fn running_series(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm:num_requests_running",
+            EngineKind::Sglang => "sglang:num_running_reqs",
+        }
+    }
+}
 
 /// Splits one exposition line into (name, labels text, value).
 fn sample(line: &str) -> Option<(&str, &str, f64)> {
@@ -40,18 +72,28 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
     Some((name, labels, value))
 }
 
-pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
+/// The load signals of a vLLM or SGLang metrics page, and which of the two it is (the first
+/// load series on the page decides; a page mixing both is read as that one).
+pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
     let mut m = EngineMetrics::default();
-    let mut seen = false;
+    let mut kind = None;
+    let (mut sglang_tokens, mut sglang_page) = (None::<f64>, None::<f64>);
     for (name, labels, value) in page.lines().filter_map(sample) {
         if !value.is_finite() {
             continue;
         }
-        match name {
-            "vllm:num_requests_waiting" => m.waiting += value,
-            "vllm:num_requests_running" => m.running += value,
+        let this = match name {
+            "vllm:num_requests_waiting" => {
+                m.waiting += value;
+                EngineKind::Vllm
+            }
+            "vllm:num_requests_running" => {
+                m.running += value;
+                EngineKind::Vllm
+            }
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                m.kv_cache_usage = m.kv_cache_usage.max(value)
+                m.kv_cache_usage = m.kv_cache_usage.max(value);
+                EngineKind::Vllm
             }
             "vllm:cache_config_info" => {
                 let label = |key| super::exposition::label(labels, key);
@@ -60,15 +102,42 @@ pub fn parse(page: &str) -> Result<EngineMetrics, NotAnEngine> {
                 m.num_cpu_blocks = label("num_cpu_blocks").and_then(|v| v.parse().ok());
                 continue;
             }
+            "sglang:num_queue_reqs" => {
+                m.waiting += value;
+                EngineKind::Sglang
+            }
+            "sglang:num_running_reqs" => {
+                m.running += value;
+                EngineKind::Sglang
+            }
+            "sglang:token_usage" => {
+                m.kv_cache_usage = m.kv_cache_usage.max(value);
+                EngineKind::Sglang
+            }
+            "sglang:page_size" => {
+                sglang_page = Some(sglang_page.unwrap_or(0.0).max(value));
+                continue;
+            }
+            "sglang:max_total_num_tokens" => {
+                sglang_tokens = Some(sglang_tokens.unwrap_or(0.0).max(value));
+                continue;
+            }
             _ => continue,
-        }
-        seen = true;
+        };
+        kind.get_or_insert(this);
     }
-    if seen {
-        Ok(m)
-    } else {
-        Err(NotAnEngine)
+    let kind = kind.ok_or(NotAnEngine)?;
+    if kind == EngineKind::Sglang {
+        // Only whole, positive sizes: a page size of 0 (or a fraction) is no block size.
+        let page = sglang_page.filter(|p| *p >= 1.0 && p.fract() == 0.0 && *p <= f64::from(u32::MAX));
+        m.block_size = page.map(|p| p as u32);
+        m.num_gpu_blocks = match (sglang_tokens, page) {
+            (Some(t), Some(p)) if t >= 0.0 => Some((t / p) as u64),
+            _ => None,
+        };
+        m.num_cpu_blocks = None;
     }
+    Ok((kind, m))
 }
 
 /// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
@@ -132,12 +201,14 @@ pub async fn run_scraper(
     let mut pace = crate::pace::Pace::new(live.borrow().interval, shutdown);
     let mut scrape_failures = FailureRuns::default();
     let mut lora_failures = FailureRuns::default();
+    let mut kinds = Kinds::default();
     while pace.next().await {
         let settings = *live.borrow();
         pace.set_period(settings.interval);
         let endpoints = pool.borrow().clone();
         scrape_failures.retain(&endpoints);
         lora_failures.retain(&endpoints);
+        kinds.retain(&endpoints, &counters);
         let mut scrapes = tokio::task::JoinSet::new();
         let version = protocol();
         for ep in endpoints.iter().cloned() {
@@ -157,15 +228,16 @@ pub async fn run_scraper(
             let Ok((ep, page)) = done else { continue };
             let result = page.map_err(|e| e.to_string()).and_then(|b| {
                 let text = String::from_utf8_lossy(&b);
-                let m = parse(&text).map_err(|e| e.to_string())?;
+                let (kind, m) = parse(&text).map_err(|e| e.to_string())?;
                 record_adapters(&ep, &text, &counters, &mut lora_failures);
-                if let (Some(kv), Some(model)) = (&kv, base_model(&text)) {
+                if let (Some(kv), Some(model)) = (&kv, base_model(&text, kind)) {
                     kv.learn_base_model(&model);
                 }
-                Ok(m)
+                Ok((kind, m))
             });
             match result {
-                Ok(m) => {
+                Ok((kind, m)) => {
+                    kinds.seen(&ep, kind, &counters);
                     if let (Some(kv), Some(bs)) = (&kv, m.block_size) {
                         kv.learn_block_size(bs);
                     }
@@ -183,6 +255,43 @@ pub async fn run_scraper(
                 }
             }
         }
+    }
+}
+
+/// The engine kind each endpoint's page showed: logged when first seen or changed, exported as
+/// `engine_kind{endpoint, engine}` (1 for the kind seen last).
+#[derive(Debug, Default)]
+struct Kinds(std::collections::HashMap<std::net::SocketAddr, (Arc<str>, EngineKind)>);
+
+impl Kinds {
+    fn seen(&mut self, ep: &Endpoint, kind: EngineKind, counters: &super::EngineCounters) {
+        let old = self.0.insert(ep.addr, (ep.addr_str.clone(), kind));
+        if old.as_ref().map(|(_, k)| *k) == Some(kind) {
+            return;
+        }
+        if let Some((_, k)) = old {
+            counters.engine_kind.remove(&kind_labels(&ep.addr_str, k));
+        }
+        counters.engine_kind.get_or_create(&kind_labels(&ep.addr_str, kind)).set(1);
+        tracing::info!(endpoint = %ep.addr_str, engine = kind.as_str(), "engine kind read from its metrics page");
+    }
+
+    /// Forgets endpoints no longer in the pool, and their gauge.
+    fn retain(&mut self, endpoints: &[Arc<Endpoint>], counters: &super::EngineCounters) {
+        self.0.retain(|addr, (name, kind)| {
+            let keep = endpoints.iter().any(|e| e.addr == *addr);
+            if !keep {
+                counters.engine_kind.remove(&kind_labels(name, *kind));
+            }
+            keep
+        });
+    }
+}
+
+fn kind_labels(endpoint: &Arc<str>, kind: EngineKind) -> super::EngineKindLabels {
+    super::EngineKindLabels {
+        endpoint: endpoint.clone(),
+        engine: kind.as_str(),
     }
 }
 
@@ -234,10 +343,10 @@ fn record_adapters(
     }
 }
 
-/// The served base model: the `model_name` label of the engine's `vllm:num_requests_running`.
-fn base_model(page: &str) -> Option<String> {
+/// The served base model: the `model_name` label of the engine's running-requests series.
+fn base_model(page: &str, kind: EngineKind) -> Option<String> {
     page.lines().find_map(|l| {
-        let (set, _) = super::exposition::series(l.trim_start(), "vllm:num_requests_running")?;
+        let (set, _) = super::exposition::series(l.trim_start(), kind.running_series())?;
         super::exposition::label(set, "model_name").filter(|n| !n.is_empty())
     })
 }
@@ -258,7 +367,8 @@ vllm:other_total 99
 
     #[test]
     fn reads_the_vllm_series() {
-        let m = parse(PAGE).unwrap();
+        let (kind, m) = parse(PAGE).unwrap();
+        assert_eq!(kind, EngineKind::Vllm);
         assert_eq!(
             m,
             EngineMetrics {
@@ -271,7 +381,7 @@ vllm:other_total 99
             }
         );
         // Older name, no labels at all.
-        let m = parse("vllm:gpu_cache_usage_perc 0.9\nvllm:num_requests_running 1\n").unwrap();
+        let (_, m) = parse("vllm:gpu_cache_usage_perc 0.9\nvllm:num_requests_running 1\n").unwrap();
         assert_eq!(
             (m.kv_cache_usage, m.running, m.block_size),
             (0.9, 1.0, None)
@@ -280,12 +390,53 @@ vllm:other_total 99
 
     #[test]
     fn the_base_model_is_the_model_name_label() {
-        assert_eq!(base_model(PAGE).as_deref(), Some("m"));
-        assert_eq!(base_model("vllm:num_requests_running 1\n"), None);
+        assert_eq!(base_model(PAGE, EngineKind::Vllm).as_deref(), Some("m"));
+        assert_eq!(base_model("vllm:num_requests_running 1\n", EngineKind::Vllm), None);
         assert_eq!(
-            base_model("vllm:num_requests_running{model_name=\"\"} 1\n"),
+            base_model("vllm:num_requests_running{model_name=\"\"} 1\n", EngineKind::Vllm),
             None
         );
+        assert_eq!(
+            base_model(SGLANG_PAGE, EngineKind::Sglang).as_deref(),
+            Some("qwen")
+        );
+    }
+
+    /// A page as SGLang's metrics collector writes it (two data-parallel ranks).
+    const SGLANG_PAGE: &str = r#"# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2.0
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 4.0
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.25
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.5
+sglang:max_total_num_tokens{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 65536.0
+sglang:page_size{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 16.0
+sglang:cache_hit_rate{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.7
+"#;
+
+    #[test]
+    fn reads_the_sglang_series() {
+        let (kind, m) = parse(SGLANG_PAGE).unwrap();
+        assert_eq!(kind, EngineKind::Sglang);
+        assert_eq!(
+            m,
+            EngineMetrics {
+                waiting: 4.0,
+                running: 5.0,
+                kv_cache_usage: 0.5,
+                block_size: Some(16),
+                num_gpu_blocks: Some(4096),
+                num_cpu_blocks: None,
+            }
+        );
+        // SGLang's default page size is 1 token; a zero or fractional one is no block size.
+        let (_, m) = parse("sglang:num_running_reqs 0\nsglang:page_size 1\nsglang:max_total_num_tokens 100\n").unwrap();
+        assert_eq!((m.block_size, m.num_gpu_blocks), (Some(1), Some(100)));
+        let (_, m) = parse("sglang:num_running_reqs 0\nsglang:page_size 0\nsglang:max_total_num_tokens 100\n").unwrap();
+        assert_eq!((m.block_size, m.num_gpu_blocks), (None, None));
+        let (_, m) = parse("sglang:num_queue_reqs 1\nsglang:page_size 2.5\n").unwrap();
+        assert_eq!(m.block_size, None);
     }
 
     #[test]
@@ -297,6 +448,11 @@ vllm:other_total 99
         );
         assert_eq!(
             parse("vllm:num_requests_waiting{a=\"b\"} NaN\n"),
+            Err(NotAnEngine)
+        );
+        // SGLang's constants alone are no load.
+        assert_eq!(
+            parse("sglang:page_size 16\nsglang:max_total_num_tokens 100\n"),
             Err(NotAnEngine)
         );
     }

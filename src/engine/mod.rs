@@ -115,17 +115,34 @@ pub struct EngineCounters {
     pub scrape_errors: prometheus_client::metrics::counter::Counter,
     /// Pages whose `vllm:lora_requests_info` could not be read.
     pub lora_info_malformed: prometheus_client::metrics::counter::Counter,
+    /// 1 for the engine kind each endpoint's metrics page showed.
+    pub engine_kind: prometheus_client::metrics::family::Family<
+        EngineKindLabels,
+        prometheus_client::metrics::gauge::Gauge,
+    >,
     pub metadata_missing: prometheus_client::metrics::family::Family<
         crate::metrics::EndpointLabels,
         prometheus_client::metrics::gauge::Gauge,
     >,
 }
 
+/// An endpoint and the engine kind its metrics page showed (`vllm` or `sglang`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct EngineKindLabels {
+    pub endpoint: std::sync::Arc<str>,
+    pub engine: &'static str,
+}
+
 impl crate::metrics::Register for EngineCounters {
     fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
+            "engine_kind",
+            "1 for the engine kind (vllm or sglang) each endpoint's /metrics page showed",
+            self.engine_kind.clone(),
+        );
+        registry.register(
             "engine_metrics_scrape_errors",
-            "Failed scrapes of engines' /metrics (unreachable, not 200, or no vLLM series)",
+            "Failed scrapes of engines' /metrics (unreachable, not 200, or neither vLLM's nor SGLang's series)",
             self.scrape_errors.clone(),
         );
         registry.register(

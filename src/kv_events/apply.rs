@@ -505,6 +505,16 @@ async fn subscription(
                         batch.data_parallel_rank = None;
                     }
                     ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
+                    // A stored block states the engine's block size: learned from it as from the
+                    // metrics page (when not configured), so what the engine published before
+                    // kvepp's first scrape of it (the catch-up replay) is not dropped as
+                    // another size.
+                    if let Some(bs) = batch.events.iter().find_map(|e| match e {
+                        KvEvent::Stored { block_size, .. } => Some(*block_size),
+                        _ => None,
+                    }) {
+                        kv.learn_block_size(bs);
+                    }
                     let block_size = kv.block_size();
                     let (metrics, labels) = (metrics.clone(), labels.clone());
                     // Queued, and published with whatever else is queued once this subscription

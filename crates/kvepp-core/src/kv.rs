@@ -77,7 +77,8 @@ use ttft::ttft_features;
 pub struct KvSettings {
     /// Tokens per KV block (the engines' `block_size`): the starting value when learned.
     pub block_size: u32,
-    /// Take the block size from the engines' `cache_config_info` ([`KvState::learn_block_size`]).
+    /// Take the block size from the engines' metrics pages and KV events
+    /// ([`KvState::learn_block_size`]).
     pub learn_block_size: bool,
     pub weights: CostWeights,
     /// Approximate mode: bytes of prompt counted as one token (a block is `block_size` of them).
@@ -280,7 +281,7 @@ impl KvState {
             tracing::info!(
                 block_size = bs,
                 previous = old,
-                "block size learned from the engines' cache_config_info"
+                "block size learned from the engines (metrics page or KV events)"
             );
         }
     }

@@ -1,4 +1,4 @@
-//! kvepp in front of two real vLLM engines: the CPU build with the tiny random-weight model
+//! kvepp in front of real engines: two vLLM engines, the CPU build with the tiny random-weight model
 //! (`scripts/install-vllm.sh`, `scripts/tiny_model.py`), each with a small KV cache (96 blocks of
 //! 32 tokens, so a working set spread over both evicts), prefix caching, KV events over vLLM's own
 //! ZMQ publisher, LoRA with one slot. Each engine is described by a real worker-agent sidecar
@@ -11,7 +11,9 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "../common/mod.rs"]
 mod common;
+mod sglang;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -64,7 +66,7 @@ fn fleet() -> MutexGuard<'static, Fleet> {
                 .unwrap_or_else(|err| panic!("{err}"));
         }
         eprintln!(
-            "vllm_engines: two vLLM engines healthy in {:.0?}",
+            "real_engines: two vLLM engines healthy in {:.0?}",
             started.elapsed()
         );
         Mutex::new(Fleet {
@@ -101,6 +103,26 @@ impl Drop for Agent {
     }
 }
 
+/// What a worker-agent says of its engine.
+#[derive(Debug, Clone)]
+struct Target {
+    name: String,
+    http: SocketAddr,
+    events_port: u16,
+    replay_port: u16,
+}
+
+impl From<&VllmEngine> for Target {
+    fn from(e: &VllmEngine) -> Self {
+        Target {
+            name: e.spec.name.clone(),
+            http: e.http,
+            events_port: e.events_port,
+            replay_port: e.replay_port,
+        }
+    }
+}
+
 /// kvepp, one worker-agent per engine registering it in kvepp's manifests directory, and Envoy.
 struct Deployment {
     epp: Epp,
@@ -121,20 +143,29 @@ fn models(install: &VllmInstall) -> String {
     m
 }
 
+/// [`deploy_targets`] of the fleet's engines.
 async fn deploy(fleet: &Fleet, tweak: impl FnOnce(&mut Config)) -> Deployment {
-    let epp = Epp::start_unready(&models(&fleet.install), |c| {
+    let targets: Vec<Target> = fleet.engines.iter().map(Target::from).collect();
+    deploy_targets(&fleet.install, &targets, tweak).await
+}
+
+async fn deploy_targets(
+    install: &VllmInstall,
+    targets: &[Target],
+    tweak: impl FnOnce(&mut Config),
+) -> Deployment {
+    let epp = Epp::start_unready(&models(install), |c| {
         c.kv_events.enabled = true;
         c.emit_endpoint_scores = true;
         tweak(c);
     })
     .await;
-    let agents = fleet
-        .engines
+    let agents = targets
         .iter()
-        .map(|e| start_agent(e, &epp.dir.path().to_path_buf()))
+        .map(|t| start_agent(t, &epp.dir.path().to_path_buf()))
         .collect();
     epp.wait_ready().await;
-    let addrs: Vec<String> = fleet.engines.iter().map(|e| e.http.to_string()).collect();
+    let addrs: Vec<String> = targets.iter().map(|t| t.http.to_string()).collect();
     let metrics = epp.metrics;
     wait_for("both engines in kvepp's pool", || {
         let addrs = addrs.clone();
@@ -169,7 +200,9 @@ async fn deploy(fleet: &Fleet, tweak: impl FnOnce(&mut Config)) -> Deployment {
 /// `kvepp-agent` as deployed beside an engine, but registering in a manifests directory: its
 /// `/metadata` names the model and the engine's KV-event and replay sockets (no block size: kvepp
 /// learns it from the engine).
-fn start_agent(engine: &VllmEngine, dir: &PathBuf) -> Agent {
+fn start_agent(engine: &Target, dir: &PathBuf) -> Agent {
+    let log = std::fs::File::create(dir.join(format!(".agent-{}.log", engine.name)))
+        .expect("agent log");
     let child = Command::new(env!("CARGO_BIN_EXE_kvepp-agent"))
         .args(["--component", "pool", "--registry", "manifests"])
         .arg("--manifests-dir")
@@ -183,11 +216,11 @@ fn start_agent(engine: &VllmEngine, dir: &PathBuf) -> Agent {
         .args(["--model-name", "m"])
         .args(["--kv-events-port", &engine.events_port.to_string()])
         .args(["--kv-events-replay-port", &engine.replay_port.to_string()])
-        .args(["--pod-name", &engine.spec.name, "--pod-ip", "127.0.0.1"])
+        .args(["--pod-name", &engine.name, "--pod-ip", "127.0.0.1"])
         .args(["--check-interval-ms", "200"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(log)
         .spawn()
         .expect("kvepp-agent");
     Agent(child)
@@ -318,10 +351,15 @@ fn as_u64(v: &serde_json::Value) -> u64 {
 }
 
 async fn engine_blocks(engine: &VllmEngine) -> EngineBlocks {
+    published_blocks(engine.replay_port).await
+}
+
+/// [`EngineBlocks`] of the publisher whose replay socket is `replay_port`.
+async fn published_blocks(replay_port: u16) -> EngineBlocks {
     let mut known: HashMap<u64, SequenceHash> = HashMap::new();
     let mut held: HashSet<u64> = HashSet::new();
     let mut out = EngineBlocks::default();
-    for (_, payload) in replay(engine.replay_port).await {
+    for (_, payload) in replay(replay_port).await {
         let batch: serde_json::Value = rmp_serde::from_slice(&payload).expect("msgpack batch");
         for ev in batch[1].as_array().expect("events") {
             match ev["type"].as_str().expect("tagged event") {
@@ -397,14 +435,22 @@ async fn until_index_matches_engines(fleet: &Fleet, epp: &Epp) -> Vec<EngineBloc
             Err(why) => {
                 let t = engine_blocks(e).await;
                 let (_, k) = kvepp_blocks(epp, e.http).await;
+                let events: Vec<String> = epp
+                    .metrics_text()
+                    .await
+                    .lines()
+                    .filter(|l| l.starts_with("kvepp_kv_event") && l.contains(&e.http.to_string()))
+                    .map(str::to_owned)
+                    .collect();
                 panic!(
-                    "{} ({}): {why}; engine holds {}, kvepp {}, only in the engine {}, only in kvepp {}",
+                    "{} ({}): {why}; engine holds {}, kvepp {}, only in the engine {}, only in kvepp {}; kvepp's counters:\n{}",
                     e.spec.name,
                     e.http,
                     t.held.len(),
                     k.len(),
                     t.held.difference(&k).count(),
-                    k.difference(&t.held).count()
+                    k.difference(&t.held).count(),
+                    events.join("\n")
                 );
             }
         };
@@ -446,12 +492,27 @@ async fn kvepp_index_equals_each_engines_events_through_evictions_and_a_restart(
     let salt = 17;
     {
         let d = deploy(&fleet, |_| {}).await;
-        // 12 prompts of 24 blocks: 288 blocks against 2 x 96, so both engines evict.
-        for i in 0..12 {
+        // 6 prompts of 24 blocks straight to each engine (144 blocks against its 96, so both
+        // evict), then 6 more through Envoy: kvepp indexes what the engines report either way.
+        for (n, e) in fleet.engines.iter().enumerate() {
+            for i in 0..6 {
+                let body = completion("m", id_prompt(salt * 100 + 10 * n as u32 + i, 24).into(), 2);
+                let r = http(
+                    e.http,
+                    "POST",
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    body.to_string(),
+                )
+                .await;
+                assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            }
+        }
+        for i in 0..6 {
             let r = send(
                 &d.envoy,
                 "/v1/completions",
-                completion("m", id_prompt(salt * 100 + i, 24).into(), 2),
+                completion("m", id_prompt(salt * 100 + 40 + i, 24).into(), 2),
             )
             .await;
             assert_eq!(r.status, 200, "{}", r.body);
@@ -466,7 +527,7 @@ async fn kvepp_index_equals_each_engines_events_through_evictions_and_a_restart(
             );
         }
         eprintln!(
-            "vllm_engines: after evictions, blocks held {:?}",
+            "real_engines: after evictions, blocks held {:?}",
             truth.iter().map(|t| t.held.len()).collect::<Vec<_>>()
         );
     }
@@ -476,14 +537,14 @@ async fn kvepp_index_equals_each_engines_events_through_evictions_and_a_restart(
     fleet.engines[0]
         .wait_healthy(ENGINE_START)
         .unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("vllm_engines: engine restarted in {:.0?}", t0.elapsed());
+    eprintln!("real_engines: engine restarted in {:.0?}", t0.elapsed());
     let d = deploy(&fleet, |_| {}).await;
     let mut served = HashSet::new();
     for i in 0..6 {
         let r = send(
             &d.envoy,
             "/v1/completions",
-            completion("m", id_prompt(salt * 100 + 50 + i, 8).into(), 2),
+            completion("m", id_prompt(salt * 100 + 60 + i, 8).into(), 2),
         )
         .await;
         assert_eq!(r.status, 200, "{}", r.body);
@@ -501,31 +562,20 @@ async fn kvepp_index_equals_each_engines_events_through_evictions_and_a_restart(
     );
 }
 
-/// `groups` shared prefixes of `words` words, each sent `repeats` times with its own ending, in a
-/// seeded shuffled order (so taking turns cannot keep a group on one engine by accident).
+/// `groups` shared prefixes of `words` words, each sent `repeats` times with its own ending, the
+/// groups taking turns (every group once a round, as users of a chat service do). An odd number of
+/// groups makes round robin send each group's turns to both engines alternately, so each engine
+/// sees every group: more than its cache holds, which least-recently-used eviction cannot keep
+/// when the groups come back in turn.
 fn shared_prefix_workload(
     salt: u64,
     groups: usize,
     repeats: usize,
     words: usize,
 ) -> Vec<(usize, String, String)> {
-    let mut order: Vec<(usize, usize)> = (0..groups)
-        .flat_map(|g| (0..repeats).map(move |r| (g, r)))
-        .collect();
-    let mut x = salt.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
-    for i in (1..order.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        order.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    // Each group's first request comes first within the group (the order of repeats is kept).
-    let mut next = vec![0; groups];
-    order
-        .into_iter()
-        .map(|(g, _)| {
-            let r = next[g];
-            next[g] += 1;
+    (0..repeats)
+        .flat_map(|r| (0..groups).map(move |g| (g, r)))
+        .map(|(g, r)| {
             let prefix = format!("{}\n", text(salt * 1000 + g as u64, words));
             let ending = text(salt * 1000 + 500 + (g * repeats + r) as u64, 24);
             (g, prefix, ending)
@@ -544,9 +594,11 @@ struct RunResult {
 /// Runs the shared-prefix workload through a kvepp with `tweak`; the engines' own hit ratio over
 /// the run, and the ideal (every repeat hits its group's full prefix blocks).
 async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Config)) -> RunResult {
-    let (groups, repeats) = (4, 6);
+    // 5 groups of ~24 blocks: 120 blocks against an engine's 96, while the 3 groups kvepp keeps
+    // on one engine (72 blocks) fit.
+    let (groups, repeats) = (5, 6);
     let d = deploy(fleet, tweak).await;
-    let work = shared_prefix_workload(salt, groups, repeats, 640);
+    let work = shared_prefix_workload(salt, groups, repeats, 520);
     let mut prefix_tokens = vec![0usize; groups];
     for (g, prefix, _) in &work {
         if prefix_tokens[*g] == 0 {
@@ -611,7 +663,7 @@ async fn shared_prefix_groups_hit_the_engine_cache_in_tokens_and_approximate_mod
         ("round robin", &round_robin),
     ] {
         eprintln!(
-            "vllm_engines: {name}: engine hit ratio {:.3} (ideal {:.3}, {:.0}% of it), {}/{} groups on one engine",
+            "real_engines: {name}: engine hit ratio {:.3} (ideal {:.3}, {:.0}% of it), {}/{} groups on one engine",
             r.ratio,
             r.ideal,
             100.0 * r.ratio / r.ideal,
@@ -744,8 +796,18 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
     .await;
     assert_eq!(first.status, 200, "{}", first.body);
     let home = first.engine.expect("x-upstream-host");
-    // The adapter running on its engine, as vLLM reports it (a request held on it).
-    let hold = hold_request(home, &adapter, 400);
+    // The adapter running on its engine, as vLLM reports it (a request held on it), and a base
+    // model request held on the other, so both carry the same load.
+    let other = fleet
+        .engines
+        .iter()
+        .map(|e| e.http)
+        .find(|a| *a != home)
+        .expect("two engines");
+    let holds = [
+        hold_request(home, &adapter, 400),
+        hold_request(other, "m", 400),
+    ];
     wait_for("kvepp reads the adapter from vllm:lora_requests_info", || async {
         running_adapters(&d.epp, home)
             .await
@@ -767,7 +829,9 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
             "adapter request {i} stays on the engine holding {adapter}"
         );
     }
-    hold.abort();
+    for h in holds {
+        h.abort();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
