@@ -82,6 +82,13 @@ pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
         if !value.is_finite() {
             continue;
         }
+        // Under priority scheduling SGLang writes each queue's total with `priority=""` and its
+        // breakdown with `priority="<n>"` beside it: the breakdown would count requests twice.
+        if name.starts_with("sglang:")
+            && super::exposition::label(labels, "priority").is_some_and(|p| !p.is_empty())
+        {
+            continue;
+        }
         let this = match name {
             "vllm:num_requests_waiting" => {
                 m.waiting += value;
@@ -129,7 +136,8 @@ pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
     let kind = kind.ok_or(NotAnEngine)?;
     if kind == EngineKind::Sglang {
         // Only whole, positive sizes: a page size of 0 (or a fraction) is no block size.
-        let page = sglang_page.filter(|p| *p >= 1.0 && p.fract() == 0.0 && *p <= f64::from(u32::MAX));
+        let page =
+            sglang_page.filter(|p| *p >= 1.0 && p.fract() == 0.0 && *p <= f64::from(u32::MAX));
         m.block_size = page.map(|p| p as u32);
         m.num_gpu_blocks = match (sglang_tokens, page) {
             (Some(t), Some(p)) if t >= 0.0 => Some((t / p) as u64),
@@ -272,7 +280,10 @@ impl Kinds {
         if let Some((_, k)) = old {
             counters.engine_kind.remove(&kind_labels(&ep.addr_str, k));
         }
-        counters.engine_kind.get_or_create(&kind_labels(&ep.addr_str, kind)).set(1);
+        counters
+            .engine_kind
+            .get_or_create(&kind_labels(&ep.addr_str, kind))
+            .set(1);
         tracing::info!(endpoint = %ep.addr_str, engine = kind.as_str(), "engine kind read from its metrics page");
     }
 
@@ -391,9 +402,15 @@ vllm:other_total 99
     #[test]
     fn the_base_model_is_the_model_name_label() {
         assert_eq!(base_model(PAGE, EngineKind::Vllm).as_deref(), Some("m"));
-        assert_eq!(base_model("vllm:num_requests_running 1\n", EngineKind::Vllm), None);
         assert_eq!(
-            base_model("vllm:num_requests_running{model_name=\"\"} 1\n", EngineKind::Vllm),
+            base_model("vllm:num_requests_running 1\n", EngineKind::Vllm),
+            None
+        );
+        assert_eq!(
+            base_model(
+                "vllm:num_requests_running{model_name=\"\"} 1\n",
+                EngineKind::Vllm
+            ),
             None
         );
         assert_eq!(
@@ -431,12 +448,26 @@ sglang:cache_hit_rate{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep
             }
         );
         // SGLang's default page size is 1 token; a zero or fractional one is no block size.
-        let (_, m) = parse("sglang:num_running_reqs 0\nsglang:page_size 1\nsglang:max_total_num_tokens 100\n").unwrap();
+        let (_, m) = parse(
+            "sglang:num_running_reqs 0\nsglang:page_size 1\nsglang:max_total_num_tokens 100\n",
+        )
+        .unwrap();
         assert_eq!((m.block_size, m.num_gpu_blocks), (Some(1), Some(100)));
-        let (_, m) = parse("sglang:num_running_reqs 0\nsglang:page_size 0\nsglang:max_total_num_tokens 100\n").unwrap();
+        let (_, m) = parse(
+            "sglang:num_running_reqs 0\nsglang:page_size 0\nsglang:max_total_num_tokens 100\n",
+        )
+        .unwrap();
         assert_eq!((m.block_size, m.num_gpu_blocks), (None, None));
         let (_, m) = parse("sglang:num_queue_reqs 1\nsglang:page_size 2.5\n").unwrap();
         assert_eq!(m.block_size, None);
+        // Priority scheduling: the total (priority="") and its breakdown; the total counts.
+        let (_, m) = parse(
+            "sglang:num_queue_reqs{model_name=\"q\",priority=\"\"} 5\n\
+             sglang:num_queue_reqs{model_name=\"q\",priority=\"0\"} 2\n\
+             sglang:num_queue_reqs{model_name=\"q\",priority=\"1\"} 3\n",
+        )
+        .unwrap();
+        assert_eq!(m.waiting, 5.0);
     }
 
     #[test]

@@ -8,8 +8,10 @@
 //! The engines start once for the binary (two to four minutes on two cores) and are shared by the
 //! cases, which run one at a time (each takes the fleet's lock); each case deploys its own kvepp,
 //! agents and Envoy.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+// Test code: a failed expectation is a failed test. The fleet's guard is held across awaits on
+// purpose: it serialises cases that each run on their own runtime and thread, so no task of one
+// runtime ever waits for it.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::await_holding_lock)]
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -170,7 +172,9 @@ async fn deploy_targets(
     wait_for("both engines in kvepp's pool", || {
         let addrs = addrs.clone();
         async move {
-            let v = http(metrics, "GET", "/debug/endpoints", &[], "").await.json();
+            let v = http(metrics, "GET", "/debug/endpoints", &[], "")
+                .await
+                .json();
             let listed: Vec<&str> = v["endpoints"]
                 .as_array()?
                 .iter()
@@ -185,10 +189,9 @@ async fn deploy_targets(
     .await;
     let mut b = bootstrap();
     b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        ["route_config"]["virtual_hosts"][0]["response_headers_to_add"] = serde_yaml::from_str(
-        "[{header: {key: x-upstream-host, value: '%UPSTREAM_HOST%'}}]",
-    )
-    .unwrap();
+        ["route_config"]["virtual_hosts"][0]["response_headers_to_add"] =
+        serde_yaml::from_str("[{header: {key: x-upstream-host, value: '%UPSTREAM_HOST%'}}]")
+            .unwrap();
     let envoy = Envoy::start(b, epp.grpc).await;
     Deployment {
         epp,
@@ -201,8 +204,8 @@ async fn deploy_targets(
 /// `/metadata` names the model and the engine's KV-event and replay sockets (no block size: kvepp
 /// learns it from the engine).
 fn start_agent(engine: &Target, dir: &PathBuf) -> Agent {
-    let log = std::fs::File::create(dir.join(format!(".agent-{}.log", engine.name)))
-        .expect("agent log");
+    let log =
+        std::fs::File::create(dir.join(format!(".agent-{}.log", engine.name))).expect("agent log");
     let child = Command::new(env!("CARGO_BIN_EXE_kvepp-agent"))
         .args(["--component", "pool", "--registry", "manifests"])
         .arg("--manifests-dir")
@@ -300,8 +303,12 @@ async fn engine_token_count(engine: SocketAddr, prompt: &str) -> usize {
 fn cache_counters(fleet: &Fleet) -> (f64, f64) {
     fleet.engines.iter().fold((0.0, 0.0), |(h, q), e| {
         (
-            h + e.metric_sum("vllm:prefix_cache_hits_total").expect("metrics"),
-            q + e.metric_sum("vllm:prefix_cache_queries_total").expect("metrics"),
+            h + e
+                .metric_sum("vllm:prefix_cache_hits_total")
+                .expect("metrics"),
+            q + e
+                .metric_sum("vllm:prefix_cache_queries_total")
+                .expect("metrics"),
         )
     })
 }
@@ -719,7 +726,9 @@ async fn chat_requests_give_the_engine_the_token_ids_kvepp_hashed() {
     let ids = tok.chat_ids(&raw).expect("chat template");
     let ours = kvepp_core::hash::sequence_hashes(&local_block_hashes(&ids, BLOCK, None));
     assert!(ours.len() >= 16, "a long prompt: {} blocks", ours.len());
-    let usage = first.body["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let usage = first.body["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("usage");
     assert_eq!(
         usage as usize,
         ids.len(),
@@ -734,11 +743,20 @@ async fn chat_requests_give_the_engine_the_token_ids_kvepp_hashed() {
         missing,
         ours.len()
     );
-    let hits_before = served_by.metric_sum("vllm:prefix_cache_hits_total").unwrap();
+    let hits_before = served_by
+        .metric_sum("vllm:prefix_cache_hits_total")
+        .unwrap();
     let again = send(&d.envoy, "/v1/chat/completions", body).await;
     assert_eq!(again.status, 200);
-    assert_eq!(again.engine, Some(engine), "the repeat goes where its blocks are");
-    let hits = served_by.metric_sum("vllm:prefix_cache_hits_total").unwrap() - hits_before;
+    assert_eq!(
+        again.engine,
+        Some(engine),
+        "the repeat goes where its blocks are"
+    );
+    let hits = served_by
+        .metric_sum("vllm:prefix_cache_hits_total")
+        .unwrap()
+        - hits_before;
     assert!(
         hits >= ((ours.len() - 1) * BLOCK) as f64,
         "the repeat hits the engine's cache: {hits} tokens of {} blocks",
@@ -787,7 +805,10 @@ async fn running_adapters(epp: &Epp, addr: SocketAddr) -> Vec<String> {
 async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
     let fleet = fleet();
     let adapter = fleet.install.adapters()[0].clone();
-    let d = deploy(&fleet, |c| c.picker = picker_under_test(PickerKind::KvAware)).await;
+    let d = deploy(&fleet, |c| {
+        c.picker = picker_under_test(PickerKind::KvAware)
+    })
+    .await;
     let first = send(
         &d.envoy,
         "/v1/completions",
@@ -808,12 +829,15 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
         hold_request(home, &adapter, 400),
         hold_request(other, "m", 400),
     ];
-    wait_for("kvepp reads the adapter from vllm:lora_requests_info", || async {
-        running_adapters(&d.epp, home)
-            .await
-            .contains(&adapter)
-            .then_some(())
-    })
+    wait_for(
+        "kvepp reads the adapter from vllm:lora_requests_info",
+        || async {
+            running_adapters(&d.epp, home)
+                .await
+                .contains(&adapter)
+                .then_some(())
+        },
+    )
     .await;
     for i in 0..5 {
         let r = send(

@@ -67,7 +67,8 @@ impl SglangPeer {
 
     /// Sets the load SGLang's collector reports.
     async fn set_load(&self, running: u32, queued: u32, token_usage: f64) {
-        let body = serde_json::json!({"running": running, "queued": queued, "token_usage": token_usage});
+        let body =
+            serde_json::json!({"running": running, "queued": queued, "token_usage": token_usage});
         let r = http(self.target.http, "POST", "/load", &[], body.to_string()).await;
         assert_eq!(r.status, 200);
     }
@@ -88,11 +89,15 @@ impl SglangPeer {
 
 /// Waits until kvepp's index for `addr` holds exactly what the publisher at `replay_port` says.
 async fn until_index_matches(epp: &Epp, addr: SocketAddr, replay_port: u16) -> EngineBlocks {
-    kvepp_test_support::wait_until("kvepp's index equal to SGLang's events", DEADLINE, || async {
-        let t = published_blocks(replay_port).await;
-        let (_, k) = kvepp_blocks(epp, addr).await;
-        (k == t.held && !k.is_empty()).then_some(t)
-    })
+    kvepp_test_support::wait_until(
+        "kvepp's index equal to SGLang's events",
+        DEADLINE,
+        || async {
+            let t = published_blocks(replay_port).await;
+            let (_, k) = kvepp_blocks(epp, addr).await;
+            (k == t.held && !k.is_empty()).then_some(t)
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e}"))
 }
@@ -127,7 +132,11 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
     .await;
     assert_eq!(r.status, 200);
     let held = until_index_matches(&d.epp, peer.target.http, peer.target.replay_port).await;
-    assert!(held.held.len() >= 16, "the peer's 16 pages: {}", held.held.len());
+    assert!(
+        held.held.len() >= 16,
+        "the peer's 16 pages: {}",
+        held.held.len()
+    );
     let (bs, _) = kvepp_blocks(&d.epp, vllm.http).await;
     assert_eq!(bs, 32);
     // Each prompt goes where its prefix is cached, whichever engine that is.
@@ -163,16 +172,22 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
     // goes to vLLM; once the queue drains, back to SGLang.
     peer.set_load(8, 10, 0.5).await;
     let shed = || completion("shed", extend(&on_sglang, 7300).into(), 1);
-    wait_for("a sheddable request kept off the queueing SGLang engine", || async {
-        let r = send(&d.envoy, "/v1/completions", shed()).await;
-        (r.status == 200 && r.engine == Some(vllm.http)).then_some(())
-    })
+    wait_for(
+        "a sheddable request kept off the queueing SGLang engine",
+        || async {
+            let r = send(&d.envoy, "/v1/completions", shed()).await;
+            (r.status == 200 && r.engine == Some(vllm.http)).then_some(())
+        },
+    )
     .await;
     peer.set_load(0, 0, 0.1).await;
-    wait_for("the drained SGLang engine takes its prefix again", || async {
-        let r = send(&d.envoy, "/v1/completions", shed()).await;
-        (r.status == 200 && r.engine == Some(peer.target.http)).then_some(())
-    })
+    wait_for(
+        "the drained SGLang engine takes its prefix again",
+        || async {
+            let r = send(&d.envoy, "/v1/completions", shed()).await;
+            (r.status == 200 && r.engine == Some(peer.target.http)).then_some(())
+        },
+    )
     .await;
 }
 

@@ -290,7 +290,10 @@ pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::other("no status line"))?;
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         dechunk(body)
     } else {
         body.to_owned()
@@ -320,7 +323,8 @@ mod tests {
 
     #[test]
     fn series_are_summed_across_labels() {
-        let page = "# TYPE a counter\na_total{x=\"1\"} 2.0\na_total{x=\"2\"} 3.5\na_totalb 9\na_total 1\n";
+        let page =
+            "# TYPE a counter\na_total{x=\"1\"} 2.0\na_total{x=\"2\"} 3.5\na_totalb 9\na_total 1\n";
         assert_eq!(sum_series(page, "a_total"), 6.5);
         assert_eq!(sum_series(page, "b"), 0.0);
     }
