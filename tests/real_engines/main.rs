@@ -504,14 +504,7 @@ async fn kvepp_index_equals_each_engines_events_through_evictions_and_a_restart(
         for (n, e) in fleet.engines.iter().enumerate() {
             for i in 0..6 {
                 let body = completion("m", id_prompt(salt * 100 + 10 * n as u32 + i, 24).into(), 2);
-                let r = http(
-                    e.http,
-                    "POST",
-                    "/v1/completions",
-                    &[("content-type", "application/json")],
-                    body.to_string(),
-                )
-                .await;
+                let r = post_json(e.http, body.to_string()).await;
                 assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
             }
         }
@@ -817,28 +810,32 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
     .await;
     assert_eq!(first.status, 200, "{}", first.body);
     let home = first.engine.expect("x-upstream-host");
-    // The adapter running on its engine, as vLLM reports it (a request held on it), and a base
-    // model request held on the other, so both carry the same load.
+    // The adapter running on its engine, as vLLM reports it (a request held on it), and the other
+    // adapter running on the other engine's one slot: both engines carry the same kind of load,
+    // and only the first holds the adapter the next requests name.
     let other = fleet
         .engines
         .iter()
         .map(|e| e.http)
         .find(|a| *a != home)
         .expect("two engines");
+    let second = fleet.install.adapters()[1].clone();
     let holds = [
         hold_request(home, &adapter, 400),
-        hold_request(other, "m", 400),
+        hold_request(other, &second, 400),
     ];
-    wait_for(
-        "kvepp reads the adapter from vllm:lora_requests_info",
-        || async {
-            running_adapters(&d.epp, home)
-                .await
-                .contains(&adapter)
-                .then_some(())
-        },
-    )
-    .await;
+    for (engine, name) in [(home, &adapter), (other, &second)] {
+        wait_for(
+            "kvepp reads the adapter from vllm:lora_requests_info",
+            || async {
+                running_adapters(&d.epp, engine)
+                    .await
+                    .contains(name)
+                    .then_some(())
+            },
+        )
+        .await;
+    }
     for i in 0..5 {
         let r = send(
             &d.envoy,

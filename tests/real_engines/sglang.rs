@@ -75,14 +75,8 @@ impl SglangPeer {
 
     /// A prompt sent straight to the peer (its cache then holds the prompt's pages).
     async fn take(&self, ids: &[u32]) {
-        let r = http(
-            self.target.http,
-            "POST",
-            "/v1/completions",
-            &[("content-type", "application/json")],
-            serde_json::json!({"model": "m", "prompt": ids}).to_string(),
-        )
-        .await;
+        let body = serde_json::json!({"model": "m", "prompt": ids});
+        let r = post_json(self.target.http, body.to_string()).await;
         assert_eq!(r.status, 200);
     }
 }
@@ -122,11 +116,8 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
     let on_sglang = id_prompt(7001, 16);
     let on_vllm = id_prompt(7002, 16);
     peer.take(&on_sglang).await;
-    let r = http(
+    let r = post_json(
         vllm.http,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
         completion("m", on_vllm.clone().into(), 1).to_string(),
     )
     .await;

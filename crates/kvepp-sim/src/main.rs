@@ -39,6 +39,10 @@ enum Command {
     /// Write a generated request trace in the Mooncake format (seeded arrivals with bursts,
     /// log-normal lengths, shared system prompts or multi-turn conversations).
     GenTrace(kvepp_sim::tracegen::GenTraceArgs),
+    /// Measure a real engine (vLLM's OpenAI server) and write the simulator's parameters for it:
+    /// prefill time per token, the cached path, decode step time against batch size and context,
+    /// block size and KV capacity.
+    Calibrate(kvepp_sim::calibrate::CalibrateArgs),
     /// A tiny HTTP backend that answers with what it received (the decisions demo's model server).
     EchoBackend {
         #[arg(long)]
@@ -104,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
             kvepp_sim::rollout::run(args).await?;
         }
         Command::GenTrace(args) => kvepp_sim::tracegen::run(&args)?,
+        Command::Calibrate(args) => kvepp_sim::calibrate::run(&args).await?,
         Command::BenchRouting(args) => {
             init_logging();
             kvepp_sim::bench::run(args).await?;
