@@ -135,7 +135,8 @@ pub struct Config {
     pub log_level: String,
     pub picker: PickerKind,
     /// Tokens per KV block, as the engines are configured (`--block-size`); unset: learned from the
-    /// engines' `vllm:cache_config_info` (the core's default, 16, until then).
+    /// engines (`vllm:cache_config_info`, `sglang:page_size`, or the block size their KV events
+    /// store; the core's default, 16, until then).
     pub block_size: Option<u32>,
     pub engine_metrics: EngineMetricsConfig,
     /// Fetching each endpoint's `/metadata` (block size, model, KV-event sockets).
