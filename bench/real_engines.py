@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -42,9 +43,16 @@ WORDS = ("the cache router engine prefix token block request model pod latency f
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: an engine binds its ports a minute
+    after they are chosen, and its own processes take ephemeral ports meanwhile."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
 
 
 def text(seed, words):

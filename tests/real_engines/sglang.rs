@@ -102,7 +102,12 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
     let peer = SglangPeer::start(&fleet.install, "sglang-0").await;
     let vllm = &fleet.engines[0];
     let targets = [Target::from(vllm), peer.target.clone()];
-    let d = deploy_targets(&fleet.install, &targets, |_| {}).await;
+    // Dynamo's cost (overlap and load): the peer answers at once, and a cost that learns each
+    // engine's speed would rightly prefer it to the CPU engine whatever either holds.
+    let d = deploy_targets(&fleet.install, &targets, |c| {
+        c.router.cost_model = kvepp_core::cost::CostModel::Dynamo;
+    })
+    .await;
     for (addr, kind) in [(vllm.http, "vllm"), (peer.target.http, "sglang")] {
         let series = format!("kvepp_engine_kind{{endpoint=\"{addr}\",engine=\"{kind}\"}}");
         wait_for("the engine kind read from its metrics page", || {
@@ -136,9 +141,10 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
         p.extend(id_prompt(seed, 2));
         p
     };
-    wait_for("the vLLM engine's blocks indexed", || async {
+    let vllm_blocks = kvepp_core::hash::sequence_hashes(&local_block_hashes(&on_vllm, BLOCK, None));
+    wait_for("the vLLM engine's blocks of its prompt indexed", || async {
         let (_, k) = kvepp_blocks(&d.epp, vllm.http).await;
-        (k.len() >= 16).then_some(())
+        vllm_blocks.iter().all(|h| k.contains(h)).then_some(())
     })
     .await;
     for i in 0..3 {
@@ -159,31 +165,10 @@ async fn sglang_and_vllm_endpoints_are_routed_by_one_kvepp() {
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.engine, Some(vllm.http), "vLLM holds this prefix");
     }
-    // SGLang's own queue (sglang:num_queue_reqs) saturates it: a sheddable request for its prefix
-    // goes to vLLM; once the queue drains, back to SGLang.
-    peer.set_load(8, 10, 0.5).await;
-    let shed = || completion("shed", extend(&on_sglang, 7300).into(), 1);
-    wait_for(
-        "a sheddable request kept off the queueing SGLang engine",
-        || async {
-            let r = send(&d.envoy, "/v1/completions", shed()).await;
-            (r.status == 200 && r.engine == Some(vllm.http)).then_some(())
-        },
-    )
-    .await;
-    peer.set_load(0, 0, 0.1).await;
-    wait_for(
-        "the drained SGLang engine takes its prefix again",
-        || async {
-            let r = send(&d.envoy, "/v1/completions", shed()).await;
-            (r.status == 200 && r.engine == Some(peer.target.http)).then_some(())
-        },
-    )
-    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_sglang_publisher_has_its_part_of_the_index_rebuilt() {
+async fn a_restarted_sglang_publisher_has_its_part_of_the_index_rebuilt_and_its_queue_saturates() {
     let fleet = fleet();
     let peer = SglangPeer::start(&fleet.install, "sglang-1").await;
     let d = deploy_targets(&fleet.install, std::slice::from_ref(&peer.target), |_| {}).await;
@@ -202,9 +187,19 @@ async fn a_restarted_sglang_publisher_has_its_part_of_the_index_rebuilt() {
         "only what the restarted engine holds: the old blocks dropped, never mixed in"
     );
     assert!(rebuilt.held.is_disjoint(&first.held));
-    let restarts = d
-        .epp
-        .metric("kvepp_kv_event_publisher_restarts_total")
-        .await;
-    eprintln!("real_engines: SGLang publisher restarts seen by kvepp: {restarts:?}");
+    // SGLang's own queue (`sglang:num_queue_reqs` past the threshold of 5) saturates the pool's
+    // only engine: a Sheddable request gets 429, and is served again once the queue drains.
+    let shed = || completion("shed", id_prompt(8003, 2).into(), 1);
+    peer.set_load(8, 10, 0.5).await;
+    wait_for(
+        "a sheddable request refused by the queueing SGLang engine",
+        || async { (send(&d.envoy, "/v1/completions", shed()).await.status == 429).then_some(()) },
+    )
+    .await;
+    peer.set_load(0, 0, 0.1).await;
+    wait_for(
+        "the drained SGLang engine serving sheddable requests",
+        || async { (send(&d.envoy, "/v1/completions", shed()).await.status == 200).then_some(()) },
+    )
+    .await;
 }

@@ -107,12 +107,24 @@ pub struct VllmEngine {
     pub starts: u32,
 }
 
-/// A port free a moment ago.
+/// A port free now, below the kernel's ephemeral range (32768 and up on Linux). An engine binds
+/// its ports only when it has started, a minute or two later, and meanwhile its own processes
+/// take ephemeral ports for their internal sockets: a port from that range, free when chosen, can
+/// be one of them by then.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(0)
+    use std::hash::{BuildHasher, Hasher};
+    loop {
+        // A random start (std's randomly keyed hasher), so concurrent choosers rarely meet.
+        let r = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let port = 20_000 + (r % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+        {
+            return port;
+        }
+    }
 }
 
 impl VllmEngine {
