@@ -81,14 +81,14 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def wait_http(session, url, deadline, proc=None):
+async def wait_http(session, url, deadline, proc=None, ok=lambda status: status == 200):
     end = time.monotonic() + deadline
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: the process exited ({proc.returncode})")
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
+                if ok(r.status):
                     return
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
@@ -203,7 +203,8 @@ class Router:
             await asyncio.sleep(0.2)
         else:
             raise RuntimeError("kvepp did not list every engine")
-        await wait_http(session, f"http://127.0.0.1:{self.listen}/v1/models", 60)
+        # Envoy routes through kvepp: any answer but its own 5xx (an engine may not serve the path).
+        await wait_http(session, f"http://127.0.0.1:{self.listen}/v1/models", 60, ok=lambda status: status < 500)
 
     def stop(self):
         for p in self.procs:
