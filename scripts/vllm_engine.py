@@ -11,8 +11,8 @@ ZMQ publisher on tcp://*:E (with its replay ROUTER on
 Its stdout and stderr go to `--log`.
 
 Why a launcher: a test binary cannot run code when it exits, so the engine must not outlive the
-process that started it. This one holds the engine in its own process group and ends the whole group
-(SIGTERM, then SIGKILL after 10 s) when its standard input reaches end of file, which happens when
+process that started it. This one holds the engine in its own process group and kills the whole group
+when its standard input reaches end of file, which happens when
 its parent exits for any reason.
 """
 
@@ -106,18 +106,13 @@ def main():
     threading.Thread(target=watch_stdin, daemon=True).start()
     threading.Thread(target=lambda: (engine.wait(), done.set()), daemon=True).start()
     done.wait()
-    if engine.poll() is None:
-        os.killpg(engine.pid, signal.SIGTERM)
-        try:
-            engine.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait()
-    else:
-        try:
-            os.killpg(engine.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # At once, the whole group: a test's engine holds nothing worth a graceful stop, and an engine
+    # still shutting down would take CPU from whatever runs next.
+    try:
+        os.killpg(engine.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    engine.wait()
     return engine.returncode if engine.returncode and engine.returncode > 0 else 0
 
 
