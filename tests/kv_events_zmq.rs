@@ -129,9 +129,10 @@ async fn gap_replay_loss_garbage_restart(framing: &str) {
     );
     assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 4));
 
-    // Garbage is counted and dropped; it still counts as received (no gap, no replay).
+    // Garbage is counted, dropped and reported; it still counts as received (no gap, no replay).
     p.cmd(&format!("raw {} c1ffee", last + 5)).await;
     p.cmd(&format!("pub {} map_batch", last + 6)).await;
+    assert_eq!(s.next().await, Delivery::Undecodable { seq: last + 5 });
     assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 6));
     assert_eq!(s.stats.undecodable.load(Ordering::Relaxed), 1);
     assert_eq!(s.stats.lost.load(Ordering::Relaxed), 1);
@@ -380,6 +381,7 @@ async fn drain(s: &mut Subscriber, index: &mut PrefixIndex, last: u64, allow_los
             // As kvepp does: what the publisher published before is void; what it still holds
             // follows.
             Delivery::Lost { .. } => index.clear_rank(Engine::rank()),
+            Delivery::Undecodable { seq } => panic!("batch {seq} did not decode"),
         }
     }
 }

@@ -181,6 +181,9 @@ pub struct KvEventMetrics {
     /// Pairs the index dropped, oldest first, to keep a rank within its engine's capacity.
     pub index_evicted: Counter,
     pub dropped: Family<ReasonLabels, Counter>,
+    /// 1 for an endpoint whose KV events stopped decoding (matched by what was routed to it until
+    /// a batch decodes again), 0 otherwise.
+    pub fallback: Family<EndpointLabels, Gauge>,
     pub index_blocks: Gauge,
     pub index_pairs: Gauge,
     pub index_memory_bytes: Gauge,
@@ -256,6 +259,11 @@ impl Register for KvEventMetrics {
             "kv_events_dropped",
             "KV events not applied, by reason",
             self.dropped.clone(),
+        );
+        registry.register(
+            "kv_events_fallback",
+            "1 while an endpoint's KV events do not decode: its cached prefix is then what kvepp routed to it (approximate matching), until a batch decodes again",
+            self.fallback.clone(),
         );
         for (name, help, metric) in [
             (
@@ -471,6 +479,8 @@ async fn subscription(
     let mut seen_undecodable = 0;
     let mut seen_lost = 0;
     let mut counted_without_replay = false;
+    // The last batch did not decode: the endpoint is matched approximately.
+    let mut fallback = false;
     // Whether this subscription has delivered anything yet: a loss before that is the gap it
     // opened with, not a removal missed after blocks it delivered.
     let mut delivered = false;
@@ -501,6 +511,12 @@ async fn subscription(
                     ..
                 } => {
                     delivered = true;
+                    if fallback {
+                        fallback = false;
+                        kv.set_events_fallback(worker, false);
+                        metrics.fallback.get_or_create(&labels).set(0);
+                        tracing::info!(endpoint = %labels.endpoint, "KV events decode again: the endpoint is matched by its events, rebuilt from this batch on");
+                    }
                     if pin_rank {
                         batch.data_parallel_rank = None;
                     }
@@ -537,6 +553,17 @@ async fn subscription(
                     tracing::info!(endpoint = %labels.endpoint, from, to, "joined a publisher past its first batches; the rank's recovered blocks are kept");
                 }
                 Delivery::Lost { .. } => forget(&ranks),
+                // What the batch changed is unknown: the endpoint's blocks are dropped (never
+                // mixed with what follows) and it is matched approximately until a batch decodes.
+                Delivery::Undecodable { seq } => {
+                    forget(&ranks);
+                    if !fallback {
+                        fallback = true;
+                        kv.set_events_fallback(worker, true);
+                        metrics.fallback.get_or_create(&labels).set(1);
+                        tracing::warn!(endpoint = %labels.endpoint, seq, "KV events do not decode: the endpoint's blocks are dropped and it is matched by what kvepp routes to it until they decode again");
+                    }
+                }
             }
         }
         // Publish once nothing more is at hand, or once the index holds a bounded number of
@@ -556,6 +583,10 @@ async fn subscription(
         }
     }
     kv.index().flush();
+    if fallback {
+        kv.set_events_fallback(worker, false);
+        metrics.fallback.get_or_create(&labels).set(0);
+    }
     let _ = task.await;
 }
 

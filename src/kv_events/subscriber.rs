@@ -11,7 +11,8 @@
 //! puts `b"", topic` before them, SGLang and older vLLM only `b""`), and the reply to a request ends
 //! with seq `u64::MAX` and an empty payload. Batches are delivered in publisher order, replayed ones
 //! included; what cannot be replayed is reported as [`Delivery::Lost`], a restarted publisher as
-//! [`Delivery::PublisherRestarted`]. Undecodable payloads are counted, logged and dropped. Delivery
+//! [`Delivery::PublisherRestarted`]. Undecodable payloads are counted, logged, dropped and reported
+//! as [`Delivery::Undecodable`] (the consumer no longer knows what the publisher holds). Delivery
 //! waits for the consumer (bounded channel): if it falls behind, the publisher's high-water mark
 //! drops messages and the gap is replayed.
 
@@ -58,6 +59,9 @@ pub enum Delivery {
     /// unreliable (a lost removal leaves a stale entry): consumers forget its blocks and rebuild
     /// from what follows (the replayed batches the publisher still holds after the gap).
     Lost { from: u64, to: u64 },
+    /// Batch `seq` arrived but did not decode (dropped): whatever it changed is unknown.
+    /// Consumers stop trusting what this publisher delivered before, until a batch decodes.
+    Undecodable { seq: u64 },
 }
 
 /// Counters of one subscription (exported as metrics by the caller).
@@ -271,7 +275,7 @@ impl Subscription {
             Err(err) => {
                 self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(endpoint = %self.source.endpoint, seq, %err, "KV event batch dropped");
-                true
+                self.send(Delivery::Undecodable { seq }).await
             }
         }
     }

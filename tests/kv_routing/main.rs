@@ -39,6 +39,9 @@ struct EngineState {
     release: Notify,
     /// What `/metrics` answers (empty: not a vLLM page, as before a test sets one).
     metrics: std::sync::Mutex<String>,
+    /// Publish bytes that do not decode in place of each batch (an engine whose event encoding
+    /// kvepp does not read).
+    garble: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Engine {
@@ -159,7 +162,7 @@ impl Engine {
         // What it would publish for the prompts it serves is discarded.
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        Self::serve(name, [127, 0, 0, 1].into(), BLOCK, metadata, tx).await
+        Self::serve(name, [127, 0, 0, 1].into(), BLOCK, metadata, tx, Arc::default()).await
     }
 
     async fn start_with(name: &str, ip: IpAddr, events_port: u16, block: usize) -> Engine {
@@ -169,6 +172,8 @@ impl Engine {
             .await
             .expect("bind PUB");
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let garble = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let garbled = garble.clone();
         tokio::spawn(async move {
             let seq = AtomicU64::new(0);
             let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -177,6 +182,8 @@ impl Engine {
                     p = rx.recv() => match p { Some(p) => p, None => return },
                     _ = tick.tick() => rmp_serde::to_vec(&(1.0f64, Vec::<()>::new())).expect("msgpack"),
                 };
+                // 0xc1 is never valid msgpack.
+                let payload = if garbled.load(Ordering::Relaxed) { vec![0xc1] } else { payload };
                 let mut m = ZmqMessage::from(Bytes::from_static(b"kv-events"));
                 m.push_back(Bytes::copy_from_slice(
                     &seq.fetch_add(1, Ordering::Relaxed).to_be_bytes(),
@@ -193,7 +200,7 @@ impl Engine {
             "role": "both",
             "extra": "ignored"
         });
-        Self::serve(name, ip, block, metadata, tx).await
+        Self::serve(name, ip, block, metadata, tx, garble).await
     }
 
     async fn serve(
@@ -202,6 +209,7 @@ impl Engine {
         block: usize,
         metadata: serde_json::Value,
         events: mpsc::UnboundedSender<Vec<u8>>,
+        garble: Arc<std::sync::atomic::AtomicBool>,
     ) -> Engine {
         let state = Arc::new(EngineState {
             name: name.into(),
@@ -211,6 +219,7 @@ impl Engine {
             events,
             release: Notify::new(),
             metrics: std::sync::Mutex::new(String::new()),
+            garble,
         });
         let app = axum::Router::new()
             .route("/v1/completions", post(completions))

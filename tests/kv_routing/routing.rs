@@ -513,3 +513,76 @@ async fn a_publisher_that_only_stores_stays_within_its_engines_capacity() {
     let lag = "kvepp_kv_event_apply_lag_seconds_count";
     assert!(epp.metric(lag).await.unwrap_or(0.0) >= 60.0, "{lag}");
 }
+
+/// An engine whose KV events stop decoding: kvepp counts them, drops what that engine's events
+/// had said (never mixed with what follows), and matches it by what kvepp routes to it, so a
+/// prompt's follow-ups still go where it went; once its events decode again its blocks come from
+/// them anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_events_do_not_decode_is_matched_by_what_was_routed_to_it() {
+    let (a, b, epp) = two_engines(|_| {}).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let (_, holder) = four_blocks_held(&envoy, &epp).await;
+    let (h, other) = if holder == "a" { (&a, &b) } else { (&b, &a) };
+    assert!(!indexed(&epp, h.http).await.is_empty());
+
+    h.state.garble.store(true, Ordering::Relaxed);
+    let fallback = format!("kvepp_kv_events_fallback{{endpoint=\"{}\"}}", h.http);
+    wait_for("the holder in fallback", || async {
+        (epp.metric(&fallback).await? == 1.0).then_some(())
+    })
+    .await;
+    assert!(
+        indexed(&epp, h.http).await.is_empty(),
+        "what its events said is dropped"
+    );
+    assert!(epp.metric("kvepp_kv_event_undecodable_total").await >= Some(1.0));
+
+    // Cold prompts go to either engine; each one's follow-up goes where it went: by what was
+    // routed to the engine in fallback, by the other's events.
+    let mut on_fallback = 0;
+    for k in 0..24u32 {
+        let first = tokens(40 + k, 4 * BLOCK);
+        let served = served_by(&envoy, &first).await;
+        if served == other.state.name {
+            let stored = epp_hashes(&first);
+            wait_for("the other engine's events applied", || async {
+                let held = indexed(&epp, other.http).await;
+                stored.iter().all(|x| held.contains(x)).then_some(())
+            })
+            .await;
+        } else {
+            on_fallback += 1;
+        }
+        let mut next = first.clone();
+        next.extend(tokens(70 + k, 2 * BLOCK));
+        assert_eq!(served_by(&envoy, &next).await, served, "follow-up {k}");
+        if on_fallback >= 3 {
+            break;
+        }
+    }
+    assert!(on_fallback >= 3, "{on_fallback} cold prompts went to the engine in fallback");
+    assert_eq!(
+        indexed(&epp, h.http).await,
+        Vec::<u64>::new(),
+        "nothing it published was read"
+    );
+
+    // Its events decode again: out of fallback, its new blocks indexed from its events.
+    h.state.garble.store(false, Ordering::Relaxed);
+    wait_for("the holder out of fallback", || async {
+        (epp.metric(&fallback).await? == 0.0).then_some(())
+    })
+    .await;
+    let x = tokens(90, 3 * BLOCK);
+    h.state
+        .events
+        .send(stored_batch(&h.state.name, BLOCK, &x))
+        .unwrap();
+    wait_for("its events indexed again", || async {
+        (indexed(&epp, h.http).await == epp_hashes(&x)).then_some(())
+    })
+    .await;
+    drop(envoy);
+    epp.stop().await;
+}

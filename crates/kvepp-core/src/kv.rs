@@ -159,6 +159,10 @@ pub struct KvState {
     text_memo: PrefixMemo<u8>,
     /// Ordered picks' own state ([`ordered`]).
     ordered: roster::OrderedPicks,
+    /// Workers whose KV events stopped decoding ([`Self::set_events_fallback`]), sorted: their
+    /// cached prefix for token prompts is read from what was routed to them, as in approximate
+    /// mode, until their events decode again. Empty in steady state (one load per pick).
+    fallback: arc_swap::ArcSwap<Vec<u64>>,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -176,6 +180,9 @@ struct Walked {
     per_worker: bool,
     blocks: u64,
     isl: u64,
+    /// Token prompts while some workers' events are in fallback: those workers (sorted), whose
+    /// overlaps the pick read from the approximate index into `PickScratch::fallback`.
+    fallback: Option<Arc<Vec<u64>>>,
 }
 
 impl KvState {
@@ -202,6 +209,7 @@ impl KvState {
             memo: PrefixMemo::default(),
             text_memo: PrefixMemo::default(),
             ordered: roster::OrderedPicks::default(),
+            fallback: arc_swap::ArcSwap::from_pointee(Vec::new()),
         }
     }
 
@@ -284,6 +292,32 @@ impl KvState {
                 "block size learned from the engines (metrics page or KV events)"
             );
         }
+    }
+
+    /// `worker`'s KV events stopped decoding (`on`), or decode again (`!on`). While on, a token
+    /// prompt's cached prefix on it is what was routed to it (recorded at booking, FIFO-bounded
+    /// as in approximate mode), not what the KV-event index says; picks read every candidate
+    /// (no ordered shortcut). Returns whether the state changed.
+    pub fn set_events_fallback(&self, worker: u64, on: bool) -> bool {
+        let mut changed = false;
+        self.fallback.rcu(|cur| {
+            let mut next = Vec::clone(cur);
+            match (next.binary_search(&worker), on) {
+                (Err(at), true) => next.insert(at, worker),
+                (Ok(at), false) => {
+                    next.remove(at);
+                }
+                _ => {}
+            }
+            changed = next.len() != cur.len();
+            next
+        });
+        changed
+    }
+
+    /// Whether `worker`'s KV events are in fallback ([`Self::set_events_fallback`]).
+    pub fn in_events_fallback(&self, worker: u64) -> bool {
+        self.fallback.load().binary_search(&worker).is_ok()
     }
 
     /// The index the KV events feed ([`SharedIndex::write`] for events, [`SharedIndex::read`]
@@ -399,7 +433,13 @@ impl KvState {
             per_worker,
             blocks: hashes.len() as u64,
             isl,
+            fallback: (!approximate && !hashes.is_empty())
+                .then(|| self.fallback.load_full())
+                .filter(|f| !f.is_empty()),
         };
+        if let Some(f) = &walked.fallback {
+            self.fallback_overlaps(hashes, f, sc);
+        }
         if per_worker {
             if let Some(ix) = &walked.index {
                 ix.walked_all(&sc.matching, &mut sc.found);
@@ -492,9 +532,31 @@ impl KvState {
         }
     }
 
+    /// `sc.fallback`: the overlaps of `hashes` the approximate index holds for the workers in
+    /// `fallback` (what was routed to them while their events do not decode).
+    fn fallback_overlaps(&self, hashes: &[SequenceHash], fallback: &[u64], sc: &mut PickScratch) {
+        sc.fallback.clear();
+        let ix = self.approx.index.read();
+        sc.fallback.extend(
+            ix.overlaps(hashes)
+                .into_iter()
+                .filter(|o| o.rank.dp_rank == 0 && fallback.binary_search(&o.rank.worker).is_ok())
+                .map(|o| (o.rank.worker, o.overlap)),
+        );
+    }
+
     /// Candidate `i`'s cached prefix, from the walks.
     #[inline(always)]
     fn overlap_of(w: &Walked, sc: &PickScratch, i: usize, e: &Endpoint) -> Overlap {
+        if let Some(f) = &w.fallback {
+            if f.binary_search(&e.worker).is_ok() {
+                return sc
+                    .fallback
+                    .iter()
+                    .find(|(worker, _)| *worker == e.worker)
+                    .map_or_else(Overlap::default, |(_, o)| *o);
+            }
+        }
         match &w.index {
             // A rank-level candidate's prefix is its own rank's.
             _ if w.per_worker && e.exact_rank.is_none() => {
@@ -589,7 +651,8 @@ impl KvState {
         let predicted = w.cost_model == CostModel::PredictedTtft;
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
         let ordered = (self.ordered.on.load(Ordering::Relaxed)
-            && Self::orderable(w, ctx.scores.is_some(), &ctx.bias))
+            && Self::orderable(w, ctx.scores.is_some(), &ctx.bias)
+            && self.fallback.load().is_empty())
         .then(|| {
             self.rank_ordered(
                 candidates,
@@ -693,7 +756,12 @@ impl KvState {
             // (registered above): book the load alone.
             Err(_) => {}
         }
-        if let Some(p) = prompt.filter(|p| p.mode == PrefixMode::Approximate) {
+        // Approximate prompts, and token prompts to an endpoint whose events do not decode,
+        // are recorded as routed there.
+        if let Some(p) = prompt.filter(|p| {
+            p.mode == PrefixMode::Approximate
+                || (p.mode != PrefixMode::None && self.in_events_fallback(endpoint.worker))
+        }) {
             self.approx.record(endpoint.worker, p, slot.held as usize);
             self.hub.each(|l| l.routed(endpoint.worker, p));
         }

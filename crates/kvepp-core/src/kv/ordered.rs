@@ -428,6 +428,7 @@ impl KvState {
             per_worker: false,
             blocks: hashes.len() as u64,
             isl,
+            fallback: None,
         };
         self.slots.walk_held_path(hashes, &mut sc.held, wide(n));
         sc.visits.clear();

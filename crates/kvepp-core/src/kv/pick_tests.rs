@@ -677,3 +677,88 @@ fn approximate_blocks_come_from_the_memo_of_recent_texts() {
     // Another model's blocks are its own.
     assert_ne!(kv.blocks_from_text("other", &text).hashes, first.hashes);
 }
+
+/// An endpoint whose KV events stopped decoding is matched, for token prompts, against what was
+/// routed to it (recorded at booking), never against what its events said before; the ordered
+/// shortcut is off meanwhile. Once its events decode again, the KV-event index alone counts.
+#[test]
+fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
+    let kv = Arc::new(KvState::new(KvSettings::default()));
+    kv.set_weights(CostWeights::dynamo());
+    let eps = endpoints(2);
+    let refs: &[Arc<Endpoint>] = &eps;
+    let mut rng = fastrand::Rng::with_seed(7);
+    let (q, stale) = (
+        prompt(&mut rng, PrefixMode::TokenIds, 40),
+        prompt(&mut rng, PrefixMode::TokenIds, 40),
+    );
+    let rank1 = WorkerRank {
+        worker: eps[1].worker,
+        dp_rank: 0,
+    };
+    // What endpoint 1's events said before they stopped decoding.
+    let blocks: Vec<_> = stale
+        .hashes
+        .iter()
+        .zip(&stale.locals)
+        .map(|(s, l)| (EngineBlockHash(s.0), *l))
+        .collect();
+    kv.index()
+        .write(|ix| ix.store(rank1, Tier::Device, None, blocks.iter().copied()))
+        .expect("stored");
+    for e in &eps {
+        kv.register_rank(e.rank());
+    }
+    let overlap_on = |p: &PromptBlocks, ctx: &mut PickContext| {
+        let req = PickRequest {
+            list: Some(1),
+            ..PickRequest::prompt(Some(p))
+        };
+        let (best, _, d) = kv.rank(refs, &req, ctx);
+        (best, d.overlap.device)
+    };
+    let mut ctx = PickContext::seeded(7);
+    assert_eq!(
+        overlap_on(&stale, &mut ctx),
+        (1, stale.hashes.len() as u64)
+    );
+    assert_eq!(kv.pick_paths(), (1, 0), "the ordered shortcut, before");
+
+    assert!(kv.set_events_fallback(eps[1].worker, true));
+    assert!(!kv.set_events_fallback(eps[1].worker, true), "already on");
+    assert!(kv.in_events_fallback(eps[1].worker));
+    let (_, none) = overlap_on(&stale, &mut ctx);
+    assert_eq!(none, 0, "the index's entries of a fallback endpoint are not read");
+    // Booked on endpoint 1 and released: recorded as routed there.
+    let now = Instant::now();
+    let slot = SlotBooking {
+        id: None,
+        prefill_tokens: q.isl_tokens,
+        held: 0,
+        expected: None,
+        learn: None,
+        now,
+    };
+    drop(kv.book(&eps[1], Some(&q), slot).expect("booked"));
+    for _ in 0..8 {
+        assert_eq!(overlap_on(&q, &mut ctx), (1, q.hashes.len() as u64));
+    }
+    assert_eq!(
+        kv.pick_paths(),
+        (1, 9),
+        "no ordered pick while an endpoint is in fallback"
+    );
+
+    // Decoding again: the routed record is not read for token prompts, the index is.
+    assert!(kv.set_events_fallback(eps[1].worker, false));
+    assert!(!kv.in_events_fallback(eps[1].worker));
+    assert_eq!(overlap_on(&q, &mut ctx).1, 0);
+    assert_eq!(
+        overlap_on(&stale, &mut ctx),
+        (1, stale.hashes.len() as u64)
+    );
+    // A forgotten endpoint leaves the fallback set.
+    kv.set_events_fallback(eps[0].worker, true);
+    kv.remove_worker(eps[0].worker);
+    assert!(!kv.in_events_fallback(eps[0].worker));
+}

@@ -72,6 +72,9 @@ impl KvState {
         });
         self.approx.forget(workers);
         self.slots.unregister_workers(workers);
+        for &w in workers {
+            self.set_events_fallback(w, false);
+        }
     }
 
     /// Records a booking decided elsewhere (a peer replica's) on a registered rank, until

@@ -75,6 +75,8 @@ impl CandidateMap {
 pub(super) struct PickScratch {
     pub(super) matching: MatchScratch,
     pub(super) found: Vec<RankOverlap>,
+    /// Overlaps of the workers whose events are in fallback (worker, overlap), when any.
+    pub(super) fallback: Vec<(u64, Overlap)>,
     /// The walk over the slot tracker's active blocks.
     pub(super) held: HeldScratch,
     /// Candidate index by worker id (the first candidate of a worker).
