@@ -111,3 +111,75 @@ async fn saturation_from_engine_metrics_and_learned_block_size() {
     drop(envoy);
     epp.stop().await;
 }
+
+/// An engine serving `/server_info` as SGLang does, and `/metrics` as `page` says.
+async fn sglang_engine(page: (StatusCode, String)) -> SocketAddr {
+    let page = Arc::new(page);
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let page = page.clone();
+                async move { (*page).clone() }
+            }),
+        )
+        .route(
+            "/server_info",
+            get(|| async {
+                r#"{"page_size": 4, "max_total_num_tokens": 4000, "dp_size": 1, "served_model_name": "m"}"#
+            }),
+        )
+        .route("/v1/completions", post(|| async { "{}" }));
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+/// SGLang without `--enable-metrics` (no metrics page): its kind, page size and capacity come
+/// from its `/server_info`; with the engine kind configured, only that engine's series are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_kind_from_server_info_or_configured() {
+    let a = sglang_engine((StatusCode::NOT_FOUND, String::new())).await;
+    let m = pool_yaml("pool") + &standard_models() + &slice_yaml("a", a, true);
+    let epp = Epp::start(&m, |c| c.engine_metrics.interval_ms = 20).await;
+    let kind = format!("kvepp_engine_kind{{endpoint=\"{a}\",engine=\"sglang\"}}");
+    wait_for("the kind from /server_info", || async {
+        (epp.metric(&kind).await? == 1.0).then_some(())
+    })
+    .await;
+    wait_for("the block size from its page size", || async {
+        (epp.metric("kvepp_kv_block_size").await? == 4.0).then_some(())
+    })
+    .await;
+    epp.stop().await;
+
+    // A vLLM page read by a kvepp told its engines are SGLang: no kind, a failed scrape.
+    let b = sglang_engine(page(0, 0.1)).await;
+    let m = pool_yaml("pool") + &standard_models() + &slice_yaml("b", b, true);
+    let epp = Epp::start(&m, |c| {
+        c.engine_metrics.interval_ms = 20;
+        c.engine_metrics.engine = kvepp::engine::metrics::EngineSelect::Sglang;
+    })
+    .await;
+    let kind = format!("kvepp_engine_kind{{endpoint=\"{b}\",engine=\"sglang\"}}");
+    wait_for("the configured kind, from /server_info", || async {
+        (epp.metric(&kind).await? == 1.0).then_some(())
+    })
+    .await;
+    wait_for("the vLLM page counted as a failed scrape", || async {
+        (epp.metric("kvepp_engine_metrics_scrape_errors_total")
+            .await?
+            >= 2.0)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        epp.metric(&format!(
+            "kvepp_engine_kind{{endpoint=\"{b}\",engine=\"vllm\"}}"
+        ))
+        .await,
+        None
+    );
+    epp.stop().await;
+}

@@ -12,7 +12,14 @@
 //!
 //! Several series of one metric (per model name, per data-parallel rank) are summed (usage: the
 //! largest; capacity: the largest rank's). A page with neither kind's load series is an error
-//! ([`NotAnEngine`]): the endpoint is routed by kvepp's own in-flight counts alone.
+//! ([`NotAnEngine`]): the endpoint is routed by kvepp's own in-flight counts alone, logged once
+//! and counted. Such an endpoint (or one with no metrics page at all, as SGLang without
+//! `--enable-metrics`) is asked once for SGLang's `GET /server_info`: an answer with a
+//! `page_size` makes it an SGLang engine, whose page size and `max_total_num_tokens` give the
+//! block size and the KV capacity ([`ServerInfo`]).
+//!
+//! `engine_metrics.engine` (`auto`, the default; `vllm`; `sglang`) fixes the kind instead: only
+//! that engine's series are read, and a page without them is [`NotAnEngine`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,9 +79,63 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
     Some((name, labels, value))
 }
 
+/// Which engine kind endpoints are (`engine_metrics.engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineSelect {
+    /// Told per endpoint by its metrics page (or `/server_info`).
+    #[default]
+    Auto,
+    Vllm,
+    Sglang,
+}
+
+impl EngineSelect {
+    /// The kind every endpoint is; None: detected.
+    pub fn fixed(self) -> Option<EngineKind> {
+        match self {
+            EngineSelect::Auto => None,
+            EngineSelect::Vllm => Some(EngineKind::Vllm),
+            EngineSelect::Sglang => Some(EngineKind::Sglang),
+        }
+    }
+}
+
+/// What SGLang's `GET /server_info` tells a router: its page size (tokens per KV block) and its
+/// KV capacity in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct ServerInfo {
+    pub page_size: u32,
+    #[serde(default)]
+    pub max_total_num_tokens: Option<u64>,
+}
+
+impl ServerInfo {
+    /// An SGLang `/server_info` answer; None for anything else (no positive `page_size`).
+    pub fn parse(body: &[u8]) -> Option<ServerInfo> {
+        serde_json::from_slice::<ServerInfo>(body)
+            .ok()
+            .filter(|i| i.page_size > 0)
+    }
+
+    /// KV capacity in blocks (pages).
+    pub fn capacity_blocks(&self) -> Option<u64> {
+        self.max_total_num_tokens
+            .map(|t| t / u64::from(self.page_size))
+    }
+}
+
 /// The load signals of a vLLM or SGLang metrics page, and which of the two it is (the first
 /// load series on the page decides; a page mixing both is read as that one).
 pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
+    parse_as(page, None)
+}
+
+/// [`parse`], reading only `kind`'s series when given.
+pub fn parse_as(
+    page: &str,
+    only: Option<EngineKind>,
+) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
     let mut m = EngineMetrics::default();
     let mut kind = None;
     let (mut sglang_tokens, mut sglang_page) = (None::<f64>, None::<f64>);
@@ -87,6 +148,12 @@ pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
         if name.starts_with("sglang:")
             && super::exposition::label(labels, "priority").is_some_and(|p| !p.is_empty())
         {
+            continue;
+        }
+        let of = |k: EngineKind| {
+            name.starts_with(k.as_str()) && name.as_bytes().get(k.as_str().len()) == Some(&b':')
+        };
+        if only.is_some_and(|k| !of(k)) {
             continue;
         }
         let this = match name {
@@ -165,6 +232,9 @@ pub struct EngineMetricsConfig {
     pub timeout_ms: u64,
     /// Largest `/metrics` page read; a larger one is a failed scrape.
     pub max_page_bytes: usize,
+    /// Which engine the endpoints run: `auto` (told by each endpoint's metrics page, or its
+    /// `/server_info`), `vllm` or `sglang` (only that engine's series are read).
+    pub engine: EngineSelect,
 }
 
 impl Default for EngineMetricsConfig {
@@ -177,6 +247,7 @@ impl Default for EngineMetricsConfig {
             kv_cache_threshold: 0.8,
             timeout_ms: 200,
             max_page_bytes: 1 << 20,
+            engine: EngineSelect::Auto,
         }
     }
 }
@@ -188,6 +259,8 @@ pub struct ScrapeSettings {
     pub timeout: Duration,
     /// Largest page read.
     pub max_bytes: usize,
+    /// The configured engine kind; None: detected per endpoint.
+    pub engine: Option<EngineKind>,
 }
 
 /// Scrapes every ready endpoint (the current value of `pool`, in the pool's `protocol`) each
@@ -220,23 +293,38 @@ pub async fn run_scraper(
         let mut scrapes = tokio::task::JoinSet::new();
         let version = protocol();
         for ep in endpoints.iter().cloned() {
+            let probe = kinds.probe_due(&ep, settings.engine);
             scrapes.spawn(async move {
-                let page = super::get_with(
-                    version,
-                    ep.addr,
-                    "/metrics",
-                    settings.timeout,
-                    settings.max_bytes,
-                )
-                .await;
-                (ep, page)
+                let get = |path| {
+                    super::get_with(version, ep.addr, path, settings.timeout, settings.max_bytes)
+                };
+                let page = get("/metrics").await;
+                // An endpoint not yet known whose page tells no engine (or that has none).
+                let unknown = match &page {
+                    Ok(b) => parse_as(&String::from_utf8_lossy(b), settings.engine).is_err(),
+                    Err(e) => !matches!(e, super::FetchError::Connect { .. }),
+                };
+                let info = if probe && unknown {
+                    Some(
+                        get("/server_info")
+                            .await
+                            .ok()
+                            .and_then(|b| ServerInfo::parse(&b)),
+                    )
+                } else {
+                    None
+                };
+                (ep, page, info)
             });
         }
         while let Some(done) = scrapes.join_next().await {
-            let Ok((ep, page)) = done else { continue };
+            let Ok((ep, page, info)) = done else { continue };
+            if let Some(info) = info {
+                kinds.probed(&ep, info, kv.as_deref(), &counters);
+            }
             let result = page.map_err(|e| e.to_string()).and_then(|b| {
                 let text = String::from_utf8_lossy(&b);
-                let (kind, m) = parse(&text).map_err(|e| e.to_string())?;
+                let (kind, m) = parse_as(&text, settings.engine).map_err(|e| e.to_string())?;
                 record_adapters(&ep, &text, &counters, &mut lora_failures);
                 if let (Some(kv), Some(model)) = (&kv, base_model(&text, kind)) {
                     kv.learn_base_model(&model);
@@ -245,7 +333,7 @@ pub async fn run_scraper(
             });
             match result {
                 Ok((kind, m)) => {
-                    kinds.seen(&ep, kind, &counters);
+                    kinds.seen(&ep, kind, "metrics page", &counters);
                     if let (Some(kv), Some(bs)) = (&kv, m.block_size) {
                         kv.learn_block_size(bs);
                     }
@@ -266,14 +354,24 @@ pub async fn run_scraper(
     }
 }
 
-/// The engine kind each endpoint's page showed: logged when first seen or changed, exported as
-/// `engine_kind{endpoint, engine}` (1 for the kind seen last).
+/// The engine kind each endpoint showed (its metrics page, or `/server_info`): logged when first
+/// seen or changed, exported as `engine_kind{endpoint, engine}` (1 for the kind seen last); and
+/// which endpoints have been asked for `/server_info` (once each while they stay in the pool).
 #[derive(Debug, Default)]
-struct Kinds(std::collections::HashMap<std::net::SocketAddr, (Arc<str>, EngineKind)>);
+struct Kinds {
+    seen: std::collections::HashMap<std::net::SocketAddr, (Arc<str>, EngineKind)>,
+    probed: std::collections::HashSet<std::net::SocketAddr>,
+}
 
 impl Kinds {
-    fn seen(&mut self, ep: &Endpoint, kind: EngineKind, counters: &super::EngineCounters) {
-        let old = self.0.insert(ep.addr, (ep.addr_str.clone(), kind));
+    fn seen(
+        &mut self,
+        ep: &Endpoint,
+        kind: EngineKind,
+        from: &str,
+        counters: &super::EngineCounters,
+    ) {
+        let old = self.seen.insert(ep.addr, (ep.addr_str.clone(), kind));
         if old.as_ref().map(|(_, k)| *k) == Some(kind) {
             return;
         }
@@ -284,18 +382,51 @@ impl Kinds {
             .engine_kind
             .get_or_create(&kind_labels(&ep.addr_str, kind))
             .set(1);
-        tracing::info!(endpoint = %ep.addr_str, engine = kind.as_str(), "engine kind read from its metrics page");
+        tracing::info!(endpoint = %ep.addr_str, engine = kind.as_str(), from, "engine kind");
+    }
+
+    /// Whether `ep` is to be asked for `/server_info` if its page tells no engine: not yet
+    /// asked, no kind seen, and SGLang not ruled out by the configuration.
+    fn probe_due(&self, ep: &Endpoint, fixed: Option<EngineKind>) -> bool {
+        fixed != Some(EngineKind::Vllm)
+            && !self.seen.contains_key(&ep.addr)
+            && !self.probed.contains(&ep.addr)
+    }
+
+    /// `ep` answered `/server_info` with `info` (None: not SGLang's answer): an SGLang engine
+    /// whose page size is the block size and whose token capacity bounds its index.
+    fn probed(
+        &mut self,
+        ep: &Endpoint,
+        info: Option<ServerInfo>,
+        kv: Option<&kvepp_core::KvState>,
+        counters: &super::EngineCounters,
+    ) {
+        self.probed.insert(ep.addr);
+        let Some(info) = info else {
+            tracing::info!(endpoint = %ep.addr_str, "no engine metrics and no SGLang /server_info: routed by kvepp's own counts alone");
+            return;
+        };
+        self.seen(ep, EngineKind::Sglang, "/server_info", counters);
+        if let Some(kv) = kv {
+            kv.learn_block_size(info.page_size);
+            if let Some(blocks) = info.capacity_blocks() {
+                kv.set_engine_capacity(ep.rank(), blocks);
+            }
+        }
     }
 
     /// Forgets endpoints no longer in the pool, and their gauge.
     fn retain(&mut self, endpoints: &[Arc<Endpoint>], counters: &super::EngineCounters) {
-        self.0.retain(|addr, (name, kind)| {
-            let keep = endpoints.iter().any(|e| e.addr == *addr);
+        let live = |addr: &std::net::SocketAddr| endpoints.iter().any(|e| e.addr == *addr);
+        self.seen.retain(|addr, (name, kind)| {
+            let keep = live(addr);
             if !keep {
                 counters.engine_kind.remove(&kind_labels(name, *kind));
             }
             keep
         });
+        self.probed.retain(live);
     }
 }
 
@@ -486,5 +617,37 @@ sglang:cache_hit_rate{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep
             parse("sglang:page_size 16\nsglang:max_total_num_tokens 100\n"),
             Err(NotAnEngine)
         );
+    }
+
+    #[test]
+    fn a_configured_kind_reads_only_its_own_series() {
+        let mixed =
+            "sglang:num_queue_reqs 7\nvllm:num_requests_waiting 2\nvllm:num_requests_running 1\n";
+        let (kind, m) = parse_as(mixed, Some(EngineKind::Vllm)).unwrap();
+        assert_eq!((kind, m.waiting, m.running), (EngineKind::Vllm, 2.0, 1.0));
+        let (kind, m) = parse_as(mixed, Some(EngineKind::Sglang)).unwrap();
+        assert_eq!((kind, m.waiting, m.running), (EngineKind::Sglang, 7.0, 0.0));
+        assert_eq!(parse_as(PAGE, Some(EngineKind::Sglang)), Err(NotAnEngine));
+        assert_eq!(
+            parse_as(SGLANG_PAGE, Some(EngineKind::Vllm)),
+            Err(NotAnEngine)
+        );
+        // A name that only starts like an engine's is neither.
+        assert_eq!(
+            parse_as("vllmx:num_requests_waiting 1\n", Some(EngineKind::Vllm)),
+            Err(NotAnEngine)
+        );
+    }
+
+    #[test]
+    fn server_info_of_sglang_and_of_anything_else() {
+        let info = ServerInfo::parse(
+            br#"{"page_size": 16, "max_total_num_tokens": 1600, "dp_size": 1, "kv_events": {}}"#,
+        )
+        .unwrap();
+        assert_eq!((info.page_size, info.capacity_blocks()), (16, Some(100)));
+        assert_eq!(ServerInfo::parse(br#"{"page_size": 0}"#), None);
+        assert_eq!(ServerInfo::parse(b"not json"), None);
+        assert_eq!(ServerInfo::parse(br#"{"model": "m"}"#), None);
     }
 }

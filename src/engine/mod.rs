@@ -137,7 +137,7 @@ impl crate::metrics::Register for EngineCounters {
     fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
             "engine_kind",
-            "1 for the engine kind (vllm or sglang) each endpoint's /metrics page showed",
+            "1 for the engine kind (vllm or sglang) of each endpoint: from its /metrics page, its /server_info, or engine_metrics.engine",
             self.engine_kind.clone(),
         );
         registry.register(

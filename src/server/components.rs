@@ -70,6 +70,7 @@ pub(super) fn scrape_settings(cfg: &Config) -> ScrapeSettings {
         interval: Duration::from_millis(em.interval_ms),
         timeout: Duration::from_millis(em.timeout_ms),
         max_bytes: em.max_page_bytes,
+        engine: em.engine.fixed(),
     }
 }
 

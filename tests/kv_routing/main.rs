@@ -162,7 +162,15 @@ impl Engine {
         // What it would publish for the prompts it serves is discarded.
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        Self::serve(name, [127, 0, 0, 1].into(), BLOCK, metadata, tx, Arc::default()).await
+        Self::serve(
+            name,
+            [127, 0, 0, 1].into(),
+            BLOCK,
+            metadata,
+            tx,
+            Arc::default(),
+        )
+        .await
     }
 
     async fn start_with(name: &str, ip: IpAddr, events_port: u16, block: usize) -> Engine {
@@ -183,7 +191,11 @@ impl Engine {
                     _ = tick.tick() => rmp_serde::to_vec(&(1.0f64, Vec::<()>::new())).expect("msgpack"),
                 };
                 // 0xc1 is never valid msgpack.
-                let payload = if garbled.load(Ordering::Relaxed) { vec![0xc1] } else { payload };
+                let payload = if garbled.load(Ordering::Relaxed) {
+                    vec![0xc1]
+                } else {
+                    payload
+                };
                 let mut m = ZmqMessage::from(Bytes::from_static(b"kv-events"));
                 m.push_back(Bytes::copy_from_slice(
                     &seq.fetch_add(1, Ordering::Relaxed).to_be_bytes(),

@@ -561,7 +561,10 @@ async fn an_engine_whose_events_do_not_decode_is_matched_by_what_was_routed_to_i
             break;
         }
     }
-    assert!(on_fallback >= 3, "{on_fallback} cold prompts went to the engine in fallback");
+    assert!(
+        on_fallback >= 3,
+        "{on_fallback} cold prompts went to the engine in fallback"
+    );
     assert_eq!(
         indexed(&epp, h.http).await,
         Vec::<u64>::new(),

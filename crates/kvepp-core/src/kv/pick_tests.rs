@@ -718,17 +718,17 @@ fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
         (best, d.overlap.device)
     };
     let mut ctx = PickContext::seeded(7);
-    assert_eq!(
-        overlap_on(&stale, &mut ctx),
-        (1, stale.hashes.len() as u64)
-    );
+    assert_eq!(overlap_on(&stale, &mut ctx), (1, stale.hashes.len() as u64));
     assert_eq!(kv.pick_paths(), (1, 0), "the ordered shortcut, before");
 
     assert!(kv.set_events_fallback(eps[1].worker, true));
     assert!(!kv.set_events_fallback(eps[1].worker, true), "already on");
     assert!(kv.in_events_fallback(eps[1].worker));
     let (_, none) = overlap_on(&stale, &mut ctx);
-    assert_eq!(none, 0, "the index's entries of a fallback endpoint are not read");
+    assert_eq!(
+        none, 0,
+        "the index's entries of a fallback endpoint are not read"
+    );
     // Booked on endpoint 1 and released: recorded as routed there.
     let now = Instant::now();
     let slot = SlotBooking {
@@ -753,10 +753,7 @@ fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
     assert!(kv.set_events_fallback(eps[1].worker, false));
     assert!(!kv.in_events_fallback(eps[1].worker));
     assert_eq!(overlap_on(&q, &mut ctx).1, 0);
-    assert_eq!(
-        overlap_on(&stale, &mut ctx),
-        (1, stale.hashes.len() as u64)
-    );
+    assert_eq!(overlap_on(&stale, &mut ctx), (1, stale.hashes.len() as u64));
     // A forgotten endpoint leaves the fallback set.
     kv.set_events_fallback(eps[0].worker, true);
     kv.remove_worker(eps[0].worker);
