@@ -335,7 +335,7 @@ pub async fn run_scraper(
                 Ok((kind, m)) => {
                     kinds.seen(&ep, kind, "metrics page", &counters);
                     if let (Some(kv), Some(bs)) = (&kv, m.block_size) {
-                        kv.learn_block_size(bs);
+                        kv.learn_block_size(ep.worker, bs);
                     }
                     if let (Some(kv), Some(gpu)) = (&kv, m.num_gpu_blocks) {
                         let blocks = gpu.saturating_add(m.num_cpu_blocks.unwrap_or(0));
@@ -409,7 +409,7 @@ impl Kinds {
         };
         self.seen(ep, EngineKind::Sglang, "/server_info", counters);
         if let Some(kv) = kv {
-            kv.learn_block_size(info.page_size);
+            kv.learn_block_size(ep.worker, info.page_size);
             if let Some(blocks) = info.capacity_blocks() {
                 kv.set_engine_capacity(ep.rank(), blocks);
             }

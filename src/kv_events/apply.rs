@@ -181,8 +181,8 @@ pub struct KvEventMetrics {
     /// Pairs the index dropped, oldest first, to keep a rank within its engine's capacity.
     pub index_evicted: Counter,
     pub dropped: Family<ReasonLabels, Counter>,
-    /// 1 for an endpoint whose KV events stopped decoding (matched by what was routed to it until
-    /// a batch decodes again), 0 otherwise.
+    /// 1 for an endpoint whose KV events are not read (they stopped decoding, or its block size
+    /// is not the pool's): matched by what was routed to it meanwhile; 0 once that ends.
     pub fallback: Family<EndpointLabels, Gauge>,
     pub index_blocks: Gauge,
     pub index_pairs: Gauge,
@@ -262,7 +262,7 @@ impl Register for KvEventMetrics {
         );
         registry.register(
             "kv_events_fallback",
-            "1 while an endpoint's KV events do not decode: its cached prefix is then what kvepp routed to it (approximate matching), until a batch decodes again",
+            "1 while an endpoint's KV events are not read (they do not decode, or its block size differs from the pool's): its cached prefix is then what kvepp routed to it (approximate matching)",
             self.fallback.clone(),
         );
         for (name, help, metric) in [
@@ -308,6 +308,9 @@ pub async fn run_manager(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut subs: HashMap<Arc<str>, Running> = HashMap::new();
+    // Endpoints whose fallback gauge has been shown (kept at 0 once it ends, removed when they
+    // leave the pool).
+    let mut shown: std::collections::HashSet<Arc<str>> = std::collections::HashSet::new();
     let mut md_changes = md.changes();
     // Only the gauges are refreshed on a timer; subscriptions follow the pool and the metadata.
     let mut gauges = tokio::time::interval(GAUGES_EVERY);
@@ -318,6 +321,15 @@ pub async fn run_manager(
         // Departed endpoints' subscriptions stop (their routing state is forgotten by the
         // router's upkeep).
         subs.retain(|addr, _| endpoints.iter().any(|e| e.addr_str == *addr));
+        shown.retain(|addr| {
+            let keep = endpoints.iter().any(|e| e.addr_str == *addr);
+            if !keep {
+                metrics.fallback.remove(&EndpointLabels {
+                    endpoint: addr.clone(),
+                });
+            }
+            keep
+        });
         for ep in endpoints.iter() {
             let sources = sources_of(ep, md.get(&ep.addr).as_deref(), &cfg);
             if subs.get(&ep.addr_str).map(|r| &r.sources) == Some(&sources) {
@@ -351,6 +363,16 @@ pub async fn run_manager(
                 .subscriptions
                 .set(subs.values().map(|r| r.stops.len() as i64).sum());
             metrics.block_size.set(i64::from(kv.block_size()));
+            for ep in endpoints.iter() {
+                let labels = EndpointLabels {
+                    endpoint: ep.addr_str.clone(),
+                };
+                let on = kv.in_events_fallback(ep.worker);
+                if on || shown.contains(&ep.addr_str) {
+                    shown.insert(ep.addr_str.clone());
+                    metrics.fallback.get_or_create(&labels).set(i64::from(on));
+                }
+            }
             {
                 let index = kv.index().read();
                 metrics.index_blocks.set(index.block_count() as i64);
@@ -514,7 +536,6 @@ async fn subscription(
                     if fallback {
                         fallback = false;
                         kv.set_events_fallback(worker, false);
-                        metrics.fallback.get_or_create(&labels).set(0);
                         tracing::info!(endpoint = %labels.endpoint, "KV events decode again: the endpoint is matched by its events, rebuilt from this batch on");
                     }
                     if pin_rank {
@@ -529,7 +550,7 @@ async fn subscription(
                         KvEvent::Stored { block_size, .. } => Some(*block_size),
                         _ => None,
                     }) {
-                        kv.learn_block_size(bs);
+                        kv.learn_block_size(worker, bs);
                     }
                     let block_size = kv.block_size();
                     let (metrics, labels) = (metrics.clone(), labels.clone());
@@ -560,7 +581,6 @@ async fn subscription(
                     if !fallback {
                         fallback = true;
                         kv.set_events_fallback(worker, true);
-                        metrics.fallback.get_or_create(&labels).set(1);
                         tracing::warn!(endpoint = %labels.endpoint, seq, "KV events do not decode: the endpoint's blocks are dropped and it is matched by what kvepp routes to it until they decode again");
                     }
                 }
@@ -585,7 +605,6 @@ async fn subscription(
     kv.index().flush();
     if fallback {
         kv.set_events_fallback(worker, false);
-        metrics.fallback.get_or_create(&labels).set(0);
     }
     let _ = task.await;
 }

@@ -275,7 +275,7 @@ impl Wiring {
                             return;
                         };
                         if let Some(bs) = doc.block_size() {
-                            kv.learn_block_size(bs);
+                            kv.learn_block_size(kvepp_core::kv::worker_id(&addr.to_string()), bs);
                         }
                         if let Some(name) = doc.model_name() {
                             kv.learn_base_model(name);

@@ -538,33 +538,7 @@ async fn an_engine_whose_events_do_not_decode_is_matched_by_what_was_routed_to_i
     );
     assert!(epp.metric("kvepp_kv_event_undecodable_total").await >= Some(1.0));
 
-    // Cold prompts go to either engine; each one's follow-up goes where it went: by what was
-    // routed to the engine in fallback, by the other's events.
-    let mut on_fallback = 0;
-    for k in 0..24u32 {
-        let first = tokens(40 + k, 4 * BLOCK);
-        let served = served_by(&envoy, &first).await;
-        if served == other.state.name {
-            let stored = epp_hashes(&first);
-            wait_for("the other engine's events applied", || async {
-                let held = indexed(&epp, other.http).await;
-                stored.iter().all(|x| held.contains(x)).then_some(())
-            })
-            .await;
-        } else {
-            on_fallback += 1;
-        }
-        let mut next = first.clone();
-        next.extend(tokens(70 + k, 2 * BLOCK));
-        assert_eq!(served_by(&envoy, &next).await, served, "follow-up {k}");
-        if on_fallback >= 3 {
-            break;
-        }
-    }
-    assert!(
-        on_fallback >= 3,
-        "{on_fallback} cold prompts went to the engine in fallback"
-    );
+    follow_ups_stay(&envoy, &epp, other, 40).await;
     assert_eq!(
         indexed(&epp, h.http).await,
         Vec::<u64>::new(),
@@ -586,6 +560,82 @@ async fn an_engine_whose_events_do_not_decode_is_matched_by_what_was_routed_to_i
         (indexed(&epp, h.http).await == epp_hashes(&x)).then_some(())
     })
     .await;
+    drop(envoy);
+    epp.stop().await;
+}
+
+/// Cold prompts go to either engine; each one's follow-up goes where it went: to the engine in
+/// fallback by what was routed to it, to `other` by its events. At least three reach the engine
+/// in fallback (of at most 24).
+async fn follow_ups_stay(envoy: &Envoy, epp: &Epp, other: &Engine, seed: u32) {
+    let mut on_fallback = 0;
+    for k in 0..24u32 {
+        let first = tokens(seed + k, 4 * other.state.block);
+        let served = served_by(envoy, &first).await;
+        if served == other.state.name {
+            let stored = other_hashes(other, &first);
+            wait_for("the other engine's events applied", || async {
+                let held = indexed(epp, other.http).await;
+                stored.iter().all(|x| held.contains(x)).then_some(())
+            })
+            .await;
+        } else {
+            on_fallback += 1;
+        }
+        let mut next = first.clone();
+        next.extend(tokens(seed + 30 + k, 2 * other.state.block));
+        assert_eq!(served_by(envoy, &next).await, served, "follow-up {k}");
+        if on_fallback >= 3 {
+            return;
+        }
+    }
+    panic!("{on_fallback} cold prompts went to the engine in fallback");
+}
+
+/// kvepp's hashes of `tokens` at `engine`'s block size.
+fn other_hashes(engine: &Engine, tokens: &[u32]) -> Vec<u64> {
+    kvepp_core::hash::sequence_hashes(&kvepp_core::hash::local_block_hashes(
+        tokens,
+        engine.state.block,
+        None,
+    ))
+    .iter()
+    .map(|s| s.0)
+    .collect()
+}
+
+/// A pool mixing block sizes (16 configured; one engine at 32): the other engine's events are
+/// not read (counted as another block size), it is matched by what was routed to it, and the
+/// engine at the pool's size by its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_of_another_block_size_is_matched_by_what_was_routed_to_it() {
+    let events_port = free_port();
+    let a = Engine::start("a", [127, 0, 0, 2].into(), events_port).await;
+    let b = Engine::start_with("b", [127, 0, 0, 3].into(), events_port, 2 * BLOCK).await;
+    let mut m = pool_yaml("pool") + &standard_models();
+    m += &slice_yaml("a", a.http, true);
+    m += &slice_yaml("b", b.http, true);
+    let epp = Epp::start(&m, |c| subscribed(c, events_port)).await;
+    until_engines_publish(&epp, &[&a, &b]).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    // b states its block size with its first stored block.
+    b.state
+        .events
+        .send(stored_batch("b", 2 * BLOCK, &tokens(1, 2 * BLOCK)))
+        .unwrap();
+    let fallback = format!("kvepp_kv_events_fallback{{endpoint=\"{}\"}}", b.http);
+    wait_for("b in fallback", || async {
+        (epp.metric(&fallback).await? == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(epp.metric("kvepp_kv_block_size").await, Some(BLOCK as f64));
+    follow_ups_stay(&envoy, &epp, &a, 100).await;
+    assert!(indexed(&epp, b.http).await.is_empty());
+    assert!(
+        epp.metric("kvepp_kv_events_dropped_total{reason=\"block_size_mismatch\"}")
+            .await
+            >= Some(1.0)
+    );
     drop(envoy);
     epp.stop().await;
 }

@@ -56,6 +56,7 @@ use crate::listen::{Admitted, Hub};
 pub use crate::types::worker_id;
 
 mod approx;
+mod fallback;
 mod guard;
 use guard::local_id;
 mod ordered;
@@ -66,6 +67,8 @@ mod scratch;
 mod ttft;
 
 use approx::Approx;
+use fallback::Fallback;
+pub use fallback::FallbackReason;
 pub use guard::SlotGuard;
 pub use prompt::{PrefixMode, PromptBlocks};
 pub use ranks::capacity_limit;
@@ -159,10 +162,10 @@ pub struct KvState {
     text_memo: PrefixMemo<u8>,
     /// Ordered picks' own state ([`ordered`]).
     ordered: roster::OrderedPicks,
-    /// Workers whose KV events stopped decoding ([`Self::set_events_fallback`]), sorted: their
-    /// cached prefix for token prompts is read from what was routed to them, as in approximate
-    /// mode, until their events decode again. Empty in steady state (one load per pick).
-    fallback: arc_swap::ArcSwap<Vec<u64>>,
+    /// Workers whose KV events are not read ([`fallback`]): their cached prefix for token
+    /// prompts is what was routed to them, as in approximate mode. Empty in steady state (one
+    /// load per pick).
+    fallback: Fallback,
 }
 
 const SCRATCH_POOLS: usize = 8;
@@ -209,7 +212,7 @@ impl KvState {
             memo: PrefixMemo::default(),
             text_memo: PrefixMemo::default(),
             ordered: roster::OrderedPicks::default(),
-            fallback: arc_swap::ArcSwap::from_pointee(Vec::new()),
+            fallback: Fallback::default(),
         }
     }
 
@@ -279,17 +282,32 @@ impl KvState {
         self.block_size.load(Ordering::Relaxed)
     }
 
-    /// An engine reported its block size; adopted when the block size is learned, not configured.
-    pub fn learn_block_size(&self, bs: u32) {
-        if !self.settings.learn_block_size || bs == 0 {
+    /// `worker`'s engine reported its block size (metrics page, metadata or KV events). Learned,
+    /// the pool's block size is the one most engines report; configured, it stays. An engine
+    /// reporting another size is in fallback ([`FallbackReason::BlockSize`]) while it does.
+    pub fn learn_block_size(&self, worker: u64, bs: u32) {
+        if bs == 0 {
             return;
         }
-        let old = self.block_size.swap(bs, Ordering::Relaxed);
-        if old != bs {
+        let configured = (!self.settings.learn_block_size).then_some(self.settings.block_size);
+        let current = self.block_size();
+        let pool = self
+            .fallback
+            .report_block_size(worker, bs, configured, current);
+        if pool != current {
+            self.block_size.store(pool, Ordering::Relaxed);
             tracing::info!(
+                block_size = pool,
+                previous = current,
+                "block size learned from the engines (metrics page, metadata or KV events)"
+            );
+        }
+        if bs != pool {
+            tracing::debug!(
+                worker,
                 block_size = bs,
-                previous = old,
-                "block size learned from the engines (metrics page or KV events)"
+                pool = pool,
+                "an engine's block size differs from the pool's: matched by what is routed to it"
             );
         }
     }
@@ -299,25 +317,12 @@ impl KvState {
     /// as in approximate mode), not what the KV-event index says; picks read every candidate
     /// (no ordered shortcut). Returns whether the state changed.
     pub fn set_events_fallback(&self, worker: u64, on: bool) -> bool {
-        let mut changed = false;
-        self.fallback.rcu(|cur| {
-            let mut next = Vec::clone(cur);
-            match (next.binary_search(&worker), on) {
-                (Err(at), true) => next.insert(at, worker),
-                (Ok(at), false) => {
-                    next.remove(at);
-                }
-                _ => {}
-            }
-            changed = next.len() != cur.len();
-            next
-        });
-        changed
+        self.fallback.set(worker, FallbackReason::Undecodable, on)
     }
 
-    /// Whether `worker`'s KV events are in fallback ([`Self::set_events_fallback`]).
+    /// Whether `worker` is in fallback, for any reason ([`fallback`]).
     pub fn in_events_fallback(&self, worker: u64) -> bool {
-        self.fallback.load().binary_search(&worker).is_ok()
+        self.fallback.contains(worker)
     }
 
     /// The index the KV events feed ([`SharedIndex::write`] for events, [`SharedIndex::read`]
@@ -434,7 +439,7 @@ impl KvState {
             blocks: hashes.len() as u64,
             isl,
             fallback: (!approximate && !hashes.is_empty())
-                .then(|| self.fallback.load_full())
+                .then(|| self.fallback.workers())
                 .filter(|f| !f.is_empty()),
         };
         if let Some(f) = &walked.fallback {
@@ -652,7 +657,7 @@ impl KvState {
         let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
         let ordered = (self.ordered.on.load(Ordering::Relaxed)
             && Self::orderable(w, ctx.scores.is_some(), &ctx.bias)
-            && self.fallback.load().is_empty())
+            && self.fallback.is_empty())
         .then(|| {
             self.rank_ordered(
                 candidates,

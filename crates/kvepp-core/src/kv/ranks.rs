@@ -73,7 +73,7 @@ impl KvState {
         self.approx.forget(workers);
         self.slots.unregister_workers(workers);
         for &w in workers {
-            self.set_events_fallback(w, false);
+            self.fallback.forget(w);
         }
     }
 
