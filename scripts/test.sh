@@ -9,6 +9,9 @@
 # scripts/deny.toml), the saved fuzz corpora replayed, plus one run of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite's wall time, printed however it ends.
+suite_start=$(date +%s)
+trap 'echo "test.sh: $(( $(date +%s) - suite_start )) s wall time (exit $?)" >&2' EXIT
 ENVOY_BIN="$(scripts/install-envoy.sh)"
 export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
