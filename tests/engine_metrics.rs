@@ -27,7 +27,9 @@ fn page(waiting: u32, usage: f64) -> (StatusCode, String) {
              vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\n\
              vllm:num_requests_running{{model_name=\"m\"}} 1\n\
              vllm:kv_cache_usage_perc{{model_name=\"m\"}} {usage}\n\
-             vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"1000\"}} 1\n"
+             vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"1000\"}} 1\n\
+             vllm:prefix_cache_queries_total{{model_name=\"m\"}} 10\n\
+             vllm:prefix_cache_hits_total{{model_name=\"m\"}} 4\n"
         ),
     )
 }
@@ -81,6 +83,11 @@ async fn saturation_from_engine_metrics_and_learned_block_size() {
     })
     .await;
     assert_eq!(shed_status(&envoy).await, 200);
+    let ratio = format!("kvepp_engine_prefix_cache_hit_ratio{{endpoint=\"{a}\"}}");
+    wait_for("the engine's own hit ratio", || async {
+        (epp.metric(&ratio).await? == 0.4).then_some(())
+    })
+    .await;
 
     // One engine with a long queue is not enough to shed...
     *page_a.lock().expect("lock") = page(10, 0.1);

@@ -329,6 +329,14 @@ pub async fn run_scraper(
                 if let (Some(kv), Some(model)) = (&kv, base_model(&text, kind)) {
                     kv.learn_base_model(&model);
                 }
+                if let Some(r) = prefix_cache_hit_ratio(&text, kind) {
+                    counters
+                        .prefix_cache_hit_ratio
+                        .get_or_create(&crate::metrics::EndpointLabels {
+                            endpoint: ep.addr_str.clone(),
+                        })
+                        .set(r);
+                }
                 Ok((kind, m))
             });
             match result {
@@ -423,6 +431,11 @@ impl Kinds {
             let keep = live(addr);
             if !keep {
                 counters.engine_kind.remove(&kind_labels(name, *kind));
+                counters
+                    .prefix_cache_hit_ratio
+                    .remove(&crate::metrics::EndpointLabels {
+                        endpoint: name.clone(),
+                    });
             }
             keep
         });
@@ -491,6 +504,31 @@ fn base_model(page: &str, kind: EngineKind) -> Option<String> {
         let (set, _) = super::exposition::series(l.trim_start(), kind.running_series())?;
         super::exposition::label(set, "model_name").filter(|n| !n.is_empty())
     })
+}
+
+/// The engine's own prefix-cache hit ratio: vLLM's `vllm:prefix_cache_hits_total` ÷
+/// `vllm:prefix_cache_queries_total` (since the engine started), SGLang's `sglang:cache_hit_rate`
+/// (the mean over its ranks). None when the page has none (or vLLM has had no query yet).
+pub fn prefix_cache_hit_ratio(page: &str, kind: EngineKind) -> Option<f64> {
+    let (mut a, mut b, mut n) = (0.0, 0.0, 0u32);
+    for (name, _, value) in page.lines().filter_map(sample) {
+        if !value.is_finite() {
+            continue;
+        }
+        match (kind, name) {
+            (EngineKind::Vllm, "vllm:prefix_cache_hits_total") => a += value,
+            (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => b += value,
+            (EngineKind::Sglang, "sglang:cache_hit_rate") => {
+                a += value;
+                n += 1;
+            }
+            _ => {}
+        }
+    }
+    match kind {
+        EngineKind::Vllm => (b > 0.0).then(|| (a / b).clamp(0.0, 1.0)),
+        EngineKind::Sglang => (n > 0).then(|| (a / f64::from(n)).clamp(0.0, 1.0)),
+    }
 }
 
 #[cfg(test)]
@@ -649,5 +687,21 @@ sglang:cache_hit_rate{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep
         assert_eq!(ServerInfo::parse(br#"{"page_size": 0}"#), None);
         assert_eq!(ServerInfo::parse(b"not json"), None);
         assert_eq!(ServerInfo::parse(br#"{"model": "m"}"#), None);
+    }
+
+    #[test]
+    fn the_engines_own_prefix_cache_hit_ratio() {
+        let vllm = "vllm:prefix_cache_queries_total{engine=\"0\"} 300\n\
+                    vllm:prefix_cache_hits_total{engine=\"0\"} 120\n\
+                    vllm:prefix_cache_queries_total{engine=\"1\"} 100\n\
+                    vllm:prefix_cache_hits_total{engine=\"1\"} 80\n";
+        assert_eq!(prefix_cache_hit_ratio(vllm, EngineKind::Vllm), Some(0.5));
+        assert_eq!(
+            prefix_cache_hit_ratio("vllm:prefix_cache_queries_total 0\n", EngineKind::Vllm),
+            None
+        );
+        let r = prefix_cache_hit_ratio(SGLANG_PAGE, EngineKind::Sglang).unwrap();
+        assert!((r - 0.7).abs() < 1e-9, "{r}");
+        assert_eq!(prefix_cache_hit_ratio(PAGE, EngineKind::Sglang), None);
     }
 }

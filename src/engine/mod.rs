@@ -124,6 +124,11 @@ pub struct EngineCounters {
         crate::metrics::EndpointLabels,
         prometheus_client::metrics::gauge::Gauge,
     >,
+    /// Each endpoint's own prefix-cache hit ratio, as its engine reports it.
+    pub prefix_cache_hit_ratio: prometheus_client::metrics::family::Family<
+        crate::metrics::EndpointLabels,
+        prometheus_client::metrics::gauge::Gauge<f64, std::sync::atomic::AtomicU64>,
+    >,
 }
 
 /// An endpoint and the engine kind its metrics page showed (`vllm` or `sglang`).
@@ -149,6 +154,11 @@ impl crate::metrics::Register for EngineCounters {
             "engine_lora_info_malformed",
             "Scraped pages whose vllm:lora_requests_info labels could not be read (the endpoint's last known adapters kept)",
             self.lora_info_malformed.clone(),
+        );
+        registry.register(
+            "engine_prefix_cache_hit_ratio",
+            "Each endpoint's prefix-cache hit ratio as its engine reports it (vLLM: prefix_cache_hits_total / prefix_cache_queries_total since it started; SGLang: sglang:cache_hit_rate)",
+            self.prefix_cache_hit_ratio.clone(),
         );
         registry.register(
             "endpoint_metadata_missing",
