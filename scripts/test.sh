@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The suite's wall time, printed however it ends.
 suite_start=$(date +%s)
-trap 'echo "test.sh: $(( $(date +%s) - suite_start )) s wall time (exit $?)" >&2' EXIT
+trap 'rc=$?; echo "test.sh: $(( $(date +%s) - suite_start )) s wall time (exit $rc)" >&2' EXIT
 ENVOY_BIN="$(scripts/install-envoy.sh)"
 export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
