@@ -249,34 +249,8 @@ fn token_id_ratios(_: &mut Criterion) {
         ids * 1e6,
         spaced_ids / ids
     );
-    // The id reader alone, and the portable reader alone (what CPUs without AVX-512 VBMI2 use),
-    // on the same array in the same run.
-    let array = &b[b.iter().position(|&c| c == b'[').unwrap_or(0)..];
-    let read = |portable| {
-        kvepp::request::read_token_ids(black_box(array), portable).map_or(0, |v| v.len())
-    };
-    // Call for call, alternating (this VM's speed drifts over seconds): the median of each.
-    let (mut wide_s, mut portable_s) = (Vec::new(), Vec::new());
-    for _ in 0..iters {
-        for (portable, each) in [(false, &mut wide_s), (true, &mut portable_s)] {
-            let start = std::time::Instant::now();
-            black_box(read(portable));
-            each.push(start.elapsed().as_secs_f64());
-        }
-    }
-    let (reader, portable) = (median(wide_s), median(portable_s));
-    #[cfg(target_arch = "x86_64")]
-    let wide = std::arch::is_x86_feature_detected!("avx512vbmi2");
-    #[cfg(not(target_arch = "x86_64"))]
-    let wide = false;
-    println!(
-        "ratio token_ids/reader: {:.0} µs against the portable reader's {:.0} µs = {:.2}× (AVX-512 VBMI2 on this CPU: {wide})",
-        reader * 1e6,
-        portable * 1e6,
-        reader / portable
-    );
-    // The same ids after one of ten digits (a request counter, say): either reader reads such an
-    // id byte by byte in its turn and goes on as before.
+    // The same ids after one of ten digits (a request counter, say): the reader reads such an id
+    // byte by byte in its turn and goes on as before.
     let long = ids_body(std::iter::once(4_000_000_000).chain((1..100_000).map(bench_id)));
     let long_first =
         time(&|| kvepp::request::parse_body(black_box(&long)).map_or(0, |p| p.model_span.len()));

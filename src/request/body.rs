@@ -8,7 +8,7 @@
 //! built), whose answer and error message it is. A `messages` array comes out of the same pass
 //! split into its elements. A `prompt` that is an array of plain integers is read into token ids
 //! in the pass that validates it ([`int_array()`]; serde's skip of 100k integers costs more than
-//! reading them; 64 bytes a step with AVX-512 where the CPU has it, [`ids_avx512`]); anything
+//! reading them); anything
 //! unusual in such an array (signs, fractions, exponents, values beyond u32) sends it back to
 //! serde. With a chunk cache ([`IdChunks`], the request router's), the
 //! leading chunks of such an array that an earlier prompt sent are taken from it unread; with
@@ -29,8 +29,6 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 
 mod id_chunks;
-#[cfg(target_arch = "x86_64")]
-mod ids_avx512;
 mod int_array;
 mod known;
 mod walk;
@@ -117,20 +115,6 @@ pub fn parse_body_with<'a>(
     chunks: Option<&IdChunks>,
 ) -> Result<ParsedBody<'a>, BodyError> {
     parse(body, chunks, None)
-}
-
-/// The token ids of the JSON array at the start of `array` (at its `[`), read as a `prompt` is,
-/// or with `portable` by the portable reader alone, never the AVX-512 one: the baseline `cargo
-/// bench --bench request_parse` times the reader against, in the same run. None: not an array
-/// of plain integers that fit u32.
-#[doc(hidden)]
-pub fn read_token_ids(array: &[u8], portable: bool) -> Option<Vec<u32>> {
-    let read = if portable {
-        int_array::int_array_portable(array)
-    } else {
-        int_array(array)
-    };
-    read.map(|(ids, _)| ids)
 }
 
 /// [`parse_body_with`] of a body held as `Bytes`: a `messages` array's leading elements that a

@@ -22,7 +22,6 @@ pub mod tokenize;
 
 pub use affinity::Affinity;
 #[doc(hidden)]
-pub use body::read_token_ids;
 pub use body::{
     parse_body, parse_body_with, BodyError, IdChunks, ParsedBody, RawMessages, Rewrite,
     ID_CHUNK_CACHE_IDS,

@@ -8,7 +8,7 @@
 //! bounded cache keyed by the text's xxh3-128 ([`ContentCache`], as the tokenizer's segments
 //! are). The leading chunks a prompt shares with one seen before come from the cache without a
 //! digit being read; from the first chunk the cache does not hold, the rest of the array is read
-//! as before ([`super::int_array::ids_to_end`]) and its chunks are remembered. The ids go on as
+//! as before ([`super::int_array::two_stretches`]) and its chunks are remembered. The ids go on as
 //! the pieces they were found in: the cache's own allocations, which the core's prompt memo
 //! compares by address ([`kvepp_core::Prompt::TokenIdPieces`]), so the next turn's block hashes
 //! are reused without its ids being compared either.
@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use prometheus_client::metrics::counter::Counter;
 
-use super::int_array::ids_to_end;
+use super::int_array::two_stretches;
 use super::{skip_ws, RawPrompt};
 use crate::request::generations::ContentCache;
 
@@ -97,7 +97,7 @@ impl IdChunks {
             pieces.push(ids);
             at = comma + 1;
         }
-        let (rest, end) = ids_to_end(b, skip_ws(b, at))?;
+        let (rest, end) = two_stretches(b, skip_ws(b, at))?;
         self.cached.inc_by(cached as u64);
         self.read.inc_by(rest.len() as u64);
         // The rest's chunks that end at a comma of the array (before its `]` at `end - 1`);

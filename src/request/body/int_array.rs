@@ -20,11 +20,6 @@ use super::skip_ws;
 /// the second then starts inside the array and must end at its `]`. Together they accept
 /// exactly `[ ws id (ws , ws id)* ws ]`, as `int_array_simple` does.
 pub(super) fn int_array(b: &[u8]) -> Option<(Vec<u32>, usize)> {
-    empty_or(b, ids_to_end)
-}
-
-/// [`int_array`] by the portable reader alone (see [`super::read_token_ids`]).
-pub(super) fn int_array_portable(b: &[u8]) -> Option<(Vec<u32>, usize)> {
     empty_or(b, two_stretches)
 }
 
@@ -41,20 +36,9 @@ fn empty_or(b: &[u8], rest: fn(&[u8], usize) -> Read) -> Read {
 }
 
 /// The rest of an array of plain integers whose next id starts at `b[first]` (after its `[` or
-/// a separator, and the whitespace after it): the ids up to its `]` and the offset past that.
-/// None as [`int_array`].
-/// On a CPU with AVX-512 the arrays clients send are read 64 bytes a step
-/// ([`super::ids_avx512`]); the rest, and on other CPUs all, as described at [`int_array`].
-pub(super) fn ids_to_end(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(read) = super::ids_avx512::ids_to_end(b, first) {
-        return Some(read);
-    }
-    two_stretches(b, first)
-}
-
-/// [`ids_to_end`] read as two stretches side by side (see [`int_array`]).
-fn two_stretches(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
+/// a separator, and the whitespace after it), read as two stretches side by side (see
+/// [`int_array`]): the ids up to its `]` and the offset past that. None as [`int_array`].
+pub(super) fn two_stretches(b: &[u8], first: usize) -> Option<(Vec<u32>, usize)> {
     let mid = first + (b.len() - first.min(b.len())) / 2;
     let Some(stop) = b
         .get(mid..)
@@ -335,9 +319,6 @@ mod tests {
                 "case {case}: {}",
                 String::from_utf8_lossy(&b)
             );
-            // The portable reader alone too (on a CPU with AVX-512 `int_array` reads these
-            // layouts without it).
-            assert_eq!(int_array_portable(&b), want, "case {case}");
         }
         assert!(read > 3_000, "{read}");
     }
@@ -375,7 +356,6 @@ mod tests {
                 "case {case}: {}",
                 String::from_utf8_lossy(&b)
             );
-            assert_eq!(int_array_portable(&b), want, "case {case}");
             if want.is_some() {
                 read += 1;
             } else {

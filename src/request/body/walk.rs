@@ -1,7 +1,6 @@
 //! JSON values skipped (validated, not built) without serde, strings 64 bytes a step: each step
-//! marks its quotes, backslashes and control characters in one 64-bit mask (vector compares and
-//! movemasks, 16 bytes at a time; one AVX-512 compare per kind where the CPU has it, [`wide`]),
-//! and every hit in the mask is dealt with before the next step.
+//! marks its quotes, backslashes and control characters in one 64-bit mask (SSE2 compares and
+//! movemasks, 16 bytes at a time), and every hit in the mask is dealt with before the next step.
 //! That is what makes strings with dense escapes cheap (a chat's content has a `\n` every few
 //! dozen bytes, where serde's scan restarts its 8-byte words after every escape).
 //!
@@ -103,9 +102,9 @@ fn step(b: &[u8], i: usize, width: usize, mut m: u64) -> Option<Step> {
 }
 
 /// The string at `b[at]` (`b[at] == b'"'`): the offset just past its closing quote. None: no
-/// closing quote, a control character, or an escape JSON does not have. Past its first 80
-/// bytes (where most keys, names and descriptions end), its lanes are marked with one AVX-512
-/// compare each where the CPU has it ([`wide`]), else 16 bytes at a time.
+/// closing quote, a control character, or an escape JSON does not have. Its first 16 bytes
+/// (where most keys and short values end) are marked in one 16-byte part, the rest a 64-byte
+/// lane at a time ([`specials`]).
 fn skip_string(b: &[u8], at: usize) -> Option<usize> {
     let mut i = at + 1;
     if let Some(first) = b.get(i..i + FIRST) {
@@ -119,24 +118,6 @@ fn skip_string(b: &[u8], at: usize) -> Option<usize> {
             Step::At(next) => i = next,
         }
     }
-    // One lane more the portable way, inline: a string that ends within 80 bytes (most names and
-    // descriptions in a tool-heavy body) never pays for the dispatch below.
-    if let Some(lane) = b.get(i..i + LANE) {
-        match step(b, i, LANE, specials(<&[u8; LANE]>::try_from(lane).ok()?))? {
-            Step::End(end) => return Some(end),
-            Step::At(next) => i = next,
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    return wide::skip_lanes(b, i);
-    #[cfg(not(target_arch = "x86_64"))]
-    skip_lanes_with(b, i, specials)
-}
-
-/// The rest of a string from `b[i]` on, a lane at a time, with `specials` marking a lane's hits
-/// (it is inlined into each caller, so a caller compiled for wider vectors gets them here too).
-#[inline(always)]
-fn skip_lanes_with(b: &[u8], mut i: usize, specials: impl Fn(&[u8; LANE]) -> u64) -> Option<usize> {
     loop {
         let Some(lane) = b.get(i..i + LANE) else {
             return skip_string_tail(b, i);
@@ -144,77 +125,6 @@ fn skip_lanes_with(b: &[u8], mut i: usize, specials: impl Fn(&[u8; LANE]) -> u64
         match step(b, i, LANE, specials(<&[u8; LANE]>::try_from(lane).ok()?))? {
             Step::End(end) => return Some(end),
             Step::At(next) => i = next,
-        }
-    }
-}
-
-/// A lane's hits in one 64-byte AVX-512 compare per kind, where the CPU has AVX-512 BW (checked
-/// at run time; the standard library caches what it detects).
-///
-/// One of the two places in this crate with `unsafe` code (the other is the token-id reader,
-/// `super::ids_avx512`): the call into the scan compiled for AVX-512 once the CPU was checked,
-/// and the lane's load.
-#[cfg(target_arch = "x86_64")]
-mod wide {
-    #![allow(unsafe_code)]
-
-    use std::arch::x86_64::{
-        _mm512_cmpeq_epi8_mask, _mm512_cmplt_epu8_mask, _mm512_loadu_si512, _mm512_set1_epi8,
-    };
-
-    use super::{skip_lanes_with, specials, LANE};
-
-    /// [`super::skip_lanes_with`], with AVX-512 lanes where the CPU has them.
-    pub(super) fn skip_lanes(b: &[u8], at: usize) -> Option<usize> {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
-            // SAFETY: `skip_lanes_avx512` is compiled for exactly the features just found.
-            unsafe { skip_lanes_avx512(b, at) }
-        } else {
-            skip_lanes_with(b, at, specials)
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw")]
-    fn skip_lanes_avx512(b: &[u8], at: usize) -> Option<usize> {
-        skip_lanes_with(b, at, |lane| specials_avx512(lane))
-    }
-
-    /// [`specials`] of one lane: its quotes, backslashes and control characters.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    fn specials_avx512(lane: &[u8; LANE]) -> u64 {
-        // SAFETY: reads the 64 bytes of `lane`.
-        let v = unsafe { _mm512_loadu_si512(lane.as_ptr().cast()) };
-        _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(b'"' as i8))
-            | _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(b'\\' as i8))
-            | _mm512_cmplt_epu8_mask(v, _mm512_set1_epi8(0x20))
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        /// The AVX-512 lane marks what the 16-byte parts mark, on lanes of every byte value.
-        #[test]
-        fn avx512_lanes_mark_what_sse2_parts_mark() {
-            if !(std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw"))
-            {
-                eprintln!("skipped: this CPU has no AVX-512 BW");
-                return;
-            }
-            let mut rng = fastrand::Rng::with_seed(2);
-            for case in 0..20_000 {
-                let lane: [u8; LANE] = std::array::from_fn(|_| match case % 3 {
-                    0 => rng.u8(..),
-                    _ => b"a\\\" \x1f\x00\x7f\xff"[rng.usize(..8)],
-                });
-                // SAFETY: the CPU has AVX-512 BW (checked above).
-                let wide = unsafe { specials_avx512(&lane) };
-                assert_eq!(wide, specials(&lane), "{lane:?}");
-            }
         }
     }
 }

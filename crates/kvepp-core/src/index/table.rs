@@ -47,22 +47,6 @@ fn advise_huge_pages(start: usize, bytes: usize) {
 #[cfg(not(target_os = "linux"))]
 fn advise_huge_pages(_: usize, _: usize) {}
 
-/// Asks the CPU to start loading `slot`'s cache line (a hint; no effect on correctness).
-// A CPU prefetch hint is an intrinsic, hence unsafe in Rust (see SAFETY below).
-#[allow(unsafe_code)]
-#[inline(always)]
-fn prefetch(slot: &Slot) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: SSE is part of the x86_64 baseline; a prefetch never faults, whatever the
-        // address, and reads nothing the program can observe.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(slot).cast::<i8>()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = slot;
-}
-
 #[derive(Debug, Clone)]
 pub(super) struct BlockTable {
     slots: Vec<Slot>,
@@ -141,7 +125,6 @@ impl BlockTable {
         count_probes(n);
         for j in 0..n {
             homes[j] = self.home(keys[j]);
-            prefetch(&self.slots[homes[j]]);
         }
         for j in 0..n {
             let s = self.slots[homes[j]];

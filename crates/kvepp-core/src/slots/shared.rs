@@ -1,4 +1,4 @@
-//! The slot tracker for many threads at once: [`super::SlotTracker`]'s semantics without one
+//! The slot tracker for many threads at once: the [`super`] module's semantics without one
 //! lock over the whole of it, so bookings and releases on different ranks or prefixes do not wait
 //! for one another, and picks read loads without any lock.
 //!
@@ -509,7 +509,7 @@ impl SharedSlots {
         })
     }
 
-    /// The request produced another block of output ([`super::SlotTracker::add_output_block`]).
+    /// The request produced another block of output (its output blocks weigh on the rank's decode load).
     pub fn add_output_block(
         &self,
         request_id: &str,
