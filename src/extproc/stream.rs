@@ -87,7 +87,7 @@ enum Phase {
 
 /// Which answer a complete request gets once it is decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Held {
+enum BodyShape {
     /// Decided at the headers (no body).
     Headers,
     /// The whole body in one BUFFERED message (`chunks` holds it).
@@ -114,7 +114,7 @@ pub(super) struct StreamState {
     body_len: usize,
     /// One copy of a body that came in several chunks (made once, kept while queued).
     joined: Option<Bytes>,
-    held: Held,
+    shape: BodyShape,
     /// The request's facts, once prepared (kept while it waits in flow control's queue).
     prepared: Option<Prepared>,
     booking: Option<Booking>,
@@ -147,7 +147,7 @@ impl StreamState {
             chunks: Vec::new(),
             body_len: 0,
             joined: None,
-            held: Held::Headers,
+            shape: BodyShape::Headers,
             prepared: None,
             booking: None,
             awaiting_first_token: false,
@@ -259,7 +259,7 @@ impl StreamState {
             return self.reject(Rejection::new(500, "unsupported_mode", msg), out);
         }
         if h.end_of_stream || self.request_mode == Mode::None {
-            self.held = Held::Headers;
+            self.shape = BodyShape::Headers;
             return self.conclude(out);
         }
         match self.request_mode {
@@ -282,7 +282,7 @@ impl StreamState {
                     return self.reject(self.too_large(b.body.len()), out);
                 }
                 self.chunks = vec![b.body];
-                self.held = Held::Buffered;
+                self.shape = BodyShape::Buffered;
                 self.conclude(out);
             }
             Phase::DuplexBody => {
@@ -402,7 +402,7 @@ impl StreamState {
 
     /// The streamed body is complete: decide and answer (or wait, with flow control).
     fn finish_duplex(&mut self, trailers: bool, out: &mut Vec<ProcessingResponse>) {
-        self.held = Held::Duplex { trailers };
+        self.shape = BodyShape::Duplex { trailers };
         self.conclude(out);
     }
 
@@ -415,8 +415,8 @@ impl StreamState {
         if self.joined.is_none() && self.chunks.len() > 1 {
             self.joined = Some(Bytes::from(self.chunks.concat()));
         }
-        let body = match self.held {
-            Held::Headers => None,
+        let body = match self.shape {
+            BodyShape::Headers => None,
             _ => Some(body_view(&self.chunks, self.joined.as_ref())),
         };
         if let Some(t) = &mut self.trace {
@@ -497,14 +497,14 @@ impl StreamState {
     ) {
         let dest = resp::destination_value(&d.pick, self.shared.settings().destination_list);
         self.phase = Phase::Routed;
-        match self.held {
-            Held::Headers => {
+        match self.shape {
+            BodyShape::Headers => {
                 out.push(resp::request_headers(
                     Some(self.mutation(&dest, None, &d.pick)),
                     Some(resp::lb_metadata(&dest, &d.pick)),
                 ));
             }
-            Held::Buffered => {
+            BodyShape::Buffered => {
                 let body = body_view(&chunks, joined.as_ref());
                 let (new_body, len) = match &d.rewrite {
                     Some((span, model)) => {
@@ -520,7 +520,7 @@ impl StreamState {
                     resp::lb_metadata(&dest, &d.pick),
                 ));
             }
-            Held::Duplex { trailers } => {
+            BodyShape::Duplex { trailers } => {
                 // The body goes back in the chunks Envoy sent (moved, not copied): a chunk no
                 // larger than one Envoy sent fits Envoy's own gRPC message limit. A rewritten body
                 // is cut at the same size, and never above 64 KiB unless Envoy sent larger chunks.

@@ -166,5 +166,4 @@ pub struct StreamedBodyResponse {
 }
 
 #[cfg(test)]
-#[path = "wire_tests.rs"]
 pub(super) mod tests;

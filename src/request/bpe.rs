@@ -44,7 +44,7 @@ const GPT2_SPLIT: &str =
 
 /// One regex split: pieces are the matches and what lies between them (`keep_matches`), or only
 /// what lies between (`Removed`).
-struct Split {
+struct RegexSplit {
     re: Matcher,
     keep_matches: bool,
 }
@@ -157,7 +157,7 @@ type PieceBytes = Box<[u8]>;
 
 /// A byte-level BPE tokenizer for text without added tokens (see the module doc).
 pub struct ByteBpe {
-    splits: Vec<Split>,
+    splits: Vec<RegexSplit>,
     byte_ids: [u32; 256],
     /// (left id, right id) packed → (rank, merged id).
     merges: PairMap,
@@ -205,20 +205,20 @@ fn pack(left: u32, right: u32) -> u64 {
 
 /// The splits a serialized pre-tokenizer makes before its byte-level step (None: not a shape
 /// this covers).
-fn splits_of(pre: &Value) -> Option<Vec<Split>> {
-    let byte_level = |p: &Value| -> Option<Option<Split>> {
+fn splits_of(pre: &Value) -> Option<Vec<RegexSplit>> {
+    let byte_level = |p: &Value| -> Option<Option<RegexSplit>> {
         if p["type"] != "ByteLevel" || p["add_prefix_space"] != false {
             return None;
         }
         Some(match p["use_regex"].as_bool() {
             Some(false) => None,
-            _ => Some(Split {
+            _ => Some(RegexSplit {
                 re: Matcher::new(GPT2_SPLIT)?,
                 keep_matches: true,
             }),
         })
     };
-    let split = |p: &Value| -> Option<Split> {
+    let split = |p: &Value| -> Option<RegexSplit> {
         if p["type"] != "Split" || p["invert"] != false {
             return None;
         }
@@ -235,7 +235,7 @@ fn splits_of(pre: &Value) -> Option<Vec<Split>> {
             (None, Some(s)) => fancy_regex::escape(s).into_owned(),
             _ => return None,
         };
-        Some(Split {
+        Some(RegexSplit {
             re: Matcher::new(&pattern)?,
             keep_matches,
         })
@@ -244,7 +244,7 @@ fn splits_of(pre: &Value) -> Option<Vec<Split>> {
         "ByteLevel" => Some(byte_level(pre)?.into_iter().collect()),
         "Sequence" => {
             let (last, before) = pre["pretokenizers"].as_array()?.split_last()?;
-            let mut splits: Vec<Split> = before.iter().map(split).collect::<Option<_>>()?;
+            let mut splits: Vec<RegexSplit> = before.iter().map(split).collect::<Option<_>>()?;
             splits.extend(byte_level(last)?);
             Some(splits)
         }
@@ -443,5 +443,4 @@ impl ByteBpe {
 }
 
 #[cfg(test)]
-#[path = "bpe_tests.rs"]
 mod tests;

@@ -41,7 +41,7 @@ use crate::slots::{PotentialLoad, RankLoad, SlotError, WorkerRank};
 mod reservations;
 
 pub use reservations::Origin;
-use reservations::{choice_of, pick_error, Held, Key};
+use reservations::{choice_of, pick_error, HeldBooking, Key};
 
 /// One rank's standing for one request in a selection.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -243,6 +243,18 @@ pub struct PromptRef<'a> {
     pub isl_tokens: u64,
 }
 
+/// What the catalog's transaction is asked to decide (`Catalog::decide`).
+struct Ask<'a> {
+    prompt: PromptRef<'a>,
+    /// Prefill tokens to book; None: what the cost computed.
+    prefill: Option<u64>,
+    session: Option<SessionKey>,
+    candidates: &'a [Arc<Endpoint>],
+    /// Book, and keep the booking under it; None: preview.
+    key: Option<Key>,
+    now: Instant,
+}
+
 /// Makes the listener of a new scope's bookings (replica sync publishes them under the scope).
 pub type ListenerFor = Arc<dyn Fn(&Scope) -> Option<Arc<dyn Listener>> + Send + Sync>;
 
@@ -253,7 +265,7 @@ pub struct Catalog {
     scopes: BTreeMap<Scope, Tracker>,
     /// Pooled mode: every scope resolves to this one.
     pooled: Option<Tracker>,
-    reservations: Mutex<HashMap<Key, Held>>,
+    reservations: Mutex<HashMap<Key, HeldBooking>>,
     listener_for: Option<ListenerFor>,
     /// Recovered index content of scopes with no worker yet: applied when the scope's first worker
     /// registers with the same block size.
@@ -529,14 +541,15 @@ impl Catalog {
         let found = tracker.kv.rank_overlaps(prompt.hashes);
         let now = reserve.map_or_else(Instant::now, |(_, now)| now);
         let key = reserve.map(|(id, _)| Key::global(id));
-        let d = self.decide(
-            (scope, tracker),
+        let ask = Ask {
             prompt,
-            (None, session),
-            &tracker.candidates,
+            prefill: None,
+            session,
+            candidates: &tracker.candidates,
             key,
-            (now, rng),
-        )?;
+            now,
+        };
+        let d = self.decide(scope, tracker, ask, rng)?;
         let choice = choice_of(&d, prompt.isl_tokens);
         let worker = tracker
             .workers
@@ -568,13 +581,19 @@ impl Catalog {
     /// cannot both book), else previews. The one place the catalog decides.
     fn decide(
         &self,
-        (scope, tracker): (&Scope, &Tracker),
-        prompt: PromptRef<'_>,
-        (prefill, session): (Option<u64>, Option<SessionKey>),
-        candidates: &[Arc<Endpoint>],
-        key: Option<Key>,
-        (now, rng): (Instant, &mut fastrand::Rng),
+        scope: &Scope,
+        tracker: &Tracker,
+        ask: Ask<'_>,
+        rng: &mut fastrand::Rng,
     ) -> Result<Decision, CatalogError> {
+        let Ask {
+            prompt,
+            prefill,
+            session,
+            candidates,
+            key,
+            now,
+        } = ask;
         let facts = RequestFacts {
             prompt: Prompt::Hashes {
                 hashes: prompt.hashes.to_vec(),
@@ -599,12 +618,12 @@ impl Catalog {
         // The facts (and their borrow of the id) are spent: the key moves into the map.
         if let Some(key) = key {
             let booking = std::mem::replace(&mut d.booking, Booking::none());
-            map.insert(key, Held::local(scope, booking));
+            map.insert(key, HeldBooking::local(scope, booking));
         }
         Ok(d)
     }
 
-    fn check_room(&self, map: &HashMap<Key, Held>, key: &Key) -> Result<(), CatalogError> {
+    fn check_room(&self, map: &HashMap<Key, HeldBooking>, key: &Key) -> Result<(), CatalogError> {
         if map.contains_key(key) {
             return Err(CatalogError::DuplicateReservation(key.id.clone()));
         }
@@ -669,14 +688,15 @@ impl Catalog {
         // One candidate: the choice is made; the random generator has nothing to break.
         let mut rng = fastrand::Rng::with_seed(0);
         let one = std::slice::from_ref(candidate);
-        self.decide(
-            (scope, tracker),
+        let ask = Ask {
             prompt,
-            (Some(prefill), None),
-            one,
-            Some(key),
-            (now, &mut rng),
-        )?;
+            prefill: Some(prefill),
+            session: None,
+            candidates: one,
+            key: Some(key),
+            now,
+        };
+        self.decide(scope, tracker, ask, &mut rng)?;
         Ok(())
     }
 
@@ -748,7 +768,7 @@ impl Catalog {
         let mut map = self.reservations.lock();
         self.check_room(&map, &key)?;
         tracker.kv.reserve(id, rank, hashes, prefill_tokens, now)?;
-        map.insert(key, Held::peer(scope));
+        map.insert(key, HeldBooking::peer(scope));
         Ok(())
     }
 

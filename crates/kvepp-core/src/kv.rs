@@ -867,6 +867,4 @@ impl super::Picker for KvPicker {
 }
 
 #[cfg(test)]
-mod ordered_tests;
-#[cfg(test)]
-mod pick_tests;
+mod tests;

@@ -635,15 +635,3 @@ fn prompt_blocks(kv: &KvState, model: Option<&str>, prompt: Prompt<'_>) -> Optio
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(test)]
-mod pd_tests;
-
-#[cfg(test)]
-mod ttft_tests;
-
-#[cfg(test)]
-mod doors_tests;
-
-#[cfg(test)]
-mod affinity_tests;

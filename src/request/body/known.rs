@@ -21,7 +21,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 
 use super::super::recent::{Kept, Recent};
-use super::walk::{split_array_after, Split};
+use super::walk::{split_array_after, SplitArray};
 
 /// An array as a body held it.
 #[derive(Debug)]
@@ -60,7 +60,7 @@ impl KnownArrays {
         body: &'b Bytes,
         at: usize,
         cap: usize,
-    ) -> Option<(Split<'b>, Option<ElementKeys>)> {
+    ) -> Option<(SplitArray<'b>, Option<ElementKeys>)> {
         let rest = body.get(at..)?;
         let resume = self.recent.resume(rest, |a, shared| {
             let k = a.spans.partition_point(|&(_, end)| end < shared);

@@ -12,7 +12,7 @@
 //!
 //! Invariant: where [`skip_value`] or [`split_array`] answer, serde_json accepts the same bytes
 //! as one value (once their UTF-8 is valid), ending where they say, with the same elements
-//! (`walk_tests`, differential on generated and mutated JSON).
+//! (`tests`, differential on generated and mutated JSON).
 
 use super::{skip_ws, RawJson};
 
@@ -293,7 +293,7 @@ pub(super) fn split_array(
 }
 
 /// An array as [`split_array_after`] split it.
-pub(super) struct Split<'b> {
+pub(super) struct SplitArray<'b> {
     /// The array's text.
     pub text: &'b str,
     /// Its elements' spans (offsets into `text`); None beyond the cap.
@@ -305,7 +305,7 @@ pub(super) struct Split<'b> {
 /// [`split_array_after`]'s answer as [`split_array`]'s: the elements' texts (None beyond the
 /// cap) and the offset just past the array.
 pub(super) fn split_items(
-    Split { text, spans, end }: Split<'_>,
+    SplitArray { text, spans, end }: SplitArray<'_>,
 ) -> Option<(Option<Vec<RawJson<'_>>>, usize)> {
     let Some(spans) = spans else {
         return Some((None, end));
@@ -318,7 +318,7 @@ pub(super) fn split_items(
     Some((Some(items), end))
 }
 
-/// [`split_array`] as a [`Split`], the walk taking `known` (the spans of the array's first
+/// [`split_array`] as a [`SplitArray`], the walk taking `known` (the spans of the array's first
 /// elements, each ending before a byte known to be what the walk saw there) as they are and
 /// resuming after the last of them.
 pub(super) fn split_array_after<'b>(
@@ -326,7 +326,7 @@ pub(super) fn split_array_after<'b>(
     at: usize,
     cap: usize,
     known: &[(usize, usize)],
-) -> Option<Split<'b>> {
+) -> Option<SplitArray<'b>> {
     let mut spans: Vec<(usize, usize)> = known.to_vec();
     let mut n = known.len();
     let each = |start: usize, end: usize| {
@@ -339,7 +339,7 @@ pub(super) fn split_array_after<'b>(
         Some(&(_, e)) => array_after(b, at + e, 1, each)?,
         None => array(b, at, 1, each)?,
     };
-    Some(Split {
+    Some(SplitArray {
         text: utf8(&b[at..end])?,
         spans: (n <= cap).then_some(spans),
         end,
@@ -347,5 +347,4 @@ pub(super) fn split_array_after<'b>(
 }
 
 #[cfg(test)]
-#[path = "walk_tests.rs"]
 mod tests;

@@ -50,21 +50,21 @@ pub(super) enum Holder {
 }
 
 #[derive(Debug)]
-pub(super) struct Held {
+pub(super) struct HeldBooking {
     pub(super) scope: Scope,
     pub(super) holder: Holder,
 }
 
-impl Held {
+impl HeldBooking {
     pub(super) fn local(scope: &Scope, booking: Booking) -> Self {
-        Held {
+        HeldBooking {
             scope: scope.clone(),
             holder: Holder::Local(booking),
         }
     }
 
     pub(super) fn peer(scope: &Scope) -> Self {
-        Held {
+        HeldBooking {
             scope: scope.clone(),
             holder: Holder::Peer,
         }
@@ -119,7 +119,7 @@ impl Catalog {
     fn held<T>(
         &self,
         key: &Key,
-        f: impl FnOnce(&Tracker, &mut Held) -> Result<T, CatalogError>,
+        f: impl FnOnce(&Tracker, &mut HeldBooking) -> Result<T, CatalogError>,
     ) -> Result<T, CatalogError> {
         let mut map = self.reservations.lock();
         let unknown = || CatalogError::UnknownReservation(key.id.clone());
@@ -227,7 +227,7 @@ impl Catalog {
             .map(|(_, t)| t.kv.expire_stale(now))
             .sum();
         {
-            let gone: Vec<Held> = {
+            let gone: Vec<HeldBooking> = {
                 let mut map = self.reservations.lock();
                 let dead: Vec<Key> = map
                     .iter()

@@ -723,6 +723,4 @@ impl PrefixIndex {
 }
 
 #[cfg(test)]
-mod shared_tests;
-#[cfg(test)]
 mod tests;

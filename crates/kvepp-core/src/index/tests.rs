@@ -726,3 +726,5 @@ fn a_walk_into_levels_stops_where_no_run_is_alive() {
         assert_eq!(out[0].overlap.disk, 10);
     }
 }
+
+mod shared;

@@ -26,7 +26,7 @@
 //! at most as dear as the runner-up, in candidate order: every candidate tied with the cheapest
 //! or with the runner-up is among them, so the choice, its tie-break by requests in flight and
 //! the random draw among equals are the full scan's
-//! (`ordered_tests::ordered_picks_choose_as_the_scan_does`).
+//! (`kv::tests::ordered::ordered_picks_choose_as_the_scan_does`).
 //!
 //! Exact ties cost it the most. Every candidate tied with the cheapest must be costed (the
 //! random draw among them reads them all). A tie with the runner-up need not be, when the

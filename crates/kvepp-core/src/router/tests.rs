@@ -430,3 +430,8 @@ fn a_prompt_in_pieces_has_the_blocks_of_its_ids_in_one_array() {
         "later turns reuse earlier blocks: {stats:?}"
     );
 }
+
+mod affinity;
+mod doors;
+mod pd;
+mod ttft;

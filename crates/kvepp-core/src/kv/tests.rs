@@ -759,3 +759,5 @@ fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
     kv.remove_worker(eps[0].worker);
     assert!(!kv.in_events_fallback(eps[0].worker));
 }
+
+mod ordered;

@@ -1,7 +1,6 @@
 //! The left-right pair ([`SharedIndex`]) under concurrent readers and writers: whole writes,
 //! owed and queued changes, and publications combined across threads.
 
-use super::tests::{seqs, store_chain, wr};
 use super::*;
 
 /// A reader of a [`SharedIndex`] sees each write whole: a chain stored in one write is either

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use super::tests::text;
 use super::*;
 use crate::cost::{CostModel, CostWeights};
 use crate::kv::KvSettings;

@@ -133,7 +133,7 @@ fn ordered(
     cands: &[Arc<Endpoint>],
     p: &PromptBlocks,
     seed: u64,
-) -> Option<super::ordered::Ordered> {
+) -> Option<crate::kv::ordered::Ordered> {
     let w = kv.weights();
     let (pool, mut sc) = kv.take_scratch(0);
     let mut rng = fastrand::Rng::with_seed(seed);

@@ -1,7 +1,7 @@
 //! kvepp's ext_proc messages against `envoy-types`' (generated from Envoy's protos): what Envoy
 //! encodes decodes here to the same values, what kvepp encodes decodes there to the same
 //! values, and a decoded body is a slice of the buffer it came in. Its message builders serve
-//! `framing_tests` too.
+//! the framing tests too.
 
 use std::collections::HashMap;
 
