@@ -21,7 +21,7 @@ before the stack starts and before each repeat, with the stack idle (under load 
 count the waits for a core; run beside the loaded stack its CPU time read the same as idle), once
 as it is (its tables warm in the CPU caches from the previous call) and once with 32 MiB written
 before every call (`--evict-mib 32`: the tables out of the caches); and kvepp's own segment
-encoder on the same message (`--own`: its byte-level BPE, src/request/bpe.rs, which is what
+encoder on the same message (`--own`: its byte-level BPE, crates/kvepp-tokenizer/src/bpe.rs, which is what
 kvepp runs on a new segment when it covers the tokenizer). Inside kvepp the tokenizer's
 CPU time is read from its metrics (`kvepp_tokenizer_cpu_seconds_total`, the thread CPU time of
 each call) around the measured run: what the same work costs in a process that moves ~1 MB of

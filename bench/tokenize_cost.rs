@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// This thread's CPU time so far.
 fn thread_cpu() -> Duration {
-    Duration::from_nanos(kvepp::request::tokenize::thread_cpu_nanos())
+    Duration::from_nanos(kvepp_tokenizer::thread_cpu_nanos())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
     let prompt = serde_json::to_string(text)?;
     let mut junk = vec![0u8; evict_mib << 20];
     let mut calls_cpu = Duration::ZERO;
-    let t = kvepp::request::tokenize::ModelTokenizer::load(std::path::Path::new(dir))?;
+    let t = kvepp_tokenizer::ModelTokenizer::load(std::path::Path::new(dir))?;
     let call = |text: &str| {
         if completion {
             t.completion_ids(&prompt)

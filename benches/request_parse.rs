@@ -23,7 +23,7 @@ fn parse(c: &mut Criterion) {
             BenchmarkId::new("kvepp_parse_body", size),
             &b,
             |bench, b| {
-                bench.iter(|| kvepp::request::parse_body(black_box(b)).map(|p| p.model_span.len()))
+                bench.iter(|| kvepp_request::parse_body(black_box(b)).map(|p| p.model_span.len()))
             },
         );
         g.bench_with_input(
@@ -59,7 +59,7 @@ fn ratios(_: &mut Criterion) {
         let b = body(size);
         let iters = if size < 100_000 { 20_000 } else { 300 };
         let ours = time(iters, || {
-            kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
+            kvepp_request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
         });
         let base = time(iters, || {
             serde_json::from_slice::<serde_json::Value>(black_box(&b))
@@ -81,7 +81,7 @@ fn ratios(_: &mut Criterion) {
         ("tools_short_strings", tools_body(300)),
     ] {
         let ours = time(300, || {
-            kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
+            kvepp_request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len())
         });
         let skip = time(300, || {
             serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&b)).map_or(0, |_| 1)
@@ -165,10 +165,10 @@ fn token_id_chunk_ratios(_: &mut Criterion) {
             )
         })
         .collect();
-    let chunks = kvepp::request::IdChunks::new(kvepp::request::ID_CHUNK_CACHE_IDS);
+    let chunks = kvepp_request::IdChunks::new(kvepp_request::ID_CHUNK_CACHE_IDS);
     // The conversation's earlier turns: its start seen twice (then every chunk is remembered).
     for b in &turns[..2] {
-        black_box(kvepp::request::parse_body_with(b, Some(&chunks)).is_ok());
+        black_box(kvepp_request::parse_body_with(b, Some(&chunks)).is_ok());
     }
     let once = |f: &dyn Fn() -> bool| {
         let start = std::time::Instant::now();
@@ -178,9 +178,9 @@ fn token_id_chunk_ratios(_: &mut Criterion) {
     for (name, bodies) in [("fresh", &fresh[..]), ("next turn", &turns[2..])] {
         let (mut plain, mut cached) = (Vec::new(), Vec::new());
         for b in bodies.iter() {
-            plain.push(once(&|| kvepp::request::parse_body(black_box(b)).is_ok()));
+            plain.push(once(&|| kvepp_request::parse_body(black_box(b)).is_ok()));
             cached.push(once(&|| {
-                kvepp::request::parse_body_with(black_box(b), Some(&chunks)).is_ok()
+                kvepp_request::parse_body_with(black_box(b), Some(&chunks)).is_ok()
             }));
         }
         let (p, c) = (median(plain) * 1e6, median(cached) * 1e6);
@@ -199,7 +199,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// parse_body, then the prompt's token ids: how many there are.
 fn ids_read(body: &[u8]) -> usize {
-    let parsed = kvepp::request::parse_body(black_box(body)).expect("valid body");
+    let parsed = kvepp_request::parse_body(black_box(body)).expect("valid body");
     match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
         kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
         _ => 0,
@@ -223,7 +223,7 @@ fn token_id_ratios(_: &mut Criterion) {
         median(each)
     };
     let parse =
-        time(&|| kvepp::request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len()));
+        time(&|| kvepp_request::parse_body(black_box(&b)).map_or(0, |p| p.model_span.len()));
     let ids = time(&|| ids_read(&b));
     let base = time(&|| {
         serde_json::from_slice::<serde_json::Value>(black_box(&b))
@@ -253,7 +253,7 @@ fn token_id_ratios(_: &mut Criterion) {
     // byte by byte in its turn and goes on as before.
     let long = ids_body(std::iter::once(4_000_000_000).chain((1..100_000).map(bench_id)));
     let long_first =
-        time(&|| kvepp::request::parse_body(black_box(&long)).map_or(0, |p| p.model_span.len()));
+        time(&|| kvepp_request::parse_body(black_box(&long)).map_or(0, |p| p.model_span.len()));
     println!(
         "ratio token_ids/a first id of ten digits: parse_body {:.0} µs against {:.0} µs = {:.2}×",
         long_first * 1e6,

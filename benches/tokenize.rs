@@ -15,9 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvepp::request::tokenize::ModelTokenizer;
-use kvepp::request::RawMessages;
 use kvepp_core::{KvSettings, KvState, PrefixMode, Prompt};
+use kvepp_request::RawMessages;
+use kvepp_tokenizer::ModelTokenizer;
 use serde_json::value::RawValue;
 
 fn conversation(doc_words: usize, question: usize) -> Box<RawValue> {

@@ -15,9 +15,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use kvepp::request::tokenize::ModelTokenizer;
-use kvepp::request::RawMessages;
 use kvepp_core::Prompt;
+use kvepp_request::RawMessages;
+use kvepp_tokenizer::ModelTokenizer;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use kvepp::request::tokenize::{ModelTokenizer, TokenizeError};
+use kvepp_tokenizer::{ModelTokenizer, TokenizeError};
 use serde_json::value::RawValue;
 use serde_json::Value;
 

@@ -35,9 +35,10 @@ use super::response as resp;
 use super::trace::{RequestTrace, Stage};
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{Prepared, Rejection, Rewrite, RouteHints, Verdict};
+use crate::request::{Prepared, Rejection, RouteHints, Verdict};
 use kvepp_core::Admission;
 use kvepp_core::{Booking, Pick};
+use kvepp_request::Rewrite;
 
 /// Request headers naming the InferenceObjective (llm-d's current name first, then the Inference
 /// Extension's former one).

@@ -9,23 +9,12 @@
 //! core's (`kvepp_core::Router`), never done here.
 
 pub mod affinity;
-mod body;
-pub mod bpe;
 pub mod flow;
-mod generations;
 mod model;
 mod prompt;
-mod recent;
-pub mod segments;
 pub mod service;
-pub mod tokenize;
 
 pub use affinity::Affinity;
-#[doc(hidden)]
-pub use body::{
-    parse_body, parse_body_with, BodyError, IdChunks, ParsedBody, RawMessages, Rewrite,
-    ID_CHUNK_CACHE_IDS,
-};
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};

@@ -1,8 +1,8 @@
 //! What of a request's prompt the KV-aware picker can use, borrowed from the body.
 
-use super::body::{RawJson, RawMessages, RawPrompt};
-use super::tokenize::ModelTokenizer;
 use kvepp_core::Prompt;
+use kvepp_request::{RawJson, RawMessages, RawPrompt};
+use kvepp_tokenizer::ModelTokenizer;
 
 /// Prompts at least this large are tokenized off the async worker (`block_in_place`), so one big
 /// prompt does not stall the other streams on that thread.
@@ -12,7 +12,7 @@ pub const OFFLOAD_TOKENIZE_BYTES: usize = 32 << 10;
 pub enum PromptInput<'a> {
     /// A completions `prompt` given as token ids (used as is, no tokenizer).
     TokenIds(Vec<u32>),
-    /// The same, as the chunks the body's reading found them in ([`super::body::IdChunks`]).
+    /// The same, as the chunks the body's reading found them in ([`kvepp_request::IdChunks`]).
     TokenIdPieces(Vec<std::sync::Arc<[u32]>>),
     /// The raw JSON of a chat request's `messages`.
     Messages(RawMessages<'a>),
@@ -111,8 +111,8 @@ fn offload<T>(len: usize, f: impl FnOnce() -> T) -> T {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::body::{parse_body_with, IdChunks};
-    use crate::request::parse_body;
+    use kvepp_request::parse_body;
+    use kvepp_request::{parse_body_with, IdChunks};
 
     /// (kind, raw text) of the prompt input.
     fn input(body: &str) -> (&'static str, Option<String>) {

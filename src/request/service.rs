@@ -21,12 +21,13 @@ use kvepp_core::{
     PromptBlocks, RequestFacts, Router,
 };
 
-use super::body::{parse_body_owned, IdChunks, KnownArrays, ID_CHUNK_CACHE_IDS};
 use super::prompt::{prompt_for_routing, prompt_input};
-use super::tokenize::ModelTokenizer;
-use super::{resolve_model, BodyError, ModelError, UNLISTED_MODEL_LABEL};
+use super::{resolve_model, ModelError, UNLISTED_MODEL_LABEL};
 use crate::discovery::Datastore;
 use crate::metrics::PrepareSteps;
+use kvepp_request::BodyError;
+use kvepp_request::{parse_body_owned, IdChunks, KnownArrays, ID_CHUNK_CACHE_IDS};
+use kvepp_tokenizer::ModelTokenizer;
 
 /// Why the EPP answers a request itself instead of routing it.
 #[derive(Debug, Clone, PartialEq, Eq)]

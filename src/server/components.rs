@@ -23,9 +23,9 @@ use crate::engine::metrics::ScrapeSettings;
 use crate::kv_events::apply::KvEventMetrics;
 use crate::metrics::Metrics;
 use crate::request::flow::FlowMetrics;
-use crate::request::tokenize::ModelTokenizer;
 use crate::request::{FlowControl, RequestRouter, RouteRequest};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
+use kvepp_tokenizer::ModelTokenizer;
 
 /// What the components share while they start: the tree, the metrics, the pool's datastore, the
 /// stop signal and the tasks spawned so far.

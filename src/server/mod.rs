@@ -26,7 +26,7 @@ use crate::discovery::{feed_instances, Datastore, PoolRef};
 use crate::engine::metadata::MetadataStore;
 use crate::extproc::{ExtProcServer, ExtProcService};
 use crate::metrics::Metrics;
-use crate::request::tokenize::ModelTokenizer;
+use kvepp_tokenizer::ModelTokenizer;
 
 /// Bounds of the ext_proc port's HTTP/2 stream window, which is sized to `max_body_bytes` so a
 /// body streams without waiting for window updates: at least 1 MiB (HTTP/2's default 64 KiB
@@ -59,7 +59,7 @@ pub enum ServerError {
     #[error("tokenizer of model {model}: {source}")]
     Tokenizer {
         model: String,
-        source: crate::request::tokenize::TokenizeError,
+        source: kvepp_tokenizer::TokenizeError,
     },
 }
 

@@ -714,7 +714,7 @@ async fn chat_requests_give_the_engine_the_token_ids_kvepp_hashed() {
         .find(|e| e.http == engine)
         .expect("one of the engines");
     // kvepp's own rendering and tokenization of the messages, hashed as kvepp hashes blocks.
-    let tok = kvepp::request::tokenize::ModelTokenizer::load(&model).expect("tokenizer");
+    let tok = kvepp_tokenizer::ModelTokenizer::load(&model).expect("tokenizer");
     let raw = serde_json::value::RawValue::from_string(messages.to_string()).unwrap();
     let ids = tok.chat_ids(&raw).expect("chat template");
     let ours = kvepp_core::hash::sequence_hashes(&local_block_hashes(&ids, BLOCK, None));

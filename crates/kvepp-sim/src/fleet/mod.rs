@@ -26,9 +26,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use kvepp::request::tokenize::ModelTokenizer;
 use kvepp_core::disagg::{link_between, Domains, LevelQos, LinkQos};
 use kvepp_core::Role;
+use kvepp_tokenizer::ModelTokenizer;
 
 /// The time model and sizes of every engine. Defaults: roughly Llama-3.1-8B (bf16) under vLLM on
 /// one H100 80GB.
@@ -128,7 +128,7 @@ pub enum SimError {
     #[error("invalid sim parameters: {0}")]
     Invalid(String),
     #[error("cannot load the tokenizer: {0}")]
-    Tokenizer(#[from] kvepp::request::tokenize::TokenizeError),
+    Tokenizer(#[from] kvepp_tokenizer::TokenizeError),
     #[error("cannot bind an engine on {ip}: {source}")]
     Bind { ip: IpAddr, source: std::io::Error },
     #[error(transparent)]

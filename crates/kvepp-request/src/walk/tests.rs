@@ -1,6 +1,6 @@
 use super::*;
-use crate::request::body::tests::mutate;
-use crate::request::body::{value_at, Items, MAX_SPLIT_MESSAGES};
+use crate::tests::mutate;
+use crate::{value_at, Items, MAX_SPLIT_MESSAGES};
 use serde_json::value::RawValue;
 
 /// The vector marking equals the byte-by-byte one, on random lanes drawn mostly from the bytes

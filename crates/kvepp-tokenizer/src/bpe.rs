@@ -274,7 +274,7 @@ impl ByteBpe {
     /// The byte-level BPE of `tok` when it is of the shape this covers (see the module doc).
     pub fn new(tok: &tokenizers::Tokenizer) -> Option<Self> {
         if let Some(n) = tok.get_normalizer() {
-            if !super::segments::normalizes_nothing(&serde_json::to_value(n).ok()?) {
+            if !crate::segments::normalizes_nothing(&serde_json::to_value(n).ok()?) {
                 return None;
             }
         }

@@ -233,7 +233,7 @@ pub(super) fn int_array_simple(b: &[u8]) -> Option<(Vec<u32>, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::body::tests::mutate;
+    use crate::tests::mutate;
 
     /// The eight-bytes-at-once reading agrees with the byte-by-byte one wherever it answers, and
     /// answers for every id of up to 7 digits followed by what can follow one.

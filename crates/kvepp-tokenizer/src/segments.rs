@@ -14,7 +14,7 @@
 //! tokens; that is what [`SegmentTokenizer::encode`] does.
 //!
 //! A rendered chat prompt ([`SegmentTokenizer::encode_rendered`]) is also compared with the
-//! model's last few renders ([`super::recent`]): the pieces before the last added token that lies
+//! model's last few renders ([`kvepp_request::recent`]): the pieces before the last added token that lies
 //! well inside the part they share are taken from that render as they are, and cutting resumes
 //! just after that token. Added tokens are found leftmost, then longest, so the tokens found up
 //! to a point depend on no byte more than the longest token's length past it; a cut just after a
@@ -31,13 +31,13 @@
 //! `single_word`), with no normalizer or one that changes nothing, and a byte-level pre-tokenizer
 //! that adds no prefix space (GPT-2, Llama 3, Qwen, DeepSeek style); [`SegmentTokenizer::new`]
 //! returns None for any other, and the caller tokenizes whole. The cache holds about `capacity`
-//! token ids at most ([`super::generations`]: recently used segments survive).
+//! token ids at most ([`kvepp_request::generations`]: recently used segments survive).
 
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 
-use super::recent::{Kept, Recent};
+use kvepp_request::recent::{Kept, Recent};
 
 /// A point where cutting may resume: just after an added token ending at byte `end`, with the
 /// text's first `pieces` pieces (that token's own included) before it.
@@ -67,8 +67,8 @@ impl Kept for Render {
 /// short segments cannot hold more memory than the capacity says.
 const ENTRY_OVERHEAD_IDS: usize = 16;
 
-pub use super::generations::CacheStats as SegmentStats;
-use super::generations::ContentCache;
+pub use kvepp_request::generations::CacheStats as SegmentStats;
+use kvepp_request::generations::ContentCache;
 
 pub struct SegmentTokenizer {
     /// The added tokens matched on the raw text (`normalized: false`); None when it has none.
@@ -400,11 +400,12 @@ impl<'s, F> Cutting<'s, F> {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use crate::request::tokenize::ModelTokenizer;
+    use crate::ModelTokenizer;
     use serde_json::value::RawValue;
 
     fn fixture() -> ModelTokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
         ModelTokenizer::load(&dir).expect("fixture tokenizer")
     }
 
@@ -452,7 +453,7 @@ pub(super) mod tests {
         let fixtures: serde_json::Value = serde_json::from_slice(
             &std::fs::read(
                 std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("tests/fixtures/tokenizer/expected.json"),
+                    .join("../../tests/fixtures/tokenizer/expected.json"),
             )
             .expect("expected.json"),
         )
@@ -640,7 +641,8 @@ pub(super) mod tests {
 
     #[test]
     fn the_cache_stays_bounded_and_keeps_recent_segments() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
         let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("tokenizer");
         let seg = super::SegmentTokenizer::new(&tok, 2_000).expect("exact for the fixture");
         let enc = |s: &str| -> Result<Vec<u32>, String> {
@@ -683,8 +685,9 @@ pub(super) mod tests {
     }
 
     /// The fixture's tokenizer.json, to vary (the byte-level BPE's tests vary it too).
-    pub(in crate::request) fn fixture_json() -> serde_json::Value {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    pub(crate) fn fixture_json() -> serde_json::Value {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap()
     }
 

@@ -103,7 +103,6 @@ impl<V: Clone> Generations<V> {
     }
 
     /// Total weight held (both generations).
-    #[cfg(test)]
     fn weight(&self) -> usize {
         self.current
             .values()
@@ -181,7 +180,6 @@ impl<V: Clone> ContentCache<V> {
     }
 
     /// Total weight held.
-    #[cfg(test)]
     pub fn weight(&self) -> usize {
         self.lock().weight()
     }

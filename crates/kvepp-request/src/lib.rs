@@ -1,4 +1,8 @@
-//! Zero-copy scan of an OpenAI-style JSON request body.
+//! What a request body says, read in place: a zero-copy scan of an OpenAI-style JSON request body
+//! (its `model`, its prompt as token ids, text or `messages`), and the caches that carry what one
+//! request's reading found to the next turn of its conversation ([`recent`], [`generations`]).
+//! No tokenizer, routing or I/O here: the tokenizer crate (`kvepp-tokenizer`) turns the prompt
+//! into token ids, the server turns it into the routing core's facts.
 //!
 //! The whole body is validated as JSON (so malformed input is rejected before it reaches a model
 //! server), but only the top-level `model` value is materialised. The top-level object is walked
@@ -28,9 +32,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
+pub mod generations;
 mod id_chunks;
 mod int_array;
 mod known;
+pub mod recent;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
 use int_array::int_array;

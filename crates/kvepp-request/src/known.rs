@@ -1,7 +1,7 @@
 //! The `messages` arrays of the last few chat requests, each with its elements' spans, so that a
 //! conversation's next turn (which sends every earlier message again) walks only the messages
 //! it adds: the elements that lie inside the part its array shares with a recent one, byte for
-//! byte, are taken as that array's walk found them ([`super::super::recent`]).
+//! byte, are taken as that array's walk found them ([`crate::recent`]).
 //!
 //! What it owns: up to eight arrays, each held as the request body it came in (`Bytes`, shared
 //! with the request, never copied) with its position, its elements' spans and their message
@@ -20,8 +20,8 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 
-use super::super::recent::{Kept, Recent};
 use super::walk::{split_array_after, SplitArray};
+use crate::recent::{Kept, Recent};
 
 /// An array as a body held it.
 #[derive(Debug)]
@@ -35,7 +35,7 @@ struct Array {
 }
 
 /// The message cache keys of an array's elements, one slot each, set by whoever computes one
-/// (the key of the element's bytes: [`crate::request::generations::ContentCache::key`]).
+/// (the key of the element's bytes: [`crate::generations::ContentCache::key`]).
 pub type ElementKeys = Arc<[OnceLock<u128>]>;
 
 impl Kept for Array {
@@ -97,19 +97,19 @@ impl KnownArrays {
 
     /// Arrays that resumed from a recent one (hits) and long ones that could not (misses).
     #[cfg(test)]
-    pub fn stats(&self) -> super::super::generations::CacheStats {
+    pub fn stats(&self) -> crate::generations::CacheStats {
         self.recent.stats()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::{parse_body, parse_body_owned, ParsedBody};
     use super::*;
-    use crate::request::generations::ContentCache;
+    use crate::generations::ContentCache;
+    use crate::{parse_body, parse_body_owned, ParsedBody};
 
     /// What a parse gives that the walk decides: the messages' element texts, or the error.
-    fn seen(p: Result<ParsedBody<'_>, super::super::BodyError>) -> Result<Vec<String>, String> {
+    fn seen(p: Result<ParsedBody<'_>, crate::BodyError>) -> Result<Vec<String>, String> {
         match p {
             Ok(p) => Ok(p
                 .messages

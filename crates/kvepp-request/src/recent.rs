@@ -21,7 +21,7 @@ use std::sync::Arc;
 use kvepp_core::hash::common_prefix;
 use parking_lot::Mutex;
 
-use super::generations::CacheStats;
+use crate::generations::CacheStats;
 
 /// Entries kept per cache: a few conversations interleaving behind one system prompt each find
 /// their own previous turn.
@@ -34,20 +34,20 @@ const MAX_TEXT: usize = 2 << 20;
 const MIN_SHARED: usize = 4 << 10;
 
 /// An entry: its text and whatever was worked out from it.
-pub(super) trait Kept {
+pub trait Kept {
     fn text(&self) -> &[u8];
 }
 
 /// Where a text resumes: the kept entry it shares `shared` leading bytes with, and what of that
 /// entry the caller found usable.
-pub(super) struct Resume<E, R> {
+pub struct Resume<E, R> {
     pub from: Arc<E>,
     pub usable: R,
     pub shared: usize,
 }
 
 #[derive(Debug)]
-pub(super) struct Recent<E> {
+pub struct Recent<E> {
     ways: Mutex<Vec<Arc<E>>>,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -139,7 +139,6 @@ impl<E: Kept> Recent<E> {
     }
 
     /// Forgets every kept entry.
-    #[cfg(test)]
     pub fn clear(&self) {
         self.ways.lock().clear();
     }

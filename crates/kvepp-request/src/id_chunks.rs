@@ -34,7 +34,7 @@ use prometheus_client::metrics::counter::Counter;
 
 use super::int_array::two_stretches;
 use super::{skip_ws, RawPrompt};
-use crate::request::generations::ContentCache;
+use crate::generations::ContentCache;
 
 /// A chunk's text runs from its start to the first comma at least this many bytes on (~1,200 ids
 /// of a large vocabulary): a 100k-token prompt is ~80 lookups, and a new turn reads at most this
@@ -174,9 +174,9 @@ fn comma_from(b: &[u8], from: usize) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::int_array::int_array;
     use super::*;
-    use crate::request::body::tests::mutate;
+    use crate::int_array::int_array;
+    use crate::tests::mutate;
 
     /// The array's ids, flattened.
     fn flat(read: Option<(RawPrompt<'_>, usize)>) -> Option<(Vec<u32>, usize)> {

@@ -4,7 +4,7 @@
 //! `tests/tokenizer_deepseek.rs`.
 
 use super::{ByteBpe, Matcher, GPT2_SPLIT, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
-use crate::request::segments::tests::fixture_json;
+use crate::segments::tests::fixture_json;
 
 fn tokenizer(json: &serde_json::Value) -> tokenizers::Tokenizer {
     tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap()

@@ -1,4 +1,4 @@
-//! From prompt text to the token ids the engine will see, so our block hashes equal the ones its
+//! The model's tokenizer: from prompt text to the token ids the engine will see, so our block hashes equal the ones its
 //! KV events carry: the model's HuggingFace `tokenizer.json` (tokenizers crate) and, for chat
 //! requests, the chat template of its `tokenizer_config.json` rendered with minijinja the way
 //! `transformers` renders it (trim_blocks, lstrip_blocks, Python string methods,
@@ -6,8 +6,8 @@
 //!
 //! As vLLM does: a completions prompt is encoded with the tokenizer's special tokens (e.g. BOS); a
 //! rendered chat prompt without them (the template writes its own), a segment at a time with the
-//! segments between added tokens cached when that is exact for the tokenizer ([`super::segments`]),
-//! and each new segment tokenized by kvepp's own byte-level BPE ([`super::bpe`]: the library's
+//! segments between added tokens cached when that is exact for the tokenizer ([`segments`]),
+//! and each new segment tokenized by kvepp's own byte-level BPE ([`bpe`]: the library's
 //! ids without its per-call pipeline) where that covers the tokenizer, else by the library.
 //!
 //! A chat's messages become the template's values one message at a time, and each message's value
@@ -15,7 +15,7 @@
 //! the same value, so a conversation's earlier turns (and their long documents) are not decoded
 //! again on every turn. The template itself is rendered over the whole conversation every time;
 //! the rendered text is then cut at its added tokens only from near where it stops matching one
-//! of the model's recent renders ([`super::segments`]).
+//! of the model's recent renders ([`segments`]).
 //!
 //! Every call into the tokenizer is counted with the CPU time its thread spent in it
 //! ([`ModelTokenizer::tokenizer_stats`]): what tokenization costs inside the running process,
@@ -27,9 +27,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde_json::value::RawValue;
 
-use super::body::{RawJson, RawMessages};
-pub use super::generations::CacheStats;
-use super::generations::ContentCache;
+pub use kvepp_request::generations::CacheStats;
+use kvepp_request::{RawJson, RawMessages};
+
+pub mod bpe;
+pub mod segments;
+use kvepp_request::generations::ContentCache;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -64,9 +67,9 @@ const RENDER_SLACK_BYTES: usize = 4 << 10;
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// Chat prompts segment by segment (None: not exact for this tokenizer; whole prompts).
-    segments: Option<super::segments::SegmentTokenizer>,
+    segments: Option<crate::segments::SegmentTokenizer>,
     /// The segments' own byte-level BPE (None: not of a shape it covers; the library's path).
-    bpe: Option<super::bpe::ByteBpe>,
+    bpe: Option<crate::bpe::ByteBpe>,
     /// The ids the post-processor puts before and after a completions prompt's own (BOS, ...),
     /// when that is all it does (see [`special_wrap`]); with [`Self::bpe`], a completions prompt
     /// without added tokens in its text is tokenized by it.
@@ -149,10 +152,10 @@ impl ModelTokenizer {
             ),
             None => None,
         };
-        let segments = super::segments::SegmentTokenizer::new(&tokenizer, SEGMENT_CACHE_IDS);
+        let segments = crate::segments::SegmentTokenizer::new(&tokenizer, SEGMENT_CACHE_IDS);
         let bpe = segments
             .as_ref()
-            .and_then(|_| super::bpe::ByteBpe::new(&tokenizer));
+            .and_then(|_| crate::bpe::ByteBpe::new(&tokenizer));
         let wrap = bpe.as_ref().and_then(|bpe| special_wrap(&tokenizer, bpe));
         Ok(ModelTokenizer {
             segments,
@@ -374,7 +377,7 @@ impl ModelTokenizer {
         self.encode_segment(text)
     }
 
-    /// Whether segments are tokenized by kvepp's own byte-level BPE ([`super::bpe`]).
+    /// Whether segments are tokenized by kvepp's own byte-level BPE ([`bpe`]).
     pub fn own_bpe(&self) -> bool {
         self.bpe.is_some()
     }
@@ -387,13 +390,13 @@ impl ModelTokenizer {
     }
 
     /// The segment cache's counters (None: this tokenizer tokenizes whole).
-    pub fn segment_stats(&self) -> Option<super::segments::SegmentStats> {
+    pub fn segment_stats(&self) -> Option<crate::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.stats())
     }
 
     /// Chat prompts that resumed from a recent render (hits) and long ones that could not
     /// (misses); None: this tokenizer tokenizes whole.
-    pub fn render_stats(&self) -> Option<super::segments::SegmentStats> {
+    pub fn render_stats(&self) -> Option<crate::segments::SegmentStats> {
         self.segments.as_ref().map(|s| s.render_stats())
     }
 }
@@ -404,7 +407,7 @@ impl ModelTokenizer {
 /// texts through `bpe`; None otherwise (truncation, padding, or any other outcome).
 fn special_wrap(
     tok: &tokenizers::Tokenizer,
-    bpe: &super::bpe::ByteBpe,
+    bpe: &crate::bpe::ByteBpe,
 ) -> Option<(Vec<u32>, Vec<u32>)> {
     const MARK: u32 = u32::MAX - 7;
     let one = tokenizers::Encoding::from_tokens(
@@ -456,7 +459,7 @@ mod tests {
     use super::*;
 
     fn fixture() -> ModelTokenizer {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer");
         ModelTokenizer::load(&dir).expect("fixture tokenizer")
     }
 
