@@ -171,8 +171,8 @@ async fn admin_ports_bind_loopback_unless_told_otherwise() {
     for a in [
         health,
         metrics,
-        l.select_service.as_ref().unwrap().local_addr().unwrap(),
-        l.slot_tracker.as_ref().unwrap().local_addr().unwrap(),
+        l.doors.select.as_ref().unwrap().local_addr().unwrap(),
+        l.doors.slots.as_ref().unwrap().local_addr().unwrap(),
     ] {
         assert!(a.ip().is_loopback(), "{a} is not loopback");
     }

@@ -473,6 +473,105 @@ struct Target {
 /// whatever else it has at hand.
 const MAX_QUEUED_BATCHES: usize = 64;
 
+/// What one rank's subscription applies its deliveries to, and what it remembers of them.
+struct Applier {
+    kv: Arc<KvState>,
+    worker: u64,
+    rank: u32,
+    /// The endpoint is one rank: its publisher's events are that rank's, whatever they carry.
+    pin_rank: bool,
+    labels: EndpointLabels,
+    metrics: Arc<KvEventMetrics>,
+    /// Whether anything was delivered yet: a loss before that is the gap the subscription opened
+    /// with, not a removal missed after blocks it delivered.
+    delivered: bool,
+    /// The last batch did not decode: the endpoint is matched approximately.
+    fallback: bool,
+    /// The ranks this publisher has published for: what a restart or a loss makes void.
+    ranks: std::collections::BTreeSet<u32>,
+}
+
+impl Applier {
+    /// Drops every block of the ranks this publisher published for.
+    fn forget(&self) {
+        let worker = self.worker;
+        self.kv.index().write(|index| {
+            for &dp_rank in &self.ranks {
+                index.clear_rank(WorkerRank { worker, dp_rank });
+            }
+        });
+    }
+
+    fn apply(&mut self, d: Delivery) {
+        match d {
+            Delivery::Batch {
+                batch, received, ..
+            } => self.batch(batch, received),
+            Delivery::PublisherRestarted => {
+                self.delivered = true;
+                self.metrics.publisher_restarts.inc();
+                self.forget();
+            }
+            Delivery::Lost { from, to } if !self.delivered => {
+                tracing::info!(endpoint = %self.labels.endpoint, from, to, "joined a publisher past its first batches; the rank's recovered blocks are kept");
+            }
+            Delivery::Lost { .. } => self.forget(),
+            // What the batch changed is unknown: the endpoint's blocks are dropped (never mixed
+            // with what follows) and it is matched approximately until a batch decodes.
+            Delivery::Undecodable { seq } => {
+                self.forget();
+                if !self.fallback {
+                    self.fallback = true;
+                    self.kv.set_events_fallback(self.worker, true);
+                    tracing::warn!(endpoint = %self.labels.endpoint, seq, "KV events do not decode: the endpoint's blocks are dropped and it is matched by what kvepp routes to it until they decode again");
+                }
+            }
+        }
+    }
+
+    fn batch(&mut self, mut batch: EventBatch, received: Instant) {
+        self.delivered = true;
+        if self.fallback {
+            self.fallback = false;
+            self.kv.set_events_fallback(self.worker, false);
+            tracing::info!(endpoint = %self.labels.endpoint, "KV events decode again: the endpoint is matched by its events, rebuilt from this batch on");
+        }
+        if self.pin_rank {
+            batch.data_parallel_rank = None;
+        }
+        let (kv, worker, rank) = (&self.kv, self.worker, self.rank);
+        self.ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
+        // A stored block states the engine's block size: learned from it as from the metrics
+        // page, so what the engine published before kvepp's first scrape of it (the catch-up
+        // replay) is not dropped as another size.
+        if let Some(bs) = batch.events.iter().find_map(|e| match e {
+            KvEvent::Stored { block_size, .. } => Some(*block_size),
+            _ => None,
+        }) {
+            kv.learn_block_size(worker, bs);
+        }
+        let block_size = kv.block_size();
+        let (metrics, labels) = (self.metrics.clone(), self.labels.clone());
+        // Queued, and published with whatever else is queued once the subscription has nothing
+        // more at hand, or by another subscription's publication in the meantime; neither waits
+        // for the readers of the other copy, which gets the batch at the next publication.
+        kv.index().enqueue(
+            move |index| apply_batch(index, worker, rank, block_size, &batch),
+            move |applied: Applied| {
+                metrics.observe_applied(&labels, &applied, received);
+            },
+        );
+    }
+
+    /// The subscription ends: an endpoint in fallback for its events leaves it.
+    fn end(self) {
+        self.kv.index().flush();
+        if self.fallback {
+            self.kv.set_events_fallback(self.worker, false);
+        }
+    }
+}
+
 /// One rank's subscription: deliveries into the index, subscriber counters into metrics.
 async fn subscription(
     kv: Arc<KvState>,
@@ -488,7 +587,6 @@ async fn subscription(
         pinned: pin_rank,
     } = target;
     tracing::info!(endpoint = %endpoint, dp_rank = rank, events = %source.endpoint, "subscribing to KV events");
-    let labels = EndpointLabels { endpoint };
     let (tx, mut rx) = mpsc::channel(64);
     let stats = Arc::new(SubscriberStats::default());
     let task = tokio::spawn(subscriber::run(
@@ -498,23 +596,19 @@ async fn subscription(
         Timing::default(),
         stop,
     ));
-    let mut seen_undecodable = 0;
-    let mut seen_lost = 0;
-    let mut counted_without_replay = false;
-    // The last batch did not decode: the endpoint is matched approximately.
-    let mut fallback = false;
-    // Whether this subscription has delivered anything yet: a loss before that is the gap it
-    // opened with, not a removal missed after blocks it delivered.
-    let mut delivered = false;
-    // The ranks this publisher has published for: what a restart or a loss makes void.
-    let mut ranks = std::collections::BTreeSet::from([rank]);
-    let forget = |ranks: &std::collections::BTreeSet<u32>| {
-        kv.index().write(|index| {
-            for &dp_rank in ranks {
-                index.clear_rank(WorkerRank { worker, dp_rank });
-            }
-        });
+    let mut applier = Applier {
+        kv: kv.clone(),
+        worker,
+        rank,
+        pin_rank,
+        labels: EndpointLabels { endpoint },
+        metrics: metrics.clone(),
+        delivered: false,
+        fallback: false,
+        ranks: std::collections::BTreeSet::from([rank]),
     };
+    let (mut seen_undecodable, mut seen_lost) = (0, 0);
+    let mut counted_without_replay = false;
     // The tick only refreshes the undecodable counter while nothing decodable arrives.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -526,65 +620,7 @@ async fn subscription(
             _ = tick.tick() => None,
         };
         if let Some(d) = delivery {
-            match d {
-                Delivery::Batch {
-                    mut batch,
-                    received,
-                    ..
-                } => {
-                    delivered = true;
-                    if fallback {
-                        fallback = false;
-                        kv.set_events_fallback(worker, false);
-                        tracing::info!(endpoint = %labels.endpoint, "KV events decode again: the endpoint is matched by its events, rebuilt from this batch on");
-                    }
-                    if pin_rank {
-                        batch.data_parallel_rank = None;
-                    }
-                    ranks.insert(batch.data_parallel_rank.unwrap_or(rank));
-                    // A stored block states the engine's block size: learned from it as from the
-                    // metrics page (when not configured), so what the engine published before
-                    // kvepp's first scrape of it (the catch-up replay) is not dropped as
-                    // another size.
-                    if let Some(bs) = batch.events.iter().find_map(|e| match e {
-                        KvEvent::Stored { block_size, .. } => Some(*block_size),
-                        _ => None,
-                    }) {
-                        kv.learn_block_size(worker, bs);
-                    }
-                    let block_size = kv.block_size();
-                    let (metrics, labels) = (metrics.clone(), labels.clone());
-                    // Queued, and published with whatever else is queued once this subscription
-                    // has nothing more at hand (below), or by another subscription's publication
-                    // in the meantime; neither waits for the readers of the other copy, which
-                    // gets the batch at the next publication.
-                    kv.index().enqueue(
-                        move |index| apply_batch(index, worker, rank, block_size, &batch),
-                        move |applied: Applied| {
-                            metrics.observe_applied(&labels, &applied, received);
-                        },
-                    );
-                }
-                Delivery::PublisherRestarted => {
-                    delivered = true;
-                    metrics.publisher_restarts.inc();
-                    forget(&ranks);
-                }
-                Delivery::Lost { from, to } if !delivered => {
-                    tracing::info!(endpoint = %labels.endpoint, from, to, "joined a publisher past its first batches; the rank's recovered blocks are kept");
-                }
-                Delivery::Lost { .. } => forget(&ranks),
-                // What the batch changed is unknown: the endpoint's blocks are dropped (never
-                // mixed with what follows) and it is matched approximately until a batch decodes.
-                Delivery::Undecodable { seq } => {
-                    forget(&ranks);
-                    if !fallback {
-                        fallback = true;
-                        kv.set_events_fallback(worker, true);
-                        tracing::warn!(endpoint = %labels.endpoint, seq, "KV events do not decode: the endpoint's blocks are dropped and it is matched by what kvepp routes to it until they decode again");
-                    }
-                }
-            }
+            applier.apply(d);
         }
         // Publish once nothing more is at hand, or once the index holds a bounded number of
         // queued batches (a publisher that never pauses must not keep its batches from picks).
@@ -602,10 +638,7 @@ async fn subscription(
             metrics.without_replay.inc();
         }
     }
-    kv.index().flush();
-    if fallback {
-        kv.set_events_fallback(worker, false);
-    }
+    applier.end();
     let _ = task.await;
 }
 

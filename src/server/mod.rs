@@ -15,7 +15,7 @@ use tokio_stream::StreamExt;
 
 mod components;
 pub mod reload;
-mod shared;
+pub mod shared;
 pub mod tls;
 
 pub use reload::Reloading;
@@ -69,10 +69,8 @@ pub struct Listeners {
     pub grpc: TcpListener,
     pub health: TcpListener,
     pub metrics: TcpListener,
-    /// The selection service's HTTP door, when configured.
-    pub select_service: Option<TcpListener>,
-    /// The slot tracker's HTTP door, when configured.
-    pub slot_tracker: Option<TcpListener>,
+    /// The Dynamo-compatible HTTP doors, when configured.
+    pub doors: shared::Doors,
 }
 
 impl Listeners {
@@ -88,13 +86,15 @@ impl Listeners {
             grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
             health: one("gRPC health", (admin, cfg.grpc_health_port).into()).await?,
             metrics: one("metrics", (admin, cfg.metrics_port).into()).await?,
-            select_service: match cfg.select_service_port {
-                Some(p) => Some(one("selection service", (admin, p).into()).await?),
-                None => None,
-            },
-            slot_tracker: match cfg.slot_tracker_port {
-                Some(p) => Some(one("slot tracker", (admin, p).into()).await?),
-                None => None,
+            doors: shared::Doors {
+                select: match cfg.select_service_port {
+                    Some(p) => Some(one("selection service", (admin, p).into()).await?),
+                    None => None,
+                },
+                slots: match cfg.slot_tracker_port {
+                    Some(p) => Some(one("slot tracker", (admin, p).into()).await?),
+                    None => None,
+                },
             },
         })
     }
@@ -252,8 +252,7 @@ pub async fn run_with(
                 &router,
                 &store,
                 discovery,
-                listeners.select_service,
-                listeners.slot_tracker,
+                listeners.doors,
                 &access,
                 sync_stats,
                 &stop_rx,
@@ -474,11 +473,13 @@ impl InProcess {
             });
         };
         let select_service = listeners
-            .select_service
+            .doors
+            .select
             .as_ref()
             .and_then(|l| l.local_addr().ok());
         let slot_tracker = listeners
-            .slot_tracker
+            .doors
+            .slots
             .as_ref()
             .and_then(|l| l.local_addr().ok());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -61,6 +61,15 @@ fn pooled_catalog(
     Some(catalog)
 }
 
+/// The listeners of `kvepp serve`'s Dynamo-compatible HTTP doors, each when configured.
+#[derive(Debug)]
+pub struct Doors {
+    /// The selection service's.
+    pub select: Option<TcpListener>,
+    /// The slot tracker's.
+    pub slots: Option<TcpListener>,
+}
+
 /// Starts what is configured among replica sync and the HTTP doors; returns the doors' servers.
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
@@ -68,14 +77,14 @@ pub async fn start(
     router: &Arc<Router>,
     store: &Arc<Datastore>,
     discovery: Arc<dyn ServiceDiscovery>,
-    select: Option<TcpListener>,
-    slots: Option<TcpListener>,
+    doors: Doors,
     access: &Access,
     stats: Arc<SyncStats>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Tasks,
 ) -> Result<Vec<tokio::task::JoinHandle<std::io::Result<()>>>, ServerError> {
     let rs = &cfg.replica_sync;
+    let Doors { select, slots } = doors;
     if rs.bind.is_none() && select.is_none() && slots.is_none() {
         return Ok(Vec::new());
     }
