@@ -8,7 +8,7 @@
 # Usage: [DURATION=s] [RATE=r] bench/disaggregation.sh [other bench-routing flags].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
   --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy precise-kv \

@@ -17,7 +17,7 @@
 # look.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-sim
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 seeds=${SEEDS:-"1 2 3 4 5"}
 loads=${LOADS:-"0.5 0.7 0.9 1.2"}

@@ -12,7 +12,7 @@
 # OBJECTIVE_MS=1000 (the SLO the report counts against; keep it equal to bench/overload.yaml's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-sim
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 seeds=${SEEDS:-"1 2 3"}
 loads=${LOADS:-"1.5 2.0"}

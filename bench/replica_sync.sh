@@ -6,5 +6,5 @@
 # table. Extra arguments go to `kvepp-sim bench-replica`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 target/release/kvepp-sim bench-replica "$@"

@@ -4,7 +4,7 @@
 # two KV-aware policies. Release build; results in bench/results/replicas-sync-{on,off}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 for sync in true false; do
   out=bench/results/replicas-sync-$([ "$sync" = true ] && echo on || echo off)

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet --bin kvepp -p kvepp
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 target/release/kvepp-sim bench-rollout --envoy "$envoy" --kvepp target/release/kvepp \
   --out bench/results/rollout "$@"

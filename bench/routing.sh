@@ -11,7 +11,7 @@
 # minutes on 2 cores. PREBUILT=1 uses target/release as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-sim
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 # The caller's own --out wins (clap takes each flag once).
 out=(--out bench/results/routing)

@@ -5,5 +5,5 @@
 # table with the ratio. Extra arguments go to `kvepp-sim bench-select`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 target/release/kvepp-sim bench-select --workers 100 --tokens 32768 "$@"

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # own overhead distorts them (its p90 TTFT came out at 1.8 s and 8.8 s in debug runs, 0.23 s in
 # release, on this 2-core VM).
 echo "== building kvepp-sim in release mode (kvepp runs inside it) and installing Envoy (the first run compiles for several minutes)" >&2
-cargo build --locked --release --quiet -p kvepp-sim
+cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh)
 exec target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml --workload shared-prefix --duration 12 \
   --out target/demo "$@"

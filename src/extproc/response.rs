@@ -21,9 +21,7 @@ pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
 pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
 /// The candidates' scores (header and `envoy.lb` metadata key), with `emit_endpoint_scores`.
 pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
-/// Request header naming the prefill worker of a disaggregated pick (`ip:port`), as the llm-d
-/// routing sidecar on the decode worker reads it.
-pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+pub use kvepp_core::disagg::PREFILLER_HEADER;
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";

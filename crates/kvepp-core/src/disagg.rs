@@ -18,6 +18,11 @@
 //! - the transfer cost is 0 when `kv_transfer_weight` is 0, else
 //!   `weight × (latency_ms + kv_bytes / bytes_per_ms)` of the narrowest level the pair shares.
 
+/// Request header naming the prefill worker of a disaggregated pick (`ip:port`), as the llm-d
+/// routing sidecar on the decode worker reads it: the EPP sets it, a decode engine (or its
+/// sidecar) reads it.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};

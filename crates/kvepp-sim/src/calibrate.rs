@@ -23,7 +23,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bytes::Bytes;
 
-use crate::bench::client::{completion, Outcome};
+use crate::client::{completion, Outcome};
 use crate::fleet::SimParams;
 
 #[derive(Debug, Clone, clap::Args)]

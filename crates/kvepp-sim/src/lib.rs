@@ -1,14 +1,12 @@
-//! Tools around kvepp that never ship in the EPP binary: a simulated fleet of inference engines
-//! ([`fleet`]) and the routing-quality benchmark that replays workloads through Envoy and kvepp to
-//! that fleet ([`mod@bench`]), the selection service's HTTP-overhead benchmark ([`select_bench`]),
-//! replica sync's cost to a receiving replica ([`replica_bench`]) and a rolling upgrade of two
-//! kvepp processes under load ([`rollout`]), generated Mooncake-format traces ([`tracegen`]), and
-//! the simulator's parameters measured on a real engine ([`calibrate`]). `plotters` (and its font stack) lives only here.
+//! Simulated inference engines, independent of kvepp itself: a fleet that serves the OpenAI API
+//! with a prefix cache, a time model and vLLM's KV events and metrics ([`fleet`]); the simulator's
+//! parameters measured on a real engine ([`calibrate`]); the workloads the benchmarks replay
+//! ([`workload`]) and generated Mooncake-format traces ([`tracegen`]); a streaming OpenAI client
+//! that times each request ([`client`]). The benchmarks that drive kvepp in front of this fleet
+//! are the `kvepp-bench` crate's.
 
-pub mod bench;
 pub mod calibrate;
+pub mod client;
 pub mod fleet;
-pub mod replica_bench;
-pub mod rollout;
-pub mod select_bench;
 pub mod tracegen;
+pub mod workload;

@@ -20,8 +20,8 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::path::PathBuf;
 
-use crate::bench::workload::TRACE_BLOCK_TOKENS;
 use crate::fleet::SimParams;
+use crate::workload::TRACE_BLOCK_TOKENS;
 
 /// How requests reuse each other's prefixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -10,7 +10,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use kvepp_sim::rollout::{rollout, table, RolloutArgs};
+use kvepp_bench::rollout::{rollout, table, RolloutArgs};
 
 /// The `kvepp` binary cargo built beside this test (`target/<profile>/kvepp`).
 fn kvepp_bin() -> PathBuf {

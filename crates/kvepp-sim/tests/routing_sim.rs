@@ -13,8 +13,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-use kvepp_sim::bench::{self as routing_bench, workload, BenchSpec, Policy};
+use kvepp_bench::routing::{self as routing_bench, BenchSpec, Policy};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
+use kvepp_sim::workload;
 use sim_common::{index_and_caches, tokens};
 
 /// Small, fast engines: blocks of 16 tokens, a cache of `blocks` blocks.

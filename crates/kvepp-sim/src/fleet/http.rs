@@ -20,8 +20,8 @@ use tokio::sync::mpsc;
 
 use super::engine::{Command, EngineCore, Job, Output, Usage};
 // The header naming the prefill engine of a disaggregated pick, as kvepp sets it.
-use kvepp::extproc::response::PREFILLER_HEADER;
 use kvepp_core::disagg::Domains;
+use kvepp_core::disagg::PREFILLER_HEADER;
 use kvepp_tokenizer::ModelTokenizer;
 
 /// Response header naming the engine that served a request.

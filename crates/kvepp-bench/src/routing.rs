@@ -1,5 +1,5 @@
 //! `kvepp-sim bench-routing`: replays a workload open-loop through a real Envoy and kvepp to a
-//! simulated fleet ([`crate::fleet`]), once per routing policy, and reports TTFT, end-to-end
+//! simulated fleet ([`kvepp_sim::fleet`]), once per routing policy, and reports TTFT, end-to-end
 //! latency, output throughput, prefix-cache hit ratio and load imbalance per policy.
 //!
 //! Every policy gets a fresh fleet (empty caches), a fresh kvepp (in this process, the same code
@@ -9,12 +9,10 @@
 
 pub mod affinity;
 mod args;
-pub mod client;
 pub mod oracle;
 mod policy;
 pub mod report;
 mod scenario;
-pub mod workload;
 
 pub use args::BenchArgs;
 pub use policy::Policy;
@@ -27,19 +25,20 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
 use kvepp::config::Config;
 use kvepp_core::cost::CostModel;
+use kvepp_sim::client;
+use kvepp_sim::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
+use kvepp_sim::workload::{self, Request};
 use kvepp_test_support::envoy::EnvoyProcess;
 pub use kvepp_test_support::wait_until;
 use kvepp_test_support::TempDir;
 use report::{PolicyResult, Record};
-use workload::Request;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     #[error(transparent)]
-    Sim(#[from] crate::fleet::SimError),
+    Sim(#[from] kvepp_sim::fleet::SimError),
     #[error(transparent)]
     Workload(#[from] workload::WorkloadError),
     #[error(transparent)]
@@ -200,7 +199,7 @@ pub async fn run_policy(
     let dir = TempDir::new("bench-manifests");
     fleet.write_manifests(dir.path())?;
     // The engines that answer clients (a prefill engine only answers its decode engines).
-    let answering: Vec<&crate::fleet::SimEngine> = fleet
+    let answering: Vec<&kvepp_sim::fleet::SimEngine> = fleet
         .engines
         .iter()
         .filter(|e| e.layout.role.decodes())
@@ -237,7 +236,7 @@ pub async fn run_policy(
         }
         kvepp.stop().await;
     }
-    let count = |f: fn(&crate::fleet::engine::Counters) -> &std::sync::atomic::AtomicU64| {
+    let count = |f: fn(&kvepp_sim::fleet::engine::Counters) -> &std::sync::atomic::AtomicU64| {
         fleet
             .engines
             .iter()
@@ -391,7 +390,7 @@ fn drive(
     spec: &BenchSpec,
     requests: &[Request],
     fleet: &Fleet,
-    answering: &[&crate::fleet::SimEngine],
+    answering: &[&kvepp_sim::fleet::SimEngine],
     door: Door,
     start: Instant,
 ) -> Vec<tokio::task::JoinHandle<Record>> {
@@ -465,7 +464,7 @@ async fn restart(
     spec: &BenchSpec,
     policy: Policy,
     kvepps: &[Kvepp],
-    answering: &[&crate::fleet::SimEngine],
+    answering: &[&kvepp_sim::fleet::SimEngine],
     start: Instant,
 ) -> Option<Duration> {
     let mut restart_cleared_after = None;

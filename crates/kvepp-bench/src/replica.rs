@@ -16,7 +16,7 @@ use kvepp::replica::sink::{CatalogSink, Ids};
 use kvepp::replica::{wire, SyncStats, WIRE_VERSION};
 use kvepp_core::catalog::PromptRef;
 
-use crate::select_bench::{setup, SelectBenchArgs};
+use crate::select::{setup, SelectBenchArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplicaBenchArgs {
@@ -137,7 +137,7 @@ pub async fn run(args: ReplicaBenchArgs) -> anyhow::Result<()> {
 }
 
 async fn measure(
-    s: &Arc<crate::select_bench::Setup>,
+    s: &Arc<crate::select::Setup>,
     args: &ReplicaBenchArgs,
     prompts: &Arc<Vec<Vec<u64>>>,
     peers: usize,

@@ -20,8 +20,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::fleet::engine::EngineCore;
-use crate::fleet::SimParams;
+use kvepp_sim::fleet::engine::EngineCore;
+use kvepp_sim::fleet::SimParams;
 
 /// What one engine looks like to the clairvoyant placement at one instant.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

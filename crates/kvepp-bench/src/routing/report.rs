@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::client::Outcome;
+use kvepp_sim::client::Outcome;
 
 /// One replayed request: when it was sent (from the replay start) and what happened.
 #[derive(Debug, Clone)]
@@ -186,7 +186,7 @@ pub fn csv_rows(out: &mut String, workload: &str, policy: &str, records: &[Recor
 }
 
 /// What the workload allows of prefix-cache hits: with an infinite cache, and with the fleet's
-/// KV capacity as one LRU cache ([`super::workload::hit_ceiling_with_capacity`]).
+/// KV capacity as one LRU cache ([`kvepp_sim::workload::hit_ceiling_with_capacity`]).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Ceilings {
     pub infinite: f64,

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use super::report::Record;
-use super::workload::{self, Request};
 use super::{BenchArgs, BenchError};
-use crate::fleet::SimParams;
+use kvepp_sim::fleet::SimParams;
+use kvepp_sim::workload::{self, Request};
 
 /// The workloads `kvepp-sim bench-routing` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -23,19 +23,19 @@ enum Command {
     Fleet(kvepp_sim::fleet::SimArgs),
     /// Replay a workload through Envoy and kvepp to a simulated fleet under each routing policy
     /// and report TTFT, latency, throughput, prefix-cache hit ratio and load imbalance.
-    BenchRouting(kvepp_sim::bench::BenchArgs),
+    BenchRouting(kvepp_bench::routing::BenchArgs),
     /// Adapter affinity (least loaded, adapter-blind and adapter-aware KV-aware picking on a fleet
     /// with LoRA adapter slots) and session affinity (one and two replicas) through Envoy and kvepp.
-    BenchAdapters(kvepp_sim::bench::affinity::AdapterBenchArgs),
+    BenchAdapters(kvepp_bench::routing::affinity::AdapterBenchArgs),
     /// `/select_and_reserve` + free pairs per second over HTTP keep-alive against the same pick
     /// in-process (the selection service's HTTP overhead).
-    BenchSelect(kvepp_sim::select_bench::SelectBenchArgs),
+    BenchSelect(kvepp_bench::select::SelectBenchArgs),
     /// Picks on one replica with 0 and 3 replica-sync peers publishing, and the event rate one
     /// replica absorbs while serving picks.
-    BenchReplica(kvepp_sim::replica_bench::ReplicaBenchArgs),
+    BenchReplica(kvepp_bench::replica::ReplicaBenchArgs),
     /// A rolling upgrade of two `kvepp serve` processes behind Envoy under steady load: failed
     /// requests, the longest stall, and the prefix hit ratio before and after.
-    BenchRollout(kvepp_sim::rollout::RolloutArgs),
+    BenchRollout(kvepp_bench::rollout::RolloutArgs),
     /// Write a generated request trace in the Mooncake format (seeded arrivals with bursts,
     /// log-normal lengths, shared system prompts or multi-turn conversations).
     GenTrace(kvepp_sim::tracegen::GenTraceArgs),
@@ -93,25 +93,25 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::BenchReplica(args) => {
             init_logging();
-            kvepp_sim::replica_bench::run(args).await?;
+            kvepp_bench::replica::run(args).await?;
         }
         Command::BenchSelect(args) => {
             init_logging();
-            kvepp_sim::select_bench::run(args).await?;
+            kvepp_bench::select::run(args).await?;
         }
         Command::BenchAdapters(args) => {
             init_logging();
-            kvepp_sim::bench::affinity::run(args).await?;
+            kvepp_bench::routing::affinity::run(args).await?;
         }
         Command::BenchRollout(args) => {
             init_logging();
-            kvepp_sim::rollout::run(args).await?;
+            kvepp_bench::rollout::run(args).await?;
         }
         Command::GenTrace(args) => kvepp_sim::tracegen::run(&args)?,
         Command::Calibrate(args) => kvepp_sim::calibrate::run(&args).await?,
         Command::BenchRouting(args) => {
             init_logging();
-            kvepp_sim::bench::run(args).await?;
+            kvepp_bench::routing::run(args).await?;
         }
         Command::EchoBackend { listen, name } => {
             init_logging();

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::report::{self, Record};
-use super::workload::{self, Request};
 use super::{run_policy, BenchError, BenchSpec, Policy, Replay};
-use crate::fleet::SimParams;
 use kvepp::config::Config;
+use kvepp_sim::fleet::SimParams;
+use kvepp_sim::workload::{self, Request};
 
 /// Requests for adapters of skewed popularity.
 #[derive(Debug, Clone)]

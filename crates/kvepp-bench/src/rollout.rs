@@ -19,9 +19,9 @@ use std::time::Duration;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use crate::bench::client::{completion, Outcome};
-use crate::bench::workload::{shared_prefix, SharedPrefix};
-use crate::fleet::{Fleet, FleetSpec, SimParams};
+use kvepp_sim::client::{completion, Outcome};
+use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
+use kvepp_sim::workload::{shared_prefix, SharedPrefix};
 use kvepp_test_support::client::fetch;
 use kvepp_test_support::envoy::EnvoyProcess;
 use kvepp_test_support::{wait_until, TempDir};
@@ -250,7 +250,7 @@ async fn healthy_in_envoy(admin: SocketAddr, endpoint: SocketAddr) -> bool {
 fn bootstrap(replicas: &[Replica]) -> Result<serde_yaml::Value, RolloutError> {
     let addrs: Vec<SocketAddr> = replicas.iter().map(|r| r.grpc).collect();
     let mut b = EnvoyProcess::bootstrap().map_err(setup)?;
-    crate::bench::add_ext_proc_endpoints(&mut b, &addrs[1..]);
+    crate::routing::add_ext_proc_endpoints(&mut b, &addrs[1..]);
     Ok(b)
 }
 
@@ -368,7 +368,7 @@ pub async fn rollout(args: &RolloutArgs, dir: &Path) -> Result<RolloutReport, Ro
     fleet.write_manifests(&manifests).map_err(setup)?;
     let mut ports = [[0u16; 4]; 2];
     for p in ports.iter_mut().flatten() {
-        *p = crate::bench::free_port().map_err(setup)?;
+        *p = crate::routing::free_port().map_err(setup)?;
     }
     let mut replicas = vec![
         Replica::configure(0, dir, &manifests, &ports, args, params.block_size)?,
