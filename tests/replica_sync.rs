@@ -289,7 +289,7 @@ async fn selection_services_share_reservations() {
     }
     let sel = |id: &str| json!({"reservation_id": id, "model_name": "m", "sequence_hashes": [5, 6], "isl_tokens": 32});
     let mut n = 0;
-    let id = wait_for("a reservation on A reaches B", || {
+    wait_for("a reservation on A reaches B", || {
         n += 1;
         let id = format!("warm-{n}");
         async move {
@@ -300,8 +300,22 @@ async fn selection_services_share_reservations() {
         }
     })
     .await;
+    // Warm reservations still on their way may reach B after this point; a probe of 48 prefill
+    // tokens (the warm ones book 32) tells when B has every reservation A published before it:
+    // A's events reach B in order.
+    let b0 = load_of(b.addr, 1, 0).await.unwrap().0;
+    let probe = json!({"reservation_id": "probe", "model_name": "m", "sequence_hashes": [5, 6], "isl_tokens": 48});
+    assert_eq!(
+        call(a.addr, "POST", "/select_and_reserve", probe).await.0,
+        200
+    );
+    let id = "probe".to_owned();
+    let before = wait_for("the probe on B", || async {
+        let l = load_of(b.addr, 1, 0).await?;
+        (l.0 >= b0 + 48 && (l.0 - b0) % 32 == 16).then_some(l)
+    })
+    .await;
     // B's loads count it; output blocks on A stay local; prefill completion and free travel.
-    let before = load_of(b.addr, 1, 0).await.unwrap();
     assert_eq!(
         call(
             a.addr,
@@ -325,7 +339,7 @@ async fn selection_services_share_reservations() {
         200
     );
     wait_for("prefill complete on B", || async {
-        (load_of(b.addr, 1, 0).await?.0 == before.0 - 32).then_some(())
+        (load_of(b.addr, 1, 0).await?.0 == before.0 - 48).then_some(())
     })
     .await;
     assert_eq!(
@@ -333,14 +347,8 @@ async fn selection_services_share_reservations() {
         before.1,
         "output block stayed on A"
     );
-    for i in 1..=n {
-        call(
-            a.addr,
-            "DELETE",
-            &format!("/reservations/warm-{i}"),
-            Value::Null,
-        )
-        .await;
+    for i in (1..=n).map(|i| format!("warm-{i}")).chain([id]) {
+        call(a.addr, "DELETE", &format!("/reservations/{i}"), Value::Null).await;
     }
     wait_for("frees on B", || async {
         (load_of(b.addr, 1, 0).await? == (0, 0)).then_some(())
