@@ -7,8 +7,13 @@
 //!   ([`crate::engine::metadata::EngineMetadata`]), from `--metadata-file` (re-read when it
 //!   changes) overlaid with flags;
 //! - `GET /health`: the pod's readiness probe: 200 only while the engine's own health endpoint
-//!   answers 200 and the instance is set ready; 503 otherwise. A failing probe is what takes the
-//!   pod out of its EndpointSlices.
+//!   answers 200 and the instance is set ready; 503 otherwise (the kubelet applies the probe's
+//!   own `failureThreshold`). A failing probe is what takes the pod out of its EndpointSlices.
+//!
+//! The readiness the agent publishes itself (what a manifests-registry slice says) follows the
+//! engine: it checks the engine every `--check-interval-ms` and marks the instance unready after
+//! `--failure-threshold` consecutive failed checks (3 by default, as a Kubernetes probe; a slow
+//! answer under load is one failure), ready again after one success.
 //!
 //! With `DYN_TOPOLOGY_ENABLED=true` the agent first reads the pod's topology levels from the
 //! Downward API volume ([`topology`]), waiting for the level the router constrains KV transfers to
@@ -155,6 +160,10 @@ pub struct AgentArgs {
     /// How often the engine's health and the metadata file are checked, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub check_interval_ms: u64,
+    /// Consecutive failed engine health checks before the instance is unready (a Kubernetes
+    /// probe's `failureThreshold`); one success makes it ready again. At least 1.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub failure_threshold: u32,
     /// After SIGTERM: unready at once, keep serving this long.
     #[arg(long, default_value_t = 5)]
     pub drain_seconds: u64,
@@ -437,21 +446,19 @@ pub async fn run(
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut warned = false;
+            let mut health = Health::new(args.failure_threshold);
             loop {
                 tick.tick().await;
-                let engine_ok = match state.engine.check().await {
-                    Ok(()) => {
-                        warned = false;
-                        true
+                let check = state.engine.check().await;
+                match &check {
+                    Ok(()) => warned = false,
+                    Err(e) if !warned => {
+                        tracing::warn!(error = %e, "engine not healthy");
+                        warned = true;
                     }
-                    Err(e) => {
-                        if !warned {
-                            tracing::warn!(error = %e, "engine not healthy");
-                            warned = true;
-                        }
-                        false
-                    }
-                };
+                    Err(_) => {}
+                }
+                let engine_ok = health.observe(check.is_ok());
                 let ready = engine_ok && state.intent.load(Ordering::SeqCst);
                 if state.handle.published().ready != ready {
                     tracing::info!(ready, "instance readiness changed");
@@ -506,6 +513,40 @@ async fn metadata(State(st): State<AgentState>) -> impl IntoResponse {
     }
 }
 
+/// The engine's health as the published readiness follows it: down after `threshold`
+/// consecutive failed checks (a Kubernetes probe's `failureThreshold`), up again after one
+/// success, and not up before its first success.
+#[derive(Debug)]
+struct Health {
+    threshold: u32,
+    failures: u32,
+    up: bool,
+}
+
+impl Health {
+    fn new(threshold: u32) -> Self {
+        Health {
+            threshold: threshold.max(1),
+            failures: 0,
+            up: false,
+        }
+    }
+
+    /// One check's result; returns whether the engine counts as healthy now.
+    fn observe(&mut self, ok: bool) -> bool {
+        if ok {
+            self.failures = 0;
+            self.up = true;
+        } else {
+            self.failures = self.failures.saturating_add(1);
+            if self.failures >= self.threshold {
+                self.up = false;
+            }
+        }
+        self.up
+    }
+}
+
 async fn health(State(st): State<AgentState>) -> impl IntoResponse {
     if !st.intent.load(Ordering::SeqCst) {
         return (
@@ -526,6 +567,23 @@ async fn health(State(st): State<AgentState>) -> impl IntoResponse {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn health_goes_down_after_the_failure_threshold_and_up_after_one_success() {
+        let mut h = Health::new(3);
+        assert!(!h.observe(false), "never up before a first success");
+        assert!(h.observe(true));
+        assert!(
+            h.observe(false) && h.observe(false),
+            "two failures are tolerated"
+        );
+        assert!(!h.observe(false), "the third is not");
+        assert!(!h.observe(false));
+        assert!(h.observe(true), "one success brings it back");
+        assert!(h.observe(false), "and the count starts over");
+        let mut strict = Health::new(1);
+        assert!(strict.observe(true) && !strict.observe(false));
+    }
 
     #[derive(Parser)]
     struct Cli {

@@ -220,7 +220,7 @@ fn start_agent(engine: &Target, dir: &PathBuf) -> Agent {
         .args(["--kv-events-port", &engine.events_port.to_string()])
         .args(["--kv-events-replay-port", &engine.replay_port.to_string()])
         .args(["--pod-name", &engine.name, "--pod-ip", "127.0.0.1"])
-        .args(["--check-interval-ms", "200"])
+        .args(["--check-interval-ms", "500"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
