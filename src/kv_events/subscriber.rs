@@ -144,7 +144,7 @@ pub async fn run(
         if s.source.replay_endpoint.is_some() {
             match s.catch_up(tracker.resume_from()).await {
                 None => return,
-                Some((from, to)) => tracker.caught_up(from, to),
+                Some((from, to)) => tracker.caught_up(from, to, std::time::Instant::now()),
             }
         } else if !told_no_replay {
             told_no_replay = true;
@@ -174,7 +174,7 @@ pub async fn run(
                             if s.source.replay_endpoint.is_some() {
                                 match s.catch_up(tracker.resume_from()).await {
                                     None => return,
-                                    Some((from, to)) => tracker.caught_up(from, to),
+                                    Some((from, to)) => tracker.caught_up(from, to, std::time::Instant::now()),
                                 }
                                 settle.as_mut().reset(tokio::time::Instant::now() + SETTLE);
                                 settled = false;
@@ -188,7 +188,7 @@ pub async fn run(
                     settled = true;
                     match s.catch_up(tracker.resume_from()).await {
                         None => return,
-                        Some((from, to)) => tracker.caught_up(from, to),
+                        Some((from, to)) => tracker.caught_up(from, to, std::time::Instant::now()),
                     }
                     continue;
                 }
@@ -207,7 +207,7 @@ pub async fn run(
                 tracing::warn!(endpoint = %s.source.endpoint, frames = msg.len(), "KV event message without seq and payload frames; dropped");
                 continue;
             };
-            let ok = match tracker.observe(seq) {
+            let ok = match tracker.observe(seq, std::time::Instant::now()) {
                 SeqAction::Duplicate => continue,
                 SeqAction::Deliver => true,
                 SeqAction::Replay { from, to } => s.replay(from, to).await,
