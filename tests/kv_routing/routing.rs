@@ -405,8 +405,13 @@ async fn indexed(epp: &Epp, addr: SocketAddr) -> Vec<u64> {
 }
 
 fn epp_hashes(tokens: &[u32]) -> Vec<u64> {
+    hashes_at(tokens, BLOCK)
+}
+
+/// kvepp's hashes of `tokens`' full blocks of `block` tokens, sorted.
+fn hashes_at(tokens: &[u32], block: usize) -> Vec<u64> {
     let mut h: Vec<u64> = kvepp_core::hash::sequence_hashes(&kvepp_core::hash::local_block_hashes(
-        tokens, BLOCK, None,
+        tokens, block, None,
     ))
     .iter()
     .map(|s| s.0)
@@ -573,7 +578,7 @@ async fn follow_ups_stay(envoy: &Envoy, epp: &Epp, other: &Engine, seed: u32) {
         let first = tokens(seed + k, 4 * other.state.block);
         let served = served_by(envoy, &first).await;
         if served == other.state.name {
-            let stored = other_hashes(other, &first);
+            let stored = hashes_at(&first, other.state.block);
             wait_for("the other engine's events applied", || async {
                 let held = indexed(epp, other.http).await;
                 stored.iter().all(|x| held.contains(x)).then_some(())
@@ -590,18 +595,6 @@ async fn follow_ups_stay(envoy: &Envoy, epp: &Epp, other: &Engine, seed: u32) {
         }
     }
     panic!("{on_fallback} cold prompts went to the engine in fallback");
-}
-
-/// kvepp's hashes of `tokens` at `engine`'s block size.
-fn other_hashes(engine: &Engine, tokens: &[u32]) -> Vec<u64> {
-    kvepp_core::hash::sequence_hashes(&kvepp_core::hash::local_block_hashes(
-        tokens,
-        engine.state.block,
-        None,
-    ))
-    .iter()
-    .map(|s| s.0)
-    .collect()
 }
 
 /// A pool mixing block sizes (16 configured; one engine at 32): the other engine's events are
