@@ -570,3 +570,31 @@ async fn publisher_restarted_while_away_that_goes_quiet_is_noticed() {
     assert!(matches!(s.next().await, Delivery::Batch { seq: 0, .. }));
     p.quit().await;
 }
+
+#[tokio::test]
+async fn publisher_restarted_while_away_that_numbered_past_the_last_batch_is_noticed() {
+    let (port, replay) = (free_port(), free_port());
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    let mut s = Subscriber::start(port, Some(replay));
+    let (last, _) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    p.cmd(&format!("pub {} legacy_batch", last + 1)).await;
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 1));
+    // The new publisher numbers from 0 past the last batch delivered before the subscription
+    // reaches it, and goes quiet: its numbers alone read as a continuation with nothing new.
+    p.quit().await;
+    let mut p = Publisher::start(port, replay, "vllm").await;
+    for seq in 0..=last + 1 {
+        p.cmd(&format!("skip {seq} legacy_two_element_batch")).await;
+    }
+    assert_eq!(s.next().await, Delivery::PublisherRestarted);
+    let mut replayed = Vec::new();
+    while replayed.len() < (last + 2) as usize {
+        match s.next().await {
+            Delivery::Batch { seq, .. } => replayed.push(seq),
+            other => panic!("expected the new publisher's batches, got {other:?}"),
+        }
+    }
+    assert_eq!(replayed, (0..=last + 1).collect::<Vec<_>>());
+    assert!(s.stats.restarts.load(Ordering::Relaxed) >= 1);
+    p.quit().await;
+}

@@ -12,8 +12,9 @@
 //!
 //! The readiness the agent publishes itself (what a manifests-registry slice says) follows the
 //! engine: it checks the engine every `--check-interval-ms` and marks the instance unready after
-//! `--failure-threshold` consecutive failed checks (1 by default: at the first; a slow answer
-//! under load is one failure), ready again after one success.
+//! `--failure-threshold` consecutive failed checks (3 by default, as a Kubernetes probe's
+//! `failureThreshold`: one slow answer under load does not take the pod out), ready again after
+//! one success.
 //!
 //! With `DYN_TOPOLOGY_ENABLED=true` the agent first reads the pod's topology levels from the
 //! Downward API volume ([`topology`]), waiting for the level the router constrains KV transfers to
@@ -162,7 +163,7 @@ pub struct AgentArgs {
     pub check_interval_ms: u64,
     /// Consecutive failed engine health checks before the instance is unready (as a Kubernetes
     /// probe's `failureThreshold`); one success makes it ready again. At least 1.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub failure_threshold: u32,
     /// After SIGTERM: unready at once, keep serving this long.
     #[arg(long, default_value_t = 5)]

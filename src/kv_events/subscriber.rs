@@ -4,8 +4,10 @@
 //! Every (re)connect first catches up: the replay socket is asked for everything after the last
 //! batch delivered (from 0 for a new publisher), so a publisher that published before we reached it
 //! and then went quiet is not missed; once more if no live batch arrives shortly after. A publisher
-//! that restarted while we were away (it holds only numbers below the last one delivered) is
-//! reported restarted and replayed from 0.
+//! that restarted while we were away is reported restarted and replayed from 0: it holds only
+//! numbers below the last one delivered, or its batch of that number is not the one delivered (a
+//! fingerprint of the last payload is kept; a new publisher that numbered past it while the
+//! subscription was reconnecting shows this way, its sequence alone looking like a continuation).
 //!
 //! Frames are `[topic, seq (u64 big-endian), payload]`; replay replies end with `seq, payload` (vLLM
 //! puts `b"", topic` before them, SGLang and older vLLM only `b""`), and the reply to a request ends
@@ -114,6 +116,17 @@ struct Subscription {
     stats: Arc<SubscriberStats>,
     timing: Timing,
     dealer: Option<DealerSocket>,
+    /// The number and payload fingerprint of the last batch delivered: what a catch-up checks
+    /// the publisher still holds, to tell a continuation from a new publisher.
+    last: Option<(u64, u64)>,
+}
+
+/// A payload's fingerprint (SipHash with fixed keys: equal payloads, equal fingerprints).
+fn fingerprint(payload: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    payload.hash(&mut h);
+    h.finish()
 }
 
 /// Runs until `shutdown` turns true or the consumer goes away.
@@ -130,6 +143,7 @@ pub async fn run(
         stats,
         timing,
         dealer: None,
+        last: None,
     };
     let mut tracker = SeqTracker::default();
     let mut told_no_replay = false;
@@ -260,8 +274,9 @@ impl Subscription {
         self.out.send(d).await.is_ok()
     }
 
-    async fn deliver(&self, seq: u64, payload: &[u8]) -> bool {
+    async fn deliver(&mut self, seq: u64, payload: &[u8]) -> bool {
         let received = std::time::Instant::now();
+        self.last = Some((seq, fingerprint(payload)));
         match decode_batch(payload) {
             Ok(batch) => {
                 self.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -329,9 +344,10 @@ impl Subscription {
     }
 
     /// Replays everything the publisher holds from `from` on and delivers it in order (gaps
-    /// reported lost). A publisher that no longer holds the last batch applied (`from - 1`) nor
-    /// anything after it, but holds older numbers, restarted while we were away (it numbers from 0
-    /// again and may have gone quiet): that is reported and everything it holds is delivered.
+    /// reported lost). A publisher restarted while we were away (it numbers from 0 again and may
+    /// have gone quiet) when it holds nothing from the last batch applied (`from - 1`) on but
+    /// older numbers, or holds that number with another payload: that is reported and everything
+    /// it holds is delivered.
     /// Returns the range of numbers delivered (empty when the publisher held nothing new), or
     /// `None` when the consumer is gone. A failed replay is logged and treated as empty.
     async fn catch_up(&mut self, from: u64) -> Option<(u64, u64)> {
@@ -339,11 +355,15 @@ impl Subscription {
         let mut got = self
             .fetch_or_log(from.saturating_sub(1), REPLAY_END, what)
             .await;
-        if from > 0 && got.is_empty() && self.source.replay_endpoint.is_some() {
+        let replaced = from > 0
+            && matches!(self.last, Some((seq, fp)) if seq + 1 == from
+                && got.iter().any(|(s, p)| *s == seq && fingerprint(p) != fp));
+        if replaced || (from > 0 && got.is_empty() && self.source.replay_endpoint.is_some()) {
             let held = self.fetch_or_log(0, REPLAY_END, what).await;
             if !held.is_empty() {
                 self.stats.restarts.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(endpoint = %self.source.endpoint, "KV event publisher restarted while disconnected");
+                self.last = None;
                 if !self.send(Delivery::PublisherRestarted).await {
                     return None;
                 }

@@ -589,6 +589,8 @@ struct RunResult {
     /// Groups whose repeats all went to the engine their first request went to.
     groups_on_one_engine: usize,
     groups: usize,
+    /// Each request's engine (its index in the fleet), in the order sent.
+    placements: String,
 }
 
 /// Runs the shared-prefix workload through a kvepp with `tweak`; the engines' own hit ratio over
@@ -609,6 +611,7 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
     let mut first: Vec<Option<SocketAddr>> = vec![None; groups];
     let mut stayed = vec![true; groups];
     let (mut ideal_hits, mut seen) = (0usize, vec![false; groups]);
+    let mut placements = String::new();
     for (g, prefix, ending) in &work {
         let r = send(
             &d.envoy,
@@ -618,6 +621,11 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
         .await;
         assert_eq!(r.status, 200, "{}", r.body);
         let engine = r.engine.expect("x-upstream-host");
+        let index = fleet.engines.iter().position(|e| e.http == engine);
+        placements.push_str(&index.map_or("?".into(), |i| i.to_string()));
+        if *g + 1 == groups {
+            placements.push(' ');
+        }
         match first[*g] {
             None => first[*g] = Some(engine),
             Some(e) => stayed[*g] &= e == engine,
@@ -635,6 +643,7 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
         ideal: ideal_hits as f64 / queries,
         groups_on_one_engine: stayed.iter().filter(|s| **s).count(),
         groups,
+        placements,
     }
 }
 
@@ -663,12 +672,13 @@ async fn shared_prefix_groups_hit_the_engine_cache_in_tokens_and_approximate_mod
         ("round robin", &round_robin),
     ] {
         eprintln!(
-            "real_engines: {name}: engine hit ratio {:.3} (ideal {:.3}, {:.0}% of it), {}/{} groups on one engine",
+            "real_engines: {name}: engine hit ratio {:.3} (ideal {:.3}, {:.0}% of it), {}/{} groups on one engine, engines by round: {}",
             r.ratio,
             r.ideal,
             100.0 * r.ratio / r.ideal,
             r.groups_on_one_engine,
-            r.groups
+            r.groups,
+            r.placements.trim_end()
         );
     }
     for (name, r) in [("tokens", &tokens), ("approximate", &approximate)] {

@@ -8,8 +8,9 @@
 //! - `cost = prefill_load_scale · max(0, prefill_blocks − overlap_credit) + potential_decode_blocks
 //!   + decode_active_request_weight · active_requests`.
 //!
-//! Temperature 0 picks the cheapest (ties at random); above 0 it samples a softmax over the
-//! normalised negative costs. What a pick books as prefill is `effective_prefill_tokens`.
+//! Temperature 0 picks the cheapest (ties to the fewest requests in flight, then to the endpoint
+//! booked least recently, so equal-cost picks such as new prefixes on idle engines take turns,
+//! then at random); above 0 it samples a softmax over the normalised negative costs. What a pick books as prefill is `effective_prefill_tokens`.
 //!
 //! kvepp's own addition, bounded loads ([`CostWeights::bound_loads`]; on in the EPP's defaults,
 //! off in Dynamo's, [`CostWeights::dynamo`]): before the choice, candidates that would hold more than `load_bound` × the mean number
@@ -350,20 +351,23 @@ impl CostWeights {
     }
 
     /// Index of the chosen candidate: at temperature 0 the cheapest, ties going to the lowest
-    /// `tiebreak` (e.g. requests in flight) and then at random; above 0, [`Self::choose`]'s
-    /// softmax. `costs` must not be empty.
+    /// `tiebreak` (e.g. requests in flight), then to the lowest `booked_at` (the candidate booked
+    /// least recently) and then at random; above 0, [`Self::choose`]'s softmax. `costs` must not
+    /// be empty.
     pub fn choose_with_tiebreak(
         &self,
         costs: &[f64],
         tiebreak: impl Fn(usize) -> u32,
+        booked_at: impl Fn(usize) -> i64,
         rng: &mut fastrand::Rng,
     ) -> usize {
-        self.cheapest(costs, tiebreak, rng).0
+        self.cheapest(costs, tiebreak, booked_at, rng).0
     }
 
     /// The chosen candidate ([`Self::choose_with_tiebreak`]) and the runner-up: the cheapest of
     /// the others in the total order of `f64`, ties going to the lowest `tiebreak`, then to the
-    /// lowest index (None: one candidate). `costs` must not be empty.
+    /// lowest index (None: one candidate; `booked_at` decides only the chosen one). `costs` must
+    /// not be empty.
     ///
     /// At temperature 0 it reads `costs` three times (the lowest cost, the ties at it, the
     /// runner-up) with plain float comparisons, and calls `tiebreak` only for candidates tied at
@@ -374,12 +378,13 @@ impl CostWeights {
         &self,
         costs: &[f64],
         tiebreak: impl Fn(usize) -> u32,
+        booked_at: impl Fn(usize) -> i64,
         rng: &mut fastrand::Rng,
     ) -> (usize, Option<usize>) {
         if costs.is_empty() {
             return (0, None);
         }
-        let (best, exact_only) = self.cheapest(costs, &tiebreak, rng);
+        let (best, exact_only) = self.cheapest(costs, &tiebreak, booked_at, rng);
         if exact_only {
             return (best, runner_up(costs, best, &tiebreak));
         }
@@ -401,6 +406,7 @@ impl CostWeights {
         &self,
         costs: &[f64],
         tiebreak: impl Fn(usize) -> u32,
+        booked_at: impl Fn(usize) -> i64,
         rng: &mut fastrand::Rng,
     ) -> (usize, bool) {
         if self.temperature > 0.0 {
@@ -415,26 +421,29 @@ impl CostWeights {
             }
             nan |= c.is_nan();
         }
-        let mut least = u32::MAX;
-        let mut n = 0usize;
+        // The least (tiebreak, booked_at) among the cheapest, one candidate holding it, and how
+        // many do.
+        let mut least = (u32::MAX, i64::MAX);
+        let (mut first, mut n) = (0usize, 0usize);
         for (i, &c) in costs.iter().enumerate() {
             if c <= min {
-                let t = tiebreak(i);
+                let t = (tiebreak(i), booked_at(i));
                 if t < least {
-                    least = t;
-                    n = 1;
+                    (least, first, n) = (t, i, 1);
                 } else if t == least {
                     n += 1;
                 }
             }
         }
         let k = rng.usize(..n.max(1));
+        // Loads may move between the two passes (other picks book meanwhile): then the holder
+        // the first pass found stands.
         let best = costs
             .iter()
             .enumerate()
-            .filter(|&(i, &c)| c <= min && tiebreak(i) == least)
+            .filter(|&(i, &c)| c <= min && (tiebreak(i), booked_at(i)) == least)
             .nth(k)
-            .map_or(0, |(i, _)| i);
+            .map_or(first, |(i, _)| i);
         (best, nan)
     }
 

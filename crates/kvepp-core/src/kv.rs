@@ -685,10 +685,12 @@ impl KvState {
         }
         let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests, hashes.len() as u64);
         let costs = &sc.costs;
-        // Equal costs (e.g. requests without a full block of prompt) go to the endpoint with
-        // fewer requests in flight, then at random: load must still spread when the cost is blind.
+        // Equal costs (e.g. requests without a full block of prompt, or new prefixes on idle
+        // engines) go to the endpoint with fewer requests in flight, then to the one booked least
+        // recently, then at random: load and new prefixes must still spread when the cost is blind.
         let in_flight = |i: usize| candidates[i].load.in_flight();
-        let (best, second) = w.choose_two(costs, in_flight, &mut ctx.rng);
+        let booked_at = |i: usize| candidates[i].load.booked_at();
+        let (best, second) = w.choose_two(costs, in_flight, booked_at, &mut ctx.rng);
         if let Some(scores) = &mut ctx.scores {
             // Costs are non-negative block counts: 1 / (1 + cost) keeps the order, in (0, 1].
             scores.clear();

@@ -21,12 +21,15 @@ pub struct EngineMetrics {
     pub num_cpu_blocks: Option<u64>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EndpointLoad {
     in_flight: AtomicU32,
     /// Requests admitted that have not produced a response byte yet.
     waiting_first_byte: AtomicU32,
     routed_total: AtomicU64,
+    /// When the last booking here was made ([`clock_nanos`]; `i64::MIN`: never): equal-cost
+    /// picks go to the endpoint booked least recently.
+    booked_at: AtomicI64,
     /// What saturation reads of the engine's last successful scrape, in plain atomics (a
     /// flow-controlled pick checks every candidate): waiting requests and KV-cache usage as f64
     /// bits, the scrape's time as nanoseconds from [`crate::types`]'s `ORIGIN`; `scraped` is set
@@ -45,6 +48,25 @@ pub struct EndpointLoad {
     pub recent_adapters: crate::affinity::adapters::RecentAdapters,
 }
 
+impl Default for EndpointLoad {
+    fn default() -> Self {
+        EndpointLoad {
+            in_flight: AtomicU32::new(0),
+            waiting_first_byte: AtomicU32::new(0),
+            routed_total: AtomicU64::new(0),
+            booked_at: AtomicI64::new(i64::MIN),
+            scraped: AtomicBool::new(false),
+            scraped_waiting: AtomicU64::new(0),
+            scraped_kv_usage: AtomicU64::new(0),
+            scraped_at: AtomicI64::new(0),
+            hidden_requests: AtomicU32::new(0),
+            ttft: Default::default(),
+            adapters: Default::default(),
+            recent_adapters: Default::default(),
+        }
+    }
+}
+
 impl EndpointLoad {
     /// Requests routed here and not yet finished.
     pub fn in_flight(&self) -> u32 {
@@ -58,6 +80,11 @@ impl EndpointLoad {
 
     pub fn routed_total(&self) -> u64 {
         self.routed_total.load(Ordering::Relaxed)
+    }
+
+    /// When the last booking here was made, as [`clock_nanos`] counts (`i64::MIN`: never).
+    pub fn booked_at(&self) -> i64 {
+        self.booked_at.load(Ordering::Relaxed)
     }
 
     /// Records a successful scrape of the engine's metrics.
@@ -147,6 +174,8 @@ impl EndpointLoad {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.waiting_first_byte.fetch_add(1, Ordering::Relaxed);
         self.routed_total.fetch_add(1, Ordering::Relaxed);
+        self.booked_at
+            .store(clock_nanos(Instant::now()), Ordering::Relaxed);
     }
 
     /// A request routed here got its first response byte.

@@ -95,24 +95,26 @@ fn temperature_samples_a_softmax() {
     assert!(eq[0] > 800 && eq[1] > 800, "{eq:?}");
 }
 
-/// The simple choice this module made before [`CostWeights::choose_two`]: four passes for
-/// the chosen one, a `min_by` over the others for the runner-up.
+/// The plain definition of [`CostWeights::choose_two`]: the cheapest, the least tie-break key
+/// among them, a uniform draw among those; a `min_by` over the others for the runner-up.
 fn reference_two(
     w: &CostWeights,
     costs: &[f64],
     tiebreak: impl Fn(usize) -> u32,
+    booked_at: impl Fn(usize) -> i64,
     rng: &mut fastrand::Rng,
 ) -> (usize, Option<usize>) {
     let best = if w.temperature > 0.0 {
         w.choose(costs, || rng.f64())
     } else {
         let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let key = |i: usize| (tiebreak(i), booked_at(i));
         let least = (0..costs.len())
             .filter(|&i| costs[i] <= min)
-            .map(&tiebreak)
+            .map(key)
             .min()
-            .unwrap_or(0);
-        let tied = |i: &usize| costs[*i] <= min && tiebreak(*i) == least;
+            .unwrap_or((0, 0));
+        let tied = |i: &usize| costs[*i] <= min && key(*i) == least;
         let n = (0..costs.len()).filter(tied).count();
         (0..costs.len())
             .filter(tied)
@@ -127,7 +129,7 @@ fn choose_two_agrees_with_the_simple_choice() {
     // Not a caller's case (candidates are never empty), but no panic either.
     let w = CostWeights::dynamo();
     assert_eq!(
-        w.choose_two(&[], |_| 0, &mut fastrand::Rng::with_seed(1)),
+        w.choose_two(&[], |_| 0, |_| 0, &mut fastrand::Rng::with_seed(1)),
         (0, None)
     );
     let mut gen = fastrand::Rng::with_seed(17);
@@ -141,6 +143,7 @@ fn choose_two_agrees_with_the_simple_choice() {
             })
             .collect();
         let ties: Vec<u32> = (0..n).map(|_| gen.u32(..3)).collect();
+        let booked: Vec<i64> = (0..n).map(|_| gen.i64(-1..2)).collect();
         let w = CostWeights {
             temperature: if round % 7 == 0 { 0.3 } else { 0.0 },
             ..CostWeights::dynamo()
@@ -149,9 +152,12 @@ fn choose_two_agrees_with_the_simple_choice() {
             fastrand::Rng::with_seed(round),
             fastrand::Rng::with_seed(round),
         );
-        let got = w.choose_two(&costs, |i| ties[i], &mut a);
-        let want = reference_two(&w, &costs, |i| ties[i], &mut b);
-        assert_eq!(got, want, "costs {costs:?}, ties {ties:?}");
+        let got = w.choose_two(&costs, |i| ties[i], |i| booked[i], &mut a);
+        let want = reference_two(&w, &costs, |i| ties[i], |i| booked[i], &mut b);
+        assert_eq!(
+            got, want,
+            "costs {costs:?}, ties {ties:?}, booked {booked:?}"
+        );
         // Same draws: the pick after this one sees the same random numbers.
         assert_eq!(a.u64(..), b.u64(..));
     }
@@ -217,7 +223,7 @@ fn bounded_loads_choose_the_cheapest_within_the_bound() {
         );
         moved += usize::from(passed_over);
         let mut rng = fastrand::Rng::with_seed(round as u64);
-        let chosen = w.choose_with_tiebreak(&costs, |_| 0, &mut rng);
+        let chosen = w.choose_with_tiebreak(&costs, |_| 0, |_| 0, &mut rng);
         assert!(
             within.contains(&chosen),
             "{original:?} {requests:?} → {chosen}"

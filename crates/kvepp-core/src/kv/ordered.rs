@@ -708,7 +708,8 @@ impl KvState {
         sc.close.clear();
         sc.close.extend(sc.visits.iter().map(|v| v.cost));
         let in_flight = |j: usize| candidates[sc.visits[j].i as usize].load.in_flight();
-        let (best, second) = w.choose_two(&sc.close, in_flight, rng);
+        let booked_at = |j: usize| candidates[sc.visits[j].i as usize].load.booked_at();
+        let (best, second) = w.choose_two(&sc.close, in_flight, booked_at, rng);
         let b = sc.visits[best];
         Some(Ordered {
             best: b.i as usize,

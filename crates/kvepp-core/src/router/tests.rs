@@ -1,4 +1,4 @@
-//! The KV-aware picker through the router: cost ties, load tie-break, temperature, the approximate
+//! The KV-aware picker through the router: cost ties, load and recency tie-breaks, temperature, the approximate
 //! FIFO bound, forgetting an endpoint, booking release and upkeep.
 
 use std::time::Duration;
@@ -39,7 +39,7 @@ fn overlap_on(r: &Router, eps: &[Arc<Endpoint>], bytes: &[u8]) -> (SocketAddr, u
 }
 
 #[test]
-fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
+fn equal_costs_go_to_fewer_in_flight_then_to_the_least_recently_booked() {
     let r = approx_router(64, CostWeights::dynamo());
     // No prompt: every cost is 0; the endpoint with fewer requests in flight wins every time.
     let eps = vec![ep(1, 3), ep(2, 0), ep(3, 5)];
@@ -49,20 +49,60 @@ fn equal_costs_go_to_fewer_in_flight_then_spread_at_random() {
         assert_eq!(d.pick.primary.addr, eps[1].addr);
         assert_eq!(d.mode, PrefixMode::None);
     }
-    // Equal costs and equal in-flight: both are chosen.
+    // Equal costs and equal in-flight: the endpoint booked least recently, so they take turns.
     let eps = vec![ep(1, 2), ep(2, 2)];
-    let mut seen = [0u32; 2];
+    let mut seen = Vec::new();
     for _ in 0..200 {
         let d = r.route(RequestFacts::default(), &eps, &mut ctx).unwrap();
-        let i = usize::from(d.pick.primary.addr != eps[0].addr);
-        seen[i] += 1;
+        seen.push(usize::from(d.pick.primary.addr != eps[0].addr));
         assert_ne!(
             d.pick.fallback.as_ref().map(|f| f.addr),
             Some(d.pick.primary.addr)
         );
         drop(d);
     }
-    assert!(seen[0] > 40 && seen[1] > 40, "ties not spread: {seen:?}");
+    assert!(
+        seen.windows(2).all(|w| w[0] != w[1]),
+        "ties do not take turns: {seen:?}"
+    );
+    // Never booked, both: at random.
+    let mut firsts = [0u32; 2];
+    for seed in 0..200 {
+        let eps = vec![ep(1, 0), ep(2, 0)];
+        let d = r
+            .route(
+                RequestFacts::default(),
+                &eps,
+                &mut PickContext::seeded(seed),
+            )
+            .unwrap();
+        firsts[usize::from(d.pick.primary.addr != eps[0].addr)] += 1;
+    }
+    assert!(
+        firsts[0] > 40 && firsts[1] > 40,
+        "first ties not spread: {firsts:?}"
+    );
+}
+
+/// New prefixes, one at a time, on idle endpoints under the shipped cost: each costs the same
+/// everywhere, so they take turns instead of piling up by chance on one engine's cache.
+#[test]
+fn new_prefixes_on_idle_endpoints_take_turns() {
+    let r = approx_router(1024, CostWeights::default());
+    let eps = vec![ep(1, 0), ep(2, 0), ep(3, 0)];
+    let mut ctx = PickContext::seeded(3);
+    let mut counts = [0u32; 3];
+    for g in 0..30u32 {
+        let body = format!("{g:04} a prompt of its own {}", "x".repeat(64));
+        let d = r.route(text(body.as_bytes()), &eps, &mut ctx).unwrap();
+        assert_eq!(d.pick.kv.unwrap().overlap.device, 0, "a new prefix");
+        counts[eps
+            .iter()
+            .position(|e| e.addr == d.pick.primary.addr)
+            .unwrap()] += 1;
+        drop(d);
+    }
+    assert_eq!(counts, [10; 3]);
 }
 
 #[test]
