@@ -19,7 +19,13 @@
 //! response's first chunk arrives (the observed TTFT of a request whose features were recorded at
 //! its pick); every endpoint also has a speed factor ([`EndpointSpeed`]) its predictions are
 //! multiplied by, learned from the same observations, so a slower engine is known as slower
-//! without splitting the data the shared fit needs. A factor decays back toward 1 while its
+//! without splitting the data the shared fit needs. A factor is the endpoint's speed relative to
+//! the pool's: what every endpoint shares of the model's error (while the fit is still catching up
+//! with engines slower than its prior, all of them) is the pool's ratio, a running mean of the
+//! log-ratio of observed to predicted over all observations that every prediction is also
+//! multiplied by. Without it each observation of a pool slower than the model raised the observed
+//! endpoint's factor, so the endpoint observed most (the one holding a cache everyone reuses)
+//! looked slowest and lost its own prefixes to cold engines. A factor decays back toward 1 while its
 //! endpoint gives no observations (an endpoint avoided because it once looked slow would
 //! otherwise never be tried again, its neighbours taking all its traffic: herding), so it holds
 //! only while traffic keeps confirming it. Invariants: coefficients stay ≥ 0 and ≤ 20× their
@@ -78,6 +84,9 @@ const PRIOR_VARIANCE: [f64; N] = [100.0, 400.0, 4.0, 400.0];
 const FORGET: f64 = 0.99;
 /// The covariance's trace is kept below this multiple of the prior's.
 const MAX_TRACE_FACTOR: f64 = 10.0;
+/// Weight of the newest observation in the pool's ratio (a running mean, bias-corrected so the
+/// first observations count in full).
+const POOL_RATE: f64 = 0.1;
 /// Each coefficient stays below this multiple of its prior. Under saturation, TTFTs are mostly
 /// queueing the features do not see, and an unbounded fit blew up (×2,400 the prior per prefill
 /// token, ×130,000 per decoding token, seen in the simulator), weighing decode load far above the
@@ -156,14 +165,26 @@ fn predict_with(theta: &[f64; N], x: &[f64; N]) -> f64 {
 pub struct TtftModel {
     /// The coefficients in use (f64 bits, each ≥ 0).
     published: [AtomicU64; N],
-    fit: Mutex<Rls>,
+    /// ln of the pool's ratio in use (f64 bits).
+    pool_log_ratio: AtomicU64,
+    fit: Mutex<Fit>,
+}
+
+/// What refitting keeps under the lock: the regression, and the pool's ratio as an exponentially
+/// weighted mean of log-ratios (`sum` and `weight` decay alike; the mean is their quotient).
+#[derive(Debug, Clone, Default)]
+struct Fit {
+    rls: Rls,
+    ratio_sum: f64,
+    ratio_weight: f64,
 }
 
 impl Default for TtftModel {
     fn default() -> Self {
         TtftModel {
             published: PRIOR.map(|v| AtomicU64::new(v.to_bits())),
-            fit: Mutex::new(Rls::default()),
+            pool_log_ratio: AtomicU64::new(0.0f64.to_bits()),
+            fit: Mutex::new(Fit::default()),
         }
     }
 }
@@ -233,9 +254,15 @@ impl TtftModel {
         std::array::from_fn(|i| f64::from_bits(self.published[i].load(Ordering::Relaxed)))
     }
 
+    /// The pool's ratio in use: what every endpoint's prediction is multiplied by besides its
+    /// own factor (about 1 once the shared fit has caught up).
+    pub fn pool_ratio(&self) -> f64 {
+        f64::from_bits(self.pool_log_ratio.load(Ordering::Relaxed)).exp()
+    }
+
     /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed` at `now`.
     pub fn predict(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: Instant) -> f64 {
-        speed.factor_at(now) * predict_with(&self.coefficients(), &f.vector())
+        self.pool_ratio() * speed.factor_at(now) * predict_with(&self.coefficients(), &f.vector())
     }
 
     /// The TTFT objective's view of a pick at `now`: the chosen endpoint's predicted TTFT for
@@ -248,7 +275,9 @@ impl TtftModel {
         now: i64,
     ) -> TtftOutlook {
         let theta = self.coefficients();
-        let predicted_ms = chosen.0.factor_at_nanos(now) * predict_with(&theta, &chosen.1.vector());
+        let pool = self.pool_ratio();
+        let predicted_ms =
+            pool * chosen.0.factor_at_nanos(now) * predict_with(&theta, &chosen.1.vector());
         let floor_ms = own
             .map(|(speed, k)| {
                 let f = TtftFeatures {
@@ -256,7 +285,7 @@ impl TtftModel {
                     prefill_ktokens: k,
                     ..TtftFeatures::default()
                 };
-                speed.factor_at_nanos(now) * predict_with(&theta, &f.vector())
+                pool * speed.factor_at_nanos(now) * predict_with(&theta, &f.vector())
             })
             .fold(f64::INFINITY, f64::min);
         TtftOutlook {
@@ -275,14 +304,15 @@ impl TtftModel {
     /// for twice).
     pub(crate) fn cost(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: i64) -> f64 {
         let theta = self.coefficients();
-        speed.factor_at_nanos(now)
+        self.pool_ratio()
+            * speed.factor_at_nanos(now)
             * (predict_with(&theta, &f.vector()) + theta[1] * f.uncached_ktokens)
     }
 
     /// Refits with one observed TTFT, arrived at `now`, for a request picked with features `f`
     /// on an endpoint of speed `speed`: the shared coefficients learn it as the pool's, the
-    /// endpoint's factor (as it stands at `now`) moves toward the ratio of what it took to what
-    /// the shared model predicts.
+    /// pool's ratio takes in the ratio of what it took to what the shared model predicts, and the
+    /// endpoint's factor (as it stands at `now`) moves toward that ratio relative to the pool's.
     pub fn observe(&self, speed: &EndpointSpeed, f: &TtftFeatures, ttft_ms: f64, now: Instant) {
         if !(ttft_ms.is_finite() && ttft_ms >= 0.0) {
             return;
@@ -291,9 +321,20 @@ impl TtftModel {
         let now = clock_nanos(now);
         let factor = speed.factor_at_nanos(now);
         let mut fit = self.fit.lock();
-        let base = predict_with(&fit.theta, &x);
+        // The shared fit learns the pool's average endpoint first; what it still misses of this
+        // observation is the pool's ratio and, relative to that, the endpoint's.
+        fit.rls.update(&x, ttft_ms);
+        for (slot, v) in self.published.iter().zip(fit.rls.theta) {
+            slot.store(v.to_bits(), Ordering::Relaxed);
+        }
+        let base = predict_with(&fit.rls.theta, &x);
         if base > 1.0 && ttft_ms > 0.0 {
-            let target = (ttft_ms / base).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
+            let observed = (ttft_ms / base).clamp(SPEED_RANGE.0, SPEED_RANGE.1).ln();
+            fit.ratio_sum = (1.0 - POOL_RATE) * fit.ratio_sum + POOL_RATE * observed;
+            fit.ratio_weight = (1.0 - POOL_RATE) * fit.ratio_weight + POOL_RATE;
+            let pool = fit.ratio_sum / fit.ratio_weight;
+            self.pool_log_ratio.store(pool.to_bits(), Ordering::Relaxed);
+            let target = (observed - pool).exp().clamp(SPEED_RANGE.0, SPEED_RANGE.1);
             let r = (target / factor).ln().clamp(-1.0, 1.0);
             let next = (factor * (SPEED_RATE * r).exp()).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
             speed
@@ -302,16 +343,11 @@ impl TtftModel {
             speed.learned_at.store(now, Ordering::Relaxed);
         }
         speed.observed.fetch_add(1, Ordering::Relaxed);
-        // The shared fit learns the pool's average endpoint (factors then average about 1).
-        fit.update(&x, ttft_ms);
-        for (slot, v) in self.published.iter().zip(fit.theta) {
-            slot.store(v.to_bits(), Ordering::Relaxed);
-        }
     }
 
     /// First tokens observed over the pool.
     pub fn observed(&self) -> u64 {
-        self.fit.lock().observed
+        self.fit.lock().rls.observed
     }
 }
 
@@ -371,6 +407,30 @@ mod tests {
         let f = features(2.0, 0.0, 0.0);
         let (pf, ps) = (m.predict(&fast, &f, t0), m.predict(&slow, &f, t0));
         assert!(ps > 2.5 * pf, "{ps} vs {pf}");
+    }
+
+    /// Two engines alike, both far slower than the prior, one observed three times as often
+    /// (it holds the prefixes everyone reuses): neither factor moves away from the other, the
+    /// pool's ratio takes the common slowness, and predictions are the truth's from the start.
+    #[test]
+    fn a_pool_slower_than_the_model_moves_no_endpoints_factor() {
+        let m = TtftModel::default();
+        let t0 = Instant::now();
+        let (busy, quiet) = (EndpointSpeed::default(), EndpointSpeed::default());
+        let f = features(0.8, 0.0, 0.0);
+        let truth = 300.0;
+        for k in 0..40 {
+            let e = if k % 4 == 3 { &quiet } else { &busy };
+            m.observe(e, &f, truth, t0);
+            let ratio = busy.factor() / quiet.factor();
+            assert!((0.9..1.1).contains(&ratio), "after {k}: {ratio}");
+            let predicted = m.predict(&busy, &f, t0);
+            assert!(
+                (predicted - truth).abs() < 0.25 * truth,
+                "after {k}: {predicted}"
+            );
+        }
+        assert!(m.pool_ratio() > 1.0);
     }
 
     #[test]
