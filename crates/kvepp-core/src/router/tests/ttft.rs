@@ -102,9 +102,10 @@ fn observed_first_tokens_teach_each_endpoint_its_speed() {
     };
     assert!(
         // The shared coefficients are bounded (a multiple of the prior), so the slowness is the
-        // endpoint's own factor's to learn, at most ×1.22 an observation: two tries of the slow
-        // one are enough to rank it last.
-        model.predict(s, &probe, ctx.now) > 1.3 * model.predict(f, &probe, ctx.now),
+        // endpoint's own factor's to learn, at most ×1.22 an observation. The first first token
+        // of all tells the pool's ratio, not an endpoint's (nothing to compare it with yet); from
+        // the fast one's on, the slow one is known slower than the pool and ranked last.
+        model.predict(s, &probe, ctx.now) > 1.15 * model.predict(f, &probe, ctx.now),
         "slow {} vs fast {} (factors {} and {})",
         model.predict(s, &probe, ctx.now),
         model.predict(f, &probe, ctx.now),
