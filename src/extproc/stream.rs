@@ -70,20 +70,51 @@ impl Mode {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 enum Phase {
     /// Waiting for the request headers.
     Start,
     /// Headers answered; the buffered body comes next.
     BufferedBody,
     /// Collecting streamed chunks; the headers answer is held until the body is complete.
-    DuplexBody,
+    DuplexBody(Chunks),
+    /// Complete, waiting in flow control's queue for capacity.
+    Queued(Held),
     /// Forwarded to the picked endpoint; watching the response.
-    Routed,
+    Routed(Routed),
     /// An immediate response was sent; nothing more is forwarded.
     Rejected,
-    /// Complete, waiting in flow control's queue for capacity.
-    Queued,
+}
+
+/// A streamed body so far: slices of the gRPC messages it came in, and their total length.
+#[derive(Debug, Default)]
+struct Chunks {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+/// A complete request not yet routed: its body as it came, how it is answered, its facts.
+#[derive(Debug)]
+struct Held {
+    chunks: Vec<Bytes>,
+    /// One copy of a body that came in several chunks (made once, kept while queued).
+    joined: Option<Bytes>,
+    shape: BodyShape,
+    prepared: Prepared,
+    /// When the request was complete (its TTFT objective counts from here).
+    arrived: Instant,
+    /// Its last decision found no endpoint within its TTFT budget (it waits behind the others).
+    unfit: bool,
+}
+
+/// A routed request: its booking (released when the response ends), where it went, and whether
+/// its first token is still to come.
+#[derive(Debug)]
+struct Routed {
+    booking: Option<Booking>,
+    primary: std::net::SocketAddr,
+    /// A 200 event stream is coming back: its first body chunk is the first token.
+    awaiting_first_token: bool,
 }
 
 /// Which answer a complete request gets once it is decided.
@@ -91,7 +122,7 @@ enum Phase {
 enum BodyShape {
     /// Decided at the headers (no body).
     Headers,
-    /// The whole body in one BUFFERED message (`chunks` holds it).
+    /// The whole body in one BUFFERED message (the held chunks are it).
     Buffered,
     /// Streamed chunks; `trailers`: the request ended with trailers.
     Duplex { trailers: bool },
@@ -108,21 +139,10 @@ pub(super) struct StreamState {
     shared: Arc<Shared>,
     request_mode: Mode,
     response_mode: Mode,
+    /// Where the stream is; what is valid only in one phase is that phase's.
     phase: Phase,
+    // What the request headers said (read once, valid from then on).
     subset: Subset,
-    /// The body as Envoy sent it: slices of the gRPC messages it came in.
-    chunks: Vec<Bytes>,
-    body_len: usize,
-    /// One copy of a body that came in several chunks (made once, kept while queued).
-    joined: Option<Bytes>,
-    shape: BodyShape,
-    /// The request's facts, once prepared (kept while it waits in flow control's queue).
-    prepared: Option<Prepared>,
-    booking: Option<Booking>,
-    /// A 200 event stream is coming back: its first body chunk is the first token.
-    awaiting_first_token: bool,
-    labels: Option<RequestLabels>,
-    primary: Option<std::net::SocketAddr>,
     /// The InferenceObjective header's value, when sent.
     objective: Option<String>,
     /// The fairness header's value (flow control), when sent.
@@ -131,10 +151,8 @@ pub(super) struct StreamState {
     session: Option<kvepp_core::affinity::SessionKey>,
     /// The decision's trace spans, when traces are on (ended once the request is answered).
     trace: Option<RequestTrace>,
-    /// When the request was complete (its TTFT objective counts from here).
-    arrived: Option<Instant>,
-    /// Its last decision found no endpoint within its TTFT budget (it waits behind the others).
-    unfit: bool,
+    /// The request's metric labels, once decided or answered (counted when the stream ends).
+    labels: Option<RequestLabels>,
 }
 
 impl StreamState {
@@ -145,21 +163,11 @@ impl StreamState {
             response_mode: Mode::None,
             phase: Phase::Start,
             subset: Subset::Unset,
-            chunks: Vec::new(),
-            body_len: 0,
-            joined: None,
-            shape: BodyShape::Headers,
-            prepared: None,
-            booking: None,
-            awaiting_first_token: false,
-            labels: None,
-            primary: None,
             objective: None,
             flow: None,
             session: None,
             trace: None,
-            arrived: None,
-            unfit: false,
+            labels: None,
         }
     }
 
@@ -175,13 +183,11 @@ impl StreamState {
                 self.on_request_headers(h, out)
             }
             Msg::RequestBody(b) => self.on_request_body(b, out),
-            Msg::RequestTrailers(_) => {
-                if self.phase == Phase::DuplexBody {
-                    self.finish_duplex(true, out);
-                } else if self.phase != Phase::Rejected {
-                    out.push(resp::trailers_continue(true));
-                }
-            }
+            Msg::RequestTrailers(_) => match self.phase {
+                Phase::DuplexBody(_) => self.finish_duplex(true, out),
+                Phase::Rejected => {}
+                _ => out.push(resp::trailers_continue(true)),
+            },
             Msg::ResponseHeaders(h) => {
                 self.on_response_headers(&h, served_endpoint(msg.metadata_context.as_ref()));
                 out.push(resp::response_headers_continue());
@@ -190,11 +196,13 @@ impl StreamState {
                 }
             }
             Msg::ResponseBody(b) => {
-                self.first_byte();
-                if self.awaiting_first_token && !b.body.is_empty() {
-                    self.awaiting_first_token = false;
-                    if let Some(booking) = &mut self.booking {
-                        booking.first_token(std::time::Instant::now());
+                if let Phase::Routed(r) = &mut self.phase {
+                    r.first_byte();
+                    if r.awaiting_first_token && !b.body.is_empty() {
+                        r.awaiting_first_token = false;
+                        if let Some(booking) = &mut r.booking {
+                            booking.first_token(std::time::Instant::now());
+                        }
                     }
                 }
                 let eos = b.end_of_stream;
@@ -216,7 +224,9 @@ impl StreamState {
     /// Releases the booking (if any); its drop tells the router's listeners (flow control's
     /// dispatcher among them).
     fn release(&mut self) {
-        self.booking = None;
+        if let Phase::Routed(r) = &mut self.phase {
+            r.booking = None;
+        }
     }
 
     /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.
@@ -244,7 +254,7 @@ impl StreamState {
     }
 
     fn on_request_headers(&mut self, h: HttpHeaders, out: &mut Vec<ProcessingResponse>) {
-        if self.phase != Phase::Start {
+        if !matches!(self.phase, Phase::Start) {
             return;
         }
         self.read_headers(&h);
@@ -260,11 +270,10 @@ impl StreamState {
             return self.reject(Rejection::new(500, "unsupported_mode", msg), out);
         }
         if h.end_of_stream || self.request_mode == Mode::None {
-            self.shape = BodyShape::Headers;
-            return self.conclude(out);
+            return self.conclude(Vec::new(), BodyShape::Headers, out);
         }
         match self.request_mode {
-            Mode::Duplex => self.phase = Phase::DuplexBody,
+            Mode::Duplex => self.phase = Phase::DuplexBody(Chunks::default()),
             _ => {
                 out.push(resp::request_headers(None, None));
                 self.phase = Phase::BufferedBody;
@@ -273,35 +282,34 @@ impl StreamState {
     }
 
     fn on_request_body(&mut self, b: HttpBody, out: &mut Vec<ProcessingResponse>) {
-        match self.phase {
+        let max = self.shared.settings().max_body_bytes;
+        match &mut self.phase {
             Phase::BufferedBody => {
                 if !b.end_of_stream {
                     let msg = "request body exceeds the proxy's buffer (BUFFERED_PARTIAL sent a partial body)";
                     return self.reject(Rejection::new(413, "body_too_large", msg), out);
                 }
-                if b.body.len() > self.shared.settings().max_body_bytes {
+                if b.body.len() > max {
                     return self.reject(self.too_large(b.body.len()), out);
                 }
-                self.chunks = vec![b.body];
-                self.shape = BodyShape::Buffered;
-                self.conclude(out);
+                self.conclude(vec![b.body], BodyShape::Buffered, out);
             }
-            Phase::DuplexBody => {
-                self.body_len += b.body.len();
-                if self.body_len > self.shared.settings().max_body_bytes {
-                    self.chunks = Vec::new();
-                    return self.reject(self.too_large(self.body_len), out);
+            Phase::DuplexBody(body) => {
+                body.len += b.body.len();
+                if body.len > max {
+                    let len = body.len;
+                    return self.reject(self.too_large(len), out);
                 }
                 if !b.body.is_empty() {
-                    self.chunks.push(b.body);
+                    body.chunks.push(b.body);
                 }
                 if b.end_of_stream {
                     self.finish_duplex(false, out);
                 }
             }
             // Unexpected here (e.g. a proxy that sends a body after a header-time pick): let it pass.
-            Phase::Routed => out.push(resp::request_body_continue()),
-            Phase::Start | Phase::Rejected | Phase::Queued => {}
+            Phase::Routed(_) => out.push(resp::request_body_continue()),
+            Phase::Start | Phase::Rejected | Phase::Queued(_) => {}
         }
     }
 
@@ -310,22 +318,22 @@ impl StreamState {
     pub(super) fn undecided(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Start | Phase::BufferedBody | Phase::DuplexBody | Phase::Queued
+            Phase::Start | Phase::BufferedBody | Phase::DuplexBody(_) | Phase::Queued(_)
         )
     }
 
     /// Whether the last decision left the request waiting for lack of an endpoint within its
     /// TTFT budget (rather than of capacity).
     pub(super) fn unfit(&self) -> bool {
-        self.unfit
+        matches!(&self.phase, Phase::Queued(h) if h.unfit)
     }
 
     /// The priority at which the request waits for capacity, while it does.
     pub(super) fn queued(&self) -> Option<i32> {
-        self.prepared
-            .as_ref()
-            .filter(|_| self.phase == Phase::Queued)
-            .map(|p| p.priority)
+        match &self.phase {
+            Phase::Queued(h) => Some(h.prepared.priority),
+            _ => None,
+        }
     }
 
     /// Flow control, when on.
@@ -341,27 +349,29 @@ impl StreamState {
     /// Decides a queued request again with `admission` (its turn came, or it may not wait),
     /// from the facts it was prepared with.
     pub(super) fn retry(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
-        if self.leave_queue() {
-            self.decide_and_answer(admission, out);
+        if let Some(held) = self.leave_queue() {
+            self.decide_and_answer(held, admission, out);
         }
     }
 
-    /// Whether the request was queued; its queue span ends here.
-    fn leave_queue(&mut self) -> bool {
-        if self.phase != Phase::Queued {
-            return false;
+    /// The queued request, taken out of the queue (its queue span ends here); None when the
+    /// stream is not queued.
+    fn leave_queue(&mut self) -> Option<Held> {
+        if !matches!(self.phase, Phase::Queued(_)) {
+            return None;
         }
+        let Phase::Queued(held) = std::mem::replace(&mut self.phase, Phase::Start) else {
+            return None;
+        };
         if let Some(t) = &mut self.trace {
             t.dequeued();
         }
-        true
+        Some(held)
     }
 
     /// Answers a queued request with `r` (it waited too long, or its queue is full).
     pub(super) fn give_up(&mut self, r: Rejection, out: &mut Vec<ProcessingResponse>) {
-        if self.leave_queue() {
-            self.chunks = Vec::new();
-            self.joined = None;
+        if self.leave_queue().is_some() {
             self.reject(r, out);
         }
     }
@@ -381,7 +391,6 @@ impl StreamState {
     /// message): answer 413 as for any oversized body.
     pub(super) fn reject_oversized(&mut self, detail: &str, out: &mut Vec<ProcessingResponse>) {
         let max = self.shared.settings().max_body_bytes;
-        self.chunks = Vec::new();
         self.reject(
             Rejection::new(
                 413,
@@ -403,22 +412,31 @@ impl StreamState {
 
     /// The streamed body is complete: decide and answer (or wait, with flow control).
     fn finish_duplex(&mut self, trailers: bool, out: &mut Vec<ProcessingResponse>) {
-        self.shape = BodyShape::Duplex { trailers };
-        self.conclude(out);
+        let chunks = match std::mem::replace(&mut self.phase, Phase::Start) {
+            Phase::DuplexBody(body) => body.chunks,
+            other => {
+                self.phase = other;
+                return;
+            }
+        };
+        self.conclude(chunks, BodyShape::Duplex { trailers }, out);
     }
 
-    /// The request is complete: prepare its facts once, admit it, then decide and answer, queue
-    /// it (flow control) or reject it.
-    fn conclude(&mut self, out: &mut Vec<ProcessingResponse>) {
-        self.arrived = Some(Instant::now());
+    /// The request is complete (`chunks`, answered as `shape`): prepare its facts once, admit
+    /// it, then decide and answer, queue it (flow control) or reject it.
+    fn conclude(
+        &mut self,
+        chunks: Vec<Bytes>,
+        shape: BodyShape,
+        out: &mut Vec<ProcessingResponse>,
+    ) {
+        let arrived = Instant::now();
         // One contiguous view of the body: the chunk itself, or a single copy of many chunks
         // (made once, kept while the request waits).
-        if self.joined.is_none() && self.chunks.len() > 1 {
-            self.joined = Some(Bytes::from(self.chunks.concat()));
-        }
-        let body = match self.shape {
+        let joined = (chunks.len() > 1).then(|| Bytes::from(chunks.concat()));
+        let body = match shape {
             BodyShape::Headers => None,
-            _ => Some(body_view(&self.chunks, self.joined.as_ref())),
+            _ => Some(body_view(&chunks, joined.as_ref())),
         };
         if let Some(t) = &mut self.trace {
             t.body_done();
@@ -426,24 +444,30 @@ impl StreamState {
         let stage = self.trace.as_ref().map(|t| t.stage(Stage::Tokenize));
         let prepared = self.shared.routing.prepare(body, self.objective.as_deref());
         drop(stage);
-        match prepared {
-            Ok(p) => {
-                if let Some(t) = &self.trace {
-                    t.prepared(&p, self.objective.as_deref());
-                }
-                self.prepared = Some(p)
-            }
+        let prepared = match prepared {
+            Ok(p) => p,
             Err(r) => return self.reject(r, out),
+        };
+        if let Some(t) = &self.trace {
+            t.prepared(&prepared, self.objective.as_deref());
         }
+        let held = Held {
+            chunks,
+            joined,
+            shape,
+            prepared,
+            arrived,
+            unfit: false,
+        };
         match self.admission() {
-            Some(admission) => self.decide_and_answer(admission, out),
-            None => self.enqueue(),
+            Some(admission) => self.decide_and_answer(held, admission, out),
+            None => self.enqueue(held),
         }
     }
 
     /// The request waits in flow control's queue.
-    fn enqueue(&mut self) {
-        self.phase = Phase::Queued;
+    fn enqueue(&mut self, held: Held) {
+        self.phase = Phase::Queued(held);
         if let Some(t) = &mut self.trace {
             t.queued();
         }
@@ -463,42 +487,41 @@ impl StreamState {
         m
     }
 
-    /// Decides the prepared request with `admission`: answers it, queues it (flow control: no
+    /// Decides the held request with `admission`: answers it, queues it (flow control: no
     /// unsaturated endpoint now) or rejects it.
-    fn decide_and_answer(&mut self, admission: Admission, out: &mut Vec<ProcessingResponse>) {
-        match self.decide(admission) {
-            Ok(Some(d)) => {
-                let chunks = std::mem::take(&mut self.chunks);
-                let joined = self.joined.take();
-                self.answer(d, chunks, joined, out);
+    fn decide_and_answer(
+        &mut self,
+        mut held: Held,
+        admission: Admission,
+        out: &mut Vec<ProcessingResponse>,
+    ) {
+        match self.decide(&mut held, admission) {
+            Ok(Some((d, routed))) => {
+                self.answer(d, held, out);
+                self.phase = Phase::Routed(routed);
                 // The decision is sent: its span ends.
                 self.trace = None;
             }
-            Ok(None) if self.shared.flow().is_some() => self.enqueue(),
+            Ok(None) if self.shared.flow().is_some() => self.enqueue(held),
             // Without flow control nothing waits: the admission was `Shed`, which never waits.
             Ok(None) => self.reject(
                 Rejection::saturated("every eligible endpoint is saturated"),
                 out,
             ),
-            Err(r) => {
-                self.chunks = Vec::new();
-                self.joined = None;
-                self.reject(r, out);
-            }
+            Err(r) => self.reject(r, out),
         }
     }
 
     /// Sends the routing answer for the held request.
-    fn answer(
-        &mut self,
-        d: Decision,
-        chunks: Vec<Bytes>,
-        joined: Option<Bytes>,
-        out: &mut Vec<ProcessingResponse>,
-    ) {
+    fn answer(&self, d: Decision, held: Held, out: &mut Vec<ProcessingResponse>) {
         let dest = resp::destination_value(&d.pick, self.shared.settings().destination_list);
-        self.phase = Phase::Routed;
-        match self.shape {
+        let Held {
+            chunks,
+            joined,
+            shape,
+            ..
+        } = held;
+        match shape {
             BodyShape::Headers => {
                 out.push(resp::request_headers(
                     Some(self.mutation(&dest, None, &d.pick)),
@@ -563,19 +586,18 @@ impl StreamState {
         }
     }
 
-    /// Asks the routing service for a decision on the prepared facts; keeps its booking and
-    /// labels on this stream. `Ok(None)`: no unsaturated endpoint now (the request may wait).
-    fn decide(&mut self, admission: Admission) -> Result<Option<Decision>, Rejection> {
+    /// Asks the routing service for a decision on the held request's facts; keeps its labels on
+    /// this stream and returns the decision with what the routed phase holds (its booking).
+    /// `Ok(None)`: no unsaturated endpoint now (the request may wait).
+    fn decide(
+        &mut self,
+        held: &mut Held,
+        admission: Admission,
+    ) -> Result<Option<(Decision, Routed)>, Rejection> {
         let started = Instant::now();
         let _stage = self.trace.as_ref().map(|t| t.stage(Stage::Pick));
         let shared = self.shared.clone();
-        let Some(prepared) = self.prepared.as_ref() else {
-            return Err(Rejection::new(
-                500,
-                "internal",
-                "request decided before it was prepared",
-            ));
-        };
+        let prepared = &held.prepared;
         let hints = RouteHints {
             subset: match &self.subset {
                 Subset::Unset => None,
@@ -584,16 +606,15 @@ impl StreamState {
             admission,
             scores: shared.settings().endpoint_scores,
             session: self.session,
-            ttft_budget_ms: match (shared.flow(), self.arrived) {
-                (Some(f), Some(at)) => f.settings().ttft_budget_ms(at),
-                _ => None,
-            },
+            ttft_budget_ms: shared
+                .flow()
+                .and_then(|f| f.settings().ttft_budget_ms(held.arrived)),
         };
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {
             Ok(Verdict::Routed(r)) => r,
             Ok(verdict @ (Verdict::Wait | Verdict::Unfit)) => {
-                self.unfit = matches!(verdict, Verdict::Unfit);
+                held.unfit = matches!(verdict, Verdict::Unfit);
                 return Ok(None);
             }
             Err(r) => {
@@ -603,7 +624,7 @@ impl StreamState {
                 return Err(r);
             }
         };
-        let rewrite = prepared.rewrite.clone();
+        let rewrite = held.prepared.rewrite.clone();
         let pick = routed.pick;
         if let Some(t) = &self.trace {
             t.routed(&pick);
@@ -650,13 +671,16 @@ impl StreamState {
         let mut labels = self.labels_for(labels.0, labels.1);
         labels.endpoint = pick.primary.addr_str.clone();
         self.labels = Some(labels);
-        self.booking = Some(routed.booking);
-        self.primary = Some(pick.primary.addr);
+        let state = Routed {
+            booking: Some(routed.booking),
+            primary: pick.primary.addr,
+            awaiting_first_token: false,
+        };
         shared
             .metrics
             .pick_duration
             .observe(started.elapsed().as_secs_f64());
-        Ok(Some(Decision { pick, rewrite }))
+        Ok(Some((Decision { pick, rewrite }, state)))
     }
 
     fn labels_for(&self, model: Arc<str>, target_model: Arc<str>) -> RequestLabels {
@@ -686,14 +710,8 @@ impl StreamState {
         });
         labels.code = Outcome::Status(r.status);
         out.push(resp::immediate(r.status, r.kind, &r.message));
+        // Whatever the phase held (a body, a booking) goes with it.
         self.phase = Phase::Rejected;
-        self.release();
-    }
-
-    fn first_byte(&mut self) {
-        if let Some(b) = &mut self.booking {
-            b.first_byte();
-        }
     }
 
     fn on_response_headers(&mut self, h: &HttpHeaders, served: Option<std::net::SocketAddr>) {
@@ -701,10 +719,13 @@ impl StreamState {
         if let (Some(labels), Some(code)) = (&mut self.labels, status) {
             labels.code = Outcome::Status(code);
         }
+        let Phase::Routed(r) = &mut self.phase else {
+            return;
+        };
         // An engine starts an event stream's headers as soon as it takes the request (vLLM does):
         // its prefill ends with the first chunk, when the proxy sends us the body. Anything else
         // is answered when it is done.
-        self.awaiting_first_token = status == Some(200)
+        r.awaiting_first_token = status == Some(200)
             && self.response_mode != Mode::None
             && h.headers.as_ref().is_some_and(|m| {
                 m.headers.iter().any(|v| {
@@ -712,23 +733,32 @@ impl StreamState {
                         && header_str(v).is_some_and(|t| t.starts_with("text/event-stream"))
                 })
             });
-        if !self.awaiting_first_token {
-            self.first_byte();
+        if !r.awaiting_first_token {
+            r.first_byte();
         }
         let Some(served) = served else { return };
-        if Some(served) == self.primary {
+        if served == r.primary {
             return;
         }
         // The proxy used another endpoint (e.g. the fallback): move the booking and the label there.
         self.shared.metrics.served_elsewhere.inc();
         if let Some(ep) = self.shared.routing.endpoint(served) {
-            if let Some(b) = &mut self.booking {
+            if let Some(b) = &mut r.booking {
                 b.move_to(&ep.load);
             }
             if let Some(l) = &mut self.labels {
                 l.endpoint = ep.addr_str.clone();
             }
-            self.primary = Some(served);
+            r.primary = served;
+        }
+    }
+}
+
+impl Routed {
+    /// The response's first byte: the booking's prefill is done.
+    fn first_byte(&mut self) {
+        if let Some(b) = &mut self.booking {
+            b.first_byte();
         }
     }
 }
@@ -775,6 +805,7 @@ fn body_view<'a>(chunks: &'a [Bytes], joined: Option<&'a Bytes>) -> &'a Bytes {
 
 impl Drop for StreamState {
     fn drop(&mut self) {
+        // The booking first: the request is over before it is counted.
         self.release();
         if let Some(labels) = self.labels.take() {
             self.shared.metrics.requests.get_or_create(&labels).inc();
