@@ -36,8 +36,11 @@
 //! prefix is the best over the data-parallel ranks its events came from.
 //!
 //! Beside the pick here: `prompt` (a prompt's blocks), `scratch` (a pick's reused buffers),
-//! `approx` (approximate mode's record of what was routed), `ranks` (the rank-level operations
-//! the HTTP services call) and `guard` (a booking held for a request's life).
+//! `approx` (approximate mode's record of what was routed), `fallback` (endpoints whose events
+//! are not read), `engine_reports` (block size, capacity, base model and events fallback as the
+//! engines report them), `ranks` (the rank-level operations the HTTP services and replica sync
+//! call), `ordered` and `roster` (ordered picks), `ttft` (what the predicted-TTFT cost reads) and
+//! `guard` (a booking held for a request's life).
 
 use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -56,6 +59,7 @@ use crate::listen::{Admitted, Hub};
 pub use crate::types::worker_id;
 
 mod approx;
+mod engine_reports;
 mod fallback;
 mod guard;
 use guard::local_id;
@@ -67,11 +71,11 @@ mod scratch;
 mod ttft;
 
 use approx::Approx;
+pub use engine_reports::capacity_limit;
 use fallback::Fallback;
 pub use fallback::FallbackReason;
 pub use guard::SlotGuard;
 pub use prompt::{PrefixMode, PromptBlocks};
-pub use ranks::capacity_limit;
 
 use scratch::PickScratch;
 use ttft::ttft_features;
@@ -282,62 +286,10 @@ impl KvState {
         self.block_size.load(Ordering::Relaxed)
     }
 
-    /// `worker`'s engine reported its block size (metrics page, metadata or KV events). Learned,
-    /// the pool's block size is the one most engines report; configured, it stays. An engine
-    /// reporting another size is in fallback ([`FallbackReason::BlockSize`]) while it does.
-    pub fn learn_block_size(&self, worker: u64, bs: u32) {
-        if bs == 0 {
-            return;
-        }
-        let configured = (!self.settings.learn_block_size).then_some(self.settings.block_size);
-        let current = self.block_size();
-        let pool = self
-            .fallback
-            .report_block_size(worker, bs, configured, current);
-        if pool != current {
-            self.block_size.store(pool, Ordering::Relaxed);
-            tracing::info!(
-                block_size = pool,
-                previous = current,
-                "block size learned from the engines (metrics page, metadata or KV events)"
-            );
-        }
-        if bs != pool {
-            tracing::debug!(
-                worker,
-                block_size = bs,
-                pool = pool,
-                "an engine's block size differs from the pool's: matched by what is routed to it"
-            );
-        }
-    }
-
-    /// `worker`'s KV events stopped decoding (`on`), or decode again (`!on`). While on, a token
-    /// prompt's cached prefix on it is what was routed to it (recorded at booking, FIFO-bounded
-    /// as in approximate mode), not what the KV-event index says; picks read every candidate
-    /// (no ordered shortcut). Returns whether the state changed.
-    pub fn set_events_fallback(&self, worker: u64, on: bool) -> bool {
-        self.fallback.set(worker, FallbackReason::Undecodable, on)
-    }
-
-    /// Whether `worker` is in fallback, for any reason ([`fallback`]).
-    pub fn in_events_fallback(&self, worker: u64) -> bool {
-        self.fallback.contains(worker)
-    }
-
     /// The index the KV events feed ([`SharedIndex::write`] for events, [`SharedIndex::read`]
     /// for picks and inspection).
     pub fn index(&self) -> &SharedIndex {
         &self.index
-    }
-
-    /// An engine reported its base model name.
-    pub fn learn_base_model(&self, name: &str) {
-        let mut base = self.base_model.write();
-        if base.as_deref() != Some(name) {
-            tracing::info!(model = name, "base model learned from engine metadata");
-            *base = Some(name.into());
-        }
     }
 
     /// Whether `model` names a LoRA adapter: a base model is known and `model` differs from it.

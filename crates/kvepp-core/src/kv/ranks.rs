@@ -1,31 +1,15 @@
-//! Rank-level inspection and records: what the HTTP selection and slot-tracker services read
-//! (Dynamo's API works on worker ranks, not endpoints: overlaps per rank, loads, projections), and
-//! the slot-tracker entries of bookings this process did not decide (a peer replica's, applied by
-//! replica sync), which are recorded and freed by id without telling the hub, and each rank's
-//! bound in the index from its engine's reported capacity. Selection and
-//! reservation are not here: they go through the router's one transaction over rank-level
-//! candidates ([`crate::Endpoint::for_rank`]).
+//! The rank-level side of the state, as Dynamo's API sees it (worker ranks, not endpoints): what
+//! the HTTP selection and slot-tracker services read (overlaps per rank, loads, projections), the
+//! ranks' registration, and the slot-tracker entries of bookings this process did not decide (a
+//! peer replica's, applied by replica sync, or the slot-tracker service's), recorded and freed by
+//! id without telling the hub. Selection and reservation are not here: they go through the
+//! router's one transaction over rank-level candidates ([`crate::Endpoint::for_rank`]).
 
 // The rank-level half of `KvState`: its helpers and types are this module's too.
 use super::*;
 
 /// Rank-level operations: inspection, and records of bookings decided elsewhere.
 impl KvState {
-    /// An engine reported the KV blocks `rank` has room for (`num_gpu_blocks` and any CPU tier,
-    /// or `/metadata`'s `total_kv_blocks`): the index keeps at most that plus
-    /// [`capacity_limit`]'s margin for the rank, dropping its oldest blocks beyond it.
-    pub fn set_engine_capacity(&self, rank: WorkerRank, blocks: u64) {
-        if blocks == 0 {
-            return;
-        }
-        let limit = capacity_limit(blocks);
-        if self.index.read().rank_limit(rank) == limit {
-            return;
-        }
-        let dropped = self.index.write(|ix| ix.set_rank_limit(rank, limit));
-        tracing::debug!(?rank, blocks, limit, dropped = ?dropped, "KV index bound set from the engine's capacity");
-    }
-
     /// Cached prefix of `hashes` per rank in the KV-event index (only ranks holding its first
     /// block).
     pub fn rank_overlaps(&self, hashes: &[SequenceHash]) -> Vec<RankOverlap> {
@@ -127,11 +111,4 @@ impl KvState {
         let rank = WorkerRank { worker, dp_rank: 0 };
         self.slots.load(rank).map(|l| l.active_requests)
     }
-}
-
-/// The pairs the index keeps for a rank whose engine reports `blocks` of KV capacity: a quarter
-/// more, plus 64, for events in flight and blocks the engine frees and reuses between two
-/// removals' publications.
-pub fn capacity_limit(blocks: u64) -> u64 {
-    blocks.saturating_add(blocks / 4).saturating_add(64)
 }
