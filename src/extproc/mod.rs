@@ -7,13 +7,13 @@
 //! the body is asked for its next answers, so there is no task or channel per stream, and a proxy
 //! that reads slowly stops the reading of its messages instead of growing a queue.
 
-mod framing;
 mod grpc;
 pub mod metadata;
 pub mod response;
 mod stream;
 pub mod trace;
-pub mod wire;
+/// The ext_proc messages, from the protocol crate.
+pub use kvepp_extproc::wire;
 
 pub use grpc::{ExtProcServer, SERVICE};
 

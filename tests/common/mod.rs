@@ -297,8 +297,13 @@ pub async fn echo_backends(names: &[&str]) -> Vec<SocketAddr> {
 
 // ---------------------------------------------------------------- Envoy
 
+/// The workspace root (where `Cargo.lock` is), from whichever package's tests include this
+/// harness.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .find(|d| d.join("Cargo.lock").exists())
+        .map_or_else(|| here.clone(), std::path::Path::to_path_buf)
 }
 
 pub fn envoy_bin() -> PathBuf {

@@ -166,4 +166,4 @@ pub struct StreamedBodyResponse {
 }
 
 #[cfg(test)]
-pub(super) mod tests;
+pub(crate) mod tests;

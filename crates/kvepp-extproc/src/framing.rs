@@ -30,9 +30,9 @@ use prost::encoding::{self, encode_key, encode_varint, encoded_len_varint, key_l
 use prost::Message;
 use tonic::Status;
 
-use super::wire::body_mutation::Mutation;
-use super::wire::processing_response::Response;
-use super::wire::{CommonResponse, ProcessingResponse};
+use crate::wire::body_mutation::Mutation;
+use crate::wire::processing_response::Response;
+use crate::wire::{CommonResponse, ProcessingResponse};
 
 /// A body at least this long is sent by reference; a shorter one is copied with its message.
 pub const BY_REFERENCE: usize = 4096;

@@ -7,12 +7,12 @@ use http_body_util::BodyExt;
 use prost::Message;
 use tonic::Status;
 
-use super::super::wire::tests::{a_struct, header_map, mutation};
-use super::super::wire::{
+use super::*;
+use crate::wire::tests::{a_struct, header_map, mutation};
+use crate::wire::{
     body_mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse,
     HeadersResponse, ProcessingResponse, StreamedBodyResponse,
 };
-use super::*;
 
 /// What a client reads: each data frame, then the trailers.
 struct Read {
@@ -171,11 +171,11 @@ async fn a_stream_of_answers_is_framed_in_order_and_small_ones_share_a_frame() {
     };
     let msgs = vec![
         headers.clone(),
-        super::super::response::request_body_chunk(body_of(100_000, 1), false),
-        super::super::response::request_body_chunk(body_of(10, 2), false),
-        super::super::response::request_body_chunk(body_of(70_000, 3), true),
-        super::super::response::response_headers_continue(),
-        super::super::response::response_body_continue(),
+        request_body_chunk(body_of(100_000, 1), false),
+        request_body_chunk(body_of(10, 2), false),
+        request_body_chunk(body_of(70_000, 3), true),
+        response_headers_continue(),
+        response_body_continue(),
     ];
     let read = framed(msgs.iter().cloned().map(Ok).collect(), usize::MAX).await;
     assert_eq!(joined(&read.frames), reference(&msgs));
@@ -200,9 +200,9 @@ async fn a_stream_of_answers_is_framed_in_order_and_small_ones_share_a_frame() {
 /// `OUT_OF_RANGE` (tonic's encoder's code and words), whether or not it carries a long body.
 #[tokio::test]
 async fn an_answer_over_the_limit_ends_the_stream_with_out_of_range() {
-    let before = super::super::response::response_headers_continue();
+    let before = response_headers_continue();
     for body_len in [100, 50_000] {
-        let over = super::super::response::request_body_chunk(body_of(body_len, 0), true);
+        let over = request_body_chunk(body_of(body_len, 0), true);
         let limit = over.encoded_len() - 1;
         let read = framed(
             vec![Ok(before.clone()), Ok(over.clone()), Ok(before.clone())],
@@ -228,7 +228,7 @@ async fn an_answer_over_the_limit_ends_the_stream_with_out_of_range() {
 /// A status the answers end with becomes the trailers, after the answers before it.
 #[tokio::test]
 async fn a_stream_that_fails_ends_with_its_status() {
-    let first = super::super::response::request_body_chunk(body_of(9_000, 4), false);
+    let first = request_body_chunk(body_of(9_000, 4), false);
     let read = framed(
         vec![
             Ok(first.clone()),
@@ -247,4 +247,37 @@ async fn a_stream_that_fails_ends_with_its_status() {
             "ext_proc stream failed before a routing decision: x".to_owned()
         )
     );
+}
+
+/// A body chunk sent back in FULL_DUPLEX_STREAMED mode, as the server's answers carry it.
+fn request_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
+    let mutation = body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
+        body,
+        end_of_stream,
+    });
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(mutation),
+                }),
+                ..Default::default()
+            }),
+        })),
+        ..Default::default()
+    }
+}
+
+fn response_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+        ..Default::default()
+    }
+}
+
+fn response_body_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse::default())),
+        ..Default::default()
+    }
 }
