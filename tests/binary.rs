@@ -3,18 +3,16 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::Read;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 
-use common::*;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Req, processing_response::Response as Resp, HttpBody,
     HttpHeaders, ProcessingRequest, ProtocolConfiguration,
 };
+use kvepp_test_support::harness::*;
 use kvepp_test_support::TempDir;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -264,7 +262,7 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
 /// binary becomes ready from the fake API server and reports its endpoint.
 #[tokio::test]
 async fn kubeconfig_from_the_environment() {
-    use common::kube_api::*;
+    use kvepp_test_support::kube_api::*;
     let api = FakeApi::start().await;
     let dir = TempDir::new("bin-kube");
     api.put(POOLS_V1, pool_v1("pool", 8000));

@@ -5,15 +5,13 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use common::*;
+use kvepp_test_support::harness::*;
 use tokio::net::TcpListener;
 
 /// The `/metrics` answer: status and body.

@@ -3,15 +3,13 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::*;
 use kvepp_test_support::fnv64;
+use kvepp_test_support::harness::*;
 use tokio::sync::watch;
 
 fn manifests(backends: &[(&str, SocketAddr)]) -> String {

@@ -7,8 +7,6 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -16,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvepp_test_support::client::fetch;
 
-use common::*;
+use kvepp_test_support::harness::*;
 use kvepp_test_support::TempDir;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;

@@ -6,12 +6,10 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use common::*;
+use kvepp_test_support::harness::*;
 use tokio::sync::Semaphore;
 
 /// A backend that answers one request per permit, recording the prompts in arrival order.

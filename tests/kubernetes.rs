@@ -1,11 +1,9 @@
 //! Kubernetes discovery through the real `kube::Client` against a wire-level fake API server
-//! (`common::kube_api`): EndpointSlice watch semantics across dropped connections and 410 Gone,
+//! (`kvepp_test_support::kube_api`): EndpointSlice watch semantics across dropped connections and 410 Gone,
 //! InferencePool/InferenceModel changes routing real requests through Envoy, and the worker-agent's
 //! readiness flipping a slice (the test plays the endpoints controller).
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -13,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::kube_api::*;
-use common::*;
 use futures::StreamExt;
 use kvepp::discovery::kubernetes::{client, KubeDiscovery, WatchMetrics};
 use kvepp::discovery::{InstanceEvent, InstanceStream, ServiceDiscovery};
+use kvepp_test_support::harness::*;
+use kvepp_test_support::kube_api::*;
 use kvepp_test_support::TempDir;
 
 async fn next(w: &mut InstanceStream) -> InstanceEvent {

@@ -3,16 +3,14 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::publisher::Publisher;
-use common::{free_port, DEADLINE};
 use kvepp::kv_events::subscriber::run;
 use kvepp::kv_events::{Delivery, KvEvent, Source, SubscriberStats, Timing};
+use kvepp_test_support::harness::{free_port, DEADLINE};
+use kvepp_test_support::publisher::Publisher;
 use tokio::sync::{mpsc, watch};
 
 struct Subscriber {

@@ -3,15 +3,13 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::shipped::{docs, envoy_validates};
-use common::*;
 use kvepp::discovery::objects::parse_documents;
 use kvepp::discovery::{Datastore, Inventory, PoolRef};
+use kvepp_test_support::harness::*;
+use kvepp_test_support::shipped::{docs, envoy_validates};
 
 /// A YAML sequence of strings.
 fn strings(v: &serde_yaml::Value) -> Vec<&str> {

@@ -6,18 +6,15 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-#[path = "common/otlp.rs"]
-mod otlp;
-#[path = "common/tls.rs"]
-mod tls;
+use kvepp_test_support::otlp;
+use kvepp_test_support::tls;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use common::*;
 use kvepp_test_support::client::fetch;
+use kvepp_test_support::harness::*;
 use kvepp_test_support::{find_sample, TempDir};
 use tls::*;
 use tokio::process::Command;

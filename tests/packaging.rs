@@ -3,12 +3,10 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::process::Command;
 
-use common::shipped::{docs, envoy_validates};
-use common::*;
+use kvepp_test_support::harness::*;
+use kvepp_test_support::shipped::{docs, envoy_validates};
 
 /// The container recipe builds exactly the workspace's two binaries, locked, runs them as a
 /// numeric non-root user on a minimal base with only the binary and the licence, and the images it

@@ -4,11 +4,9 @@
 //! time are followed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::net::SocketAddr;
 
-use common::{free_port, http, wait_for};
+use kvepp_test_support::harness::{free_port, http, wait_for};
 use serde_json::{json, Value};
 
 /// A service as a real process: `kvepp <sub> --host 127.0.0.1 --port <free> <args>`.

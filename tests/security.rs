@@ -4,14 +4,12 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-#[path = "common/tls.rs"]
-mod tls;
+use kvepp_test_support::tls;
 
 use std::net::SocketAddr;
 
-use common::*;
 use kvepp::config::TlsMode;
+use kvepp_test_support::harness::*;
 use tls::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 

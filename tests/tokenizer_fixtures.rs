@@ -4,14 +4,12 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use kvepp_tokenizer::{ModelTokenizer, TokenizeError};
 use serde_json::value::RawValue;
 use serde_json::Value;
 
 fn fixtures() -> (ModelTokenizer, Value) {
-    let dir = common::repo_root().join("tests/fixtures/tokenizer");
+    let dir = kvepp_test_support::harness::repo_root().join("tests/fixtures/tokenizer");
     let tok = ModelTokenizer::load(&dir).expect("load tokenizer");
     let expected: Value =
         serde_json::from_slice(&std::fs::read(dir.join("expected.json")).expect("read"))

@@ -4,17 +4,15 @@
 //! a real ZMQ publisher's KV events.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../common/mod.rs"]
-mod common;
 mod openapi;
 mod select;
 mod slot_tracker;
 
 use std::net::SocketAddr;
 
-use common::publisher::Publisher;
-use common::{free_port, http, wait_for, HttpResponse};
 use kvepp::services::{SelectArgs, SlotTrackerArgs};
+use kvepp_test_support::harness::{free_port, http, wait_for, HttpResponse};
+use kvepp_test_support::publisher::Publisher;
 use serde_json::{json, Value};
 
 struct Service {

@@ -61,7 +61,7 @@ async fn openapi_documents_match_the_served_routes() {
 /// is left out: its 503 before any worker is registered is the documented answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_fuzzing_from_the_openapi_documents_finds_no_server_error() {
-    let root = common::repo_root();
+    let root = kvepp_test_support::harness::repo_root();
     let st = root.join(".venv/bin/schemathesis");
     assert!(st.exists(), "{} missing: run scripts/test.sh", st.display());
     for (sub, doc, seed) in [

@@ -5,8 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod affinity;
-#[path = "../common/mod.rs"]
-mod common;
 mod doors_and_replicas;
 mod routing;
 
@@ -18,9 +16,9 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::routing::post;
-use common::*;
 use http_body_util::BodyExt;
 use kvepp_test_support::fnv64;
+use kvepp_test_support::harness::*;
 use kvepp_tokenizer::ModelTokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify};

@@ -13,8 +13,6 @@
 // runtime ever waits for it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::await_holding_lock)]
 
-#[path = "../common/mod.rs"]
-mod common;
 mod sglang;
 
 use std::collections::{HashMap, HashSet};
@@ -24,9 +22,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::*;
 use kvepp::config::{Config, PickerKind};
 use kvepp_core::hash::{local_block_hashes, SequenceHash};
+use kvepp_test_support::harness::*;
 use kvepp_test_support::vllm::{EngineSpec, VllmEngine, VllmInstall};
 use kvepp_test_support::TempDir;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};

@@ -4,14 +4,12 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
 mod sim_common;
 
 use std::sync::atomic::Ordering;
 
-use common::*;
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
+use kvepp_test_support::harness::*;
 use sim_common::{index_and_caches, tokens};
 
 fn params() -> SimParams {

@@ -5,13 +5,10 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::net::SocketAddr;
 
-use common::*;
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams, ENGINE_HEADER};
+use kvepp_test_support::harness::*;
 
 /// The pod's `/metadata` (one document for both ranks, as the worker-agent of a data-parallel
 /// vLLM serves it): a publisher per rank.

@@ -6,18 +6,15 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use common::*;
 use http_body_util::BodyExt;
 use kvepp_core::MismatchPolicy;
 use kvepp_sim::fleet::{
     EngineLayout, Fleet, FleetSpec, SimParams, ENGINE_HEADER, PREFILLED_BY_HEADER,
 };
+use kvepp_test_support::harness::*;
 
 fn params() -> SimParams {
     SimParams {

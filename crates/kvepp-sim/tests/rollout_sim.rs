@@ -5,9 +5,6 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::PathBuf;
 
 use kvepp_bench::rollout::{rollout, table, RolloutArgs};
@@ -31,7 +28,7 @@ fn kvepp_bin() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_upgrade_under_load_fails_no_request_and_keeps_the_hit_ratio() {
     let args = RolloutArgs {
-        envoy: common::envoy_bin(),
+        envoy: kvepp_test_support::harness::envoy_bin(),
         kvepp: kvepp_bin(),
         engines: 2,
         rate: 10.0,

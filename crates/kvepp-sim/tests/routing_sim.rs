@@ -5,17 +5,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // The EPP suite's harness (in-process kvepp, real Envoy, HTTP helpers).
-#[path = "../../../tests/common/mod.rs"]
-mod common;
 mod sim_common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::*;
 use kvepp_bench::routing::{self as routing_bench, BenchSpec, Policy};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp_sim::workload;
+use kvepp_test_support::harness::*;
 use sim_common::{index_and_caches, tokens};
 
 /// Small, fast engines: blocks of 16 tokens, a cache of `blocks` blocks.

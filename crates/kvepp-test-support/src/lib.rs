@@ -2,13 +2,28 @@
 //! directories, an echo backend standing in for a model server, a small HTTP/1.1 client, a real
 //! Envoy process, real vLLM engines, waiting for a condition with a deadline, and reading one Prometheus sample.
 //!
-//! Used as a dev-dependency of `kvepp` (and by the `kvepp-sim` tool); it does not depend on
-//! `kvepp`, so the crate under test is linked once.
+//! Used as a dev-dependency of every package's tests (and by the `kvepp-sim` tool). Without
+//! features it does not depend on `kvepp`; `epp` adds kvepp in-process ([`epp::Epp`]) and the
+//! shipped manifests as kvepp reads them ([`shipped`]), `otlp` a trace collector ([`otlp`]),
+//! `tls` certificates and a TLS ext_proc client ([`tls`]). The fixtures beyond those: a fake
+//! Kubernetes API server at the wire level ([`kube_api`]), a pyzmq KV-event publisher
+//! ([`publisher`]), and what a test reaches for first ([`harness`]).
 // Test support: a helper that cannot do its job fails the test that called it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod client;
 pub mod envoy;
+#[cfg(feature = "epp")]
+pub mod epp;
+pub mod harness;
+pub mod kube_api;
+#[cfg(feature = "otlp")]
+pub mod otlp;
+pub mod publisher;
+#[cfg(feature = "epp")]
+pub mod shipped;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod vllm;
 
 use std::future::Future;

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use super::common::{http, Epp};
 use kvepp_sim::fleet::Fleet;
+use kvepp_test_support::harness::{http, Epp};
 
 /// `n` distinct tokens of family `seed`.
 pub fn tokens(seed: u32, n: usize) -> Vec<u32> {

@@ -15,7 +15,7 @@ use rcgen::{
 };
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
-use crate::common::DEADLINE;
+use crate::harness::DEADLINE;
 
 /// One ext_proc exchange (request headers with end of stream) over `channel`: Ok when kvepp
 /// answered, Err with the reason otherwise.

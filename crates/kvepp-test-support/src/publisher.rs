@@ -6,7 +6,7 @@ use std::process::Stdio;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
-use super::{repo_root, DEADLINE};
+use crate::harness::{repo_root, DEADLINE};
 
 /// The pyzmq publisher process (PUB and replay ROUTER on 127.0.0.1).
 pub struct Publisher {

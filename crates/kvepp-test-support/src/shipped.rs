@@ -6,7 +6,7 @@ use std::process::Command;
 
 use kvepp::discovery::objects::parse_documents;
 
-use super::{envoy_bin, repo_root};
+use crate::harness::{envoy_bin, repo_root};
 
 /// Every YAML document under `dir` (relative to the repository) as (file name, value); each file
 /// must also parse as kvepp's objects, and each document has apiVersion, kind and metadata.name.

@@ -1,12 +1,7 @@
-//! Test harness: kvepp in-process on ephemeral ports, a real Envoy process, echo backends, an HTTP
-//! client, and waiting on conditions with a deadline (never sleeping "long enough").
-#![allow(dead_code)]
-
-pub mod kube_api;
-// `otlp.rs` and `tls.rs` are included by the tests that use them (`#[path]`): their crates are
-// not dependencies of every package that shares this harness.
-pub mod publisher;
-pub mod shipped;
+//! What an integration test of kvepp reaches for first: waiting on conditions with a deadline
+//! (never sleeping "long enough"), ports, an HTTP client with its response, clients under steady
+//! load, the manifests a pool is made of, echo backends, and a real Envoy in front of an EPP (the
+//! shipped bootstrap, adapted). With the `epp` feature, kvepp itself in-process ([`Epp`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -15,8 +10,13 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
-use kvepp::config::Config;
-use kvepp_test_support::TempDir;
+
+#[cfg(feature = "epp")]
+pub use crate::epp::Epp;
+// The other fixtures, reachable from a test's one `use harness::*`.
+#[cfg(feature = "epp")]
+pub use crate::shipped;
+pub use crate::{kube_api, publisher};
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -26,7 +26,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    kvepp_test_support::wait_until(what, DEADLINE, cond)
+    crate::wait_until(what, DEADLINE, cond)
         .await
         .unwrap_or_else(|e| panic!("timed out waiting for {e}"))
 }
@@ -69,7 +69,7 @@ pub async fn http(
 ) -> HttpResponse {
     let mut with_host = vec![("host", "test")];
     with_host.extend_from_slice(headers);
-    let send = kvepp_test_support::client::request(addr, method, path, &with_host, body.into());
+    let send = crate::client::request(addr, method, path, &with_host, body.into());
     let resp = tokio::time::timeout(DEADLINE, send)
         .await
         .expect("response in time")
@@ -191,106 +191,12 @@ pub fn standard_models() -> String {
     .concat()
 }
 
-// ---------------------------------------------------------------- kvepp in-process
-
-pub struct Epp {
-    pub grpc: SocketAddr,
-    pub health: SocketAddr,
-    pub metrics: SocketAddr,
-    /// The selection service's and slot tracker's HTTP doors, when configured.
-    pub select_service: Option<SocketAddr>,
-    pub slot_tracker: Option<SocketAddr>,
-    pub dir: TempDir,
-    server: kvepp::server::InProcess,
-}
-
-impl Epp {
-    /// Starts kvepp serving pool `pool` from a fresh manifests directory holding `manifests`.
-    pub async fn start(manifests: &str, tweak: impl FnOnce(&mut Config)) -> Epp {
-        let epp = Epp::start_unready(manifests, tweak).await;
-        epp.wait_ready().await;
-        epp
-    }
-
-    /// As [`Epp::start`], without waiting for readiness (the pool may not be loaded).
-    pub async fn start_unready(manifests: &str, tweak: impl FnOnce(&mut Config)) -> Epp {
-        let dir = TempDir::new("epp");
-        std::fs::write(dir.path().join("pool.yaml"), manifests).expect("write manifests");
-        let mut cfg = Config {
-            bind_address: std::net::Ipv4Addr::LOCALHOST.into(),
-            grpc_port: 0,
-            grpc_health_port: 0,
-            metrics_port: 0,
-            pool_name: "pool".into(),
-            manifests_dir: Some(dir.path().to_owned()),
-            manifests_poll_ms: 20,
-            shutdown_grace_seconds: 2,
-            // In-process: nothing health-checks it, so stopping need not wait.
-            shutdown_delay_ms: 0,
-            ..Config::default()
-        };
-        tweak(&mut cfg);
-        cfg.validate().expect("valid test config");
-        let server = kvepp::server::InProcess::start(cfg).await.expect("bind");
-        Epp {
-            grpc: server.grpc,
-            health: server.health,
-            metrics: server.metrics,
-            select_service: server.select_service,
-            slot_tracker: server.slot_tracker,
-            dir,
-            server,
-        }
-    }
-
-    pub async fn wait_ready(&self) {
-        let addr = self.metrics;
-        wait_for("kvepp /ready", || async move {
-            (http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(())
-        })
-        .await;
-    }
-
-    pub fn write_manifest(&self, file: &str, text: &str) {
-        // Write then rename, so the poller never sees a half-written file.
-        let tmp = self.dir.path().join(format!(".{file}.tmp"));
-        std::fs::write(&tmp, text).expect("write");
-        std::fs::rename(&tmp, self.dir.path().join(file)).expect("rename");
-    }
-
-    pub async fn metrics_text(&self) -> String {
-        String::from_utf8(
-            http(self.metrics, "GET", "/metrics", &[], "")
-                .await
-                .body
-                .to_vec(),
-        )
-        .expect("utf8")
-    }
-
-    /// The value of one metric line (exact series text before the value), if present.
-    pub async fn metric(&self, series: &str) -> Option<f64> {
-        kvepp_test_support::find_sample(&self.metrics_text().await, series)
-    }
-
-    pub async fn stop(self) {
-        tokio::time::timeout(DEADLINE, self.server.stop())
-            .await
-            .expect("kvepp stops in time")
-            .expect("kvepp run");
-    }
-}
-
 // ---------------------------------------------------------------- backends
 
 pub async fn echo_backends(names: &[&str]) -> Vec<SocketAddr> {
     let mut out = Vec::new();
     for n in names {
-        out.push(
-            kvepp_test_support::spawn_echo_backend(n)
-                .await
-                .expect("backend"),
-        );
+        out.push(crate::spawn_echo_backend(n).await.expect("backend"));
     }
     out
 }
@@ -317,7 +223,7 @@ pub fn envoy_bin() -> PathBuf {
 
 /// The shipped local bootstrap, as a YAML value to adapt.
 pub fn bootstrap() -> serde_yaml::Value {
-    kvepp_test_support::envoy::EnvoyProcess::bootstrap().expect("bootstrap yaml")
+    crate::envoy::EnvoyProcess::bootstrap().expect("bootstrap yaml")
 }
 
 fn http_filters(b: &mut serde_yaml::Value) -> &mut Vec<serde_yaml::Value> {
@@ -353,16 +259,15 @@ pub fn set_subset_hint(b: &mut serde_yaml::Value, subset: &[String]) {
 pub struct Envoy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
-    process: kvepp_test_support::envoy::EnvoyProcess,
+    process: crate::envoy::EnvoyProcess,
 }
 
 impl Envoy {
     /// Starts Envoy with `bootstrap`, its ext_proc cluster pointed at `epp`, on ephemeral ports.
     pub async fn start(bootstrap: serde_yaml::Value, epp: SocketAddr) -> Envoy {
-        let process =
-            kvepp_test_support::envoy::EnvoyProcess::start_with(&envoy_bin(), bootstrap, epp)
-                .await
-                .expect("envoy");
+        let process = crate::envoy::EnvoyProcess::start_with(&envoy_bin(), bootstrap, epp)
+            .await
+            .expect("envoy");
         Envoy {
             addr: process.listener,
             admin: process.admin,
