@@ -337,16 +337,7 @@ async fn endpoint_that_disappears_with_requests_in_flight_leaks_no_booking() {
             envoy.addr,
             format!("{{\"model\":\"m\",\"prompt\":\"{i} {long}\"}}"),
         );
-        tokio::spawn(async move {
-            http(
-                addr,
-                "POST",
-                "/v1/completions",
-                &[("content-type", "application/json")],
-                body,
-            )
-            .await
-        })
+        tokio::spawn(async move { post_json(addr, body).await })
     };
     let held: Vec<_> = (0..3).map(send).collect();
     wait_for("three requests held by a", || async {

@@ -546,17 +546,24 @@ async fn gap_larger_than_the_replay_buffer_rebuilds_from_what_the_publisher_hold
     p.quit().await;
 }
 
-#[tokio::test]
-async fn publisher_restarted_while_away_that_goes_quiet_is_noticed() {
+/// A subscriber that was delivered batches up to `last` by a publisher which then restarted on the
+/// same ports: the subscriber, the new publisher, and `last`.
+async fn delivered_then_restarted() -> (Subscriber, Publisher, u64) {
     let (port, replay) = (free_port(), free_port());
     let mut p = Publisher::start(port, replay, "vllm").await;
     let mut s = Subscriber::start(port, Some(replay));
-    let (last, _) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
-    p.cmd(&format!("pub {} legacy_batch", last + 1)).await;
-    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 1));
-    // The engine restarts, publishes one batch (numbered 0 again) and stays quiet.
+    let (joined, _) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
+    let last = joined + 1;
+    p.cmd(&format!("pub {last} legacy_batch")).await;
+    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last));
     p.quit().await;
-    let mut p = Publisher::start(port, replay, "vllm").await;
+    (s, Publisher::start(port, replay, "vllm").await, last)
+}
+
+#[tokio::test]
+async fn publisher_restarted_while_away_that_goes_quiet_is_noticed() {
+    // The engine restarts, publishes one batch (numbered 0 again) and stays quiet.
+    let (mut s, mut p, _) = delivered_then_restarted().await;
     p.cmd("pub 0 legacy_two_element_batch").await;
     let d = s.next().await;
     eprintln!(
@@ -571,28 +578,21 @@ async fn publisher_restarted_while_away_that_goes_quiet_is_noticed() {
 
 #[tokio::test]
 async fn publisher_restarted_while_away_that_numbered_past_the_last_batch_is_noticed() {
-    let (port, replay) = (free_port(), free_port());
-    let mut p = Publisher::start(port, replay, "vllm").await;
-    let mut s = Subscriber::start(port, Some(replay));
-    let (last, _) = s.join(&mut p, 0, "legacy_minimal_arrays").await;
-    p.cmd(&format!("pub {} legacy_batch", last + 1)).await;
-    assert!(matches!(s.next().await, Delivery::Batch { seq, .. } if seq == last + 1));
     // The new publisher numbers from 0 past the last batch delivered before the subscription
     // reaches it, and goes quiet: its numbers alone read as a continuation with nothing new.
-    p.quit().await;
-    let mut p = Publisher::start(port, replay, "vllm").await;
-    for seq in 0..=last + 1 {
+    let (mut s, mut p, last) = delivered_then_restarted().await;
+    for seq in 0..=last {
         p.cmd(&format!("skip {seq} legacy_two_element_batch")).await;
     }
     assert_eq!(s.next().await, Delivery::PublisherRestarted);
     let mut replayed = Vec::new();
-    while replayed.len() < (last + 2) as usize {
+    while replayed.len() < (last + 1) as usize {
         match s.next().await {
             Delivery::Batch { seq, .. } => replayed.push(seq),
             other => panic!("expected the new publisher's batches, got {other:?}"),
         }
     }
-    assert_eq!(replayed, (0..=last + 1).collect::<Vec<_>>());
+    assert_eq!(replayed, (0..=last).collect::<Vec<_>>());
     assert!(s.stats.restarts.load(Ordering::Relaxed) >= 1);
     p.quit().await;
 }

@@ -1,7 +1,7 @@
 //! What an integration test of kvepp reaches for first: waiting on conditions with a deadline
 //! (never sleeping "long enough"), ports, an HTTP client with its response, clients under steady
 //! load, the manifests a pool is made of, echo backends, and a real Envoy in front of an EPP (the
-//! shipped bootstrap, adapted). With the `epp` feature, kvepp itself in-process ([`Epp`]).
+//! shipped bootstrap, adapted). With the `epp` feature, kvepp itself in-process (`Epp`).
 
 use std::future::Future;
 use std::net::SocketAddr;

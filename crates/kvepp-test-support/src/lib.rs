@@ -1,11 +1,11 @@
-//! What kvepp's tests, benchmarks and demos need around the EPP, never the EPP itself: temporary
-//! directories, an echo backend standing in for a model server, a small HTTP/1.1 client, a real
-//! Envoy process, real vLLM engines, waiting for a condition with a deadline, and reading one Prometheus sample.
+//! What kvepp's tests, benchmarks and demos need around the EPP: temporary directories, an echo
+//! backend standing in for a model server, a small HTTP/1.1 client, a real Envoy process, real
+//! vLLM engines, waiting for a condition with a deadline, and reading one Prometheus sample.
 //!
 //! Used as a dev-dependency of every package's tests (and by the `kvepp-sim` tool). Without
-//! features it does not depend on `kvepp`; `epp` adds kvepp in-process ([`epp::Epp`]) and the
-//! shipped manifests as kvepp reads them ([`shipped`]), `otlp` a trace collector ([`otlp`]),
-//! `tls` certificates and a TLS ext_proc client ([`tls`]). The fixtures beyond those: a fake
+//! features it does not depend on `kvepp`; `epp` adds kvepp in-process (`epp::Epp`) and the
+//! shipped manifests as kvepp reads them (`shipped`), `otlp` a trace collector (`otlp`), `tls`
+//! certificates and a TLS ext_proc client (`tls`). The fixtures beyond those: a fake
 //! Kubernetes API server at the wire level ([`kube_api`]), a pyzmq KV-event publisher
 //! ([`publisher`]), and what a test reaches for first ([`harness`]).
 // Test support: a helper that cannot do its job fails the test that called it.
