@@ -57,7 +57,7 @@ const HEALTH_TIMEOUT_MAX: Duration = Duration::from_secs(2);
 /// misbehaving one).
 const HEALTH_PAGE_BYTES: usize = 64 << 10;
 
-pub mod topology;
+pub(crate) mod topology;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RegistryKind {

@@ -5,7 +5,7 @@
 //! ([`slot_tracker`]), standalone or opened by `kvepp serve` over its own routing state.
 
 pub mod auth;
-pub mod json;
+pub(crate) mod json;
 pub mod select;
 pub mod slot_tracker;
 

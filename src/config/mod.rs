@@ -23,8 +23,8 @@ pub use crate::replica::ReplicaSyncConfig;
 
 pub mod agent;
 mod args;
-pub mod live;
-pub mod services;
+pub(crate) mod live;
+pub(crate) mod services;
 mod tls;
 mod validate;
 

@@ -12,7 +12,7 @@
 //! polling. Load counters of an endpoint survive snapshot changes because they are keyed by
 //! address. The store is ready once the pool has been seen and the instances have synced.
 
-pub mod cluster_topology;
+pub(crate) mod cluster_topology;
 pub mod kubernetes;
 mod manifests;
 pub mod memory;

@@ -2,9 +2,9 @@
 //! Prometheus `/metrics` ([`metrics`]), their `/metadata` documents ([`metadata`]), and a small HTTP
 //! GET client shared by both.
 
-pub mod exposition;
+pub(crate) mod exposition;
 pub mod lora;
-pub mod metadata;
+pub(crate) mod metadata;
 pub mod metrics;
 
 use std::net::SocketAddr;

@@ -8,10 +8,10 @@
 //! that reads slowly stops the reading of its messages instead of growing a queue.
 
 mod grpc;
-pub mod metadata;
-pub mod response;
+pub(crate) mod metadata;
+pub(crate) mod response;
 mod stream;
-pub mod trace;
+pub(crate) mod trace;
 /// The ext_proc messages, from the protocol crate.
 pub use kvepp_extproc::wire;
 

@@ -13,7 +13,7 @@
 
 pub mod apply;
 pub mod decode;
-pub mod sequence;
+pub(crate) mod sequence;
 pub mod subscriber;
 
 pub use decode::{decode_batch, DecodeError, EngineBlockHash, EventBatch, KvEvent, Tier};

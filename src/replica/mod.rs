@@ -31,9 +31,9 @@ use kvepp_core::catalog::Scope;
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{LocalBlockHash, SequenceHash};
 
-pub mod observer;
+pub(crate) mod observer;
 pub mod peers;
-pub mod recovery;
+pub(crate) mod recovery;
 pub mod sink;
 
 /// Generated from `proto/kvepp/replica/v1/replica.proto`.

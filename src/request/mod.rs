@@ -8,11 +8,11 @@
 //! exactly the bytes of the `model` value and nothing else; hashing, picking and booking are the
 //! core's (`kvepp_core::Router`), never done here.
 
-pub mod affinity;
+pub(crate) mod affinity;
 pub mod flow;
 mod model;
 mod prompt;
-pub mod service;
+pub(crate) mod service;
 
 pub use affinity::Affinity;
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};

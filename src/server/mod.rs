@@ -15,8 +15,8 @@ use tokio_stream::StreamExt;
 
 mod components;
 pub mod reload;
-pub mod shared;
-pub mod tls;
+pub(crate) mod shared;
+pub(crate) mod tls;
 
 pub use reload::Reloading;
 
