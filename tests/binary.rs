@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Req, processing_response::Response as Resp, HttpBody,
     HttpHeaders, ProcessingRequest, ProtocolConfiguration,
 };
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::TempDir;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use tokio::net::TcpListener;
 
 /// The `/metrics` answer: status and body.

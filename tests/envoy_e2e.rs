@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use kvepp_test_support::fnv64;
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use tokio::sync::watch;
 
 fn manifests(backends: &[(&str, SocketAddr)]) -> String {

@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvepp_test_support::client::fetch;
 
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::TempDir;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;

@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use tokio::sync::Semaphore;
 
 /// A backend that answers one request per permit, recording the prompts in arrival order.

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kvepp::discovery::kubernetes::{client, KubeDiscovery, WatchMetrics};
 use kvepp::discovery::{InstanceEvent, InstanceStream, ServiceDiscovery};
-use kvepp_test_support::harness::*;
 use kvepp_test_support::kube_api::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::TempDir;
 
 async fn next(w: &mut InstanceStream) -> InstanceEvent {

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use kvepp::discovery::objects::parse_documents;
 use kvepp::discovery::{Datastore, Inventory, PoolRef};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::shipped::{docs, envoy_validates};
 
 /// A YAML sequence of strings.

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use kvepp_test_support::client::fetch;
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::{find_sample, TempDir};
 use tls::*;
 use tokio::process::Command;

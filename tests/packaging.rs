@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::shipped::{docs, envoy_validates};
 
 /// The container recipe builds exactly the workspace's two binaries, locked, runs them as a

@@ -9,7 +9,7 @@ use kvepp_test_support::tls;
 use std::net::SocketAddr;
 
 use kvepp::config::TlsMode;
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use tls::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 

@@ -18,7 +18,7 @@ use axum::extract::State;
 use axum::routing::post;
 use http_body_util::BodyExt;
 use kvepp_test_support::fnv64;
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_tokenizer::ModelTokenizer;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify};

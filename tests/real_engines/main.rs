@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use kvepp::config::{Config, PickerKind};
 use kvepp_core::hash::{local_block_hashes, SequenceHash};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use kvepp_test_support::vllm::{EngineSpec, VllmEngine, VllmInstall};
 use kvepp_test_support::TempDir;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -146,7 +146,16 @@ fn models(install: &VllmInstall) -> String {
 /// [`deploy_targets`] of the fleet's engines.
 async fn deploy(fleet: &Fleet, tweak: impl FnOnce(&mut Config)) -> Deployment {
     let targets: Vec<Target> = fleet.engines.iter().map(Target::from).collect();
-    deploy_targets(&fleet.install, &targets, tweak).await
+    let d = deploy_targets(&fleet.install, &targets, tweak).await;
+    // Until its first scrape of an engine kvepp hashes with the core's default block size: a
+    // prompt routed then (approximate mode records it) is one no later prompt matches.
+    let (epp, engine) = (&d.epp, fleet.engines[0].http);
+    wait_for(
+        "kvepp's block size learned from the engines",
+        || async move { (kvepp_blocks(epp, engine).await.0 == BLOCK as u64).then_some(()) },
+    )
+    .await;
+    d
 }
 
 async fn deploy_targets(
@@ -188,7 +197,7 @@ async fn deploy_targets(
     let mut b = bootstrap();
     b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         ["route_config"]["virtual_hosts"][0]["response_headers_to_add"] =
-        serde_yaml::from_str("[{header: {key: x-upstream-host, value: '%UPSTREAM_HOST%'}}]")
+        serde_yaml::from_str("[{header: {key: x-upstream-host, value: '%UPSTREAM_HOST%'}}, {header: {key: x-endpoint-scores, value: '%REQ(x-gateway-destination-endpoint-scores)%'}}]")
             .unwrap();
     let envoy = Envoy::start(b, epp.grpc).await;
     Deployment {
@@ -233,6 +242,8 @@ fn start_agent(engine: &Target, dir: &PathBuf) -> Agent {
 struct Served {
     status: u16,
     engine: Option<SocketAddr>,
+    /// kvepp's score of each candidate for this request (`emit_endpoint_scores`, echoed by Envoy).
+    scores: String,
     body: serde_json::Value,
 }
 
@@ -248,6 +259,7 @@ async fn send(envoy: &Envoy, path: &str, body: serde_json::Value) -> Served {
     Served {
         status: r.status,
         engine: r.header("x-upstream-host").and_then(|h| h.parse().ok()),
+        scores: r.header("x-endpoint-scores").unwrap_or_default().to_owned(),
         body: serde_json::from_slice(&r.body).unwrap_or(serde_json::Value::Null),
     }
 }
@@ -589,6 +601,8 @@ struct RunResult {
     groups: usize,
     /// Each request's engine (its index in the fleet), in the order sent.
     placements: String,
+    /// For each request that left its group's first engine: the group, and kvepp's scores.
+    moves: Vec<(usize, String)>,
 }
 
 /// Runs the shared-prefix workload through a kvepp with `tweak`; the engines' own hit ratio over
@@ -610,6 +624,7 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
     let mut stayed = vec![true; groups];
     let (mut ideal_hits, mut seen) = (0usize, vec![false; groups]);
     let mut placements = String::new();
+    let mut moves = Vec::new();
     for (g, prefix, ending) in &work {
         let r = send(
             &d.envoy,
@@ -626,7 +641,11 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
         }
         match first[*g] {
             None => first[*g] = Some(engine),
-            Some(e) => stayed[*g] &= e == engine,
+            Some(e) if e != engine => {
+                stayed[*g] = false;
+                moves.push((*g, r.scores.clone()));
+            }
+            Some(_) => {}
         }
         // A repeat can hit every full block of the prefix but the one the ending may change.
         if seen[*g] {
@@ -642,6 +661,7 @@ async fn shared_prefix_run(fleet: &Fleet, salt: u64, tweak: impl FnOnce(&mut Con
         groups_on_one_engine: stayed.iter().filter(|s| **s).count(),
         groups,
         placements,
+        moves,
     }
 }
 
@@ -678,6 +698,9 @@ async fn shared_prefix_groups_hit_the_engine_cache_in_tokens_and_approximate_mod
             r.groups,
             r.placements.trim_end()
         );
+        for (g, scores) in r.moves.iter().filter(|_| name != "round robin") {
+            eprintln!("real_engines: {name}: group {g} moved; kvepp's scores: {scores}");
+        }
     }
     for (name, r) in [("tokens", &tokens), ("approximate", &approximate)] {
         assert!(

@@ -9,7 +9,7 @@ mod sim_common;
 use std::sync::atomic::Ordering;
 
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use sim_common::{index_and_caches, tokens};
 
 fn params() -> SimParams {

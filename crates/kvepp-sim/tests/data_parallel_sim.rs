@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams, ENGINE_HEADER};
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 
 /// The pod's `/metadata` (one document for both ranks, as the worker-agent of a data-parallel
 /// vLLM serves it): a publisher per rank.

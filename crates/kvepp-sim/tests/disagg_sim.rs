@@ -14,7 +14,7 @@ use kvepp_core::MismatchPolicy;
 use kvepp_sim::fleet::{
     EngineLayout, Fleet, FleetSpec, SimParams, ENGINE_HEADER, PREFILLED_BY_HEADER,
 };
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 
 fn params() -> SimParams {
     SimParams {

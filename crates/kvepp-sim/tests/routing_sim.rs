@@ -13,7 +13,7 @@ use std::time::Duration;
 use kvepp_bench::routing::{self as routing_bench, BenchSpec, Policy};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp_sim::workload;
-use kvepp_test_support::harness::*;
+use kvepp_test_support::prelude::*;
 use sim_common::{index_and_caches, tokens};
 
 /// Small, fast engines: blocks of 16 tokens, a cache of `blocks` blocks.

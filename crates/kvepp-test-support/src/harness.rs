@@ -1,7 +1,7 @@
 //! What an integration test of kvepp reaches for first: waiting on conditions with a deadline
 //! (never sleeping "long enough"), ports, an HTTP client with its response, clients under steady
 //! load, the manifests a pool is made of, echo backends, and a real Envoy in front of an EPP (the
-//! shipped bootstrap, adapted). With the `epp` feature, kvepp itself in-process (`Epp`).
+//! shipped bootstrap, adapted). kvepp itself in-process is `epp` (feature `epp`); a test imports everything from `prelude`.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,13 +10,6 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::body::Bytes;
-
-#[cfg(feature = "epp")]
-pub use crate::epp::Epp;
-// The other fixtures, reachable from a test's one `use harness::*`.
-#[cfg(feature = "epp")]
-pub use crate::shipped;
-pub use crate::{kube_api, publisher};
 
 pub const DEADLINE: Duration = Duration::from_secs(20);
 

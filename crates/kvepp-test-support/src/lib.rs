@@ -7,7 +7,7 @@
 //! shipped manifests as kvepp reads them (`shipped`), `otlp` a trace collector (`otlp`), `tls`
 //! certificates and a TLS ext_proc client (`tls`). The fixtures beyond those: a fake
 //! Kubernetes API server at the wire level ([`kube_api`]), a pyzmq KV-event publisher
-//! ([`publisher`]), and what a test reaches for first ([`harness`]).
+//! ([`publisher`]), what a test reaches for first ([`harness`]), and all of it in one import ([`prelude`]).
 // Test support: a helper that cannot do its job fails the test that called it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,6 +19,7 @@ pub mod harness;
 pub mod kube_api;
 #[cfg(feature = "otlp")]
 pub mod otlp;
+pub mod prelude;
 pub mod publisher;
 #[cfg(feature = "epp")]
 pub mod shipped;

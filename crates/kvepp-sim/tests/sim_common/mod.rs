@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use kvepp_sim::fleet::Fleet;
-use kvepp_test_support::harness::{http, Epp};
+use kvepp_test_support::prelude::{http, Epp};
 
 /// `n` distinct tokens of family `seed`.
 pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
