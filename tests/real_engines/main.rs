@@ -149,10 +149,17 @@ async fn deploy(fleet: &Fleet, tweak: impl FnOnce(&mut Config)) -> Deployment {
     let d = deploy_targets(&fleet.install, &targets, tweak).await;
     // Until its first scrape of an engine kvepp hashes with the core's default block size: a
     // prompt routed then (approximate mode records it) is one no later prompt matches.
-    let (epp, engine) = (&d.epp, fleet.engines[0].http);
+    // (A load-only picker hashes nothing: its index page is not JSON.)
+    let metrics = d.epp.metrics;
     wait_for(
         "kvepp's block size learned from the engines",
-        || async move { (kvepp_blocks(epp, engine).await.0 == BLOCK as u64).then_some(()) },
+        || async move {
+            let page = http(metrics, "GET", "/debug/kv-index", &[], "").await;
+            match serde_json::from_slice::<serde_json::Value>(&page.body) {
+                Ok(v) => (v["block_size"].as_u64() == Some(BLOCK as u64)).then_some(()),
+                Err(_) => Some(()),
+            }
+        },
     )
     .await;
     d

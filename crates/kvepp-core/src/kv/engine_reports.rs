@@ -10,7 +10,9 @@ use super::*;
 impl KvState {
     /// `worker`'s engine reported its block size (metrics page, metadata or KV events). Learned,
     /// the pool's block size is the one most engines report; configured, it stays. An engine
-    /// reporting another size is in fallback ([`FallbackReason::BlockSize`]) while it does.
+    /// reporting another size is in fallback ([`FallbackReason::BlockSize`]) while it does. When
+    /// the pool's size changes, what was recorded as routed (approximate mode, fallback) goes:
+    /// it was hashed at the old size.
     pub fn learn_block_size(&self, worker: u64, bs: u32) {
         if bs == 0 {
             return;
@@ -22,10 +24,12 @@ impl KvState {
             .report_block_size(worker, bs, configured, current);
         if pool != current {
             self.block_size.store(pool, Ordering::Relaxed);
+            // Routed prompts recorded at the old size match no prompt hashed at the new one.
+            self.approx.forget(&self.approx.workers());
             tracing::info!(
                 block_size = pool,
                 previous = current,
-                "block size learned from the engines (metrics page, metadata or KV events)"
+                "block size learned from the engines (metrics page, metadata or KV events); routed prefixes recorded at the previous size dropped"
             );
         }
         if bs != pool {

@@ -760,4 +760,41 @@ fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
     assert!(!kv.in_events_fallback(eps[0].worker));
 }
 
+/// Routed prompts recorded at one block size match nothing hashed at another: when the pool's
+/// learned block size changes, approximate mode's records go, index and FIFOs together; a report
+/// of the size in use keeps what was recorded since.
+#[test]
+fn approximate_records_go_when_the_learned_block_size_changes() {
+    let kv = Arc::new(KvState::new(KvSettings {
+        approximate_only: true,
+        learn_block_size: true,
+        ..KvSettings::default()
+    }));
+    let eps = endpoints(1);
+    let mut rng = fastrand::Rng::with_seed(3);
+    let p = prompt(&mut rng, PrefixMode::Approximate, 40);
+    let book = |p: &PromptBlocks| {
+        let slot = SlotBooking {
+            id: None,
+            prefill_tokens: p.isl_tokens,
+            held: 0,
+            expected: None,
+            learn: None,
+            now: Instant::now(),
+        };
+        drop(kv.book(&eps[0], Some(p), slot).expect("booked"));
+    };
+    book(&p);
+    let w = eps[0].worker;
+    assert!(!kv.approx.fifo_of(w).is_empty());
+    assert!(kv.approx.held(w, &p) > 0);
+    kv.learn_block_size(w, 32);
+    assert_eq!(kv.block_size(), 32);
+    assert!(kv.approx.fifo_of(w).is_empty(), "the FIFO went");
+    assert_eq!(kv.approx.held(w, &p), 0, "and the index with it");
+    book(&p);
+    kv.learn_block_size(w, 32);
+    assert!(kv.approx.held(w, &p) > 0, "the size in use keeps them");
+}
+
 mod ordered;
