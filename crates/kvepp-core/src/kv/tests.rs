@@ -37,6 +37,18 @@ fn prompt(rng: &mut fastrand::Rng, mode: PrefixMode, stem: u64) -> PromptBlocks 
     }
 }
 
+/// A process-local booking of all of `p`'s prompt as prefill, whatever the rank's load.
+fn local_slot(p: &PromptBlocks, now: Instant) -> SlotBooking<'static> {
+    SlotBooking {
+        id: None,
+        prefill_tokens: p.isl_tokens,
+        held: 0,
+        expected: None,
+        learn: None,
+        now,
+    }
+}
+
 #[derive(Debug)]
 struct Booked {
     guard: SlotGuard,
@@ -457,14 +469,7 @@ fn worker_requests_count_local_and_peer_bookings() {
     );
     let p = prompt(&mut fastrand::Rng::with_seed(4), PrefixMode::TokenIds, 40);
     let now = Instant::now();
-    let slot = SlotBooking {
-        id: None,
-        prefill_tokens: p.isl_tokens,
-        held: 0,
-        expected: None,
-        learn: None,
-        now,
-    };
+    let slot = local_slot(&p, now);
     let mine = kv.book(&eps[0], Some(&p), slot);
     assert_eq!(kv.worker_requests(eps[0].worker), Some(1));
     let rank = WorkerRank {
@@ -731,14 +736,7 @@ fn an_endpoint_in_events_fallback_is_matched_by_what_was_routed_to_it() {
     );
     // Booked on endpoint 1 and released: recorded as routed there.
     let now = Instant::now();
-    let slot = SlotBooking {
-        id: None,
-        prefill_tokens: q.isl_tokens,
-        held: 0,
-        expected: None,
-        learn: None,
-        now,
-    };
+    let slot = local_slot(&q, now);
     drop(kv.book(&eps[1], Some(&q), slot).expect("booked"));
     for _ in 0..8 {
         assert_eq!(overlap_on(&q, &mut ctx), (1, q.hashes.len() as u64));
@@ -774,14 +772,7 @@ fn approximate_records_go_when_the_learned_block_size_changes() {
     let mut rng = fastrand::Rng::with_seed(3);
     let p = prompt(&mut rng, PrefixMode::Approximate, 40);
     let book = |p: &PromptBlocks| {
-        let slot = SlotBooking {
-            id: None,
-            prefill_tokens: p.isl_tokens,
-            held: 0,
-            expected: None,
-            learn: None,
-            now: Instant::now(),
-        };
+        let slot = local_slot(p, Instant::now());
         drop(kv.book(&eps[0], Some(p), slot).expect("booked"));
     };
     book(&p);
