@@ -165,8 +165,9 @@ fn predict_with(theta: &[f64; N], x: &[f64; N]) -> f64 {
 pub struct TtftModel {
     /// The coefficients in use (f64 bits, each ≥ 0).
     published: [AtomicU64; N],
-    /// ln of the pool's ratio in use (f64 bits).
-    pool_log_ratio: AtomicU64,
+    /// The pool's ratio in use (f64 bits; kept as the ratio, not its log, so a pick reads it
+    /// without an `exp` per candidate).
+    pool_ratio: AtomicU64,
     fit: Mutex<Fit>,
 }
 
@@ -183,7 +184,7 @@ impl Default for TtftModel {
     fn default() -> Self {
         TtftModel {
             published: PRIOR.map(|v| AtomicU64::new(v.to_bits())),
-            pool_log_ratio: AtomicU64::new(0.0f64.to_bits()),
+            pool_ratio: AtomicU64::new(1.0f64.to_bits()),
             fit: Mutex::new(Fit::default()),
         }
     }
@@ -257,7 +258,7 @@ impl TtftModel {
     /// The pool's ratio in use: what every endpoint's prediction is multiplied by besides its
     /// own factor (about 1 once the shared fit has caught up).
     pub fn pool_ratio(&self) -> f64 {
-        f64::from_bits(self.pool_log_ratio.load(Ordering::Relaxed)).exp()
+        f64::from_bits(self.pool_ratio.load(Ordering::Relaxed))
     }
 
     /// Predicted TTFT in ms (≥ 0) on an endpoint of speed `speed` at `now`.
@@ -333,7 +334,8 @@ impl TtftModel {
             fit.ratio_sum = (1.0 - POOL_RATE) * fit.ratio_sum + POOL_RATE * observed;
             fit.ratio_weight = (1.0 - POOL_RATE) * fit.ratio_weight + POOL_RATE;
             let pool = fit.ratio_sum / fit.ratio_weight;
-            self.pool_log_ratio.store(pool.to_bits(), Ordering::Relaxed);
+            self.pool_ratio
+                .store(pool.exp().to_bits(), Ordering::Relaxed);
             let target = (observed - pool).exp().clamp(SPEED_RANGE.0, SPEED_RANGE.1);
             let r = (target / factor).ln().clamp(-1.0, 1.0);
             let next = (factor * (SPEED_RATE * r).exp()).clamp(SPEED_RANGE.0, SPEED_RANGE.1);
