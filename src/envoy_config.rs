@@ -19,7 +19,7 @@ use serde_yaml::Value;
 use crate::discovery::FailureMode;
 
 /// The shipped local bootstrap, the template.
-pub const TEMPLATE: &str = include_str!("../manifests/envoy/envoy-local.yaml");
+pub(crate) const TEMPLATE: &str = include_str!("../manifests/envoy/envoy-local.yaml");
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnvoyConfigError {

@@ -112,7 +112,7 @@ pub struct StepLabels {
 pub struct PrepareSteps(pub Family<StepLabels, Counter>);
 
 impl PrepareSteps {
-    pub fn count(&self, step: &'static str) {
+    pub(crate) fn count(&self, step: &'static str) {
         self.0.get_or_create(&StepLabels { step }).inc();
     }
 }
@@ -396,7 +396,7 @@ impl Metrics {
     }
 
     /// Counts a disaggregated pick's pair.
-    pub fn count_pair(&self, p: &kvepp_core::Pairing) {
+    pub(crate) fn count_pair(&self, p: &kvepp_core::Pairing) {
         let d = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".to_owned());
         self.pd_pairs
             .get_or_create(&PairLabels {
@@ -410,7 +410,7 @@ impl Metrics {
     }
 
     /// Counts one KV-aware pick in its prefix mode.
-    pub fn count_prefix_mode(&self, mode: &'static str) {
+    pub(crate) fn count_prefix_mode(&self, mode: &'static str) {
         self.prefix_mode.get_or_create(&ModeLabels { mode }).inc();
     }
 
@@ -424,12 +424,12 @@ impl Metrics {
     }
 
     /// Adds a source of tokenizer counts, read at each scrape.
-    pub fn add_tokenizer_source(&self, source: TokenizerSource) {
+    pub(crate) fn add_tokenizer_source(&self, source: TokenizerSource) {
         self.tokenizer_sources.0.lock().push(source);
     }
 
     /// Brings the tokenizer counters up to their sources' counts (which only grow).
-    pub fn collect_tokenizers(&self) {
+    pub(crate) fn collect_tokenizers(&self) {
         let sources = self.tokenizer_sources.0.lock();
         for sample in sources.iter().filter_map(|source| source()) {
             for &(cache, hits, misses) in &sample.caches {
@@ -453,7 +453,7 @@ impl Metrics {
     }
 
     /// Brings the prompt-hash counters up to the routing core's counts (which only grow).
-    pub fn collect_prompt_hashes(&self, stats: kvepp_core::hash::MemoStats) {
+    pub(crate) fn collect_prompt_hashes(&self, stats: kvepp_core::hash::MemoStats) {
         for (source, count) in [
             ("reused", stats.blocks_reused),
             ("hashed", stats.blocks_hashed),
@@ -466,7 +466,7 @@ impl Metrics {
     }
 
     /// KV-aware picks by path ([`kvepp_core::KvState::pick_paths`]).
-    pub fn collect_pick_paths(&self, (ordered, scanned): (u64, u64)) {
+    pub(crate) fn collect_pick_paths(&self, (ordered, scanned): (u64, u64)) {
         for (path, count) in [("ordered", ordered), ("scan", scanned)] {
             catch_up(
                 &self.kv_picks.get_or_create(&PickPathLabels { path }),

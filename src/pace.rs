@@ -12,14 +12,14 @@ pub struct Pace {
 }
 
 impl Pace {
-    pub fn new(period: Duration, shutdown: watch::Receiver<bool>) -> Self {
+    pub(crate) fn new(period: Duration, shutdown: watch::Receiver<bool>) -> Self {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         Pace { tick, shutdown }
     }
 
     /// A new period, from the next tick on (live reconfiguration); the same period: nothing.
-    pub fn set_period(&mut self, period: Duration) {
+    pub(crate) fn set_period(&mut self, period: Duration) {
         if period != self.tick.period() {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -28,7 +28,7 @@ impl Pace {
     }
 
     /// Waits for the next period; false once shutdown has been requested.
-    pub async fn next(&mut self) -> bool {
+    pub(crate) async fn next(&mut self) -> bool {
         tokio::select! {
             _ = self.tick.tick() => {}
             _ = self.shutdown.changed() => {}

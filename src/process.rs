@@ -34,7 +34,7 @@ impl std::fmt::Debug for LogLevel {
 impl LogLevel {
     /// Log lines from now on pass `level` (a tracing filter such as `info` or `kvepp=debug`);
     /// Ok(false) when `RUST_LOG` set the filter and keeps it.
-    pub fn set(&self, level: &str) -> Result<bool, String> {
+    pub(crate) fn set(&self, level: &str) -> Result<bool, String> {
         if self.from_env {
             return Ok(false);
         }

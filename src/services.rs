@@ -244,7 +244,7 @@ async fn serve_router(
 /// Replica sync for a service's catalog: PUB on `bind` (when set), SUB to the peer list as it
 /// changes, peers' events applied to the catalog, and every scope's bookings published (a
 /// listener on each scope's state, under that scope).
-pub async fn start_replica(
+pub(crate) async fn start_replica(
     bind: Option<&str>,
     peers: &SharedPeers,
     catalog: &Arc<RwLock<Catalog>>,

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::metrics::{ReasonLabels, Register};
 
 /// The `tracing` target of kvepp's trace spans: only the OpenTelemetry layer reads it.
-pub const TRACE_TARGET: &str = "kvepp::trace";
+pub(crate) const TRACE_TARGET: &str = "kvepp::trace";
 
 /// How spans reach the collector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,7 +95,7 @@ const SAMPLERS: [&str; 6] = [
 impl TracingConfig {
     /// Applies the OpenTelemetry variables `env` reads; a value that does not parse is named in
     /// the returned messages (field, message).
-    pub fn apply_env(
+    pub(crate) fn apply_env(
         &mut self,
         env: impl Fn(&str) -> Option<String>,
     ) -> Vec<(&'static str, String)> {
@@ -157,7 +157,7 @@ impl TracingConfig {
     }
 
     /// One message per bad field.
-    pub fn problems(&self, bad: &mut impl FnMut(&'static str, String)) {
+    pub(crate) fn problems(&self, bad: &mut impl FnMut(&'static str, String)) {
         if !SAMPLERS.contains(&self.sampler.as_str()) {
             bad(
                 "tracing.sampler",

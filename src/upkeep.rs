@@ -14,10 +14,10 @@ use kvepp_core::{Endpoint, Router};
 use tokio::sync::watch;
 
 /// How often stale bookings are looked for.
-pub const EXPIRE_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 
 /// Runs until `shutdown` turns true.
-pub async fn run(
+pub(crate) async fn run(
     router: Arc<Router>,
     mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     mut shutdown: watch::Receiver<bool>,

@@ -234,7 +234,7 @@ impl AgentArgs {
     }
 
     /// The file's document (or the empty one) with the flags laid over it.
-    pub fn metadata(&self, file: Option<EngineMetadata>) -> EngineMetadata {
+    pub(crate) fn metadata(&self, file: Option<EngineMetadata>) -> EngineMetadata {
         let mut md = file.unwrap_or_default();
         let model = md.model.get_or_insert_with(ModelInfo::default);
         overlay(&mut model.name, &self.model_name);

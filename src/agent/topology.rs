@@ -24,7 +24,7 @@ pub struct MissingLevel {
 
 /// Every level in `dir`: file name → trimmed contents (unreadable or empty files are skipped;
 /// a missing directory reads as no levels).
-pub fn read_dir(dir: &Path) -> Domains {
+pub(crate) fn read_dir(dir: &Path) -> Domains {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Domains::new();
     };
@@ -44,7 +44,7 @@ pub fn read_dir(dir: &Path) -> Domains {
 /// Reads `dir` until `required` (when given) has a value, for at most `wait`, re-reading every
 /// `every`; `on_miss` runs after each read that lacks it (logging; tests use it to make the file
 /// appear late).
-pub async fn wait_for_level(
+pub(crate) async fn wait_for_level(
     dir: &Path,
     required: Option<&str>,
     wait: Duration,

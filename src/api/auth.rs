@@ -46,7 +46,7 @@ impl std::fmt::Debug for ApiToken {
 
 impl ApiToken {
     /// The token in `path` (a mounted Secret), surrounding whitespace removed.
-    pub fn from_file(path: &Path) -> Result<ApiToken, TokenError> {
+    pub(crate) fn from_file(path: &Path) -> Result<ApiToken, TokenError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| TokenError::Read {
             path: shown.clone(),
@@ -63,12 +63,12 @@ impl ApiToken {
     }
 
     /// Loads the token of an optional file.
-    pub fn load(path: Option<&Path>) -> Result<Option<ApiToken>, TokenError> {
+    pub(crate) fn load(path: Option<&Path>) -> Result<Option<ApiToken>, TokenError> {
         path.map(ApiToken::from_file).transpose()
     }
 
     /// Whether `value` (an `Authorization` header) carries this token.
-    pub fn admits(&self, value: Option<&HeaderValue>) -> bool {
+    pub(crate) fn admits(&self, value: Option<&HeaderValue>) -> bool {
         let Some(v) = value.map(HeaderValue::as_bytes) else {
             return false;
         };
@@ -103,7 +103,7 @@ pub struct Access {
 impl Access {
     /// `router` with the guard in front of the requests `which` names; unchanged without a token.
     /// Apply it after the routes are added: unknown routes stay 404 without a token.
-    pub fn guard(&self, router: Router, which: Guarded) -> Router {
+    pub(crate) fn guard(&self, router: Router, which: Guarded) -> Router {
         match &self.token {
             None => router,
             Some(token) => router.route_layer(axum::middleware::from_fn_with_state(

@@ -22,14 +22,14 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
         }
     }
 
-    pub fn bad_request(message: impl Into<String>) -> Self {
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 }
@@ -113,18 +113,18 @@ fn rejection(r: JsonRejection) -> ApiError {
 }
 
 /// `{"status": "ok"}`, with a status.
-pub fn ok(status: StatusCode) -> Response {
+pub(crate) fn ok(status: StatusCode) -> Response {
     (status, axum::Json(serde_json::json!({"status": "ok"}))).into_response()
 }
 
-pub async fn unknown_route(method: Method, uri: Uri) -> ApiError {
+pub(crate) async fn unknown_route(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         format!("no route for {method} {}", uri.path()),
     )
 }
 
-pub async fn wrong_method(method: Method, uri: Uri) -> ApiError {
+pub(crate) async fn wrong_method(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         format!("method {method} is not allowed on {}", uri.path()),
@@ -139,7 +139,7 @@ pub struct ScopeFilter {
 }
 
 impl ScopeFilter {
-    pub fn parse(query: Option<&str>) -> Self {
+    pub(crate) fn parse(query: Option<&str>) -> Self {
         let mut f = ScopeFilter::default();
         for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*k {
@@ -151,17 +151,17 @@ impl ScopeFilter {
         f
     }
 
-    pub fn admits(&self, scope: &Scope) -> bool {
+    pub(crate) fn admits(&self, scope: &Scope) -> bool {
         self.model.as_ref().is_none_or(|m| *m == scope.model)
             && self.tenant.as_ref().is_none_or(|t| *t == scope.tenant)
     }
 }
 
-pub fn default_tenant() -> String {
+pub(crate) fn default_tenant() -> String {
     "default".to_string()
 }
 
-pub fn default_model() -> String {
+pub(crate) fn default_model() -> String {
     "default".to_string()
 }
 
@@ -189,7 +189,7 @@ impl<'de> Deserialize<'de> for Hash64 {
     }
 }
 
-pub fn sequence_hashes(v: &[Hash64]) -> Vec<SequenceHash> {
+pub(crate) fn sequence_hashes(v: &[Hash64]) -> Vec<SequenceHash> {
     v.iter().map(|h| SequenceHash(h.0)).collect()
 }
 

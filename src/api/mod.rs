@@ -47,7 +47,7 @@ impl std::fmt::Debug for ConfigView {
 }
 
 /// The metrics port's routes; `/debug/*` needs `token` when one is configured.
-pub fn router(state: ApiState, access: &auth::Access) -> Router {
+pub(crate) fn router(state: ApiState, access: &auth::Access) -> Router {
     let debug = Router::new()
         .route("/debug/kv-index", get(kv_index))
         .route("/debug/endpoints", get(endpoints))

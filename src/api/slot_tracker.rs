@@ -172,7 +172,7 @@ async fn workers(State(st): St, RawQuery(q): RawQuery) -> Response {
 }
 
 /// The scope `kvepp serve`'s pooled catalog is listed under.
-pub fn pool_scope() -> Scope {
+pub(crate) fn pool_scope() -> Scope {
     Scope {
         model: "default".into(),
         tenant: "default".into(),
@@ -259,7 +259,7 @@ struct LoadView<'a> {
 }
 
 /// Loads of every rank the filter admits, sorted by (model, tenant, worker, rank).
-pub fn load_rows(catalog: &Catalog, filter: &ScopeFilter) -> serde_json::Value {
+pub(crate) fn load_rows(catalog: &Catalog, filter: &ScopeFilter) -> serde_json::Value {
     let pool = pool_scope();
     let rows: Vec<LoadView<'_>> = catalog
         .trackers(&pool)
@@ -302,7 +302,7 @@ pub struct PotentialView {
     pub active_requests: u32,
 }
 
-pub fn potential_rows(loads: Vec<kvepp_core::slots::PotentialLoad>) -> Vec<PotentialView> {
+pub(crate) fn potential_rows(loads: Vec<kvepp_core::slots::PotentialLoad>) -> Vec<PotentialView> {
     loads
         .into_iter()
         .map(|p| PotentialView {

@@ -90,7 +90,9 @@ fn section_args(
 }
 
 /// Checks a `worker_agent` section: every key a flag, every value a flag value.
-pub fn check_section(section: &BTreeMap<String, serde_yaml::Value>) -> Result<(), ConfigError> {
+pub(crate) fn check_section(
+    section: &BTreeMap<String, serde_yaml::Value>,
+) -> Result<(), ConfigError> {
     let args = section_args(section, |_| false)?;
     AgentCli::command()
         .try_get_matches_from(std::iter::once(OsString::from("worker-agent")).chain(args))

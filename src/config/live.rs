@@ -22,7 +22,7 @@ pub struct Effective {
 
 impl Effective {
     /// The configuration the process started with: version 1.
-    pub fn new(cfg: Config) -> Self {
+    pub(crate) fn new(cfg: Config) -> Self {
         Effective {
             current: ArcSwap::from_pointee(cfg),
             version: AtomicU64::new(1),
@@ -30,14 +30,14 @@ impl Effective {
     }
 
     /// The version and the configuration in effect.
-    pub fn get(&self) -> (u64, Arc<Config>) {
+    pub(crate) fn get(&self) -> (u64, Arc<Config>) {
         // Read the tree first: a concurrent reload stores it before bumping the version.
         let cfg = self.current.load_full();
         (self.version.load(Ordering::Acquire), cfg)
     }
 
     /// Puts `cfg` in effect; its version.
-    pub fn replace(&self, cfg: Config) -> u64 {
+    pub(crate) fn replace(&self, cfg: Config) -> u64 {
         self.current.store(Arc::new(cfg));
         self.version.fetch_add(1, Ordering::AcqRel) + 1
     }
@@ -46,7 +46,7 @@ impl Effective {
 /// The tree that results from reloading `new` over `running`: the fields that change live come
 /// from `new`, every other keeps its running value. Also returns the names of the fields `new`
 /// changes that only a restart applies (dotted for a nested field).
-pub fn merge(running: &Config, new: &Config) -> (Config, Vec<String>) {
+pub(crate) fn merge(running: &Config, new: &Config) -> (Config, Vec<String>) {
     let mut out = running.clone();
     out.router = new.router;
     out.max_in_flight_per_endpoint = new.max_in_flight_per_endpoint;
@@ -69,7 +69,7 @@ pub fn merge(running: &Config, new: &Config) -> (Config, Vec<String>) {
 }
 
 /// The fields (dotted below the top level) where `a` and `b` differ.
-pub fn changed(a: &Config, b: &Config) -> Vec<String> {
+pub(crate) fn changed(a: &Config, b: &Config) -> Vec<String> {
     let (Ok(a), Ok(b)) = (serde_json::to_value(a), serde_json::to_value(b)) else {
         return Vec::new();
     };

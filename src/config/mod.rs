@@ -58,7 +58,7 @@ pub enum PickerKind {
 
 impl PickerKind {
     /// The name the configuration uses.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             PickerKind::KvAware => "kv-aware",
             PickerKind::ApproximatePrefix => "approximate-prefix",

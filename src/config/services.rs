@@ -16,11 +16,11 @@ use super::{Config, FieldError};
 use crate::replica::peers::{validate_endpoint, Peers};
 
 /// `kvepp select-service`'s port when none is given (the seed's).
-pub const SELECT_SERVICE_PORT: u16 = 8092;
+pub(crate) const SELECT_SERVICE_PORT: u16 = 8092;
 /// `kvepp select-service`'s runtime threads when none are given (the seed's `--threads`).
-pub const SELECT_SERVICE_THREADS: usize = 4;
+pub(crate) const SELECT_SERVICE_THREADS: usize = 4;
 /// `kvepp slot-tracker`'s port when none is given (the seed's).
-pub const SLOT_TRACKER_PORT: u16 = 8091;
+pub(crate) const SLOT_TRACKER_PORT: u16 = 8091;
 
 /// `select_service`: the standalone selection service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,7 +83,7 @@ impl Default for SlotTrackerConfig {
 
 impl SelectServiceConfig {
     /// The peer list the flags and file seed.
-    pub fn peers(&self) -> Result<Peers, String> {
+    pub(crate) fn peers(&self) -> Result<Peers, String> {
         Peers::new(self.replica_sync_peers.iter().cloned(), None)
     }
 
@@ -119,7 +119,7 @@ impl SelectServiceConfig {
 
 impl SlotTrackerConfig {
     /// The peer list the flags and file seed.
-    pub fn peers(&self) -> Result<Peers, String> {
+    pub(crate) fn peers(&self) -> Result<Peers, String> {
         Peers::new(
             self.replica_sync_peers.iter().cloned(),
             self.replica_sync_advertise.clone(),
@@ -166,12 +166,12 @@ impl SlotTrackerConfig {
 
 impl Config {
     /// Checks what `kvepp select-service` reads: its section, `router`, `api_token_file`.
-    pub fn validate_select_service(&self) -> Result<(), Vec<FieldError>> {
+    pub(crate) fn validate_select_service(&self) -> Result<(), Vec<FieldError>> {
         self.check_service(|bad| self.select_service.problems(bad))
     }
 
     /// Checks what `kvepp slot-tracker` reads: its section, `router`, `api_token_file`.
-    pub fn validate_slot_tracker(&self) -> Result<(), Vec<FieldError>> {
+    pub(crate) fn validate_slot_tracker(&self) -> Result<(), Vec<FieldError>> {
         self.check_service(|bad| self.slot_tracker.problems(bad))
     }
 

@@ -18,7 +18,7 @@ use std::path::Path;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use serde::Deserialize;
 
-pub const API_VERSION: &str = "grove.io/v1alpha1";
+pub(crate) const API_VERSION: &str = "grove.io/v1alpha1";
 
 /// One level of a ClusterTopology.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -75,7 +75,11 @@ pub type Found = Option<Vec<ClusterTopology>>;
 
 /// The admission checks: the named topology exists and has `level`. Returns its levels'
 /// domains, broadest first.
-pub fn check(found: &Found, name: &str, level: &str) -> Result<Vec<String>, TopologyCheckError> {
+pub(crate) fn check(
+    found: &Found,
+    name: &str,
+    level: &str,
+) -> Result<Vec<String>, TopologyCheckError> {
     let owned = || (name.to_owned(), level.to_owned());
     let Some(all) = found else {
         let (name, level) = owned();
@@ -107,7 +111,7 @@ fn parse(value: serde_json::Value) -> Result<ClusterTopology, serde_json::Error>
 
 /// The ClusterTopologies of a manifests directory (`*.yaml`, `*.yml`, `*.json`). A directory
 /// stands in for a whole cluster, so one without any counts as "Grove not installed".
-pub fn from_manifests(dir: &Path) -> Result<Found, std::io::Error> {
+pub(crate) fn from_manifests(dir: &Path) -> Result<Found, std::io::Error> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
@@ -137,7 +141,7 @@ pub fn from_manifests(dir: &Path) -> Result<Found, std::io::Error> {
 
 /// The cluster's ClusterTopologies through the Kubernetes API (`None`: the API answers 404, the
 /// CRD is not installed).
-pub async fn from_cluster(client: kube::Client) -> Result<Found, kube::Error> {
+pub(crate) async fn from_cluster(client: kube::Client) -> Result<Found, kube::Error> {
     let gvk = GroupVersionKind::gvk("grove.io", "v1alpha1", "ClusterTopology");
     let res = ApiResource::from_gvk_with_plural(&gvk, "clustertopologies");
     let api: Api<DynamicObject> = Api::all_with(client, &res);

@@ -64,12 +64,12 @@ pub struct WatchMetrics {
 }
 
 impl WatchMetrics {
-    pub fn error(&self, resource: &'static str) {
+    pub(crate) fn error(&self, resource: &'static str) {
         self.errors
             .get_or_create(&ResourceLabels { resource })
             .inc();
     }
-    pub fn relist(&self, resource: &'static str) {
+    pub(crate) fn relist(&self, resource: &'static str) {
         self.relists
             .get_or_create(&ResourceLabels { resource })
             .inc();
@@ -243,7 +243,7 @@ impl ServiceDiscovery for KubeDiscovery {
 }
 
 /// The fields kvepp uses, from the typed object.
-pub fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
+pub(crate) fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
     EndpointSlice {
         metadata: ObjectMeta {
             name: s.metadata.name.unwrap_or_default(),
@@ -328,7 +328,7 @@ pub struct KubeCatalog {
 
 impl KubeCatalog {
     /// Runs until `shutdown`. The first catalog is applied once every kind has synced.
-    pub async fn run(self, store: Arc<Datastore>, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(self, store: Arc<Datastore>, mut shutdown: watch::Receiver<bool>) {
         let on_invalid: Arc<dyn Fn() + Send + Sync> = Arc::from(self.on_invalid);
         let mut merged = futures::stream::SelectAll::new();
         for (i, (group, version, kind, plural, metric)) in CRDS.into_iter().enumerate() {
@@ -400,7 +400,7 @@ pub struct KubeRegistry {
 }
 
 /// Parses the Downward API labels file format: `key="value"` per line, Go-quoted.
-pub fn parse_downward_labels(text: &str) -> BTreeMap<String, String> {
+pub(crate) fn parse_downward_labels(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| {
             let (k, v) = l.split_once('=')?;

@@ -53,7 +53,7 @@ impl std::fmt::Debug for ManifestDir {
 
 impl ManifestDir {
     /// `on_error` is called for every file version that fails to parse (metrics hook).
-    pub fn new(
+    pub(crate) fn new(
         dir: impl Into<PathBuf>,
         poll: Duration,
         on_error: impl Fn(&Path) + Send + Sync + 'static,
@@ -69,14 +69,14 @@ impl ManifestDir {
     }
 
     /// The [`ServiceDiscovery`] view of this directory's EndpointSlices (fed once spawned).
-    pub fn discovery(&self) -> ManifestDiscovery {
+    pub(crate) fn discovery(&self) -> ManifestDiscovery {
         ManifestDiscovery {
             inventory: self.published.subscribe(),
         }
     }
 
     /// Re-reads the directory. Returns the inventory when anything changed.
-    pub fn poll_once(&mut self) -> Option<Inventory> {
+    pub(crate) fn poll_once(&mut self) -> Option<Inventory> {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => {
                 self.dir_error_logged = false;
@@ -158,7 +158,7 @@ impl ManifestDir {
 impl ManifestDir {
     /// Reads the directory now, then every poll interval until `shutdown`: the catalog goes to
     /// `store`, the slices to [`ManifestDir::discovery`] watchers.
-    pub fn spawn(
+    pub(crate) fn spawn(
         mut self,
         store: Arc<Datastore>,
         mut shutdown: watch::Receiver<bool>,

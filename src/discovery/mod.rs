@@ -62,7 +62,7 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    pub fn new(name: &str, criticality: Criticality, targets: Vec<(Arc<str>, u64)>) -> Self {
+    pub(crate) fn new(name: &str, criticality: Criticality, targets: Vec<(Arc<str>, u64)>) -> Self {
         let total_weight = targets.iter().map(|(_, w)| *w).sum();
         ModelSpec {
             name: name.into(),
@@ -93,7 +93,7 @@ pub struct PoolSnapshot {
 static SERIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl PoolSnapshot {
-    pub fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         PoolSnapshot {
             pool: None,
             models: HashMap::new(),
@@ -104,7 +104,7 @@ impl PoolSnapshot {
     }
 
     /// Sets the ready endpoints, with a serial number of their own.
-    pub fn set_endpoints(&mut self, endpoints: Vec<Arc<Endpoint>>) {
+    pub(crate) fn set_endpoints(&mut self, endpoints: Vec<Arc<Endpoint>>) {
         self.endpoints = endpoints;
         self.serial = SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -167,7 +167,7 @@ impl Datastore {
         }
     }
 
-    pub fn target(&self) -> &PoolRef {
+    pub(crate) fn target(&self) -> &PoolRef {
         &self.target
     }
 
@@ -178,22 +178,22 @@ impl Datastore {
 
     /// The ready endpoints, updated with every new snapshot (background tasks wait on this
     /// instead of polling).
-    pub fn watch(&self) -> watch::Receiver<Arc<[Arc<Endpoint>]>> {
+    pub(crate) fn watch(&self) -> watch::Receiver<Arc<[Arc<Endpoint>]>> {
         self.changes.subscribe()
     }
 
     /// True once the configured InferencePool has been seen and the instances have synced.
-    pub fn ready(&self) -> watch::Receiver<bool> {
+    pub(crate) fn ready(&self) -> watch::Receiver<bool> {
         self.ready.subscribe()
     }
 
     /// Replaces the catalog (pools and models; other objects are ignored).
-    pub fn apply_catalog(&self, objects: &[Object]) {
+    pub(crate) fn apply_catalog(&self, objects: &[Object]) {
         self.change(|st| st.catalog = catalog_of(objects));
     }
 
     /// Applies instance events from a [`ServiceDiscovery`] watch, in order.
-    pub fn apply_instances(&self, events: &[InstanceEvent]) {
+    pub(crate) fn apply_instances(&self, events: &[InstanceEvent]) {
         self.change(|st| {
             for ev in events {
                 match ev {
@@ -211,7 +211,7 @@ impl Datastore {
 
     /// Records what `addr`'s metadata says of its role and topology (None: no document); a new
     /// snapshot only when that changes.
-    pub fn apply_metadata(&self, addr: SocketAddr, facts: Option<EndpointFacts>) {
+    pub(crate) fn apply_metadata(&self, addr: SocketAddr, facts: Option<EndpointFacts>) {
         {
             let st = self.state.lock();
             if st.facts.get(&addr) == facts.as_ref() {
@@ -386,21 +386,15 @@ fn endpoint(
                 .or_insert_with(|| v.to_string());
         }
     }
-    Arc::new(Endpoint {
-        addr,
-        name,
-        worker: kvepp_core::kv::worker_id(&addr_str),
-        hints: Default::default(),
-        addr_str,
-        zone: inst.zone.clone(),
-        node: inst.node.clone(),
-        metadata_port: inst.metadata_port,
-        load,
-        role: facts.map_or(Role::Both, |f| f.role),
-        domains,
-        dp_rank,
-        exact_rank: None,
-    })
+    let mut endpoint = Endpoint::new(addr, name);
+    endpoint.zone = inst.zone.clone();
+    endpoint.node = inst.node.clone();
+    endpoint.metadata_port = inst.metadata_port;
+    endpoint.load = load;
+    endpoint.role = facts.map_or(Role::Both, |f| f.role);
+    endpoint.domains = domains;
+    endpoint.dp_rank = dp_rank;
+    Arc::new(endpoint)
 }
 
 /// The objects of a source that form the catalog: pools and models.
@@ -414,7 +408,7 @@ fn catalog_of(objects: &[Object]) -> Vec<Object> {
 
 /// Feeds `store` from `discovery.watch(pool namespace, pool service)` until `shutdown`. Events that
 /// are already waiting are applied together (one snapshot per batch).
-pub async fn feed_instances(
+pub(crate) async fn feed_instances(
     store: Arc<Datastore>,
     discovery: Arc<dyn ServiceDiscovery>,
     mut shutdown: watch::Receiver<bool>,

@@ -7,12 +7,12 @@ use serde::Deserialize;
 
 use crate::engine::HttpVersion;
 
-pub const GROUP_V1ALPHA2: &str = "inference.networking.x-k8s.io/v1alpha2";
-pub const GROUP_V1: &str = "inference.networking.k8s.io/v1";
+pub(crate) const GROUP_V1ALPHA2: &str = "inference.networking.x-k8s.io/v1alpha2";
+pub(crate) const GROUP_V1: &str = "inference.networking.k8s.io/v1";
 /// InferenceObjective as llm-d serves it now.
-pub const LLMD_V1ALPHA2: &str = "llm-d.ai/v1alpha2";
-pub const DISCOVERY_V1: &str = "discovery.k8s.io/v1";
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const LLMD_V1ALPHA2: &str = "llm-d.ai/v1alpha2";
+pub(crate) const DISCOVERY_V1: &str = "discovery.k8s.io/v1";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ObjectError {
@@ -64,7 +64,7 @@ pub struct InferencePool {
 
 impl InferencePool {
     /// The first target port: where a pod's one endpoint is served when its slice names no port.
-    pub fn target_port(&self) -> Option<u16> {
+    pub(crate) fn target_port(&self) -> Option<u16> {
         self.target_ports.first().copied()
     }
 }
@@ -136,7 +136,7 @@ pub struct Conditions {
 
 impl Conditions {
     /// Kubernetes semantics: a nil `ready` means ready; terminating endpoints never take new work.
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.ready != Some(false) && self.terminating != Some(true)
     }
 }
@@ -270,7 +270,7 @@ fn port(kind: &'static str, name: &str, n: i64) -> Result<u16, ObjectError> {
 }
 
 /// Converts one YAML document. `Ok(None)` for kinds kvepp does not use (Service, Deployment, …).
-pub fn from_value(value: serde_yaml::Value) -> Result<Option<Object>, ObjectError> {
+pub(crate) fn from_value(value: serde_yaml::Value) -> Result<Option<Object>, ObjectError> {
     let kind = value
         .get("kind")
         .and_then(|k| k.as_str())

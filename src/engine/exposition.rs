@@ -4,7 +4,7 @@
 
 /// The label pairs of a Prometheus text-format label set (the text between the braces), with
 /// escapes (`\\`, `\"`, `\n`) resolved; None if it is not well formed.
-pub fn labels(set: &str) -> Option<Vec<(&str, String)>> {
+pub(crate) fn labels(set: &str) -> Option<Vec<(&str, String)>> {
     let mut out = Vec::new();
     let mut rest = set.trim_start();
     while !rest.is_empty() {
@@ -40,7 +40,7 @@ pub fn labels(set: &str) -> Option<Vec<(&str, String)>> {
 
 /// The label set of `line` when it is a sample of `name` (braces found outside quoted values),
 /// and the rest of the line after it.
-pub fn series<'a>(line: &'a str, name: &str) -> Option<(&'a str, &'a str)> {
+pub(crate) fn series<'a>(line: &'a str, name: &str) -> Option<(&'a str, &'a str)> {
     let body = line.strip_prefix(name)?.strip_prefix('{')?;
     let mut quoted = false;
     let mut escaped = false;
@@ -57,7 +57,7 @@ pub fn series<'a>(line: &'a str, name: &str) -> Option<(&'a str, &'a str)> {
 }
 
 /// The value of label `key` in label set `set` (None: absent, or the set is not well formed).
-pub fn label(set: &str, key: &str) -> Option<String> {
+pub(crate) fn label(set: &str, key: &str) -> Option<String> {
     labels(set)?
         .into_iter()
         .find_map(|(k, v)| (k == key).then_some(v))

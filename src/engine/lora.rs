@@ -10,7 +10,7 @@
 
 use kvepp_core::affinity::AdapterSlots;
 
-pub const METRIC: &str = "vllm:lora_requests_info";
+pub(crate) const METRIC: &str = "vllm:lora_requests_info";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LoraInfoError {

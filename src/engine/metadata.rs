@@ -93,7 +93,7 @@ pub struct KvEventsInfo {
 
 impl EngineMetadata {
     /// The KV blocks the engine has room for (`model.runtime_config.total_kv_blocks`).
-    pub fn total_kv_blocks(&self) -> Option<u64> {
+    pub(crate) fn total_kv_blocks(&self) -> Option<u64> {
         self.model
             .as_ref()?
             .runtime_config
@@ -102,20 +102,20 @@ impl EngineMetadata {
             .filter(|&n| n > 0)
     }
 
-    pub fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
+    pub(crate) fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(body)
     }
 
-    pub fn block_size(&self) -> Option<u32> {
+    pub(crate) fn block_size(&self) -> Option<u32> {
         self.model.as_ref()?.runtime_config.as_ref()?.block_size
     }
 
-    pub fn model_name(&self) -> Option<&str> {
+    pub(crate) fn model_name(&self) -> Option<&str> {
         self.model.as_ref()?.name.as_deref()
     }
 
     /// The adapters the document lists (None: it lists none).
-    pub fn adapters(&self) -> Option<kvepp_core::affinity::AdapterSlots> {
+    pub(crate) fn adapters(&self) -> Option<kvepp_core::affinity::AdapterSlots> {
         (!self.lora_adapters.is_empty()).then(|| kvepp_core::affinity::AdapterSlots {
             running: self
                 .lora_adapters
@@ -129,7 +129,7 @@ impl EngineMetadata {
     }
 
     /// The endpoint's role (an unknown value counts as `both`, with a warning).
-    pub fn role_kind(&self) -> Role {
+    pub(crate) fn role_kind(&self) -> Role {
         match self.role.as_deref() {
             None => Role::Both,
             Some(r) => Role::parse(r).unwrap_or_else(|| {
@@ -143,7 +143,7 @@ impl EngineMetadata {
     }
 
     /// (rank, publisher, replay) for every rank with a valid number; others are skipped.
-    pub fn kv_event_sources(&self) -> Vec<(u32, String, Option<String>)> {
+    pub(crate) fn kv_event_sources(&self) -> Vec<(u32, String, Option<String>)> {
         let Some(kv) = &self.kv_events else {
             return Vec::new();
         };
@@ -169,10 +169,10 @@ pub enum FetchMetadataError {
 }
 
 /// Largest `/metadata` document read.
-pub const MAX_METADATA_BYTES: usize = 1 << 20;
+pub(crate) const MAX_METADATA_BYTES: usize = 1 << 20;
 
 /// `GET http://addr/metadata`, parsed (at most [`MAX_METADATA_BYTES`]).
-pub async fn fetch_metadata(
+pub(crate) async fn fetch_metadata(
     addr: SocketAddr,
     timeout: Duration,
 ) -> Result<EngineMetadata, FetchMetadataError> {
@@ -199,7 +199,7 @@ impl Default for MetadataStore {
 
 impl MetadataStore {
     /// Changes as they happen (the value is a change counter).
-    pub fn changes(&self) -> watch::Receiver<u64> {
+    pub(crate) fn changes(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
     }
 
@@ -207,7 +207,7 @@ impl MetadataStore {
         self.version.send_modify(|v| *v = v.wrapping_add(1));
     }
 
-    pub fn get(&self, addr: &SocketAddr) -> Option<Arc<EngineMetadata>> {
+    pub(crate) fn get(&self, addr: &SocketAddr) -> Option<Arc<EngineMetadata>> {
         self.lock().get(addr).cloned()
     }
 
@@ -284,7 +284,7 @@ struct Due {
 /// (`pool`) and by the next due fetch, never by polling; `on_update` sees each new or changed
 /// document, and `None` when an endpoint's document is dropped (it left, or lost its port). An endpoint whose document cannot be fetched stays routable with defaults
 /// and is marked in `missing` (1) until a fetch succeeds.
-pub async fn run_fetcher(
+pub(crate) async fn run_fetcher(
     mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
     settings: FetchSettings,

@@ -42,7 +42,7 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             EngineKind::Vllm => "vllm",
             EngineKind::Sglang => "sglang",
@@ -92,7 +92,7 @@ pub enum EngineSelect {
 
 impl EngineSelect {
     /// The kind every endpoint is; None: detected.
-    pub fn fixed(self) -> Option<EngineKind> {
+    pub(crate) fn fixed(self) -> Option<EngineKind> {
         match self {
             EngineSelect::Auto => None,
             EngineSelect::Vllm => Some(EngineKind::Vllm),
@@ -112,14 +112,14 @@ pub struct ServerInfo {
 
 impl ServerInfo {
     /// An SGLang `/server_info` answer; None for anything else (no positive `page_size`).
-    pub fn parse(body: &[u8]) -> Option<ServerInfo> {
+    pub(crate) fn parse(body: &[u8]) -> Option<ServerInfo> {
         serde_json::from_slice::<ServerInfo>(body)
             .ok()
             .filter(|i| i.page_size > 0)
     }
 
     /// KV capacity in blocks (pages).
-    pub fn capacity_blocks(&self) -> Option<u64> {
+    pub(crate) fn capacity_blocks(&self) -> Option<u64> {
         self.max_total_num_tokens
             .map(|t| t / u64::from(self.page_size))
     }
@@ -127,12 +127,14 @@ impl ServerInfo {
 
 /// The load signals of a vLLM or SGLang metrics page, and which of the two it is (the first
 /// load series on the page decides; a page mixing both is read as that one).
-pub fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
+#[cfg(test)]
+pub(crate) fn parse(page: &str) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
     parse_as(page, None)
 }
 
-/// [`parse`], reading only `kind`'s series when given.
-pub fn parse_as(
+/// The load signals of a vLLM or SGLang metrics page and which of the two it is, as `parse`
+/// reads them, reading only `only`'s series when given.
+pub(crate) fn parse_as(
     page: &str,
     only: Option<EngineKind>,
 ) -> Result<(EngineKind, EngineMetrics), NotAnEngine> {
@@ -271,7 +273,7 @@ pub struct ScrapeSettings {
 /// the series' `model_name` label (any other model a request names is an adapter), and only the
 /// requests the slot tracker does not hold on a worker (its own and replica peers' bookings)
 /// count as hidden traffic.
-pub async fn run_scraper(
+pub(crate) async fn run_scraper(
     pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     protocol: impl Fn() -> super::HttpVersion + Send + 'static,
     live: watch::Receiver<ScrapeSettings>,
@@ -509,7 +511,7 @@ fn base_model(page: &str, kind: EngineKind) -> Option<String> {
 /// The engine's own prefix-cache hit ratio: vLLM's `vllm:prefix_cache_hits_total` ÷
 /// `vllm:prefix_cache_queries_total` (since the engine started), SGLang's `sglang:cache_hit_rate`
 /// (the mean over its ranks). None when the page has none (or vLLM has had no query yet).
-pub fn prefix_cache_hit_ratio(page: &str, kind: EngineKind) -> Option<f64> {
+pub(crate) fn prefix_cache_hit_ratio(page: &str, kind: EngineKind) -> Option<f64> {
     let (mut a, mut b, mut n) = (0.0, 0.0, 0u32);
     for (name, _, value) in page.lines().filter_map(sample) {
         if !value.is_finite() {

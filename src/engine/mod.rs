@@ -40,7 +40,7 @@ pub enum HttpVersion {
 
 /// `GET http://addr/path` over HTTP/1.1 on a fresh connection, body at most `limit` bytes, all
 /// within `timeout`.
-pub async fn get(
+pub(crate) async fn get(
     addr: SocketAddr,
     path: &str,
     timeout: Duration,
@@ -50,7 +50,7 @@ pub async fn get(
 }
 
 /// [`get`] in the given HTTP version.
-pub async fn get_with(
+pub(crate) async fn get_with(
     version: HttpVersion,
     addr: SocketAddr,
     path: &str,

@@ -38,7 +38,7 @@ pub struct ExtProcServer {
 
 impl ExtProcServer {
     /// Serves `inner`, refusing messages above `limit` bytes either way.
-    pub fn new(inner: ExtProcService, limit: usize) -> Self {
+    pub(crate) fn new(inner: ExtProcService, limit: usize) -> Self {
         ExtProcServer {
             inner: Arc::new(inner),
             max_decoding: limit,

@@ -39,7 +39,7 @@ fn addresses(v: &Value, out: &mut Vec<SocketAddr>) {
     }
 }
 
-pub fn subset_hint(md: Option<&Metadata>) -> Subset {
+pub(crate) fn subset_hint(md: Option<&Metadata>) -> Subset {
     let Some(v) = md.and_then(|md| lookup(md, SUBSET_NAMESPACE, SUBSET_KEY)) else {
         return Subset::Unset;
     };
@@ -49,7 +49,7 @@ pub fn subset_hint(md: Option<&Metadata>) -> Subset {
 }
 
 /// `envoy.lb` → `x-gateway-destination-endpoint-served`, when the proxy reports it.
-pub fn served_endpoint(md: Option<&Metadata>) -> Option<SocketAddr> {
+pub(crate) fn served_endpoint(md: Option<&Metadata>) -> Option<SocketAddr> {
     let v = lookup(md?, LB_NAMESPACE, SERVED_KEY)?;
     let mut out = Vec::new();
     addresses(v, &mut out);

@@ -66,41 +66,41 @@ pub struct Shared {
 
 impl Shared {
     /// Streams wait (up to `settings.ready_wait`) until `ready` is true.
-    pub fn with_readiness(mut self, ready: tokio::sync::watch::Receiver<bool>) -> Self {
+    pub(crate) fn with_readiness(mut self, ready: tokio::sync::watch::Receiver<bool>) -> Self {
         self.ready = Some(ready);
         self
     }
 
     /// Requests that find the pool saturated wait in `flow` while it is enabled (its
     /// dispatcher runs elsewhere).
-    pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
+    pub(crate) fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
         self.flow = Some(flow);
         self
     }
 
     /// Each decision gets a trace span, told `info`.
-    pub fn with_tracing(mut self, info: Arc<TraceInfo>) -> Self {
+    pub(crate) fn with_tracing(mut self, info: Arc<TraceInfo>) -> Self {
         self.trace = Some(info);
         self
     }
 
     /// Flow control, when present and enabled now.
-    pub fn flow(&self) -> Option<&Arc<FlowControl>> {
+    pub(crate) fn flow(&self) -> Option<&Arc<FlowControl>> {
         self.flow.as_ref().filter(|f| f.enabled())
     }
 
     /// The protocol settings streams use now.
-    pub fn settings(&self) -> arc_swap::Guard<Arc<Settings>> {
+    pub(crate) fn settings(&self) -> arc_swap::Guard<Arc<Settings>> {
         self.settings.load()
     }
 
     /// Live reconfiguration: streams that start afterwards use `settings`.
-    pub fn set_settings(&self, settings: Settings) {
+    pub(crate) fn set_settings(&self, settings: Settings) {
         self.settings.store(Arc::new(settings));
     }
 
     /// Sessions are read from `affinity`'s header, and its counters count the picks.
-    pub fn with_affinity(mut self, affinity: Arc<crate::request::Affinity>) -> Self {
+    pub(crate) fn with_affinity(mut self, affinity: Arc<crate::request::Affinity>) -> Self {
         self.affinity = affinity;
         self
     }
@@ -131,12 +131,12 @@ pub struct ExtProcService {
 const MESSAGE_HEADROOM: usize = 64 << 10;
 
 impl ExtProcService {
-    pub fn new(shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
         ExtProcService { shared }
     }
 
     /// The tonic server with message limits that fit the largest accepted body.
-    pub fn into_server(self) -> ExtProcServer {
+    pub(crate) fn into_server(self) -> ExtProcServer {
         let limit = self.shared.settings().max_body_bytes + MESSAGE_HEADROOM;
         ExtProcServer::new(self, limit)
     }

@@ -15,22 +15,22 @@ use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 use kvepp_core::Pick;
 
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-pub const LB_NAMESPACE: &str = "envoy.lb";
-pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
-pub const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
+pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub(crate) const LB_NAMESPACE: &str = "envoy.lb";
+pub(crate) const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
+pub(crate) const FALLBACK_KEY: &str = "x-gateway-destination-endpoint-fallback";
 /// The candidates' scores (header and `envoy.lb` metadata key), with `emit_endpoint_scores`.
-pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
+pub(crate) const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
 pub use kvepp_core::disagg::PREFILLER_HEADER;
-pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub(crate) const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+pub(crate) const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub(crate) const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
 /// Chunk size for a rewritten streamed body (Envoy recommends ≤ 64 KiB, or its gRPC message limit).
-pub const MAX_STREAMED_CHUNK: usize = 64 * 1024;
+pub(crate) const MAX_STREAMED_CHUNK: usize = 64 * 1024;
 
 /// The destination value: `primary`, or `primary,fallback` in the ordered-list form.
-pub fn destination_value(pick: &Pick, list_form: bool) -> String {
+pub(crate) fn destination_value(pick: &Pick, list_form: bool) -> String {
     match (&pick.fallback, list_form) {
         (Some(fb), true) => format!("{},{}", pick.primary.addr_str, fb.addr_str),
         _ => pick.primary.addr_str.to_string(),
@@ -52,7 +52,7 @@ pub(super) fn set_header(key: &str, value: Vec<u8>) -> HeaderValueOption {
 /// Header mutation that routes the request: the destination header (overwriting anything the
 /// client sent), when the body changed length or the proxy strips it `content-length`, and when
 /// the pick carries them the candidates' scores.
-pub fn routing_mutation(
+pub(crate) fn routing_mutation(
     destination: &str,
     content_length: Option<usize>,
     pick: &Pick,
@@ -99,7 +99,7 @@ fn string_value(s: &str) -> Value {
 }
 
 /// `envoy.lb` dynamic metadata carrying the same destination as the header, plus the fallback.
-pub fn lb_metadata(destination: &str, pick: &Pick) -> Struct {
+pub(crate) fn lb_metadata(destination: &str, pick: &Pick) -> Struct {
     let mut inner = Struct::default();
     inner
         .fields
@@ -147,7 +147,7 @@ fn common(
     })
 }
 
-pub fn request_headers(
+pub(crate) fn request_headers(
     mutation: Option<HeaderMutation>,
     metadata: Option<Struct>,
 ) -> ProcessingResponse {
@@ -160,7 +160,7 @@ pub fn request_headers(
 }
 
 /// BUFFERED-mode answer to the request body: routing headers, optional replaced body, metadata.
-pub fn request_body_buffered(
+pub(crate) fn request_body_buffered(
     mutation: HeaderMutation,
     body: Option<Vec<u8>>,
     metadata: Struct,
@@ -190,7 +190,7 @@ fn streamed(body: Bytes, end_of_stream: bool) -> Option<CommonResponse> {
 }
 
 /// A body chunk sent back in FULL_DUPLEX_STREAMED mode (the chunk as it came: not copied).
-pub fn request_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
+pub(crate) fn request_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: streamed(body, end_of_stream),
@@ -199,7 +199,7 @@ pub fn request_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingRespons
     }
 }
 
-pub fn response_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
+pub(crate) fn response_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseBody(BodyResponse {
             response: streamed(body, end_of_stream),
@@ -208,28 +208,28 @@ pub fn response_body_chunk(body: Bytes, end_of_stream: bool) -> ProcessingRespon
     }
 }
 
-pub fn response_headers_continue() -> ProcessingResponse {
+pub(crate) fn response_headers_continue() -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseHeaders(HeadersResponse::default())),
         ..Default::default()
     }
 }
 
-pub fn response_body_continue() -> ProcessingResponse {
+pub(crate) fn response_body_continue() -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseBody(BodyResponse::default())),
         ..Default::default()
     }
 }
 
-pub fn request_body_continue() -> ProcessingResponse {
+pub(crate) fn request_body_continue() -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse::default())),
         ..Default::default()
     }
 }
 
-pub fn trailers_continue(request: bool) -> ProcessingResponse {
+pub(crate) fn trailers_continue(request: bool) -> ProcessingResponse {
     let t = TrailersResponse::default();
     let response = if request {
         Response::RequestTrailers(t)
@@ -243,7 +243,7 @@ pub fn trailers_continue(request: bool) -> ProcessingResponse {
 }
 
 /// OpenAI-style error body.
-pub fn error_body(status: u16, kind: &str, message: &str) -> Vec<u8> {
+pub(crate) fn error_body(status: u16, kind: &str, message: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
         "error": {"message": message, "type": kind, "code": status}
     }))
@@ -251,7 +251,7 @@ pub fn error_body(status: u16, kind: &str, message: &str) -> Vec<u8> {
 }
 
 /// An answer the proxy sends to the client instead of forwarding the request.
-pub fn immediate(status: u16, kind: &str, message: &str) -> ProcessingResponse {
+pub(crate) fn immediate(status: u16, kind: &str, message: &str) -> ProcessingResponse {
     let headers = HeaderMutation {
         set_headers: vec![set_header("content-type", b"application/json".to_vec())],
         remove_headers: Vec::new(),

@@ -42,7 +42,7 @@ use kvepp_request::Rewrite;
 
 /// Request headers naming the InferenceObjective (llm-d's current name first, then the Inference
 /// Extension's former one).
-pub const OBJECTIVE_HEADERS: [&str; 2] = [
+pub(crate) const OBJECTIVE_HEADERS: [&str; 2] = [
     "x-llm-d-inference-objective",
     "x-gateway-inference-objective",
 ];

@@ -299,7 +299,7 @@ impl Register for KvEventMetrics {
 
 /// Keeps one subscription per publishing rank of every ready endpoint (re-subscribing when its
 /// metadata changes, stopping when it leaves the pool) and refreshes the index gauges.
-pub async fn run_manager(
+pub(crate) async fn run_manager(
     kv: Arc<KvState>,
     mut pool: watch::Receiver<Arc<[Arc<Endpoint>]>>,
     md: Arc<MetadataStore>,
@@ -414,7 +414,7 @@ impl Subscribe {
 
 /// Keeps exactly the subscriptions of the latest set: new ones start, changed ones restart,
 /// missing ones stop (their blocks leave with their worker through the catalog).
-pub async fn run_registered(
+pub(crate) async fn run_registered(
     mut set: watch::Receiver<Vec<Subscribe>>,
     metrics: Arc<KvEventMetrics>,
     mut shutdown: watch::Receiver<bool>,

@@ -7,7 +7,7 @@ use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAcces
 pub use kvepp_core::index::{EngineBlockHash, Tier};
 
 /// The tier of vLLM's `medium` (absent means GPU). Unknown media count as the slowest tier.
-pub fn tier_from_medium(medium: Option<&str>) -> Tier {
+pub(crate) fn tier_from_medium(medium: Option<&str>) -> Tier {
     let Some(m) = medium else { return Tier::Device };
     let is = |names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
     if is(&["GPU", "DEVICE"]) {

@@ -21,7 +21,7 @@ pub enum SeqAction {
 /// How long after a catch-up the live copies of the batches it replayed may still arrive (they
 /// were queued on the socket while the replay ran, so they come within milliseconds). Past it, a
 /// number inside the replayed range is a restarted publisher's, not a copy.
-pub const COPY_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const COPY_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug, Default, Clone)]
 pub struct SeqTracker {
@@ -33,12 +33,12 @@ pub struct SeqTracker {
 
 impl SeqTracker {
     /// Where a catch-up replay starts: after the last batch seen, or 0 for a new publisher.
-    pub fn resume_from(&self) -> u64 {
+    pub(crate) fn resume_from(&self) -> u64 {
         self.next.unwrap_or(0)
     }
 
     /// A catch-up replay delivered `[from, to)`: expect `to` next, and drop live copies of them.
-    pub fn caught_up(&mut self, from: u64, to: u64, now: std::time::Instant) {
+    pub(crate) fn caught_up(&mut self, from: u64, to: u64, now: std::time::Instant) {
         if to > from {
             self.next = Some(to);
             self.replayed = Some((from, to, now));
@@ -46,7 +46,7 @@ impl SeqTracker {
     }
 
     /// The action for batch `seq`; the tracker then expects `seq + 1`.
-    pub fn observe(&mut self, seq: u64, now: std::time::Instant) -> SeqAction {
+    pub(crate) fn observe(&mut self, seq: u64, now: std::time::Instant) -> SeqAction {
         if let Some((from, to, at)) = self.replayed {
             if (from..to).contains(&seq) && now.saturating_duration_since(at) < COPY_WINDOW {
                 return SeqAction::Duplicate;

@@ -33,7 +33,7 @@ use super::sequence::{SeqAction, SeqTracker};
 const SETTLE: Duration = Duration::from_millis(300);
 
 /// Sequence number that ends a replay reply.
-pub const REPLAY_END: u64 = u64::MAX;
+pub(crate) const REPLAY_END: u64 = u64::MAX;
 
 /// Where one rank publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]

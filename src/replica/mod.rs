@@ -49,7 +49,7 @@ pub const WIRE_VERSION: u32 = 1;
 pub const QUEUE: usize = 8192;
 
 /// Largest message accepted from a peer (a 128k-token prompt's admission is ~70 KB).
-pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
 const RECONNECT_MIN: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(1);
@@ -130,16 +130,12 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    pub fn disabled() -> Self {
+    pub(crate) fn disabled() -> Self {
         Outbox {
             tx: None,
             origin: 0,
             stats: Arc::default(),
         }
-    }
-
-    pub fn stats(&self) -> &Arc<SyncStats> {
-        &self.stats
     }
 
     /// Queues the event `event` builds (not built at all when replica sync is off).
@@ -159,7 +155,7 @@ impl Outbox {
         }
     }
 
-    pub fn admission(
+    pub(crate) fn admission(
         &self,
         scope: &Scope,
         request_id: &str,
@@ -180,7 +176,7 @@ impl Outbox {
         });
     }
 
-    pub fn prefill_complete(&self, scope: &Scope, request_id: &str) {
+    pub(crate) fn prefill_complete(&self, scope: &Scope, request_id: &str) {
         self.send(scope, || {
             wire::envelope::Event::PrefillComplete(wire::PrefillComplete {
                 request_id: request_id.to_owned(),
@@ -189,7 +185,7 @@ impl Outbox {
     }
 
     /// Approximate prefix routing: `locals`/`hashes` were routed to `worker`.
-    pub fn routed(
+    pub(crate) fn routed(
         &self,
         scope: &Scope,
         worker: u64,
@@ -206,7 +202,7 @@ impl Outbox {
     }
 
     /// A client session was bound to `rank`.
-    pub fn session_bound(&self, scope: &Scope, key: SessionKey, rank: WorkerRank) {
+    pub(crate) fn session_bound(&self, scope: &Scope, key: SessionKey, rank: WorkerRank) {
         self.send(scope, || {
             wire::envelope::Event::SessionBound(wire::SessionBound {
                 session_key: key.0,
@@ -217,11 +213,11 @@ impl Outbox {
     }
 
     /// The random identity of this process on the wire (0 when disabled).
-    pub fn origin(&self) -> u64 {
+    pub(crate) fn origin(&self) -> u64 {
         self.origin
     }
 
-    pub fn free(&self, scope: &Scope, request_id: &str) {
+    pub(crate) fn free(&self, scope: &Scope, request_id: &str) {
         self.send(scope, || {
             wire::envelope::Event::Free(wire::Free {
                 request_id: request_id.to_owned(),
@@ -237,12 +233,12 @@ pub enum ReplicaError {
 }
 
 /// ZMQ accepts `tcp://*:port` for "every interface"; the zeromq crate wants an address.
-pub fn bindable(endpoint: &str) -> String {
+pub(crate) fn bindable(endpoint: &str) -> String {
     endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
 }
 
 /// Binds the PUB socket and starts publishing; returns the outbox and the bound endpoint.
-pub async fn start_publisher(
+pub(crate) async fn start_publisher(
     bind: &str,
     stats: Arc<SyncStats>,
     mut shutdown: watch::Receiver<bool>,
@@ -446,7 +442,7 @@ pub struct Replica {
 
 /// Starts replica sync when `bind` is set: PUB on it, SUB to every peer in `peers` (as it
 /// changes), received events applied through `sink`. Without `bind`, a disabled outbox.
-pub async fn start(
+pub(crate) async fn start(
     bind: Option<&str>,
     peers: watch::Receiver<Vec<String>>,
     sink: Arc<dyn Sink>,

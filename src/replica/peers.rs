@@ -22,7 +22,7 @@ pub enum PeerError {
     Unknown(String),
 }
 
-pub const MAX_PEERS: usize = 256;
+pub(crate) const MAX_PEERS: usize = 256;
 
 #[derive(Debug, Default)]
 pub struct Peers {
@@ -34,7 +34,7 @@ pub struct Peers {
 }
 
 /// Checks the shape of a ZMQ endpoint.
-pub fn validate_endpoint(endpoint: &str) -> Result<(), String> {
+pub(crate) fn validate_endpoint(endpoint: &str) -> Result<(), String> {
     let endpoint = endpoint.trim();
     if let Some(rest) = endpoint.strip_prefix("tcp://") {
         let (host, port) = rest
@@ -70,7 +70,7 @@ impl Peers {
         Ok(p)
     }
 
-    pub fn add(&mut self, endpoint: &str) -> Result<(), PeerError> {
+    pub(crate) fn add(&mut self, endpoint: &str) -> Result<(), PeerError> {
         validate_endpoint(endpoint).map_err(PeerError::Invalid)?;
         let endpoint = endpoint.trim();
         if self.advertise.as_deref() == Some(endpoint) {
@@ -86,17 +86,17 @@ impl Peers {
     }
 
     /// Removes a peer; whether it was configured.
-    pub fn remove(&mut self, endpoint: &str) -> bool {
+    pub(crate) fn remove(&mut self, endpoint: &str) -> bool {
         self.list.remove(endpoint.trim())
     }
 
     /// Configured and discovered peers, sorted.
-    pub fn list(&self) -> Vec<String> {
+    pub(crate) fn list(&self) -> Vec<String> {
         self.list.union(&self.discovered).cloned().collect()
     }
 
     /// Replaces the discovered peers (never the advertised self), bounded like the rest.
-    pub fn set_discovered(&mut self, found: impl IntoIterator<Item = String>) {
+    pub(crate) fn set_discovered(&mut self, found: impl IntoIterator<Item = String>) {
         self.discovered = found
             .into_iter()
             .filter(|e| self.advertise.as_deref() != Some(e.as_str()))
@@ -134,12 +134,12 @@ impl SharedPeers {
     }
 
     /// The list now and at every change.
-    pub fn subscribe(&self) -> watch::Receiver<Vec<String>> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Vec<String>> {
         self.changes.subscribe()
     }
 
     /// Adds a peer (the `register_peer` route).
-    pub fn register(&self, endpoint: &str) -> Result<(), PeerError> {
+    pub(crate) fn register(&self, endpoint: &str) -> Result<(), PeerError> {
         let mut peers = self.lock();
         peers.add(endpoint)?;
         self.changes.send_replace(peers.list());
@@ -148,7 +148,7 @@ impl SharedPeers {
     }
 
     /// Removes a peer (the `deregister_peer` route).
-    pub fn deregister(&self, endpoint: &str) -> Result<(), PeerError> {
+    pub(crate) fn deregister(&self, endpoint: &str) -> Result<(), PeerError> {
         let mut peers = self.lock();
         if peers.remove(endpoint) {
             self.changes.send_replace(peers.list());
@@ -159,20 +159,20 @@ impl SharedPeers {
     }
 
     /// Replaces the peers found by discovery.
-    pub fn set_discovered(&self, found: impl IntoIterator<Item = String>) {
+    pub(crate) fn set_discovered(&self, found: impl IntoIterator<Item = String>) {
         let mut peers = self.lock();
         peers.set_discovered(found);
         self.changes.send_replace(peers.list());
     }
 
     /// The sorted list.
-    pub fn list(&self) -> Vec<String> {
+    pub(crate) fn list(&self) -> Vec<String> {
         self.lock().list()
     }
 }
 
 /// `a,b,c` → validated endpoints (empty items skipped).
-pub fn parse_list(s: Option<&str>) -> Vec<String> {
+pub(crate) fn parse_list(s: Option<&str>) -> Vec<String> {
     s.unwrap_or("")
         .split(',')
         .map(str::trim)

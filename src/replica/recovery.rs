@@ -21,7 +21,7 @@ use kvepp_core::index::{EngineBlockHash, RankDump};
 use kvepp_core::slots::WorkerRank;
 use kvepp_core::{KvState, SequenceHash};
 
-pub const FORMAT: &str = "kvepp-index-dump/1";
+pub(crate) const FORMAT: &str = "kvepp-index-dump/1";
 
 /// What the start's recovery did: `kvepp_index_recoveries_total{result}` (`recovered`: a peer's
 /// dump applied; `failed`: no peer usable, the replica started with an empty index) and
@@ -37,7 +37,7 @@ pub struct RecoveryMetrics {
 
 impl RecoveryMetrics {
     /// Records one recovery's outcome.
-    pub fn observe(&self, outcome: &Result<(String, u64), RecoveryError>) {
+    pub(crate) fn observe(&self, outcome: &Result<(String, u64), RecoveryError>) {
         let result = match outcome {
             Ok((_, pairs)) => {
                 self.pairs.set(i64::try_from(*pairs).unwrap_or(i64::MAX));
@@ -67,7 +67,7 @@ impl crate::metrics::Register for RecoveryMetrics {
 }
 
 /// Largest dump accepted from a peer.
-pub const MAX_DUMP_BYTES: usize = 256 << 20;
+pub(crate) const MAX_DUMP_BYTES: usize = 256 << 20;
 
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -135,7 +135,7 @@ fn from_json(r: RankJson) -> RankDump {
 }
 
 /// One scope's snapshot: its index, and the session bindings of its router when given.
-pub fn scope_dump(scope: &Scope, kv: &KvState, sessions: Option<&Sessions>) -> ScopeDump {
+pub(crate) fn scope_dump(scope: &Scope, kv: &KvState, sessions: Option<&Sessions>) -> ScopeDump {
     let dumps = kv.index().read().dump();
     let now = kvepp_core::types::clock_nanos(std::time::Instant::now());
     ScopeDump {
@@ -157,7 +157,10 @@ pub fn scope_dump(scope: &Scope, kv: &KvState, sessions: Option<&Sessions>) -> S
 
 /// A dump's session bindings applied to `router` (as a peer's: not published again). Returns
 /// how many.
-pub fn restore_sessions(router: &kvepp_core::Router, sessions: &[(u64, u64, u32, u64)]) -> u64 {
+pub(crate) fn restore_sessions(
+    router: &kvepp_core::Router,
+    sessions: &[(u64, u64, u32, u64)],
+) -> u64 {
     let now = std::time::Instant::now();
     for &(key, worker, dp_rank, idle_ms) in sessions {
         router.bind_peer_session(
@@ -171,7 +174,7 @@ pub fn restore_sessions(router: &kvepp_core::Router, sessions: &[(u64, u64, u32,
 }
 
 /// The snapshot of every scope of `catalog` (pooled: one, under `pool_scope`).
-pub fn dump(catalog: &Catalog, pool_scope: &Scope) -> DumpDoc {
+pub(crate) fn dump(catalog: &Catalog, pool_scope: &Scope) -> DumpDoc {
     DumpDoc {
         format: FORMAT.into(),
         scopes: catalog
@@ -190,7 +193,7 @@ pub enum RecoveryError {
 }
 
 /// `GET <url>/dump`, parsed.
-pub async fn fetch(url: &str) -> Result<DumpDoc, RecoveryError> {
+pub(crate) async fn fetch(url: &str) -> Result<DumpDoc, RecoveryError> {
     let err = |message: String| RecoveryError::Peer {
         url: url.to_owned(),
         message,
@@ -257,7 +260,7 @@ async fn first_good(
 /// Asks `peers` in turn; applies the first good dump to `catalog`. Returns the peer used and the
 /// pairs restored at once (scopes without workers yet are applied when their first worker
 /// registers).
-pub async fn recover(
+pub(crate) async fn recover(
     catalog: &parking_lot::RwLock<Catalog>,
     peers: &[String],
 ) -> Result<(String, u64), RecoveryError> {
@@ -285,7 +288,7 @@ pub async fn recover(
 /// `kvepp serve`: asks `peers` in turn and restores the first good dump's content into the
 /// picker's index (every scope with the same block size: a replica has one) and its sessions into
 /// `router`.
-pub async fn recover_pool(
+pub(crate) async fn recover_pool(
     kv: &KvState,
     router: &kvepp_core::Router,
     peers: &[String],

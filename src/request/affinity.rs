@@ -41,7 +41,7 @@ impl Default for Affinity {
 
 impl Affinity {
     /// Reads the session from `header` (None or empty: off); reports `router`'s table.
-    pub fn new(header: Option<&str>, router: Option<Arc<Router>>) -> Self {
+    pub(crate) fn new(header: Option<&str>, router: Option<Arc<Router>>) -> Self {
         Affinity {
             header: arc_swap::ArcSwapOption::new(Self::name(header)),
             outcomes: Family::default(),
@@ -58,18 +58,18 @@ impl Affinity {
     }
 
     /// The session header's name, when session affinity is on.
-    pub fn header(&self) -> Option<Arc<String>> {
+    pub(crate) fn header(&self) -> Option<Arc<String>> {
         self.header.load_full()
     }
 
     /// Live reconfiguration: streams that start afterwards read `header` (None or empty: off).
-    pub fn set_header(&self, header: Option<&str>) {
+    pub(crate) fn set_header(&self, header: Option<&str>) {
         self.header.store(Self::name(header));
     }
 
     /// The session of a request whose session header had `raw`; an unusable id is ignored,
     /// logged and counted.
-    pub fn session(&self, raw: &[u8]) -> Option<SessionKey> {
+    pub(crate) fn session(&self, raw: &[u8]) -> Option<SessionKey> {
         match SessionKey::parse(raw) {
             Ok(k) => Some(k),
             Err(e) => {

@@ -39,7 +39,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 /// The request header that names a request's flow (the fairness key) by default.
-pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+pub(crate) const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
 
 /// How often the dispatcher re-checks capacity while requests wait and no booking was released
 /// (saturation that comes from engine metrics ends without a release).
@@ -91,7 +91,7 @@ impl Default for FlowControlSettings {
 impl FlowControlSettings {
     /// How long a request may wait in the queue: `max_wait_ms`, or the TTFT objective when it is
     /// shorter (past it, no placement can meet it).
-    pub fn wait_bound(&self) -> Duration {
+    pub(crate) fn wait_bound(&self) -> Duration {
         let ms = match self.ttft_objective_ms {
             0 => self.max_wait_ms,
             o => o.min(self.max_wait_ms),
@@ -101,13 +101,13 @@ impl FlowControlSettings {
 
     /// What is left of the TTFT objective for a request that arrived at `arrived` (None: no
     /// objective).
-    pub fn ttft_budget_ms(&self, arrived: Instant) -> Option<f64> {
+    pub(crate) fn ttft_budget_ms(&self, arrived: Instant) -> Option<f64> {
         (self.ttft_objective_ms > 0)
             .then(|| self.ttft_objective_ms as f64 - arrived.elapsed().as_secs_f64() * 1000.0)
     }
 
     /// One message per bad field.
-    pub fn problems(&self) -> Vec<String> {
+    pub(crate) fn problems(&self) -> Vec<String> {
         let mut out = Vec::new();
         if !(1..=1_000_000).contains(&self.max_queue_per_priority) {
             out.push(format!(
@@ -218,7 +218,7 @@ pub struct Grant {
 
 impl Grant {
     /// Reports whether the request was placed (false: the dispatcher waits for the next release).
-    pub fn done(self, placed: bool) {
+    pub(crate) fn done(self, placed: bool) {
         self.answer(if placed {
             Answer::Placed
         } else {
@@ -228,7 +228,7 @@ impl Grant {
 
     /// Reports that the request found capacity but no endpoint within its TTFT budget: the
     /// dispatcher offers the turn to the next waiter.
-    pub fn unfit(self) {
+    pub(crate) fn unfit(self) {
         self.answer(Answer::Unfit);
     }
 
@@ -271,7 +271,7 @@ pub struct Ticket {
 }
 
 impl FlowControl {
-    pub fn new(settings: FlowControlSettings, metrics: FlowMetrics) -> Arc<Self> {
+    pub(crate) fn new(settings: FlowControlSettings, metrics: FlowMetrics) -> Arc<Self> {
         Arc::new(FlowControl {
             queue: Mutex::new(FlowQueue::new(settings.max_queue_per_priority)),
             settings: arc_swap::ArcSwap::from_pointee(settings),
@@ -281,19 +281,19 @@ impl FlowControl {
     }
 
     /// The settings requests use now.
-    pub fn settings(&self) -> Arc<FlowControlSettings> {
+    pub(crate) fn settings(&self) -> Arc<FlowControlSettings> {
         self.settings.load_full()
     }
 
     /// Whether requests queue now (`enabled`; off: the stream sheds as without flow control).
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.settings.load().enabled
     }
 
     /// Live reconfiguration: the queue bound, the longest wait (for requests queued from now
     /// on), the fairness header and whether new requests queue at all. Requests already waiting
     /// keep their place; turning it off lets them finish their wait or be dispatched.
-    pub fn reconfigure(&self, settings: FlowControlSettings) {
+    pub(crate) fn reconfigure(&self, settings: FlowControlSettings) {
         self.lock().set_capacity(settings.max_queue_per_priority);
         self.settings.store(Arc::new(settings));
         self.wake.notify_one();
@@ -313,22 +313,26 @@ impl FlowControl {
     }
 
     /// True while requests wait: a new arrival must queue behind them.
-    pub fn busy(&self) -> bool {
+    pub(crate) fn busy(&self) -> bool {
         !self.lock().is_empty()
     }
 
     /// Requests waiting now.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.lock().len()
     }
 
     /// A booking was released (or an endpoint came back): the dispatcher re-checks capacity.
-    pub fn capacity_freed(&self) {
+    pub(crate) fn capacity_freed(&self) {
         self.wake.notify_one();
     }
 
     /// Queues a request of `priority` in `flow`.
-    pub fn enqueue(self: &Arc<Self>, priority: i32, flow: &str) -> Result<Ticket, QueueFull> {
+    pub(crate) fn enqueue(
+        self: &Arc<Self>,
+        priority: i32,
+        flow: &str,
+    ) -> Result<Ticket, QueueFull> {
         let (tx, rx) = oneshot::channel();
         let mut q = self.lock();
         let id = q
@@ -351,7 +355,7 @@ impl FlowControl {
     }
 
     /// The dispatcher: hands out turns while the pool has capacity, until `shutdown`.
-    pub async fn dispatch(
+    pub(crate) async fn dispatch(
         self: Arc<Self>,
         routing: Arc<dyn RouteRequest>,
         mut shutdown: watch::Receiver<bool>,
@@ -416,7 +420,7 @@ impl kvepp_core::Listener for FlowControl {
 impl Ticket {
     /// Waits for this request's turn, at most [`FlowControlSettings::wait_bound`] after it was
     /// queued.
-    pub async fn turn(&mut self) -> Turn {
+    pub(crate) async fn turn(&mut self) -> Turn {
         let deadline = self.since + self.fc.settings().wait_bound();
         match tokio::time::timeout_at(deadline.into(), &mut self.rx).await {
             Ok(Ok(grant)) => {
@@ -429,7 +433,7 @@ impl Ticket {
     }
 
     /// The turn did not place the request: back to the head of its flow, same id.
-    pub fn requeue(&mut self) {
+    pub(crate) fn requeue(&mut self) {
         let (tx, rx) = oneshot::channel();
         self.rx = rx;
         let mut q = self.fc.lock();
@@ -440,7 +444,7 @@ impl Ticket {
 
     /// The turn found no endpoint within the request's TTFT budget: to the back of its flow
     /// (others may fit meanwhile), or its head when the queue is full.
-    pub fn requeue_back(&mut self) {
+    pub(crate) fn requeue_back(&mut self) {
         let (tx, rx) = oneshot::channel();
         self.rx = rx;
         let mut q = self.fc.lock();
@@ -453,7 +457,7 @@ impl Ticket {
     }
 
     /// The request left the queue with `outcome` (`dispatched`, `timeout`).
-    pub fn finish(mut self, outcome: &'static str) {
+    pub(crate) fn finish(mut self, outcome: &'static str) {
         self.record(outcome);
     }
 

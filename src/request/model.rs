@@ -60,7 +60,7 @@ pub fn resolve_model(
 
 /// Weighted choice among the target models, driven by `roll` (uniform over u64). `None` when the
 /// model has no targets (or only zero weights): the request keeps its model name.
-pub fn pick_target(spec: &ModelSpec, roll: u64) -> Option<&Arc<str>> {
+pub(crate) fn pick_target(spec: &ModelSpec, roll: u64) -> Option<&Arc<str>> {
     if spec.total_weight == 0 {
         return None;
     }

@@ -6,7 +6,7 @@ use kvepp_tokenizer::ModelTokenizer;
 
 /// Prompts at least this large are tokenized off the async worker (`block_in_place`), so one big
 /// prompt does not stall the other streams on that thread.
-pub const OFFLOAD_TOKENIZE_BYTES: usize = 32 << 10;
+pub(crate) const OFFLOAD_TOKENIZE_BYTES: usize = 32 << 10;
 
 #[derive(Debug)]
 pub enum PromptInput<'a> {
@@ -24,7 +24,7 @@ pub enum PromptInput<'a> {
 
 impl<'a> PromptInput<'a> {
     /// The raw JSON text (what approximate prefix hashing reads).
-    pub fn raw_bytes(&self) -> Option<&'a [u8]> {
+    pub(crate) fn raw_bytes(&self) -> Option<&'a [u8]> {
         match self {
             PromptInput::Messages(m) => Some(m.text),
             PromptInput::Prompt(r) => Some(r.get().as_bytes()),

@@ -44,7 +44,7 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    pub fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
         let kind = match status {
             429 => "rate_limit_error",
             500 => "internal_error",
@@ -61,13 +61,13 @@ impl Rejection {
     }
 
     /// Every eligible endpoint is saturated for a request that may be shed.
-    pub fn saturated(message: impl Into<String>) -> Self {
+    pub(crate) fn saturated(message: impl Into<String>) -> Self {
         Rejection::new(429, "saturated", message)
     }
 
     /// No endpoint can give the request its first token within its TTFT objective: 429 for a
     /// sheddable request, 503 for the others (flow control's `ttft_objective_ms`).
-    pub fn over_objective(message: impl Into<String>, priority: i32) -> Self {
+    pub(crate) fn over_objective(message: impl Into<String>, priority: i32) -> Self {
         let status = if is_sheddable(priority) { 429 } else { 503 };
         Rejection::new(status, "ttft_objective", message)
     }
@@ -238,7 +238,7 @@ impl RequestRouter {
 
     /// Counts token ids of prompts by where they came from into `ids`
     /// (`kvepp_prompt_token_ids_total{source}`).
-    pub fn with_id_counts(
+    pub(crate) fn with_id_counts(
         mut self,
         ids: &prometheus_client::metrics::family::Family<
             crate::metrics::HashSourceLabels,
@@ -254,13 +254,13 @@ impl RequestRouter {
     }
 
     /// Counts the preparation steps into `steps` (`kvepp_request_preparation_steps_total`).
-    pub fn with_steps(mut self, steps: PrepareSteps) -> Self {
+    pub(crate) fn with_steps(mut self, steps: PrepareSteps) -> Self {
         self.steps = steps;
         self
     }
 
     /// Tokenizes prompts for `model` (served name) with `tokenizer`.
-    pub fn with_tokenizer(self, model: String, tokenizer: Arc<ModelTokenizer>) -> Self {
+    pub(crate) fn with_tokenizer(self, model: String, tokenizer: Arc<ModelTokenizer>) -> Self {
         let mut all = Tokenizers::clone(&self.tokenizers.load());
         all.insert(model, tokenizer);
         self.set_tokenizers(all);
@@ -268,17 +268,17 @@ impl RequestRouter {
     }
 
     /// Live reconfiguration: requests prepared afterwards use these tokenizers.
-    pub fn set_tokenizers(&self, tokenizers: Tokenizers) {
+    pub(crate) fn set_tokenizers(&self, tokenizers: Tokenizers) {
         self.tokenizers.store(Arc::new(tokenizers));
     }
 
     /// The tokenizers requests use now.
-    pub fn tokenizers(&self) -> Arc<Tokenizers> {
+    pub(crate) fn tokenizers(&self) -> Arc<Tokenizers> {
         self.tokenizers.load_full()
     }
 
     /// Live reconfiguration: whether models with no InferenceModel are routed (true) or 404.
-    pub fn set_pass_through_unknown(&self, on: bool) {
+    pub(crate) fn set_pass_through_unknown(&self, on: bool) {
         self.pass_through_unknown
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }

@@ -104,7 +104,7 @@ pub(super) fn load_tokenizer(
 impl Wiring {
     /// The shared part of the components' start; discovery and the engine readers register
     /// their counters here.
-    pub fn new(
+    pub(crate) fn new(
         cfg: Config,
         metrics: Arc<Metrics>,
         store: Arc<Datastore>,
@@ -129,7 +129,7 @@ impl Wiring {
 
     /// Discovery: the catalog (pools, models) goes straight to the store; endpoints only through
     /// the returned [`ServiceDiscovery`].
-    pub async fn discovery(&mut self) -> Result<Arc<dyn ServiceDiscovery>, ServerError> {
+    pub(crate) async fn discovery(&mut self) -> Result<Arc<dyn ServiceDiscovery>, ServerError> {
         let discovery: Arc<dyn ServiceDiscovery> = match &self.cfg.manifests_dir {
             Some(dir) => {
                 let errors = self.discovery.manifest_errors.clone();
@@ -173,7 +173,7 @@ impl Wiring {
 
     /// The gRPC health reporter: `liveness` at once, `readiness` (and the ext_proc service) while
     /// the pool is loaded and kvepp is not draining (from SIGTERM on).
-    pub async fn health(
+    pub(crate) async fn health(
         &mut self,
     ) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>
     {
@@ -207,7 +207,7 @@ impl Wiring {
 
     /// The KV-aware state (none for a load-only picker), with its KV-event subscriptions; their
     /// counters are registered whatever the picker.
-    pub fn kv_state(&mut self, md: &Arc<MetadataStore>) -> Option<Arc<KvState>> {
+    pub(crate) fn kv_state(&mut self, md: &Arc<MetadataStore>) -> Option<Arc<KvState>> {
         let kv_events = Arc::new(KvEventMetrics::default());
         self.metrics.add(&*kv_events);
         match self.cfg.picker {
@@ -246,7 +246,7 @@ impl Wiring {
     }
 
     /// Fetching every endpoint's `/metadata`: roles and topology, block size and base model.
-    pub fn engine_metadata(&mut self, kv: &Option<Arc<KvState>>, md: &Arc<MetadataStore>) {
+    pub(crate) fn engine_metadata(&mut self, kv: &Option<Arc<KvState>>, md: &Arc<MetadataStore>) {
         {
             // Every picker reads the endpoints' metadata: roles and topology for disaggregated
             // pools; block size, base model (and KV-event sockets) for the KV-aware one.
@@ -294,7 +294,7 @@ impl Wiring {
     }
 
     /// Scraping every engine's `/metrics` (saturation, block size, hidden load).
-    pub fn engine_scraper(&mut self, kv: &Option<Arc<KvState>>) {
+    pub(crate) fn engine_scraper(&mut self, kv: &Option<Arc<KvState>>) {
         if self.cfg.engine_metrics.enabled {
             let pool_store = self.store.clone();
             self.tasks
@@ -319,7 +319,7 @@ impl Wiring {
     /// Before any ext_proc stream is served: the KV index from a peer's `/dump`, once the pool is
     /// loaded (the upkeep, started after, forgets the state of endpoints not in the pool, so the
     /// pool must list the recovered ones).
-    pub async fn recover_index(&self, kv: &Option<Arc<KvState>>, router: &Router) {
+    pub(crate) async fn recover_index(&self, kv: &Option<Arc<KvState>>, router: &Router) {
         if let (Some(kv), false) = (&kv, self.cfg.replica_sync.indexer_peers.is_empty()) {
             let mut ready = self.store.ready();
             let wait = Duration::from_millis(self.cfg.startup_wait_ms);
@@ -341,7 +341,7 @@ impl Wiring {
 
     /// The router: the picker, saturation limits and disaggregation from the tree (its upkeep is
     /// [`Self::upkeep`]).
-    pub fn router(&self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
+    pub(crate) fn router(&self, kv: &Option<Arc<KvState>>) -> Arc<Router> {
         let saturation = saturation(&self.cfg);
         Arc::new(
             match (&kv, self.cfg.picker) {
@@ -360,7 +360,7 @@ impl Wiring {
     /// The router's upkeep, following the pool. Started after [`Self::recover_index`]: an upkeep
     /// pass that read the pool before it was loaded must not run after the recovered index is in
     /// place (it would forget every endpoint the pool was about to list).
-    pub fn upkeep(&mut self, router: &Arc<Router>) {
+    pub(crate) fn upkeep(&mut self, router: &Arc<Router>) {
         self.tasks.push(tokio::spawn(crate::upkeep::run(
             router.clone(),
             self.store.watch(),
@@ -369,7 +369,10 @@ impl Wiring {
     }
 
     /// The routing service over `router`, with the tokenizers of the tree.
-    pub fn routing(&mut self, router: &Arc<Router>) -> Result<Arc<RequestRouter>, ServerError> {
+    pub(crate) fn routing(
+        &mut self,
+        router: &Arc<Router>,
+    ) -> Result<Arc<RequestRouter>, ServerError> {
         let mut routing = RequestRouter::new(
             self.store.clone(),
             router.clone(),
@@ -387,7 +390,7 @@ impl Wiring {
     /// Flow control: it listens to the router's releases, and endpoints joining the pool wake
     /// it too. It runs whether enabled or not (a reload may turn it on); requests queue only
     /// while it is enabled.
-    pub fn flow_control(
+    pub(crate) fn flow_control(
         &mut self,
         router: &Arc<Router>,
         routing: &Arc<dyn RouteRequest>,
@@ -418,7 +421,7 @@ impl Wiring {
 
     /// The ext_proc door's shared state: the routing service, readiness, the session header and
     /// affinity counters, flow control and, with `traced`, a span per decision.
-    pub fn ext_proc_door(
+    pub(crate) fn ext_proc_door(
         &mut self,
         router: &Arc<Router>,
         routing: Arc<dyn RouteRequest>,

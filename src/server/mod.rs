@@ -34,7 +34,7 @@ use kvepp_tokenizer::ModelTokenizer;
 /// flight); the connection window is four streams' worth.
 const GRPC_WINDOW: (u32, u32) = (1 << 20, 16 << 20);
 
-pub const EXT_PROC_SERVICE: &str = crate::extproc::SERVICE;
+pub(crate) const EXT_PROC_SERVICE: &str = crate::extproc::SERVICE;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

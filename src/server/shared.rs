@@ -72,7 +72,7 @@ pub struct Doors {
 
 /// Starts what is configured among replica sync and the HTTP doors; returns the doors' servers.
 #[allow(clippy::too_many_arguments)]
-pub async fn start(
+pub(crate) async fn start(
     cfg: &Config,
     router: &Arc<Router>,
     store: &Arc<Datastore>,
@@ -137,7 +137,7 @@ pub async fn start(
 /// `kvepp serve` on Kubernetes: the replica-sync peers are the ready endpoints of kvepp's own
 /// Service (its EndpointSlices), at the replica-sync port, so scaling the Deployment needs no
 /// configuration. Runs until `shutdown`; the peer list follows every change.
-pub async fn follow_service(
+pub(crate) async fn follow_service(
     discovery: Arc<dyn crate::discovery::ServiceDiscovery>,
     namespace: String,
     service: String,

@@ -39,7 +39,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 const SELF_SIGNED_NAMES: [&str; 4] = ["kvepp", "localhost", "127.0.0.1", "::1"];
 
 /// Longest wait for a connection's first byte and for its TLS handshake.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// First byte of a TLS handshake record.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
@@ -109,7 +109,7 @@ impl std::fmt::Debug for Acceptor {
 
 impl Acceptor {
     /// The acceptor `tls` describes; refused connections and failed handshakes count in `refused`.
-    pub fn new(tls: &GrpcTls, refused: Counter) -> Result<Acceptor, TlsError> {
+    pub(crate) fn new(tls: &GrpcTls, refused: Counter) -> Result<Acceptor, TlsError> {
         Ok(Acceptor {
             tls: server_config(tls)?.map(|c| Arc::new(arc_swap::ArcSwap::from_pointee(c))),
             accept_plaintext: tls.accept_plaintext || tls.mode == TlsMode::Off,
@@ -120,7 +120,7 @@ impl Acceptor {
     /// Reads mode `files`' certificate, key and client CA again: new connections get them.
     /// Ok(false): nothing to re-read (mode `self-signed` or `off`); an error leaves the material
     /// in use as it was.
-    pub fn reload(&self, tls: &GrpcTls) -> Result<bool, TlsError> {
+    pub(crate) fn reload(&self, tls: &GrpcTls) -> Result<bool, TlsError> {
         match (&self.tls, tls.mode) {
             (Some(current), TlsMode::Files) => {
                 if let Some(c) = server_config(tls)? {
@@ -213,7 +213,7 @@ impl Acceptor {
 
     /// The connections of `listener`, ready for the gRPC server; ends when the server stops
     /// reading it.
-    pub fn incoming(
+    pub(crate) fn incoming(
         self,
         listener: TcpListener,
     ) -> impl tokio_stream::Stream<Item = io::Result<Conn>> {

@@ -60,8 +60,13 @@ pub type Domains = BTreeMap<String, String>;
 /// Where the KV-aware picker last found an endpoint in its dense tables (its rank-0 slot in the
 /// KV-event index and in the approximate index, its id in the slot tracker): checked before use
 /// and corrected when wrong, so a pick reads them instead of hashing the endpoint's identity.
+///
+/// The core's own cache, kept in the endpoint it describes: private to this crate (no other
+/// layer reads or writes it, discovery builds endpoints through [`Endpoint::new`]), three words
+/// per endpoint, and never trusted: a hint that names another endpoint's row is looked up again
+/// and overwritten, so a stale or zero hint costs one hash lookup, never a wrong answer.
 #[derive(Debug, Default)]
-pub struct PickHints {
+pub(crate) struct PickHints {
     pub(crate) index: [AtomicU32; 2],
     pub(crate) slot: AtomicU32,
 }
@@ -76,7 +81,7 @@ pub struct Endpoint {
     /// [`crate::types::worker_id`] of `addr_str`, computed once: the key of its load and cached
     /// blocks in the KV-aware picker.
     pub worker: u64,
-    pub hints: PickHints,
+    pub(crate) hints: PickHints,
     pub addr: SocketAddr,
     /// `addr` formatted once as `ip:port` (what goes into headers, metadata and metric labels).
     pub addr_str: Arc<str>,

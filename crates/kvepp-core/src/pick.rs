@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use crate::affinity::{AdapterAffinity, AdapterFit};
 use crate::cost::KvDecision;
-pub use crate::endpoint::{Endpoint, PickHints};
+pub use crate::endpoint::Endpoint;
 use crate::types::{PromptBlocks, WorkerRank};
 
 /// How important a request is (InferenceModel `spec.criticality`).

@@ -5,9 +5,11 @@
 //!
 //! What it owns: up to eight arrays, each held as the request body it came in (`Bytes`, shared
 //! with the request, never copied) with its position, its elements' spans and their message
-//! cache keys ([`ElementKeys`]: filled in by the tokenizer as it computes them, and carried to
-//! the next turn's array for the elements it takes, so a conversation's earlier messages are
-//! not hashed again).
+//! cache keys ([`ElementKeys`]: computed when [`crate::RawMessages::item_key`] is first asked
+//! for one, and carried to the next turn's array for the elements it takes, so a conversation's
+//! earlier messages are not hashed again). Bound: eight arrays of at most
+//! [`crate::MAX_SPLIT_MESSAGES`] elements, under 64 bytes of key slot and span an element, and the
+//! bodies they came in.
 //!
 //! Invariants: an element is taken unwalked only when it ends before the last shared byte (so
 //! even a number ended by the byte after it was read alike), and the walk then resumes just
@@ -34,9 +36,10 @@ struct Array {
     keys: ElementKeys,
 }
 
-/// The message cache keys of an array's elements, one slot each, set by whoever computes one
-/// (the key of the element's bytes: [`crate::generations::ContentCache::key`]).
-pub type ElementKeys = Arc<[OnceLock<u128>]>;
+/// The message cache keys of an array's elements, one slot each, set when
+/// [`crate::RawMessages::item_key`] first computes one (the key of the element's bytes:
+/// [`crate::generations::ContentCache::key`]).
+pub(crate) type ElementKeys = Arc<[OnceLock<u128>]>;
 
 impl Kept for Array {
     fn text(&self) -> &[u8] {
@@ -169,21 +172,18 @@ mod tests {
             let want = seen(parse_body(&bytes));
             let parsed = parse_body_owned(&bytes, None, &known);
             // Keys carried from an earlier turn are the keys of these very elements; the rest
-            // are filled in as the tokenizer would.
+            // are computed when asked for, as the tokenizer asks, and kept.
             if let Some(m) = parsed.as_ref().ok().and_then(|p| p.messages.as_ref()) {
                 if let (Some(items), Some(keys)) = (&m.items, &m.keys) {
                     assert_eq!(items.len(), keys.len(), "step {step}");
-                    for (item, slot) in items.iter().zip(keys.iter()) {
+                    for (i, (item, slot)) in items.iter().zip(keys.iter()).enumerate() {
                         let key = ContentCache::<()>::key(item.get().as_bytes());
-                        match slot.get() {
-                            Some(&k) => {
-                                assert_eq!(k, key, "step {step}: a carried key");
-                                carried += 1;
-                            }
-                            None => {
-                                let _ = slot.set(key);
-                            }
+                        if let Some(&k) = slot.get() {
+                            assert_eq!(k, key, "step {step}: a carried key");
+                            carried += 1;
                         }
+                        assert_eq!(m.item_key(i), Some(key), "step {step}");
+                        assert_eq!(slot.get(), Some(&key), "step {step}: kept");
                     }
                 }
             }

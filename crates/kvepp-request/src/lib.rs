@@ -40,7 +40,8 @@ pub mod recent;
 mod walk;
 pub use id_chunks::{IdChunks, ID_CHUNK_CACHE_IDS};
 use int_array::int_array;
-pub use known::{ElementKeys, KnownArrays};
+use known::ElementKeys;
+pub use known::KnownArrays;
 
 /// A body the caller owns, with the cache of recent `messages` arrays its own may be compared
 /// with (see [`parse_body_owned`]).
@@ -92,9 +93,10 @@ pub struct RawMessages<'a> {
     /// kind of value, or a longer array), found in the pass that validates it, so a chat
     /// template's input can be built (or found cached) message by message.
     pub items: Option<Vec<RawJson<'a>>>,
-    /// The items' message cache key slots, when the array came from a body kept for the next
-    /// turn ([`known::ElementKeys`]): those of messages an earlier turn sent already set.
-    pub keys: Option<ElementKeys>,
+    /// The items' cache keys, when the array came from a body kept for the next turn
+    /// ([`known::ElementKeys`]): those of messages an earlier turn sent already known. Read
+    /// through [`Self::item_key`]; this crate alone sets them.
+    keys: Option<ElementKeys>,
 }
 
 /// The parts of a body the EPP needs, borrowed from the body bytes.
@@ -341,6 +343,19 @@ impl<'de> serde::Deserialize<'de> for Items<'de> {
 }
 
 impl<'a> RawMessages<'a> {
+    /// The message cache key of item `i` (the key of its JSON text:
+    /// [`generations::ContentCache::key`]): kept from the turn that sent the same message
+    /// when the array resumed from a kept one, else computed now (and kept for the next turn
+    /// when the array is kept). None when there is no item `i`.
+    pub fn item_key(&self, i: usize) -> Option<u128> {
+        let text = self.items.as_ref()?.get(i)?.get().as_bytes();
+        let key = || generations::ContentCache::<()>::key(text);
+        Some(match self.keys.as_ref().and_then(|k| k.get(i)) {
+            Some(slot) => *slot.get_or_init(key),
+            None => key(),
+        })
+    }
+
     /// A `messages` value given on its own (already valid JSON), split as the body scanner splits
     /// it.
     pub fn of(messages: &'a RawValue) -> Self {

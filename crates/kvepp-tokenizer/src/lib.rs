@@ -274,16 +274,13 @@ impl ModelTokenizer {
     fn render_into(&self, messages: &RawMessages<'_>) -> Result<Vec<u8>, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let values = match &messages.items {
-            Some(items) => {
-                let slots = messages.keys.as_deref().unwrap_or_default();
-                Value::from(
-                    items
-                        .iter()
-                        .enumerate()
-                        .map(|(k, m)| self.message_value(m, slots.get(k)))
-                        .collect::<Result<Vec<_>, _>>()?,
-                )
-            }
+            Some(items) => Value::from(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(k, m)| self.message_value(m, messages.item_key(k)))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
             // Not an array: whatever it is, the template decides what to make of it.
             None => serde_json::from_slice(messages.text)
                 .map_err(|e| TokenizeError::Prompt(e.to_string()))?,
@@ -306,16 +303,11 @@ impl ModelTokenizer {
     }
 
     /// One message as a template value (straight from JSON, no serde_json::Value in between), from
-    /// the cache when these bytes were seen recently. Its cache key is read from `slot` when an
-    /// earlier turn's array left it there (else computed, and left there for the next turn).
-    fn message_value(
-        &self,
-        raw: &RawJson<'_>,
-        slot: Option<&std::sync::OnceLock<u128>>,
-    ) -> Result<Value, TokenizeError> {
+    /// the cache when these bytes were seen recently, under `key` (the body scanner's key of
+    /// these bytes: [`RawMessages::item_key`]).
+    fn message_value(&self, raw: &RawJson<'_>, key: Option<u128>) -> Result<Value, TokenizeError> {
         let bytes = raw.get().as_bytes();
-        let hash = || ContentCache::<Value>::key(bytes);
-        let key = slot.map_or_else(hash, |slot| *slot.get_or_init(hash));
+        let key = key.unwrap_or_else(|| ContentCache::<Value>::key(bytes));
         self.messages.get_or_make_keyed(key, || {
             serde_json::from_str::<Value>(raw.get())
                 .map(|v| (v, bytes.len()))
