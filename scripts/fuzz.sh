@@ -2,7 +2,7 @@
 # Coverage-guided fuzzing of kvepp's parsers with cargo-fuzz (libFuzzer) on the nightly toolchain:
 # the request body through the ext_proc stream (chunks split anywhere), the vLLM KV-event decoder,
 # the Kubernetes manifests loader, the HTTP services' JSON bodies and the replica-sync decoder
-# (crates/kvepp-fuzz/src/targets.rs says what each checks).
+# (crates/kvepp-fuzz-targets/src/lib.rs says what each checks).
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET (60)] [TARGET ...]
 #
@@ -10,7 +10,7 @@
 # from its saved corpus (crates/kvepp-fuzz/corpus/<target>), which is then minimized (cargo fuzz
 # cmin) so it stays small enough to commit; every crash is copied to
 # crates/kvepp-fuzz/regressions/<target>/ (the test command replays both folders on stable, see
-# tests/fuzz_corpus.rs). Prints executions and crashes per target; exits 1 if any crashed.
+# crates/kvepp-fuzz-targets/tests/corpus.rs). Prints executions and crashes per target; exits 1 if any crashed.
 # FUZZ_SANITIZER=address|none (default none: kvepp forbids unsafe code, so ASan finds nothing a
 # panic would not; debug assertions catch overflows).
 set -euo pipefail

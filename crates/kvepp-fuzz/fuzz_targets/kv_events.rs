@@ -1,3 +1,3 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvepp_fuzz::targets::kv_events(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvepp_fuzz_targets::kv_events(data));

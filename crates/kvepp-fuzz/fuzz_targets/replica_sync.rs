@@ -1,3 +1,3 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvepp_fuzz::targets::replica_sync(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvepp_fuzz_targets::replica_sync(data));

@@ -12,8 +12,8 @@
 //! - [`replica_sync`]: the replica-sync decoder applied to a catalog: exactly one outcome counted
 //!   per message.
 //!
-//! This file is shared by the cargo-fuzz crate and `tests/fuzz_corpus.rs` (included by path), so it
-//! names only crates both have.
+//! cargo-fuzz runs them from `crates/kvepp-fuzz` (nightly, libFuzzer); this crate's test replays
+//! the saved corpora through them on stable (`tests/corpus.rs`).
 
 use parking_lot::RwLock;
 use std::net::SocketAddr;

@@ -5,9 +5,7 @@
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../crates/kvepp-fuzz/src/targets.rs"]
-mod targets;
-
+use kvepp_fuzz_targets as targets;
 use std::path::Path;
 
 fn inputs(dir: &Path) -> Vec<(String, Vec<u8>)> {
@@ -25,7 +23,7 @@ fn inputs(dir: &Path) -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn every_saved_fuzz_input_passes_its_target() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/kvepp-fuzz");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kvepp-fuzz");
     for (name, target) in targets::ALL {
         let corpus = inputs(&root.join("corpus").join(name));
         assert!(
