@@ -33,8 +33,8 @@ struct Args {
     copies: u64,
     #[arg(long, default_value_t = 5)]
     repeat: usize,
-    /// Trace file (default: ../shared/data/conversation_trace.jsonl from the repository root, or
-    /// $KVEPP_TRACE).
+    /// Trace file, JSON lines, gzipped when named `.gz` (default: $KVEPP_TRACE, else the
+    /// repository's bench/data/conversation_trace.jsonl.gz).
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Engines publish vLLM-style hashes of their own instead of ours (costs a map per rank).
@@ -63,7 +63,13 @@ fn load_trace(path: &PathBuf) -> anyhow::Result<Vec<Vec<u64>>> {
     struct Line {
         hash_ids: Vec<u64>,
     }
-    let text = std::fs::read_to_string(path)?;
+    let file = std::fs::File::open(path)?;
+    let mut text = String::new();
+    if path.extension().is_some_and(|e| e == "gz") {
+        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text)?;
+    } else {
+        std::io::Read::read_to_string(&mut std::io::BufReader::new(file), &mut text)?;
+    }
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| Ok(serde_json::from_str::<Line>(l)?.hash_ids))
@@ -412,8 +418,7 @@ fn trace_path(args: &Args) -> PathBuf {
         .clone()
         .or_else(|| std::env::var_os("KVEPP_TRACE").map(PathBuf::from))
         .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../shared/data/conversation_trace.jsonl")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/data/conversation_trace.jsonl.gz")
         })
 }
 
@@ -428,12 +433,9 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let path = trace_path(&args);
     if !args.bench {
-        // `cargo test`: a quick correctness replay, when the trace is on this machine.
-        if !path.exists() {
-            println!("index_replay: {} not found; skipped", path.display());
-            return Ok(());
-        }
-        let trace = load_trace(&path)?;
+        // `cargo test`: a quick correctness replay of the repository's trace.
+        let trace = load_trace(&path)
+            .map_err(|e| anyhow::anyhow!("index_replay: trace {}: {e}", path.display()))?;
         let wl = generate(&trace, 16, 16384, 1);
         anyhow::ensure!(
             (wl.hit - ORACLE[0].3).abs() < 5e-5,

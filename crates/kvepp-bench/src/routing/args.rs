@@ -28,8 +28,9 @@ pub struct BenchArgs {
     pub rate: f64,
     #[arg(long, default_value_t = 48)]
     pub groups: usize,
-    /// Mooncake workload: the trace, how many of its requests, the speed factor, output cap.
-    #[arg(long, default_value = "../shared/data/conversation_trace.jsonl")]
+    /// Mooncake workload: the trace (JSON lines, gzipped when named `.gz`; default the one the
+    /// repository carries, from its root), how many of its requests, the speed factor, output cap.
+    #[arg(long, default_value = kvepp_sim::workload::MOONCAKE_TRACE)]
     pub trace: PathBuf,
     #[arg(long, default_value_t = 1000)]
     pub trace_requests: usize,

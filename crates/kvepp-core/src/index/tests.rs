@@ -728,3 +728,18 @@ fn a_walk_into_levels_stops_where_no_run_is_alive() {
 }
 
 mod shared;
+
+/// A table past two huge pages (4 MiB: 262,144 slots of 16 bytes) is advised onto huge pages as
+/// it grows, so the index's one system call runs here, and the table keeps every key through it.
+#[test]
+fn a_table_advised_onto_huge_pages_keeps_every_key() {
+    let mut t = table::BlockTable::new(KeyedBuild::with_key(7));
+    let n: u64 = 200_000;
+    for k in 1..=n {
+        let (v, fresh) = t.get_or_insert(k * 0x9E37_79B9, k);
+        assert!(fresh && *v == k, "key {k}");
+    }
+    assert!(t.bytes() >= 4 << 20, "{} bytes", t.bytes());
+    assert_eq!(t.len(), n as usize);
+    assert!((1..=n).all(|k| t.get(k * 0x9E37_79B9) == Some(k)));
+}
