@@ -9,332 +9,400 @@ fn worker(id: u64, ranks: u32) -> Value {
            "data_parallel_start_rank": 0, "data_parallel_size": ranks})
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn select_service_routes_statuses_and_shapes() {
-    let s = select_service(&["--threads", "2"]).await;
-    let a = s.addr;
-    assert_eq!(json_call(a, "GET", "/health", Value::Null).await.0, 200);
-    let r = call(a, "GET", "/ready", Value::Null).await;
-    assert_eq!(r.status, 503, "not ready without workers");
-    let v = r.json();
-    assert_eq!(
-        (v["status"].as_str(), v["workers"].as_u64()),
-        (Some("not_ready"), Some(0))
-    );
-    assert!(v["error"].is_string());
+/// The selection service's routes one by one, each case on a service of its own: health,
+/// readiness and the worker registry first, then, with two workers registered (worker 1 with two
+/// data-parallel ranks, worker 2 with one), every route's statuses and shapes.
+mod select_service_routes_statuses_and_shapes {
+    use super::*;
 
-    let (st, v) = json_call(a, "POST", "/workers", worker(1, 2)).await;
-    assert_eq!(st, 201, "{v}");
-    assert_eq!(v["endpoint"], json!("http://worker-1:8000"));
-    assert_eq!(json_call(a, "POST", "/workers", worker(2, 1)).await.0, 201);
-    assert_eq!(json_call(a, "GET", "/ready", Value::Null).await.0, 200);
-    let (_, v) = json_call(a, "GET", "/workers", Value::Null).await;
-    assert_eq!(v.as_array().unwrap().len(), 2);
-    assert_eq!(v[0]["data_parallel_size"], json!(2));
-    // model_name and tenant_id default to "default".
-    assert_eq!(
-        json_call(
-            a,
-            "POST",
-            "/workers",
-            json!({"worker_id": 9, "block_size": 4})
-        )
-        .await
-        .0,
-        201
-    );
-    let (_, v) = json_call(a, "GET", "/workers?model_name=default", Value::Null).await;
-    assert_eq!(v[0]["tenant_id"], json!("default"));
-    assert_eq!(
-        json_call(a, "DELETE", "/workers/9", Value::Null).await.0,
-        200
-    );
-    assert_eq!(
-        json_call(a, "DELETE", "/workers/9", Value::Null).await.0,
-        404
-    );
-    let mut bad = worker(3, 1);
-    bad["kv_events_endpoints"] = json!({"5": "tcp://x:1"});
-    assert_eq!(
-        json_call(a, "POST", "/workers", bad).await.0,
-        400,
-        "rank outside the range"
-    );
-
-    // Zero overlap: the selected rank is in `dp` with 0; absent ids omitted.
-    let sel = json!({"model_name": "model", "tenant_id": "default",
-                     "block_hashes": [11, 12, 13, 14], "sequence_hashes": [21, 22, 23, 24],
-                     "isl_tokens": 16});
-    let (st, v) = json_call(a, "POST", "/select", sel.clone()).await;
-    assert_eq!(st, 200, "{v}");
-    assert!(
-        v.get("selection_id").is_none() && v.get("reservation_id").is_none(),
-        "{v}"
-    );
-    let rank = v["dp_rank"].as_u64().unwrap().to_string();
-    assert_eq!(v["overlap"]["dp"], json!({ rank: 0 }));
-    assert_eq!(
-        (
-            v["overlap"]["longest_matched"].as_u64(),
-            v["overlap"]["gpu"].as_u64(),
-            v["overlap"]["cpu"].as_u64(),
-            v["overlap"]["disk"].as_u64()
-        ),
-        (Some(0), Some(0), Some(0), Some(0))
-    );
-    assert_eq!(v["effective_prefill_tokens"], json!(16));
-    assert_eq!(v["block_size"], json!(4));
-    assert_eq!(v["model_name"], json!("model"));
-    let w = v["worker_id"].as_u64().unwrap();
-    assert_eq!(v["endpoint"], json!(format!("http://worker-{w}:8000")));
-    // /select books nothing.
-    let (_, loads) = json_call(a, "GET", "/loads", Value::Null).await;
-    assert!(loads
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|l| l["active_prefill_tokens"] == json!(0)));
-
-    // select_and_reserve: ids echoed; each reservation spreads to an idle rank.
-    let mut seen = std::collections::BTreeSet::new();
-    for i in 0..3 {
-        let mut b = sel.clone();
-        b["selection_id"] = json!(format!("select-{i}"));
-        b["reservation_id"] = json!(format!("request-{i}"));
-        let (st, v) = json_call(a, "POST", "/select_and_reserve", b).await;
-        assert_eq!(st, 200, "{v}");
-        assert_eq!(v["selection_id"], json!(format!("select-{i}")));
-        assert_eq!(v["reservation_id"], json!(format!("request-{i}")));
-        seen.insert((v["worker_id"].as_u64(), v["dp_rank"].as_u64()));
-    }
-    assert_eq!(seen.len(), 3, "three ranks, three reservations: {seen:?}");
-    let mut dup = sel.clone();
-    dup["reservation_id"] = json!("request-0");
-    assert_eq!(
-        json_call(a, "POST", "/select_and_reserve", dup).await.0,
-        409
-    );
-    // A generated reservation id when none is given.
-    let (_, v) = json_call(a, "POST", "/select_and_reserve", sel.clone()).await;
-    let generated = v["reservation_id"]
-        .as_str()
-        .expect("generated id")
-        .to_owned();
-    assert_eq!(
-        json_call(
-            a,
-            "DELETE",
-            &format!("/reservations/{generated}"),
-            Value::Null
-        )
-        .await
-        .0,
-        200
-    );
-
-    // Explicit reservations.
-    let res = |id: &str, eff: Value| {
-        let mut b = json!({"reservation_id": id, "model_name": "model", "tenant_id": "default",
-                           "worker_id": 2, "dp_rank": 0, "sequence_hashes": [21, 22, 23, 24],
-                           "isl_tokens": 16});
-        if !eff.is_null() {
-            b["effective_prefill_tokens"] = eff;
+    /// A service with worker 1 (two ranks) and worker 2 (one rank) registered.
+    async fn with_two_workers() -> Service {
+        let s = select_service(&["--threads", "2"]).await;
+        for (id, ranks) in [(1, 2), (2, 1)] {
+            let (st, v) = json_call(s.addr, "POST", "/workers", worker(id, ranks)).await;
+            assert_eq!(st, 201, "{v}");
         }
-        b
-    };
-    let (st, v) = json_call(a, "POST", "/reservations", res("r-1", json!(17))).await;
-    assert_eq!(st, 400, "effective above the input length: {v}");
-    assert_eq!(
-        json_call(a, "POST", "/reservations", res("r-1", json!(8)))
-            .await
-            .0,
-        201
-    );
-    assert_eq!(
-        json_call(a, "POST", "/reservations", res("r-1", json!(8)))
-            .await
-            .0,
-        409
-    );
-    let mut other_rank = res("r-2", Value::Null);
-    other_rank["dp_rank"] = json!(3);
-    assert_eq!(
-        json_call(a, "POST", "/reservations", other_rank).await.0,
-        404
-    );
-    let (_, loads) = json_call(a, "GET", "/loads?model_name=model", Value::Null).await;
-    let w2 = loads
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["worker_id"] == json!(2))
-        .unwrap()
-        .clone();
-    let before = w2["active_prefill_tokens"].as_u64().unwrap();
-    assert!(before >= 8, "{loads}");
+        s
+    }
 
-    // Lifecycle.
-    let p = |id: &str, what: &str| format!("/reservations/{id}/{what}");
-    assert_eq!(
-        json_call(a, "POST", &p("r-1", "prefill_complete"), Value::Null)
+    /// A prompt of four blocks no worker holds.
+    fn selection() -> Value {
+        json!({"model_name": "model", "tenant_id": "default",
+               "block_hashes": [11, 12, 13, 14], "sequence_hashes": [21, 22, 23, 24],
+               "isl_tokens": 16})
+    }
+
+    /// Health, readiness without and with workers, and registering, listing and removing workers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn health_readiness_and_the_worker_registry() {
+        let s = select_service(&["--threads", "2"]).await;
+        let a = s.addr;
+        assert_eq!(json_call(a, "GET", "/health", Value::Null).await.0, 200);
+        let r = call(a, "GET", "/ready", Value::Null).await;
+        assert_eq!(r.status, 503, "not ready without workers");
+        let v = r.json();
+        assert_eq!(
+            (v["status"].as_str(), v["workers"].as_u64()),
+            (Some("not_ready"), Some(0))
+        );
+        assert!(v["error"].is_string());
+
+        let (st, v) = json_call(a, "POST", "/workers", worker(1, 2)).await;
+        assert_eq!(st, 201, "{v}");
+        assert_eq!(v["endpoint"], json!("http://worker-1:8000"));
+        assert_eq!(json_call(a, "POST", "/workers", worker(2, 1)).await.0, 201);
+        assert_eq!(json_call(a, "GET", "/ready", Value::Null).await.0, 200);
+        let (_, v) = json_call(a, "GET", "/workers", Value::Null).await;
+        assert_eq!(v.as_array().unwrap().len(), 2);
+        assert_eq!(v[0]["data_parallel_size"], json!(2));
+        // model_name and tenant_id default to "default".
+        assert_eq!(
+            json_call(
+                a,
+                "POST",
+                "/workers",
+                json!({"worker_id": 9, "block_size": 4})
+            )
             .await
             .0,
-        200
-    );
-    let (_, loads) = json_call(a, "GET", "/loads?model_name=model", Value::Null).await;
-    let after = loads
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["worker_id"] == json!(2))
-        .unwrap()["active_prefill_tokens"]
-        .as_u64()
-        .unwrap();
-    assert_eq!(after, before - 8);
-    assert_eq!(
-        json_call(a, "POST", &p("r-1", "output_block"), Value::Null)
+            201
+        );
+        let (_, v) = json_call(a, "GET", "/workers?model_name=default", Value::Null).await;
+        assert_eq!(v[0]["tenant_id"], json!("default"));
+        assert_eq!(
+            json_call(a, "DELETE", "/workers/9", Value::Null).await.0,
+            200
+        );
+        assert_eq!(
+            json_call(a, "DELETE", "/workers/9", Value::Null).await.0,
+            404
+        );
+        let mut bad = worker(3, 1);
+        bad["kv_events_endpoints"] = json!({"5": "tcp://x:1"});
+        assert_eq!(
+            json_call(a, "POST", "/workers", bad).await.0,
+            400,
+            "rank outside the range"
+        );
+        s.stop().await;
+    }
+
+    /// Zero overlap: the selected rank is in `dp` with 0; absent ids omitted; `/select` books nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn select_with_zero_overlap_books_nothing() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let sel = selection();
+        let (st, v) = json_call(a, "POST", "/select", sel.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        assert!(
+            v.get("selection_id").is_none() && v.get("reservation_id").is_none(),
+            "{v}"
+        );
+        let rank = v["dp_rank"].as_u64().unwrap().to_string();
+        assert_eq!(v["overlap"]["dp"], json!({ rank: 0 }));
+        assert_eq!(
+            (
+                v["overlap"]["longest_matched"].as_u64(),
+                v["overlap"]["gpu"].as_u64(),
+                v["overlap"]["cpu"].as_u64(),
+                v["overlap"]["disk"].as_u64()
+            ),
+            (Some(0), Some(0), Some(0), Some(0))
+        );
+        assert_eq!(v["effective_prefill_tokens"], json!(16));
+        assert_eq!(v["block_size"], json!(4));
+        assert_eq!(v["model_name"], json!("model"));
+        let w = v["worker_id"].as_u64().unwrap();
+        assert_eq!(v["endpoint"], json!(format!("http://worker-{w}:8000")));
+        // /select books nothing.
+        let (_, loads) = json_call(a, "GET", "/loads", Value::Null).await;
+        assert!(loads
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l["active_prefill_tokens"] == json!(0)));
+        s.stop().await;
+    }
+
+    /// `/select_and_reserve`: ids echoed, each reservation on an idle rank, a duplicate id 409, an id generated when none is given.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn select_and_reserve_echoes_ids_and_spreads_reservations() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let sel = selection();
+        // select_and_reserve: ids echoed; each reservation spreads to an idle rank.
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..3 {
+            let mut b = sel.clone();
+            b["selection_id"] = json!(format!("select-{i}"));
+            b["reservation_id"] = json!(format!("request-{i}"));
+            let (st, v) = json_call(a, "POST", "/select_and_reserve", b).await;
+            assert_eq!(st, 200, "{v}");
+            assert_eq!(v["selection_id"], json!(format!("select-{i}")));
+            assert_eq!(v["reservation_id"], json!(format!("request-{i}")));
+            seen.insert((v["worker_id"].as_u64(), v["dp_rank"].as_u64()));
+        }
+        assert_eq!(seen.len(), 3, "three ranks, three reservations: {seen:?}");
+        let mut dup = sel.clone();
+        dup["reservation_id"] = json!("request-0");
+        assert_eq!(
+            json_call(a, "POST", "/select_and_reserve", dup).await.0,
+            409
+        );
+        // A generated reservation id when none is given.
+        let (_, v) = json_call(a, "POST", "/select_and_reserve", sel.clone()).await;
+        let generated = v["reservation_id"]
+            .as_str()
+            .expect("generated id")
+            .to_owned();
+        assert_eq!(
+            json_call(
+                a,
+                "DELETE",
+                &format!("/reservations/{generated}"),
+                Value::Null
+            )
             .await
             .0,
-        200,
-        "no body"
-    );
-    assert_eq!(
-        json_call(
+            200
+        );
+        s.stop().await;
+    }
+
+    /// Explicit reservations (validated, 409 on a duplicate, 404 on an unknown rank) and their lifecycle: prefill complete, output blocks, release.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn explicit_reservations_and_their_lifecycle() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let res = |id: &str, eff: Value| {
+            let mut b = json!({"reservation_id": id, "model_name": "model", "tenant_id": "default",
+                               "worker_id": 2, "dp_rank": 0, "sequence_hashes": [21, 22, 23, 24],
+                               "isl_tokens": 16});
+            if !eff.is_null() {
+                b["effective_prefill_tokens"] = eff;
+            }
+            b
+        };
+        let (st, v) = json_call(a, "POST", "/reservations", res("r-1", json!(17))).await;
+        assert_eq!(st, 400, "effective above the input length: {v}");
+        assert_eq!(
+            json_call(a, "POST", "/reservations", res("r-1", json!(8)))
+                .await
+                .0,
+            201
+        );
+        assert_eq!(
+            json_call(a, "POST", "/reservations", res("r-1", json!(8)))
+                .await
+                .0,
+            409
+        );
+        let mut other_rank = res("r-2", Value::Null);
+        other_rank["dp_rank"] = json!(3);
+        assert_eq!(
+            json_call(a, "POST", "/reservations", other_rank).await.0,
+            404
+        );
+        let (_, loads) = json_call(a, "GET", "/loads?model_name=model", Value::Null).await;
+        let w2 = loads
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["worker_id"] == json!(2))
+            .unwrap()
+            .clone();
+        let before = w2["active_prefill_tokens"].as_u64().unwrap();
+        assert!(before >= 8, "{loads}");
+
+        // Lifecycle.
+        let p = |id: &str, what: &str| format!("/reservations/{id}/{what}");
+        assert_eq!(
+            json_call(a, "POST", &p("r-1", "prefill_complete"), Value::Null)
+                .await
+                .0,
+            200
+        );
+        let (_, loads) = json_call(a, "GET", "/loads?model_name=model", Value::Null).await;
+        let after = loads
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["worker_id"] == json!(2))
+            .unwrap()["active_prefill_tokens"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(after, before - 8);
+        assert_eq!(
+            json_call(a, "POST", &p("r-1", "output_block"), Value::Null)
+                .await
+                .0,
+            200,
+            "no body"
+        );
+        assert_eq!(
+            json_call(
+                a,
+                "POST",
+                &p("r-1", "output_block"),
+                json!({"decay_fraction": 0.5})
+            )
+            .await
+            .0,
+            200
+        );
+        assert_eq!(
+            json_call(
+                a,
+                "POST",
+                &p("r-1", "output_block"),
+                json!({"decay_fraction": 1.5})
+            )
+            .await
+            .0,
+            400
+        );
+        assert_eq!(
+            json_call(
+                a,
+                "POST",
+                &p("r-1", "output_block"),
+                json!({"decay_fraction": -0.1})
+            )
+            .await
+            .0,
+            400
+        );
+        assert_eq!(
+            json_call(a, "POST", &p("ghost", "output_block"), Value::Null)
+                .await
+                .0,
+            404
+        );
+        assert_eq!(
+            json_call(a, "POST", &p("ghost", "prefill_complete"), Value::Null)
+                .await
+                .0,
+            404
+        );
+        assert_eq!(
+            json_call(a, "DELETE", "/reservations/r-1", Value::Null)
+                .await
+                .0,
+            200
+        );
+        assert_eq!(
+            json_call(a, "DELETE", "/reservations/r-1", Value::Null)
+                .await
+                .0,
+            404
+        );
+        s.stop().await;
+    }
+
+    /// Inspection: `/potential_loads` and `/overlap_scores` one row per rank, `/dump`, 404 for a model no worker serves.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inspection_routes_answer_per_rank() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let prompt = json!({"model_name": "model", "sequence_hashes": [21, 22], "isl_tokens": 8});
+        let (st, v) = json_call(a, "POST", "/potential_loads", prompt.clone()).await;
+        assert_eq!(st, 200);
+        assert_eq!(v.as_array().unwrap().len(), 3, "one row per rank: {v}");
+        assert!(v[0]["potential_prefill_tokens"].as_u64().unwrap() >= 8);
+        let (st, v) = json_call(a, "POST", "/overlap_scores", prompt).await;
+        assert_eq!(st, 200);
+        assert_eq!(v.as_array().unwrap().len(), 3);
+        assert_eq!(
+            v[0],
+            json!({"worker_id": 1, "dp_rank": 0, "longest_matched": 0, "gpu": 0, "cpu": 0, "disk": 0})
+        );
+        let (st, v) = json_call(a, "GET", "/dump", Value::Null).await;
+        assert_eq!(st, 200);
+        assert_eq!(v["scopes"][0]["model_name"], json!("model"));
+        let unknown = json!({"model_name": "nope", "sequence_hashes": []});
+        assert_eq!(
+            json_call(a, "POST", "/select", unknown.clone()).await.0,
+            404
+        );
+        assert_eq!(
+            json_call(a, "POST", "/potential_loads", unknown).await.0,
+            404
+        );
+        s.stop().await;
+    }
+
+    /// PATCH updates supplied fields only: 404 for an unknown worker, 409 for a block-size change.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn patch_updates_supplied_fields_only() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let (st, v) = json_call(
             a,
-            "POST",
-            &p("r-1", "output_block"),
-            json!({"decay_fraction": 0.5})
+            "PATCH",
+            "/workers/2",
+            json!({"endpoint": "http://moved:8000"}),
         )
-        .await
-        .0,
-        200
-    );
-    assert_eq!(
-        json_call(
-            a,
-            "POST",
-            &p("r-1", "output_block"),
-            json!({"decay_fraction": 1.5})
-        )
-        .await
-        .0,
-        400
-    );
-    assert_eq!(
-        json_call(
-            a,
-            "POST",
-            &p("r-1", "output_block"),
-            json!({"decay_fraction": -0.1})
-        )
-        .await
-        .0,
-        400
-    );
-    assert_eq!(
-        json_call(a, "POST", &p("ghost", "output_block"), Value::Null)
-            .await
-            .0,
-        404
-    );
-    assert_eq!(
-        json_call(a, "POST", &p("ghost", "prefill_complete"), Value::Null)
-            .await
-            .0,
-        404
-    );
-    assert_eq!(
-        json_call(a, "DELETE", "/reservations/r-1", Value::Null)
-            .await
-            .0,
-        200
-    );
-    assert_eq!(
-        json_call(a, "DELETE", "/reservations/r-1", Value::Null)
-            .await
-            .0,
-        404
-    );
+        .await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(
+            (v["endpoint"].as_str(), v["block_size"].as_u64()),
+            (Some("http://moved:8000"), Some(4))
+        );
+        assert_eq!(
+            json_call(a, "PATCH", "/workers/77", json!({"endpoint": "http://x:1"}))
+                .await
+                .0,
+            404
+        );
+        assert_eq!(
+            json_call(a, "PATCH", "/workers/2", json!({"block_size": 8}))
+                .await
+                .0,
+            409
+        );
+        s.stop().await;
+    }
 
-    // Inspection.
-    let prompt = json!({"model_name": "model", "sequence_hashes": [21, 22], "isl_tokens": 8});
-    let (st, v) = json_call(a, "POST", "/potential_loads", prompt.clone()).await;
-    assert_eq!(st, 200);
-    assert_eq!(v.as_array().unwrap().len(), 3, "one row per rank: {v}");
-    assert!(v[0]["potential_prefill_tokens"].as_u64().unwrap() >= 8);
-    let (st, v) = json_call(a, "POST", "/overlap_scores", prompt).await;
-    assert_eq!(st, 200);
-    assert_eq!(v.as_array().unwrap().len(), 3);
-    assert_eq!(
-        v[0],
-        json!({"worker_id": 1, "dp_rank": 0, "longest_matched": 0, "gpu": 0, "cpu": 0, "disk": 0})
-    );
-    let (st, v) = json_call(a, "GET", "/dump", Value::Null).await;
-    assert_eq!(st, 200);
-    assert_eq!(v["scopes"][0]["model_name"], json!("model"));
-    let unknown = json!({"model_name": "nope", "sequence_hashes": []});
-    assert_eq!(
-        json_call(a, "POST", "/select", unknown.clone()).await.0,
-        404
-    );
-    assert_eq!(
-        json_call(a, "POST", "/potential_loads", unknown).await.0,
-        404
-    );
+    /// Replica-sync peers registered, listed and deregistered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replica_sync_peers_register_and_deregister() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        let peer = json!({"endpoint": "tcp://selector-b:9092"});
+        assert_eq!(
+            json_call(a, "POST", "/replica_sync/register_peer", peer.clone()).await,
+            (200, json!({"status": "ok"}))
+        );
+        assert_eq!(
+            json_call(a, "GET", "/replica_sync/peers", Value::Null)
+                .await
+                .1,
+            json!(["tcp://selector-b:9092"])
+        );
+        assert_eq!(
+            json_call(a, "POST", "/replica_sync/deregister_peer", peer)
+                .await
+                .0,
+            200
+        );
+        assert_eq!(
+            json_call(a, "GET", "/replica_sync/peers", Value::Null)
+                .await
+                .1,
+            json!([])
+        );
+        s.stop().await;
+    }
 
-    // PATCH updates supplied fields only.
-    let (st, v) = json_call(
-        a,
-        "PATCH",
-        "/workers/2",
-        json!({"endpoint": "http://moved:8000"}),
-    )
-    .await;
-    assert_eq!(st, 200, "{v}");
-    assert_eq!(
-        (v["endpoint"].as_str(), v["block_size"].as_u64()),
-        (Some("http://moved:8000"), Some(4))
-    );
-    assert_eq!(
-        json_call(a, "PATCH", "/workers/77", json!({"endpoint": "http://x:1"}))
-            .await
-            .0,
-        404
-    );
-    assert_eq!(
-        json_call(a, "PATCH", "/workers/2", json!({"block_size": 8}))
-            .await
-            .0,
-        409
-    );
-
-    // Replica-sync peers.
-    let peer = json!({"endpoint": "tcp://selector-b:9092"});
-    assert_eq!(
-        json_call(a, "POST", "/replica_sync/register_peer", peer.clone()).await,
-        (200, json!({"status": "ok"}))
-    );
-    assert_eq!(
-        json_call(a, "GET", "/replica_sync/peers", Value::Null)
-            .await
-            .1,
-        json!(["tcp://selector-b:9092"])
-    );
-    assert_eq!(
-        json_call(a, "POST", "/replica_sync/deregister_peer", peer)
-            .await
-            .0,
-        200
-    );
-    assert_eq!(
-        json_call(a, "GET", "/replica_sync/peers", Value::Null)
-            .await
-            .1,
-        json!([])
-    );
-
-    error_shapes(a, "/select", "/loads").await;
-    s.stop().await;
+    /// Malformed JSON, oversized bodies, unknown routes and wrong methods: one error shape.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn errors_have_one_shape() {
+        let s = with_two_workers().await;
+        let a = s.addr;
+        error_shapes(a, "/select", "/loads").await;
+        s.stop().await;
+    }
 }
 
 /// A registered worker's publisher (pyzmq, vLLM's framing) stores blocks; `/overlap_scores`,
