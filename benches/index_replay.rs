@@ -58,18 +58,12 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn load_trace(path: &PathBuf) -> anyhow::Result<Vec<Vec<u64>>> {
+fn load_trace(path: &std::path::Path) -> anyhow::Result<Vec<Vec<u64>>> {
     #[derive(serde::Deserialize)]
     struct Line {
         hash_ids: Vec<u64>,
     }
-    let file = std::fs::File::open(path)?;
-    let mut text = String::new();
-    if path.extension().is_some_and(|e| e == "gz") {
-        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text)?;
-    } else {
-        std::io::Read::read_to_string(&mut std::io::BufReader::new(file), &mut text)?;
-    }
+    let text = kvepp_test_support::trace::read_text(path)?;
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| Ok(serde_json::from_str::<Line>(l)?.hash_ids))
@@ -417,9 +411,7 @@ fn trace_path(args: &Args) -> PathBuf {
     args.trace
         .clone()
         .or_else(|| std::env::var_os("KVEPP_TRACE").map(PathBuf::from))
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/data/conversation_trace.jsonl.gz")
-        })
+        .unwrap_or_else(kvepp_test_support::trace::mooncake_trace)
 }
 
 const ORACLE: [(usize, usize, u64, f64); 4] = [

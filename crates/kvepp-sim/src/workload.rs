@@ -80,30 +80,15 @@ pub fn trace_block(id: u64) -> impl Iterator<Item = u32> {
         .map(move |i| (xxh3_64_with_seed(&i.to_le_bytes(), id) % VOCAB) as u32)
 }
 
-/// The Mooncake conversation trace the repository carries (see `bench/data/README.md`), relative
-/// to the repository root (where the benchmark scripts run).
-pub const MOONCAKE_TRACE: &str = "bench/data/conversation_trace.jsonl.gz";
-
-/// A trace file's text, gunzipped when its name ends in `.gz`.
-pub fn read_trace(path: &Path) -> std::io::Result<String> {
-    let file = std::fs::File::open(path)?;
-    let mut text = String::new();
-    if path.extension().is_some_and(|e| e == "gz") {
-        std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(file), &mut text)?;
-    } else {
-        std::io::Read::read_to_string(&mut std::io::BufReader::new(file), &mut text)?;
-    }
-    Ok(text)
-}
-
 /// The first `limit` requests of a Mooncake trace (JSON lines: `timestamp` ms, `input_length`,
 /// `output_length`, `hash_ids`; gzipped when named `.gz`), outputs capped at `max_output`.
 pub fn mooncake(path: &Path, limit: usize, max_output: u32) -> Result<Vec<Request>, WorkloadError> {
     let p = path.display().to_string();
-    let text = read_trace(path).map_err(|source| WorkloadError::Read {
-        path: p.clone(),
-        source,
-    })?;
+    let text =
+        kvepp_test_support::trace::read_text(path).map_err(|source| WorkloadError::Read {
+            path: p.clone(),
+            source,
+        })?;
     let mut out = Vec::new();
     for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
         if out.len() >= limit {

@@ -5,7 +5,8 @@
 //! Used as a dev-dependency of every package's tests (and by the `kvepp-sim` tool). Without
 //! features it does not depend on `kvepp`; `epp` adds kvepp in-process (`epp::Epp`) and the
 //! shipped manifests as kvepp reads them (`shipped`), `otlp` a trace collector (`otlp`), `tls`
-//! certificates and a TLS ext_proc client (`tls`). The fixtures beyond those: a fake
+//! certificates and a TLS ext_proc client (`tls`). The fixtures beyond those: the benchmarks'
+//! workload traces ([`trace`]), a fake
 //! Kubernetes API server at the wire level ([`kube_api`]), a pyzmq KV-event publisher
 //! ([`publisher`]), what a test reaches for first ([`harness`]), and all of it in one import ([`prelude`]).
 // Test support: a helper that cannot do its job fails the test that called it.
@@ -25,6 +26,7 @@ pub mod publisher;
 pub mod shipped;
 #[cfg(feature = "tls")]
 pub mod tls;
+pub mod trace;
 pub mod vllm;
 
 use std::future::Future;

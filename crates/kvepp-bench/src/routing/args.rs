@@ -30,7 +30,7 @@ pub struct BenchArgs {
     pub groups: usize,
     /// Mooncake workload: the trace (JSON lines, gzipped when named `.gz`; default the one the
     /// repository carries, from its root), how many of its requests, the speed factor, output cap.
-    #[arg(long, default_value = kvepp_sim::workload::MOONCAKE_TRACE)]
+    #[arg(long, default_value = kvepp_test_support::trace::MOONCAKE_TRACE)]
     pub trace: PathBuf,
     #[arg(long, default_value_t = 1000)]
     pub trace_requests: usize,
