@@ -7,8 +7,10 @@
 //! A request for an adapter the engine runs, queues or was last sent costs nothing extra; one with a free slot costs a load; one that
 //! must evict an adapter costs a load plus the eviction (requests of the evicted adapter load it
 //! again, and vLLM waits for the adapter's running requests before it can evict). A saturated
-//! engine loses its adapter advantage: it costs what an eviction costs, so an unsaturated engine
-//! with a free slot goes first. An engine whose adapters are unknown (no metric yet, or not vLLM)
+//! engine loses its adapter advantage: holding the adapter or with a slot free, it costs what an
+//! eviction costs (so an unsaturated engine with a free slot goes first), and still less than an
+//! engine that must load the adapter and evict another (so of two engines equally saturated,
+//! the one holding the adapter keeps it). An engine whose adapters are unknown (no metric yet, or not vLLM)
 //! gets no adapter term at all: no preference, never a refusal.
 //!
 //! Invariants: the term is in milliseconds (the picker converts it into its own unit); it is 0
@@ -78,7 +80,8 @@ pub enum AdapterFit {
     FreeSlot,
     /// Not there, every slot taken: a load and an eviction.
     Evicts,
-    /// Saturated: its adapter advantage is lost (costed as an eviction).
+    /// Saturated, holding the adapter or with a slot free: its advantage is lost (costed as an
+    /// eviction). A saturated engine that would have to evict is [`Self::Evicts`].
     Saturated,
     /// The engine reports no adapters: no preference.
     Unknown,
@@ -152,18 +155,20 @@ impl AdapterAffinity {
         let Some(s) = slots else {
             return AdapterFit::Unknown;
         };
-        if saturated {
-            return AdapterFit::Saturated;
-        }
-        if s.holds(adapter) || recent.iter().any(|r| &**r == adapter) {
-            return AdapterFit::Loaded;
-        }
-        let idle = recent.iter().filter(|r| !s.running.contains(r)).count();
-        let in_use = s.running.len() + idle;
-        if s.max_lora == 0 || in_use < s.max_lora as usize {
-            AdapterFit::FreeSlot
+        let fit = if s.holds(adapter) || recent.iter().any(|r| &**r == adapter) {
+            AdapterFit::Loaded
         } else {
-            AdapterFit::Evicts
+            let idle = recent.iter().filter(|r| !s.running.contains(r)).count();
+            let in_use = s.running.len() + idle;
+            if s.max_lora == 0 || in_use < s.max_lora as usize {
+                AdapterFit::FreeSlot
+            } else {
+                AdapterFit::Evicts
+            }
+        };
+        match fit {
+            AdapterFit::Loaded | AdapterFit::FreeSlot if saturated => AdapterFit::Saturated,
+            fit => fit,
         }
     }
 
@@ -172,7 +177,8 @@ impl AdapterAffinity {
         match fit {
             AdapterFit::Loaded | AdapterFit::Unknown => 0.0,
             AdapterFit::FreeSlot => self.load_cost_ms,
-            AdapterFit::Evicts | AdapterFit::Saturated => self.load_cost_ms + self.evict_cost_ms,
+            AdapterFit::Saturated => self.evict_cost_ms.max(self.load_cost_ms),
+            AdapterFit::Evicts => self.load_cost_ms + self.evict_cost_ms,
         }
     }
 }
@@ -202,6 +208,16 @@ mod tests {
         assert_eq!(fit(Some(&spare), "a", false), AdapterFit::FreeSlot);
         assert_eq!(fit(Some(&full), "c", false), AdapterFit::Evicts);
         assert_eq!(fit(Some(&full), "a", true), AdapterFit::Saturated);
+        assert_eq!(
+            fit(Some(&spare), "a", true),
+            AdapterFit::Saturated,
+            "a slot free"
+        );
+        assert_eq!(
+            fit(Some(&full), "c", true),
+            AdapterFit::Evicts,
+            "saturated, must evict"
+        );
         assert_eq!(fit(None, "a", false), AdapterFit::Unknown);
         assert_eq!(
             fit(Some(&slots(&["x"; 3], &[], 0)), "a", false),
@@ -220,7 +236,13 @@ mod tests {
         let order =
             [AdapterFit::Loaded, AdapterFit::FreeSlot, AdapterFit::Evicts].map(|f| s.cost_ms(f));
         assert!(order[0] < order[1] && order[1] < order[2], "{order:?}");
-        assert_eq!(s.cost_ms(AdapterFit::Saturated), order[2]);
+        // A saturated engine costs an eviction: more than a free slot elsewhere, less than
+        // loading the adapter and evicting another.
+        let saturated = s.cost_ms(AdapterFit::Saturated);
+        assert!(
+            order[1] < saturated && saturated < order[2],
+            "{saturated} {order:?}"
+        );
         assert_eq!(s.cost_ms(AdapterFit::Unknown), 0.0);
     }
 

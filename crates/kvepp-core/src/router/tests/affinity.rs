@@ -47,6 +47,30 @@ fn by_queue() -> Saturation {
     }
 }
 
+/// Two engines saturated alike, each running one adapter in its only slot: a request for the
+/// first's adapter stays there (the other would load it and evict its own), however many go
+/// there in a row (the least-recently-booked tie-break never applies: the costs differ).
+#[test]
+fn of_two_engines_saturated_alike_the_one_holding_the_adapter_keeps_it() {
+    let r = kv_router(by_queue(), AdapterAffinity::default());
+    let eps = vec![ep(1, 1), ep(2, 1)];
+    eps[0].load.set_adapters(slots(&["a"], 1));
+    eps[1].load.set_adapters(slots(&["b"], 1));
+    let mut ctx = PickContext::seeded(11);
+    let queued = EngineMetrics {
+        waiting: 9.0,
+        ..EngineMetrics::default()
+    };
+    for e in &eps {
+        e.load.engine_update(queued, ctx.now);
+    }
+    for _ in 0..10 {
+        let d = r.route(facts("a", None), &eps, &mut ctx).unwrap();
+        assert_eq!(d.pick.primary.addr, eps[0].addr);
+        assert_eq!(d.pick.adapter, Some(AdapterFit::Saturated));
+    }
+}
+
 #[test]
 fn adapter_requests_go_where_it_runs_then_to_a_free_slot_never_to_an_eviction() {
     let r = kv_router(by_queue(), AdapterAffinity::default());
