@@ -893,8 +893,9 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
         if r.engine != Some(home) {
             let seen = http(d.epp.metrics, "GET", "/debug/endpoints", &[], "").await;
             panic!(
-                "adapter request {i} went to {:?}, not to {home}, the engine holding {adapter}; kvepp's endpoints: {}",
+                "adapter request {i} went to {:?}, not to {home}, the engine holding {adapter}; kvepp's scores: {}; kvepp's endpoints: {}",
                 r.engine,
+                r.scores,
                 String::from_utf8_lossy(&seen.body)
             );
         }
