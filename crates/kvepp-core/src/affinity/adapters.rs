@@ -155,16 +155,23 @@ impl AdapterAffinity {
         let Some(s) = slots else {
             return AdapterFit::Unknown;
         };
-        let fit = if s.holds(adapter) || recent.iter().any(|r| &**r == adapter) {
+        // The slots hold what runs there, then the most recently sent idle adapters in the
+        // slots left (vLLM evicts the least recently used idle one): an adapter sent there
+        // recently but pushed out by adapters that run there since is not loaded.
+        let idle: Vec<&Arc<str>> = recent.iter().filter(|r| !s.running.contains(r)).collect();
+        let idle_slots = (s.max_lora as usize).saturating_sub(s.running.len());
+        let idle_loaded = |k: usize| s.max_lora == 0 || k < idle_slots;
+        let fit = if s.holds(adapter)
+            || idle
+                .iter()
+                .position(|r| &***r == adapter)
+                .is_some_and(idle_loaded)
+        {
             AdapterFit::Loaded
+        } else if s.max_lora == 0 || s.running.len() + idle.len() < s.max_lora as usize {
+            AdapterFit::FreeSlot
         } else {
-            let idle = recent.iter().filter(|r| !s.running.contains(r)).count();
-            let in_use = s.running.len() + idle;
-            if s.max_lora == 0 || in_use < s.max_lora as usize {
-                AdapterFit::FreeSlot
-            } else {
-                AdapterFit::Evicts
-            }
+            AdapterFit::Evicts
         };
         match fit {
             AdapterFit::Loaded | AdapterFit::FreeSlot if saturated => AdapterFit::Saturated,
@@ -233,6 +240,19 @@ mod tests {
             (AdapterFit::Loaded, AdapterFit::Evicts)
         );
         assert_eq!(fit(Some(&idle), "z", false), AdapterFit::FreeSlot);
+        // One slot, another adapter running there since: what was sent there last was evicted.
+        let one = slots(&["b"], &["b"], 1);
+        assert_eq!(
+            AdapterAffinity::fit(Some(&one), &recent, "r", false),
+            AdapterFit::Evicts,
+            "pushed out by the running adapter"
+        );
+        let two = slots(&["b"], &[], 2);
+        assert_eq!(
+            AdapterAffinity::fit(Some(&two), &recent, "r", false),
+            AdapterFit::Loaded,
+            "a second slot keeps it"
+        );
         let order =
             [AdapterFit::Loaded, AdapterFit::FreeSlot, AdapterFit::Evicts].map(|f| s.cost_ms(f));
         assert!(order[0] < order[1] && order[1] < order[2], "{order:?}");
