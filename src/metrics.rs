@@ -39,6 +39,13 @@ pub struct RequestLabels {
     pub code: Outcome,
 }
 
+/// An InferenceModelRewrite and the target model it chose.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RewriteLabels {
+    pub rewrite: Arc<str>,
+    pub target_model: Arc<str>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
@@ -188,6 +195,10 @@ pub struct Metrics {
     pub in_flight: Gauge,
     pub rejected: Family<ReasonLabels, Counter>,
     pub served_elsewhere: Counter,
+    /// Requests an InferenceModelRewrite decided, by rewrite and target model.
+    pub model_rewrites: Family<RewriteLabels, Counter>,
+    /// Of those, the ones the engine answered 404: the target names a model it does not serve.
+    pub model_rewrite_unserved: Family<RewriteLabels, Counter>,
     pub prefix_mode: Family<ModeLabels, Counter>,
     /// KV-aware picks made again because the chosen endpoint's load changed before the booking.
     pub repicks: Counter,
@@ -226,6 +237,8 @@ impl Metrics {
             in_flight: Gauge::default(),
             rejected: Family::<ReasonLabels, Counter>::default(),
             served_elsewhere: Counter::default(),
+            model_rewrites: Family::default(),
+            model_rewrite_unserved: Family::default(),
             prefix_mode: Family::<ModeLabels, Counter>::default(),
             repicks: Counter::default(),
             load_bounded: Counter::default(),
@@ -305,6 +318,16 @@ impl Metrics {
             "served_elsewhere",
             "Requests the proxy reports served by another endpoint than the primary pick",
             self.served_elsewhere.clone(),
+        );
+        registry.register(
+            "model_rewrites",
+            "Requests whose model an InferenceModelRewrite decided, by rewrite and target model",
+            self.model_rewrites.clone(),
+        );
+        registry.register(
+            "model_rewrite_unserved",
+            "Rewritten requests the engine answered 404 (the rewrite's target model is not served there), by rewrite and target model",
+            self.model_rewrite_unserved.clone(),
         );
         registry.register(
             "kv_prefix_mode",

@@ -431,3 +431,113 @@ async fn nine_mib_body_gets_413_from_kvepp_with_the_default_limit() {
     }
     epp.stop().await;
 }
+
+/// An InferenceModelRewrite of `model` to weighted `targets` (`group`: llm-d.ai or the Inference
+/// Extension's), one rule.
+fn rewrite_yaml(group: &str, name: &str, model: Option<&str>, targets: &[(&str, u32)]) -> String {
+    let matches = match model {
+        Some(m) => format!("[{{model: {{type: Exact, value: {m}}}}}]"),
+        None => "[]".into(),
+    };
+    let targets: Vec<String> = targets
+        .iter()
+        .map(|(t, w)| format!("{{modelRewrite: {t}, weight: {w}}}"))
+        .collect();
+    format!(
+        "---\napiVersion: {group}/v1alpha2\nkind: InferenceModelRewrite\nmetadata: {{name: {name}}}\nspec:\n  poolRef: {{group: inference.networking.k8s.io, name: pool}}\n  rules:\n  - matches: {matches}\n    targets: [{}]\n",
+        targets.join(", ")
+    )
+}
+
+/// The model the backend was sent for a request naming `model`, with a fairness id when given.
+async fn served_model(envoy: &Envoy, model: &str, tenant: Option<&str>) -> String {
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(t) = tenant {
+        headers.push(("x-llm-d-inference-fairness-id", t));
+    }
+    let body = format!(r#"{{"model":"{model}","prompt":"rewrite me"}}"#);
+    let r = http(envoy.addr, "POST", "/v1/completions", &headers, body).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json()["model"].as_str().expect("model").to_owned()
+}
+
+#[tokio::test]
+async fn inference_model_rewrites_alias_split_fall_back_and_keep_a_conversation_on_its_target() {
+    let addrs = echo_backends(&["a"]).await;
+    let rewrites = |v2: u32| {
+        rewrite_yaml("llm-d.ai", "alias", Some("food"), &[("food-v1", 1)])
+            + &rewrite_yaml(
+                "inference.networking.x-k8s.io",
+                "canary",
+                Some("split"),
+                &[("split-v1", 100 - v2), ("split-v2", v2)],
+            )
+            + &rewrite_yaml("llm-d.ai", "fallback", None, &[("m", 1)])
+            + &rewrite_yaml(
+                "llm-d.ai",
+                "to-nothing",
+                Some("gone"),
+                &[("unserved-v1", 1)],
+            )
+    };
+    let epp = Epp::start(&(manifests(&[("a", addrs[0])]) + &rewrites(10)), |_| {}).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    // Exact: the alias; catch-all: any model nothing names (no 404); an InferenceModel's own
+    // name is taken by the catch-all too, as every request no earlier rule took.
+    assert_eq!(served_model(&envoy, "food", None).await, "food-v1");
+    assert_eq!(served_model(&envoy, "no-such-model", None).await, "m");
+    assert_eq!(served_model(&envoy, "rw", None).await, "m");
+    // A target the engine does not serve: its 404 reaches the client, logged and counted.
+    let r = post_json(envoy.addr, r#"{"model":"gone","prompt":"x"}"#).await;
+    assert_eq!(r.status, 404);
+    let series =
+        r#"kvepp_model_rewrite_unserved_total{rewrite="to-nothing",target_model="unserved-v1"}"#;
+    assert_eq!(epp.metric(series).await, Some(1.0));
+    let series = r#"kvepp_model_rewrites_total{rewrite="alias",target_model="food-v1"}"#;
+    assert_eq!(epp.metric(series).await, Some(1.0));
+    // Weights: 90/10 over 1000 requests without a key (binomial sd ~9.5).
+    let mut v2 = 0;
+    for _ in 0..1000 {
+        if served_model(&envoy, "split", None).await == "split-v2" {
+            v2 += 1;
+        }
+    }
+    assert!(
+        (55..=145).contains(&v2),
+        "10% of 1000 expected on split-v2, got {v2}"
+    );
+    // A conversation (its fairness id) keeps its target, every turn.
+    let tenants: Vec<String> = (0..200).map(|i| format!("conversation-{i}")).collect();
+    let mut before = Vec::new();
+    for t in &tenants {
+        let first = served_model(&envoy, "split", Some(t)).await;
+        for _ in 0..2 {
+            assert_eq!(served_model(&envoy, "split", Some(t)).await, first, "{t}");
+        }
+        before.push(first);
+    }
+    // Moving 40 points to v2 moves only conversations from v1 to v2, about 40% of them.
+    epp.write_manifest("rewrites.yaml", &rewrites(50));
+    epp.write_manifest("pool.yaml", &manifests(&[("a", addrs[0])]));
+    let moved = || async {
+        let mut moved = 0;
+        for (t, b) in tenants.iter().zip(&before) {
+            let now = served_model(&envoy, "split", Some(t)).await;
+            if now != *b {
+                assert_eq!((b.as_str(), now.as_str()), ("split-v1", "split-v2"), "{t}");
+                moved += 1;
+            }
+        }
+        moved
+    };
+    wait_for("the new weights", || async {
+        (moved().await > 0).then_some(())
+    })
+    .await;
+    let moved = moved().await;
+    assert!(
+        (50..=110).contains(&moved),
+        "about 80 of 200 conversations move, {moved} did"
+    );
+    epp.stop().await;
+}

@@ -410,6 +410,49 @@ async fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
     })
     .await;
 
+    // InferenceModelRewrite under both groups: added, changed, deleted. The alias needs no
+    // InferenceModel; an invalid rewrite (weights summing to 0) is ignored and counted.
+    api.put(
+        REWRITES_LLMD,
+        rewrite("alias", "pool", Some("assistant"), "chat"),
+    );
+    let models = wait_for("llm-d.ai rewrite added", || async {
+        let (_, codes, models) = served_by(&envoy, "assistant", 1).await;
+        (codes == [200]).then_some(models)
+    })
+    .await;
+    assert_eq!(models, [Some("chat".to_owned())]);
+    api.put(
+        REWRITES_X,
+        rewrite("fallback", "pool", None, "chat-fallback"),
+    );
+    wait_for("inference.networking.x-k8s.io catch-all added", || async {
+        let (_, codes, models) = served_by(&envoy, "foreign", 1).await;
+        (codes == [200] && models == [Some("chat-fallback".to_owned())]).then_some(())
+    })
+    .await;
+    let invalid = epp.metric("kvepp_catalog_invalid_objects_total").await;
+    let mut zero = rewrite("zero", "pool", Some("z"), "z-v1");
+    zero["spec"]["rules"][0]["targets"][0]["weight"] = 0.into();
+    api.put(REWRITES_LLMD, zero);
+    wait_for("the zero-weight rewrite counted as invalid", || async {
+        (epp.metric("kvepp_catalog_invalid_objects_total").await > invalid).then_some(())
+    })
+    .await;
+    let (_, _, models) = served_by(&envoy, "z", 1).await;
+    assert_eq!(
+        models,
+        [Some("chat-fallback".to_owned())],
+        "ignored: the catch-all takes z"
+    );
+    api.delete(REWRITES_X, "fallback");
+    api.delete(REWRITES_LLMD, "alias");
+    wait_for("rewrites deleted → 404", || async {
+        let (_, codes, _) = served_by(&envoy, "assistant", 1).await;
+        (codes == [404]).then_some(())
+    })
+    .await;
+
     // The watch drops and history is compacted: after the relist, the same pods, no duplicates.
     api.drop_watches();
     api.compact();

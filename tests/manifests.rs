@@ -77,8 +77,10 @@ fn kubernetes_manifests_are_consistent() {
         [
             "discovery.k8s.io/endpointslices",
             "inference.networking.k8s.io/inferencepools",
+            "inference.networking.x-k8s.io/inferencemodelrewrites",
             "inference.networking.x-k8s.io/inferencemodels",
             "inference.networking.x-k8s.io/inferencepools",
+            "llm-d.ai/inferencemodelrewrites",
             "llm-d.ai/inferenceobjectives",
         ]
     );
@@ -141,9 +143,19 @@ fn kubernetes_manifests_are_consistent() {
         .collect();
     assert!(svc_names.contains(&pool["spec"]["extensionRef"]["name"].as_str().unwrap()));
     assert!(svc_names.contains(&pool["metadata"]["name"].as_str().unwrap()));
-    for m in find(&d, "InferenceModel") {
-        assert_eq!(m["spec"]["poolRef"]["name"], pool["metadata"]["name"]);
+    for kind in ["InferenceModel", "InferenceModelRewrite"] {
+        let objects = find(&d, kind);
+        assert!(!objects.is_empty(), "an example {kind}");
+        for m in objects {
+            assert_eq!(m["spec"]["poolRef"]["name"], pool["metadata"]["name"]);
+        }
     }
+    // kvepp reads the pool's objects as shipped, the rewrite beside the InferenceModels.
+    let text = std::fs::read(repo_root().join("manifests/kubernetes/inference-pool.yaml")).unwrap();
+    let objects = parse_documents(&text).unwrap();
+    assert!(objects.iter().any(
+        |o| matches!(o, kvepp::discovery::Object::Rewrite(r) if r.rules[0].targets.len() == 2)
+    ));
     let route = find(&d, "HTTPRoute")[0];
     assert_eq!(
         route["spec"]["rules"][0]["backendRefs"][0]["name"],
@@ -277,8 +289,8 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
     }
     assert_eq!(
         crds.len(),
-        4,
-        "InferencePool v1alpha2 and v1, InferenceModel v1alpha2, InferenceObjective llm-d.ai/v1alpha2"
+        6,
+        "InferencePool v1alpha2 and v1, InferenceModel v1alpha2, InferenceObjective llm-d.ai/v1alpha2, InferenceModelRewrite under both groups"
     );
 }
 

@@ -3,8 +3,9 @@
 //! - [`KubeDiscovery`]: the EndpointSlice discovery behind [`ServiceDiscovery`]. `watch(namespace, component)` watches
 //!   `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<component>` and maps
 //!   them with [`instances_from_slices`] (the seed's event table).
-//! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`), InferenceModel (`v1alpha2`) and
-//!   InferenceObjective (`llm-d.ai/v1alpha2`)
+//! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`), InferenceModel (`v1alpha2`),
+//!   InferenceObjective (`llm-d.ai/v1alpha2`) and InferenceModelRewrite (`llm-d.ai/v1alpha2` and
+//!   `inference.networking.x-k8s.io/v1alpha2`)
 //!   in the pool's namespace and hands them to the datastore once every kind has synced.
 //! - [`KubeRegistry`]: the server side inside a pod: checks the Downward API labels.
 //!
@@ -249,6 +250,7 @@ pub(crate) fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
             name: s.metadata.name.unwrap_or_default(),
             namespace: s.metadata.namespace,
             labels: s.metadata.labels.unwrap_or_default(),
+            creation_timestamp: None,
         },
         address_type: Some(s.address_type),
         endpoints: s
@@ -285,7 +287,7 @@ pub(crate) fn from_k8s(s: k8s::EndpointSlice) -> EndpointSlice {
 }
 
 /// The inference CRDs kvepp watches: (group/version, kind, plural, metric name).
-const CRDS: [(&str, &str, &str, &str, &str); 4] = [
+const CRDS: [(&str, &str, &str, &str, &str); 6] = [
     (
         "inference.networking.x-k8s.io",
         "v1alpha2",
@@ -314,10 +316,24 @@ const CRDS: [(&str, &str, &str, &str, &str); 4] = [
         "inferenceobjectives",
         "inferenceobjectives.llm-d.v1alpha2",
     ),
+    (
+        "llm-d.ai",
+        "v1alpha2",
+        "InferenceModelRewrite",
+        "inferencemodelrewrites",
+        "inferencemodelrewrites.llm-d.v1alpha2",
+    ),
+    (
+        "inference.networking.x-k8s.io",
+        "v1alpha2",
+        "InferenceModelRewrite",
+        "inferencemodelrewrites",
+        "inferencemodelrewrites.v1alpha2",
+    ),
 ];
 
-/// Watches the pool's InferencePools, InferenceModels and InferenceObjectives and feeds the
-/// datastore's catalog.
+/// Watches the pool's InferencePools, InferenceModels, InferenceObjectives and
+/// InferenceModelRewrites and feeds the datastore's catalog.
 pub struct KubeCatalog {
     pub client: kube::Client,
     pub namespace: String,

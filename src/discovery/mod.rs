@@ -30,7 +30,8 @@ use tokio::sync::watch;
 
 pub use manifests::{ManifestDir, ManifestRegistry};
 pub use objects::{
-    EndpointSlice, FailureMode, InferenceModel, InferenceObjective, InferencePool, Object,
+    EndpointSlice, FailureMode, InferenceModel, InferenceModelRewrite, InferenceObjective,
+    InferencePool, Object, RewriteRule,
 };
 pub use service::{
     Instance, InstanceEvent, InstanceHandle, InstanceStream, ServiceDiscovery, ServiceRegistry,
@@ -52,24 +53,135 @@ pub struct PoolRef {
     pub picker_service: Option<String>,
 }
 
+/// Weighted target models (an InferenceModel's `targetModels`, a rewrite rule's `targets`).
+#[derive(Debug, Clone, Default)]
+pub struct Targets {
+    /// (model name, weight), in the object's order.
+    pub list: Vec<(Arc<str>, u64)>,
+    /// The weights' sum (0: no target can be drawn).
+    pub total: u64,
+}
+
+impl Targets {
+    pub(crate) fn new(list: Vec<(Arc<str>, u64)>) -> Self {
+        let total = list.iter().map(|(_, w)| *w).sum();
+        Targets { list, total }
+    }
+
+    fn of(list: &[(String, u64)]) -> Self {
+        Targets::new(
+            list.iter()
+                .map(|(n, w)| (Arc::from(n.as_str()), *w))
+                .collect(),
+        )
+    }
+}
+
 /// An InferenceModel as the request path uses it.
 #[derive(Debug)]
 pub struct ModelSpec {
     pub name: Arc<str>,
     pub criticality: Criticality,
-    pub targets: Vec<(Arc<str>, u64)>,
-    pub total_weight: u64,
+    pub targets: Targets,
 }
 
 impl ModelSpec {
+    #[cfg(test)]
     pub(crate) fn new(name: &str, criticality: Criticality, targets: Vec<(Arc<str>, u64)>) -> Self {
-        let total_weight = targets.iter().map(|(_, w)| *w).sum();
         ModelSpec {
             name: name.into(),
             criticality,
-            targets,
-            total_weight,
+            targets: Targets::new(targets),
         }
+    }
+}
+
+/// One InferenceModelRewrite rule as the request path uses it.
+#[derive(Debug)]
+pub struct RewriteSpec {
+    /// The InferenceModelRewrite's name (logs, traces).
+    pub object: Arc<str>,
+    pub targets: Targets,
+}
+
+/// The pool's InferenceModelRewrites, compiled: an exact match first, else the catch-all.
+///
+/// Precedence, stated once: within an object its rules apply in order (a rule after the
+/// object's catch-all is never reached); across objects an exact match beats a catch-all, and
+/// of two objects claiming one model (or both with a catch-all) the older is kept
+/// (`creationTimestamp`, then name), the other's rule ignored, logged and counted in
+/// [`Rewrites::conflicts`].
+#[derive(Debug, Default)]
+pub struct Rewrites {
+    pub exact: HashMap<String, Arc<RewriteSpec>>,
+    pub catch_all: Option<Arc<RewriteSpec>>,
+    /// Claims ignored because an older object (or an earlier catch-all rule of the same object)
+    /// took the model first.
+    pub conflicts: usize,
+}
+
+impl Rewrites {
+    /// The rule a request for `model` follows, and whether it matched the model by name (false:
+    /// the catch-all).
+    pub fn rule(&self, model: &str) -> Option<(&RewriteSpec, bool)> {
+        match self.exact.get(model) {
+            Some(r) => Some((r, true)),
+            None => self.catch_all.as_deref().map(|r| (r, false)),
+        }
+    }
+
+    fn compile(mut objects: Vec<&InferenceModelRewrite>) -> Self {
+        // Oldest first; objects without a timestamp (manifests) by name.
+        objects.sort_by(|a, b| (&a.created, &a.name).cmp(&(&b.created, &b.name)));
+        let mut out = Rewrites::default();
+        let mut owner: HashMap<&str, &str> = HashMap::new();
+        let mut catch_all_owner: Option<&str> = None;
+        for obj in objects {
+            let mut own_catch_all = false;
+            for (i, rule) in obj.rules.iter().enumerate() {
+                let spec = Arc::new(RewriteSpec {
+                    object: obj.name.as_str().into(),
+                    targets: Targets::of(&rule.targets),
+                });
+                if own_catch_all {
+                    tracing::warn!(rewrite = %obj.name, rule = i,
+                        "InferenceModelRewrite rule follows the object's catch-all rule and is never reached; ignored");
+                    out.conflicts += 1;
+                    continue;
+                }
+                if rule.models.is_empty() {
+                    own_catch_all = true;
+                    match catch_all_owner {
+                        Some(kept) => {
+                            tracing::warn!(rewrite = %obj.name, rule = i, kept = %kept,
+                                "two InferenceModelRewrites have a catch-all rule; keeping the older one's");
+                            out.conflicts += 1;
+                        }
+                        None => {
+                            catch_all_owner = Some(&obj.name);
+                            out.catch_all = Some(spec);
+                        }
+                    }
+                    continue;
+                }
+                for model in &rule.models {
+                    match owner.get(model.as_str()) {
+                        // An earlier rule of the same object took it: first rule wins, as written.
+                        Some(kept) if *kept == obj.name => {}
+                        Some(kept) => {
+                            tracing::warn!(model = %model, rewrite = %obj.name, kept = %kept,
+                                "two InferenceModelRewrites claim the same model; keeping the older one's rule");
+                            out.conflicts += 1;
+                        }
+                        None => {
+                            owner.insert(model, &obj.name);
+                            out.exact.insert(model.clone(), spec.clone());
+                        }
+                    }
+                }
+            }
+        }
+        out
     }
 }
 
@@ -79,6 +191,8 @@ pub struct PoolSnapshot {
     /// `None` until the InferencePool object has been seen.
     pub pool: Option<InferencePool>,
     pub models: HashMap<String, Arc<ModelSpec>>,
+    /// InferenceModelRewrites of the pool, compiled.
+    pub rewrites: Rewrites,
     /// InferenceObjectives of the pool: name → priority.
     pub objectives: HashMap<String, i32>,
     /// Ready endpoints, deduplicated by address, sorted by address (set through
@@ -97,6 +211,7 @@ impl PoolSnapshot {
         PoolSnapshot {
             pool: None,
             models: HashMap::new(),
+            rewrites: Rewrites::default(),
             objectives: HashMap::new(),
             endpoints: Vec::new(),
             serial: SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -250,6 +365,7 @@ impl Datastore {
             pool = %self.target.name,
             found = snap.pool.is_some(),
             models = snap.models.len(),
+            rewritten_models = snap.rewrites.exact.len(),
             objectives = snap.objectives.len(),
             ready_endpoints = snap.endpoints.len(),
             "pool state updated"
@@ -258,12 +374,15 @@ impl Datastore {
         let old = self.snapshot.load();
         if old.endpoints.len() != snap.endpoints.len()
             || old.models.len() != snap.models.len()
+            || old.rewrites.exact.len() != snap.rewrites.exact.len()
+            || old.rewrites.catch_all.is_some() != snap.rewrites.catch_all.is_some()
             || old.objectives != snap.objectives
             || old.pool != snap.pool
         {
             tracing::info!(pool = %self.target.name, found = snap.pool.is_some(),
-                models = snap.models.len(), objectives = snap.objectives.len(),
-                ready_endpoints = snap.endpoints.len(), "pool state changed");
+                models = snap.models.len(), rewritten_models = snap.rewrites.exact.len(),
+                catch_all_rewrite = snap.rewrites.catch_all.is_some(),
+                objectives = snap.objectives.len(), ready_endpoints = snap.endpoints.len(), "pool state changed");
         }
         let endpoints: Arc<[Arc<Endpoint>]> = snap.endpoints.clone().into();
         self.snapshot.store(Arc::new(snap));
@@ -279,6 +398,7 @@ impl Datastore {
     fn build(&self, st: &State) -> PoolSnapshot {
         let mut snap = PoolSnapshot::empty();
         let mut models: BTreeMap<(String, String), &InferenceModel> = BTreeMap::new();
+        let mut rewrites = Vec::new();
         for obj in &st.catalog {
             match obj {
                 Object::Pool(p)
@@ -302,6 +422,11 @@ impl Datastore {
                 {
                     models.insert((m.model_name.clone(), m.name.clone()), m);
                 }
+                Object::Rewrite(r)
+                    if r.pool_ref == self.target.name && self.in_namespace(&r.namespace) =>
+                {
+                    rewrites.push(r);
+                }
                 _ => {}
             }
         }
@@ -311,16 +436,14 @@ impl Datastore {
                     "two InferenceModels claim the same modelName; keeping the first by object name");
                 continue;
             }
-            let targets = m
-                .target_models
-                .iter()
-                .map(|(n, w)| (Arc::from(n.as_str()), *w))
-                .collect();
-            snap.models.insert(
-                model_name.clone(),
-                Arc::new(ModelSpec::new(&model_name, m.criticality, targets)),
-            );
+            let spec = ModelSpec {
+                name: model_name.as_str().into(),
+                criticality: m.criticality,
+                targets: Targets::of(&m.target_models),
+            };
+            snap.models.insert(model_name, Arc::new(spec));
         }
+        snap.rewrites = Rewrites::compile(rewrites);
         let target_port = snap.pool.as_ref().and_then(InferencePool::target_port);
         // Several target ports: one endpoint per (pod, port), the port's index its rank.
         let ranks: &[u16] = match &snap.pool {
@@ -401,7 +524,12 @@ fn endpoint(
 fn catalog_of(objects: &[Object]) -> Vec<Object> {
     objects
         .iter()
-        .filter(|o| matches!(o, Object::Pool(_) | Object::Model(_) | Object::Objective(_)))
+        .filter(|o| {
+            matches!(
+                o,
+                Object::Pool(_) | Object::Model(_) | Object::Objective(_) | Object::Rewrite(_)
+            )
+        })
         .cloned()
         .collect()
 }
@@ -439,6 +567,8 @@ pub(crate) async fn feed_instances(
 #[derive(Debug, Clone, Default)]
 pub struct DiscoveryCounters {
     pub ready_endpoints: prometheus_client::metrics::gauge::Gauge,
+    /// InferenceModelRewrite rules ignored now (an older object claims their model first).
+    pub rewrite_conflicts: prometheus_client::metrics::gauge::Gauge,
     pub manifest_errors: prometheus_client::metrics::counter::Counter,
     pub catalog_invalid: prometheus_client::metrics::counter::Counter,
 }
@@ -451,13 +581,18 @@ impl crate::metrics::Register for DiscoveryCounters {
             self.ready_endpoints.clone(),
         );
         registry.register(
+            "model_rewrite_conflicts",
+            "InferenceModelRewrite rules ignored because an older object (or an earlier catch-all rule of the same object) claims their model",
+            self.rewrite_conflicts.clone(),
+        );
+        registry.register(
             "manifest_errors",
             "Manifest file versions that failed to parse",
             self.manifest_errors.clone(),
         );
         registry.register(
             "catalog_invalid_objects",
-            "InferencePool/InferenceModel objects from the API server that kvepp could not use",
+            "Inference objects (pools, models, objectives, rewrites) from the API server that kvepp could not use",
             self.catalog_invalid.clone(),
         );
     }

@@ -40,6 +40,10 @@ pub struct ObjectMeta {
     pub namespace: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// RFC 3339, as the API server sets it (absent in manifests): the older of two conflicting
+    /// objects is the one kept.
+    #[serde(default, rename = "creationTimestamp")]
+    pub creation_timestamp: Option<String>,
 }
 
 /// An InferencePool of either API version, normalised.
@@ -98,6 +102,29 @@ pub struct InferenceModel {
     pub pool_ref: String,
     /// (name, weight); weights default to 1 when none is given.
     pub target_models: Vec<(String, u64)>,
+}
+
+/// An InferenceModelRewrite (`llm-d.ai/v1alpha2` or `inference.networking.x-k8s.io/v1alpha2`),
+/// normalised: how a requested model name becomes the model the engines serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InferenceModelRewrite {
+    pub name: String,
+    pub namespace: Option<String>,
+    pub pool_ref: String,
+    /// `metadata.creationTimestamp` (RFC 3339; None in manifests): of two objects claiming one
+    /// model the older is kept, then the first by name.
+    pub created: Option<String>,
+    /// In order: the first rule that matches a model is the one applied.
+    pub rules: Vec<RewriteRule>,
+}
+
+/// One rule of an InferenceModelRewrite.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewriteRule {
+    /// Model names matched exactly; empty: every model no earlier rule took (the catch-all).
+    pub models: Vec<String>,
+    /// (model to send, weight); weights default to 1 when none is given, and sum to more than 0.
+    pub targets: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -165,6 +192,7 @@ pub enum Object {
     Pool(InferencePool),
     Model(InferenceModel),
     Objective(InferenceObjective),
+    Rewrite(InferenceModelRewrite),
     Slice(EndpointSlice),
 }
 
@@ -243,6 +271,42 @@ struct ModelSpecWire {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RewriteSpecWire {
+    pool_ref: NameRef,
+    #[serde(default)]
+    rules: Vec<RewriteRuleWire>,
+}
+
+#[derive(Deserialize)]
+struct RewriteRuleWire {
+    #[serde(default)]
+    matches: Vec<RewriteMatchWire>,
+    #[serde(default)]
+    targets: Vec<RewriteTargetWire>,
+}
+
+#[derive(Deserialize)]
+struct RewriteMatchWire {
+    model: ModelMatchWire,
+}
+
+#[derive(Deserialize)]
+struct ModelMatchWire {
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    value: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RewriteTargetWire {
+    model_rewrite: String,
+    #[serde(default)]
+    weight: Option<i64>,
+}
+
+#[derive(Deserialize)]
 struct NameRef {
     name: String,
 }
@@ -292,6 +356,16 @@ pub(crate) fn from_value(value: serde_yaml::Value) -> Result<Option<Object>, Obj
                 });
             }
             objective(value).map(|o| Some(Object::Objective(o)))
+        }
+        "InferenceModelRewrite" => {
+            if api != LLMD_V1ALPHA2 && api != GROUP_V1ALPHA2 {
+                return Err(ObjectError::ApiVersion {
+                    kind: "InferenceModelRewrite",
+                    api_version: api,
+                    expected: "llm-d.ai/v1alpha2 or inference.networking.x-k8s.io/v1alpha2",
+                });
+            }
+            rewrite(value).map(|r| Some(Object::Rewrite(r)))
         }
         "InferenceModel" => {
             if api != GROUP_V1ALPHA2 {
@@ -452,40 +526,8 @@ fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
             )
         })?,
     };
-    let weighted = w
-        .spec
-        .target_models
-        .iter()
-        .filter(|t| t.weight.is_some())
-        .count();
-    if weighted != 0 && weighted != w.spec.target_models.len() {
-        return Err(invalid(
-            K,
-            name,
-            "spec.targetModels: set weight on all entries or on none",
-        ));
-    }
-    let mut target_models = Vec::with_capacity(w.spec.target_models.len());
-    for t in w.spec.target_models {
-        let weight = t.weight.unwrap_or(1);
-        let weight = u64::try_from(weight)
-            .ok()
-            .filter(|w| *w <= 1_000_000)
-            .ok_or_else(|| {
-                invalid(
-                    K,
-                    name,
-                    format!(
-                        "targetModels[{}].weight {weight} is not in 0..=1000000",
-                        t.name
-                    ),
-                )
-            })?;
-        if t.name.is_empty() {
-            return Err(invalid(K, name, "targetModels entry with an empty name"));
-        }
-        target_models.push((t.name, weight));
-    }
+    let targets = w.spec.target_models.into_iter().map(|t| (t.name, t.weight));
+    let target_models = weighted_targets(K, name, "spec.targetModels", targets)?;
     Ok(InferenceModel {
         name: w.metadata.name,
         namespace: w.metadata.namespace,
@@ -493,6 +535,108 @@ fn model(value: serde_yaml::Value) -> Result<InferenceModel, ObjectError> {
         criticality,
         pool_ref: w.spec.pool_ref.name,
         target_models,
+    })
+}
+
+/// Weighted target models: weights on all entries or on none (then 1 each), each in
+/// 0..=1000000, names not empty.
+fn weighted_targets(
+    kind: &'static str,
+    name: &str,
+    field: &str,
+    targets: impl ExactSizeIterator<Item = (String, Option<i64>)>,
+) -> Result<Vec<(String, u64)>, ObjectError> {
+    let targets: Vec<_> = targets.collect();
+    let weighted = targets.iter().filter(|(_, w)| w.is_some()).count();
+    if weighted != 0 && weighted != targets.len() {
+        return Err(invalid(
+            kind,
+            name,
+            format!("{field}: set weight on all entries or on none"),
+        ));
+    }
+    let mut out = Vec::with_capacity(targets.len());
+    for (target, weight) in targets {
+        let weight = weight.unwrap_or(1);
+        let weight = u64::try_from(weight)
+            .ok()
+            .filter(|w| *w <= 1_000_000)
+            .ok_or_else(|| {
+                invalid(
+                    kind,
+                    name,
+                    format!("{field}[{target}].weight {weight} is not in 0..=1000000"),
+                )
+            })?;
+        if target.is_empty() {
+            return Err(invalid(
+                kind,
+                name,
+                format!("{field}: an entry with an empty name"),
+            ));
+        }
+        out.push((target, weight));
+    }
+    Ok(out)
+}
+
+fn rewrite(value: serde_yaml::Value) -> Result<InferenceModelRewrite, ObjectError> {
+    const K: &str = "InferenceModelRewrite";
+    let w: Wire<RewriteSpecWire> = serde_yaml::from_value(value)?;
+    let name = &w.metadata.name;
+    if name.is_empty() {
+        return Err(invalid(K, "", "metadata.name is empty"));
+    }
+    if w.spec.rules.is_empty() {
+        return Err(invalid(K, name, "spec.rules is empty"));
+    }
+    let mut rules = Vec::with_capacity(w.spec.rules.len());
+    for (i, rule) in w.spec.rules.into_iter().enumerate() {
+        let mut models = Vec::with_capacity(rule.matches.len());
+        for m in rule.matches {
+            match m.model.kind.as_deref() {
+                None | Some("Exact") => {}
+                Some(other) => {
+                    return Err(invalid(
+                        K,
+                        name,
+                        format!("spec.rules[{i}]: match type {other:?} is not Exact"),
+                    ))
+                }
+            }
+            if m.model.value.is_empty() {
+                return Err(invalid(
+                    K,
+                    name,
+                    format!("spec.rules[{i}]: an empty model value"),
+                ));
+            }
+            models.push(m.model.value);
+        }
+        if rule.targets.is_empty() {
+            return Err(invalid(
+                K,
+                name,
+                format!("spec.rules[{i}].targets is empty"),
+            ));
+        }
+        let field = format!("spec.rules[{i}].targets");
+        let targets = rule
+            .targets
+            .into_iter()
+            .map(|t| (t.model_rewrite, t.weight));
+        let targets = weighted_targets(K, name, &field, targets)?;
+        if targets.iter().all(|(_, w)| *w == 0) {
+            return Err(invalid(K, name, format!("{field}: the weights sum to 0")));
+        }
+        rules.push(RewriteRule { models, targets });
+    }
+    Ok(InferenceModelRewrite {
+        name: w.metadata.name,
+        namespace: w.metadata.namespace,
+        pool_ref: w.spec.pool_ref.name,
+        created: w.metadata.creation_timestamp,
+        rules,
     })
 }
 

@@ -34,8 +34,9 @@ use super::metadata::{served_endpoint, subset_hint, Subset};
 use super::response as resp;
 use super::trace::{RequestTrace, Stage};
 use super::Shared;
-use crate::metrics::{Outcome, ReasonLabels, RequestLabels};
-use crate::request::{Prepared, Rejection, RouteHints, Verdict};
+use crate::metrics::{Outcome, ReasonLabels, RequestLabels, RewriteLabels};
+use crate::request::{Prepared, Rejection, RequestHead, RouteHints, Verdict};
+use kvepp_core::affinity::SessionKey;
 use kvepp_core::Admission;
 use kvepp_core::{Booking, Pick};
 use kvepp_request::Rewrite;
@@ -115,6 +116,8 @@ struct Routed {
     primary: std::net::SocketAddr,
     /// A 200 event stream is coming back: its first body chunk is the first token.
     awaiting_first_token: bool,
+    /// The InferenceModelRewrite that chose the target model, and the target, when one did.
+    rewritten: Option<RewriteLabels>,
 }
 
 /// Which answer a complete request gets once it is decided.
@@ -232,8 +235,16 @@ impl StreamState {
     /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.
     fn read_headers(&mut self, h: &HttpHeaders) {
         let Some(map) = &h.headers else { return };
-        let flow_settings = self.shared.flow().map(|f| f.settings());
-        let fairness = flow_settings.as_deref().map(|s| s.fairness_header.as_str());
+        // The fairness id names the flow (flow control) and keys weighted target-model draws, so
+        // it is read whether or not flow control is on.
+        let flow_settings = self.shared.flow.as_ref().map(|f| f.settings());
+        let fairness = Some(
+            flow_settings
+                .as_deref()
+                .map_or(crate::request::flow::FAIRNESS_HEADER, |s| {
+                    s.fairness_header.as_str()
+                }),
+        );
         let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
         let session = self.shared.affinity.header();
         let session = session.as_deref().map(String::as_str);
@@ -442,7 +453,14 @@ impl StreamState {
             t.body_done();
         }
         let stage = self.trace.as_ref().map(|t| t.stage(Stage::Tokenize));
-        let prepared = self.shared.routing.prepare(body, self.objective.as_deref());
+        let head = RequestHead {
+            objective: self.objective.as_deref(),
+            draw_key: self
+                .session
+                .map(|k| k.0)
+                .or_else(|| self.flow.as_deref().map(|f| SessionKey::of(f).0)),
+        };
+        let prepared = self.shared.routing.prepare(body, &head);
         drop(stage);
         let prepared = match prepared {
             Ok(p) => p,
@@ -668,6 +686,14 @@ impl StreamState {
                 .metrics
                 .count_prefix_blocks(mode, kv.prompt_blocks, kv.overlap.disk);
         }
+        let rewritten = held.prepared.rewritten_by.clone().map(|rewrite| {
+            let l = RewriteLabels {
+                rewrite,
+                target_model: labels.1.clone(),
+            };
+            shared.metrics.model_rewrites.get_or_create(&l).inc();
+            l
+        });
         let mut labels = self.labels_for(labels.0, labels.1);
         labels.endpoint = pick.primary.addr_str.clone();
         self.labels = Some(labels);
@@ -675,6 +701,7 @@ impl StreamState {
             booking: Some(routed.booking),
             primary: pick.primary.addr,
             awaiting_first_token: false,
+            rewritten,
         };
         shared
             .metrics
@@ -722,6 +749,15 @@ impl StreamState {
         let Phase::Routed(r) = &mut self.phase else {
             return;
         };
+        if let (Some(rw), Some(404)) = (&r.rewritten, status) {
+            tracing::warn!(rewrite = %rw.rewrite, target_model = %rw.target_model,
+                "the engine answered 404 to a rewritten request: the InferenceModelRewrite's target model is not served there");
+            self.shared
+                .metrics
+                .model_rewrite_unserved
+                .get_or_create(rw)
+                .inc();
+        }
         // An engine starts an event stream's headers as soon as it takes the request (vLLM does):
         // its prefill ends with the first chunk, when the proxy sends us the body. Anything else
         // is answered when it is done.

@@ -131,6 +131,10 @@ impl RequestTrace {
         if let Some(o) = objective {
             self.root.set_attribute("kvepp.objective", o.to_owned());
         }
+        if let Some(r) = &p.rewritten_by {
+            self.root
+                .set_attribute("kvepp.model_rewrite", r.to_string());
+        }
         self.root
             .set_attribute("kvepp.priority", i64::from(p.priority));
     }

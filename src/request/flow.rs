@@ -555,7 +555,7 @@ mod tests {
         fn prepare(
             &self,
             _: Option<&bytes::Bytes>,
-            _: Option<&str>,
+            _: &super::super::RequestHead<'_>,
         ) -> Result<super::super::Prepared, super::super::Rejection> {
             Err(super::super::Rejection::new(500, "test", "unused"))
         }

@@ -18,4 +18,6 @@ pub use affinity::Affinity;
 pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
-pub use service::{Prepared, Rejection, RequestRouter, RouteHints, RouteRequest, Routed, Verdict};
+pub use service::{
+    Prepared, Rejection, RequestHead, RequestRouter, RouteHints, RouteRequest, Routed, Verdict,
+};

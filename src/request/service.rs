@@ -109,6 +109,16 @@ impl Rejection {
     }
 }
 
+/// What a request's headers said that preparing it reads.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestHead<'a> {
+    /// The InferenceObjective its header names.
+    pub objective: Option<&'a str>,
+    /// The key weighted target models are drawn by (the session header's key, else the
+    /// fairness id's): None draws at random.
+    pub draw_key: Option<u64>,
+}
+
 /// What the proxy said about a request besides its body, and how it is admitted.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RouteHints<'a> {
@@ -142,6 +152,8 @@ pub struct Prepared {
     /// Metric labels: the InferenceModel (or `none`/`unlisted`) and the target model.
     pub model_label: Arc<str>,
     pub target_label: Arc<str>,
+    /// The InferenceModelRewrite that chose the target model, when one did (traces).
+    pub rewritten_by: Option<Arc<str>>,
 }
 
 impl Prepared {
@@ -182,10 +194,9 @@ pub enum Verdict {
 /// What the ext_proc door calls to route one request: prepare once, decide as often as its turns
 /// come.
 pub trait RouteRequest: Send + Sync + std::fmt::Debug {
-    /// The request's facts from its `body` (None: decided at the headers, no model) and the
-    /// InferenceObjective its header names.
-    fn prepare(&self, body: Option<&Bytes>, objective: Option<&str>)
-        -> Result<Prepared, Rejection>;
+    /// The request's facts from its `body` (None: decided at the headers, no model) and what
+    /// its headers said.
+    fn prepare(&self, body: Option<&Bytes>, head: &RequestHead<'_>) -> Result<Prepared, Rejection>;
 
     /// Decides `req` among the pool's ready endpoints, restricted to the hints' subset when the
     /// proxy sent one.
@@ -343,11 +354,8 @@ impl RequestRouter {
 }
 
 impl RouteRequest for RequestRouter {
-    fn prepare(
-        &self,
-        body: Option<&Bytes>,
-        objective: Option<&str>,
-    ) -> Result<Prepared, Rejection> {
+    fn prepare(&self, body: Option<&Bytes>, head: &RequestHead<'_>) -> Result<Prepared, Rejection> {
+        let objective = head.objective;
         let snap = self.store.snapshot();
         if snap.pool.is_none() {
             return Err(self.pool_not_found());
@@ -361,12 +369,13 @@ impl RouteRequest for RequestRouter {
                 rewrite: None,
                 model_label: self.no_model.clone(),
                 target_label: self.no_model.clone(),
+                rewritten_by: None,
             });
         };
         self.steps.count("parse");
         let mut parsed = parse_body_owned(body, Some(&self.id_chunks), &self.known_arrays)?;
         let unlisted = self.passes_unknown().then_some(&self.unlisted_model);
-        let m = match resolve_model(&snap, &parsed.model, unlisted) {
+        let m = match resolve_model(&snap, &parsed.model, unlisted, head.draw_key) {
             Ok(m) => m,
             Err(e @ ModelError::Unknown(_)) => {
                 let mut r = Rejection::new(404, "unknown_model", e.to_string());
@@ -407,6 +416,7 @@ impl RouteRequest for RequestRouter {
             rewrite: m.rewrite_to.clone().map(|t| (parsed.model_span.clone(), t)),
             model_label: m.model_label.clone(),
             target_label: m.target_label.clone(),
+            rewritten_by: m.rewrite.clone(),
         })
     }
 

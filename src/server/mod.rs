@@ -187,8 +187,10 @@ pub async fn run_with(
     };
     let counters = crate::discovery::DiscoveryCounters::default();
     let gauge = counters.ready_endpoints.clone();
+    let conflicts = counters.rewrite_conflicts.clone();
     let store = Arc::new(Datastore::new(pool_ref(&cfg), move |snap| {
         gauge.set(snap.endpoints.len() as i64);
+        conflicts.set(snap.rewrites.conflicts as i64);
     }));
     // Before anything is spawned: a refused start leaves nothing running.
     check_cluster_topology(&cfg).await?;

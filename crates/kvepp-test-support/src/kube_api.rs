@@ -31,6 +31,9 @@ pub const POOLS_V1: &str = "/apis/inference.networking.k8s.io/v1/namespaces/defa
 pub const MODELS: &str =
     "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencemodels";
 pub const OBJECTIVES: &str = "/apis/llm-d.ai/v1alpha2/namespaces/default/inferenceobjectives";
+pub const REWRITES_LLMD: &str = "/apis/llm-d.ai/v1alpha2/namespaces/default/inferencemodelrewrites";
+pub const REWRITES_X: &str =
+    "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/default/inferencemodelrewrites";
 /// Grove's ClusterTopology (cluster-scoped).
 pub const CLUSTER_TOPOLOGIES: &str = "/apis/grove.io/v1alpha1/clustertopologies";
 
@@ -61,6 +64,7 @@ fn kind_of(collection: &str) -> (&'static str, String) {
         "inferencepools" => "InferencePool",
         "inferencemodels" => "InferenceModel",
         "inferenceobjectives" => "InferenceObjective",
+        "inferencemodelrewrites" => "InferenceModelRewrite",
         "clustertopologies" => "ClusterTopology",
         _ => "Unknown",
     };
@@ -392,6 +396,16 @@ pub fn model(name: &str, model_name: &str, pool: &str, targets: &[(&str, u32)]) 
     json!({"metadata": {"name": name}, "spec": {
         "modelName": model_name, "criticality": "Standard", "poolRef": {"name": pool},
         "targetModels": targets.iter().map(|(n, w)| json!({"name": n, "weight": w})).collect::<Vec<_>>()}})
+}
+
+/// An InferenceModelRewrite with one rule: `model` (None: the catch-all) to `target`.
+pub fn rewrite(name: &str, pool: &str, model: Option<&str>, target: &str) -> Value {
+    let matches: Vec<Value> = model
+        .map(|m| json!({"model": {"type": "Exact", "value": m}}))
+        .into_iter()
+        .collect();
+    json!({"metadata": {"name": name}, "spec": {"poolRef": {"name": pool},
+        "rules": [{"matches": matches, "targets": [{"modelRewrite": target}]}]}})
 }
 
 pub fn objective(name: &str, priority: i32, pool: &str) -> Value {

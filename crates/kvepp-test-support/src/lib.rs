@@ -125,7 +125,13 @@ fn echo(
         "scores": header("x-gateway-destination-endpoint-scores"),
         "traceparent": header("traceparent"),
     });
+    // A model named `unserved…` is one this backend does not serve: 404, as an engine answers.
+    let status = match model.as_deref() {
+        Some(m) if m.starts_with("unserved") => axum::http::StatusCode::NOT_FOUND,
+        _ => axum::http::StatusCode::OK,
+    };
     (
+        status,
         [
             ("content-type", "application/json".to_owned()),
             ("x-backend", name.to_owned()),

@@ -26,11 +26,8 @@ struct Fixed {
 }
 
 impl RouteRequest for Fixed {
-    fn prepare(
-        &self,
-        body: Option<&Bytes>,
-        objective: Option<&str>,
-    ) -> Result<Prepared, Rejection> {
+    fn prepare(&self, body: Option<&Bytes>, head: &RequestHead<'_>) -> Result<Prepared, Rejection> {
+        let objective = head.objective;
         if let Some(r) = &self.reject {
             return Err(r.clone());
         }
@@ -47,6 +44,7 @@ impl RouteRequest for Fixed {
             rewrite,
             model_label: "m".into(),
             target_label: "m".into(),
+            rewritten_by: None,
         })
     }
 
