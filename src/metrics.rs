@@ -39,6 +39,13 @@ pub struct RequestLabels {
     pub code: Outcome,
 }
 
+/// A pool and a (target) model.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PoolModelLabels {
+    pub pool: Arc<str>,
+    pub model: Arc<str>,
+}
+
 /// An InferenceModelRewrite and the target model it chose.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct RewriteLabels {

@@ -463,3 +463,85 @@ async fn requests_that_cannot_meet_the_ttft_objective_are_refused_at_once() {
     assert_eq!(gate.arrived(), ["short"]);
     epp.stop().await;
 }
+
+/// Scale from zero: with flow control on, requests for a pool with no ready endpoint wait (counted
+/// by pool and model for an autoscaler) and the first endpoint to become ready is given them in
+/// priority order; when none becomes ready within `max_wait_ms`, 503.
+#[tokio::test]
+async fn a_pool_at_zero_holds_requests_until_its_first_endpoint_then_serves_them_by_priority() {
+    let gate = Gate::start().await;
+    let empty = pool_yaml("pool")
+        + &standard_models()
+        + &objective_yaml("high", 10, "pool")
+        + &objective_yaml("std", 0, "pool")
+        + &objective_yaml("low", -1, "pool");
+    let epp = Epp::start(&empty, |c| {
+        c.max_in_flight_per_endpoint = 1;
+        c.engine_metrics.enabled = false;
+        c.flow_control.enabled = true;
+        c.flow_control.max_wait_ms = 9_000;
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let gw = envoy.addr;
+    let waiting_series = r#"kvepp_flow_control_waiting_for_endpoints{pool="pool",model="m"}"#;
+    let started = tokio::time::Instant::now();
+    let mut waiting = Vec::new();
+    for (n, (objective, prompt)) in [("low", "low-1"), ("std", "std-1"), ("high", "high-1")]
+        .into_iter()
+        .enumerate()
+    {
+        waiting.push(tokio::spawn(
+            async move { ask(gw, objective, prompt).await },
+        ));
+        wait_for("counted as waiting for an endpoint", || async {
+            (epp.metric(waiting_series).await == Some(n as f64 + 1.0)).then_some(())
+        })
+        .await;
+    }
+    // The first engine becomes ready 2 s after the first request arrived.
+    tokio::time::sleep_until(started + std::time::Duration::from_secs(2)).await;
+    assert!(gate.arrived().is_empty());
+    epp.write_manifest("slice.yaml", &slice_yaml("gate", gate.addr, true));
+    for expected in ["high-1", "std-1", "low-1"] {
+        wait_for("next request dispatched", || async {
+            (gate.arrived().last().map(String::as_str) == Some(expected)).then_some(())
+        })
+        .await;
+        gate.permits.add_permits(1);
+    }
+    for w in waiting {
+        let r = w.await.unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    assert_eq!(gate.arrived(), ["high-1", "std-1", "low-1"]);
+    assert_eq!(epp.metric(waiting_series).await, Some(0.0));
+    epp.stop().await;
+
+    // No endpoint ever appears: 503 once the wait is over, saying so.
+    let epp = Epp::start(&empty, |c| {
+        c.engine_metrics.enabled = false;
+        c.flow_control.enabled = true;
+        c.flow_control.max_wait_ms = 300;
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let r = ask(envoy.addr, "high", "nobody").await;
+    assert_eq!(r.status, 503);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("no endpoint of the pool became ready"),
+        "{msg}"
+    );
+    assert_eq!(
+        epp.metric(r#"kvepp_rejected_requests_total{reason="no_ready_endpoints"}"#)
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        epp.metric(r#"kvepp_flow_control_waiting_for_endpoints{pool="pool",model="m"}"#)
+            .await,
+        Some(0.0)
+    );
+    epp.stop().await;
+}

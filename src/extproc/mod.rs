@@ -295,6 +295,16 @@ fn timed_out(s: &FlowControlSettings, waited: std::time::Duration, priority: i32
     Rejection::new(503, "queue_timeout", msg)
 }
 
+/// The answer to a request that waited `max_wait_ms` for the pool's first ready endpoint.
+fn no_endpoint_in_time(s: &FlowControlSettings, waited: std::time::Duration) -> Rejection {
+    let msg = format!(
+        "no endpoint of the pool became ready within {} ms (flow_control.max_wait_ms {}); request not routed",
+        waited.as_millis(),
+        s.max_wait_ms
+    );
+    Rejection::new(503, "no_ready_endpoints", msg)
+}
+
 /// Holds a queued request until flow control gives it a turn, its wait runs out or its queue is
 /// full, answering it in `out`. Messages the proxy sends meanwhile are handled afterwards. False
 /// when the stream ended while waiting (the client left: its place is given up at once).
@@ -348,7 +358,12 @@ async fn wait_for_capacity(
                 }
                 Turn::TimedOut(waited) => {
                     ticket.finish("timeout");
-                    state.give_up(timed_out(&flow.settings(), waited, priority), out);
+                    let r = if state.awaits_an_endpoint() {
+                        no_endpoint_in_time(&flow.settings(), waited)
+                    } else {
+                        timed_out(&flow.settings(), waited, priority)
+                    };
+                    state.give_up(r, out);
                     break;
                 }
                 Turn::Closed => {

@@ -106,6 +106,8 @@ struct Held {
     arrived: Instant,
     /// Its last decision found no endpoint within its TTFT budget (it waits behind the others).
     unfit: bool,
+    /// Counted as waiting for the pool's first ready endpoint (scale from zero), while it is.
+    endpoint_wait: Option<crate::request::flow::EndpointWait>,
 }
 
 /// A routed request: its booking (released when the response ends), where it went, and whether
@@ -339,6 +341,18 @@ impl StreamState {
         matches!(&self.phase, Phase::Queued(h) if h.unfit)
     }
 
+    /// Counts `held` as waiting for the pool's first ready endpoint (once).
+    fn awaits_endpoint(&self, held: &mut Held) {
+        if let (None, Some(f)) = (&held.endpoint_wait, self.shared.flow()) {
+            held.endpoint_wait = Some(f.awaits_endpoint(&held.prepared.target_label));
+        }
+    }
+
+    /// Whether the request waits because the pool has no ready endpoint (scale from zero).
+    pub(super) fn awaits_an_endpoint(&self) -> bool {
+        matches!(&self.phase, Phase::Queued(h) if h.endpoint_wait.is_some())
+    }
+
     /// The priority at which the request waits for capacity, while it does.
     pub(super) fn queued(&self) -> Option<i32> {
         match &self.phase {
@@ -476,6 +490,7 @@ impl StreamState {
             prepared,
             arrived,
             unfit: false,
+            endpoint_wait: None,
         };
         match self.admission() {
             Some(admission) => self.decide_and_answer(held, admission, out),
@@ -483,8 +498,12 @@ impl StreamState {
         }
     }
 
-    /// The request waits in flow control's queue.
-    fn enqueue(&mut self, held: Held) {
+    /// The request waits in flow control's queue (counted as waiting for an endpoint while the
+    /// pool has none).
+    fn enqueue(&mut self, mut held: Held) {
+        if !self.shared.routing.has_endpoints() {
+            self.awaits_endpoint(&mut held);
+        }
         self.phase = Phase::Queued(held);
         if let Some(t) = &mut self.trace {
             t.queued();
@@ -631,8 +650,11 @@ impl StreamState {
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {
             Ok(Verdict::Routed(r)) => r,
-            Ok(verdict @ (Verdict::Wait | Verdict::Unfit)) => {
+            Ok(verdict @ (Verdict::Wait | Verdict::Unfit | Verdict::NoEndpoint)) => {
                 held.unfit = matches!(verdict, Verdict::Unfit);
+                if matches!(verdict, Verdict::NoEndpoint) {
+                    self.awaits_endpoint(held);
+                }
                 return Ok(None);
             }
             Err(r) => {

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch, Notify};
 
 use super::RouteRequest;
-use crate::metrics::{OutcomeLabels, PriorityLabels, Register};
+use crate::metrics::{OutcomeLabels, PoolModelLabels, PriorityLabels, Register};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -149,6 +149,11 @@ pub struct FlowMetrics {
     pub queue_wait: Family<PriorityLabels, Histogram, fn() -> Histogram>,
     /// Requests that left the queue, by outcome (`dispatched`, `timeout`, `cancelled`).
     pub outcomes: Family<OutcomeLabels, Counter>,
+    /// Requests waiting because the pool has no ready endpoint (scale from zero), by pool and
+    /// target model: what an autoscaler reads to start the first engine.
+    pub waiting_for_endpoints: Family<PoolModelLabels, Gauge>,
+    /// The pool's name (the `pool` label).
+    pub pool: Arc<str>,
 }
 
 impl Default for FlowMetrics {
@@ -160,6 +165,8 @@ impl Default for FlowMetrics {
             queue_size: Family::default(),
             queue_wait: Family::new_with_constructor(wait_buckets),
             outcomes: Family::default(),
+            waiting_for_endpoints: Family::default(),
+            pool: "".into(),
         }
     }
 }
@@ -181,6 +188,22 @@ impl Register for FlowMetrics {
             "Requests that left flow control's queue, by outcome (dispatched, timeout, cancelled)",
             self.outcomes.clone(),
         );
+        registry.register(
+            "flow_control_waiting_for_endpoints",
+            "Requests waiting in flow control's queue because the pool has no ready endpoint (scale from zero), by pool and target model",
+            self.waiting_for_endpoints.clone(),
+        );
+    }
+}
+
+/// A request counted in `kvepp_flow_control_waiting_for_endpoints` while it lives (the request
+/// waits for the pool's first ready endpoint); dropping it uncounts the request.
+#[derive(Debug)]
+pub struct EndpointWait(Gauge);
+
+impl Drop for EndpointWait {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -283,6 +306,22 @@ impl FlowControl {
     /// The settings requests use now.
     pub(crate) fn settings(&self) -> Arc<FlowControlSettings> {
         self.settings.load_full()
+    }
+
+    /// Counts a request for `model` as waiting for the pool's first ready endpoint, until the
+    /// returned mark is dropped.
+    pub(crate) fn awaits_endpoint(&self, model: &Arc<str>) -> EndpointWait {
+        let labels = PoolModelLabels {
+            pool: self.metrics.pool.clone(),
+            model: model.clone(),
+        };
+        let gauge = self
+            .metrics
+            .waiting_for_endpoints
+            .get_or_create(&labels)
+            .clone();
+        gauge.inc();
+        EndpointWait(gauge)
     }
 
     /// Whether requests queue now (`enabled`; off: the stream sheds as without flow control).

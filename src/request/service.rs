@@ -189,6 +189,9 @@ pub enum Verdict {
     /// No endpoint is predicted to give the first token within what is left of the TTFT
     /// objective, though an idle one would: it may wait, behind the others (it holds no one up).
     Unfit,
+    /// The pool has no ready endpoint and the request was admitted only to an unsaturated one
+    /// (flow control): it may wait for the first endpoint to become ready (scale from zero).
+    NoEndpoint,
 }
 
 /// What the ext_proc door calls to route one request: prepare once, decide as often as its turns
@@ -205,6 +208,11 @@ pub trait RouteRequest: Send + Sync + std::fmt::Debug {
     /// Whether some ready endpoint is below its saturation limits (flow control dispatches a
     /// queued request only then).
     fn has_capacity(&self) -> bool;
+
+    /// Whether the pool has a ready endpoint at all (false: requests wait for one to start).
+    fn has_endpoints(&self) -> bool {
+        true
+    }
 
     /// The ready endpoint at `addr` (the proxy reported it served the request).
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>>;
@@ -448,6 +456,9 @@ impl RouteRequest for RequestRouter {
             Err(PickError::Saturated(_)) if hints.admission == Admission::Unsaturated => {
                 Ok(Verdict::Wait)
             }
+            Err(PickError::NoReadyEndpoints) if hints.admission == Admission::Unsaturated => {
+                Ok(Verdict::NoEndpoint)
+            }
             // Waiting helps only while an idle endpoint would still meet the budget.
             Err(PickError::OverObjective {
                 budget_ms,
@@ -467,6 +478,10 @@ impl RouteRequest for RequestRouter {
     fn has_capacity(&self) -> bool {
         let snap = self.store.snapshot();
         self.router.has_capacity(&snap.endpoints, Instant::now())
+    }
+
+    fn has_endpoints(&self) -> bool {
+        !self.store.snapshot().endpoints.is_empty()
     }
 
     fn endpoint(&self, addr: SocketAddr) -> Option<Arc<Endpoint>> {

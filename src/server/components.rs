@@ -395,7 +395,10 @@ impl Wiring {
         router: &Arc<Router>,
         routing: &Arc<dyn RouteRequest>,
     ) -> Arc<FlowControl> {
-        let counters = FlowMetrics::default();
+        let counters = FlowMetrics {
+            pool: self.cfg.pool_name.as_str().into(),
+            ..FlowMetrics::default()
+        };
         self.metrics.add(&counters);
         let flow = FlowControl::new(self.cfg.flow_control.clone(), counters);
         // Every booking's release wakes the dispatcher: capacity may have freed.
