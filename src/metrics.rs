@@ -39,6 +39,12 @@ pub struct RequestLabels {
     pub code: Outcome,
 }
 
+/// A tenant (fairness id), or `other` past the labelled ones.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TenantLabels {
+    pub tenant: Arc<str>,
+}
+
 /// A pool and a (target) model.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct PoolModelLabels {

@@ -541,3 +541,59 @@ async fn inference_model_rewrites_alias_split_fall_back_and_keep_a_conversation_
     );
     epp.stop().await;
 }
+
+/// Tenant rate limits with two active-active replicas: each enforces its share of the limit
+/// (the rate and burst divided by the replicas it knows: itself and its replica-sync peer), so
+/// a tenant's burst of 4 is 2 through each replica and 4 in total; another tenant is unaffected.
+#[tokio::test]
+async fn two_replicas_each_enforce_their_share_of_a_tenants_limit() {
+    let addrs = echo_backends(&["a"]).await;
+    let (p1, p2) = (free_port(), free_port());
+    let replica = |own: u16, peer: u16| {
+        move |c: &mut kvepp::config::Config| {
+            c.replica_sync.bind = Some(format!("tcp://127.0.0.1:{own}"));
+            c.replica_sync.advertise = Some(format!("tcp://127.0.0.1:{own}"));
+            c.replica_sync.peers = vec![format!("tcp://127.0.0.1:{peer}")];
+            c.rate_limits.default = Some(kvepp::request::TenantLimit {
+                requests_per_second: Some(0.01),
+                request_burst: Some(4.0),
+                ..Default::default()
+            });
+        }
+    };
+    let m = manifests(&[("a", addrs[0])]);
+    let one = Epp::start(&m, replica(p1, p2)).await;
+    let two = Epp::start(&m, replica(p2, p1)).await;
+    let (e1, e2) = (
+        Envoy::start(bootstrap(), one.grpc).await,
+        Envoy::start(bootstrap(), two.grpc).await,
+    );
+    let ask = |envoy: SocketAddr, tenant: &'static str| async move {
+        http(
+            envoy,
+            "POST",
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-llm-d-inference-fairness-id", tenant),
+            ],
+            r#"{"model":"m","prompt":"limited"}"#,
+        )
+        .await
+        .status
+    };
+    let mut statuses = Vec::new();
+    for envoy in [e1.addr, e2.addr] {
+        for _ in 0..3 {
+            statuses.push(ask(envoy, "tenant").await);
+        }
+    }
+    assert_eq!(
+        statuses,
+        [200, 200, 429, 200, 200, 429],
+        "2 + 2 of a burst of 4"
+    );
+    assert_eq!(ask(e1.addr, "another").await, 200);
+    one.stop().await;
+    two.stop().await;
+}

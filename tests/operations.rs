@@ -292,7 +292,52 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     })
     .await;
 
-    // 5. An invalid file: rejected as a whole and counted; version 4 stays in effect.
+    // 5. Tenant rate limits turned on: a tenant past its burst gets 429 with retry-after, another
+    // tenant and the untagged load go on.
+    let v4 = "unknown_models: pass-through\nmax_in_flight_per_endpoint: 1\n\
+              flow_control: {enabled: true, max_queue_per_priority: 64, max_wait_ms: 10000}\n";
+    swap_link(
+        &files.link,
+        &files.version(
+            "v5",
+            &format!(
+                "{v4}rate_limits: {{default: {{requests_per_second: 0.5, request_burst: 2}}}}\n"
+            ),
+        ),
+    );
+    let cfg = wait_version(admin, 5).await;
+    assert_eq!(cfg["rate_limits"]["default"]["request_burst"], 2.0);
+    let as_tenant = |tenant: &'static str| async move {
+        http(
+            envoy.addr,
+            "POST",
+            "/v1/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-llm-d-inference-fairness-id", tenant),
+            ],
+            r#"{"model":"m","prompt":"tenant"}"#,
+        )
+        .await
+    };
+    for _ in 0..2 {
+        assert_eq!(as_tenant("tenant-a").await.status, 200);
+    }
+    let r = as_tenant("tenant-a").await;
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("retry-after"), Some("2"));
+    assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    assert_eq!(as_tenant("tenant-b").await.status, 200, "another tenant");
+    assert_eq!(
+        metric(
+            admin,
+            "kvepp_rate_limited_requests_total{tenant=\"tenant-a\"}"
+        )
+        .await,
+        1.0
+    );
+
+    // 6. An invalid file: rejected as a whole and counted; version 5 stays in effect.
     let rejected = "kvepp_config_reloads_total{result=\"rejected\"}";
     swap_link(
         &files.link,
@@ -305,8 +350,21 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
         (metric(admin, rejected).await >= 1.0).then_some(())
     })
     .await;
-    assert_eq!(config_version(admin).await.0, 4);
+    assert_eq!(config_version(admin).await.0, 5);
     assert_eq!(probe(envoy.addr, "nope", "x").await.0, 200);
+    // A zero rate is refused on reload as at load.
+    swap_link(
+        &files.link,
+        &files.version(
+            "bad-rate",
+            &format!("{v4}rate_limits: {{default: {{requests_per_second: 0}}}}\n"),
+        ),
+    );
+    wait_for("zero rate rejected", || async move {
+        (metric(admin, rejected).await >= 2.0).then_some(())
+    })
+    .await;
+    assert_eq!(config_version(admin).await.0, 5);
 
     stop_tx.send(true).unwrap();
     for c in clients {

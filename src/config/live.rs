@@ -51,6 +51,7 @@ pub(crate) fn merge(running: &Config, new: &Config) -> (Config, Vec<String>) {
     out.router = new.router;
     out.max_in_flight_per_endpoint = new.max_in_flight_per_endpoint;
     out.flow_control = new.flow_control.clone();
+    out.rate_limits = new.rate_limits.clone();
     out.unknown_models = new.unknown_models;
     out.emit_endpoint_scores = new.emit_endpoint_scores;
     out.destination_endpoint_list = new.destination_endpoint_list;

@@ -116,6 +116,8 @@ pub struct Config {
     pub endpoint_picker_service: Option<String>,
     /// Queue requests that find every endpoint saturated, by priority (InferenceObjective).
     pub flow_control: crate::request::FlowControlSettings,
+    /// Tenant rate limits: token buckets per fairness id, globally or per InferenceObjective.
+    pub rate_limits: crate::request::RateLimitSettings,
     /// In-flight requests at which an endpoint is saturated (Sheddable requests get 429 when every
     /// eligible endpoint is); 0 disables shedding.
     pub max_in_flight_per_endpoint: u32,
@@ -202,6 +204,7 @@ impl Default for Config {
             emit_endpoint_scores: false,
             endpoint_picker_service: None,
             flow_control: Default::default(),
+            rate_limits: Default::default(),
             max_in_flight_per_endpoint: 128,
             max_body_bytes: 8 << 20,
             shutdown_grace_seconds: 25,

@@ -173,6 +173,9 @@ impl Config {
         for p in self.flow_control.problems() {
             bad("flow_control", p);
         }
+        for p in self.rate_limits.problems() {
+            bad("rate_limits", p);
+        }
         for (name, message) in self.disaggregation.validate() {
             bad("disaggregation", format!("{name}: {message}"));
         }

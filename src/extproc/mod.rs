@@ -56,6 +56,8 @@ pub struct Shared {
     pub flow: Option<Arc<FlowControl>>,
     /// The session header and the affinity counters.
     pub affinity: Arc<crate::request::Affinity>,
+    /// Tenant rate limits, checked before a request is routed or queued.
+    pub limits: Arc<crate::request::RateLimiter>,
     /// Traces on: each decision gets a span ([`trace`]).
     pub trace: Option<Arc<TraceInfo>>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
@@ -99,6 +101,12 @@ impl Shared {
         self.settings.store(Arc::new(settings));
     }
 
+    /// Requests are checked against `limits` before they are routed.
+    pub(crate) fn with_rate_limits(mut self, limits: Arc<crate::request::RateLimiter>) -> Self {
+        self.limits = limits;
+        self
+    }
+
     /// Sessions are read from `affinity`'s header, and its counters count the picks.
     pub(crate) fn with_affinity(mut self, affinity: Arc<crate::request::Affinity>) -> Self {
         self.affinity = affinity;
@@ -113,6 +121,10 @@ impl Shared {
             ready: None,
             flow: None,
             affinity: Arc::default(),
+            limits: Arc::new(crate::request::RateLimiter::new(
+                Default::default(),
+                Default::default(),
+            )),
             trace: None,
             no_model: "none".into(),
             no_endpoint: "".into(),

@@ -251,9 +251,18 @@ pub(crate) fn error_body(status: u16, kind: &str, message: &str) -> Vec<u8> {
 }
 
 /// An answer the proxy sends to the client instead of forwarding the request.
-pub(crate) fn immediate(status: u16, kind: &str, message: &str) -> ProcessingResponse {
+pub(crate) fn immediate(
+    status: u16,
+    kind: &str,
+    message: &str,
+    retry_after_s: Option<u64>,
+) -> ProcessingResponse {
+    let mut set_headers = vec![set_header("content-type", b"application/json".to_vec())];
+    if let Some(s) = retry_after_s {
+        set_headers.push(set_header("retry-after", s.to_string().into_bytes()));
+    }
     let headers = HeaderMutation {
-        set_headers: vec![set_header("content-type", b"application/json".to_vec())],
+        set_headers,
         remove_headers: Vec::new(),
     };
     ProcessingResponse {

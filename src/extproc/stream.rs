@@ -480,6 +480,17 @@ impl StreamState {
             Ok(p) => p,
             Err(r) => return self.reject(r, out),
         };
+        if let Err(r) = self.shared.limits.check(
+            self.flow.as_deref(),
+            self.objective.as_deref(),
+            prepared.prompt_tokens,
+            arrived,
+        ) {
+            self.labels =
+                Some(self.labels_for(prepared.model_label.clone(), prepared.target_label.clone()));
+            tracing::debug!(tenant = self.flow.as_deref(), "tenant over its rate limit");
+            return self.reject(r, out);
+        }
         if let Some(t) = &self.trace {
             t.prepared(&prepared, self.objective.as_deref());
         }
@@ -758,7 +769,12 @@ impl StreamState {
             code: Outcome::NoResponse,
         });
         labels.code = Outcome::Status(r.status);
-        out.push(resp::immediate(r.status, r.kind, &r.message));
+        out.push(resp::immediate(
+            r.status,
+            r.kind,
+            &r.message,
+            r.retry_after_s,
+        ));
         // Whatever the phase held (a body, a booking) goes with it.
         self.phase = Phase::Rejected;
     }

@@ -41,6 +41,8 @@ pub struct Rejection {
     pub message: String,
     /// Metric labels (model, target model) when the model was known before the rejection.
     pub labels: Option<(Arc<str>, Arc<str>)>,
+    /// Seconds the client should wait before retrying (the `retry-after` header), when known.
+    pub retry_after_s: Option<u64>,
 }
 
 impl Rejection {
@@ -57,6 +59,7 @@ impl Rejection {
             reason,
             message: message.into(),
             labels: None,
+            retry_after_s: None,
         }
     }
 
@@ -154,6 +157,9 @@ pub struct Prepared {
     pub target_label: Arc<str>,
     /// The InferenceModelRewrite that chose the target model, when one did (traces).
     pub rewritten_by: Option<Arc<str>>,
+    /// The prompt's length in tokens (estimated from its bytes when not tokenized): what tenant
+    /// rate limits charge.
+    pub prompt_tokens: u64,
 }
 
 impl Prepared {
@@ -378,6 +384,7 @@ impl RouteRequest for RequestRouter {
                 model_label: self.no_model.clone(),
                 target_label: self.no_model.clone(),
                 rewritten_by: None,
+                prompt_tokens: 0,
             });
         };
         self.steps.count("parse");
@@ -417,6 +424,11 @@ impl RouteRequest for RequestRouter {
         } else {
             None
         };
+        // Without a tokenized prompt, ~4 bytes a token (the body, less its framing, is an upper
+        // bound of the prompt).
+        let prompt_tokens = prompt
+            .as_ref()
+            .map_or(body.len() as u64 / 4, |p| p.isl_tokens);
         Ok(Prepared {
             priority,
             served: Some(served),
@@ -425,6 +437,7 @@ impl RouteRequest for RequestRouter {
             model_label: m.model_label.clone(),
             target_label: m.target_label.clone(),
             rewritten_by: m.rewrite.clone(),
+            prompt_tokens,
         })
     }
 

@@ -437,9 +437,16 @@ impl Wiring {
         ));
         self.metrics.add(&*affinity);
         let settings = extproc_settings(&self.cfg);
+        let limit_counters = crate::request::rate_limit::RateLimitMetrics::default();
+        self.metrics.add(&limit_counters);
+        let limits = Arc::new(crate::request::RateLimiter::new(
+            self.cfg.rate_limits.clone(),
+            limit_counters,
+        ));
         let mut shared = crate::extproc::Shared::new(routing, self.metrics.clone(), settings)
             .with_readiness(self.store.ready())
             .with_affinity(affinity)
+            .with_rate_limits(limits)
             .with_flow_control(flow.clone());
         if traced {
             shared = shared.with_tracing(Arc::new(crate::extproc::TraceInfo {

@@ -223,6 +223,7 @@ pub async fn run_with(
     let flow = w.flow_control(&router, &routing);
     let cfg = w.cfg.clone();
     let shared = w.ext_proc_door(&router, routing, &flow, hooks.traces.is_some());
+    let shared_limits = shared.limits.clone();
     let extproc = ExtProcService::new(shared.clone()).into_server();
     if let Some(how) = hooks.reloading {
         let counters = reload::ReloadMetrics::default();
@@ -256,6 +257,7 @@ pub async fn run_with(
                 discovery,
                 listeners.doors,
                 &access,
+                &shared_limits,
                 sync_stats,
                 &stop_rx,
                 &mut w.tasks,

@@ -152,6 +152,7 @@ impl Live {
             .affinity
             .set_header(Some(&cfg.session_affinity.header));
         self.flow.reconfigure(cfg.flow_control.clone());
+        self.shared.limits.reconfigure(cfg.rate_limits.clone());
         self.scrape.send_replace(components::scrape_settings(cfg));
     }
 

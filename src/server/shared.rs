@@ -79,6 +79,7 @@ pub(crate) async fn start(
     discovery: Arc<dyn ServiceDiscovery>,
     doors: Doors,
     access: &Access,
+    limits: &Arc<crate::request::RateLimiter>,
     stats: Arc<SyncStats>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Tasks,
@@ -99,6 +100,19 @@ pub(crate) async fn start(
             }
         })?,
     ));
+    // Tenant rate limits: each replica enforces its share (itself and its peers).
+    limits.set_replicas(peers.list().len() + 1);
+    let mut replicas = peers.subscribe();
+    let (share, mut halt) = (limits.clone(), stop.clone());
+    tasks.push(tokio::spawn(async move {
+        loop {
+            share.set_replicas(replicas.borrow_and_update().len() + 1);
+            tokio::select! {
+                c = replicas.changed() => if c.is_err() { return },
+                _ = halt.changed() => return,
+            }
+        }
+    }));
     let sink = Arc::new(CatalogSink {
         catalog: catalog.clone(),
         ids: Ids::Global,

@@ -45,6 +45,7 @@ impl RouteRequest for Fixed {
             model_label: "m".into(),
             target_label: "m".into(),
             rewritten_by: None,
+            prompt_tokens: 0,
         })
     }
 
