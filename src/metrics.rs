@@ -39,6 +39,12 @@ pub struct RequestLabels {
     pub code: Outcome,
 }
 
+/// A request path, or `other` past the labelled ones.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PathLabels {
+    pub path: Arc<str>,
+}
+
 /// A tenant (fairness id), or `other` past the labelled ones.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct TenantLabels {
@@ -208,6 +214,8 @@ pub struct Metrics {
     pub in_flight: Gauge,
     pub rejected: Family<ReasonLabels, Counter>,
     pub served_elsewhere: Counter,
+    /// Requests for paths kvepp does not know (routed by load), by path.
+    pub unknown_paths: Family<PathLabels, Counter>,
     /// Requests an InferenceModelRewrite decided, by rewrite and target model.
     pub model_rewrites: Family<RewriteLabels, Counter>,
     /// Of those, the ones the engine answered 404: the target names a model it does not serve.
@@ -251,6 +259,7 @@ impl Metrics {
             rejected: Family::<ReasonLabels, Counter>::default(),
             served_elsewhere: Counter::default(),
             model_rewrites: Family::default(),
+            unknown_paths: Family::default(),
             model_rewrite_unserved: Family::default(),
             prefix_mode: Family::<ModeLabels, Counter>::default(),
             repicks: Counter::default(),
@@ -331,6 +340,11 @@ impl Metrics {
             "served_elsewhere",
             "Requests the proxy reports served by another endpoint than the primary pick",
             self.served_elsewhere.clone(),
+        );
+        registry.register(
+            "unknown_path_requests",
+            "Requests for paths kvepp does not read (routed by load, body untouched), by path (the first 32 paths by name, the rest as other)",
+            self.unknown_paths.clone(),
         );
         registry.register(
             "model_rewrites",

@@ -597,3 +597,95 @@ async fn two_replicas_each_enforce_their_share_of_a_tenants_limit() {
     one.stop().await;
     two.stop().await;
 }
+
+/// Every request format kvepp reads, through Envoy: the model read from each body (and rewritten
+/// in place when its InferenceModel says so), a body without its model refused 400 as for the
+/// OpenAI formats, and a path kvepp does not know routed by load with its body untouched and
+/// counted by path.
+#[tokio::test]
+async fn each_request_format_is_read_and_routed_and_unknown_paths_pass_untouched() {
+    let addrs = echo_backends(&["a"]).await;
+    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let post = |path: &'static str, body: String| {
+        let addr = envoy.addr;
+        async move {
+            http(
+                addr,
+                "POST",
+                path,
+                &[("content-type", "application/json")],
+                body,
+            )
+            .await
+        }
+    };
+    let formats = [
+        ("/v1/completions", r#""prompt":"Once upon a time""#),
+        (
+            "/v1/chat/completions",
+            r#""messages":[{"role":"user","content":"Hi"}]"#,
+        ),
+        (
+            "/v1/responses",
+            r#""instructions":"Be brief.","input":[{"role":"user","content":[{"type":"input_text","text":"Hi"}]}]"#,
+        ),
+        (
+            "/v1/messages",
+            r#""max_tokens":8,"system":"Be brief.","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]"#,
+        ),
+        (
+            "/inference/v1/generate",
+            r#""token_ids":[1,2,3,4],"sampling_params":{"max_tokens":4}"#,
+        ),
+        ("/v1/embeddings", r#""input":["first text","second text"]"#),
+    ];
+    for (path, rest) in formats {
+        // `rw` has an InferenceModel that rewrites it to `rw-target`.
+        let r = post(path, format!(r#"{{"model":"rw",{rest}}}"#)).await;
+        assert_eq!(
+            r.status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let j = r.json();
+        assert_eq!(
+            (j["path"].as_str(), j["model"].as_str()),
+            (Some(path), Some("rw-target"))
+        );
+        let r = post(path, format!("{{{rest}}}")).await;
+        assert_eq!(r.status, 400, "{path} without a model");
+        assert!(
+            r.json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("\"model\""),
+            "{path}"
+        );
+        let r = post(path, format!(r#"{{"model":"rw",{rest}"#)).await;
+        assert_eq!(r.status, 400, "{path} malformed");
+    }
+    // An unknown path: routed, body byte for byte as sent (no model rewrite), counted.
+    let body = r#"{"model":"rw","text":"SGLang's native generate"}"#;
+    let r = post("/generate", body.to_owned()).await;
+    assert_eq!(r.status, 200);
+    let j = r.json();
+    assert_eq!(j["model"], "rw", "untouched");
+    assert_eq!(
+        j["body_fnv"].as_str(),
+        Some(format!("{:016x}", fnv64(body.as_bytes())).as_str())
+    );
+    assert_eq!(
+        epp.metric(r#"kvepp_unknown_path_requests_total{path="/generate"}"#)
+            .await,
+        Some(1.0)
+    );
+    // Malformed for a known path is counted like today's formats.
+    assert_eq!(
+        epp.metric(r#"kvepp_rejected_requests_total{reason="missing_model"}"#)
+            .await,
+        Some(formats.len() as f64)
+    );
+    epp.stop().await;
+}

@@ -150,6 +150,8 @@ pub(super) struct StreamState {
     subset: Subset,
     /// The InferenceObjective header's value, when sent.
     objective: Option<String>,
+    /// The request's `:path`, when sent (it names the body's format).
+    path: Option<String>,
     /// The fairness header's value (flow control), when sent.
     flow: Option<String>,
     /// The session header's value as a key, when sent and usable.
@@ -169,6 +171,7 @@ impl StreamState {
             phase: Phase::Start,
             subset: Subset::Unset,
             objective: None,
+            path: None,
             flow: None,
             session: None,
             trace: None,
@@ -255,7 +258,9 @@ impl StreamState {
                 self.session = self.shared.affinity.session(header_bytes(hv));
                 continue;
             }
-            if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
+            if hv.key == ":path" {
+                self.path = value(hv);
+            } else if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
                 // The current header wins over the former one.
                 if i == 0 || self.objective.is_none() {
                     self.objective = value(hv);
@@ -468,6 +473,7 @@ impl StreamState {
         }
         let stage = self.trace.as_ref().map(|t| t.stage(Stage::Tokenize));
         let head = RequestHead {
+            path: self.path.as_deref(),
             objective: self.objective.as_deref(),
             draw_key: self
                 .session

@@ -10,6 +10,7 @@
 
 pub(crate) mod affinity;
 pub mod flow;
+mod formats;
 mod model;
 mod prompt;
 pub mod rate_limit;

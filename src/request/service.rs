@@ -11,6 +11,8 @@
 //! rejection is a status code, a stable reason and a message, which each front door renders.
 
 use bytes::Bytes;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
@@ -26,7 +28,9 @@ use super::{resolve_model, ModelError, UNLISTED_MODEL_LABEL};
 use crate::discovery::Datastore;
 use crate::metrics::PrepareSteps;
 use kvepp_request::BodyError;
-use kvepp_request::{parse_body_owned, IdChunks, KnownArrays, ID_CHUNK_CACHE_IDS};
+use kvepp_request::{
+    parse_body_as, Format, IdChunks, KnownArrays, RawMessages, ID_CHUNK_CACHE_IDS,
+};
 use kvepp_tokenizer::ModelTokenizer;
 
 /// Why the EPP answers a request itself instead of routing it.
@@ -115,6 +119,8 @@ impl Rejection {
 /// What a request's headers said that preparing it reads.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestHead<'a> {
+    /// The request's `:path` (None: the proxy sent none; the body is read as OpenAI's).
+    pub path: Option<&'a str>,
     /// The InferenceObjective its header names.
     pub objective: Option<&'a str>,
     /// The key weighted target models are drawn by (the session header's key, else the
@@ -244,7 +250,14 @@ pub struct RequestRouter {
     id_chunks: IdChunks,
     /// Recent chat requests' `messages` arrays, split.
     known_arrays: KnownArrays,
+    /// Requests for paths kvepp does not know, by path (the first [`MAX_PATH_LABELS`] paths by
+    /// name, the rest as `other`).
+    unknown_paths: Family<crate::metrics::PathLabels, Counter>,
+    labelled_paths: parking_lot::Mutex<std::collections::HashSet<Arc<str>>>,
 }
+
+/// Paths named in `kvepp_unknown_path_requests_total`; the others are counted as `other`.
+pub const MAX_PATH_LABELS: usize = 32;
 
 impl RequestRouter {
     pub fn new(store: Arc<Datastore>, router: Arc<Router>, pass_through_unknown: bool) -> Self {
@@ -258,7 +271,41 @@ impl RequestRouter {
             steps: PrepareSteps::default(),
             id_chunks: IdChunks::new(ID_CHUNK_CACHE_IDS),
             known_arrays: KnownArrays::default(),
+            unknown_paths: Family::default(),
+            labelled_paths: Default::default(),
         }
+    }
+
+    /// Counts requests for unknown paths into `family` (`kvepp_unknown_path_requests_total`).
+    pub(crate) fn with_unknown_paths(
+        mut self,
+        family: Family<crate::metrics::PathLabels, Counter>,
+    ) -> Self {
+        self.unknown_paths = family;
+        self
+    }
+
+    fn count_unknown_path(&self, path: &str) {
+        let path = path.split(['?', '#']).next().unwrap_or_default();
+        let label: Arc<str> = {
+            let mut l = self.labelled_paths.lock();
+            match l.get(path) {
+                Some(p) => p.clone(),
+                None if l.len() < MAX_PATH_LABELS => {
+                    let p: Arc<str> = path.into();
+                    l.insert(p.clone());
+                    p
+                }
+                None => "other".into(),
+            }
+        };
+        tracing::debug!(
+            path,
+            "path kvepp does not know: routed by load, body untouched"
+        );
+        self.unknown_paths
+            .get_or_create(&crate::metrics::PathLabels { path: label })
+            .inc();
     }
 
     /// Counts token ids of prompts by where they came from into `ids`
@@ -374,7 +421,16 @@ impl RouteRequest for RequestRouter {
         if snap.pool.is_none() {
             return Err(self.pool_not_found());
         }
-        let Some(body) = body else {
+        // The format the path names; a path kvepp does not know is routed by load, its body
+        // untouched (no path: an OpenAI body, as a proxy that sends none means).
+        let format = match head.path {
+            None => Some(Format::OpenAi),
+            Some(p) => Format::of_path(p),
+        };
+        if format.is_none() {
+            self.count_unknown_path(head.path.unwrap_or_default());
+        }
+        let (Some(body), Some(format)) = (body, format) else {
             let priority = self.priority(&snap.objectives, objective, 0)?;
             return Ok(Prepared {
                 priority,
@@ -388,7 +444,7 @@ impl RouteRequest for RequestRouter {
             });
         };
         self.steps.count("parse");
-        let mut parsed = parse_body_owned(body, Some(&self.id_chunks), &self.known_arrays)?;
+        let mut parsed = parse_body_as(body, format, Some(&self.id_chunks), &self.known_arrays)?;
         let unlisted = self.passes_unknown().then_some(&self.unlisted_model);
         let m = match resolve_model(&snap, &parsed.model, unlisted, head.draw_key) {
             Ok(m) => m,
@@ -411,7 +467,18 @@ impl RouteRequest for RequestRouter {
         let prompt = if self.router.wants_prompt() {
             let tokenizers = self.tokenizers.load();
             let tokenizer = tokenizers.get(&*served).map(|t| &**t);
-            let input = prompt_input(parsed.messages, parsed.prompt.take());
+            // Responses and Anthropic Messages: their conversation as chat messages.
+            let chat = super::formats::chat_messages(
+                format,
+                parsed.system,
+                parsed.messages.as_ref(),
+                parsed.prompt.as_ref(),
+            )
+            .and_then(|m| serde_json::value::RawValue::from_string(m).ok());
+            let input = match &chat {
+                Some(raw) => prompt_input(Some(RawMessages::of(raw)), None),
+                None => prompt_input(parsed.messages, parsed.prompt.take()),
+            };
             if tokenizer.is_some() && input.raw_bytes().is_some() {
                 self.steps.count("tokenize");
             }

@@ -379,7 +379,8 @@ impl Wiring {
             self.cfg.unknown_models == UnknownModels::PassThrough,
         )
         .with_steps(self.metrics.prepare_steps.clone())
-        .with_id_counts(&self.metrics.prompt_token_ids);
+        .with_id_counts(&self.metrics.prompt_token_ids)
+        .with_unknown_paths(self.metrics.unknown_paths.clone());
         for (model, dir) in &self.cfg.tokenizers {
             let t = load_tokenizer(&self.metrics, model, dir)?;
             routing = routing.with_tokenizer(model.clone(), t);

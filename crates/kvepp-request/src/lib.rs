@@ -99,6 +99,74 @@ pub struct RawMessages<'a> {
     keys: Option<ElementKeys>,
 }
 
+/// The request formats kvepp reads, each known by its path. All name the model in a top-level
+/// `model`; they differ in where the prompt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// OpenAI completions (`prompt`: text, a batch, or token ids) and chat completions
+    /// (`messages`): `/v1/completions`, `/v1/chat/completions`, and any body whose path is not
+    /// known.
+    OpenAi,
+    /// OpenAI Responses (`/v1/responses`): `input` (a string or items) and `instructions`.
+    Responses,
+    /// Anthropic Messages (`/v1/messages`): `system` and `messages` with content blocks.
+    Messages,
+    /// vLLM's token-in generation (`/inference/v1/generate`): `token_ids`.
+    Generate,
+    /// Embeddings (`/v1/embeddings`): `input` (a string, strings, or token ids).
+    Embeddings,
+}
+
+impl Format {
+    /// The format served at `path` (a query string ignored); None for a path kvepp does not know.
+    pub fn of_path(path: &str) -> Option<Format> {
+        let path = path.split(['?', '#']).next().unwrap_or_default();
+        let path = path.strip_suffix('/').unwrap_or(path);
+        Some(match path {
+            "/v1/completions" | "/v1/chat/completions" => Format::OpenAi,
+            "/v1/responses" => Format::Responses,
+            "/v1/messages" => Format::Messages,
+            "/inference/v1/generate" => Format::Generate,
+            "/v1/embeddings" => Format::Embeddings,
+            _ => return None,
+        })
+    }
+
+    /// The name used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Format::OpenAi => "openai",
+            Format::Responses => "responses",
+            Format::Messages => "anthropic_messages",
+            Format::Generate => "vllm_generate",
+            Format::Embeddings => "embeddings",
+        }
+    }
+
+    /// The top-level key whose value is read as [`ParsedBody::prompt`].
+    fn prompt_key(self) -> Option<&'static str> {
+        match self {
+            Format::OpenAi => Some("prompt"),
+            Format::Responses | Format::Embeddings => Some("input"),
+            Format::Generate => Some("token_ids"),
+            Format::Messages => None,
+        }
+    }
+
+    /// The top-level key whose value is read as [`ParsedBody::system`].
+    fn system_key(self) -> Option<&'static str> {
+        match self {
+            Format::Responses => Some("instructions"),
+            Format::Messages => Some("system"),
+            _ => None,
+        }
+    }
+
+    fn has_messages(self) -> bool {
+        matches!(self, Format::OpenAi | Format::Messages)
+    }
+}
+
 /// The parts of a body the EPP needs, borrowed from the body bytes.
 #[derive(Debug)]
 pub struct ParsedBody<'a> {
@@ -109,6 +177,8 @@ pub struct ParsedBody<'a> {
     /// `prompt` (completions) and the raw JSON of `messages` (chat).
     pub prompt: Option<RawPrompt<'a>>,
     pub messages: Option<RawMessages<'a>>,
+    /// The format's system prompt, raw (Responses `instructions`, Anthropic `system`).
+    pub system: Option<RawJson<'a>>,
 }
 
 /// Scans `body` and returns the model name and its location.
@@ -122,7 +192,7 @@ pub fn parse_body_with<'a>(
     body: &'a [u8],
     chunks: Option<&IdChunks>,
 ) -> Result<ParsedBody<'a>, BodyError> {
-    parse(body, chunks, None)
+    parse(body, chunks, None, Format::OpenAi)
 }
 
 /// [`parse_body_with`] of a body held as `Bytes`: a `messages` array's leading elements that a
@@ -133,19 +203,31 @@ pub fn parse_body_owned<'a>(
     chunks: Option<&IdChunks>,
     arrays: &'a KnownArrays,
 ) -> Result<ParsedBody<'a>, BodyError> {
-    parse(body, chunks, Some((arrays, body)))
+    parse(body, chunks, Some((arrays, body)), Format::OpenAi)
+}
+
+/// [`parse_body_owned`] of a body in `format`: its prompt read from where the format keeps it.
+pub fn parse_body_as<'a>(
+    body: &'a Bytes,
+    format: Format,
+    chunks: Option<&IdChunks>,
+    arrays: &'a KnownArrays,
+) -> Result<ParsedBody<'a>, BodyError> {
+    parse(body, chunks, Some((arrays, body)), format)
 }
 
 fn parse<'a>(
     body: &'a [u8],
     chunks: Option<&IdChunks>,
     owned: Owned<'a>,
+    format: Format,
 ) -> Result<ParsedBody<'a>, BodyError> {
     let Fields {
         model,
         prompt,
         messages,
-    } = scan(body, chunks, owned)?;
+        system,
+    } = scan(body, chunks, owned, format)?;
     let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
@@ -164,6 +246,7 @@ fn parse<'a>(
         model_span,
         prompt,
         messages,
+        system,
     })
 }
 
@@ -173,6 +256,7 @@ struct Fields<'a> {
     model: Option<&'a RawValue>,
     prompt: Option<RawPrompt<'a>>,
     messages: Option<RawMessages<'a>>,
+    system: Option<RawJson<'a>>,
 }
 
 fn is_ws(b: u8) -> bool {
@@ -214,6 +298,7 @@ fn scan<'a>(
     body: &'a [u8],
     chunks: Option<&IdChunks>,
     owned: Owned<'a>,
+    format: Format,
 ) -> Result<Fields<'a>, BodyError> {
     let mut i = skip_ws(body, 0);
     match body.get(i) {
@@ -252,7 +337,7 @@ fn scan<'a>(
             }
             i = skip_ws(body, i + 1);
             match &*key {
-                "prompt" => {
+                k if Some(k) == format.prompt_key() => {
                     let ids = (body.get(i) == Some(&b'[')).then(|| match chunks {
                         Some(c) => c.read(&body[i..]),
                         None => int_array(&body[i..]).map(|(v, n)| (RawPrompt::Ids(v), n)),
@@ -267,8 +352,13 @@ fn scan<'a>(
                     }
                 }
                 "model" => (fields.model, i) = raw_at(body, i).map(|(v, n)| (Some(v), n))?,
-                "messages" => {
+                "messages" if format.has_messages() => {
                     (fields.messages, i) = messages_at(body, i, owned).map(|(v, n)| (Some(v), n))?
+                }
+                k if Some(k) == format.system_key() => {
+                    let (v, n) = raw_text_at(body, i)?;
+                    fields.system = Some(v);
+                    i = n;
                 }
                 _ => i = raw_text_at(body, i)?.1,
             }
