@@ -39,6 +39,39 @@ pub struct RequestLabels {
     pub code: Outcome,
 }
 
+/// Label values of an unbounded source (tenants, paths) kept to a bounded set: the first `max`
+/// values seen keep their name, every later one is `other`.
+#[derive(Debug)]
+pub struct BoundedLabels {
+    max: usize,
+    seen: Mutex<std::collections::HashSet<Arc<str>>>,
+    other: Arc<str>,
+}
+
+impl BoundedLabels {
+    pub fn new(max: usize) -> Self {
+        BoundedLabels {
+            max,
+            seen: Mutex::default(),
+            other: "other".into(),
+        }
+    }
+
+    /// The label `value` is counted under.
+    pub fn label(&self, value: &str) -> Arc<str> {
+        let mut seen = self.seen.lock();
+        match seen.get(value) {
+            Some(v) => v.clone(),
+            None if seen.len() < self.max => {
+                let v: Arc<str> = value.into();
+                seen.insert(v.clone());
+                v
+            }
+            None => self.other.clone(),
+        }
+    }
+}
+
 /// A request path, or `other` past the labelled ones.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct PathLabels {

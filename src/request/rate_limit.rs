@@ -33,7 +33,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 use super::Rejection;
-use crate::metrics::{Register, TenantLabels};
+use crate::metrics::{BoundedLabels, Register, TenantLabels};
 
 /// Memory of one bucket-table entry besides the bytes of its tenant id and objective name: the
 /// key's two `Arc<str>` (pointers and the two allocations' counts), the two buckets, the limit
@@ -178,7 +178,7 @@ pub struct RateLimiter {
     /// Replicas sharing the limits (this one and its replica-sync peers).
     replicas: AtomicUsize,
     metrics: RateLimitMetrics,
-    labelled: Mutex<std::collections::HashSet<Arc<str>>>,
+    labelled: BoundedLabels,
 }
 
 /// Rate limits' counters.
@@ -216,7 +216,7 @@ impl RateLimiter {
             settings: arc_swap::ArcSwap::from_pointee(settings),
             replicas: AtomicUsize::new(1),
             metrics,
-            labelled: Mutex::default(),
+            labelled: BoundedLabels::new(MAX_TENANT_LABELS),
         }
     }
 
@@ -319,18 +319,7 @@ impl RateLimiter {
     }
 
     fn count(&self, tenant: &str) {
-        let label: Arc<str> = {
-            let mut l = self.labelled.lock();
-            match l.get(tenant) {
-                Some(t) => t.clone(),
-                None if l.len() < MAX_TENANT_LABELS => {
-                    let t: Arc<str> = tenant.into();
-                    l.insert(t.clone());
-                    t
-                }
-                None => "other".into(),
-            }
-        };
+        let label = self.labelled.label(tenant);
         self.metrics
             .limited
             .get_or_create(&TenantLabels { tenant: label })

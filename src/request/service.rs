@@ -253,7 +253,7 @@ pub struct RequestRouter {
     /// Requests for paths kvepp does not know, by path (the first [`MAX_PATH_LABELS`] paths by
     /// name, the rest as `other`).
     unknown_paths: Family<crate::metrics::PathLabels, Counter>,
-    labelled_paths: parking_lot::Mutex<std::collections::HashSet<Arc<str>>>,
+    labelled_paths: crate::metrics::BoundedLabels,
 }
 
 /// Paths named in `kvepp_unknown_path_requests_total`; the others are counted as `other`.
@@ -272,7 +272,7 @@ impl RequestRouter {
             id_chunks: IdChunks::new(ID_CHUNK_CACHE_IDS),
             known_arrays: KnownArrays::default(),
             unknown_paths: Family::default(),
-            labelled_paths: Default::default(),
+            labelled_paths: crate::metrics::BoundedLabels::new(MAX_PATH_LABELS),
         }
     }
 
@@ -287,18 +287,7 @@ impl RequestRouter {
 
     fn count_unknown_path(&self, path: &str) {
         let path = path.split(['?', '#']).next().unwrap_or_default();
-        let label: Arc<str> = {
-            let mut l = self.labelled_paths.lock();
-            match l.get(path) {
-                Some(p) => p.clone(),
-                None if l.len() < MAX_PATH_LABELS => {
-                    let p: Arc<str> = path.into();
-                    l.insert(p.clone());
-                    p
-                }
-                None => "other".into(),
-            }
-        };
+        let label = self.labelled_paths.label(path);
         tracing::debug!(
             path,
             "path kvepp does not know: routed by load, body untouched"
