@@ -243,13 +243,11 @@ impl StreamState {
         // The fairness id names the flow (flow control) and keys weighted target-model draws, so
         // it is read whether or not flow control is on.
         let flow_settings = self.shared.flow.as_ref().map(|f| f.settings());
-        let fairness = Some(
-            flow_settings
-                .as_deref()
-                .map_or(crate::request::flow::FAIRNESS_HEADER, |s| {
-                    s.fairness_header.as_str()
-                }),
-        );
+        let fairness = flow_settings
+            .as_deref()
+            .map_or(crate::request::flow::FAIRNESS_HEADER, |s| {
+                s.fairness_header.as_str()
+            });
         let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
         let session = self.shared.affinity.header();
         let session = session.as_deref().map(String::as_str);
@@ -265,7 +263,7 @@ impl StreamState {
                 if i == 0 || self.objective.is_none() {
                     self.objective = value(hv);
                 }
-            } else if Some(hv.key.as_str()) == fairness {
+            } else if hv.key == fairness {
                 self.flow = value(hv);
             }
         }

@@ -92,14 +92,18 @@ impl TenantLimit {
                 out.push(format!("{at}.{field} {v} must be a number above 0"));
             }
         }
-        for (burst, rate) in [
-            ("request_burst", self.requests_per_second),
-            ("prompt_token_burst", self.prompt_tokens_per_second),
+        for (burst, set, rate) in [
+            (
+                "request_burst",
+                self.request_burst,
+                self.requests_per_second,
+            ),
+            (
+                "prompt_token_burst",
+                self.prompt_token_burst,
+                self.prompt_tokens_per_second,
+            ),
         ] {
-            let set = match burst {
-                "request_burst" => self.request_burst,
-                _ => self.prompt_token_burst,
-            };
             if set.is_some() && rate.is_none() {
                 out.push(format!("{at}.{burst} is set without its rate"));
             }
