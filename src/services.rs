@@ -188,6 +188,7 @@ fn kv_settings(cfg: &Config) -> KvSettings {
             cost_model: kvepp_core::cost::CostModel::Dynamo,
             load_bound: 0.0,
             load_bound_cached: 0.0,
+            speculative: false,
             ..cfg.router
         },
         table_seed: fastrand::u64(..),

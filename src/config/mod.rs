@@ -365,6 +365,32 @@ mod tests {
     }
 
     #[test]
+    fn the_cost_model_defaults_to_the_whole_request_and_dynamo_stays_selectable() {
+        let cfg = Config::default();
+        assert_eq!(
+            (cfg.router.cost_model, cfg.router.speculative),
+            (kvepp_core::cost::CostModel::PredictedCompletion, true)
+        );
+        for (text, model) in [
+            ("dynamo", kvepp_core::cost::CostModel::Dynamo),
+            ("predicted_ttft", kvepp_core::cost::CostModel::PredictedTtft),
+            (
+                "predicted_completion",
+                kvepp_core::cost::CostModel::PredictedCompletion,
+            ),
+        ] {
+            let yaml = format!("router:\n  cost_model: {text}\n  speculative: false\n");
+            let cfg: Config = serde_yaml::from_str(&yaml).unwrap();
+            assert_eq!(
+                (cfg.router.cost_model, cfg.router.speculative),
+                (model, false)
+            );
+            assert_eq!(model.as_str(), text);
+        }
+        assert!(serde_yaml::from_str::<Config>("router:\n  cost_model: fastest\n").is_err());
+    }
+
+    #[test]
     fn load_bound_from_the_file_and_its_errors() {
         let cfg: Config =
             serde_yaml::from_str("router:\n  load_bound: 1.25\n  load_bound_cached: 1.5\n")

@@ -9,7 +9,9 @@
 
 mod grpc;
 pub(crate) mod metadata;
+mod output;
 pub(crate) mod response;
+mod slo;
 mod stream;
 pub(crate) mod trace;
 /// The ext_proc messages, from the protocol crate.
@@ -25,7 +27,7 @@ use tonic::{Request, Response, Status, Streaming};
 use wire::{ProcessingRequest, ProcessingResponse};
 
 use crate::metrics::Metrics;
-use crate::request::{FlowControl, FlowControlSettings, Rejection, RouteRequest, Turn};
+use crate::request::{FlowControl, FlowControlSettings, Objective, Rejection, RouteRequest, Turn};
 use kvepp_core::Admission;
 
 /// Protocol choices that come from the configuration.
@@ -289,16 +291,34 @@ pub fn drive(
     out
 }
 
-/// The answer to a request whose wait in flow control's queue ran out: past its TTFT objective
-/// (429 if sheddable, else 503), or past `max_wait_ms` (503).
-fn timed_out(s: &FlowControlSettings, waited: std::time::Duration, priority: i32) -> Rejection {
+/// The answer to a request whose wait in flow control's queue ran out: past its TTFT objective,
+/// or still without an endpoint predicted to meet its objective (`unfit`; 429 if sheddable, else
+/// 503), or past `max_wait_ms` (503).
+fn timed_out(
+    s: &FlowControlSettings,
+    waited: std::time::Duration,
+    priority: i32,
+    unfit: Option<Objective>,
+) -> Rejection {
     let waited = waited.as_millis();
+    if unfit == Some(Objective::Tpot) {
+        let msg = format!(
+            "no endpoint was predicted to decode within the request's time-per-output-token objective (x-slo-tpot-ms) after {waited} ms waiting; request not routed"
+        );
+        return Rejection::over_objective(msg, priority, Objective::Tpot);
+    }
     if s.ttft_objective_ms > 0 && s.ttft_objective_ms <= s.max_wait_ms {
         let msg = format!(
             "no endpoint could give the first token within the TTFT objective of {} ms (flow_control.ttft_objective_ms) after {waited} ms waiting; request not routed",
             s.ttft_objective_ms
         );
-        return Rejection::over_objective(msg, priority);
+        return Rejection::over_objective(msg, priority, Objective::Ttft);
+    }
+    if unfit == Some(Objective::Ttft) {
+        let msg = format!(
+            "no endpoint was predicted to give the first token within the request's TTFT objective (x-slo-ttft-ms) after {waited} ms waiting; request not routed"
+        );
+        return Rejection::over_objective(msg, priority, Objective::Ttft);
     }
     let msg = format!(
         "no endpoint had capacity within {waited} ms (flow_control.max_wait_ms {}); request not routed",
@@ -359,7 +379,7 @@ async fn wait_for_capacity(
                         ticket.finish("dispatched");
                         break;
                     }
-                    if state.unfit() {
+                    if state.unfit().is_some() {
                         // Not the capacity: its own budget. The next waiter may fit now.
                         grant.unfit();
                         ticket.requeue_back();
@@ -373,7 +393,7 @@ async fn wait_for_capacity(
                     let r = if state.awaits_an_endpoint() {
                         no_endpoint_in_time(&flow.settings(), waited)
                     } else {
-                        timed_out(&flow.settings(), waited, priority)
+                        timed_out(&flow.settings(), waited, priority, state.unfit())
                     };
                     state.give_up(r, out);
                     break;

@@ -13,8 +13,10 @@
 //! until the stream's driver gets it a turn and calls [`StreamState::retry`], which decides from
 //! the same facts, or gives up ([`StreamState::give_up`]).
 //!
-//! Response side: the first response byte ends the prefill phase of the booking; end of stream,
-//! trailers or the stream going away (abort) release it. The booking is released by `Drop`, so
+//! Response side: the first response byte ends the prefill phase of the booking; an event
+//! stream's first chunk is its first token and its end (with the output tokens counted on the way,
+//! [`super::output`]) the end of its decode, which the booking's predictions learn from; end of
+//! stream, trailers or the stream going away (abort) release it. The booking is released by `Drop`, so
 //! every path releases it exactly once; its release tells the router's listeners (flow control's
 //! dispatcher among them).
 
@@ -31,11 +33,13 @@ use super::wire::{
 };
 
 use super::metadata::{served_endpoint, subset_hint, Subset};
+use super::output::OutputTokens;
 use super::response as resp;
+use super::slo::Objectives;
 use super::trace::{RequestTrace, Stage};
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels, RewriteLabels};
-use crate::request::{Prepared, Rejection, RequestHead, RouteHints, Verdict};
+use crate::request::{Objective, Prepared, Rejection, RequestHead, RouteHints, Verdict};
 use kvepp_core::affinity::SessionKey;
 use kvepp_core::Admission;
 use kvepp_core::{Booking, Pick};
@@ -104,8 +108,8 @@ struct Held {
     prepared: Prepared,
     /// When the request was complete (its TTFT objective counts from here).
     arrived: Instant,
-    /// Its last decision found no endpoint within its TTFT budget (it waits behind the others).
-    unfit: bool,
+    /// Its last decision found no endpoint within this objective (it waits behind the others).
+    unfit: Option<Objective>,
     /// Counted as waiting for the pool's first ready endpoint (scale from zero), while it is.
     endpoint_wait: Option<crate::request::flow::EndpointWait>,
 }
@@ -118,6 +122,8 @@ struct Routed {
     primary: std::net::SocketAddr,
     /// A 200 event stream is coming back: its first body chunk is the first token.
     awaiting_first_token: bool,
+    /// An event stream's output tokens so far (None: not an event stream).
+    output: Option<OutputTokens>,
     /// The InferenceModelRewrite that chose the target model, and the target, when one did.
     rewritten: Option<RewriteLabels>,
 }
@@ -156,6 +162,8 @@ pub(super) struct StreamState {
     flow: Option<String>,
     /// The session header's value as a key, when sent and usable.
     session: Option<kvepp_core::affinity::SessionKey>,
+    /// The request's own latency objectives (its `x-slo-*` headers).
+    slo: Objectives,
     /// The decision's trace spans, when traces are on (ended once the request is answered).
     trace: Option<RequestTrace>,
     /// The request's metric labels, once decided or answered (counted when the stream ends).
@@ -174,6 +182,7 @@ impl StreamState {
             path: None,
             flow: None,
             session: None,
+            slo: Objectives::default(),
             trace: None,
             labels: None,
         }
@@ -212,6 +221,9 @@ impl StreamState {
                             booking.first_token(std::time::Instant::now());
                         }
                     }
+                    if let Some(o) = &mut r.output {
+                        o.read(&b.body);
+                    }
                 }
                 let eos = b.end_of_stream;
                 out.push(match self.response_mode {
@@ -230,16 +242,28 @@ impl StreamState {
     }
 
     /// Releases the booking (if any); its drop tells the router's listeners (flow control's
-    /// dispatcher among them).
-    fn release(&mut self) {
+    /// dispatcher among them). An event stream that ended (`ended`: its last chunk or trailers
+    /// came, not an abort) teaches the booking's decode prediction first.
+    fn release_at_end(&mut self, ended: bool) {
         if let Phase::Routed(r) = &mut self.phase {
+            if let (true, Some(b), Some(o)) = (ended, &mut r.booking, &r.output) {
+                b.finished(Instant::now(), o.count());
+            }
             r.booking = None;
         }
     }
 
-    /// Reads the headers kvepp routes on: the objective and, with flow control, the flow.
-    fn read_headers(&mut self, h: &HttpHeaders) {
-        let Some(map) = &h.headers else { return };
+    /// The response ended: [`Self::release_at_end`].
+    fn release(&mut self) {
+        self.release_at_end(true);
+    }
+
+    /// Reads the headers kvepp routes on: the objective, the latency objectives and, with flow
+    /// control, the flow. Err: an `x-slo-*` header's value is not an objective (the message).
+    fn read_headers(&mut self, h: &HttpHeaders) -> Result<(), String> {
+        let Some(map) = &h.headers else {
+            return Ok(());
+        };
         // The fairness id names the flow (flow control) and keys weighted target-model draws, so
         // it is read whether or not flow control is on.
         let flow_settings = self.shared.flow.as_ref().map(|f| f.settings());
@@ -256,6 +280,9 @@ impl StreamState {
                 self.session = self.shared.affinity.session(header_bytes(hv));
                 continue;
             }
+            if self.slo.read(&hv.key, header_str(hv))? {
+                continue;
+            }
             if hv.key == ":path" {
                 self.path = value(hv);
             } else if let Some(i) = OBJECTIVE_HEADERS.iter().position(|k| *k == hv.key) {
@@ -267,19 +294,23 @@ impl StreamState {
                 self.flow = value(hv);
             }
         }
+        Ok(())
     }
 
     fn on_request_headers(&mut self, h: HttpHeaders, out: &mut Vec<ProcessingResponse>) {
         if !matches!(self.phase, Phase::Start) {
             return;
         }
-        self.read_headers(&h);
+        let slo = self.read_headers(&h);
         if let Some(info) = &self.shared.trace {
             let mut t = RequestTrace::start(info, h.headers.as_ref());
             if !h.end_of_stream && self.request_mode != Mode::None {
                 t.body_started();
             }
             self.trace = Some(t);
+        }
+        if let Err(msg) = slo {
+            return self.reject(Rejection::new(400, "invalid_slo_header", msg), out);
         }
         if let Mode::Unsupported(m) = self.request_mode {
             let msg = format!("ext_proc request_body_mode {m} is not supported; use BUFFERED or FULL_DUPLEX_STREAMED");
@@ -338,10 +369,13 @@ impl StreamState {
         )
     }
 
-    /// Whether the last decision left the request waiting for lack of an endpoint within its
-    /// TTFT budget (rather than of capacity).
-    pub(super) fn unfit(&self) -> bool {
-        matches!(&self.phase, Phase::Queued(h) if h.unfit)
+    /// The objective no endpoint was predicted to meet when the last decision left the request
+    /// waiting (rather than for capacity).
+    pub(super) fn unfit(&self) -> Option<Objective> {
+        match &self.phase {
+            Phase::Queued(h) => h.unfit,
+            _ => None,
+        }
     }
 
     /// Counts `held` as waiting for the pool's first ready endpoint (once).
@@ -504,7 +538,7 @@ impl StreamState {
             shape,
             prepared,
             arrived,
-            unfit: false,
+            unfit: None,
             endpoint_wait: None,
         };
         match self.admission() {
@@ -658,15 +692,22 @@ impl StreamState {
             admission,
             scores: shared.settings().endpoint_scores,
             session: self.session,
-            ttft_budget_ms: shared
-                .flow()
-                .and_then(|f| f.settings().ttft_budget_ms(held.arrived)),
+            ttft_budget_ms: self.slo.ttft_budget_ms(
+                held.arrived.elapsed().as_secs_f64() * 1000.0,
+                shared
+                    .flow()
+                    .and_then(|f| f.settings().ttft_budget_ms(held.arrived)),
+            ),
+            tpot_budget_ms: self.slo.tpot_ms,
         };
         let labels = (prepared.model_label.clone(), prepared.target_label.clone());
         let routed = match shared.routing.decide(prepared, &hints) {
             Ok(Verdict::Routed(r)) => r,
-            Ok(verdict @ (Verdict::Wait | Verdict::Unfit | Verdict::NoEndpoint)) => {
-                held.unfit = matches!(verdict, Verdict::Unfit);
+            Ok(verdict @ (Verdict::Wait | Verdict::Unfit(_) | Verdict::NoEndpoint)) => {
+                held.unfit = match verdict {
+                    Verdict::Unfit(o) => Some(o),
+                    _ => None,
+                };
                 if matches!(verdict, Verdict::NoEndpoint) {
                     self.awaits_endpoint(held);
                 }
@@ -738,6 +779,7 @@ impl StreamState {
             booking: Some(routed.booking),
             primary: pick.primary.addr,
             awaiting_first_token: false,
+            output: None,
             rewritten,
         };
         shared
@@ -811,6 +853,7 @@ impl StreamState {
                         && header_str(v).is_some_and(|t| t.starts_with("text/event-stream"))
                 })
             });
+        r.output = r.awaiting_first_token.then(OutputTokens::default);
         if !r.awaiting_first_token {
             r.first_byte();
         }
@@ -883,8 +926,8 @@ fn body_view<'a>(chunks: &'a [Bytes], joined: Option<&'a Bytes>) -> &'a Bytes {
 
 impl Drop for StreamState {
     fn drop(&mut self) {
-        // The booking first: the request is over before it is counted.
-        self.release();
+        // The booking first: the request is over before it is counted (an abort teaches nothing).
+        self.release_at_end(false);
         if let Some(labels) = self.labels.take() {
             self.shared.metrics.requests.get_or_create(&labels).inc();
         }

@@ -90,6 +90,7 @@ impl RequestTrace {
         let cost = match info.router.cost_model() {
             Some(kvepp_core::cost::CostModel::Dynamo) => "dynamo",
             Some(kvepp_core::cost::CostModel::PredictedTtft) => "predicted-ttft",
+            Some(kvepp_core::cost::CostModel::PredictedCompletion) => "predicted-completion",
             None => "none",
         };
         root.set_attribute("kvepp.cost_model", cost);

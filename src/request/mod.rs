@@ -22,5 +22,6 @@ pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
 pub use rate_limit::{RateLimitSettings, RateLimiter, TenantLimit};
 pub use service::{
-    Prepared, Rejection, RequestHead, RequestRouter, RouteHints, RouteRequest, Routed, Verdict,
+    Objective, Prepared, Rejection, RequestHead, RequestRouter, RouteHints, RouteRequest, Routed,
+    Verdict,
 };

@@ -72,11 +72,15 @@ impl Rejection {
         Rejection::new(429, "saturated", message)
     }
 
-    /// No endpoint can give the request its first token within its TTFT objective: 429 for a
-    /// sheddable request, 503 for the others (flow control's `ttft_objective_ms`).
-    pub(crate) fn over_objective(message: impl Into<String>, priority: i32) -> Self {
+    /// No endpoint can meet the request's `objective`: 429 for a sheddable request, 503 for the
+    /// others (flow control's rules), the reason naming the objective.
+    pub(crate) fn over_objective(
+        message: impl Into<String>,
+        priority: i32,
+        objective: Objective,
+    ) -> Self {
         let status = if is_sheddable(priority) { 429 } else { 503 };
-        Rejection::new(status, "ttft_objective", message)
+        Rejection::new(status, objective.reason(), message)
     }
 }
 
@@ -97,7 +101,12 @@ impl Rejection {
                 "{e}; sheddable request (priority {priority}) dropped"
             )),
             PickError::Saturated(_) => Rejection::saturated(e.to_string()),
-            PickError::OverObjective { .. } => Rejection::over_objective(e.to_string(), priority),
+            PickError::OverObjective { .. } => {
+                Rejection::over_objective(e.to_string(), priority, Objective::Ttft)
+            }
+            PickError::OverTpotObjective { .. } => {
+                Rejection::over_objective(e.to_string(), priority, Objective::Tpot)
+            }
             PickError::NoReadyEndpoints => Rejection::new(503, "no_ready_endpoints", e.to_string()),
             PickError::EmptySubset | PickError::NoEligibleInSubset(_) => {
                 Rejection::new(503, "subset_no_match", e.to_string())
@@ -112,6 +121,25 @@ impl Rejection {
             PickError::DuplicateBooking(_) => {
                 Rejection::new(500, "duplicate_booking", e.to_string())
             }
+        }
+    }
+}
+
+/// A latency objective a request can be refused or held for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Objective {
+    /// Time to first token (flow control's `ttft_objective_ms`, the `x-slo-ttft-ms` header).
+    Ttft,
+    /// Time per output token (the `x-slo-tpot-ms` header).
+    Tpot,
+}
+
+impl Objective {
+    /// The rejection reason (the `reason` label of the rejections counter).
+    pub fn reason(self) -> &'static str {
+        match self {
+            Objective::Ttft => "ttft_objective",
+            Objective::Tpot => "tpot_objective",
         }
     }
 }
@@ -141,9 +169,12 @@ pub struct RouteHints<'a> {
     pub scores: bool,
     /// The request's session (its session header), when it has a usable one.
     pub session: Option<kvepp_core::affinity::SessionKey>,
-    /// What is left of the request's TTFT objective, in ms (flow control's
-    /// `ttft_objective_ms` less the time since it arrived); None: no objective.
+    /// What is left of the request's TTFT objective, in ms (the tighter of flow control's
+    /// `ttft_objective_ms` and the request's `x-slo-ttft-ms`, less the time since it arrived);
+    /// None: no objective.
     pub ttft_budget_ms: Option<f64>,
+    /// The request's time-per-output-token objective, in ms (`x-slo-tpot-ms`); None: none.
+    pub tpot_budget_ms: Option<f64>,
 }
 
 /// A request as the routing core needs it, built once ([`RouteRequest::prepare`]) and owned: flow
@@ -166,6 +197,9 @@ pub struct Prepared {
     /// The prompt's length in tokens (estimated from its bytes when not tokenized): what tenant
     /// rate limits charge.
     pub prompt_tokens: u64,
+    /// The request's cap on output tokens (`max_completion_tokens`, `max_tokens`,
+    /// `max_output_tokens`), when it gives one: the decode cost's output length at most.
+    pub max_tokens: Option<u64>,
 }
 
 impl Prepared {
@@ -198,9 +232,10 @@ pub enum Verdict {
     /// Every eligible endpoint is saturated and the request was admitted only to an unsaturated
     /// one ([`Admission::Unsaturated`]): it may wait for capacity.
     Wait,
-    /// No endpoint is predicted to give the first token within what is left of the TTFT
-    /// objective, though an idle one would: it may wait, behind the others (it holds no one up).
-    Unfit,
+    /// No endpoint is predicted to meet the request's objective (the first token within what is
+    /// left of its TTFT objective, or its time per output token), though an idle one would: it
+    /// may wait, behind the others (it holds no one up).
+    Unfit(Objective),
     /// The pool has no ready endpoint and the request was admitted only to an unsaturated one
     /// (flow control): it may wait for the first endpoint to become ready (scale from zero).
     NoEndpoint,
@@ -430,6 +465,7 @@ impl RouteRequest for RequestRouter {
                 target_label: self.no_model.clone(),
                 rewritten_by: None,
                 prompt_tokens: 0,
+                max_tokens: None,
             });
         };
         self.steps.count("parse");
@@ -453,6 +489,7 @@ impl RouteRequest for RequestRouter {
             Some(t) => t.clone(),
             None => parsed.model.as_ref().into(),
         };
+        let max_tokens = parsed.max_output_tokens;
         let prompt = if self.router.wants_prompt() {
             let tokenizers = self.tokenizers.load();
             let tokenizer = tokenizers.get(&*served).map(|t| &**t);
@@ -494,6 +531,7 @@ impl RouteRequest for RequestRouter {
             target_label: m.target_label.clone(),
             rewritten_by: m.rewrite.clone(),
             prompt_tokens,
+            max_tokens,
         })
     }
 
@@ -511,6 +549,8 @@ impl RouteRequest for RequestRouter {
             prompt: req.prompt.as_ref().map_or(Prompt::None, Prompt::Blocks),
             session: hints.session,
             ttft_budget_ms: hints.ttft_budget_ms,
+            tpot_budget_ms: hints.tpot_budget_ms,
+            max_tokens: req.max_tokens,
             list: Some(snap.serial),
             ..RequestFacts::default()
         };
@@ -534,7 +574,14 @@ impl RouteRequest for RequestRouter {
                 floor_ms,
                 ..
             }) if hints.admission == Admission::Unsaturated && floor_ms <= budget_ms => {
-                Ok(Verdict::Unfit)
+                Ok(Verdict::Unfit(Objective::Ttft))
+            }
+            Err(PickError::OverTpotObjective {
+                budget_us,
+                floor_us,
+                ..
+            }) if hints.admission == Admission::Unsaturated && floor_us <= budget_us => {
+                Ok(Verdict::Unfit(Objective::Tpot))
             }
             Err(e) => {
                 let mut r = Rejection::from_pick(e, req.priority);

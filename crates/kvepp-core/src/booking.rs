@@ -122,6 +122,15 @@ impl Booking {
         }
     }
 
+    /// The response ended at `now` after `output_tokens` (a streamed response's last chunk): a
+    /// pick by predicted completion teaches the pool's decode model its steps and the model's
+    /// output length. Once.
+    pub fn finished(&mut self, now: Instant, output_tokens: u64) {
+        if let Some(s) = &mut self.slot {
+            s.finished(now, output_tokens);
+        }
+    }
+
     /// Moves the booking to another endpoint (the proxy reported it served the request elsewhere).
     /// A slot-tracker booking is released (it was computed for the endpoint the picker chose).
     pub fn move_to(&mut self, other: &Arc<EndpointLoad>) {

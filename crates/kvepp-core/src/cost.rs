@@ -44,11 +44,17 @@ pub struct KvDecision {
     /// Bounded loads ([`CostWeights::bound_loads`]) passed over a cheaper candidate that held
     /// more than its share of requests.
     pub load_bounded: bool,
-    /// Under the `predicted_ttft` cost model: what the chosen endpoint's prediction read (its
+    /// The request's objectives (TTFT, TPOT) passed over a cheaper candidate predicted to miss
+    /// them.
+    pub objective_filtered: bool,
+    /// Under a predicted cost model: what the chosen endpoint's TTFT prediction read (its
     /// booking learns from the observed first token).
     pub ttft: Option<crate::predict::TtftFeatures>,
-    /// Under the `predicted_ttft` cost model, for a request with a TTFT budget: what the TTFT
-    /// objective's filter reads.
+    /// Under a predicted cost model: what the chosen endpoint's decode prediction read (its
+    /// booking learns from the observed end of the response).
+    pub decode: Option<crate::decode::DecodeFeatures>,
+    /// Under a predicted cost model, for a request with a TTFT or TPOT objective: what the
+    /// objectives' filter reads.
     pub objective: Option<crate::predict::TtftOutlook>,
 }
 
@@ -78,11 +84,30 @@ pub enum CostModel {
     Dynamo,
     /// Predicted time to first token in ms, learned online per endpoint
     /// ([`crate::predict`]): queueing, the uncached prefill, decode interference and traffic
-    /// the engine reports beyond ours. The EPP's default: on every generated trace and workload
-    /// of the routing report it reached more of the cache ceiling than Dynamo's cost at equal
-    /// or lower TTFT.
-    #[default]
+    /// the engine reports beyond ours.
     PredictedTtft,
+    /// The whole request in ms: the predicted time to first token, plus its predicted decode
+    /// on the candidate with it added to the running batch, plus the slowdown it adds to the
+    /// streams already decoding there ([`crate::decode`]). The EPP's default: a pick that wins
+    /// the first token on an engine already decoding many streams loses the completion.
+    #[default]
+    PredictedCompletion,
+}
+
+impl CostModel {
+    /// Whether the cost is a predicted time in ms, learned from the responses (not Dynamo's).
+    pub fn predicts(self) -> bool {
+        self != CostModel::Dynamo
+    }
+
+    /// The name used in configuration, logs and traces.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CostModel::Dynamo => "dynamo",
+            CostModel::PredictedTtft => "predicted_ttft",
+            CostModel::PredictedCompletion => "predicted_completion",
+        }
+    }
 }
 
 /// The knobs, with Dynamo's names and defaults (in the config file: the `DYN_ROUTER_*` names in
@@ -104,8 +129,8 @@ pub struct CostWeights {
     pub decode_active_request_weight: f64,
     /// `DYN_ROUTER_TEMPERATURE` (0.0).
     pub temperature: f64,
-    /// kvepp's own: the EPP's picks by Dynamo's cost (default) or by predicted TTFT. The HTTP
-    /// selection service always uses Dynamo's.
+    /// kvepp's own: what the EPP's picks minimise (default `predicted_completion`; `dynamo` is
+    /// Dynamo's cost exactly). The HTTP selection service always uses Dynamo's.
     pub cost_model: CostModel,
     /// kvepp's own: bounded loads for the EPP's picks (0 turns it off; otherwise ≥ 1). A
     /// candidate whose requests (active there, plus those its engine reports beyond them) would
@@ -122,6 +147,12 @@ pub struct CostWeights {
     /// kvepp's own: the bound for candidates exempt by `load_bound_exempt_cached`, as a multiple
     /// of the same mean (0, the default: they are unbounded; otherwise ≥ `load_bound` and ≥ 1).
     pub load_bound_cached: f64,
+    /// kvepp's own, for prompts matched against the engines' KV events: a prompt's blocks count
+    /// as cached on the endpoint a pick sent it to while that request runs there (it prefills
+    /// them, and a running request's blocks stay resident), before the engine's events confirm
+    /// them; a burst sharing a new prefix then lands where the first of it went. Off in
+    /// Dynamo's weights.
+    pub speculative: bool,
 }
 
 /// What bounded loads read of one candidate.
@@ -137,10 +168,12 @@ pub struct BoundInput {
 
 impl Default for CostWeights {
     /// The EPP's defaults (what a `router` section leaves unset): Dynamo's knobs at Dynamo's
-    /// values, kvepp's cost model (predicted TTFT) and bounded loads on.
+    /// values, kvepp's cost model (predicted completion), bounded loads and speculative
+    /// indexing on.
     fn default() -> Self {
         CostWeights {
-            cost_model: CostModel::PredictedTtft,
+            cost_model: CostModel::PredictedCompletion,
+            speculative: true,
             load_bound: 1.0,
             load_bound_exempt_cached: 0.25,
             ..CostWeights::dynamo()
@@ -163,6 +196,7 @@ impl CostWeights {
             load_bound: 0.0,
             load_bound_exempt_cached: 0.5,
             load_bound_cached: 0.0,
+            speculative: false,
         }
     }
 }
@@ -257,28 +291,7 @@ impl CostWeights {
             let bound = if exempt(i) { cached } else { plain };
             f64::from(inputs[i].requests) + 1.0 > bound
         };
-        let (mut within_min, mut within_max, mut over_min) =
-            (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY);
-        for (i, &c) in costs.iter().enumerate() {
-            if over(i) {
-                over_min = over_min.min(c);
-            } else {
-                within_min = within_min.min(c);
-                within_max = within_max.max(c);
-            }
-        }
-        if over_min == f64::INFINITY || within_max == f64::NEG_INFINITY {
-            return false;
-        }
-        let shift = within_max - over_min + 1.0;
-        if shift > 0.0 {
-            for (i, c) in costs.iter_mut().enumerate() {
-                if over(i) {
-                    *c += shift;
-                }
-            }
-        }
-        over_min < within_min
+        pass_over(costs, over)
     }
 
     /// The cached prefix, in blocks, weighted by tier.
@@ -475,6 +488,35 @@ impl CostWeights {
         }
         costs.len() - 1
     }
+}
+
+/// Raises the cost of every candidate `over` marks above the cost of every other one (their order
+/// among themselves kept), so the choice falls on one it does not mark while there is one.
+/// Returns whether a marked candidate was cheaper than every unmarked one (the choice moved).
+/// Nothing changes when every candidate, or none, is marked.
+pub fn pass_over(costs: &mut [f64], over: impl Fn(usize) -> bool) -> bool {
+    let (mut within_min, mut within_max, mut over_min) =
+        (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY);
+    for (i, &c) in costs.iter().enumerate() {
+        if over(i) {
+            over_min = over_min.min(c);
+        } else {
+            within_min = within_min.min(c);
+            within_max = within_max.max(c);
+        }
+    }
+    if over_min == f64::INFINITY || within_max == f64::NEG_INFINITY {
+        return false;
+    }
+    let shift = within_max - over_min + 1.0;
+    if shift > 0.0 {
+        for (i, c) in costs.iter_mut().enumerate() {
+            if over(i) {
+                *c += shift;
+            }
+        }
+    }
+    over_min < within_min
 }
 
 /// A block or token count as `f64`: through `i64`, one instruction on x86-64 without AVX-512

@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use super::cost::KvDecision;
-use super::cost::{BoundInput, CandidateLoad, CostModel, CostWeights, Overlap};
+use super::cost::{BoundInput, CandidateLoad, CostWeights, Overlap};
 use super::index::{MatchScratch, RankOverlap, SharedIndex};
 use super::load::EndpointLoad;
 use super::predict::{TtftFeatures, TtftModel};
@@ -78,7 +78,7 @@ pub use guard::SlotGuard;
 pub use prompt::{PrefixMode, PromptBlocks};
 
 use scratch::PickScratch;
-use ttft::ttft_features;
+use ttft::{decode_features, ttft_features};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvSettings {
@@ -134,6 +134,11 @@ pub struct SlotBooking<'a> {
     pub expected: Option<u64>,
     /// A pick by predicted TTFT: what its prediction read (the guard learns from the first token).
     pub learn: Option<TtftFeatures>,
+    /// A pick by predicted completion: what its decode prediction read (the guard learns from
+    /// the end of the response).
+    pub decode: Option<crate::decode::DecodeFeatures>,
+    /// The request's model (the decode model learns its output length).
+    pub model: Option<&'a str>,
     pub now: Instant,
 }
 
@@ -160,6 +165,8 @@ pub struct KvState {
     hub: Arc<Hub>,
     /// The pool's TTFT model (the `predicted_ttft` cost).
     ttft: TtftModel,
+    /// The pool's decode model and learned output lengths (the `predicted_completion` cost).
+    decode: crate::decode::DecodeModel,
     /// Recent token prompts' block hashes (a next turn hashes only its new blocks).
     memo: PrefixMemo,
     /// Recent approximate prompts' block hashes (the same, over a text's bytes).
@@ -190,6 +197,9 @@ struct Walked {
     /// Token prompts while some workers' events are in fallback: those workers (sorted), whose
     /// overlaps the pick read from the approximate index into `PickScratch::fallback`.
     fallback: Option<Arc<Vec<u64>>>,
+    /// Speculative indexing ([`CostWeights::speculative`]) for a prompt matched against the
+    /// KV-event index: a candidate's cached prefix is at least what its running requests hold.
+    speculative: bool,
 }
 
 impl KvState {
@@ -213,6 +223,7 @@ impl KvState {
             scratch: Default::default(),
             hub: Arc::default(),
             ttft: TtftModel::default(),
+            decode: crate::decode::DecodeModel::default(),
             memo: PrefixMemo::default(),
             text_memo: PrefixMemo::default(),
             ordered: roster::OrderedPicks::default(),
@@ -263,6 +274,11 @@ impl KvState {
     /// The pool's TTFT model (shared coefficients; speeds are per endpoint).
     pub fn ttft_model(&self) -> &TtftModel {
         &self.ttft
+    }
+
+    /// The pool's decode model (shared coefficients) and learned output lengths.
+    pub fn decode_model(&self) -> &crate::decode::DecodeModel {
+        &self.decode
     }
 
     /// How prompts (token and approximate) got their block hashes: reused from a recent prompt,
@@ -368,9 +384,10 @@ impl KvState {
         candidates: &[Arc<Endpoint>],
         prompt: Option<&PromptBlocks>,
         dynamo: Option<(&CostWeights, u32, &[f64])>,
-        bound: bool,
+        w: &CostWeights,
         sc: &mut PickScratch,
     ) -> Walked {
+        let bound = w.bounds_loads();
         let (hashes, isl) = prompt.map_or((&[][..], 0), |p| (&p.hashes[..], p.isl_tokens));
         let approximate = prompt.is_some_and(|p| p.mode == PrefixMode::Approximate);
         let cost = |i: usize, c: &CandidateLoad| {
@@ -393,6 +410,7 @@ impl KvState {
             fallback: (!approximate && !hashes.is_empty())
                 .then(|| self.fallback.workers())
                 .filter(|f| !f.is_empty()),
+            speculative: w.speculative && !approximate && !hashes.is_empty(),
         };
         if let Some(f) = &walked.fallback {
             self.fallback_overlaps(hashes, f, sc);
@@ -440,7 +458,8 @@ impl KvState {
                     continue;
                 };
                 let rank = e.rank();
-                let found = slots.dense_id(rank).and_then(|id| {
+                let dense = slots.dense_id(rank);
+                let found = dense.and_then(|id| {
                     e.hints.slot.store(id, Ordering::Relaxed);
                     slots.project(&sc.held, rank, id, walked.blocks, isl)
                 });
@@ -451,6 +470,9 @@ impl KvState {
                     |(l, v)| (l, Some(v)),
                 );
                 c.overlap = Self::overlap_of(&walked, sc, *i, e);
+                if let Some(id) = dense.filter(|_| walked.speculative) {
+                    Self::speculate(&mut c.overlap, sc.held.get(id as usize));
+                }
                 c.set_load(&l);
                 *v = version;
                 // Empty unless bounded loads are on.
@@ -543,8 +565,19 @@ impl KvState {
             overlap: Self::overlap_of(w, sc, i, e),
             ..CandidateLoad::default()
         };
+        if w.speculative {
+            Self::speculate(&mut c.overlap, sc.held.get(slot as usize));
+        }
         c.set_load(&l);
         Some((c, version))
+    }
+
+    /// Speculative indexing: the leading `running` blocks of the prompt that requests running on
+    /// the candidate hold count as cached there (they are prefilled, or being prefilled, and stay
+    /// resident while those requests run), whatever the engine's events have confirmed so far.
+    #[inline(always)]
+    fn speculate(overlap: &mut Overlap, running: u64) {
+        overlap.device = overlap.device.max(running);
     }
 
     /// After [`Self::candidate_loads`]: candidate `i`'s load and version as its cost read them.
@@ -605,8 +638,8 @@ impl KvState {
         let weights = self.weights();
         let w = &weights;
         let bs = self.block_size();
-        let predicted = w.cost_model == CostModel::PredictedTtft;
-        let dynamo = (!predicted).then_some((w, bs, &ctx.bias[..]));
+        let predicting = self.predicting(w, req, ctx.now);
+        let dynamo = predicting.is_none().then_some((w, bs, &ctx.bias[..]));
         let ordered = (self.ordered.on.load(Ordering::Relaxed)
             && Self::orderable(w, ctx.scores.is_some(), &ctx.bias)
             && self.fallback.is_empty())
@@ -626,14 +659,22 @@ impl KvState {
             let d = ordered::decision(prompt, (w, bs), &o.load, o.cost, Some(o.version));
             return (o.best, o.second, d);
         }
-        let walked = self.candidate_loads(candidates, prompt, dynamo, w.bounds_loads(), &mut sc);
-        if predicted {
-            let now = super::load::clock_nanos(ctx.now);
+        let walked = self.candidate_loads(candidates, prompt, dynamo, w, &mut sc);
+        let mut objective_filtered = false;
+        if let Some(p) = &predicting {
+            let shape = (w, bs, isl);
             sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
-                let load = &candidates[i].load;
-                let f = ttft_features(w, bs, isl, c, load);
-                self.ttft.cost(&load.ttft, &f, now) + ctx.bias.get(i).copied().unwrap_or(0.0)
+                let cost = self.predicted_cost(p, shape, c, &candidates[i].load);
+                cost + ctx.bias.get(i).copied().unwrap_or(0.0)
             }));
+            if p.objectives {
+                // Candidates predicted to miss an objective are passed over while one meets them.
+                let loads = &sc.loads;
+                let misses = |i: usize| {
+                    self.misses_objectives(p, req, shape, &loads[i], &candidates[i].load)
+                };
+                objective_filtered = crate::cost::pass_over(&mut sc.costs, misses);
+            }
         }
         let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests, hashes.len() as u64);
         let costs = &sc.costs;
@@ -650,13 +691,23 @@ impl KvState {
         }
         let (c, load_version) = self.chosen_load(&walked, &sc, best, &candidates[best]);
         drop(walked);
+        let chosen = &candidates[best].load;
         let decision = KvDecision {
             load_bounded,
-            ttft: predicted.then(|| ttft_features(w, bs, isl, &c, &candidates[best].load)),
+            objective_filtered,
+            ttft: predicting.map(|_| ttft_features(w, bs, isl, &c, chosen)),
+            decode: predicting.map(|p| decode_features(bs, isl, &c, chosen, p.output_tokens)),
             ..ordered::decision(prompt, (w, bs), &c, costs[best], load_version)
         };
         let decision = KvDecision {
-            objective: self.outlook(&decision, req, candidates, best, &sc, (w, bs, isl), ctx.now),
+            objective: self.outlook(
+                &decision,
+                predicting.as_ref(),
+                candidates,
+                best,
+                &sc,
+                (w, bs, isl),
+            ),
             ..decision
         };
         self.return_scratch(pool, sc);
@@ -731,6 +782,8 @@ impl KvState {
             learn: slot
                 .learn
                 .map(|f| (endpoint.load.ttft.clone(), f, slot.now)),
+            decode: slot.decode.map(|f| (f, slot.model.map(Arc::from))),
+            first_token_at: None,
         }))
     }
 
@@ -750,6 +803,8 @@ impl KvState {
             held: decision.overlap.device,
             expected: Some(decision.load_version.unwrap_or(0)),
             learn: decision.ttft,
+            decode: decision.decode,
+            model: None,
             now,
         };
         self.book(endpoint, prompt, slot).ok().flatten()
@@ -808,11 +863,11 @@ impl super::Picker for KvPicker {
         }
     }
 
-    /// Predicted TTFT is in ms already. Dynamo's cost counts prefill blocks: a millisecond is
+    /// Predicted costs are in ms already. Dynamo's cost counts prefill blocks: a millisecond is
     /// the blocks the pool's TTFT model prefills in one (its prefill coefficient, 40 ms per
     /// thousand tokens to start, in the current block size).
     fn cost_per_ms(&self) -> Option<f64> {
-        if self.0.weights().cost_model == CostModel::PredictedTtft {
+        if self.0.weights().cost_model.predicts() {
             return Some(1.0);
         }
         let ms_per_ktoken = self.0.ttft.coefficients()[1].max(1e-3);

@@ -9,7 +9,9 @@
 //!   ([`index::SharedIndex`]: the copy pair that picks read without waiting for writers);
 //!   [`slots`]: the slot tracker: active requests, prefill tokens and decode blocks per rank
 //!   (dense ranks, each rank's active blocks a tree, a load version per rank); [`predict`]: the
-//!   per-endpoint TTFT model learned online (the `predicted_ttft` cost); [`listen`]: who hears of
+//!   per-endpoint TTFT model learned online (the `predicted_ttft` cost); [`decode`]: the pool's
+//!   inter-token latency model and output lengths learned online (with the TTFT model, the
+//!   `predicted_completion` cost); [`listen`]: who hears of
 //!   bookings; [`queue`]: flow control's waiting line (priority, then flows in turn, then arrival);
 //!   [`affinity`]: the adapters each engine holds and the session bindings.
 //! - [`cost`]: the cost model over overlap and load, and the choice among candidates; [`load`]:
@@ -34,6 +36,7 @@ pub mod affinity;
 pub mod booking;
 pub mod catalog;
 pub mod cost;
+pub mod decode;
 pub mod disagg;
 pub mod endpoint;
 pub mod hash;

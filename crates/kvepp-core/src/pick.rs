@@ -92,10 +92,21 @@ pub struct PickRequest<'a> {
     /// subset and role filters) and not saturated.
     pub sticky: Option<WorkerRank>,
     /// The time to first token the request may still spend (its TTFT objective less what it
-    /// waited already), in ms. Under [`Admission::Unsaturated`] and the predicted-TTFT cost, a
+    /// waited already), in ms. Under a predicted cost, candidates predicted slower are passed
+    /// over while one meets it (and the TPOT objective); under [`Admission::Unsaturated`] a
     /// choice predicted slower fails with [`PickError::OverObjective`] (flow control holds the
     /// request until an endpoint can meet it, or rejects it). None: no objective.
     pub ttft_budget_ms: Option<f64>,
+    /// The request's time-per-output-token objective, in ms: under a predicted cost,
+    /// candidates predicted to decode slower are passed over while one meets it; under
+    /// [`Admission::Unsaturated`] a choice predicted slower fails with
+    /// [`PickError::OverTpotObjective`]. None: no objective.
+    pub tpot_budget_ms: Option<f64>,
+    /// The model the engine serves the request with (its learned output length is the
+    /// request's when it gives no `max_tokens`).
+    pub model: Option<&'a str>,
+    /// The request's `max_tokens` (`max_completion_tokens`), when it gives one.
+    pub max_tokens: Option<u64>,
     /// An identity the caller gives its endpoint list: one value only ever names the same
     /// endpoints in the same order (a pool snapshot's serial number), so a picker that keeps
     /// state per list ([`crate::KvPicker`]'s roster) recognises it without reading it. The
@@ -175,20 +186,31 @@ fn in_subset(
     Ok(filtered)
 }
 
-/// The TTFT objective's filter: under [`Admission::Unsaturated`], a choice whose predicted TTFT
-/// (the predicted-TTFT cost, in ms) exceeds the request's budget is refused. Other cost models
-/// predict no time and are never refused.
+/// The objectives' filter: under [`Admission::Unsaturated`], a choice predicted (by a predicted
+/// cost, in ms) to exceed the request's TTFT budget or its time-per-output-token objective is
+/// refused. Dynamo's cost predicts no time and is never refused.
 fn over_objective(req: &PickRequest<'_>, kv: Option<&KvDecision>) -> Option<PickError> {
-    let budget = req.ttft_budget_ms?;
+    if req.admission != Admission::Unsaturated {
+        return None;
+    }
     let o = kv?.objective?;
     let ms = |v: f64| v.max(0.0).round() as u64;
-    (req.admission == Admission::Unsaturated && o.predicted_ms > budget).then(|| {
-        PickError::OverObjective {
+    let us = |v: f64| (v.max(0.0) * 1000.0).round() as u64;
+    if let Some(budget) = req.ttft_budget_ms.filter(|b| o.predicted_ms > *b) {
+        return Some(PickError::OverObjective {
             predicted_ms: ms(o.predicted_ms),
             budget_ms: ms(budget),
             floor_ms: ms(o.floor_ms),
-        }
-    })
+        });
+    }
+    let itl = o.itl_ms?;
+    req.tpot_budget_ms
+        .filter(|b| itl > *b)
+        .map(|budget| PickError::OverTpotObjective {
+            predicted_us: us(itl),
+            budget_us: us(budget),
+            floor_us: us(o.itl_floor_ms.unwrap_or(itl)),
+        })
 }
 
 /// A picker's answer: best candidate, second best (if any), and its KV reasons.
@@ -216,6 +238,14 @@ pub enum PickError {
         predicted_ms: u64,
         budget_ms: u64,
         floor_ms: u64,
+    },
+    /// No endpoint is predicted to decode within the request's time-per-output-token objective
+    /// (`floor_us`: what an idle endpoint is predicted to take).
+    #[error("the best endpoint's predicted time per output token, {:.1} ms, exceeds the request's {:.1} ms objective (an idle endpoint: {:.1} ms)", *.predicted_us as f64 / 1000.0, *.budget_us as f64 / 1000.0, *.floor_us as f64 / 1000.0)]
+    OverTpotObjective {
+        predicted_us: u64,
+        budget_us: u64,
+        floor_us: u64,
     },
     #[error("no ready decode endpoint in the disaggregated pool")]
     NoDecodeEndpoints,

@@ -60,6 +60,11 @@ pub struct TtftFeatures {
 pub struct TtftOutlook {
     pub predicted_ms: f64,
     pub floor_ms: f64,
+    /// The chosen endpoint's predicted time per output token (what a TPOT objective is compared
+    /// with), and the same on an idle endpoint (the batch this request alone): None where no
+    /// decode was predicted.
+    pub itl_ms: Option<f64>,
+    pub itl_floor_ms: Option<f64>,
 }
 
 impl TtftFeatures {
@@ -93,31 +98,44 @@ const POOL_RATE: f64 = 0.1;
 /// cache and herding.
 const MAX_PRIOR_FACTOR: f64 = 20.0;
 
+/// Recursive least squares with forgetting over `N` features, projected onto
+/// `0 ≤ θ ≤ MAX_PRIOR_FACTOR × prior` after each update, with the residual clipped and the
+/// covariance's trace bounded (see the module's invariants). Shared by the TTFT model and the
+/// inter-token latency model ([`crate::decode`]).
 #[derive(Debug, Clone)]
-struct Rls {
-    theta: [f64; N],
+pub(crate) struct Rls<const N: usize> {
+    pub(crate) theta: [f64; N],
     p: [[f64; N]; N],
-    observed: u64,
+    prior: [f64; N],
+    variance: [f64; N],
+    pub(crate) observed: u64,
 }
 
-impl Default for Rls {
+impl Default for Rls<N> {
     fn default() -> Self {
-        let mut p = [[0.0; N]; N];
-        for (i, v) in PRIOR_VARIANCE.iter().enumerate() {
-            p[i][i] = *v;
-        }
-        Rls {
-            theta: PRIOR,
-            p,
-            observed: 0,
-        }
+        Rls::new(PRIOR, PRIOR_VARIANCE)
     }
 }
 
-impl Rls {
-    fn update(&mut self, x: &[f64; N], y: f64) {
+impl<const N: usize> Rls<N> {
+    /// Starts at `prior`, each coefficient free to move about as far as its `variance` says.
+    pub(crate) fn new(prior: [f64; N], variance: [f64; N]) -> Self {
+        let mut p = [[0.0; N]; N];
+        for (i, v) in variance.iter().enumerate() {
+            p[i][i] = *v;
+        }
+        Rls {
+            theta: prior,
+            p,
+            prior,
+            variance,
+            observed: 0,
+        }
+    }
+
+    pub(crate) fn update(&mut self, x: &[f64; N], y: f64) {
         let predicted = predict_with(&self.theta, x);
-        // Clip the residual: a TTFT 5× (+ 50 ms) off the prediction counts as that much.
+        // Clip the residual: an observation 5× (+ 50 ms) off the prediction counts as that much.
         let limit = 5.0 * predicted + 50.0;
         let residual = (y - predicted).clamp(-limit, limit);
         let px: [f64; N] = std::array::from_fn(|i| (0..N).map(|j| self.p[i][j] * x[j]).sum());
@@ -126,9 +144,9 @@ impl Rls {
             return;
         }
         let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
-        // Projected onto θ ≥ 0: time never decreases with work (and intercept and decode
-        // load, nearly collinear, cannot trade places through negative values).
-        for ((t, ki), prior) in self.theta.iter_mut().zip(k).zip(PRIOR) {
+        // Projected onto θ ≥ 0: time never decreases with work (and intercept and load terms,
+        // nearly collinear, cannot trade places through negative values).
+        for ((t, ki), prior) in self.theta.iter_mut().zip(k).zip(self.prior) {
             *t = (*t + ki * residual).clamp(0.0, MAX_PRIOR_FACTOR * prior);
         }
         for (row, ki) in self.p.iter_mut().zip(k) {
@@ -137,19 +155,19 @@ impl Rls {
             }
         }
         let trace: f64 = (0..N).map(|i| self.p[i][i]).sum();
-        let cap = MAX_TRACE_FACTOR * PRIOR_VARIANCE.iter().sum::<f64>();
+        let cap = MAX_TRACE_FACTOR * self.variance.iter().sum::<f64>();
         if trace > cap {
             let s = cap / trace;
             self.p.iter_mut().flatten().for_each(|v| *v *= s);
         }
         if self.theta.iter().any(|t| !t.is_finite()) {
-            *self = Rls::default();
+            *self = Rls::new(self.prior, self.variance);
         }
         self.observed += 1;
     }
 }
 
-fn predict_with(theta: &[f64; N], x: &[f64; N]) -> f64 {
+pub(crate) fn predict_with<const N: usize>(theta: &[f64; N], x: &[f64; N]) -> f64 {
     theta
         .iter()
         .zip(x)
@@ -175,7 +193,7 @@ pub struct TtftModel {
 /// weighted mean of log-ratios (`sum` and `weight` decay alike; the mean is their quotient).
 #[derive(Debug, Clone, Default)]
 struct Fit {
-    rls: Rls,
+    rls: Rls<N>,
     ratio_sum: f64,
     ratio_weight: f64,
 }
@@ -266,6 +284,13 @@ impl TtftModel {
         self.pool_ratio() * speed.factor_at(now) * predict_with(&self.coefficients(), &f.vector())
     }
 
+    /// [`Self::predict`] with `now` converted once per pick.
+    pub(crate) fn predict_at(&self, speed: &EndpointSpeed, f: &TtftFeatures, now: i64) -> f64 {
+        self.pool_ratio()
+            * speed.factor_at_nanos(now)
+            * predict_with(&self.coefficients(), &f.vector())
+    }
+
     /// The TTFT objective's view of a pick at `now`: the chosen endpoint's predicted TTFT for
     /// `chosen`, and the least any candidate would take with nothing queued or decoding, only the
     /// prompt's own uncached part (`own`: each candidate's speed and uncached ktokens).
@@ -296,6 +321,8 @@ impl TtftModel {
             } else {
                 predicted_ms
             },
+            itl_ms: None,
+            itl_floor_ms: None,
         }
     }
 
@@ -308,6 +335,13 @@ impl TtftModel {
         self.pool_ratio()
             * speed.factor_at_nanos(now)
             * (predict_with(&theta, &f.vector()) + theta[1] * f.uncached_ktokens)
+    }
+
+    /// What the prompt's own uncached part (`uncached_ktokens`) takes to prefill on an endpoint of
+    /// speed `speed` at `now` (ms): how long the streams decoding there stall for it.
+    pub(crate) fn prefill_ms(&self, speed: &EndpointSpeed, uncached_ktokens: f64, now: i64) -> f64 {
+        let theta1 = f64::from_bits(self.published[1].load(Ordering::Relaxed));
+        self.pool_ratio() * speed.factor_at_nanos(now) * theta1 * uncached_ktokens
     }
 
     /// Refits with one observed TTFT, arrived at `now`, for a request picked with features `f`

@@ -94,6 +94,10 @@ pub struct RequestFacts<'a> {
     pub session: Option<SessionKey>,
     /// What is left of the request's TTFT objective, in ms ([`PickRequest::ttft_budget_ms`]).
     pub ttft_budget_ms: Option<f64>,
+    /// The request's time-per-output-token objective, in ms ([`PickRequest::tpot_budget_ms`]).
+    pub tpot_budget_ms: Option<f64>,
+    /// The request's `max_tokens` (`max_completion_tokens`, `max_output_tokens`).
+    pub max_tokens: Option<u64>,
     /// The endpoint list's identity ([`PickRequest::list`]): a pool snapshot's serial number.
     pub list: Option<u64>,
 }
@@ -317,6 +321,9 @@ impl Router {
             adapter: self.adapter_of(facts.model),
             sticky: bound,
             ttft_budget_ms: facts.ttft_budget_ms,
+            tpot_budget_ms: facts.tpot_budget_ms,
+            model: facts.model,
+            max_tokens: facts.max_tokens,
             list: facts.list,
         };
         let mut repicks = 0;
@@ -341,6 +348,8 @@ impl Router {
                 held: d.overlap.device,
                 expected: checked.then(|| d.load_version.unwrap_or(0)),
                 learn: d.ttft,
+                decode: d.decode,
+                model: facts.model,
                 now: ctx.now,
             });
             if let Some(booking) = self.book(&pick.primary, prompt, slot)? {
@@ -424,8 +433,9 @@ impl Router {
 
     /// A disaggregated pick: the prefill worker by the KV-aware cost (among those with a decode
     /// worker in their domain first), then the decode worker under the topology constraint with
-    /// the transfer cost added. Short prompts (or a pool without prefill workers) go to a decode
-    /// worker alone, which prefills them itself.
+    /// the transfer cost added. Prompts whose uncached part on the best decode worker is short
+    /// ([`Self::worth_prefill`]), or a pool without prefill workers, go to a decode worker alone,
+    /// which prefills them itself.
     fn route_disaggregated(
         &self,
         facts: &RequestFacts<'_>,
@@ -448,7 +458,7 @@ impl Router {
             .filter(|e| e.role.prefills())
             .cloned()
             .collect();
-        if prefill.is_empty() || prompt.is_none() || isl < self.disagg.prefill_threshold_tokens {
+        if prefill.is_empty() || !self.worth_prefill(facts, &decode, prompt, ctx) {
             return self.route_among(&facts.unnamed(), &decode, prompt, &[], ctx, book);
         }
         let prefill = self.disagg.prefill_candidates(prefill, &decode);
@@ -499,6 +509,8 @@ impl Router {
             held: 0,
             expected: None,
             learn: None,
+            decode: None,
+            model: None,
             now: ctx.now,
         };
         let one_worker = pick.primary.addr == p.primary.addr;
@@ -545,6 +557,34 @@ impl Router {
             repicks: 0,
             session,
         })
+    }
+
+    /// Whether a disaggregated pool's request goes through a prefill worker: only when the part
+    /// of its prompt the best decode candidate has not cached (a preview of the decode-only pick)
+    /// exceeds `prefill_threshold_tokens`. A prompt no longer than the threshold needs no preview;
+    /// a preview that fails (the decode workers saturated) leaves the prompt's length to decide.
+    fn worth_prefill(
+        &self,
+        facts: &RequestFacts<'_>,
+        decode: &[Arc<Endpoint>],
+        prompt: Option<&PromptBlocks>,
+        ctx: &mut PickContext,
+    ) -> bool {
+        let Some(isl) = prompt.map(|p| p.isl_tokens) else {
+            return false;
+        };
+        let threshold = self.disagg.prefill_threshold_tokens;
+        if isl <= threshold {
+            return false;
+        }
+        let scores = ctx.scores.take();
+        let preview = self.route_among(&facts.unnamed(), decode, prompt, &[], ctx, false);
+        ctx.scores = scores;
+        let uncached = preview
+            .ok()
+            .and_then(|d| d.pick.kv)
+            .map_or(isl, |kv| kv.effective_prefill_tokens);
+        uncached > threshold
     }
 
     /// [`Self::book`] of an unchecked slot, which always books.

@@ -179,6 +179,10 @@ pub struct ParsedBody<'a> {
     pub messages: Option<RawMessages<'a>>,
     /// The format's system prompt, raw (Responses `instructions`, Anthropic `system`).
     pub system: Option<RawJson<'a>>,
+    /// The cap on output tokens the request gives: `max_completion_tokens`, else `max_tokens`
+    /// (Responses: `max_output_tokens`). A value that is not a non-negative integer is left to
+    /// the engine to refuse and read as none.
+    pub max_output_tokens: Option<u64>,
 }
 
 /// Scans `body` and returns the model name and its location.
@@ -227,6 +231,8 @@ fn parse<'a>(
         prompt,
         messages,
         system,
+        max_tokens,
+        max_completion_tokens,
     } = scan(body, chunks, owned, format)?;
     let raw = model.ok_or(BodyError::MissingModel)?;
     let text = raw.get();
@@ -247,6 +253,7 @@ fn parse<'a>(
         prompt,
         messages,
         system,
+        max_output_tokens: max_completion_tokens.or(max_tokens),
     })
 }
 
@@ -257,6 +264,9 @@ struct Fields<'a> {
     prompt: Option<RawPrompt<'a>>,
     messages: Option<RawMessages<'a>>,
     system: Option<RawJson<'a>>,
+    /// `max_tokens` (Responses: `max_output_tokens`) and `max_completion_tokens`.
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
 }
 
 fn is_ws(b: u8) -> bool {
@@ -358,6 +368,16 @@ fn scan<'a>(
                 k if Some(k) == format.system_key() => {
                     let (v, n) = raw_text_at(body, i)?;
                     fields.system = Some(v);
+                    i = n;
+                }
+                "max_tokens" | "max_output_tokens" | "max_completion_tokens" => {
+                    let (v, n) = raw_text_at(body, i)?;
+                    let cap = v.0.parse::<u64>().ok();
+                    if &*key == "max_completion_tokens" {
+                        fields.max_completion_tokens = cap;
+                    } else {
+                        fields.max_tokens = cap;
+                    }
                     i = n;
                 }
                 _ => i = raw_text_at(body, i)?.1,
@@ -720,6 +740,25 @@ mod tests {
         let body = format!("{{\"prompt\":\"{prompt}\",\"model\":\"m\"}}");
         let p = parse_body(body.as_bytes()).unwrap();
         assert_eq!(p.model, "m");
+    }
+
+    #[test]
+    fn the_output_cap_is_max_completion_tokens_else_max_tokens() {
+        let cap = |b: &str| parse_body(b.as_bytes()).unwrap().max_output_tokens;
+        assert_eq!(cap(r#"{"model":"m","prompt":"x"}"#), None);
+        assert_eq!(cap(r#"{"model":"m","max_tokens":64}"#), Some(64));
+        assert_eq!(cap(r#"{"model":"m","max_output_tokens":32}"#), Some(32));
+        // The newer name wins, in either order.
+        let both = r#"{"model":"m","max_completion_tokens":16,"max_tokens":64}"#;
+        assert_eq!(cap(both), Some(16));
+        assert_eq!(
+            cap(r#"{"max_tokens":64,"model":"m","max_completion_tokens":8}"#),
+            Some(8)
+        );
+        // Not a count: left to the engine, read as none.
+        assert_eq!(cap(r#"{"model":"m","max_tokens":-1}"#), None);
+        assert_eq!(cap(r#"{"model":"m","max_tokens":"many"}"#), None);
+        assert_eq!(cap(r#"{"model":"m","max_tokens":null}"#), None);
     }
 
     #[test]

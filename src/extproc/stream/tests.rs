@@ -23,6 +23,8 @@ const DUPLEX: i32 = 4;
 struct Fixed {
     ep: Arc<Endpoint>,
     reject: Option<Rejection>,
+    /// The objectives (TTFT budget, TPOT) of the last decision's hints.
+    budgets: parking_lot::Mutex<(Option<f64>, Option<f64>)>,
 }
 
 impl RouteRequest for Fixed {
@@ -46,10 +48,12 @@ impl RouteRequest for Fixed {
             target_label: "m".into(),
             rewritten_by: None,
             prompt_tokens: 0,
+            max_tokens: None,
         })
     }
 
     fn decide(&self, _: &Prepared, hints: &RouteHints<'_>) -> Result<Verdict, Rejection> {
+        *self.budgets.lock() = (hints.ttft_budget_ms, hints.tpot_budget_ms);
         // Saturated while the endpoint has a request in flight.
         let busy = self.ep.load.in_flight() > 0;
         if busy && hints.admission == Admission::Unsaturated {
@@ -90,6 +94,7 @@ fn stream(reject: Option<Rejection>, max_body_bytes: usize) -> (StreamState, Arc
     let routing: Arc<dyn RouteRequest> = Arc::new(Fixed {
         ep: ep.clone(),
         reject,
+        budgets: Default::default(),
     });
     let shared = Shared::new(
         routing,
@@ -320,6 +325,59 @@ fn unsupported_mode_and_header_time_picks() {
     assert_eq!(ep.load.in_flight(), 1);
 }
 
+fn with_header(mut msg: ProcessingRequest, key: &str, value: &str) -> ProcessingRequest {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    if let Some(Msg::RequestHeaders(h)) = &mut msg.request {
+        h.headers
+            .get_or_insert_with(HeaderMap::default)
+            .headers
+            .push(HeaderValue {
+                key: key.into(),
+                raw_value: value.as_bytes().to_vec(),
+                ..Default::default()
+            });
+    }
+    msg
+}
+
+#[test]
+fn slo_headers_become_the_decisions_objectives_and_a_bad_one_is_a_400() {
+    let routing = Arc::new(Fixed {
+        ep: endpoint(),
+        reject: None,
+        budgets: Default::default(),
+    });
+    let shared = Arc::new(Shared::new(
+        routing.clone(),
+        Metrics::new(),
+        Settings {
+            destination_list: false,
+            max_body_bytes: 1024,
+            ready_wait: std::time::Duration::ZERO,
+            endpoint_scores: false,
+        },
+    ));
+    let mut s = StreamState::new(shared.clone());
+    let h = with_header(headers(BUFFERED, true), "x-slo-ttft-ms", "800");
+    let out = send(&mut s, with_header(h, "x-slo-tpot-ms", "25"));
+    assert_eq!(destination(&out[0]).as_deref(), Some("10.0.0.7:8000"));
+    let (ttft, tpot) = *routing.budgets.lock();
+    assert!(ttft.is_some_and(|b| b > 700.0 && b <= 800.0), "{ttft:?}");
+    assert_eq!(tpot, Some(25.0));
+    // Without them, no objective.
+    let mut s = StreamState::new(shared.clone());
+    send(&mut s, headers(BUFFERED, true));
+    assert_eq!(*routing.budgets.lock(), (None, None));
+    for bad in ["0", "fast", "-5"] {
+        let mut s = StreamState::new(shared.clone());
+        let out = send(
+            &mut s,
+            with_header(headers(BUFFERED, true), "x-slo-tpot-ms", bad),
+        );
+        assert_eq!(immediate_status(&out[0]), Some(400), "{bad}");
+    }
+}
+
 fn with_objective(mut msg: ProcessingRequest, objective: &str) -> ProcessingRequest {
     use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
     if let Some(Msg::RequestHeaders(h)) = &mut msg.request {
@@ -340,6 +398,7 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
     let routing: Arc<dyn RouteRequest> = Arc::new(Fixed {
         ep: ep.clone(),
         reject: None,
+        budgets: Default::default(),
     });
     let metrics = Metrics::new();
     let on = crate::request::FlowControlSettings {

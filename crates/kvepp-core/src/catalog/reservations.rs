@@ -84,7 +84,9 @@ pub(super) fn choice_of(d: &Decision, isl_tokens: u64) -> RankChoice {
         active_requests: 0,
         load_version: None,
         load_bounded: false,
+        objective_filtered: false,
         ttft: None,
+        decode: None,
         objective: None,
     });
     RankChoice {

@@ -1,13 +1,15 @@
 //! A pick's slot-tracker booking, held for the request's life: [`SlotGuard`].
 //!
 //! Invariants: the booking is freed exactly once (on drop), prefill completes at most once, and the
-//! TTFT model learns from a request at most once; the state's listeners hear each of them (a free
-//! only when the entry was still there: one that expired was not freed by this guard).
+//! TTFT and decode models learn from a request at most once each (the decode model only after its
+//! first token was seen); the state's listeners hear each of them (a free only when the entry was
+//! still there: one that expired was not freed by this guard).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::KvState;
+use crate::decode::DecodeFeatures;
 use crate::predict::{EndpointSpeed, TtftFeatures};
 
 /// One request's slot-tracker booking: prefill until [`SlotGuard::first_byte`], freed on drop.
@@ -19,6 +21,10 @@ pub struct SlotGuard {
     pub(super) prefill_done: bool,
     /// A pick by predicted TTFT: the endpoint's speed, what the prediction read, when booked.
     pub(super) learn: Option<(Arc<EndpointSpeed>, TtftFeatures, Instant)>,
+    /// A pick by predicted completion: what its decode prediction read and the request's model.
+    pub(super) decode: Option<(DecodeFeatures, Option<Arc<str>>)>,
+    /// When the first token came (the decode model learns from it to the end).
+    pub(super) first_token_at: Option<Instant>,
 }
 
 impl SlotGuard {
@@ -29,9 +35,26 @@ impl SlotGuard {
 
     /// The first token arrived at `now`: the endpoint's TTFT model learns what it took. Once.
     pub fn first_token(&mut self, now: Instant) {
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
+        }
         if let Some((speed, f, at)) = self.learn.take() {
             let ms = now.saturating_duration_since(at).as_secs_f64() * 1000.0;
             self.state.ttft.observe(&speed, &f, ms, now);
+        }
+    }
+
+    /// The response ended at `now` after `output_tokens`: the decode model learns the mean step
+    /// since the first token, and the model's output length. Once; nothing without a first token.
+    pub fn finished(&mut self, now: Instant, output_tokens: u64) {
+        let Some(first) = self.first_token_at else {
+            return;
+        };
+        if let Some((f, model)) = self.decode.take() {
+            let ms = now.saturating_duration_since(first).as_secs_f64() * 1000.0;
+            self.state
+                .decode
+                .observe(model.as_deref(), &f, output_tokens, ms);
         }
     }
 

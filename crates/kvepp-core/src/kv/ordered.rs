@@ -114,7 +114,9 @@ pub(super) fn decision(
         active_requests: c.active_requests,
         load_version,
         load_bounded: false,
+        objective_filtered: false,
         ttft: None,
+        decode: None,
         objective: None,
     }
 }
@@ -340,6 +342,7 @@ impl KvState {
     /// [`Self::rank_ordered`]).
     pub(super) fn orderable(w: &CostWeights, scores: bool, bias: &[f64]) -> bool {
         w.cost_model == crate::cost::CostModel::Dynamo
+            && !w.speculative
             && w.temperature <= 0.0
             && !w.bounds_loads()
             && !scores
@@ -429,6 +432,7 @@ impl KvState {
             blocks: hashes.len() as u64,
             isl,
             fallback: None,
+            speculative: false,
         };
         self.slots.walk_held_path(hashes, &mut sc.held, wide(n));
         sc.visits.clear();

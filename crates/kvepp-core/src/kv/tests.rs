@@ -45,6 +45,8 @@ fn local_slot(p: &PromptBlocks, now: Instant) -> SlotBooking<'static> {
         held: 0,
         expected: None,
         learn: None,
+        decode: None,
+        model: None,
         now,
     }
 }

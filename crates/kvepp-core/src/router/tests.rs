@@ -472,6 +472,7 @@ fn a_prompt_in_pieces_has_the_blocks_of_its_ids_in_one_array() {
 }
 
 mod affinity;
+mod completion;
 mod doors;
 mod pd;
 mod ttft;

@@ -392,3 +392,28 @@ fn capacity_of_a_disaggregated_pool_is_its_decode_workers() {
     drop(held);
     assert!(r.has_capacity(&eps, now));
 }
+
+#[test]
+fn only_the_part_the_best_decode_worker_has_not_cached_decides_disaggregation() {
+    let eps = two_zones();
+    let r = router(TransferSettings {
+        prefill_threshold_tokens: 8,
+        ..zone_level(MismatchPolicy::Fail)
+    });
+    let mut ctx = PickContext::seeded(1);
+    // The whole prompt is new: through a prefill worker, whose KV the decode worker receives.
+    let first = r.route(facts(), &eps, &mut ctx).unwrap();
+    assert!(
+        first.pick.pairing.is_some(),
+        "an uncached prompt is disaggregated"
+    );
+    let decoder = first.pick.primary.addr;
+    drop(first);
+    // The same prompt again: only its last partial block is uncached on that decode worker.
+    let again = r.route(facts(), &eps, &mut ctx).unwrap();
+    assert!(again.pick.pairing.is_none(), "a cached prompt is not");
+    assert_eq!(again.pick.primary.addr, decoder);
+    let kv = again.pick.kv.unwrap();
+    assert!(kv.effective_prefill_tokens <= 8, "{kv:?}");
+    assert!(kv.overlap.device > 0);
+}
