@@ -159,8 +159,8 @@ async fn kv_index(State(st): State<ApiState>) -> impl IntoResponse {
 }
 
 /// `{"endpoints": [{"addr", "name", "role", "topology_domains", "data_parallel_rank",
-/// "in_flight"}]}`: the ready endpoints as the picker sees them (roles and topology come from
-/// their `/metadata`).
+/// "in_flight"}], "ttft_model", "decode_model"}`: the ready endpoints as the picker sees them
+/// (roles and topology come from their `/metadata`) and what the predicted costs learned.
 async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
     let snap = st.store.snapshot();
     let now = std::time::Instant::now();
@@ -190,7 +190,16 @@ async fn endpoints(State(st): State<ApiState>) -> impl IntoResponse {
             "ms_per_1k_prefill_tokens": per_kprefill, "ms_per_1k_decoding_tokens": per_kdecode,
             "ms_per_hidden_request": per_hidden})
     });
-    axum::Json(serde_json::json!({ "endpoints": list, "ttft_model": model }))
+    let decode = st.kv.as_ref().map(|kv| {
+        let m = kv.decode_model();
+        let [step_ms, per_request, per_kread] = m.coefficients();
+        serde_json::json!({"observed": m.observed(), "ms_per_step": step_ms,
+            "ms_per_step_per_request": per_request, "ms_per_step_per_1k_tokens_read": per_kread,
+            "mean_output_tokens": m.lengths().pool_mean()})
+    });
+    axum::Json(
+        serde_json::json!({ "endpoints": list, "ttft_model": model, "decode_model": decode }),
+    )
 }
 
 /// The KV index snapshot another replica recovers from (`kvepp-index-dump/1`).

@@ -26,7 +26,6 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use kvepp::config::Config;
-use kvepp_core::cost::CostModel;
 use kvepp_sim::client;
 use kvepp_sim::fleet::{EngineLayout, Fleet, FleetSpec, SimParams};
 use kvepp_sim::workload::{self, Request};
@@ -204,8 +203,9 @@ pub async fn run_policy(
         .iter()
         .filter(|e| e.layout.role.decodes())
         .collect();
-    let (kvepps, envoy, door) = if policy == Policy::Clairvoyant {
-        let oracle = oracle::Clairvoyant::new(answering.iter().map(|e| (e.http, e.core.clone())));
+    let (kvepps, envoy, door) = if let Some(objective) = policy.reference() {
+        let engines = answering.iter().map(|e| (e.http, e.core.clone()));
+        let oracle = oracle::Clairvoyant::new(engines, objective);
         (Vec::new(), None, Door::Oracle(std::sync::Arc::new(oracle)))
     } else {
         let kvepps = start_replicas(spec, policy, dir.path(), &fleet).await?;
@@ -222,7 +222,7 @@ pub async fn run_policy(
     let records = collect(spec, requests, handles, start).await;
     let engines = answering.iter().map(|e| e.name.clone()).collect();
     let model = policy.cost_model().unwrap_or(spec.kvepp.router.cost_model);
-    if model == CostModel::PredictedTtft && !kvepps.is_empty() {
+    if model.predicts() && !kvepps.is_empty() {
         log_learned_ttft(&kvepps[0]).await;
     }
     if let Some(envoy) = envoy {
@@ -417,7 +417,7 @@ fn drive(
         // The clairvoyant placement reads the engines when the request leaves, so it needs the
         // prompt then.
         let oracle = match (&door, fixed) {
-            (Door::Oracle(o), None) => Some((o.clone(), r.tokens.clone())),
+            (Door::Oracle(o), None) => Some((o.clone(), r.tokens.clone(), u64::from(r.max_tokens))),
             _ => None,
         };
         let at = r.at.div_f64(spec.speed.max(1e-6));
@@ -435,7 +435,7 @@ fn drive(
             }
             let sent = Instant::now();
             let addr = match &oracle {
-                Some((o, tokens)) => o.place(tokens),
+                Some((o, tokens, output)) => o.place(tokens, *output),
                 None => fixed,
             };
             let outcome = match addr {
@@ -537,6 +537,7 @@ async fn log_learned_ttft(kvepp: &Kvepp) {
     {
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
             tracing::info!(model = %v["ttft_model"], "learned TTFT model");
+            tracing::info!(model = %v["decode_model"], "learned decode model");
             for e in v["endpoints"].as_array().into_iter().flatten() {
                 tracing::info!(endpoint = %e["name"], speed = %e["ttft_speed_factor"], "learned speed factor");
             }
@@ -687,9 +688,12 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
         let mut results = Vec::new();
         let mut notes = String::new();
         for &policy in &args.policy {
-            if policy == Policy::Clairvoyant && disaggregated {
+            if policy.reference().is_some() && disaggregated {
                 // It places on the engines that answer clients and knows no prefill leg.
-                eprintln!("   clairvoyant: not defined for a disaggregated fleet, skipped");
+                eprintln!(
+                    "   {}: not defined for a disaggregated fleet, skipped",
+                    policy.name()
+                );
                 continue;
             }
             let syncs: Vec<Option<bool>> = if sc.replicas > 1 && policy.picker_is_kv_aware() {

@@ -150,8 +150,8 @@ pub struct CostWeights {
     /// kvepp's own, for prompts matched against the engines' KV events: a prompt's blocks count
     /// as cached on the endpoint a pick sent it to while that request runs there (it prefills
     /// them, and a running request's blocks stay resident), before the engine's events confirm
-    /// them; a burst sharing a new prefix then lands where the first of it went. Off in
-    /// Dynamo's weights.
+    /// them; a burst sharing a new prefix then lands where the first of it went. Under the
+    /// predicted costs only ([`Self::speculates`]): Dynamo's cost stays Dynamo's exactly.
     pub speculative: bool,
 }
 
@@ -292,6 +292,12 @@ impl CostWeights {
             f64::from(inputs[i].requests) + 1.0 > bound
         };
         pass_over(costs, over)
+    }
+
+    /// Whether picks count running requests' prompts as cached ([`Self::speculative`], under a
+    /// predicted cost).
+    pub fn speculates(&self) -> bool {
+        self.speculative && self.cost_model.predicts()
     }
 
     /// The cached prefix, in blocks, weighted by tier.

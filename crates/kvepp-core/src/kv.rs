@@ -410,7 +410,7 @@ impl KvState {
             fallback: (!approximate && !hashes.is_empty())
                 .then(|| self.fallback.workers())
                 .filter(|f| !f.is_empty()),
-            speculative: w.speculative && !approximate && !hashes.is_empty(),
+            speculative: w.speculates() && !approximate && !hashes.is_empty(),
         };
         if let Some(f) = &walked.fallback {
             self.fallback_overlaps(hashes, f, sc);

@@ -176,6 +176,59 @@ pub fn shared_prefix(s: &SharedPrefix) -> Vec<Request> {
     out
 }
 
+/// Shape of the burst workload: every `spacing`, a new prefix no engine has seen arrives with
+/// `size` requests within `spread` of one another (a fan-out of one document to many questions,
+/// an agent's parallel calls), faster than any engine's KV events can confirm it.
+#[derive(Debug, Clone)]
+pub struct Burst {
+    pub bursts: usize,
+    pub size: usize,
+    pub spacing: Duration,
+    pub spread: Duration,
+    pub prefix_tokens: usize,
+    pub user_tokens: usize,
+    pub output_tokens: (u32, u32),
+    pub seed: u64,
+}
+
+impl Default for Burst {
+    fn default() -> Self {
+        Burst {
+            bursts: 40,
+            size: 8,
+            spacing: Duration::from_millis(500),
+            spread: Duration::from_millis(10),
+            prefix_tokens: 4096,
+            user_tokens: 128,
+            output_tokens: (32, 128),
+            seed: 11,
+        }
+    }
+}
+
+/// Requests of the burst workload, in order of arrival.
+pub fn burst(b: &Burst) -> Vec<Request> {
+    let mut rng = fastrand::Rng::with_seed(b.seed);
+    let tok = |rng: &mut fastrand::Rng| rng.u32(..VOCAB as u32);
+    let mut out = Vec::with_capacity(b.bursts * b.size);
+    for k in 0..b.bursts {
+        let prefix: Vec<u32> = (0..b.prefix_tokens).map(|_| tok(&mut rng)).collect();
+        for _ in 0..b.size {
+            let mut tokens = prefix.clone();
+            tokens.extend((0..b.user_tokens).map(|_| tok(&mut rng)));
+            let offset = b.spread.mul_f64(rng.f64());
+            out.push(Request {
+                at: b.spacing * k as u32 + offset,
+                tokens,
+                max_tokens: rng.u32(b.output_tokens.0..=b.output_tokens.1.max(b.output_tokens.0)),
+                ..Request::default()
+            });
+        }
+    }
+    out.sort_by_key(|r| r.at);
+    out
+}
+
 /// Shape of the multi-turn conversation workload.
 #[derive(Debug, Clone)]
 pub struct MultiTurn {

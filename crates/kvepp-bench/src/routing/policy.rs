@@ -1,5 +1,5 @@
 //! The routing policies `bench-routing` compares: how each configures kvepp (picker, cost model,
-//! KV events), and the clairvoyant reference that starts none.
+//! KV events), and the two clairvoyant references that start none.
 
 use kvepp::config::PickerKind;
 use kvepp_core::cost::CostModel;
@@ -22,16 +22,20 @@ pub enum Policy {
     /// Not a router: the reference placement that reads every engine's true cache and queue
     /// ([`super::oracle`]), sending each request straight to the engine with the lowest TTFT.
     Clairvoyant,
+    /// Not a router: the same clairvoyant view, sending each request to the engine where its own
+    /// completion (TTFT and its decode there, knowing its output length) is soonest.
+    ClairvoyantCompletion,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 6] = [
+    pub const ALL: [Policy; 7] = [
         Policy::RoundRobin,
         Policy::LeastLoaded,
         Policy::ApproximatePrefix,
         Policy::Precise,
         Policy::Default,
         Policy::Clairvoyant,
+        Policy::ClairvoyantCompletion,
     ];
 
     pub fn name(self) -> &'static str {
@@ -43,6 +47,16 @@ impl Policy {
             Policy::PreciseTtft => "precise-ttft",
             Policy::Default => "default",
             Policy::Clairvoyant => "clairvoyant",
+            Policy::ClairvoyantCompletion => "clairvoyant-completion",
+        }
+    }
+
+    /// The reference placement this policy is, if it is one (no kvepp, no Envoy).
+    pub fn reference(self) -> Option<super::oracle::Objective> {
+        match self {
+            Policy::Clairvoyant => Some(super::oracle::Objective::FirstToken),
+            Policy::ClairvoyantCompletion => Some(super::oracle::Objective::Completion),
+            _ => None,
         }
     }
 
@@ -56,8 +70,10 @@ impl Policy {
 
     pub fn picker(self) -> PickerKind {
         match self {
-            // The clairvoyant placement starts no kvepp.
-            Policy::RoundRobin | Policy::Clairvoyant => PickerKind::RoundRobin,
+            // The clairvoyant placements start no kvepp.
+            Policy::RoundRobin | Policy::Clairvoyant | Policy::ClairvoyantCompletion => {
+                PickerKind::RoundRobin
+            }
             Policy::LeastLoaded => PickerKind::LeastLoaded,
             Policy::ApproximatePrefix => PickerKind::ApproximatePrefix,
             Policy::Precise | Policy::PreciseTtft | Policy::Default => PickerKind::KvAware,

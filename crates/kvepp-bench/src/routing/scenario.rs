@@ -25,16 +25,19 @@ pub enum WorkloadKind {
     Mixed,
     /// The conversations with the first engine restarting halfway.
     Restart,
+    /// Bursts of requests sharing a prefix no engine has seen, arriving within milliseconds.
+    Burst,
 }
 
 impl WorkloadKind {
-    pub const ALL: [WorkloadKind; 6] = [
+    pub const ALL: [WorkloadKind; 7] = [
         WorkloadKind::SharedPrefix,
         WorkloadKind::Mooncake,
         WorkloadKind::MultiTurn,
         WorkloadKind::MultiTurnReplicas,
         WorkloadKind::Mixed,
         WorkloadKind::Restart,
+        WorkloadKind::Burst,
     ];
 
     pub fn name(self) -> &'static str {
@@ -45,6 +48,7 @@ impl WorkloadKind {
             WorkloadKind::MultiTurnReplicas => "multi-turn-replicas",
             WorkloadKind::Mixed => "mixed",
             WorkloadKind::Restart => "restart",
+            WorkloadKind::Burst => "burst",
         }
     }
 }
@@ -173,6 +177,18 @@ pub(super) fn scenario(kind: WorkloadKind, args: &BenchArgs) -> Result<Scenario,
                 }
                 _ => format!("multi-turn: {}{}", conversation_title(&m), replicas_note(args)),
             };
+        }
+        WorkloadKind::Burst => {
+            let b = workload::Burst {
+                bursts: (args.duration * 2.0).max(1.0) as usize,
+                ..workload::Burst::default()
+            };
+            s.requests = workload::burst(&b);
+            s.title = format!(
+                "burst: every {} ms a new {}-token prefix with {} requests within {} ms ({}-token questions), {} bursts, {} engines{}",
+                b.spacing.as_millis(), b.prefix_tokens, b.size, b.spread.as_millis(), b.user_tokens,
+                b.bursts, args.engines, replicas_note(args)
+            );
         }
         WorkloadKind::MultiTurnReplicas => {
             let m = conversations(0.0);

@@ -342,7 +342,6 @@ impl KvState {
     /// [`Self::rank_ordered`]).
     pub(super) fn orderable(w: &CostWeights, scores: bool, bias: &[f64]) -> bool {
         w.cost_model == crate::cost::CostModel::Dynamo
-            && !w.speculative
             && w.temperature <= 0.0
             && !w.bounds_loads()
             && !scores
