@@ -464,6 +464,59 @@ async fn requests_that_cannot_meet_the_ttft_objective_are_refused_at_once() {
     epp.stop().await;
 }
 
+/// The request's own objectives through Envoy (`x-slo-ttft-ms`, `x-slo-tpot-ms`, under the
+/// default whole-request cost and flow control): one no endpoint could meet even idle is refused
+/// at once with the objective's reason (503 standard, 429 sheddable), a malformed one is a 400,
+/// and one that fits routes.
+#[tokio::test]
+async fn requests_whose_slo_headers_no_endpoint_can_meet_are_refused_with_the_reason() {
+    let gate = Gate::start().await;
+    gate.permits.add_permits(8);
+    let epp = Epp::start(&manifests(gate.addr), |c| {
+        c.engine_metrics.enabled = false;
+        c.flow_control.enabled = true;
+    })
+    .await;
+    let envoy = Envoy::start(bootstrap(), epp.grpc).await;
+    let gw = envoy.addr;
+    let ask_with = |objective: &'static str, slo: (&'static str, &'static str)| async move {
+        let headers = [
+            ("content-type", "application/json"),
+            ("x-llm-d-inference-objective", objective),
+            slo,
+        ];
+        let body = r#"{"model":"m","prompt":"slo"}"#.to_owned();
+        http(gw, "POST", "/v1/completions", &headers, body).await
+    };
+    // A step is predicted at several ms on any endpoint: a 1 µs TPOT cannot be met.
+    for (objective, status) in [("std", 503), ("low", 429)] {
+        let r = ask_with(objective, ("x-slo-tpot-ms", "0.001")).await;
+        assert_eq!(r.status, status, "{objective}: {:?}", r.body);
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(msg.contains("time per output token"), "{msg}");
+    }
+    let r = ask_with("std", ("x-slo-ttft-ms", "0.001")).await;
+    assert_eq!(r.status, 503, "{:?}", r.body);
+    let r = ask_with("std", ("x-slo-tpot-ms", "soon")).await;
+    assert_eq!(r.status, 400, "{:?}", r.body);
+    assert!(gate.arrived().is_empty(), "none reached the engine");
+    for (reason, n) in [
+        ("tpot_objective", 2.0),
+        ("ttft_objective", 1.0),
+        ("invalid_slo_header", 1.0),
+    ] {
+        let m = format!("kvepp_rejected_requests_total{{reason=\"{reason}\"}}");
+        assert_eq!(epp.metric(&m).await, Some(n), "{reason}");
+    }
+    // Objectives an idle endpoint meets: routed.
+    let r = ask_with("std", ("x-slo-tpot-ms", "1000")).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = ask_with("std", ("x-slo-ttft-ms", "60000")).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(gate.arrived(), ["slo", "slo"]);
+    epp.stop().await;
+}
+
 /// Scale from zero: with flow control on, requests for a pool with no ready endpoint wait (counted
 /// by pool and model for an autoscaler) and the first endpoint to become ready is given them in
 /// priority order; when none becomes ready within `max_wait_ms`, 503.
