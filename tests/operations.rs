@@ -548,7 +548,7 @@ async fn decisions_are_spans_of_the_request_trace_and_the_engine_joins_it() {
         ("kvepp.outcome", "routed"),
         ("kvepp.candidates", "2"),
         ("kvepp.picker", "kv-aware"),
-        ("kvepp.cost_model", "predicted-ttft"),
+        ("kvepp.cost_model", "predicted-completion"),
         ("kvepp.endpoint", served.as_str()),
     ] {
         assert_eq!(route.attr(key).as_deref(), Some(want), "{key} in {route:?}");
