@@ -58,8 +58,13 @@ impl Epp {
 
     pub async fn wait_ready(&self) {
         let addr = self.metrics;
+        // A refused or reset connection (the listener's backlog full on a loaded machine) is
+        // not ready yet: asked again.
         wait_for("kvepp /ready", || async move {
-            (http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(())
+            let headers = [("host", "test")];
+            let ask = crate::client::request(addr, "GET", "/ready", &headers, Default::default());
+            let r = tokio::time::timeout(DEADLINE, ask).await.ok()?.ok()?;
+            (r.status().as_u16() == 200).then_some(())
         })
         .await;
     }

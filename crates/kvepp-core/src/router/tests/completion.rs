@@ -12,17 +12,11 @@ use crate::kv::KvSettings;
 use crate::pick::tests::ep;
 
 fn router(cost_model: CostModel) -> Router {
-    let kv = Arc::new(KvState::new(KvSettings {
-        block_size: 4,
-        approx_bytes_per_token: 1,
-        approximate_only: true,
-        weights: CostWeights {
-            cost_model,
-            ..CostWeights::dynamo()
-        },
-        ..KvSettings::default()
-    }));
-    Router::kv_aware(kv, Saturation::in_flight(0))
+    let weights = CostWeights {
+        cost_model,
+        ..CostWeights::dynamo()
+    };
+    approx_router(KvSettings::default().approx_blocks_per_endpoint, weights)
 }
 
 /// A 1024-token shared head and a 32-token question of its own.
