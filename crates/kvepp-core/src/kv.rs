@@ -662,18 +662,19 @@ impl KvState {
         let walked = self.candidate_loads(candidates, prompt, dynamo, w, &mut sc);
         let mut objective_filtered = false;
         if let Some(p) = &predicting {
-            let shape = (w, bs, isl);
-            sc.costs.extend(sc.loads.iter().enumerate().map(|(i, c)| {
-                let cost = self.predicted_cost(p, shape, c, &candidates[i].load);
-                cost + ctx.bias.get(i).copied().unwrap_or(0.0)
-            }));
+            sc.missed.clear();
+            for (i, c) in sc.loads.iter().enumerate() {
+                let (cost, missed) = self.predicted(p, req, (w, bs, isl), c, &candidates[i].load);
+                sc.costs
+                    .push(cost + ctx.bias.get(i).copied().unwrap_or(0.0));
+                if p.objectives {
+                    sc.missed.push(missed);
+                }
+            }
             if p.objectives {
                 // Candidates predicted to miss an objective are passed over while one meets them.
-                let loads = &sc.loads;
-                let misses = |i: usize| {
-                    self.misses_objectives(p, req, shape, &loads[i], &candidates[i].load)
-                };
-                objective_filtered = crate::cost::pass_over(&mut sc.costs, misses);
+                let missed = &sc.missed;
+                objective_filtered = crate::cost::pass_over(&mut sc.costs, |i| missed[i]);
             }
         }
         let load_bounded = w.bound_loads(&mut sc.costs, &sc.requests, hashes.len() as u64);

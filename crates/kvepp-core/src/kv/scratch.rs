@@ -84,14 +84,17 @@ pub(super) struct PickScratch {
     /// Per candidate: best cached overlap over its worker's ranks (where ranks other than 0
     /// exist).
     pub(super) best: Vec<Overlap>,
-    /// Per candidate, under the predicted-TTFT cost only (Dynamo's keeps just the costs and
-    /// reads the chosen one's load again).
+    /// Per candidate, under a predicted cost only (Dynamo's keeps just the costs and reads the
+    /// chosen one's load again).
     pub(super) loads: Vec<CandidateLoad>,
     pub(super) versions: Vec<Option<u64>>,
     pub(super) costs: Vec<f64>,
     /// Per candidate, with bounded loads on: what they read (requests held, prompt blocks
     /// cached); empty when they are off.
     pub(super) requests: Vec<BoundInput>,
+    /// Per candidate, for a request with objectives under a predicted cost: predicted to miss
+    /// one; empty otherwise.
+    pub(super) missed: Vec<bool>,
     /// Candidates whose tracker hint missed, with the load resolved for them through the tracker's rank map.
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
     /// An ordered pick's ([`super::ordered`]): the candidates it costed, which of them it

@@ -76,42 +76,38 @@ impl KvState {
         })
     }
 
-    /// Candidate `c`'s predicted cost (ms) on `load`: its TTFT (with the eviction term) and,
-    /// under the predicted-completion cost, its decode and what it adds to the others there.
-    pub(super) fn predicted_cost(
-        &self,
-        p: &Predicting,
-        (w, bs, isl): (&CostWeights, u32, u64),
-        c: &CandidateLoad,
-        load: &EndpointLoad,
-    ) -> f64 {
-        let f = ttft_features(w, bs, isl, c, load);
-        let ttft = self.ttft.cost(&load.ttft, &f, p.now);
-        if p.model != CostModel::PredictedCompletion {
-            return ttft;
-        }
-        let d = decode_features(bs, isl, c, load, p.output_tokens);
-        let prefill = self.ttft.prefill_ms(&load.ttft, f.uncached_ktokens, p.now);
-        ttft + self.decode.cost(&d, prefill)
-    }
-
-    /// Whether candidate `c` is predicted to miss the request's TTFT budget or TPOT objective.
-    pub(super) fn misses_objectives(
+    /// Candidate `c`'s predicted cost (ms) on `load` — its TTFT (with the eviction term) and,
+    /// under the predicted-completion cost, its decode and what it adds to the others there —
+    /// and, for a request with objectives, whether it is predicted to miss its TTFT budget or
+    /// its TPOT objective (false without objectives). Each feature set is computed once.
+    pub(super) fn predicted(
         &self,
         p: &Predicting,
         req: &PickRequest<'_>,
         (w, bs, isl): (&CostWeights, u32, u64),
         c: &CandidateLoad,
         load: &EndpointLoad,
-    ) -> bool {
-        let late = req.ttft_budget_ms.is_some_and(|b| {
-            let f = ttft_features(w, bs, isl, c, load);
-            self.ttft.predict_at(&load.ttft, &f, p.now) > b
-        });
-        late || req.tpot_budget_ms.is_some_and(|b| {
-            let d = decode_features(bs, isl, c, load, p.output_tokens);
-            self.decode.itl_ms(&d) > b
-        })
+    ) -> (f64, bool) {
+        let f = ttft_features(w, bs, isl, c, load);
+        let ttft = self.ttft.cost(&load.ttft, &f, p.now);
+        let completion = p.model == CostModel::PredictedCompletion;
+        let d = (completion || req.tpot_budget_ms.is_some())
+            .then(|| decode_features(bs, isl, c, load, p.output_tokens));
+        let cost = match d.filter(|_| completion) {
+            Some(d) => {
+                let prefill = self.ttft.prefill_ms(&load.ttft, f.uncached_ktokens, p.now);
+                ttft + self.decode.cost(&d, prefill)
+            }
+            None => ttft,
+        };
+        let late = req
+            .ttft_budget_ms
+            .is_some_and(|b| self.ttft.predict_at(&load.ttft, &f, p.now) > b);
+        let slow = req
+            .tpot_budget_ms
+            .zip(d)
+            .is_some_and(|(b, d)| self.decode.itl_ms(&d) > b);
+        (cost, late || slow)
     }
 
     /// For a request with objectives under a predicted cost: the chosen endpoint's (`best`)
