@@ -31,7 +31,7 @@ use crate::metrics::{ReasonLabels, Register};
 pub(crate) const TRACE_TARGET: &str = "kvepp::trace";
 
 /// How spans reach the collector.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum OtlpProtocol {
     /// OTLP over gRPC (the collector's port 4317).
     #[serde(rename = "grpc")]
@@ -46,12 +46,13 @@ pub enum OtlpProtocol {
 /// `OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_MAX_QUEUE_SIZE`,
 /// `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_SDK_DISABLED`) override the file, as kvepp's other variables
 /// do.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TracingConfig {
     /// The collector, e.g. `http://otel-collector:4317` (gRPC) or `http://otel-collector:4318`
     /// (HTTP; `/v1/traces` is added to a URL without a path). Unset: no traces.
     pub otlp_endpoint: Option<String>,
+    /// OTLP transport: `grpc` or `http/protobuf`.
     pub protocol: OtlpProtocol,
     /// `service.name` of kvepp's spans.
     pub service_name: String,

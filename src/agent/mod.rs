@@ -82,6 +82,7 @@ pub struct AgentArgs {
     /// (here or in the `--config` file).
     #[arg(long, env = "KVEPP_COMPONENT", default_value = "")]
     pub component: String,
+    /// Where the pod registers: the Kubernetes API (its EndpointSlice readiness) or a manifests directory.
     #[arg(long, value_enum, default_value = "kubernetes")]
     pub registry: RegistryKind,
     /// Address of the `/metadata` and `/health` server.
@@ -102,10 +103,13 @@ pub struct AgentArgs {
     /// Tokens per KV block (`--block-size` of the engine).
     #[arg(long)]
     pub block_size: Option<u32>,
+    /// KV blocks the engine holds (`/metadata` capacity; the cost model's memory).
     #[arg(long)]
     pub total_kv_blocks: Option<u64>,
+    /// Most sequences the engine runs at once (`--max-num-seqs`).
     #[arg(long)]
     pub max_num_seqs: Option<u64>,
+    /// Most tokens the engine batches in one step (`--max-num-batched-tokens`).
     #[arg(long)]
     pub max_num_batched_tokens: Option<u64>,
     /// Data-parallel ranks; rank r publishes KV events on `--kv-events-port` + r.

@@ -16,10 +16,13 @@ pub struct ServeArgs {
     /// Configuration file (YAML or JSON); flags and environment variables override it.
     #[arg(long, env = "KVEPP_CONFIG")]
     pub config: Option<PathBuf>,
+    /// ext_proc gRPC port.
     #[arg(long, env = "KVEPP_GRPC_PORT")]
     pub grpc_port: Option<u16>,
+    /// gRPC health port (`liveness`, `readiness`, the ext_proc service).
     #[arg(long, env = "KVEPP_GRPC_HEALTH_PORT")]
     pub grpc_health_port: Option<u16>,
+    /// Prometheus `/metrics`, HTTP `/health`, `/ready` and `/debug/*` port.
     #[arg(long, env = "KVEPP_METRICS_PORT")]
     pub metrics_port: Option<u16>,
     /// Address the ext_proc port binds.
@@ -31,8 +34,10 @@ pub struct ServeArgs {
     /// TLS of the ext_proc port: self-signed (default), files, or off.
     #[arg(long, env = "KVEPP_GRPC_TLS_MODE", value_enum)]
     pub grpc_tls_mode: Option<TlsMode>,
+    /// PEM certificate chain of the ext_proc port (mode files).
     #[arg(long, env = "KVEPP_GRPC_TLS_CERT_FILE")]
     pub grpc_tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the ext_proc port (mode files).
     #[arg(long, env = "KVEPP_GRPC_TLS_KEY_FILE")]
     pub grpc_tls_key_file: Option<PathBuf>,
     /// CA bundle for client certificates (mutual TLS).
@@ -50,8 +55,10 @@ pub struct ServeArgs {
     /// Serve the slot tracker's HTTP routes on this port over the picker's state.
     #[arg(long, env = "KVEPP_SLOT_TRACKER_PORT")]
     pub slot_tracker_port: Option<u16>,
+    /// InferencePool this EPP serves.
     #[arg(long, env = "KVEPP_POOL_NAME")]
     pub pool_name: Option<String>,
+    /// Namespace of the InferencePool.
     #[arg(long, env = "KVEPP_POOL_NAMESPACE")]
     pub pool_namespace: Option<String>,
     /// Service whose EndpointSlices belong to the pool (default: the pool name).
@@ -64,13 +71,16 @@ pub struct ServeArgs {
     /// Kubeconfig for the Kubernetes API (default: KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long, env = "KVEPP_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+    /// How often the manifests directory is re-read, in milliseconds.
     #[arg(long, env = "KVEPP_MANIFESTS_POLL_MS")]
     pub manifests_poll_ms: Option<u64>,
+    /// A model that matches no InferenceModel: 404 (reject) or routed as Standard.
     #[arg(long, env = "KVEPP_UNKNOWN_MODELS", value_enum)]
     pub unknown_models: Option<UnknownModels>,
     /// Ordered-list form `primary,fallback` in the destination header and metadata.
     #[arg(long, env = "KVEPP_DESTINATION_ENDPOINT_LIST")]
     pub destination_endpoint_list: Option<bool>,
+    /// In-flight requests at which an endpoint is saturated (0: never).
     #[arg(long, env = "KVEPP_MAX_IN_FLIGHT_PER_ENDPOINT")]
     pub max_in_flight_per_endpoint: Option<u32>,
     /// Send every candidate's score in x-gateway-destination-endpoint-scores.
@@ -88,25 +98,34 @@ pub struct ServeArgs {
     /// Longest wait in the flow-control queue before a 503 (flow_control.max_wait_ms).
     #[arg(long, env = "KVEPP_FLOW_CONTROL_MAX_WAIT_MS")]
     pub flow_control_max_wait_ms: Option<u64>,
+    /// Largest request body accepted (413 above it).
     #[arg(long, env = "KVEPP_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Grace for open streams on SIGTERM, in seconds.
     #[arg(long, env = "KVEPP_SHUTDOWN_GRACE_SECONDS")]
     pub shutdown_grace_seconds: Option<u64>,
+    /// On SIGTERM, how long kvepp reports not ready before closing its listeners.
     #[arg(long, env = "KVEPP_SHUTDOWN_DELAY_MS")]
     pub shutdown_delay_ms: Option<u64>,
+    /// Log line format.
     #[arg(long, env = "KVEPP_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// tracing filter, e.g. info or kvepp=debug.
     #[arg(long, env = "KVEPP_LOG_LEVEL")]
     pub log_level: Option<String>,
+    /// Which picker ranks the candidates.
     #[arg(long, env = "KVEPP_PICKER", value_enum)]
     pub picker: Option<PickerKind>,
+    /// Tokens per KV block, as the engines use (default: learned from them).
     #[arg(long, env = "KVEPP_BLOCK_SIZE")]
     pub block_size: Option<u32>,
     /// Subscribe to the endpoints' KV events at `tcp://<address>:<kv-events-port>`.
     #[arg(long, env = "KVEPP_KV_EVENTS_ENABLED")]
     pub kv_events_enabled: Option<bool>,
+    /// Engines' KV-event PUB port, when their /metadata does not say.
     #[arg(long, env = "KVEPP_KV_EVENTS_PORT")]
     pub kv_events_port: Option<u16>,
+    /// Engines' KV-event replay port, when their /metadata does not say.
     #[arg(long, env = "KVEPP_KV_EVENTS_REPLAY_PORT")]
     pub kv_events_replay_port: Option<u16>,
     /// Replica sync: ZMQ PUB endpoint to bind (e.g. tcp://*:9094).

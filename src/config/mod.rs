@@ -24,6 +24,7 @@ pub use crate::replica::ReplicaSyncConfig;
 pub mod agent;
 mod args;
 pub(crate) mod live;
+pub mod reference;
 pub(crate) mod services;
 mod tls;
 mod validate;
@@ -32,7 +33,9 @@ pub use args::{router_knobs_from_env, transfer_from_env, ServeArgs};
 pub use tls::{GrpcTls, TlsMode};
 
 /// What to do with a request whose model matches no InferenceModel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum UnknownModels {
     /// 404, as the EPP protocol requires.
@@ -42,7 +45,9 @@ pub enum UnknownModels {
 }
 
 /// Which picker ranks the candidates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum PickerKind {
     /// KV-cache overlap and active load, Dynamo's cost (the default).
@@ -68,7 +73,7 @@ impl PickerKind {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// ext_proc gRPC port.
@@ -95,6 +100,7 @@ pub struct Config {
     pub slot_tracker_port: Option<u16>,
     /// InferencePool this EPP serves.
     pub pool_name: String,
+    /// Namespace of the InferencePool (and of the objects kvepp watches).
     pub pool_namespace: String,
     /// Service whose EndpointSlices list the pool's endpoints; defaults to the pool name.
     pub endpoint_service: Option<String>,
@@ -105,6 +111,7 @@ pub struct Config {
     pub kubeconfig: Option<PathBuf>,
     /// How often the manifests directory is re-read, in milliseconds.
     pub manifests_poll_ms: u64,
+    /// A request whose model matches no InferenceModel or rewrite: `reject` (404) or `pass-through`.
     pub unknown_models: UnknownModels,
     /// Send `primary,fallback` in the destination header and metadata (ordered-list form).
     pub destination_endpoint_list: bool,
@@ -132,14 +139,17 @@ pub struct Config {
     /// How long an ext_proc stream waits for the pool to be loaded after a start before it is
     /// answered 503, in milliseconds (0: answer at once).
     pub startup_wait_ms: u64,
+    /// Log line format: `text` or `json`.
     pub log_format: LogFormat,
     /// tracing filter, e.g. `info` or `kvepp=debug`.
     pub log_level: String,
+    /// Which picker ranks the candidates.
     pub picker: PickerKind,
     /// Tokens per KV block, as the engines are configured (`--block-size`); unset: learned from the
     /// engines (`vllm:cache_config_info`, `sglang:page_size`, or the block size their KV events
     /// store; the core's default, 16, until then).
     pub block_size: Option<u32>,
+    /// Scraping the engines' Prometheus `/metrics` (vLLM and SGLang names) for load and saturation.
     pub engine_metrics: EngineMetricsConfig,
     /// Fetching each endpoint's `/metadata` (block size, model, KV-event sockets).
     pub engine_metadata: FetchSettings,
@@ -159,6 +169,7 @@ pub struct Config {
     /// one of: checked at start, which is refused when Grove is not installed, the topology does
     /// not exist or lacks the level (the design's admission checks). Unset: not checked.
     pub cluster_topology: Option<String>,
+    /// Subscribing to the engines' KV events (ZMQ) for the KV index.
     pub kv_events: KvEventsConfig,
     /// Active-active replicas: share picks, releases and (approximate mode) routed prefixes with
     /// the other kvepp replicas over ZMQ.
@@ -177,7 +188,8 @@ pub struct Config {
     /// `kvepp slot-tracker`: the standalone slot tracker.
     pub slot_tracker: services::SlotTrackerConfig,
     /// `kvepp worker-agent` / `kvepp-agent`: the sidecar's flags by name (`component: pool`,
-    /// `engine_port: 8000`, `topology: [zone=a]`); see [`agent`].
+    /// `engine_port: 8000`, `topology: [zone=a]`), as `kvepp worker-agent`'s flags below name them.
+    #[schemars(with = "std::collections::BTreeMap<String, serde_json::Value>")]
     pub worker_agent: std::collections::BTreeMap<String, serde_yaml::Value>,
 }
 

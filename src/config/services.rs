@@ -23,7 +23,7 @@ pub(crate) const SELECT_SERVICE_THREADS: usize = 4;
 pub(crate) const SLOT_TRACKER_PORT: u16 = 8091;
 
 /// `select_service`: the standalone selection service.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SelectServiceConfig {
     /// HTTP port (`--port`).
@@ -54,7 +54,7 @@ impl Default for SelectServiceConfig {
 }
 
 /// `slot_tracker`: the standalone slot tracker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SlotTrackerConfig {
     /// HTTP port (`--port`).

@@ -6,7 +6,18 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Where the ext_proc port's TLS certificate comes from.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum TlsMode {
     /// A self-signed certificate generated at each start (the reference EPP's default); the proxy
@@ -21,9 +32,10 @@ pub enum TlsMode {
 
 /// TLS of the ext_proc gRPC port. The gRPC health port stays plaintext (kubelet's gRPC probes
 /// cannot speak TLS) and binds `admin_bind_address`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpcTls {
+    /// `self-signed` (a certificate generated at start), `files` (`cert_file`, `key_file`) or `off` (plaintext h2c).
     pub mode: TlsMode,
     /// PEM certificate chain (mode `files`).
     pub cert_file: Option<PathBuf>,

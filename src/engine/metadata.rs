@@ -235,7 +235,9 @@ impl MetadataStore {
 }
 
 /// Fetching each endpoint's `/metadata` (config section `engine_metadata`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct FetchSettings {
     /// Re-fetch a document this long after a success, in milliseconds.
@@ -244,6 +246,7 @@ pub struct FetchSettings {
     pub timeout_ms: u64,
     /// First retry delay after a failure (doubling up to `backoff_max_ms`), in milliseconds.
     pub backoff_min_ms: u64,
+    /// Longest retry delay after failures, in milliseconds.
     pub backoff_max_ms: u64,
 }
 

@@ -34,7 +34,17 @@ use kvepp_core::EngineMetrics;
 pub struct NotAnEngine;
 
 /// Which model server a metrics page comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     Vllm,
@@ -80,7 +90,17 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
 }
 
 /// Which engine kind endpoints are (`engine_metrics.engine`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineSelect {
     /// Told per endpoint by its metrics page (or `/server_info`).
@@ -218,10 +238,12 @@ pub(crate) fn parse_as(
 }
 
 /// Scraping the engines' Prometheus `/metrics` (vLLM names) for load signals and saturation.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineMetricsConfig {
+    /// Scrape every ready endpoint's `/metrics`.
     pub enabled: bool,
+    /// Time between scrapes of one endpoint, in milliseconds.
     pub interval_ms: u64,
     /// Metrics older than this make an engine count as saturated (Sheddable requests get 429
     /// when every candidate is).

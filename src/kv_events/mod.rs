@@ -21,11 +21,14 @@ pub use subscriber::{Delivery, Source, SubscriberStats, Timing};
 
 /// Where the engines publish KV events when no per-endpoint metadata says otherwise (vLLM's
 /// `--kv-events-config` publisher: `tcp://<endpoint address>:<port>`).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvEventsConfig {
     /// Subscribe to every ready endpoint's publisher.
     pub enabled: bool,
+    /// The engines' KV-event PUB port.
     pub port: u16,
     /// The publisher's replay ROUTER port, if it has one.
     pub replay_port: Option<u16>,

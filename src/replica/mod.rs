@@ -629,7 +629,9 @@ mod tests {
 }
 
 /// The replica-sync settings of `kvepp serve` (the slot tracker's flags, plus discovery).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReplicaSyncConfig {
     /// ZMQ PUB endpoint to bind, e.g. `tcp://*:9094`; unset: replica sync off.

@@ -53,7 +53,7 @@ const MAX_PASSES: usize = 8;
 const GRANT_ANSWER: Duration = Duration::from_secs(1);
 
 /// `flow_control` in the configuration.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlowControlSettings {
     /// Queue requests that find every eligible endpoint saturated (off: shed sheddable ones at

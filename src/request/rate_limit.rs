@@ -46,19 +46,21 @@ pub const MAX_TENANT_LABELS: usize = 64;
 
 /// One limit: requests and prompt tokens per second, each with a burst (what a tenant idle long
 /// enough may send at once). An unset rate does not limit.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TenantLimit {
+    /// Requests per second; unset: not limited.
     pub requests_per_second: Option<f64>,
     /// Default: the rate, at least 1.
     pub request_burst: Option<f64>,
+    /// Prompt tokens per second; unset: not limited.
     pub prompt_tokens_per_second: Option<f64>,
     /// Default: the rate.
     pub prompt_token_burst: Option<f64>,
 }
 
 /// `rate_limits` in the configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RateLimitSettings {
     /// Every tenant's limit, for requests whose InferenceObjective has none of its own; unset:

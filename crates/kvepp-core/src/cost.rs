@@ -77,7 +77,17 @@ impl CandidateLoad {
 }
 
 /// What the KV-aware picker minimises.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum CostModel {
     /// Dynamo's formula over blocks (this module's), as the selection service computes it.
@@ -113,7 +123,9 @@ impl CostModel {
 /// The knobs, with Dynamo's names and defaults (in the config file: the `DYN_ROUTER_*` names in
 /// lower case without the prefix, every field optional, unknown fields rejected; the variables
 /// themselves are applied by kvepp's configuration loading).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct CostWeights {
     /// `DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT` (1.0): credit per device-cached block.
@@ -135,7 +147,7 @@ pub struct CostWeights {
     /// kvepp's own: bounded loads for the EPP's picks (0 turns it off; otherwise ≥ 1). A
     /// candidate whose requests (active there, plus those its engine reports beyond them) would
     /// exceed `load_bound` × the mean over the candidates, this request included and rounded up,
-    /// is passed over while another is within the bound ([`Self::bound_loads`]). The HTTP
+    /// is passed over while another is within the bound (`CostWeights::bound_loads`). The HTTP
     /// selection service, Dynamo's contract, does not apply it.
     pub load_bound: f64,
     /// kvepp's own: the share of the prompt's blocks (0-1) an endpoint must hold cached, beyond
@@ -151,7 +163,7 @@ pub struct CostWeights {
     /// as cached on the endpoint a pick sent it to while that request runs there (it prefills
     /// them, and a running request's blocks stay resident), before the engine's events confirm
     /// them; a burst sharing a new prefix then lands where the first of it went. Under the
-    /// predicted costs only ([`Self::speculates`]): Dynamo's cost stays Dynamo's exactly.
+    /// predicted costs only (`CostWeights::speculates`): Dynamo's cost stays Dynamo's exactly.
     pub speculative: bool,
 }
 

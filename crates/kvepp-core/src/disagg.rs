@@ -34,7 +34,9 @@ use crate::pick::PickError;
 
 /// `kv_transfer_mismatch_policy`: what happens when no decode worker shares the prefill worker's
 /// domain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum MismatchPolicy {
     /// The request is refused (the transfer constraint is hard).
@@ -55,7 +57,7 @@ impl MismatchPolicy {
 }
 
 /// The network between two workers that share a topology level (or none).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LinkQos {
     /// One-way latency of a transfer, in milliseconds.
@@ -82,7 +84,7 @@ impl LinkQos {
 }
 
 /// One topology level of the QoS table.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LevelQos {
     /// The level's name, as in the workers' `topology_domains` (`host`, `rack`, `zone`, ...).
@@ -102,7 +104,7 @@ impl LevelQos {
 
 /// Disaggregation and KV-transfer topology settings (config section `disaggregation`; the two
 /// `DYN_ROUTER_KV_TRANSFER_*` variables override the file).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TransferSettings {
     /// Prompts shorter than this many tokens skip the prefill hop (the decode worker prefills).

@@ -101,7 +101,9 @@ impl AdapterFit {
 
 /// `adapter_affinity` in the configuration: whether picks prefer engines that hold the request's
 /// adapter, and what loading and evicting one cost.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdapterAffinity {
     /// On by default: an operator who serves adapters expects requests to go where they are.

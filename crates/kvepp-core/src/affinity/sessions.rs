@@ -91,7 +91,7 @@ impl SessionOutcome {
 }
 
 /// `session_affinity` in the configuration.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SessionAffinity {
     /// The request header carrying the session id (lower case; AIBrix's name by default). Empty:
