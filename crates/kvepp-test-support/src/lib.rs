@@ -13,6 +13,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod client;
+pub mod container;
 pub mod envoy;
 #[cfg(feature = "epp")]
 pub mod epp;
