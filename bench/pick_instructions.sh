@@ -2,7 +2,7 @@
 # Instructions per KV-aware pick (`KvState::rank`), counted by valgrind's callgrind: the same on
 # any x86-64 machine and free of timer noise. For each size, the pick bench runs its setup with 0
 # and with N picks; the difference over N is one pick. Prints a table with each size's count
-# beside the first size's (the target: 4000 endpoints ≤ 1.5× 1000 at 128k tokens).
+# beside the first size's (the target: 4000 endpoints ≤ 1.5× 1000 at 128k tokens).
 # Each size is counted twice: ordered picks (the default) and the full scan (`--scan`, the
 # reference). `--holders-every K`: every K-th endpoint holds the prompt's system prompt (2: the
 # bench's default fleet, where half the fleet holds it; 64: few holders). `--varied-loads`: each

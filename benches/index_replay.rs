@@ -1,4 +1,4 @@
-//! Trace replay of the prefix index, to the workload of `shared/notes/index-benchmark.md`:
+//! Trace replay of the prefix index:
 //! K interleaved copies of the Mooncake conversation trace, W workers of C blocks each, routed by
 //! `(blocks − overlap) + active` with LRU eviction; every query is answered by `find_matches` in
 //! consistent replay (it sees every earlier event) and checked against the generator's own state.
@@ -6,7 +6,7 @@
 //! `cargo bench --bench index_replay -- [--workers 128 --capacity 16384 --copies 8 --repeat 5]`
 //! prints queries/s, ingest events/s and blocks/s, p50/p99/p99.9 find-matches latency and bytes per
 //! (block, worker) pair, with the same figures for the simple reference index measured in the same
-//! run. `--oracle` checks the generator against the note's oracle hit ratios. Under `cargo test`
+//! run. `--oracle` checks the generator against its oracle hit ratios. Under `cargo test`
 //! (no `--bench`) it replays W=16, C=16384, K=1 once and fails unless the hit ratio is the oracle's
 //! and every answer matches. With `KVEPP_REPLAY_PROFILE=1` it also prints what the slowest 1% of
 //! queries look like (blocks, longest cached prefix, holders of the first block).
@@ -40,7 +40,7 @@ struct Args {
     /// Engines publish vLLM-style hashes of their own instead of ours (costs a map per rank).
     #[arg(long)]
     distinct_engine_hashes: bool,
-    /// Check the generator against the oracle hit ratios of the note, then exit.
+    /// Check the generator against its oracle hit ratios, then exit.
     #[arg(long)]
     oracle: bool,
     /// Skip the reference index baseline.

@@ -50,9 +50,9 @@ pub enum ServiceError {
     Serve(std::io::Error),
 }
 
-/// `kvepp select-service` (seed: the standalone selection service): the seed's flags, each with a
+/// `kvepp select-service`, the standalone selection service: Dynamo's flags, each with a
 /// `KVEPP_SELECT_SERVICE_*` variable, over the `select_service` section of `--config FILE` (the
-/// defaults are the section's, shown here as the seed shows them).
+/// defaults are the section's, shown here as Dynamo's documentation shows them).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct SelectArgs {
     /// Configuration file (YAML or JSON): its `select_service`, `router` and `api_token_file`.
@@ -82,7 +82,7 @@ pub struct SelectArgs {
     pub api_token_file: Option<PathBuf>,
 }
 
-/// `kvepp slot-tracker` (seed: the standalone slot tracker): the seed's flags, each with a
+/// `kvepp slot-tracker`, the standalone slot tracker: Dynamo's flags, each with a
 /// `KVEPP_SLOT_TRACKER_*` variable, over the `slot_tracker` section of `--config FILE`.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct SlotTrackerArgs {

@@ -342,10 +342,10 @@ fn shipped_binaries_link_only_the_c_runtime() {
     }
 }
 
-/// `kvepp select-service` and `kvepp slot-tracker` take exactly the seeds' flags, with their
+/// `kvepp select-service` and `kvepp slot-tracker` take exactly their documented flags, with their
 /// defaults, and refuse bad ones with a message naming the flag.
 #[test]
-fn http_services_take_the_seed_flags() {
+fn http_services_take_their_documented_flags() {
     let help = |sub: &str| {
         let out = Command::new(BIN).args([sub, "--help"]).output().unwrap();
         assert!(out.status.success());

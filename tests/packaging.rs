@@ -428,7 +428,7 @@ fn grafana_dashboard_queries_only_exported_metrics() {
             "{name}: the dashboard queries a metric kvepp does not export as a {want}"
         );
     }
-    // The panels are all there.
+    // The dashboard's panels are all there.
     let titles: Vec<&str> = dash["panels"]
         .as_array()
         .unwrap()

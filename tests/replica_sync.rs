@@ -353,7 +353,7 @@ async fn selection_services_share_reservations() {
     })
     .await;
     // Explicit reservations on B reach A (B → A may not be subscribed yet: retry with new ids, as
-    // the seed's best effort allows; each one that arrives books 8 prefill tokens on one block).
+    // replica sync's best effort allows; each one that arrives books 8 prefill tokens on one block).
     let mut k = 0;
     let (prefill, blocks) = wait_for("B's reservations on A", || {
         k += 1;

@@ -243,7 +243,7 @@ async fn free(State(st): St, Body(b): Body<RequestRef>) -> Result<Response, ApiE
     let catalog = st.catalog.read();
     let scope = b.scope();
     catalog.tracker(&scope)?;
-    // Freeing an unknown request is not an error (the seed's contract).
+    // Freeing an unknown request is not an error (the slot tracker's contract).
     catalog.free_by(Some(&scope), &b.request_id, Origin::Client);
     Ok(ok(StatusCode::OK))
 }

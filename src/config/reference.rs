@@ -132,8 +132,9 @@ fn env_names_read() -> BTreeSet<String> {
 
 /// Renders the reference.
 pub fn reference() -> Reference {
-    let schema = serde_json::to_value(schemars::schema_for!(Config)).expect("schema serializes");
-    let defaults = serde_json::to_value(Config::default()).expect("defaults serialize");
+    // Both are plain data (maps, strings, numbers): serializing them cannot fail.
+    let schema = serde_json::to_value(schemars::schema_for!(Config)).unwrap_or_default();
+    let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
     let mut r = Render {
         defs: schema.get("$defs").cloned().unwrap_or(Value::Null),
         out: String::new(),

@@ -1,7 +1,7 @@
 //! The standalone HTTP services' sections of the configuration tree: `select_service`
 //! (`kvepp select-service`) and `slot_tracker` (`kvepp slot-tracker`). Each service loads the same
-//! tree as `kvepp serve` (defaults here → `--config FILE` → `KVEPP_*` environment → the seeds'
-//! flags, whose names stay Dynamo's), and reads its own section, `router` (with the `DYN_ROUTER_*`
+//! tree as `kvepp serve` (defaults here → `--config FILE` → `KVEPP_*` environment → the
+//! services' flags, whose names stay Dynamo's), and reads its own section, `router` (with the `DYN_ROUTER_*`
 //! variables) and `api_token_file` from it.
 //!
 //! Invariants: every default is written once, here; [`Config::validate_select_service`] and
@@ -15,11 +15,11 @@ use serde::{Deserialize, Serialize};
 use super::{Config, FieldError};
 use crate::replica::peers::{validate_endpoint, Peers};
 
-/// `kvepp select-service`'s port when none is given (the seed's).
+/// `kvepp select-service`'s port when none is given (Dynamo's).
 pub(crate) const SELECT_SERVICE_PORT: u16 = 8092;
-/// `kvepp select-service`'s runtime threads when none are given (the seed's `--threads`).
+/// `kvepp select-service`'s runtime threads when none are given (`--threads`).
 pub(crate) const SELECT_SERVICE_THREADS: usize = 4;
-/// `kvepp slot-tracker`'s port when none is given (the seed's).
+/// `kvepp slot-tracker`'s port when none is given (Dynamo's).
 pub(crate) const SLOT_TRACKER_PORT: u16 = 8091;
 
 /// `select_service`: the standalone selection service.

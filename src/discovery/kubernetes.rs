@@ -2,7 +2,7 @@
 //!
 //! - [`KubeDiscovery`]: the EndpointSlice discovery behind [`ServiceDiscovery`]. `watch(namespace, component)` watches
 //!   `discovery.k8s.io/v1` EndpointSlices labelled `kubernetes.io/service-name=<component>` and maps
-//!   them with [`instances_from_slices`] (the seed's event table).
+//!   them with [`instances_from_slices`] (the EndpointSlice-to-instance event table).
 //! - [`KubeCatalog`]: watches InferencePool (`v1alpha2` and `v1`), InferenceModel (`v1alpha2`),
 //!   InferenceObjective (`llm-d.ai/v1alpha2`) and InferenceModelRewrite (`llm-d.ai/v1alpha2` and
 //!   `inference.networking.x-k8s.io/v1alpha2`)

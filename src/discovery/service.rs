@@ -387,7 +387,7 @@ endpoints:
 "#;
 
     #[test]
-    fn seed_table_mapping() {
+    fn endpoint_slice_table_mapping() {
         let s = slices(TWO);
         let set = instances_from_slices(&s);
         let ids: Vec<&str> = set.keys().map(|k| &**k).collect();

@@ -11,7 +11,7 @@
 //! identity drawn at start); an event of another wire version, for an unknown (model, tenant),
 //! worker, rank or block size, or a duplicate admission, is dropped and counted, never creates
 //! anything; peers follow the peer list as it changes (a removed peer's SUB task stops). Best
-//! effort, as the seeds say: no acknowledgement, replay or ordering.
+//! effort, by design: no acknowledgement, replay or ordering.
 
 use std::collections::HashMap;
 use std::sync::Arc;

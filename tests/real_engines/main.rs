@@ -866,23 +866,29 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
         .map(|e| e.http)
         .find(|a| *a != home)
         .expect("two engines");
+    // Long holds (each restarts when it ends): the gap between two of them, when an adapter is
+    // briefly not running, is rare within the few seconds the requests below take.
     let holds = [
-        hold_request(home, &adapter, 150),
-        hold_request(other, &second, 150),
+        hold_request(home, &adapter, 600),
+        hold_request(other, &second, 600),
     ];
-    for (engine, name) in [(home, &adapter), (other, &second)] {
-        wait_for(
-            "kvepp reads the adapter from vllm:lora_requests_info",
-            || async {
-                running_adapters(&d.epp, engine)
-                    .await
-                    .contains(name)
-                    .then_some(())
-            },
-        )
-        .await;
-    }
+    let both_running = || async {
+        for (engine, name) in [(home, &adapter), (other, &second)] {
+            wait_for(
+                "kvepp reads the adapter from vllm:lora_requests_info",
+                || async {
+                    running_adapters(&d.epp, engine)
+                        .await
+                        .contains(name)
+                        .then_some(())
+                },
+            )
+            .await;
+        }
+    };
     for i in 0..5 {
+        // Each request is decided while kvepp sees both adapters running.
+        both_running().await;
         let r = send(
             &d.envoy,
             "/v1/completions",

@@ -153,7 +153,7 @@ pub struct CostWeights {
     /// kvepp's own: the share of the prompt's blocks (0-1) an endpoint must hold cached, beyond
     /// what the candidate holding least has, to be exempt from `load_bound` (such a hit saves at
     /// least that share of the prefill, more than an extra request in the queue costs on any
-    /// workload we measured; a prefix every candidate holds saves nothing by going to one of
+    /// workload the routing benchmark runs; a prefix every candidate holds saves nothing by going to one of
     /// them); above 1 none is.
     pub load_bound_exempt_cached: f64,
     /// kvepp's own: the bound for candidates exempt by `load_bound_exempt_cached`, as a multiple

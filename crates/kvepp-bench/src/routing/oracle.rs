@@ -14,7 +14,7 @@
 //! and pays no hop, so a policy's figures against it read as "N% of a clairvoyant placement".
 //!
 //! It is greedy, not an optimum over the whole trace (it does not hold an engine back for a
-//! prefix that will come later), which is what the reference asks for and what keeps it
+//! prefix that will come later), which is what a reference placement for an online router is, and what keeps it
 //! online.
 //!
 //! Invariants: reading an engine's state never changes it (the eviction order is untouched), and
