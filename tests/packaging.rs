@@ -487,3 +487,114 @@ fn envoy_config_follows_the_pools_failure_mode() {
         envoy_validates(&file);
     }
 }
+
+/// GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces as hyphens.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of a Markdown file's headings (outside code blocks).
+fn anchors(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut code = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            code = !code;
+        } else if !code && line.starts_with('#') {
+            out.insert(anchor(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+/// Relative links `[..](target)` of a Markdown text, outside code blocks.
+fn relative_links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut code = false;
+    for line in text.lines() {
+        if line.starts_with("```") {
+            code = !code;
+            continue;
+        }
+        if code {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("](") {
+            let after = &rest[i + 2..];
+            let Some(end) = after.find(')') else { break };
+            let target = &after[..end];
+            if !target.contains("://") && !target.starts_with("mailto:") {
+                out.push(target.to_owned());
+            }
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+/// The README stays an overview of a few screens that links every page under `docs/`, and every
+/// relative link of the README and the pages names a file of the repository and, with `#`, one of
+/// its headings.
+#[test]
+fn documentation_links_resolve() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.len() <= 12 * 1024,
+        "README.md is {} bytes: reference material belongs in docs/",
+        readme.len()
+    );
+    let mut pages: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    pages.sort();
+    let readme_links = relative_links(&readme);
+    for page in &pages {
+        let name = format!("docs/{}", page.file_name().unwrap().to_string_lossy());
+        assert!(
+            readme_links
+                .iter()
+                .any(|l| l.split('#').next() == Some(name.as_str())),
+            "README.md does not link {name}"
+        );
+    }
+    let mut checked = 0;
+    for file in std::iter::once(root.join("README.md")).chain(pages.iter().cloned()) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let dir = file.parent().unwrap();
+        for link in relative_links(&text) {
+            let (path, fragment) = link.split_once('#').unwrap_or((link.as_str(), ""));
+            let target = if path.is_empty() {
+                file.clone()
+            } else {
+                dir.join(path)
+            };
+            assert!(
+                target.exists(),
+                "{}: link {link}: no {}",
+                file.display(),
+                target.display()
+            );
+            if !fragment.is_empty() {
+                let headings = anchors(&std::fs::read_to_string(&target).unwrap());
+                assert!(
+                    headings.contains(fragment),
+                    "{}: link {link}: no heading #{fragment} in {}",
+                    file.display(),
+                    target.display()
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > pages.len(), "links were found and checked");
+}

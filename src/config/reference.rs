@@ -5,7 +5,7 @@
 //!
 //! Invariants: the document is a pure function of the code; a field, flag or variable without its
 //! documentation is reported by name in [`Reference::undocumented`] (the test beside this module
-//! fails on it, and on a document that differs from [`reference`]'s output). The variables read
+//! fails on it, and on a document that differs from [`reference()`]'s output). The variables read
 //! outside the flags are listed in [`ENV_OVERRIDES`]; the names the code actually reads are
 //! recorded through its getters and compared with that list.
 
