@@ -17,9 +17,10 @@
 //! departed endpoints and expires lost bookings, [`config`] is the one configuration tree (each
 //! component declares its settings), [`api`] serves the HTTP endpoints (metrics, health, debug),
 //! [`metrics`] holds the Prometheus registry, [`replica`] shares request lifecycle events between
-//! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`]
-//! the binaries' logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires
-//! everything together.
+//! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`] the binaries'
+//! logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires everything
+//! together. [`reference`] sits above them all: it generates `docs/configuration.md` from the
+//! configuration types and every binary's flags.
 
 pub mod agent;
 pub mod api;
@@ -32,6 +33,7 @@ pub mod kv_events;
 pub mod metrics;
 pub(crate) mod pace;
 pub mod process;
+pub mod reference;
 pub mod replica;
 pub mod request;
 pub mod server;

@@ -15,9 +15,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use kvepp_test_support::prelude::*;
 use kvepp_test_support::TempDir;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvepp");
 
@@ -78,20 +75,6 @@ fn config_precedence_file_env_flag() {
     assert_eq!(cfg["grpc_health_port"], 9003, "default");
 }
 
-async fn status(
-    client: &mut HealthClient<tonic::transport::Channel>,
-    service: &str,
-) -> ServingStatus {
-    let r = client
-        .check(HealthCheckRequest {
-            service: service.into(),
-        })
-        .await
-        .expect("health check")
-        .into_inner();
-    ServingStatus::try_from(r.status).expect("status")
-}
-
 #[tokio::test]
 async fn serves_health_and_metrics_and_drains_on_sigterm() {
     let dir = TempDir::new("bin");
@@ -128,31 +111,7 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let health_addr = format!("http://127.0.0.1:{health}");
-    let hc = wait_for("gRPC health up", || {
-        let a = health_addr.clone();
-        async move {
-            Some(HealthClient::new(
-                tonic::transport::Endpoint::from_shared(a)
-                    .ok()?
-                    .connect()
-                    .await
-                    .ok()?,
-            ))
-        }
-    })
-    .await;
-    for svc in [
-        "liveness",
-        "readiness",
-        "envoy.service.ext_proc.v3.ExternalProcessor",
-    ] {
-        wait_for(svc, || {
-            let mut hc = hc.clone();
-            async move { (status(&mut hc, svc).await == ServingStatus::Serving).then_some(()) }
-        })
-        .await;
-    }
+    kvepp_test_support::epp::wait_health_serving(health).await;
     let metrics_addr: SocketAddr = ([127, 0, 0, 1], metrics).into();
     let text = String::from_utf8(
         http(metrics_addr, "GET", "/metrics", &[], "")

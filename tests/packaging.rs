@@ -112,10 +112,6 @@ fn container_images_match_the_workspace_and_the_manifests() {
 /// clean exit within the shutdown grace. The worker-agent image runs its binary.
 #[tokio::test]
 async fn the_image_runs_read_only_as_non_root_and_routes_through_envoy() {
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::HealthCheckRequest;
-
     let podman = Podman::new();
     let epp = image("kvepp/kvepp");
     let agent = image("kvepp/worker-agent");
@@ -204,40 +200,7 @@ async fn the_image_runs_read_only_as_non_root_and_routes_through_envoy() {
         })
     };
 
-    let health_addr = format!("http://127.0.0.1:{health}");
-    let hc = wait_for("gRPC health up in the container", || {
-        let a = health_addr.clone();
-        async move {
-            Some(HealthClient::new(
-                tonic::transport::Endpoint::from_shared(a)
-                    .ok()?
-                    .connect()
-                    .await
-                    .ok()?,
-            ))
-        }
-    })
-    .await;
-    for svc in [
-        "liveness",
-        "readiness",
-        "envoy.service.ext_proc.v3.ExternalProcessor",
-    ] {
-        wait_for(svc, || {
-            let mut hc = hc.clone();
-            async move {
-                let r = hc
-                    .check(HealthCheckRequest {
-                        service: svc.into(),
-                    })
-                    .await
-                    .ok()?
-                    .into_inner();
-                (r.status == ServingStatus::Serving as i32).then_some(())
-            }
-        })
-        .await;
-    }
+    kvepp_test_support::epp::wait_health_serving(health).await;
 
     let envoy = Envoy::start(bootstrap(), ([127, 0, 0, 1], grpc).into()).await;
     let r = post_json(envoy.addr, r#"{"model":"m","prompt":"from the image"}"#).await;

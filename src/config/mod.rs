@@ -24,7 +24,6 @@ pub use crate::replica::ReplicaSyncConfig;
 pub mod agent;
 mod args;
 pub(crate) mod live;
-pub mod reference;
 pub(crate) mod services;
 mod tls;
 mod validate;

@@ -98,3 +98,45 @@ impl Epp {
             .expect("kvepp run");
     }
 }
+
+/// Waits until the gRPC health service on 127.0.0.1:`port` reports every service kvepp serves
+/// (`liveness`, `readiness`, the ext_proc service) as SERVING.
+pub async fn wait_health_serving(port: u16) {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let addr = format!("http://127.0.0.1:{port}");
+    let client = wait_for("gRPC health up", || {
+        let a = addr.clone();
+        async move {
+            Some(HealthClient::new(
+                tonic::transport::Endpoint::from_shared(a)
+                    .ok()?
+                    .connect()
+                    .await
+                    .ok()?,
+            ))
+        }
+    })
+    .await;
+    for service in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        wait_for(service, || {
+            let mut client = client.clone();
+            async move {
+                let r = client
+                    .check(HealthCheckRequest {
+                        service: service.into(),
+                    })
+                    .await
+                    .ok()?
+                    .into_inner();
+                (r.status == ServingStatus::Serving as i32).then_some(())
+            }
+        })
+        .await;
+    }
+}

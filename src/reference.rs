@@ -14,7 +14,7 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-use super::Config;
+use crate::config::{self, Config};
 
 /// The generated document and what it could not document.
 #[derive(Debug, Clone)]
@@ -98,7 +98,7 @@ fn subcommands() -> Vec<(&'static str, clap::Command)> {
     vec![
         (
             "serve",
-            super::ServeArgs::augment_args(clap::Command::new("serve")),
+            config::ServeArgs::augment_args(clap::Command::new("serve")),
         ),
         (
             "worker-agent",
@@ -123,9 +123,9 @@ fn env_names_read() -> BTreeSet<String> {
         None
     };
     let cfg = Config::default();
-    let _ = super::router_knobs_from_env(cfg.router, record);
+    let _ = config::router_knobs_from_env(cfg.router, record);
     let mut transfer = cfg.disaggregation.clone();
-    let _ = super::transfer_from_env(&mut transfer, record);
+    let _ = config::transfer_from_env(&mut transfer, record);
     let _ = cfg.tracing.clone().apply_env(record);
     read.into_inner()
 }
@@ -157,8 +157,8 @@ pub fn reference() -> Reference {
 
 const HEADER: &str = "# Configuration reference
 
-<!-- Generated from the configuration types (src/config/reference.rs); edit the doc comments, then
-     run `KVEPP_WRITE_DOCS=1 cargo test --lib config::reference`. -->
+<!-- Generated from the configuration types (src/reference.rs); edit the doc comments, then
+     run `KVEPP_WRITE_DOCS=1 cargo test -p kvepp --lib reference::`. -->
 
 Every kvepp binary reads one configuration tree. Precedence, lowest to highest: the defaults below →
 the `--config` file (YAML or JSON) → environment variables → command-line flags. `kvepp config`
@@ -428,7 +428,7 @@ mod tests {
         assert!(
             on_disk == r.markdown,
             "docs/configuration.md differs from the configuration types; regenerate it with \
-             `KVEPP_WRITE_DOCS=1 cargo test --lib config::reference`"
+             `KVEPP_WRITE_DOCS=1 cargo test -p kvepp --lib reference::`"
         );
     }
 
