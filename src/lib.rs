@@ -19,7 +19,7 @@
 //! [`metrics`] holds the Prometheus registry, [`replica`] shares request lifecycle events between
 //! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`] the binaries'
 //! logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires everything
-//! together. [`reference`] sits above them all: it generates `docs/configuration.md` from the
+//! together. [`reference`](mod@reference) sits above them all: it generates `docs/configuration.md` from the
 //! configuration types and every binary's flags.
 
 pub mod agent;
