@@ -866,11 +866,11 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
         .map(|e| e.http)
         .find(|a| *a != home)
         .expect("two engines");
-    // Long holds (each restarts when it ends): the gap between two of them, when an adapter is
-    // briefly not running, is rare within the few seconds the requests below take.
+    // Each hold restarts when it ends; a request sent to the wrong engine waits at most one hold
+    // (150 tokens) for its slot and then fails the check below, naming kvepp's scores.
     let holds = [
-        hold_request(home, &adapter, 600),
-        hold_request(other, &second, 600),
+        hold_request(home, &adapter, 150),
+        hold_request(other, &second, 150),
     ];
     let both_running = || async {
         for (engine, name) in [(home, &adapter), (other, &second)] {
