@@ -225,19 +225,18 @@ async fn the_image_runs_read_only_as_non_root_and_routes_through_envoy() {
         .unwrap();
     assert!(term.success());
     // It exits by itself within the delay and the grace (plus podman's own teardown).
-    let deadline = std::time::Instant::now()
-        + std::time::Duration::from_millis(delay_ms + grace_s * 1000 + 5000);
-    let exit = loop {
-        if let Some(status) = run.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "still running after the grace:\n{}",
+    let grace = std::time::Duration::from_millis(delay_ms + grace_s * 1000 + 5000);
+    let exited = kvepp_test_support::wait_until("the container exits", grace, || {
+        let status = run.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    let exit = exited.unwrap_or_else(|e| {
+        panic!(
+            "{e}: still running after the grace:\n{}",
             log.lock().unwrap()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
+        )
+    });
     reader.join().unwrap();
     let log = log.lock().unwrap().clone();
     assert!(exit.success(), "exit {exit:?}\n{log}");

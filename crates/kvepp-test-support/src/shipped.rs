@@ -44,7 +44,8 @@ pub fn kustomize(dir: &str) -> Vec<u8> {
 /// document has apiVersion, kind and metadata.name.
 pub fn docs(dir: &str) -> Vec<(String, serde_yaml::Value)> {
     let root = repo_root().join(dir);
-    let sources: Vec<(String, Vec<u8>)> = if root.join("kustomization.yaml").is_file() {
+    let rendered = root.join("kustomization.yaml").is_file();
+    let sources: Vec<(String, Vec<u8>)> = if rendered {
         vec![(dir.to_owned(), kustomize(dir))]
     } else {
         let mut files: Vec<_> = std::fs::read_dir(&root)
@@ -61,7 +62,6 @@ pub fn docs(dir: &str) -> Vec<(String, serde_yaml::Value)> {
             })
             .collect()
     };
-    let rendered = root.join("kustomization.yaml").is_file();
     let mut out = Vec::new();
     for (source, text) in sources {
         parse_documents(&text).unwrap_or_else(|e| panic!("{source}: {e}"));
