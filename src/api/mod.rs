@@ -122,7 +122,7 @@ async fn ready(State(st): State<ApiState>) -> impl IntoResponse {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
-                "not ready: InferencePool {}/{} not found or endpoints not synced yet\n",
+                "not ready: InferencePool {}/{} not found or endpoints not synced yet (the log and kvepp_discovery_refused / kvepp_discovery_watch_errors_total say why)\n",
                 t.namespace, t.name
             ),
         )

@@ -39,6 +39,7 @@ use super::Datastore;
 use crate::metrics::{Register, ResourceLabels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 
 /// How the client finds the API server: an explicit kubeconfig file, else what every Kubernetes
 /// tool infers (`KUBECONFIG`, `~/.kube/config`, then the in-cluster service account).
@@ -57,14 +58,21 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, Discovery
     kube::Client::try_from(config).map_err(|e| err(&e))
 }
 
-/// Kubernetes watches: errors and (re)lists, by watched resource.
+/// Kubernetes watches: errors and (re)lists, by watched resource, and which resources the API
+/// server currently refuses kvepp (401/403).
 #[derive(Debug, Clone, Default)]
 pub struct WatchMetrics {
     pub errors: Family<ResourceLabels, Counter>,
     pub relists: Family<ResourceLabels, Counter>,
+    pub refused: Family<ResourceLabels, Gauge>,
 }
 
 impl WatchMetrics {
+    fn set_refused(&self, resource: &'static str, refused: bool) {
+        self.refused
+            .get_or_create(&ResourceLabels { resource })
+            .set(i64::from(refused));
+    }
     pub(crate) fn error(&self, resource: &'static str) {
         self.errors
             .get_or_create(&ResourceLabels { resource })
@@ -88,6 +96,11 @@ impl Register for WatchMetrics {
             "discovery_relists",
             "Kubernetes full lists, by resource (start, 410 Gone, or failed watch)",
             self.relists.clone(),
+        );
+        registry.register(
+            "discovery_refused",
+            "1 while the Kubernetes API server refuses kvepp's list or watch of a resource (401: the token; 403: RBAC), by resource",
+            self.refused.clone(),
         );
     }
 }
@@ -132,6 +145,7 @@ where
                     Step::Nothing
                 }
                 Ok(Event::InitDone) => {
+                    metrics.set_refused(resource, false);
                     if warned {
                         tracing::info!(resource, "watch recovered");
                         warned = false;
@@ -167,7 +181,23 @@ where
                 }
                 Err(e) => {
                     metrics.error(resource);
-                    if !warned {
+                    if let Some(code) = refusal(&e) {
+                        metrics.set_refused(resource, true);
+                        if !warned {
+                            let why = if code == 401 {
+                                "its credentials (an expired, revoked or wrong token: the ServiceAccount token or the kubeconfig's user)"
+                            } else {
+                                "access (RBAC: the Role bound to its ServiceAccount must grant list and watch)"
+                            };
+                            tracing::error!(
+                                resource,
+                                code,
+                                error = %e,
+                                "the Kubernetes API server refuses kvepp {why}; retrying with backoff (until it syncs, kvepp is not ready; after, it routes on the last view it had)"
+                            );
+                            warned = true;
+                        }
+                    } else if !warned {
                         tracing::warn!(resource, error = %e, "watch failed; retrying with backoff");
                         warned = true;
                     } else {
@@ -182,6 +212,19 @@ where
             }
         })
         .filter_map(std::future::ready)
+}
+
+/// The status code when the API server refused the request itself (401 Unauthorized, 403
+/// Forbidden), not the watch's content.
+fn refusal(e: &watcher::Error) -> Option<u16> {
+    let code = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code,
+        watcher::Error::WatchError(s) => s.code,
+        _ => return None,
+    };
+    matches!(code, 401 | 403).then_some(code)
 }
 
 fn is_not_found(e: &watcher::Error) -> bool {

@@ -57,19 +57,31 @@ pub struct FakeApi {
     drop_watches: watch::Sender<u64>,
 }
 
-fn kind_of(collection: &str) -> (&'static str, String) {
-    let plural = collection.rsplit('/').next().unwrap_or_default();
-    let kind = match plural {
+/// The kind of the objects in a collection named by its plural (the collections tests use).
+pub fn kind_of_plural(plural: &str) -> &'static str {
+    match plural {
         "endpointslices" => "EndpointSlice",
         "inferencepools" => "InferencePool",
         "inferencemodels" => "InferenceModel",
         "inferenceobjectives" => "InferenceObjective",
         "inferencemodelrewrites" => "InferenceModelRewrite",
         "clustertopologies" => "ClusterTopology",
+        "customresourcedefinitions" => "CustomResourceDefinition",
+        "pods" => "Pod",
+        "services" => "Service",
+        "serviceaccounts" => "ServiceAccount",
+        "namespaces" => "Namespace",
+        "roles" => "Role",
+        "rolebindings" => "RoleBinding",
+        "deployments" => "Deployment",
         _ => "Unknown",
-    };
+    }
+}
+
+fn kind_of(collection: &str) -> (&'static str, String) {
+    let plural = collection.rsplit('/').next().unwrap_or_default();
     let parts: Vec<&str> = collection.split('/').collect();
-    (kind, format!("{}/{}", parts[2], parts[3]))
+    (kind_of_plural(plural), format!("{}/{}", parts[2], parts[3]))
 }
 
 fn selector_matches(obj: &Value, selector: &[(String, String)]) -> bool {

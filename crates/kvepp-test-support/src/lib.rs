@@ -19,8 +19,11 @@ pub mod envoy;
 pub mod epp;
 pub mod harness;
 pub mod kube_api;
+#[cfg(feature = "kube")]
+pub mod kube_cluster;
 #[cfg(feature = "otlp")]
 pub mod otlp;
+pub mod pod_network;
 pub mod prelude;
 pub mod publisher;
 #[cfg(feature = "epp")]
