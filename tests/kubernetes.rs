@@ -31,7 +31,9 @@ use kvepp_test_support::kube_api::{
     model, objective, pool_v1, rewrite, slice, FakeApi, MODELS, OBJECTIVES, POOLS_V1,
     POOLS_V1ALPHA2, REWRITES_LLMD, REWRITES_X, SLICES,
 };
-use kvepp_test_support::kube_cluster::{self, documents, status_of, KubeCluster, Options, CRDS, PODS};
+use kvepp_test_support::kube_cluster::{
+    self, documents, status_of, KubeCluster, Options, CRDS, PODS,
+};
 use kvepp_test_support::pod_network::{self, pod_ip};
 use kvepp_test_support::prelude::*;
 use kvepp_test_support::TempDir;
@@ -161,7 +163,9 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
         .await;
     assert_eq!(added(&next(&mut w).await), Some("pod-3"));
     cluster.delete(SLICES, "pool-a").await;
-    cluster.put(SLICES, pool_slice("pool-c", &[(4, true)])).await;
+    cluster
+        .put(SLICES, pool_slice("pool-c", &[(4, true)]))
+        .await;
     assert!(
         until_added(&mut w, "pod-4").await.is_empty(),
         "slice deletion kept pod-2 (still in pool-b)"
@@ -185,7 +189,11 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
         ["+pod-4"],
         "pod-4 is ready again; nothing else changed"
     );
-    assert_eq!(relists(&metrics), lists, "a resumable watch does not relist");
+    assert_eq!(
+        relists(&metrics),
+        lists,
+        "a resumable watch does not relist"
+    );
 
     // Other objects move etcd's revision past kvepp's, history is compacted, and the API server
     // restarts: kvepp's resourceVersion is gone (410 Gone), it relists, and the state it reports
@@ -194,14 +202,23 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
         cluster
             .put(
                 SLICES,
-                slice("other-x", "other", 8000 + i, None, &[(&ip(9), "pod-9", true)]),
+                slice(
+                    "other-x",
+                    "other",
+                    8000 + i,
+                    None,
+                    &[(&ip(9), "pod-9", true)],
+                ),
             )
             .await;
     }
     let compacted = cluster.compact().await;
     cluster.restart_apiserver().await;
     cluster
-        .put(SLICES, pool_slice("pool-b", &[(2, true), (3, false), (6, true)]))
+        .put(
+            SLICES,
+            pool_slice("pool-b", &[(2, true), (3, false), (6, true)]),
+        )
         .await;
     let before = until_added(&mut w, "pod-6").await;
     assert_eq!(ids(&before), ["-pod-3"]);
@@ -247,7 +264,9 @@ async fn slice_watch_events(cluster: &KubeCluster) -> f64 {
 async fn bookmarks_are_absorbed_and_a_restart_relists_cleanly() {
     let mut cluster = KubeCluster::start().await;
     let dir = TempDir::new("kube-bookmarks");
-    cluster.put(SLICES, pool_slice("pool-a", &[(1, true)])).await;
+    cluster
+        .put(SLICES, pool_slice("pool-a", &[(1, true)]))
+        .await;
     let metrics = WatchMetrics::default();
     let disc = KubeDiscovery::new(
         client(Some(&cluster.kubeconfig(dir.path()))).await.unwrap(),
@@ -284,9 +303,15 @@ async fn bookmarks_are_absorbed_and_a_restart_relists_cleanly() {
 
     cluster.restart_apiserver().await;
     cluster
-        .put(SLICES, pool_slice("pool-a", &[(1, true), (2, true), (3, true)]))
+        .put(
+            SLICES,
+            pool_slice("pool-a", &[(1, true), (2, true), (3, true)]),
+        )
         .await;
-    assert!(until_added(&mut w, "pod-3").await.is_empty(), "nothing duplicated");
+    assert!(
+        until_added(&mut w, "pod-3").await.is_empty(),
+        "nothing duplicated"
+    );
     let now: BTreeSet<String> = disc
         .list_instances("default", "pool")
         .await
@@ -385,7 +410,9 @@ async fn epp_follows_the_cluster() {
         .delete(CRDS, "inferencepools.inference.networking.x-k8s.io")
         .await;
     cluster.put(POOLS_V1, pool_v1("pool", 8000)).await;
-    cluster.put(MODELS, model("chat", "chat", "pool", &[])).await;
+    cluster
+        .put(MODELS, model("chat", "chat", "pool", &[]))
+        .await;
     cluster
         .put(MODELS, model("foreign", "foreign", "other-pool", &[]))
         .await;
@@ -423,16 +450,26 @@ async fn epp_follows_the_cluster() {
 
     // InferenceModel added, changed, deleted.
     cluster
-        .put(MODELS, model("review", "review", "pool", &[("review-v1", 1)]))
+        .put(
+            MODELS,
+            model("review", "review", "pool", &[("review-v1", 1)]),
+        )
         .await;
     let models = wait_for("model added", || async {
         let (_, codes, models) = served_by(&envoy, "review", 1).await;
         (codes == [200]).then_some(models)
     })
     .await;
-    assert_eq!(models, [Some("review-v1".to_owned())], "target model rewrite");
+    assert_eq!(
+        models,
+        [Some("review-v1".to_owned())],
+        "target model rewrite"
+    );
     cluster
-        .put(MODELS, model("review", "review", "pool", &[("review-v2", 1)]))
+        .put(
+            MODELS,
+            model("review", "review", "pool", &[("review-v2", 1)]),
+        )
         .await;
     wait_for("model changed", || async {
         let (_, _, models) = served_by(&envoy, "review", 1).await;
@@ -464,13 +501,19 @@ async fn epp_follows_the_cluster() {
             .status
         }
     };
-    assert_eq!(with_objective("gold").await, 404, "an objective the pool lacks");
+    assert_eq!(
+        with_objective("gold").await,
+        404,
+        "an objective the pool lacks"
+    );
     cluster.put(OBJECTIVES, objective("gold", 5, "pool")).await;
     wait_for("objective added", || async {
         (with_objective("gold").await == 200).then_some(())
     })
     .await;
-    cluster.put(OBJECTIVES, objective("gold", 5, "other-pool")).await;
+    cluster
+        .put(OBJECTIVES, objective("gold", 5, "other-pool"))
+        .await;
     wait_for("objective moved to another pool → 404", || async {
         (with_objective("gold").await == 404).then_some(())
     })
@@ -489,7 +532,10 @@ async fn epp_follows_the_cluster() {
     // InferenceModelRewrite under both groups; an invalid one (weights summing to 0, which the
     // CRD's schema admits) is ignored and counted.
     cluster
-        .put(REWRITES_LLMD, rewrite("alias", "pool", Some("assistant"), "chat"))
+        .put(
+            REWRITES_LLMD,
+            rewrite("alias", "pool", Some("assistant"), "chat"),
+        )
         .await;
     let models = wait_for("llm-d.ai rewrite added", || async {
         let (_, codes, models) = served_by(&envoy, "assistant", 1).await;
@@ -498,7 +544,10 @@ async fn epp_follows_the_cluster() {
     .await;
     assert_eq!(models, [Some("chat".to_owned())]);
     cluster
-        .put(REWRITES_X, rewrite("fallback", "pool", None, "chat-fallback"))
+        .put(
+            REWRITES_X,
+            rewrite("fallback", "pool", None, "chat-fallback"),
+        )
         .await;
     wait_for("inference.networking.x-k8s.io catch-all added", || async {
         let (_, codes, models) = served_by(&envoy, "foreign", 1).await;
@@ -514,7 +563,11 @@ async fn epp_follows_the_cluster() {
     })
     .await;
     let (_, _, models) = served_by(&envoy, "z", 1).await;
-    assert_eq!(models, [Some("chat-fallback".to_owned())], "the catch-all takes z");
+    assert_eq!(
+        models,
+        [Some("chat-fallback".to_owned())],
+        "the catch-all takes z"
+    );
     cluster.delete(REWRITES_X, "fallback").await;
     cluster.delete(REWRITES_LLMD, "alias").await;
     wait_for("rewrites deleted → 404", || async {
@@ -527,13 +580,21 @@ async fn epp_follows_the_cluster() {
     // again once the API server is back.
     cluster.stop_apiserver();
     let (seen, codes, _) = served_by(&envoy, "chat", 8).await;
-    assert_eq!((seen, codes), (set(&["pod-c"]), vec![200; 8]), "served during the outage");
+    assert_eq!(
+        (seen, codes),
+        (set(&["pod-c"]), vec![200; 8]),
+        "served during the outage"
+    );
     cluster.start_apiserver().await;
     pods.put(&cluster, &[true, false, true]).await;
-    kvepp_test_support::wait_until("after the restart: pod-a and pod-c", BACKOFF_DEADLINE, || async {
-        let (seen, _, _) = served_by(&envoy, "chat", 8).await;
-        (seen == set(&["pod-a", "pod-c"])).then_some(())
-    })
+    kvepp_test_support::wait_until(
+        "after the restart: pod-a and pod-c",
+        BACKOFF_DEADLINE,
+        || async {
+            let (seen, _, _) = served_by(&envoy, "chat", 8).await;
+            (seen == set(&["pod-a", "pod-c"])).then_some(())
+        },
+    )
     .await
     .unwrap();
     assert_eq!(epp.metric("kvepp_ready_endpoints").await, Some(2.0));
@@ -559,8 +620,13 @@ async fn readiness_waits_for_the_first_sync() {
         let _ = stopped.await;
     }));
     wait_for("catalog synced", || async {
-        let t = String::from_utf8(http(metrics, "GET", "/metrics", &[], "").await.body.to_vec())
-            .ok()?;
+        let t = String::from_utf8(
+            http(metrics, "GET", "/metrics", &[], "")
+                .await
+                .body
+                .to_vec(),
+        )
+        .ok()?;
         t.contains("kvepp_discovery_watch_errors_total{resource=\"endpointslices\"}")
             .then_some(())
     })
@@ -687,7 +753,9 @@ async fn rbac_for_real() {
     let dir = TempDir::new("kube-rbac");
     let pods = Pods::start(&["pod-a"]).await;
     cluster.put(POOLS_V1, pool_v1("pool", 8000)).await;
-    cluster.put(MODELS, model("chat", "chat", "pool", &[])).await;
+    cluster
+        .put(MODELS, model("chat", "chat", "pool", &[]))
+        .await;
     pods.put(&cluster, &[true]).await;
 
     // The ServiceAccount alone: every list is refused.
@@ -737,18 +805,30 @@ async fn rbac_for_real() {
     for path in allowed {
         assert_eq!(status_of(&sa, "GET", path, None).await, 200, "list {path}");
         let watch = format!("{path}?watch=true&timeoutSeconds=1");
-        assert_eq!(status_of(&sa, "GET", &watch, None).await, 200, "watch {path}");
+        assert_eq!(
+            status_of(&sa, "GET", &watch, None).await,
+            200,
+            "watch {path}"
+        );
     }
     let slice_body = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": "forged"}, "addressType": "IPv4", "endpoints": []});
     let refused: [(&str, String, Option<Value>); 9] = [
         ("GET", "/api/v1/namespaces/default/secrets".into(), None),
-        ("GET", "/api/v1/namespaces/default/secrets/kvepp-api-token".into(), None),
+        (
+            "GET",
+            "/api/v1/namespaces/default/secrets/kvepp-api-token".into(),
+            None,
+        ),
         ("GET", "/api/v1/namespaces/default/pods".into(), None),
         ("GET", "/api/v1/namespaces/default/configmaps".into(), None),
         ("GET", format!("{POOLS_V1}/pool"), None),
         ("POST", SLICES.into(), Some(slice_body)),
-        ("PATCH", format!("{POOLS_V1}/pool"), Some(json!({"metadata": {"labels": {"x": "y"}}}))),
+        (
+            "PATCH",
+            format!("{POOLS_V1}/pool"),
+            Some(json!({"metadata": {"labels": {"x": "y"}}})),
+        ),
         ("DELETE", format!("{MODELS}/chat"), None),
         (
             "GET",
@@ -757,7 +837,11 @@ async fn rbac_for_real() {
         ),
     ];
     for (method, path, body) in refused {
-        assert_eq!(status_of(&sa, method, &path, body).await, 403, "{method} {path}");
+        assert_eq!(
+            status_of(&sa, method, &path, body).await,
+            403,
+            "{method} {path}"
+        );
     }
     drop(kvepp);
 
@@ -907,7 +991,13 @@ async fn agent_readiness() {
                     cluster
                         .put(
                             SLICES,
-                            slice("pool-w", "pool", 8000, Some(8090), &[(&ip, "pod-w", ready_now)]),
+                            slice(
+                                "pool-w",
+                                "pool",
+                                8000,
+                                Some(8090),
+                                &[(&ip, "pod-w", ready_now)],
+                            ),
                         )
                         .await;
                     last = Some(ready);
@@ -954,7 +1044,10 @@ async fn agent_readiness() {
             .unwrap(),
     )
     .unwrap();
-    assert_eq!(p["status"]["conditions"][0]["status"], "False", "the Pod reports it");
+    assert_eq!(
+        p["status"]["conditions"][0]["status"], "False",
+        "the Pod reports it"
+    );
     healthy.store(true, Ordering::SeqCst);
     wait_for("pod back", || async {
         (epp.metric(endpoint).await == Some(1.0)).then_some(())
@@ -986,7 +1079,10 @@ async fn large_pool() {
             .collect();
         let eps: Vec<(&str, &str, bool)> = eps.iter().map(|(a, p, r)| (&**a, &**p, *r)).collect();
         cluster
-            .put(SLICES, slice(&format!("pool-{s}"), "pool", 8000, None, &eps))
+            .put(
+                SLICES,
+                slice(&format!("pool-{s}"), "pool", 8000, None, &eps),
+            )
             .await;
     }
     let dir = TempDir::new("kube-large");
@@ -1003,7 +1099,10 @@ async fn large_pool() {
     })
     .await
     .unwrap();
-    eprintln!("1,000 endpoints in 10 slices discovered in {:?}", t.elapsed());
+    eprintln!(
+        "1,000 endpoints in 10 slices discovered in {:?}",
+        t.elapsed()
+    );
     // One slice's endpoints all turn unready: exactly those leave.
     let eps: Vec<(String, String, bool)> = (0..100)
         .map(|n| (ip(n), format!("pod-{n}"), false))
@@ -1127,7 +1226,9 @@ async fn shipped_manifests_and_chart_pass_a_server_side_dry_run() {
         assert!(n >= 10, "overlay {overlay}: {n} objects");
     }
     for values in ["single-replica", "active-active", "pd-pool"] {
-        let n = cluster.apply_yaml_dry_run(&kube_cluster::helm_template(values)).await;
+        let n = cluster
+            .apply_yaml_dry_run(&kube_cluster::helm_template(values))
+            .await;
         assert!(n >= 10, "chart with {values}: {n} objects");
     }
 }

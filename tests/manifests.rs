@@ -733,8 +733,8 @@ fn overlays_give_the_shapes_people_run() {
 /// give the shapes of the Kustomize overlays of the same names: every object the chart renders is
 /// one the overlay renders (kind and name), every kind of the overlay is there (the Grove
 /// ClusterRole only when a ClusterTopology is configured), kvepp's Role, replicas, container
-/// arguments and environment are the overlay's, the engines' Deployments and replicas too; every
-/// container runs locked down.
+/// arguments, environment and configuration are the overlay's, the engines' Deployments and
+/// replicas too; every container runs locked down.
 #[test]
 fn helm_chart_gives_the_overlays_shapes() {
     use kvepp_test_support::kube_cluster::{documents, helm_template};
@@ -757,7 +757,10 @@ fn helm_chart_gives_the_overlays_shapes() {
         let kust_keys: std::collections::BTreeSet<_> = kust.iter().map(|(_, v)| key(v)).collect();
         let chart_keys: std::collections::BTreeSet<_> = chart.iter().map(|(_, v)| key(v)).collect();
         for k in &chart_keys {
-            assert!(kust_keys.contains(k), "{shape}: the chart renders {k:?}, the overlay does not");
+            assert!(
+                kust_keys.contains(k),
+                "{shape}: the chart renders {k:?}, the overlay does not"
+            );
         }
         let kinds = |s: &std::collections::BTreeSet<(String, String)>| -> std::collections::BTreeSet<String> {
             s.iter().map(|(k, _)| k.clone()).collect()
@@ -767,7 +770,10 @@ fn helm_chart_gives_the_overlays_shapes() {
             .filter(|k| !k.starts_with("ClusterRole"))
             .cloned()
             .collect();
-        assert!(missing.is_empty(), "{shape}: the chart renders no {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "{shape}: the chart renders no {missing:?}"
+        );
         assert_eq!(
             named(&chart, "Role", "kvepp")["rules"],
             named(&kust, "Role", "kvepp")["rules"],
@@ -808,12 +814,27 @@ fn helm_chart_gives_the_overlays_shapes() {
         for dep in find(&kust, "Deployment") {
             let name = dep["metadata"]["name"].as_str().unwrap();
             let c = named(&chart, "Deployment", name);
-            assert_eq!(c["spec"]["replicas"], dep["spec"]["replicas"], "{shape}: {name}");
+            assert_eq!(
+                c["spec"]["replicas"], dep["spec"]["replicas"],
+                "{shape}: {name}"
+            );
             assert_eq!(
                 c["spec"]["selector"], dep["spec"]["selector"],
                 "{shape}: {name}'s selector"
             );
         }
+        // kvepp's configuration as the chart writes it: the overlay's, valid in the pod.
+        let config = |d: &[(String, serde_yaml::Value)]| -> kvepp::config::Config {
+            let cm = named(d, "ConfigMap", "kvepp-config");
+            serde_yaml::from_str(cm["data"]["kvepp.yaml"].as_str().unwrap()).unwrap()
+        };
+        let (cc, kc) = (config(&chart), config(&kust));
+        validate_in_pod(&cc);
+        assert_eq!(
+            serde_json::to_value(&cc).unwrap(),
+            serde_json::to_value(&kc).unwrap(),
+            "{shape}: kvepp's configuration"
+        );
         locked_down(&format!("helm {shape}"), &chart);
     }
 }

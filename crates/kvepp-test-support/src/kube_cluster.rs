@@ -25,7 +25,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use base64::Engine as _;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams,
+};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use serde_json::{json, Value};
 
@@ -174,7 +176,10 @@ impl KubeCluster {
         .signed_by(&serving_key, &ca)
         .expect("serving certificate");
         let signing = KeyPair::generate().expect("ServiceAccount signing key");
-        let admin_token = format!("admin-{:016x}", crate::fnv64(d.to_string_lossy().as_bytes()));
+        let admin_token = format!(
+            "admin-{:016x}",
+            crate::fnv64(d.to_string_lossy().as_bytes())
+        );
         for (file, text) in [
             ("ca.pem", ca.pem()),
             ("serving.pem", serving.pem()),
@@ -241,7 +246,12 @@ impl KubeCluster {
         let log = format!("apiserver-{}.log", self.restarts);
         let mut cmd = Command::new(&bins.kube_apiserver);
         cmd.args(["--etcd-servers", &format!("http://{}", self.etcd_addr)])
-            .args(["--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1"])
+            .args([
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+            ])
             .args(["--secure-port", &self.port.to_string()])
             // The endpoint reconciler would publish 127.0.0.1 as the `kubernetes` Service's
             // endpoint, which the API refuses (loopback); no pod here needs that Service.
@@ -375,8 +385,9 @@ impl KubeCluster {
     pub fn expired_token(&self, namespace: &str, name: &str) -> String {
         use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
         let rng = ring::rand::SystemRandom::new();
-        let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &self.signing_key, &rng)
-            .expect("signing key");
+        let key =
+            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &self.signing_key, &rng)
+                .expect("signing key");
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .expect("clock")
@@ -519,21 +530,17 @@ impl KubeCluster {
     /// Waits until CRD `name` is established (its resources served).
     pub async fn wait_established(&self, name: &str) {
         let (api, _) = self.api(CRDS);
-        crate::wait_until(
-            &format!("CRD {name} established"),
-            START_DEADLINE,
-            || {
-                let api = api.clone();
-                async move {
-                    let crd = api.get(name).await.ok()?;
-                    let conditions = crd.data["status"]["conditions"].as_array()?.clone();
-                    conditions
-                        .iter()
-                        .any(|c| c["type"] == "Established" && c["status"] == "True")
-                        .then_some(())
-                }
-            },
-        )
+        crate::wait_until(&format!("CRD {name} established"), START_DEADLINE, || {
+            let api = api.clone();
+            async move {
+                let crd = api.get(name).await.ok()?;
+                let conditions = crd.data["status"]["conditions"].as_array()?.clone();
+                conditions
+                    .iter()
+                    .any(|c| c["type"] == "Established" && c["status"] == "True")
+                    .then_some(())
+            }
+        })
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     }
@@ -581,7 +588,12 @@ pub fn documents(text: &str) -> Vec<Value> {
 
 /// The status code the API server answers `client` for one request: 200 for any success, else
 /// the refusal's code (401, 403, 404, …). A PATCH body is a JSON merge patch.
-pub async fn status_of(client: &kube::Client, method: &str, path: &str, body: Option<Value>) -> u16 {
+pub async fn status_of(
+    client: &kube::Client,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> u16 {
     let bytes = body
         .map(|b| serde_json::to_vec(&b).expect("json"))
         .unwrap_or_default();
@@ -602,7 +614,14 @@ pub async fn status_of(client: &kube::Client, method: &str, path: &str, body: Op
 /// One call to etcd's JSON gateway (the v3 gRPC API over HTTP).
 async fn etcd_call(etcd: SocketAddr, path: &str, body: Value) -> crate::harness::HttpResponse {
     let body = serde_json::to_vec(&body).expect("json");
-    http(etcd, "POST", path, &[("content-type", "application/json")], body).await
+    http(
+        etcd,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await
 }
 
 fn log_file(dir: &Path, name: &str) -> std::fs::File {
