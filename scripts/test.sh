@@ -28,10 +28,21 @@ vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 # SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).
 scripts/install-sglang-peer.sh >/dev/null
+# The pod network of tests/kubernetes.rs: a network namespace (util-linux unshare) whose loopback
+# holds the pod addresses (iproute2).
+if ! command -v unshare >/dev/null || ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq >&2 && apt-get install -y -qq util-linux iproute2 >&2
+  else
+    echo "test.sh: unshare and ip are needed (Debian: sudo apt-get install util-linux iproute2)" >&2
+    exit 1
+  fi
+fi
 # The Kubernetes tooling, built from the Go module proxy at pinned versions and cached by version:
 # etcd and kube-apiserver (tests/kubernetes.rs runs kvepp against them) and helm.
 step_start=$(date +%s)
-while IFS='=' read -r name path; do export "$name=$path"; done < <(scripts/install-kube.sh)
+kube_tools=$(scripts/install-kube.sh)
+while IFS='=' read -r name path; do export "$name=$path"; done <<<"$kube_tools"
 echo "test.sh: Kubernetes tooling ready in $(( $(date +%s) - step_start )) s" >&2
 # The Helm chart: lint with each values file, and a value of the wrong type refused naming it.
 step_start=$(date +%s)

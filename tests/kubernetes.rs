@@ -333,7 +333,7 @@ impl Pods {
         for (n, name) in names.iter().enumerate() {
             let l = tokio::net::TcpListener::bind((pod_ip(n), 8000))
                 .await
-                .expect("bind a pod address (inside the pod network)");
+                .expect("bind a pod address: pods live in the pod network of the local API server");
             tokio::spawn(kvepp_test_support::serve_echo_backend(l, name.to_string()));
         }
         Pods {

@@ -838,3 +838,112 @@ fn helm_chart_gives_the_overlays_shapes() {
         locked_down(&format!("helm {shape}"), &chart);
     }
 }
+
+/// The chart's values reference (the table in manifests/helm/kvepp/README.md) is generated from
+/// values.schema.json (types, descriptions) and values.yaml (defaults); every value has a type
+/// and a description, and every default is one the schema names. `KVEPP_WRITE_DOCS=1` rewrites
+/// the table instead of comparing.
+#[test]
+fn helm_values_reference_matches_the_schema() {
+    let chart = repo_root().join("manifests/helm/kvepp");
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chart.join("values.schema.json")).unwrap())
+            .unwrap();
+    let values: serde_json::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let mut rows = Vec::new();
+    let mut undocumented = Vec::new();
+    helm_rows("", &schema, &values, &mut rows, &mut undocumented);
+    assert!(
+        undocumented.is_empty(),
+        "values without a description: {undocumented:?}"
+    );
+    fn leaves(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        match v.as_object() {
+            Some(m) if !m.is_empty() => {
+                for (k, v) in m {
+                    leaves(&format!("{prefix}{k}."), v, out);
+                }
+            }
+            _ => out.push(prefix.trim_end_matches('.').to_owned()),
+        }
+    }
+    let mut defaults = Vec::new();
+    leaves("", &values, &mut defaults);
+    let described: Vec<&str> = rows
+        .iter()
+        .map(|r| r.split('`').nth(1).unwrap_or_default())
+        .collect();
+    for d in defaults {
+        assert!(
+            described
+                .iter()
+                .any(|p| d == *p || d.starts_with(&format!("{p}."))),
+            "values.yaml sets {d}, which the schema does not describe"
+        );
+    }
+    let table = format!(
+        "| value | type | default | what it does |\n|---|---|---|---|\n{}\n",
+        rows.join("\n")
+    );
+    let readme_path = chart.join("README.md");
+    let readme = std::fs::read_to_string(&readme_path).unwrap();
+    let (start, end) = ("<!-- values: begin -->\n", "<!-- values: end -->");
+    let (head, rest) = readme.split_at(readme.find(start).expect("begin marker") + start.len());
+    let tail = &rest[rest.find(end).expect("end marker")..];
+    let generated = format!("{head}{table}{tail}");
+    if std::env::var_os("KVEPP_WRITE_DOCS").is_some() {
+        std::fs::write(&readme_path, generated).unwrap();
+        return;
+    }
+    assert!(
+        readme == generated,
+        "manifests/helm/kvepp/README.md's values table differs from values.schema.json and \
+         values.yaml; regenerate it with `KVEPP_WRITE_DOCS=1 cargo test -p kvepp --test manifests helm_values`"
+    );
+}
+
+/// One table row per value: objects with properties recurse, the rest are leaves.
+fn helm_rows(
+    path: &str,
+    schema: &serde_json::Value,
+    default: &serde_json::Value,
+    rows: &mut Vec<String>,
+    undocumented: &mut Vec<String>,
+) {
+    if let Some(props) = schema["properties"].as_object() {
+        for (k, s) in props {
+            let p = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
+            helm_rows(&p, s, &default[k], rows, undocumented);
+        }
+        return;
+    }
+    let Some(description) = schema["description"].as_str() else {
+        undocumented.push(path.to_owned());
+        return;
+    };
+    let mut ty = schema["type"].as_str().unwrap_or("any").to_owned();
+    if let Some(e) = schema["enum"].as_array() {
+        ty = e
+            .iter()
+            .map(|v| format!("`{}`", v.as_str().unwrap_or_default()))
+            .collect::<Vec<_>>()
+            .join(" \\| ");
+    }
+    let shown = match default {
+        serde_json::Value::Null => "unset".to_owned(),
+        serde_json::Value::String(s) if s.is_empty() => "`\"\"`".to_owned(),
+        serde_json::Value::Array(a) if a.is_empty() => "none".to_owned(),
+        serde_json::Value::Object(o) if o.is_empty() => "`{}`".to_owned(),
+        serde_json::Value::String(s) => format!("`{s}`"),
+        v => format!(
+            "`{}`",
+            serde_json::to_string(v).unwrap().replace('|', "\\|")
+        ),
+    };
+    rows.push(format!("| `{path}` | {ty} | {shown} | {description} |"));
+}

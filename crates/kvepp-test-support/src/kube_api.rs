@@ -11,6 +11,11 @@
 //!
 //! The test drives it: put/delete objects, drop every open watch abruptly, compact the history,
 //! and count lists and watches.
+//!
+//! kvepp's Kubernetes tests run against a real API server ([`crate::kube_cluster`]); this one
+//! stays for what a real one cannot be made to show on demand: an API server that does not serve
+//! `discovery.k8s.io` EndpointSlices at all (404 on their list). Its object builders ([`slice`],
+//! [`pool_v1`], [`model`], [`rewrite`], [`objective`]) and collection paths serve both.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -124,14 +124,17 @@ impl Default for Options {
 /// A running etcd and kube-apiserver (see the module doc).
 pub struct KubeCluster {
     dir: TempDir,
-    etcd: Child,
+    /// etcd, when this harness runs the API server.
+    etcd: Option<Child>,
     etcd_addr: SocketAddr,
     apiserver: Option<Child>,
-    /// The API server's secure port on 127.0.0.1.
-    pub port: u16,
+    /// The API server's URL.
+    server: String,
     options: Options,
     admin: kube::Client,
     ca_pem: String,
+    /// The admin's kubeconfig on an external cluster ([`EXTERNAL`]); `None`: the local one.
+    external: Option<PathBuf>,
     admin_token: String,
     /// The ServiceAccount token signing key (PKCS#8 DER, ECDSA P-256).
     signing_key: Vec<u8>,
@@ -139,14 +142,20 @@ pub struct KubeCluster {
     restarts: usize,
 }
 
+/// A kubeconfig with cluster-admin rights on a cluster of your own: when set, the tests run
+/// against that cluster instead of starting etcd and kube-apiserver (see docs/operations.md);
+/// what needs the local API server (a restart, a compaction, a token it signed) says so.
+pub const EXTERNAL: &str = "KVEPP_TEST_KUBECONFIG";
+
 impl Drop for KubeCluster {
     fn drop(&mut self) {
-        if let Some(mut a) = self.apiserver.take() {
-            let _ = a.kill();
-            let _ = a.wait();
+        for mut child in [self.apiserver.take(), self.etcd.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        let _ = self.etcd.kill();
-        let _ = self.etcd.wait();
     }
 }
 
@@ -157,6 +166,9 @@ impl KubeCluster {
     }
 
     pub async fn start_with(options: Options) -> KubeCluster {
+        if let Some(kubeconfig) = std::env::var_os(EXTERNAL) {
+            return Self::external(PathBuf::from(kubeconfig), options).await;
+        }
         let bins = binaries();
         let dir = TempDir::new("kube-cluster");
         let d = dir.path();
@@ -211,18 +223,19 @@ impl KubeCluster {
             .stderr(log_file(d, "etcd.log"))
             .spawn()
             .unwrap_or_else(|e| panic!("{}: {e}", bins.etcd.display()));
-        let port = free_port();
-        let kubeconfig = write_kubeconfig(d, "admin", port, &ca.pem(), &admin_token);
+        let server = format!("https://127.0.0.1:{}", free_port());
+        let kubeconfig = write_kubeconfig(d, "admin", &server, &ca.pem(), &admin_token);
         let admin = client(&kubeconfig).await;
         let mut cluster = KubeCluster {
             dir,
-            etcd,
+            etcd: Some(etcd),
             etcd_addr,
             apiserver: None,
-            port,
+            server,
             options,
             admin,
             ca_pem: ca.pem(),
+            external: None,
             admin_token,
             signing_key: signing.serialize_der(),
             restarts: 0,
@@ -238,8 +251,69 @@ impl KubeCluster {
         cluster
     }
 
-    /// Starts kube-apiserver on [`Self::port`] and waits until `/readyz` answers 200.
+    /// The cluster of kubeconfig `path` (its current context, cluster-admin), with kvepp's CRDs
+    /// applied.
+    async fn external(path: PathBuf, options: Options) -> KubeCluster {
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{EXTERNAL}={}: {e}", path.display()));
+        let kc: Value = serde_yaml::from_str(&text).expect("a kubeconfig");
+        let context = kc["current-context"].as_str().expect("current-context");
+        let named = |list: &str, name: &str| -> Value {
+            kc[list]
+                .as_array()
+                .and_then(|l| l.iter().find(|e| e["name"] == name))
+                .cloned()
+                .unwrap_or_else(|| panic!("{}: no {list} entry {name}", path.display()))
+        };
+        let cluster_name = named("contexts", context)["context"]["cluster"].clone();
+        let cluster = named("clusters", cluster_name.as_str().expect("context.cluster"));
+        let server = cluster["cluster"]["server"]
+            .as_str()
+            .expect("server")
+            .to_owned();
+        let ca_pem = match (
+            cluster["cluster"]["certificate-authority-data"].as_str(),
+            cluster["cluster"]["certificate-authority"].as_str(),
+        ) {
+            (Some(data), _) => String::from_utf8(
+                base64::engine::general_purpose::STANDARD
+                    .decode(data)
+                    .expect("certificate-authority-data"),
+            )
+            .expect("a PEM CA"),
+            (None, Some(file)) => std::fs::read_to_string(file).expect("certificate-authority"),
+            (None, None) => panic!("{}: the cluster needs a CA", path.display()),
+        };
+        let admin = client(&path).await;
+        let cluster = KubeCluster {
+            dir: TempDir::new("kube-external"),
+            etcd: None,
+            etcd_addr: ([127, 0, 0, 1], 0).into(),
+            apiserver: None,
+            server,
+            options,
+            admin,
+            ca_pem,
+            external: Some(path),
+            admin_token: String::new(),
+            signing_key: Vec::new(),
+            restarts: 0,
+        };
+        cluster.apply_crds().await;
+        cluster
+    }
+
+    /// Panics, naming `what`, on an external cluster.
+    fn local(&self, what: &str) {
+        assert!(
+            self.external.is_none(),
+            "{what} needs the API server this harness runs: unset {EXTERNAL}"
+        );
+    }
+
+    /// Starts kube-apiserver on its port and waits until `/readyz` answers 200.
     pub async fn start_apiserver(&mut self) {
+        self.local("starting the API server");
         assert!(self.apiserver.is_none(), "the API server is running");
         let d = self.dir.path();
         let bins = binaries();
@@ -252,7 +326,10 @@ impl KubeCluster {
                 "--advertise-address",
                 "127.0.0.1",
             ])
-            .args(["--secure-port", &self.port.to_string()])
+            .args([
+                "--secure-port",
+                self.server.rsplit(':').next().expect("port"),
+            ])
             // The endpoint reconciler would publish 127.0.0.1 as the `kubernetes` Service's
             // endpoint, which the API refuses (loopback); no pod here needs that Service.
             .args(["--endpoint-reconciler-type", "none"])
@@ -307,6 +384,7 @@ impl KubeCluster {
 
     /// Kills the API server (as a crash would: open watches end without a goodbye).
     pub fn stop_apiserver(&mut self) {
+        self.local("stopping the API server");
         if let Some(mut a) = self.apiserver.take() {
             let _ = a.kill();
             let _ = a.wait();
@@ -323,6 +401,7 @@ impl KubeCluster {
     /// Compacts etcd's history up to its current revision (physically): a resourceVersion from
     /// before is gone. Returns that revision.
     pub async fn compact(&self) -> u64 {
+        self.local("compacting etcd");
         let r = etcd_call(
             self.etcd_addr,
             "/v3/kv/range",
@@ -349,14 +428,17 @@ impl KubeCluster {
         self.admin.clone()
     }
 
-    /// A kubeconfig with the admin token.
+    /// A kubeconfig with the admin's credentials.
     pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
-        self.token_kubeconfig(dir, "admin", &self.admin_token)
+        match &self.external {
+            Some(path) => path.clone(),
+            None => self.token_kubeconfig(dir, "admin", &self.admin_token),
+        }
     }
 
     /// A kubeconfig that presents `token` (named `name`, which names the file too).
     pub fn token_kubeconfig(&self, dir: &Path, name: &str, token: &str) -> PathBuf {
-        write_kubeconfig(dir, name, self.port, &self.ca_pem, token)
+        write_kubeconfig(dir, name, &self.server, &self.ca_pem, token)
     }
 
     /// A kubeconfig with a fresh token of ServiceAccount `namespace/name` (TokenRequest API, one
@@ -383,6 +465,7 @@ impl KubeCluster {
     /// A ServiceAccount token for `namespace/name` that this cluster signed and that expired an
     /// hour ago: the API server refuses it (401).
     pub fn expired_token(&self, namespace: &str, name: &str) -> String {
+        self.local("a token signed with the cluster's key");
         use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
         let rng = ring::rand::SystemRandom::new();
         let key =
@@ -641,12 +724,12 @@ fn http_request(method: &str, path: &str, body: Vec<u8>) -> http::Request<Vec<u8
         .expect("request")
 }
 
-/// A kubeconfig file `<name>.kubeconfig` in `dir` for the API server on 127.0.0.1:`port`.
-fn write_kubeconfig(dir: &Path, name: &str, port: u16, ca_pem: &str, token: &str) -> PathBuf {
+/// A kubeconfig file `<name>.kubeconfig` in `dir` for the API server at `server`.
+fn write_kubeconfig(dir: &Path, name: &str, server: &str, ca_pem: &str, token: &str) -> PathBuf {
     let path = dir.join(format!("{name}.kubeconfig"));
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     let text = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority-data: {ca}\nusers:\n- name: {name}\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context: {{cluster: test, user: {name}, namespace: default}}\ncurrent-context: test\n"
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: {name}\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context: {{cluster: test, user: {name}, namespace: default}}\ncurrent-context: test\n"
     );
     std::fs::write(&path, text).expect("write kubeconfig");
     path

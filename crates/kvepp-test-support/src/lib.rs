@@ -4,10 +4,11 @@
 //!
 //! Used as a dev-dependency of every package's tests (and by the `kvepp-sim` tool). Without
 //! features it does not depend on `kvepp`; `epp` adds kvepp in-process (`epp::Epp`) and the
-//! shipped manifests as kvepp reads them (`shipped`), `otlp` a trace collector (`otlp`), `tls`
-//! certificates and a TLS ext_proc client (`tls`). The fixtures beyond those: the benchmarks'
-//! workload traces ([`trace`]), a fake
-//! Kubernetes API server at the wire level ([`kube_api`]), a pyzmq KV-event publisher
+//! shipped manifests as kvepp reads them (`shipped`), `kube` a real etcd and kube-apiserver
+//! (`kube_cluster`), `otlp` a trace collector (`otlp`), `tls` certificates and a TLS ext_proc
+//! client (`tls`). The fixtures beyond those: the benchmarks' workload traces ([`trace`]), a
+//! network namespace whose pod addresses are local ([`pod_network`]), a fake Kubernetes API
+//! server at the wire level for what a real one cannot show ([`kube_api`]), a pyzmq KV-event publisher
 //! ([`publisher`]), what a test reaches for first ([`harness`]), and all of it in one import ([`prelude`]).
 // Test support: a helper that cannot do its job fails the test that called it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
