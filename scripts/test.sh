@@ -50,7 +50,9 @@ scripts/helm-lint.sh
 echo "test.sh: helm lint in $(( $(date +%s) - step_start )) s" >&2
 # Every overlay and every Helm values file renders (kubectl kustomize, helm template) and validates
 # against the Kubernetes schemas and the CRDs.
+step_start=$(date +%s)
 .venv/bin/python scripts/validate-manifests.py
+echo "test.sh: manifests and chart rendered and validated in $(( $(date +%s) - step_start )) s" >&2
 # The FROM scratch images tests/packaging.rs runs; vfs storage works where overlay mounts do not.
 export CONTAINER_ENGINE=podman CONTAINER_ENGINE_FLAGS="${CONTAINER_ENGINE_FLAGS:---storage-driver vfs}"
 scripts/image.sh

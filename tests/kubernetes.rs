@@ -97,6 +97,23 @@ fn pool_slice(name: &str, eps: &[(usize, bool)]) -> Value {
     slice(name, "pool", 8000, Some(8090), &eps)
 }
 
+/// EndpointSlice discovery through the cluster's admin kubeconfig, and its watch metrics.
+async fn discovery(cluster: &KubeCluster, dir: &Path) -> (KubeDiscovery, WatchMetrics) {
+    let metrics = WatchMetrics::default();
+    let kube = client(Some(&cluster.kubeconfig(dir))).await.unwrap();
+    (KubeDiscovery::new(kube, metrics.clone()), metrics)
+}
+
+/// The instances a fresh list of Service `pool`'s slices gives.
+async fn listed(disc: &KubeDiscovery) -> BTreeSet<String> {
+    disc.list_instances("default", "pool")
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.id.to_string())
+        .collect()
+}
+
 fn relists(metrics: &WatchMetrics) -> u64 {
     metrics
         .relists
@@ -123,11 +140,7 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
             slice("other-x", "other", 8000, None, &[(&ip(9), "pod-9", true)]),
         )
         .await;
-    let metrics = WatchMetrics::default();
-    let disc = KubeDiscovery::new(
-        client(Some(&cluster.kubeconfig(dir.path()))).await.unwrap(),
-        metrics.clone(),
-    );
+    let (disc, metrics) = discovery(&cluster, dir.path()).await;
 
     // Initial list: the ready pod of this Service only, then Synced.
     let mut w = disc.watch("default", "pool");
@@ -144,8 +157,7 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
         (Some("zone-a"), Some("node-1"))
     );
     assert_eq!(next(&mut w).await, InstanceEvent::Synced);
-    let listed = disc.list_instances("default", "pool").await.unwrap();
-    assert_eq!(listed.iter().map(|i| &*i.id).collect::<Vec<_>>(), ["pod-1"]);
+    assert_eq!(listed(&disc).await, set(&["pod-1"]));
 
     // Readiness flips are Added / Removed.
     cluster
@@ -226,13 +238,7 @@ async fn endpointslice_watch_follows_readiness_restarts_and_410() {
         relists(&metrics) > lists,
         "the 410 after compaction at revision {compacted} forced a relist"
     );
-    let now: BTreeSet<String> = disc
-        .list_instances("default", "pool")
-        .await
-        .unwrap()
-        .iter()
-        .map(|i| i.id.to_string())
-        .collect();
+    let now = listed(&disc).await;
     assert_eq!(
         now,
         ["pod-2", "pod-4", "pod-5", "pod-6"]
@@ -267,11 +273,7 @@ async fn bookmarks_are_absorbed_and_a_restart_relists_cleanly() {
     cluster
         .put(SLICES, pool_slice("pool-a", &[(1, true)]))
         .await;
-    let metrics = WatchMetrics::default();
-    let disc = KubeDiscovery::new(
-        client(Some(&cluster.kubeconfig(dir.path()))).await.unwrap(),
-        metrics.clone(),
-    );
+    let (disc, metrics) = discovery(&cluster, dir.path()).await;
     let mut w = disc.watch("default", "pool");
     assert_eq!(added(&next(&mut w).await), Some("pod-1"));
     assert_eq!(next(&mut w).await, InstanceEvent::Synced);
@@ -312,13 +314,7 @@ async fn bookmarks_are_absorbed_and_a_restart_relists_cleanly() {
         until_added(&mut w, "pod-3").await.is_empty(),
         "nothing duplicated"
     );
-    let now: BTreeSet<String> = disc
-        .list_instances("default", "pool")
-        .await
-        .unwrap()
-        .iter()
-        .map(|i| i.id.to_string())
-        .collect();
+    let now = listed(&disc).await;
     assert_eq!(now, set(&["pod-1", "pod-2", "pod-3"]));
 }
 
@@ -433,6 +429,17 @@ async fn epp_follows_the_cluster() {
     assert_eq!(seen, set(&["pod-a", "pod-b"]), "only the ready pods");
     let (_, codes, _) = served_by(&envoy, "foreign", 1).await;
     assert_eq!(codes, [404], "models of other pools are ignored");
+    // The gateway's controller reports the pool's status; that is no change of the pool.
+    let accepted = json!({"parents": [{"parentRef": {"name": "inference-gateway", "kind": "Gateway"},
+        "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]});
+    cluster.patch_status(POOLS_V1, "pool", accepted).await;
+    let (seen, _, _) = served_by(&envoy, "chat", 8).await;
+    assert_eq!(
+        seen,
+        set(&["pod-a", "pod-b"]),
+        "a status update changes nothing"
+    );
 
     // Pods come and go.
     pods.put(&cluster, &[false, true, true]).await;

@@ -4,13 +4,10 @@
 //!   `resourceVersion`, filtered by `labelSelector` (equality terms);
 //! - the same with `watch=true&resourceVersion=N`: a chunked stream of `ADDED`/`MODIFIED`/
 //!   `DELETED` events after N, a `BOOKMARK` once caught up, then live events;
-//! - a resourceVersion older than the compaction point gets a 200 with one `ERROR` event carrying a
-//!   410 `Expired` Status, as the real server does;
 //! - cluster-scoped collections (`/apis/<group>/<version>/<plural>`) list the same way;
 //! - collections marked missing answer 404 (CRD not installed).
 //!
-//! The test drives it: put/delete objects, drop every open watch abruptly, compact the history,
-//! and count lists and watches.
+//! The test drives it: put and delete objects, mark collections missing.
 //!
 //! kvepp's Kubernetes tests run against a real API server ([`crate::kube_cluster`]); this one
 //! stays for what a real one cannot be made to show on demand: an API server that does not serve
@@ -27,7 +24,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::broadcast;
 
 pub const SLICES: &str = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices";
 pub const POOLS_V1ALPHA2: &str =
@@ -48,10 +45,7 @@ struct Store {
     objects: BTreeMap<String, BTreeMap<String, Value>>,
     /// (rv, collection, event type, object)
     log: Vec<(u64, String, &'static str, Value)>,
-    compacted_before: u64,
     missing: BTreeSet<String>,
-    lists: BTreeMap<String, usize>,
-    watches: BTreeMap<String, usize>,
 }
 
 #[derive(Clone)]
@@ -59,7 +53,6 @@ pub struct FakeApi {
     pub addr: SocketAddr,
     store: Arc<Mutex<Store>>,
     events: broadcast::Sender<(String, &'static str, Value)>,
-    drop_watches: watch::Sender<u64>,
 }
 
 /// The kind of the objects in a collection named by its plural (the collections tests use).
@@ -113,7 +106,6 @@ impl FakeApi {
             addr: listener.local_addr().expect("addr"),
             store: Arc::default(),
             events: broadcast::channel(4096).0,
-            drop_watches: watch::channel(0).0,
         };
         let served = api.clone();
         let app = axum::Router::new().fallback(move |uri: Uri| {
@@ -174,19 +166,6 @@ impl FakeApi {
         let _ = self.events.send((collection.to_owned(), "DELETED", obj));
     }
 
-    /// Every open watch connection is cut abruptly (no final chunk), as when an apiserver or a
-    /// load balancer in between goes away.
-    pub fn drop_watches(&self) {
-        self.drop_watches.send_modify(|n| *n += 1);
-    }
-
-    /// Forgets history up to now: a watch resuming from an older resourceVersion gets 410 Gone.
-    pub fn compact(&self) {
-        let mut st = self.store.lock().expect("lock");
-        st.compacted_before = st.rv + 1;
-        st.log.clear();
-    }
-
     /// The collection answers 404 (its CRD is not installed) until `false`.
     pub fn set_missing(&self, collection: &str, missing: bool) {
         let mut st = self.store.lock().expect("lock");
@@ -195,26 +174,6 @@ impl FakeApi {
         } else {
             st.missing.remove(collection);
         }
-    }
-
-    pub fn lists(&self, collection: &str) -> usize {
-        self.store
-            .lock()
-            .expect("lock")
-            .lists
-            .get(collection)
-            .copied()
-            .unwrap_or(0)
-    }
-
-    pub fn watches(&self, collection: &str) -> usize {
-        self.store
-            .lock()
-            .expect("lock")
-            .watches
-            .get(collection)
-            .copied()
-            .unwrap_or(0)
     }
 
     fn handle(&self, uri: Uri) -> Response {
@@ -235,7 +194,7 @@ impl FakeApi {
                     .collect()
             })
             .unwrap_or_default();
-        let mut st = self.store.lock().expect("lock");
+        let st = self.store.lock().expect("lock");
         let segments = path.split('/').count();
         if !path.starts_with("/apis/") || !(segments == 7 || segments == 5) {
             return (
@@ -257,16 +216,10 @@ impl FakeApi {
         }
         let (kind, api_version) = kind_of(&path);
         if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) {
-            *st.watches.entry(path.clone()).or_default() += 1;
             let from: u64 = query
                 .get("resourceVersion")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            if from + 1 < st.compacted_before {
-                let ev = json!({"type": "ERROR", "object": status(410, "Expired",
-                    &format!("too old resource version: {from} ({})", st.compacted_before - 1))});
-                return Response::new(Body::from(line(&ev)));
-            }
             // Replay and subscription under one lock: nothing is missed or sent twice.
             let mut live = self.events.subscribe();
             let mut backlog: Vec<axum::body::Bytes> = st
@@ -279,24 +232,20 @@ impl FakeApi {
                 "kind": kind, "apiVersion": api_version,
                 "metadata": {"resourceVersion": st.rv.to_string()}}})));
             drop(st);
-            let mut cut = self.drop_watches.subscribe();
-            cut.borrow_and_update();
             let stream = async_stream(backlog, move |tx| async move {
                 loop {
-                    tokio::select! {
-                        ev = live.recv() => match ev {
-                            Ok((c, ty, o)) if c == path && selector_matches(&o, &selector) => {
-                                if tx.send(Ok(line(&json!({"type": ty, "object": o})))).await.is_err() {
-                                    return;
-                                }
+                    match live.recv().await {
+                        Ok((c, ty, o)) if c == path && selector_matches(&o, &selector) => {
+                            if tx
+                                .send(Ok(line(&json!({"type": ty, "object": o}))))
+                                .await
+                                .is_err()
+                            {
+                                return;
                             }
-                            Ok(_) => {}
-                            Err(_) => return,
-                        },
-                        _ = cut.changed() => {
-                            let _ = tx.send(Err(std::io::Error::other("connection dropped"))).await;
-                            return;
                         }
+                        Ok(_) => {}
+                        Err(_) => return,
                     }
                 }
             });
@@ -305,7 +254,6 @@ impl FakeApi {
                 .body(Body::from_stream(stream))
                 .expect("response");
         }
-        *st.lists.entry(path.clone()).or_default() += 1;
         let items: Vec<Value> = st
             .objects
             .get(&path)
