@@ -28,7 +28,7 @@ vllm_python=$(scripts/install-vllm.sh)
 "$vllm_python" scripts/tiny_model.py .venv/tiny-model "$tokenizer_dir" >/dev/null
 # SGLang's own KV-event publisher and metrics collector, from its wheel (tests/real_engines/sglang.rs).
 scripts/install-sglang-peer.sh >/dev/null
-# The pod network of tests/kubernetes.rs: a network namespace (util-linux unshare) whose loopback
+# The pod network of tests/kubernetes/: a network namespace (util-linux unshare) whose loopback
 # holds the pod addresses (iproute2).
 if ! command -v unshare >/dev/null || ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -39,7 +39,7 @@ if ! command -v unshare >/dev/null || ! command -v ip >/dev/null; then
   fi
 fi
 # The Kubernetes tooling, built from the Go module proxy at pinned versions and cached by version:
-# etcd and kube-apiserver (tests/kubernetes.rs runs kvepp against them) and helm.
+# etcd and kube-apiserver (tests/kubernetes/ runs kvepp against them) and helm.
 step_start=$(date +%s)
 kube_tools=$(scripts/install-kube.sh)
 while IFS='=' read -r name path; do export "$name=$path"; done <<<"$kube_tools"
