@@ -26,9 +26,9 @@ refused() {
     exit 1
   }
 }
-refused epp.replicas=two "/epp/replicas"
+refused replicaCount=two "/replicaCount"
 refused pool.targetPort=http "/pool/targetPort"
-refused epp.flowControl.enabled=maybe "/epp/flowControl/enabled"
-refused epp.replicass=2 "replicass"
+refused flowControl.enabled=maybe "/flowControl/enabled"
+refused replicas=2 "replicas"
 refused pool.failureMode=Sometimes "/pool/failureMode"
 echo "helm-lint: chart linted with $(ls "$root"/manifests/helm/values/*.yaml | wc -l) values files; wrong types refused by name"

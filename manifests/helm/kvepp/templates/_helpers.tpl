@@ -31,3 +31,8 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* "true" when kvepp's replicas share their state: more than one replica, or activeActive.enabled. */}}
+{{- define "kvepp.activeActive" -}}
+{{- if or .Values.activeActive.enabled (gt (int .Values.replicaCount) 1) -}}true{{- end -}}
+{{- end -}}
