@@ -9,9 +9,9 @@
 //!
 //! The test drives it: put and delete objects, mark collections missing.
 //!
-//! kvepp's Kubernetes tests run against a real API server ([`crate::kube_cluster`]); this one
+//! kvepp's Kubernetes tests run against a real API server (`kube_cluster`, feature `kube`); this one
 //! stays for what a real one cannot be made to show on demand: an API server that does not serve
-//! `discovery.k8s.io` EndpointSlices at all (404 on their list). Its object builders ([`slice`],
+//! `discovery.k8s.io` EndpointSlices at all (404 on their list). Its object builders ([`slice()`],
 //! [`pool_v1`], [`model`], [`rewrite`], [`objective`]) and collection paths serve both.
 
 use std::collections::{BTreeMap, BTreeSet};
