@@ -5,8 +5,9 @@ use super::*;
 
 /// kvepp in front of Envoy, discovering everything from the API server: only the ready pods are
 /// routed to; pods, InferenceModels, InferenceObjectives and InferenceModelRewrites (both groups)
-/// added, changed and deleted change the routing; a missing CRD is an empty kind; while the API
-/// server is down kvepp routes on what it last saw, and follows again once it is back.
+/// added, changed and deleted change the routing, and so does the InferencePool's deletion; a
+/// missing CRD is an empty kind; while the API server is down kvepp routes on what it last saw,
+/// and follows again once it is back.
 #[test]
 fn kubeconfig_epp_routes_to_exactly_the_ready_pods_and_follows_models() {
     in_pod_network!(
@@ -197,6 +198,20 @@ async fn epp_follows_the_cluster() {
     wait_for("rewrites deleted → 404", || async {
         let (_, codes, _) = served_by(&envoy, "assistant", 1).await;
         (codes == [404]).then_some(())
+    })
+    .await;
+
+    // The InferencePool deleted: 503 `pool_not_found`; created again: routed again.
+    cluster.delete(POOLS_V1, "pool").await;
+    wait_for("pool deleted → 503", || async {
+        let (_, codes, _) = served_by(&envoy, "chat", 1).await;
+        (codes == [503]).then_some(())
+    })
+    .await;
+    cluster.put(POOLS_V1, pool_v1("pool", 8000)).await;
+    wait_for("pool back", || async {
+        let (seen, codes, _) = served_by(&envoy, "chat", 4).await;
+        (codes == [200; 4] && seen == set(&["pod-c"])).then_some(())
     })
     .await;
 
