@@ -30,6 +30,7 @@ vllm_python=$(scripts/install-vllm.sh)
 scripts/install-sglang-peer.sh >/dev/null
 # The pod network of tests/kubernetes/: a network namespace (util-linux unshare) whose loopback
 # holds the pod addresses (iproute2).
+export PATH="$PATH:/usr/sbin:/sbin"
 if ! command -v unshare >/dev/null || ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq >&2 && apt-get install -y -qq util-linux iproute2 >&2

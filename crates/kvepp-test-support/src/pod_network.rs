@@ -59,7 +59,9 @@ where
     let log_path = dir.path().join("test.log");
     let log = std::fs::File::create(&log_path).expect("log file");
     let exe = std::env::current_exe().expect("the test binary");
-    let setup = format!("ip link set lo up && ip addr add {GATEWAY} dev lo && exec \"$0\" \"$@\"");
+    let setup = format!(
+        "PATH=\"$PATH:/usr/sbin:/sbin\"; ip link set lo up && ip addr add {GATEWAY} dev lo && exec \"$0\" \"$@\""
+    );
     let mut unshare = Command::new("unshare");
     unshare.arg("--net");
     if !is_root() {
