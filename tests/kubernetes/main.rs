@@ -4,7 +4,8 @@
 //! etcd compaction, bookmarks; every CRD change routing real requests through Envoy; the worker
 //! agent's readiness reaching the Pod and its slice; RBAC that grants kvepp exactly what it uses
 //! and refuses the rest; tokens the API server refuses; a pool of 1,000 endpoints; the Grove
-//! ClusterTopology check; the shipped manifests and Helm chart accepted by the server (dry run).
+//! ClusterTopology check; the shipped manifests and Helm chart accepted by the server (dry run);
+//! the Gateway API Inference Extension's reference EPP routing from the same API server.
 //!
 //! No controller or kubelet runs: the tests write Pods, their status and the EndpointSlices the
 //! endpoints controller would. A real API server refuses loopback addresses in EndpointSlices, so
@@ -48,6 +49,7 @@ macro_rules! in_pod_network {
 }
 
 mod access;
+mod peers;
 mod routing;
 mod watch;
 
@@ -205,6 +207,20 @@ async fn served_by(
         }
     }
     (seen, codes, models)
+}
+
+/// A model-server Pod of pool `pool` (selected by `kvepp.io/component`), before the kubelet
+/// reports its status.
+fn pod(name: &str) -> Value {
+    json!({"metadata": {"name": name, "labels": {"kvepp.io/component": "pool"}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}})
+}
+
+/// The Pod's address and Ready condition as the kubelet reports them.
+fn pod_status(ip: IpAddr, ready: bool) -> Value {
+    let status = if ready { "True" } else { "False" };
+    json!({"phase": "Running", "podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}],
+        "conditions": [{"type": "Ready", "status": status}]})
 }
 
 fn set(names: &[&str]) -> BTreeSet<String> {

@@ -304,13 +304,6 @@ async fn engine_health(at: SocketAddr, healthy: Arc<AtomicBool>) {
     tokio::spawn(async move { axum::serve(l, app).await });
 }
 
-/// The Pod's Ready condition as the kubelet reports it.
-fn pod_status(ip: IpAddr, ready: bool) -> Value {
-    let status = if ready { "True" } else { "False" };
-    json!({"phase": "Running", "podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}],
-        "conditions": [{"type": "Ready", "status": status}]})
-}
-
 /// The worker agent in a pod: the test plays the kubelet (probing the agent's /health and
 /// reporting the Pod's Ready condition to the API server) and the endpoints controller (the
 /// pod's slice from the Pod's status in the API server). kvepp fetches /metadata from the
@@ -383,13 +376,7 @@ async fn agent_readiness() {
 
     cluster.put(POOLS_V1, pool_v1("pool", 8000)).await;
     cluster.put(MODELS, model("m", "m", "pool", &[])).await;
-    cluster
-        .put(
-            PODS,
-            json!({"metadata": {"name": "pod-w", "labels": {"kvepp.io/component": "pool"}},
-                "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}}),
-        )
-        .await;
+    cluster.put(PODS, super::pod("pod-w")).await;
     // The kubelet and the endpoints controller, each doing its own part through the API server.
     let control = {
         let cluster = cluster.clone();
