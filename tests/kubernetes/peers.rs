@@ -6,20 +6,8 @@ use super::*;
 
 /// The reference EPP's binary: `REFERENCE_EPP_BIN`, else what `scripts/install-peers.sh` builds.
 fn reference_epp_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("REFERENCE_EPP_BIN") {
-        return bin.into();
-    }
-    let script = repo_root().join("scripts/install-peers.sh");
-    let out = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{} failed:\n{text}", script.display());
-    text.lines()
-        .find_map(|l| l.strip_prefix("REFERENCE_EPP_BIN="))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("{} printed no REFERENCE_EPP_BIN:\n{text}", script.display()))
+    let [bin] = kube_cluster::installed("install-peers.sh", ["REFERENCE_EPP_BIN"]);
+    bin
 }
 
 /// A peer's process, killed on drop, its log in a file.

@@ -58,34 +58,38 @@ pub struct Binaries {
 pub fn binaries() -> &'static Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES.get_or_init(|| {
-        let var = |k: &str| std::env::var_os(k).map(PathBuf::from);
-        if let (Some(etcd), Some(kube_apiserver), Some(helm)) =
-            (var("ETCD_BIN"), var("KUBE_APISERVER_BIN"), var("HELM_BIN"))
-        {
-            return Binaries {
-                etcd,
-                kube_apiserver,
-                helm,
-            };
-        }
-        let script = repo_root().join("scripts/install-kube.sh");
-        let out = Command::new(&script)
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{} failed:\n{text}", script.display());
-        let find = |k: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-                .map(PathBuf::from)
-                .unwrap_or_else(|| panic!("{} printed no {k}:\n{text}", script.display()))
-        };
+        let [etcd, kube_apiserver, helm] = installed(
+            "install-kube.sh",
+            ["ETCD_BIN", "KUBE_APISERVER_BIN", "HELM_BIN"],
+        );
         Binaries {
-            etcd: find("ETCD_BIN"),
-            kube_apiserver: find("KUBE_APISERVER_BIN"),
-            helm: find("HELM_BIN"),
+            etcd,
+            kube_apiserver,
+            helm,
         }
+    })
+}
+
+/// The paths a `scripts/<script>` prints as `NAME=path` lines: each from the environment
+/// variable `NAME` when every one is set, else from the script's output (it builds what is not
+/// cached yet).
+pub fn installed<const N: usize>(script: &str, names: [&str; N]) -> [PathBuf; N] {
+    let from_env = names.map(|k| std::env::var_os(k).map(PathBuf::from));
+    if from_env.iter().all(Option::is_some) {
+        return from_env.map(|p| p.expect("set"));
+    }
+    let script = repo_root().join("scripts").join(script);
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{} failed:\n{text}", script.display());
+    names.map(|k| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+            .map(PathBuf::from)
+            .unwrap_or_else(|| panic!("{} printed no {k}:\n{text}", script.display()))
     })
 }
 
