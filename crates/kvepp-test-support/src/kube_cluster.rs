@@ -1,6 +1,7 @@
 //! A real Kubernetes API server: etcd and kube-apiserver, built from the Go module proxy at pinned
-//! versions by `scripts/install-kube.sh` (or named by `ETCD_BIN` / `KUBE_APISERVER_BIN`), started
-//! on 127.0.0.1 ephemeral ports in a directory of their own and stopped on drop.
+//! versions by `scripts/install-kube.sh` (or named by `ETCD_BIN`, `KUBE_APISERVER_BIN` and
+//! `HELM_BIN`), started on 127.0.0.1 ephemeral ports in a directory of their own and stopped on
+//! drop; or, with [`EXTERNAL`] set, a cluster of your own.
 //!
 //! The API server runs as in a cluster, less the controllers: TLS with a certificate of a
 //! throwaway CA, token authentication (a static admin token in `system:masters`; ServiceAccount
