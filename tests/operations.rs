@@ -164,7 +164,8 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
         "pool_name: pool\nmanifests_dir: {}\nmanifests_poll_ms: 20\nbind_address: 127.0.0.1\n\
          grpc_port: {grpc}\ngrpc_health_port: {health}\nmetrics_port: {metrics}\n\
          shutdown_grace_seconds: 1\n\
-         grpc_tls: {{mode: files, cert_file: {}, key_file: {}, accept_plaintext: true}}\n",
+         grpc_tls: {{mode: files, cert_file: {}, key_file: {}, accept_plaintext: true}}\n\
+         router: {{cost_model: dynamo}}\n",
         manifests.display(),
         tls.join("server.pem").display(),
         tls.join("server-key.pem").display(),
@@ -214,15 +215,20 @@ async fn reload_and_certificate_rotation_under_load_lose_no_request() {
     assert_eq!(probe(envoy.addr, "nope", "x").await.0, 200);
 
     // 2. SIGHUP after an edit the watch does not see (the link's target changed in place): the
-    // cost weights change. With the overlap credited, every repeat of a long prompt goes where
-    // its prefix is; with no credit for it, load and chance spread them.
+    // cost weights change. Under Dynamo's cost (where the credit is the only thing that tells the
+    // two endpoints apart for a repeated prompt; the predicted costs also weigh what they learned
+    // of each) with the overlap credited, every repeat of a long prompt goes where its prefix is;
+    // with no credit for it, load and chance spread them.
     let long = "the same long system prompt, many blocks of it. ".repeat(40);
     assert_eq!(repeats_at_home(envoy.addr, &long).await, 20);
     std::fs::write(
         files.real.join("v2.yaml"),
         format!(
-            "{}unknown_models: pass-through\nrouter: {{kv_overlap_score_credit: 0.0}}\n",
-            files.base
+            "{}unknown_models: pass-through\n",
+            files.base.replace(
+                "router: {cost_model: dynamo}",
+                "router: {cost_model: dynamo, kv_overlap_score_credit: 0.0}"
+            )
         ),
     )
     .unwrap();
