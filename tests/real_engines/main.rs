@@ -898,8 +898,14 @@ async fn adapter_requests_stay_on_the_engine_that_holds_the_adapter() {
         assert_eq!(r.status, 200, "{}", r.body);
         if r.engine != Some(home) {
             let seen = http(d.epp.metrics, "GET", "/debug/endpoints", &[], "").await;
+            // How kvepp judged each engine's fit for the adapter, and the saturation it saw.
+            let metrics = d.epp.metrics_text().await;
+            let judged: Vec<&str> = metrics
+                .lines()
+                .filter(|l| !l.starts_with('#') && (l.contains("adapter") || l.contains("saturat")))
+                .collect();
             panic!(
-                "adapter request {i} went to {:?}, not to {home}, the engine holding {adapter}; kvepp's scores: {}; kvepp's endpoints: {}",
+                "adapter request {i} went to {:?}, not to {home}, the engine holding {adapter}; kvepp's scores: {}; kvepp's endpoints: {}; kvepp's adapter and saturation series: {judged:?}",
                 r.engine,
                 r.scores,
                 String::from_utf8_lossy(&seen.body)
