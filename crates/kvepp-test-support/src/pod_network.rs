@@ -1,5 +1,5 @@
 //! Pod addresses that are local to the test: a real API server refuses loopback addresses in
-//! EndpointSlices and Pod statuses ("may not be in the loopback range"), and a test may send
+//! EndpointSlices ("may not be in the loopback range"), and a test may send
 //! traffic only to addresses of its own. So a test that routes to pods runs in a network namespace
 //! of its own, made for it by `unshare --net`, whose loopback interface is up and also holds
 //! [`POD_CIDR`]: every address in it is local, nothing leaves the namespace, and pods listen on
@@ -29,11 +29,6 @@ const TEST_DEADLINE: Duration = Duration::from_secs(600);
 pub fn pod_ip(n: usize) -> IpAddr {
     let (hi, lo) = (n / 250, n % 250 + 2);
     IpAddr::V4(Ipv4Addr::new(10, 244, hi as u8, lo as u8))
-}
-
-/// Whether this process runs inside a pod network made by [`run`].
-pub fn inside() -> bool {
-    std::env::var_os(INSIDE).is_some()
 }
 
 /// Runs `body` in a network namespace of its own (see the module doc). `test` is the calling
