@@ -42,12 +42,16 @@ if ! command -v unshare >/dev/null || ! command -v ip >/dev/null; then
 fi
 # The Kubernetes tooling, built from the Go module proxy at pinned versions and cached by version:
 # etcd and kube-apiserver (tests/kubernetes/ runs kvepp against them) and helm.
+# export_paths SCRIPT: runs it (failing the suite when it fails) and exports its NAME=path lines.
+export_paths() {
+  local out name path
+  out=$("$1")
+  while IFS='=' read -r name path; do export "$name=$path"; done <<<"$out"
+}
 step_start=$(date +%s)
-kube_tools=$(scripts/install-kube.sh)
-while IFS='=' read -r name path; do export "$name=$path"; done <<<"$kube_tools"
+export_paths scripts/install-kube.sh
 # The peer Endpoint Pickers (tests/kubernetes/peers.rs routes through each), cached by version.
-peers=$(scripts/install-peers.sh)
-while IFS='=' read -r name path; do export "$name=$path"; done <<<"$peers"
+export_paths scripts/install-peers.sh
 echo "test.sh: Kubernetes tooling and peers ready in $(( $(date +%s) - step_start )) s" >&2
 # The Helm chart: lint with each values file, and a value of the wrong type refused naming it.
 step_start=$(date +%s)

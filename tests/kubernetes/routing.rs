@@ -3,6 +3,15 @@
 
 use super::*;
 
+/// Waits until a request for `model` through Envoy is answered `code`.
+async fn until_answered(envoy: &Envoy, what: &str, model: &str, code: u16) {
+    wait_for(what, || async {
+        let (_, codes, _) = served_by(envoy, model, 1).await;
+        (codes == [code]).then_some(())
+    })
+    .await;
+}
+
 /// kvepp in front of Envoy, discovering everything from the API server: only the ready pods are
 /// routed to; pods, InferenceModels, InferenceObjectives and InferenceModelRewrites (both groups)
 /// added, changed and deleted change the routing, and so does the InferencePool's deletion; a
@@ -102,11 +111,7 @@ async fn epp_follows_the_cluster() {
     })
     .await;
     cluster.delete(MODELS, "review").await;
-    wait_for("model deleted → 404", || async {
-        let (_, codes, _) = served_by(&envoy, "review", 1).await;
-        (codes == [404]).then_some(())
-    })
-    .await;
+    until_answered(&envoy, "model deleted → 404", "review", 404).await;
 
     // InferenceObjective added, moved to another pool, back, deleted.
     let with_objective = |name: &'static str| {
@@ -195,19 +200,11 @@ async fn epp_follows_the_cluster() {
     );
     cluster.delete(REWRITES_X, "fallback").await;
     cluster.delete(REWRITES_LLMD, "alias").await;
-    wait_for("rewrites deleted → 404", || async {
-        let (_, codes, _) = served_by(&envoy, "assistant", 1).await;
-        (codes == [404]).then_some(())
-    })
-    .await;
+    until_answered(&envoy, "rewrites deleted → 404", "assistant", 404).await;
 
     // The InferencePool deleted: 503 `pool_not_found`; created again: routed again.
     cluster.delete(POOLS_V1, "pool").await;
-    wait_for("pool deleted → 503", || async {
-        let (_, codes, _) = served_by(&envoy, "chat", 1).await;
-        (codes == [503]).then_some(())
-    })
-    .await;
+    until_answered(&envoy, "pool deleted → 503", "chat", 503).await;
     cluster.put(POOLS_V1, pool_v1("pool", 8000)).await;
     wait_for("pool back", || async {
         let (seen, codes, _) = served_by(&envoy, "chat", 4).await;

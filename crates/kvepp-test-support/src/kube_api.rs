@@ -66,12 +66,6 @@ pub fn kind_of_plural(plural: &str) -> &'static str {
         "clustertopologies" => "ClusterTopology",
         "customresourcedefinitions" => "CustomResourceDefinition",
         "pods" => "Pod",
-        "services" => "Service",
-        "serviceaccounts" => "ServiceAccount",
-        "namespaces" => "Namespace",
-        "roles" => "Role",
-        "rolebindings" => "RoleBinding",
-        "deployments" => "Deployment",
         _ => "Unknown",
     }
 }

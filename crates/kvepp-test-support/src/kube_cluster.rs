@@ -33,6 +33,7 @@ use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair}
 use serde_json::{json, Value};
 
 use crate::harness::{free_port, http, repo_root};
+pub use crate::pod_network::EXTERNAL;
 use crate::TempDir;
 
 /// Pods in namespace `default`.
@@ -146,11 +147,6 @@ pub struct KubeCluster {
     /// Restarts so far (each API server's log has its own file).
     restarts: usize,
 }
-
-/// A kubeconfig with cluster-admin rights on a cluster of your own: when set, the tests run
-/// against that cluster instead of starting etcd and kube-apiserver (see docs/operations.md);
-/// what needs the local API server (a restart, a compaction, a token it signed) says so.
-pub const EXTERNAL: &str = "KVEPP_TEST_KUBECONFIG";
 
 impl Drop for KubeCluster {
     fn drop(&mut self) {
@@ -362,14 +358,13 @@ impl KubeCluster {
             .stdin(Stdio::null())
             .stdout(log_file(d, &log))
             .stderr(log_file(d, &log));
-        let child = cmd
+        let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("{}: {e}", bins.kube_apiserver.display()));
-        let child = std::sync::Mutex::new(child);
         let admin = self.admin.clone();
         let ready = crate::wait_until("kube-apiserver ready", START_DEADLINE, || {
             let admin = admin.clone();
-            let exited = child.lock().expect("child").try_wait().ok().flatten();
+            let exited = child.try_wait().ok().flatten();
             async move {
                 if let Some(status) = exited {
                     return Some(Err(format!("kube-apiserver exited ({status})")));
@@ -381,7 +376,7 @@ impl KubeCluster {
         })
         .await
         .and_then(|r| r);
-        self.apiserver = Some(child.into_inner().expect("child"));
+        self.apiserver = Some(child);
         if let Err(e) = ready {
             panic!("{e}:\n{}", self.log(&log));
         }

@@ -20,6 +20,11 @@ use std::time::{Duration, Instant};
 pub const POD_CIDR: &str = "10.244.0.0/16";
 /// The namespace's own first address, with the prefix that makes the whole range local.
 const GATEWAY: &str = "10.244.0.1/16";
+/// A kubeconfig with cluster-admin rights on a cluster of your own: when set, the tests run
+/// against that cluster instead of starting etcd and kube-apiserver (see docs/operations.md), and
+/// outside any pod network (which could not reach it); what needs the local API server (a
+/// restart, a compaction, a token it signed, pods on the pod network) says so.
+pub const EXTERNAL: &str = "KVEPP_TEST_KUBECONFIG";
 /// Set (to the test's name) in the re-executed test: its body runs.
 const INSIDE: &str = "KVEPP_POD_NETWORK_TEST";
 /// How long one test may run inside its namespace.
@@ -40,7 +45,7 @@ where
 {
     // Inside the namespace, or against an external cluster (which the namespace could not reach):
     // the body runs here.
-    let external = cfg!(feature = "kube") && std::env::var_os("KVEPP_TEST_KUBECONFIG").is_some();
+    let external = cfg!(feature = "kube") && std::env::var_os(EXTERNAL).is_some();
     if std::env::var(INSIDE).as_deref() == Ok(test) || external {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
