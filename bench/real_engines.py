@@ -293,6 +293,23 @@ def split(work, n):
     return [work[0][i::n] for i in range(n)]
 
 
+def summary(kind, workload, policy, res, before, after, wall):
+    """One row of the table: the client's figures over `res` and the engines' counters' growth from
+    `before` to `after`."""
+    hits = sum(a[0] - b[0] for a, b in zip(after, before))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before))
+    ok = [r for r in res if r[0] == 200]
+    ttft = [r[1] * 1000 for r in ok]
+    e2e = [r[2] * 1000 for r in ok]
+    itl = [r[3] * 1000 for r in ok if r[3] is not None]
+    return {"engines": kind, "workload": workload, "policy": policy, "requests": len(res), "ok": len(ok),
+            "hit_ratio": hits / queries if queries else 0.0,
+            "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
+            "e2e_p50": pct(e2e, 0.5), "e2e_p90": pct(e2e, 0.9),
+            "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9),
+            "preemptions": sum(a[2] - b[2] for a, b in zip(after, before)), "wall_s": wall}
+
+
 async def run_policies(session, args, engines, logs, kind, manifests=None):
     """Every workload under every policy through kvepp and Envoy to `engines`; a row each."""
     rows, salt = [], 1
@@ -310,18 +327,7 @@ async def run_policies(session, args, engines, logs, kind, manifests=None):
                 after = [await counters_of(session, e.url) for e in engines]
             finally:
                 router.stop()
-            hits = sum(a[0] - b[0] for a, b in zip(after, before))
-            queries = sum(a[1] - b[1] for a, b in zip(after, before))
-            ok = [r for r in res if r[0] == 200]
-            ttft = [r[1] * 1000 for r in ok]
-            e2e = [r[2] * 1000 for r in ok]
-            itl = [r[3] * 1000 for r in ok if r[3] is not None]
-            row = {"engines": kind, "workload": workload, "policy": name, "requests": len(res), "ok": len(ok),
-                   "hit_ratio": hits / queries if queries else 0.0,
-                   "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
-                   "e2e_p50": pct(e2e, 0.5), "e2e_p90": pct(e2e, 0.9),
-                   "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9),
-                   "preemptions": sum(a[2] - b[2] for a, b in zip(after, before)), "wall_s": wall}
+            row = summary(kind, workload, name, res, before, after, wall)
             rows.append(row)
             print(f"real_engines: {kind} {workload} {name}: {json.dumps(row)}", file=sys.stderr)
     return rows

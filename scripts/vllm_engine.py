@@ -3,7 +3,7 @@ deploy it, until its standard input closes or it is sent SIGTERM/SIGINT.
 
     python scripts/vllm_engine.py --model DIR --port P --kv-events-port E [--cpu N] [...]
 
-The engine serves the model as `m` on 127.0.0.1:P with `--load-format dummy` (random weights),
+The engine serves the model as `m` on 127.0.0.1:P (`--host` another address) with `--load-format dummy` (random weights),
 block size 32 (the smallest the CPU attention backend accepts), prefix caching, a KV cache of
 `--kv-cache-bytes` (small, so a working set spread over two engines evicts), KV events over its own
 ZMQ publisher on tcp://*:E (with its replay ROUTER on
@@ -28,6 +28,7 @@ import threading
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="the address it serves on (a pod's own, say)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--kv-events-port", type=int, required=True)
     p.add_argument("--kv-events-replay-port", type=int, default=None,
@@ -47,7 +48,7 @@ def main():
     cmd = [
         os.path.join(bindir, "vllm"), "serve", a.model,
         "--served-model-name", "m",
-        "--host", "127.0.0.1",
+        "--host", a.host,
         "--port", str(a.port),
         "--load-format", "dummy",
         "--dtype", "float32",
@@ -75,7 +76,7 @@ def main():
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update({
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_HOST_IP": a.host,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -105,6 +105,18 @@ pub struct BenchSpec {
     pub replica_sync: bool,
     /// When (workload time, before the speed factor) the first engine restarts, if ever.
     pub restart_at: Option<Duration>,
+    /// Engine `i`'s own address where given, and every engine's port (0: ephemeral).
+    pub ips: Vec<std::net::IpAddr>,
+    pub port: u16,
+}
+
+/// Who routes a replay.
+#[derive(Debug, Clone, Copy)]
+pub enum Router {
+    /// kvepp started here under this policy (or the policy's reference placement).
+    Kvepp(Policy),
+    /// A router running on its own (its ext_proc gRPC address), discovering the fleet itself.
+    External(std::net::SocketAddr),
 }
 
 /// kvepp serving from a manifests directory, in this process.
@@ -188,10 +200,21 @@ pub async fn run_policy(
     policy: Policy,
     requests: &[Request],
 ) -> Result<Replay, BenchError> {
+    run_router(spec, Router::Kvepp(policy), requests).await
+}
+
+/// Replays `requests` routed by `router` in front of a fresh fleet.
+pub async fn run_router(
+    spec: &BenchSpec,
+    router: Router,
+    requests: &[Request],
+) -> Result<Replay, BenchError> {
     let fleet = Fleet::start(FleetSpec {
         engines: spec.engines,
         params: spec.params.clone(),
         layout: spec.layout.clone(),
+        ips: spec.ips.clone(),
+        port: spec.port,
         ..FleetSpec::default()
     })
     .await?;
@@ -203,7 +226,18 @@ pub async fn run_policy(
         .iter()
         .filter(|e| e.layout.role.decodes())
         .collect();
-    let (kvepps, envoy, door) = if let Some(objective) = policy.reference() {
+    // What follows asks the policy only of kvepp started here (its metrics, KV-event waits);
+    // an external router has none of that.
+    let policy = match router {
+        Router::Kvepp(policy) => policy,
+        Router::External(_) => Policy::RoundRobin,
+    };
+    let (kvepps, envoy, door) = if let Router::External(grpc) = router {
+        let envoy = EnvoyProcess::start_with(&spec.envoy, EnvoyProcess::bootstrap()?, grpc).await?;
+        routes_to_every_engine(envoy.listener, &fleet).await?;
+        let door = Door::Envoy(envoy.listener);
+        (Vec::new(), Some(envoy), door)
+    } else if let Some(objective) = policy.reference() {
         let engines = answering.iter().map(|e| (e.http, e.core.clone()));
         let oracle = oracle::Clairvoyant::new(engines, objective);
         (Vec::new(), None, Door::Oracle(std::sync::Arc::new(oracle)))
@@ -253,6 +287,55 @@ pub async fn run_policy(
         lora_evictions,
         kvepp_metrics,
     })
+}
+
+/// Waits until a router running on its own answers through Envoy and has sent a probe to every
+/// engine of the fleet (one-token probes of their own, so no workload prompt is cached by them),
+/// or, for a router that never spreads idle probes, 10 s after its first answer.
+async fn routes_to_every_engine(
+    listener: std::net::SocketAddr,
+    fleet: &Fleet,
+) -> Result<(), BenchError> {
+    let model = &fleet.spec.params.model;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut first_answer: Option<Instant> = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut n = 0u32;
+    loop {
+        n += 1;
+        let body = serde_json::json!({"model": model, "prompt": [n, 7, 7, 7], "max_tokens": 1});
+        let headers = [("content-type", "application/json")];
+        let answer = kvepp_test_support::client::request(
+            listener,
+            "POST",
+            "/v1/completions",
+            &headers,
+            bytes::Bytes::from(body.to_string()),
+        )
+        .await;
+        if let Ok(resp) = answer {
+            if resp.status() == 200 {
+                first_answer.get_or_insert_with(Instant::now);
+                if let Some(engine) = resp.headers().get(kvepp_sim::fleet::ENGINE_HEADER) {
+                    seen.insert(engine.as_bytes().to_vec());
+                }
+            }
+            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+        }
+        let now = Instant::now();
+        if seen.len() >= fleet.engines.len()
+            || first_answer.is_some_and(|t| now > t + Duration::from_secs(10))
+        {
+            return Ok(());
+        }
+        if now > deadline {
+            return Err(BenchError::Kvepp(format!(
+                "the external router routed no request to the fleet within 60 s ({} engines answered)",
+                seen.len()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The kvepp replicas of a run; with replica sync, each one's peers are the others.
@@ -579,6 +662,8 @@ fn base_spec(sc: &scenario::Scenario, args: &BenchArgs, kvepp: &Config) -> Bench
         replicas: sc.replicas,
         replica_sync: false,
         restart_at: sc.restart_at,
+        ips: args.addresses.clone(),
+        port: args.port,
     }
 }
 
@@ -687,7 +772,19 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
         };
         let mut results = Vec::new();
         let mut notes = String::new();
-        for &policy in &args.policy {
+        for (name, grpc) in &args.external {
+            let replay = run_router(&spec, Router::External(*grpc), &sc.requests).await?;
+            let r = report::summarize(name, &replay.records, &replay.engines, args.slo_ttft_ms);
+            report::csv_rows(&mut csv, kind.name(), name, &replay.records);
+            eprintln!("   {}", report::line(&r));
+            results.push(r);
+        }
+        let policies = if args.external.is_empty() {
+            &args.policy[..]
+        } else {
+            &[]
+        };
+        for &policy in policies {
             if policy.reference().is_some() && disaggregated {
                 // It places on the engines that answer clients and knows no prefill leg.
                 eprintln!(
@@ -725,19 +822,7 @@ pub async fn run(args: BenchArgs) -> Result<Vec<(String, Vec<PolicyResult>)>, Be
                 } = run_policy(&spec, policy, &sc.requests).await?;
                 let r = report::summarize(&name, &records, &engines, args.slo_ttft_ms);
                 report::csv_rows(&mut csv, kind.name(), &name, &records);
-                eprintln!(
-                    "   {:<26} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  SLO met {:>3.0}%  failed {}{}",
-                    r.policy,
-                    r.ttft_ms[1],
-                    r.hit_ratio * 100.0,
-                    r.imbalance,
-                    r.slo_met * 100.0,
-                    r.failed,
-                    r.first_error
-                        .as_deref()
-                        .map(|e| format!(" (first: {e})"))
-                        .unwrap_or_default()
-                );
+                eprintln!("   {}", report::line(&r));
                 if let (Some(at), Some(engine)) = (sc.restart_at, engines.first()) {
                     let line = restart_note(
                         &sc,

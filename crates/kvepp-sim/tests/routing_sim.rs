@@ -100,6 +100,8 @@ fn spec(engines: usize, blocks: u64, replicas: usize, restart_at: Option<Duratio
         replicas,
         replica_sync: false,
         restart_at,
+        ips: Vec::new(),
+        port: 0,
     }
 }
 

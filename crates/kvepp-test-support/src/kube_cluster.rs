@@ -29,7 +29,7 @@ use base64::Engine as _;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams,
 };
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use serde_json::{json, Value};
 
 use crate::harness::{free_port, http, repo_root};
@@ -177,17 +177,26 @@ impl KubeCluster {
         let mut ca_params = CertificateParams::new(vec!["kvepp test cluster CA".to_owned()])
             .expect("CA parameters");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // Names of their own: with rcgen's one default name for both, OpenSSL clients take the
+        // serving certificate for a self-signed one.
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "kvepp test cluster CA");
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("CA key"))
             .expect("CA");
         let serving_key = KeyPair::generate().expect("serving key");
-        let serving = CertificateParams::new(vec![
+        let mut serving = CertificateParams::new(vec![
             "127.0.0.1".to_owned(),
             "localhost".to_owned(),
             "kubernetes.default.svc".to_owned(),
         ])
-        .expect("serving parameters")
-        .signed_by(&serving_key, &ca)
-        .expect("serving certificate");
+        .expect("serving parameters");
+        serving
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        let serving = serving
+            .signed_by(&serving_key, &ca)
+            .expect("serving certificate");
         let signing = KeyPair::generate().expect("ServiceAccount signing key");
         let admin_token = format!(
             "admin-{:016x}",

@@ -184,6 +184,8 @@ fn spec(args: &AdapterBenchArgs, kvepp: &Config, replicas: usize) -> BenchSpec {
         replicas,
         replica_sync: replicas > 1,
         restart_at: None,
+        ips: Vec::new(),
+        port: 0,
     }
 }
 

@@ -81,4 +81,27 @@ pub struct BenchArgs {
     /// `kv_transfer_weight` of the soft modes.
     #[arg(long, default_value_t = 5.0)]
     pub kv_transfer_weight: f64,
+    /// Each engine's own address, comma-separated (engine i binds the i-th), as pods have theirs;
+    /// with `--port`, what a router that discovers the pool from Kubernetes is told of.
+    #[arg(long, value_delimiter = ',')]
+    pub addresses: Vec<std::net::IpAddr>,
+    /// Every engine's HTTP port (0: an ephemeral port each; a fixed port needs `--addresses`).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// A router running on its own, `NAME=HOST:PORT` of its ext_proc gRPC server (TLS or h2c, as
+    /// the local Envoy bootstrap connects): run behind the same Envoy as kvepp's policies, in
+    /// front of the fleet at `--addresses`, which it discovers by itself. Repeatable; when given,
+    /// only these routers run (not `--policy`).
+    #[arg(long, value_parser = parse_external)]
+    pub external: Vec<(String, std::net::SocketAddr)>,
+}
+
+fn parse_external(s: &str) -> Result<(String, std::net::SocketAddr), String> {
+    let (name, addr) = s
+        .split_once('=')
+        .ok_or_else(|| format!("--external {s:?}: expected NAME=HOST:PORT"))?;
+    let addr = addr
+        .parse()
+        .map_err(|e| format!("--external {s:?}: {addr:?} is no HOST:PORT: {e}"))?;
+    Ok((name.to_owned(), addr))
 }

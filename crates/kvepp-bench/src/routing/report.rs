@@ -170,6 +170,23 @@ pub fn summarize(
     }
 }
 
+/// One policy's progress line: p90 TTFT, hits, imbalance, SLO, failures.
+pub fn line(r: &PolicyResult) -> String {
+    format!(
+        "{:<26} p90 TTFT {:>8.0} ms  hit {:>5.1}%  imbalance {:.2}  SLO met {:>3.0}%  failed {}{}",
+        r.policy,
+        r.ttft_ms[1],
+        r.hit_ratio * 100.0,
+        r.imbalance,
+        r.slo_met * 100.0,
+        r.failed,
+        r.first_error
+            .as_deref()
+            .map(|e| format!(" (first: {e})"))
+            .unwrap_or_default()
+    )
+}
+
 /// The first line of `requests.csv`: one row per replayed request of every policy on every
 /// workload, times in ms (empty where the request failed before that point).
 pub const CSV_HEADER: &str =

@@ -129,6 +129,12 @@ pub enum SimError {
     Invalid(String),
     #[error("cannot load the tokenizer: {0}")]
     Tokenizer(#[from] kvepp_tokenizer::TokenizeError),
+    #[error("a fixed port ({port}) needs an address per engine: {engines} engines, {addresses} addresses")]
+    SharedPort {
+        port: u16,
+        engines: usize,
+        addresses: usize,
+    },
     #[error("cannot bind an engine on {ip}: {source}")]
     Bind { ip: IpAddr, source: std::io::Error },
     #[error(transparent)]
@@ -195,7 +201,12 @@ pub struct FleetSpec {
     pub params: SimParams,
     /// Directory with the `tokenizer.json` (and chat template) kvepp uses for the model.
     pub tokenizer: Option<PathBuf>,
+    /// The address every engine binds, unless `ips` names one for it.
     pub ip: IpAddr,
+    /// Engine `i`'s own address (as pods have), where given.
+    pub ips: Vec<IpAddr>,
+    /// Every engine's HTTP port (as a pool's target port is); 0: an ephemeral port each.
+    pub port: u16,
     /// InferencePool (and Service) name in the generated manifests.
     pub pool_name: String,
     /// Role and topology of engine `i` (missing entries: `both`, no topology).
@@ -241,6 +252,8 @@ impl Default for FleetSpec {
             params: SimParams::default(),
             tokenizer: None,
             ip: IpAddr::from([127, 0, 0, 1]),
+            ips: Vec::new(),
+            port: 0,
             pool_name: "sim-pool".into(),
             layout: Vec::new(),
         }
@@ -286,6 +299,13 @@ impl Drop for Fleet {
 impl Fleet {
     pub async fn start(spec: FleetSpec) -> Result<Fleet, SimError> {
         spec.params.validate()?;
+        if spec.port != 0 && spec.engines > 1 && spec.ips.len() < spec.engines {
+            return Err(SimError::SharedPort {
+                port: spec.port,
+                engines: spec.engines,
+                addresses: spec.ips.len(),
+            });
+        }
         let tokenizer = match &spec.tokenizer {
             Some(dir) => Some(Arc::new(ModelTokenizer::load(dir)?)),
             None => None,
@@ -297,26 +317,23 @@ impl Fleet {
         for i in 0..spec.engines {
             let layout = spec.layout.get(i).cloned().unwrap_or_default();
             let name = format!("sim-engine-{i}");
+            let ip = spec.ips.get(i).copied().unwrap_or(spec.ip);
             let core = engine::EngineCore::new(spec.params.clone());
             let (commands, commands_rx) = tokio::sync::mpsc::unbounded_channel();
             let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
             let kv_events =
-                events::start(spec.ip, String::new(), spec.params.block_size, events_rx).await?;
+                events::start(ip, String::new(), spec.params.block_size, events_rx).await?;
             tasks.push(tokio::spawn(engine::run(
                 core.clone(),
                 commands_rx,
                 events_tx,
             )));
-            let listener = tokio::net::TcpListener::bind((spec.ip, 0))
+            let listener = tokio::net::TcpListener::bind((ip, spec.port))
                 .await
-                .map_err(|source| SimError::Bind {
-                    ip: spec.ip,
-                    source,
-                })?;
-            let http = listener.local_addr().map_err(|source| SimError::Bind {
-                ip: spec.ip,
-                source,
-            })?;
+                .map_err(|source| SimError::Bind { ip, source })?;
+            let http = listener
+                .local_addr()
+                .map_err(|source| SimError::Bind { ip, source })?;
             let engine = SimEngine {
                 name: name.clone(),
                 http,
@@ -435,6 +452,14 @@ pub struct SimArgs {
     /// Address every engine binds (ephemeral ports).
     #[arg(long, default_value = "127.0.0.1")]
     pub bind_address: IpAddr,
+    /// Each engine's own address instead, comma-separated (engine i binds the i-th), as pods
+    /// have theirs.
+    #[arg(long, value_delimiter = ',')]
+    pub addresses: Vec<IpAddr>,
+    /// Every engine's HTTP port, as a pool's target port (0: an ephemeral port each; a fixed
+    /// port needs `--addresses`).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
     /// Print the default parameters as YAML and exit.
     #[arg(long)]
     pub print_params: bool,
@@ -458,6 +483,8 @@ impl SimArgs {
             params,
             tokenizer: self.tokenizer.clone(),
             ip: self.bind_address,
+            ips: self.addresses.clone(),
+            port: self.port,
             pool_name: self.pool_name.clone(),
             layout: if self.prefill_engines > 0 || !self.zones.is_empty() {
                 let prefill = self.prefill_engines.min(self.engines);
