@@ -210,16 +210,19 @@ def start_cluster(args, logs):
 # --- vLLM engines -------------------------------------------------------------------------------
 
 class PodEngine:
-    """A real vLLM engine at pod address `ip`:8000 (KV events on :5557, replay :5558) and the worker
-    agent beside it on :8090, as the shipped pod template runs them."""
+    """A real vLLM engine at pod address `ip`:8000 and the worker agent beside it on :8090, as the
+    shipped pod template runs them. vLLM binds its KV-event publisher on every address (it
+    connects, not binds, to a named one), and these pods share one network namespace: engine i
+    publishes on 5557 + 10·i (replay one above), which its agent advertises."""
 
     def __init__(self, args, i, logs):
         self.name, self.ip = f"vllm-{i}", pod_ip(i)
         self.url = f"http://{self.ip}:{POD_PORT}"
+        events, replay = str(5557 + 10 * i), str(5558 + 10 * i)
         cores = os.cpu_count() or 1
         self.proc = subprocess.Popen(
             [args.python, os.path.join(ROOT, "scripts/vllm_engine.py"), "--model", args.model, "--host", self.ip,
-             "--port", str(POD_PORT), "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
+             "--port", str(POD_PORT), "--kv-events-port", events, "--kv-events-replay-port", replay,
              "--cpu", str(i % cores), "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-seqs", "8",
              "--log", os.path.join(logs, f"{self.name}.log")], stdin=subprocess.PIPE)
         labels = os.path.join(logs, f"{self.name}.labels")
@@ -227,10 +230,10 @@ class PodEngine:
             f.write('app="model"\nkvepp.io/component="pool"\n')
         log = open(os.path.join(logs, f"{self.name}-agent.log"), "ab")
         self.agent = subprocess.Popen(
-            [args.agent, "--component", "pool", "--namespace", "default", "--pod-name", self.name,
+            [args.agent, "--component", "pool", "--namespace", "default", "--pod-name", self.name, "--pod-ip", self.ip,
              "--labels-file", labels, "--listen", f"{self.ip}:{AGENT_PORT}",
              "--engine-health-url", f"{self.url}/health", "--model-name", "m", "--block-size", "32",
-             "--kv-events-port", "5557", "--kv-events-replay-port", "5558", "--check-interval-ms", "200",
+             "--kv-events-port", events, "--kv-events-replay-port", replay, "--check-interval-ms", "200",
              "--drain-seconds", "0"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
 
     def stop(self):
@@ -270,6 +273,20 @@ async def router_ready(session, which, epp, listen, pods):
     raise RuntimeError(f"{which}: no request answered through Envoy within 90 s")
 
 
+async def keep_pages(session, epp, logs, run):
+    """kvepp's /metrics and /debug/endpoints at the end of a run, beside the logs; a run in which
+    kvepp read no KV event is no run of its default and stops the benchmark."""
+    if epp.which != "kvepp":
+        return
+    for page in ("metrics", "debug/endpoints"):
+        async with session.get(f"http://127.0.0.1:{epp.metrics}/{page}") as r:
+            text = await r.text()
+        with open(os.path.join(logs, f"{run}-kvepp-{page.replace('/', '-')}.txt"), "w") as f:
+            f.write(text)
+        if page == "metrics" and not engines_bench.metric_sum(text, "kvepp_kv_event_blocks_stored_total"):
+            raise RuntimeError(f"{run}: kvepp read no KV event from the engines (its pages in {logs})")
+
+
 async def vllm_phase(args, kube, logs):
     engines = [PodEngine(args, i, logs) for i in range(args.engines)]
     pods = [(e.name, e.ip) for e in engines]
@@ -284,7 +301,7 @@ async def vllm_phase(args, kube, logs):
             gone = register_pool(kube, pods, AGENT_PORT, ["m"])
             salt = 100
             for workload in args.workloads.split(","):
-                for which in ROUTERS:
+                for which in args.routers.split(","):
                     salt += 1
                     work = (engines_bench.shared_prefix(salt) if workload == "shared-prefix"
                             else engines_bench.multi_turn(salt))
@@ -298,6 +315,7 @@ async def vllm_phase(args, kube, logs):
                             session, f"http://127.0.0.1:{envoy.listen}", engines_bench.split(work, args.clients))
                         wall = time.monotonic() - started
                         after = [await engines_bench.counters_of(session, e.url) for e in engines]
+                        await keep_pages(session, epp, logs, f"vllm-{workload}")
                     finally:
                         envoy.stop()
                         epp.stop()
@@ -320,7 +338,7 @@ def sim_phase(args, kube, logs):
     gone = register_pool(kube, pods, POD_PORT, [SIM_MODEL])
     results = {}
     for workload in args.sim_workloads.split(","):
-        for which in ROUTERS:
+        for which in args.routers.split(","):
             epp = Epp(args, which, args.kubeconfig, logs)
             out = os.path.join(args.out, "sim", f"{workload}-{which}")
             try:
@@ -366,13 +384,13 @@ def cpu_phase(args, kube, logs):
     epps = {}
     results = {}
     try:
-        for which in ROUTERS:
+        for which in args.routers.split(","):
             epps[which] = Epp(args, which, args.kubeconfig, logs, tls=False)
             wait(f"{which} serving", lambda: port_open(epps[which].grpc), 60)
         for mode in args.cpu_modes.split(","):
             script, size = wrk_script(cpu_per_request, mode, logs)
             for rep in range(args.repeat):
-                for which in ROUTERS:
+                for which in args.routers.split(","):
                     epp = epps[which]
                     out, (c0,), (c1,) = load_through_envoy(
                         args.envoy, logs, bootstrap("kvepp", "FULL_DUPLEX_STREAMED", 0, 0, epp.grpc), 1,
@@ -439,11 +457,12 @@ def report(args, vllm_rows, sim, cpu):
         lines.append("")
     for workload, entry in sim.items():
         lines += [f"Simulated fleet, {entry['title']}:", "",
-                  "| router | requests | failed | TTFT p50 / p90 ms | e2e p50 / p90 ms | hit ratio | imbalance |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| router | requests | failed | TTFT p50 / p90 ms | e2e p50 / p90 ms | TTFT ≤ 1 s | hit ratio | imbalance |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in entry["rows"]:
             lines.append(f"| {r['policy']} | {r['requests']} | {r['failed']} | {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} "
-                         f"| {r['e2e_ms'][0]:.0f} / {r['e2e_ms'][1]:.0f} | {r['hit_ratio']:.3f} | {r['imbalance']:.2f} |")
+                         f"| {r['e2e_ms'][0]:.0f} / {r['e2e_ms'][1]:.0f} | {100 * r['slo_met']:.0f}% | {r['hit_ratio']:.3f} "
+                         f"| {r['imbalance']:.2f} |")
         lines.append("")
     if cpu:
         lines += [f"EPP CPU per request at ~100k-token prompts (the CPU benchmark's bodies), Envoy --concurrency 1, "
@@ -452,7 +471,7 @@ def report(args, vllm_rows, sim, cpu):
                   "| mode | body | router | EPP CPU µs/req | req/s | p50 / p99 ms through Envoy |",
                   "|---|---:|---|---:|---:|---:|"]
         for mode in args.cpu_modes.split(","):
-            for which in ROUTERS:
+            for which in args.routers.split(","):
                 m = [statistics.median(x[i] for x in cpu[(mode, which)]) for i in range(4)]
                 lines.append(f"| {mode} | {cpu[(mode, 'size')] // 1024} KiB | {which} | {m[0]:.0f} | {m[1]:.0f} "
                              f"| {m[2]:.2f} / {m[3]:.2f} |")
@@ -467,6 +486,7 @@ async def main():
     p.add_argument("--python", default=sys.executable, help="the vLLM venv's python")
     p.add_argument("--model", default=os.path.join(ROOT, ".venv/tiny-model"))
     p.add_argument("--phases", default="vllm,sim,cpu")
+    p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--kv-cache-bytes", default="12M")
     p.add_argument("--clients", type=int, default=3)

@@ -3,10 +3,10 @@ deploy it, until its standard input closes or it is sent SIGTERM/SIGINT.
 
     python scripts/vllm_engine.py --model DIR --port P --kv-events-port E [--cpu N] [...]
 
-The engine serves the model as `m` on 127.0.0.1:P (`--host` another address) with `--load-format dummy` (random weights),
-block size 32 (the smallest the CPU attention backend accepts), prefix caching, a KV cache of
-`--kv-cache-bytes` (small, so a working set spread over two engines evicts), KV events over its own
-ZMQ publisher on tcp://*:E (with its replay ROUTER on
+The engine serves the model as `m` on 127.0.0.1:P (`--host` another address, such as a pod's)
+with `--load-format dummy` (random weights), block size 32 (the smallest the CPU attention backend
+accepts), prefix caching, a KV cache of `--kv-cache-bytes` (small, so a working set spread over two
+engines evicts), KV events over its own ZMQ publisher on tcp://*:E (with its replay ROUTER on
 `--kv-events-replay-port`), and LoRA with `--max-loras` slot(s) for the adapters under DIR/lora.
 Its stdout and stderr go to `--log`.
 

@@ -189,6 +189,71 @@ async fn a_replay_reports_when_kvepp_dropped_a_restarted_engine() {
     }
 }
 
+/// A router running on its own (here a kvepp whose pool lists the fleet's addresses before the
+/// fleet exists, as a router watching Kubernetes would) is replayed like a policy: the fleet comes
+/// up at one address per engine on one port, the replay waits until the router reaches every
+/// engine, and every request is answered through Envoy, each engine taking a share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_of_its_own_is_replayed_like_a_policy() {
+    let requests = workload::shared_prefix(&workload::SharedPrefix {
+        groups: 4,
+        system_tokens: 256,
+        user_tokens: 32,
+        output_tokens: (2, 4),
+        rate: 20.0,
+        duration: Duration::from_secs(2),
+        seed: 5,
+    });
+    let ips: Vec<std::net::IpAddr> = vec![[127, 0, 0, 2].into(), [127, 0, 0, 3].into()];
+    let port = routing_bench::free_port().expect("a free port");
+    // The pool's manifests, from a fleet at the same addresses started and stopped before.
+    let fleet_spec = FleetSpec {
+        engines: 2,
+        params: params(400),
+        pool_name: "pool".into(),
+        ips: ips.clone(),
+        port,
+        ..FleetSpec::default()
+    };
+    let manifests = Fleet::start(fleet_spec.clone())
+        .await
+        .expect("fleet")
+        .manifests();
+    for ip in &ips {
+        assert!(manifests.contains(&format!("\"{ip}\"")), "{manifests}");
+    }
+    let epp = Epp::start(&manifests, |c| c.engine_metrics.enabled = false).await;
+    let mut spec = spec(2, 400, 1, None);
+    spec.ips = ips.clone();
+    spec.port = port;
+    let replay =
+        routing_bench::run_router(&spec, routing_bench::Router::External(epp.grpc), &requests)
+            .await
+            .expect("replay");
+    let r = routing_bench::report::summarize("external", &replay.records, &replay.engines, 1000.0);
+    assert_eq!(r.failed, 0, "{:?}", r.first_error);
+    assert_eq!(r.requests, requests.len());
+    let served: std::collections::BTreeSet<_> = replay
+        .records
+        .iter()
+        .filter_map(|r| r.outcome.engine.clone())
+        .collect();
+    assert_eq!(served.len(), 2, "both engines served: {served:?}");
+    epp.stop().await;
+
+    // A fixed port with fewer addresses than engines cannot bind: said before anything starts.
+    let shared = Fleet::start(FleetSpec {
+        engines: 3,
+        ..fleet_spec
+    })
+    .await
+    .expect_err("three engines on two addresses and one port");
+    assert_eq!(
+        shared.to_string(),
+        format!("a fixed port ({port}) needs an address per engine: 3 engines, 2 addresses")
+    );
+}
+
 /// One completion of model `m` through Envoy: (engine, cached tokens).
 async fn complete(envoy: std::net::SocketAddr, prompt: &[u32], max_tokens: u32) -> (String, u64) {
     let (engine, v) = sim_common::complete_as(envoy, "m", prompt, max_tokens).await;
