@@ -91,6 +91,45 @@ def dumps(body):
     return json.dumps(body).replace(json.dumps(NEW), NEW)
 
 
+def wrk_script(mode, tmp, headers):
+    """Writes the 16 bodies of `mode` and a wrk script that sends them in turn with `headers` (and
+    the content type), each with the request counter where the body has a place for it; returns
+    the script's path and one body's size in bytes.
+
+    The counter is counted on from the clock: every wrk run (warm-up, each repeat, each EPP) starts
+    a new Lua state, and a counter from 0 would send the messages of the previous runs again,
+    which kvepp's caches then serve without tokenizing (runs start seconds apart and send under
+    10^4 requests a second). Taken modulo 4·10^9, so that a counter standing for a token id fits
+    u32 (and Lua prints it whole)."""
+    variants = bodies(mode, 16)
+    files = []
+    for i, (body, _) in enumerate(variants):
+        path = os.path.join(tmp, f"{mode}-{i}.json")
+        with open(path, "w") as f:
+            f.write(dumps(body))
+        files.append(path)
+    lua_headers = ", ".join(f"[{json.dumps(k)}] = {json.dumps(v)}" for k, v in
+                            {"content-type": "application/json", **headers}.items())
+    script = os.path.join(tmp, f"{mode}.lua")
+    with open(script, "w") as f:
+        f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
+        f.write("local bodies = {}\n")
+        f.write("for i, p in ipairs(files) do local h = io.open(p, 'rb'); bodies[i] = h:read('*a'); h:close() end\n")
+        f.write("local n = (os.time() % 1000000) * 10000\n")
+        f.write(f"local path = {json.dumps(variants[0][1])}\n")
+        f.write("local headers = {" + lua_headers + "}\n")
+        # A body with the NEW marker gets the request counter there (a new last message on
+        # every request); the others go out as written.
+        f.write(f"local marker = {json.dumps(NEW)}\n")
+        f.write("local heads, tails = {}, {}\n")
+        f.write("for i, b in ipairs(bodies) do local at = string.find(b, marker, 1, true); "
+                "if at then heads[i] = b:sub(1, at - 1); tails[i] = b:sub(at + #marker) end end\n")
+        f.write("request = function() n = n + 1; local i = n % #bodies + 1; "
+                "local body = bodies[i]; if heads[i] then body = heads[i] .. (n % 4000000000) .. tails[i] end; "
+                "return wrk.format('POST', path, headers, body) end\n")
+    return script, os.path.getsize(files[0])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--envoy", required=True)
@@ -154,37 +193,7 @@ def main():
         inside = {m: [] for m in tokens_modes}
         results = {}
         for mode in modes:
-            variants = bodies(mode, 16)
-            files = []
-            for i, (body, _) in enumerate(variants):
-                path = os.path.join(tmp, f"{mode}-{i}.json")
-                with open(path, "w") as f:
-                    f.write(dumps(body))
-                files.append(path)
-            script = os.path.join(tmp, f"{mode}.lua")
-            with open(script, "w") as f:
-                f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
-                f.write("local bodies = {}\n")
-                f.write("for i, p in ipairs(files) do local h = io.open(p, 'rb'); bodies[i] = h:read('*a'); h:close() end\n")
-                # Counted on from the clock: every wrk run (warm-up, each repeat, each EPP) starts a
-                # new Lua state, and a counter from 0 would send the messages of the previous runs
-                # again, which kvepp's caches then serve without tokenizing (runs start seconds
-                # apart and send under 10^4 requests a second). Taken modulo 4·10^9, so that a
-                # counter standing for a token id fits u32 (and Lua prints it whole).
-                f.write("local n = (os.time() % 1000000) * 10000\n")
-                f.write(f"local path = {json.dumps(variants[0][1])}\n")
-                f.write("local headers = {['content-type'] = 'application/json', "
-                        f"['x-gateway-destination-endpoint'] = {json.dumps(backend)}}}\n")
-                # A body with the NEW marker gets the request counter there (a new last message on
-                # every request); the others go out as written.
-                f.write(f"local marker = {json.dumps(NEW)}\n")
-                f.write("local heads, tails = {}, {}\n")
-                f.write("for i, b in ipairs(bodies) do local at = string.find(b, marker, 1, true); "
-                        "if at then heads[i] = b:sub(1, at - 1); tails[i] = b:sub(at + #marker) end end\n")
-                f.write("request = function() n = n + 1; local i = n % #bodies + 1; "
-                        "local body = bodies[i]; if heads[i] then body = heads[i] .. (n % 4000000000) .. tails[i] end; "
-                        "return wrk.format('POST', path, headers, body) end\n")
-            size = os.path.getsize(files[0])
+            script, size = wrk_script(mode, tmp, {"x-gateway-destination-endpoint": backend})
             for rep in range(args.repeat):
                 if mode in TOKENIZERS:
                     sample_segment_cost(mode)

@@ -176,20 +176,8 @@ class Envoy:
     """Envoy on the local bootstrap (TLS to the EPP, as shipped), its ext_proc cluster at `grpc`."""
 
     def __init__(self, args, grpc, logs):
-        with open(os.path.join(ROOT, "manifests/envoy/envoy-local.yaml")) as f:
-            b = yaml.safe_load(f)
-        self.listen, admin = free_port(), free_port()
-        b["admin"]["address"]["socket_address"]["port_value"] = admin
-        b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = self.listen
-        for c in b["static_resources"]["clusters"]:
-            if c["name"] == "kvepp":
-                sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-                sa["address"], sa["port_value"] = "127.0.0.1", grpc
-        path = os.path.join(logs, f"envoy-{self.listen}.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(b, f)
-        self.proc = subprocess.Popen([args.envoy, "-c", path, "--log-level", "error", "--use-dynamic-base-id"],
-                                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(logs, "envoy.log"), "ab"))
+        self.proc, self.listen = engines_bench.start_envoy(
+            args.envoy, grpc, logs, open(os.path.join(logs, "envoy.log"), "ab"))
 
     def stop(self):
         self.proc.terminate()
@@ -388,7 +376,7 @@ def cpu_phase(args, kube, logs):
             epps[which] = Epp(args, which, args.kubeconfig, logs, tls=False)
             wait(f"{which} serving", lambda: port_open(epps[which].grpc), 60)
         for mode in args.cpu_modes.split(","):
-            script, size = wrk_script(cpu_per_request, mode, logs)
+            script, size = cpu_per_request.wrk_script(mode, logs, {})
             for rep in range(args.repeat):
                 for which in args.routers.split(","):
                     epp = epps[which]
@@ -411,36 +399,6 @@ def cpu_phase(args, kube, logs):
             b.wait()
     gone()
     return results
-
-
-def wrk_script(cpu_per_request, mode, tmp):
-    """The CPU benchmark's bodies of `mode` as a wrk script (a new counter in each where the body
-    has a place for it); the script's path and one body's size."""
-    variants = cpu_per_request.bodies(mode, 16)
-    bodies = [cpu_per_request.dumps(b) for b, _ in variants]
-    files = []
-    for i, body in enumerate(bodies):
-        path = os.path.join(tmp, f"{mode}-{i}.json")
-        with open(path, "w") as f:
-            f.write(body)
-        files.append(path)
-    script = os.path.join(tmp, f"{mode}.lua")
-    marker = cpu_per_request.NEW
-    with open(script, "w") as f:
-        f.write("local files = {" + ",".join(json.dumps(p) for p in files) + "}\n")
-        f.write("local bodies = {}\n")
-        f.write("for i, p in ipairs(files) do local h = io.open(p, 'rb'); bodies[i] = h:read('*a'); h:close() end\n")
-        f.write("local n = (os.time() % 1000000) * 10000\n")
-        f.write(f"local path = {json.dumps(variants[0][1])}\n")
-        f.write("local headers = {['content-type'] = 'application/json'}\n")
-        f.write(f"local marker = {json.dumps(marker)}\n")
-        f.write("local heads, tails = {}, {}\n")
-        f.write("for i, b in ipairs(bodies) do local at = string.find(b, marker, 1, true); "
-                "if at then heads[i] = b:sub(1, at - 1); tails[i] = b:sub(at + #marker) end end\n")
-        f.write("request = function() n = n + 1; local i = n % #bodies + 1; "
-                "local body = bodies[i]; if heads[i] then body = heads[i] .. (n % 4000000000) .. tails[i] end; "
-                "return wrk.format('POST', path, headers, body) end\n")
-    return script, len(bodies[0])
 
 
 # --- the report ---------------------------------------------------------------------------------

@@ -144,6 +144,26 @@ async def counters_of(session, url):
             metric_sum(page, "vllm:num_preemptions_total"))
 
 
+def start_envoy(envoy_bin, grpc, work, log):
+    """Envoy on the local bootstrap (TLS to the EPP, as shipped) with its ext_proc cluster at
+    127.0.0.1:`grpc`, its config in `work`, its output to `log`: (process, listener port)."""
+    with open(os.path.join(ROOT, "manifests/envoy/envoy-local.yaml")) as f:
+        b = yaml.safe_load(f)
+    listen, admin = free_port(), free_port()
+    b["admin"]["address"]["socket_address"]["port_value"] = admin
+    b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
+    for c in b["static_resources"]["clusters"]:
+        if c["name"] == "kvepp":
+            sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+            sa["address"], sa["port_value"] = "127.0.0.1", grpc
+    path = os.path.join(work, f"envoy-{listen}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(b, f)
+    proc = subprocess.Popen([envoy_bin, "-c", path, "--log-level", "error", "--base-id", str(free_port())],
+                            stdout=log, stderr=log)
+    return proc, listen
+
+
 class Router:
     """kvepp (its own manifests directory, one worker-agent per engine) and Envoy in front."""
 
@@ -176,21 +196,8 @@ class Router:
                  "--engine-port", str(e.port), "--model-name", "m", "--kv-events-port", str(e.events),
                  "--kv-events-replay-port", str(e.replay), "--pod-name", e.name, "--pod-ip", "127.0.0.1",
                  "--check-interval-ms", "200"], stdout=log, stderr=log))
-        with open(os.path.join(ROOT, "manifests/envoy/envoy-local.yaml")) as f:
-            b = yaml.safe_load(f)
-        self.listen, admin = free_port(), free_port()
-        b["admin"]["address"]["socket_address"]["port_value"] = admin
-        b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = self.listen
-        for c in b["static_resources"]["clusters"]:
-            if c["name"] == "kvepp":
-                sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-                sa["address"], sa["port_value"] = "127.0.0.1", self.grpc
-        envoy_cfg = os.path.join(os.path.dirname(path), "envoy.yaml")
-        with open(envoy_cfg, "w") as f:
-            yaml.safe_dump(b, f)
-        self.procs.append(subprocess.Popen(
-            [args.envoy, "-c", envoy_cfg, "--log-level", "error", "--base-id", str(free_port())],
-            stdout=log, stderr=log))
+        envoy, self.listen = start_envoy(args.envoy, self.grpc, os.path.dirname(path), log)
+        self.procs.append(envoy)
 
     async def ready(self, session, engines):
         await wait_http(session, f"http://127.0.0.1:{self.metrics}/ready", 60, self.procs[0])
