@@ -19,8 +19,9 @@
 //! [`metrics`] holds the Prometheus registry, [`replica`] shares request lifecycle events between
 //! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`] the binaries'
 //! logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires everything
-//! together. [`reference`](mod@reference) sits above them all: it generates `docs/configuration.md` from the
-//! configuration types and every binary's flags.
+//! together. The test-only module `reference` sits above them all: it generates
+//! `docs/configuration.md` from the configuration types and every binary's flags (nothing of it
+//! ships in a binary).
 
 pub mod agent;
 pub mod api;
@@ -33,7 +34,8 @@ pub mod kv_events;
 pub mod metrics;
 pub(crate) mod pace;
 pub mod process;
-pub mod reference;
+#[cfg(test)]
+mod reference;
 pub mod replica;
 pub mod request;
 pub mod server;

@@ -1,4 +1,5 @@
-//! The configuration reference, `docs/configuration.md`, generated from the configuration types:
+//! The configuration reference, `docs/configuration.md`, generated from the configuration types
+//! (a test module: it checks the document, and `KVEPP_WRITE_DOCS=1` rewrites it; no binary has it):
 //! every field of the file (from the types' JSON schema, whose descriptions are the fields' doc
 //! comments, with the defaults of [`Config::default`]), every flag and environment variable of each
 //! subcommand (from their `clap` definitions), and the variables read outside the flags.

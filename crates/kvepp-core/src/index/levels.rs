@@ -12,16 +12,8 @@
 //! prompt is a holder of the first level, and of a level whose end is at least its run.
 
 use super::holders::{find, Holder, HolderList};
-use super::walk::Run;
+use super::scratch::{Level, Run};
 use super::*;
-
-/// Blocks `start ..= start + alike` of a walked prompt, held alike by the holders in `word`.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Level {
-    start: u32,
-    alike: u32,
-    word: u64,
-}
 
 /// One level as a pick reads it: where it ends and who holds it.
 #[derive(Clone, Copy)]

@@ -47,14 +47,15 @@ mod levels;
 #[cfg(any(test, feature = "test-util"))]
 #[doc(hidden)]
 pub mod reference;
+mod scratch;
 mod shared;
 mod table;
 mod walk;
 
 use self::holders::{fingerprint, Holder, HolderList, Holders};
 pub use self::levels::LevelView;
+pub use self::scratch::MatchScratch;
 pub use self::shared::SharedIndex;
-pub use self::walk::MatchScratch;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};

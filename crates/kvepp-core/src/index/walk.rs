@@ -7,65 +7,8 @@
 //! scratch's runs belong to the walk of its current epoch only.
 
 use super::holders::{holder_ident, Holder, HolderList, Holders};
+use super::scratch::Run;
 use super::*;
-
-/// Reusable scratch space of [`PrefixIndex::find_matches`] (one per thread).
-#[derive(Debug, Default)]
-pub struct MatchScratch {
-    pub(super) runs: Vec<Run>,
-    pub(super) touched: Vec<u16>,
-    pub(super) epoch: u32,
-    /// The last walk was [`PrefixIndex::walk_levels`], not materialized since: runs are read
-    /// from `levels`.
-    pub(super) lazy: bool,
-    /// The last walk was [`PrefixIndex::walk_levels`]: `levels` are its.
-    pub(super) has_levels: bool,
-    pub(super) levels: Vec<super::levels::Level>,
-    /// A rank whose run was alive at the last level a walk into levels opened.
-    pub(super) witness: u16,
-}
-
-impl MatchScratch {
-    /// Starts a walk over an index of `ranks` rank slots: no run is current.
-    pub(super) fn begin(&mut self, ranks: usize) {
-        self.lazy = false;
-        self.has_levels = false;
-        self.touched.clear();
-        if self.runs.len() < ranks {
-            self.runs.resize(ranks, Run::default());
-        }
-        self.epoch = self.epoch.wrapping_add(1);
-        if self.epoch == 0 {
-            self.runs.fill(Run::default());
-            self.epoch = 1;
-        }
-    }
-
-    /// Starts a walk into levels ([`PrefixIndex::walk_levels`]).
-    pub(super) fn begin_levels(&mut self) {
-        self.lazy = true;
-        self.has_levels = true;
-        self.levels.clear();
-    }
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Run {
-    pub(super) epoch: u32,
-    pub(super) device: u32,
-    pub(super) host: u32,
-    pub(super) any: u32,
-}
-
-impl Run {
-    pub(super) fn overlap(&self) -> Overlap {
-        Overlap {
-            device: u64::from(self.device),
-            host: u64::from(self.host),
-            disk: u64::from(self.any),
-        }
-    }
-}
 
 impl PrefixIndex {
     /// The cached prefix of `hashes` on every rank that holds at least its first block, into `out`

@@ -61,20 +61,11 @@
 use std::sync::Arc;
 
 use super::roster::Maps;
-use super::scratch::PickScratch;
+use super::scratch::{PickScratch, Visit};
 use super::{KvState, PrefixMode, PromptBlocks, Walked, HINT_APPROX_INDEX, HINT_EVENT_INDEX};
 use crate::cost::{CandidateLoad, CostWeights, KvDecision};
 use crate::slots::KeyParams;
 use crate::Endpoint;
-
-/// A costed candidate.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Visit {
-    i: u32,
-    cost: f64,
-    load: CandidateLoad,
-    version: u64,
-}
 
 /// What an ordered pick decided: the chosen candidate's index, load, version and cost, and the
 /// runner-up.

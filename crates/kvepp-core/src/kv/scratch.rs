@@ -99,7 +99,7 @@ pub(super) struct PickScratch {
     pub(super) resolved: Vec<(usize, CandidateLoad, Option<u64>)>,
     /// An ordered pick's ([`super::ordered`]): the candidates it costed, which of them it
     /// has (`seen[i] == epoch`), and the costs it chooses among.
-    pub(super) visits: Vec<super::ordered::Visit>,
+    pub(super) visits: Vec<Visit>,
     pub(super) seen: Vec<u32>,
     pub(super) epoch: u32,
     pub(super) close: Vec<f64>,
@@ -112,4 +112,13 @@ pub(super) struct PickScratch {
     pub(super) materialize_at: usize,
     /// Ranks the ordered pick's walk by load read (what the tests bound).
     pub(super) walk_reads: usize,
+}
+
+/// A candidate an ordered pick has costed.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Visit {
+    pub(super) i: u32,
+    pub(super) cost: f64,
+    pub(super) load: CandidateLoad,
+    pub(super) version: u64,
 }
