@@ -146,7 +146,7 @@ async fn sglang_engine(page: (StatusCode, String)) -> SocketAddr {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_kind_from_server_info_or_configured() {
     let a = sglang_engine((StatusCode::NOT_FOUND, String::new())).await;
-    let m = pool_yaml("pool") + &standard_models() + &slice_yaml("a", a, true);
+    let m = pool_manifests(&[("a", a)]);
     let epp = Epp::start(&m, |c| c.engine_metrics.interval_ms = 20).await;
     let kind = format!("kvepp_engine_kind{{endpoint=\"{a}\",engine=\"sglang\"}}");
     wait_for("the kind from /server_info", || async {
@@ -161,7 +161,7 @@ async fn engine_kind_from_server_info_or_configured() {
 
     // A vLLM page read by a kvepp told its engines are SGLang: no kind, a failed scrape.
     let b = sglang_engine(page(0, 0.1)).await;
-    let m = pool_yaml("pool") + &standard_models() + &slice_yaml("b", b, true);
+    let m = pool_manifests(&[("b", b)]);
     let epp = Epp::start(&m, |c| {
         c.engine_metrics.interval_ms = 20;
         c.engine_metrics.engine = kvepp::engine::metrics::EngineSelect::Sglang;

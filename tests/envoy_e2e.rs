@@ -12,14 +12,6 @@ use kvepp_test_support::fnv64;
 use kvepp_test_support::prelude::*;
 use tokio::sync::watch;
 
-fn manifests(backends: &[(&str, SocketAddr)]) -> String {
-    let mut m = pool_yaml("pool") + &standard_models();
-    for (name, addr) in backends {
-        m += &slice_yaml(name, *addr, true);
-    }
-    m
-}
-
 fn mode(mode: &str) -> serde_yaml::Value {
     let mut b = bootstrap();
     set_request_body_mode(&mut b, mode);
@@ -71,7 +63,7 @@ async fn routes_real_traffic_in_both_body_modes_on_one_server() {
     let addrs = echo_backends(&["a", "b"]).await;
     let backends: HashMap<String, SocketAddr> =
         [("a".to_string(), addrs[0]), ("b".to_string(), addrs[1])].into();
-    let epp = Epp::start(&manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
     let duplex = Envoy::start(mode("FULL_DUPLEX_STREAMED"), epp.grpc).await;
     let buffered = Envoy::start(mode("BUFFERED"), epp.grpc).await;
     for envoy in [&duplex, &buffered] {
@@ -118,7 +110,7 @@ async fn routes_real_traffic_in_both_body_modes_on_one_server() {
 #[tokio::test]
 async fn one_mib_body_passes_byte_identical_in_both_modes() {
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     let mut prompt = String::new();
     while prompt.len() < 1 << 20 {
         prompt.push_str("Ünïcödé ☃ 𝄞 text, ");
@@ -148,7 +140,7 @@ async fn one_mib_body_passes_byte_identical_in_both_modes() {
 #[tokio::test]
 async fn errors_reach_the_client_as_json() {
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
         let envoy = Envoy::start(mode(m), epp.grpc).await;
         for (body, code) in [
@@ -205,7 +197,7 @@ async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
     let a = hold_backend("a", arrived.clone(), rx.clone()).await;
     let b = hold_backend("b", arrived.clone(), rx).await;
     // In-flight saturation only: these backends hold every request, /metrics scrapes included.
-    let epp = Epp::start(&manifests(&[("a", a), ("b", b)]), |c| {
+    let epp = Epp::start(&pool_manifests(&[("a", a), ("b", b)]), |c| {
         c.max_in_flight_per_endpoint = 1;
         c.engine_metrics.enabled = false;
     })
@@ -245,7 +237,7 @@ async fn sheddable_gets_429_when_every_endpoint_is_saturated() {
 #[tokio::test]
 async fn subset_hint_set_by_envoy_is_honoured() {
     let addrs = echo_backends(&["a", "b"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0]), ("b", addrs[1])]), |_| {}).await;
     let mut b = bootstrap();
     set_subset_hint(&mut b, &[addrs[1].to_string(), "10.255.0.1:8000".into()]);
     let envoy = Envoy::start(b, epp.grpc).await;
@@ -269,7 +261,7 @@ async fn subset_hint_set_by_envoy_is_honoured() {
 #[tokio::test]
 async fn endpoints_coming_and_going_follow_the_manifests() {
     let addrs = echo_backends(&["a", "b"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     for _ in 0..5 {
         assert_eq!(
@@ -301,7 +293,7 @@ async fn endpoints_coming_and_going_follow_the_manifests() {
 #[tokio::test]
 async fn client_framing_is_kept_in_both_modes() {
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     let body = r#"{"model":"m","prompt":"same bytes"}"#;
     let chunked = [
         ("content-type", "application/json"),
@@ -381,7 +373,7 @@ async fn oversized_bodies_get_413_from_kvepp_and_never_pass_undecided() {
     let (_release, rx) = watch::channel(true);
     let default = hold_backend("default", arrived.clone(), rx).await;
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |c| {
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |c| {
         c.max_body_bytes = 64 << 10;
     })
     .await;
@@ -418,7 +410,7 @@ async fn oversized_bodies_get_413_from_kvepp_and_never_pass_undecided() {
 #[tokio::test]
 async fn nine_mib_body_gets_413_from_kvepp_with_the_default_limit() {
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     let big = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "x".repeat(9 << 20));
     for m in ["FULL_DUPLEX_STREAMED", "BUFFERED"] {
         let mut b = mode(m);
@@ -480,7 +472,7 @@ async fn inference_model_rewrites_alias_split_fall_back_and_keep_a_conversation_
                 &[("unserved-v1", 1)],
             )
     };
-    let epp = Epp::start(&(manifests(&[("a", addrs[0])]) + &rewrites(10)), |_| {}).await;
+    let epp = Epp::start(&(pool_manifests(&[("a", addrs[0])]) + &rewrites(10)), |_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     // Exact: the alias; catch-all: any model nothing names (no 404); an InferenceModel's own
     // name is taken by the catch-all too, as every request no earlier rule took.
@@ -518,7 +510,7 @@ async fn inference_model_rewrites_alias_split_fall_back_and_keep_a_conversation_
     }
     // Moving 40 points to v2 moves only conversations from v1 to v2, about 40% of them.
     epp.write_manifest("rewrites.yaml", &rewrites(50));
-    epp.write_manifest("pool.yaml", &manifests(&[("a", addrs[0])]));
+    epp.write_manifest("pool.yaml", &pool_manifests(&[("a", addrs[0])]));
     let moved = || async {
         let mut moved = 0;
         for (t, b) in tenants.iter().zip(&before) {
@@ -561,7 +553,7 @@ async fn two_replicas_each_enforce_their_share_of_a_tenants_limit() {
             });
         }
     };
-    let m = manifests(&[("a", addrs[0])]);
+    let m = pool_manifests(&[("a", addrs[0])]);
     let one = Epp::start(&m, replica(p1, p2)).await;
     let two = Epp::start(&m, replica(p2, p1)).await;
     let (e1, e2) = (
@@ -605,7 +597,7 @@ async fn two_replicas_each_enforce_their_share_of_a_tenants_limit() {
 #[tokio::test]
 async fn each_request_format_is_read_and_routed_and_unknown_paths_pass_untouched() {
     let addrs = echo_backends(&["a"]).await;
-    let epp = Epp::start(&manifests(&[("a", addrs[0])]), |_| {}).await;
+    let epp = Epp::start(&pool_manifests(&[("a", addrs[0])]), |_| {}).await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     let post = |path: &'static str, body: String| {
         let addr = envoy.addr;

@@ -27,15 +27,11 @@ fn addr(s: &str) -> SocketAddr {
 
 /// Three endpoints that need not exist: the gRPC tests never forward traffic.
 fn manifests() -> String {
-    let mut m = pool_yaml("pool");
-    m += &standard_models();
-    for (i, a) in ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
-        .iter()
-        .enumerate()
-    {
-        m += &slice_yaml(&format!("s{i}"), addr(a), true);
-    }
-    m
+    pool_manifests(&[
+        ("s0", addr("10.0.0.1:8000")),
+        ("s1", addr("10.0.0.2:8000")),
+        ("s2", addr("10.0.0.3:8000")),
+    ])
 }
 
 struct Session {

@@ -55,9 +55,7 @@ fn objective_yaml(name: &str, priority: i32, pool: &str) -> String {
 }
 
 fn manifests(backend: SocketAddr) -> String {
-    pool_yaml("pool")
-        + &standard_models()
-        + &slice_yaml("gate", backend, true)
+    pool_manifests(&[("gate", backend)])
         + &objective_yaml("high", 10, "pool")
         + &objective_yaml("std", 0, "pool")
         + &objective_yaml("low", -1, "pool")

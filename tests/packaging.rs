@@ -145,7 +145,7 @@ async fn the_image_runs_read_only_as_non_root_and_routes_through_envoy() {
     let dir = TempDir::new("image-pool");
     std::fs::write(
         dir.path().join("pool.yaml"),
-        pool_yaml("pool") + &standard_models() + &slice_yaml("a", backends[0], true),
+        pool_manifests(&[("a", backends[0])]),
     )
     .unwrap();
     let (grpc, health, metrics) = (free_port(), free_port(), free_port());

@@ -14,7 +14,7 @@ use tls::*;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 fn manifests(backend: SocketAddr) -> String {
-    pool_yaml("pool") + &standard_models() + &slice_yaml("a", backend, true)
+    pool_manifests(&[("a", backend)])
 }
 
 #[tokio::test]

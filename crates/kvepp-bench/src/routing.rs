@@ -736,10 +736,7 @@ fn failed(error: String) -> Record {
 
 /// A port free on 127.0.0.1 a moment ago.
 pub fn free_port() -> Result<u16, BenchError> {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| BenchError::Io(e.to_string()))
+    kvepp_test_support::harness::try_free_port().map_err(|e| BenchError::Io(e.to_string()))
 }
 
 /// Runs every workload under every policy, prints and writes the results.

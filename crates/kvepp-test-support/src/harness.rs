@@ -26,11 +26,14 @@ where
 
 /// A port that was free a moment ago (for a child process that must bind it itself).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    try_free_port().expect("a free port on 127.0.0.1")
+}
+
+/// [`free_port`], for callers that report the failure themselves.
+pub fn try_free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 // ---------------------------------------------------------------- HTTP client
@@ -182,6 +185,16 @@ pub fn standard_models() -> String {
         model_yaml("rw", "Standard", &[("rw-target", 1)]),
     ]
     .concat()
+}
+
+/// Pool `pool` with the standard models and one ready slice per (name, address): the manifests
+/// most tests start kvepp with.
+pub fn pool_manifests(slices: &[(&str, SocketAddr)]) -> String {
+    let mut m = pool_yaml("pool") + &standard_models();
+    for (name, addr) in slices {
+        m += &slice_yaml(name, *addr, true);
+    }
+    m
 }
 
 // ---------------------------------------------------------------- backends

@@ -111,7 +111,7 @@ pub struct VllmEngine {
 /// its ports only when it has started, a minute or two later, and meanwhile its own processes
 /// take ephemeral ports for their internal sockets: a port from that range, free when chosen, can
 /// be one of them by then.
-fn free_port() -> u16 {
+fn free_port_below_ephemeral_range() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     loop {
         // A random start (std's randomly keyed hasher), so concurrent choosers rarely meet.
@@ -135,8 +135,11 @@ impl VllmEngine {
         spec: EngineSpec,
         log_dir: &Path,
     ) -> Result<Self, EngineError> {
-        let http = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let (events_port, replay_port) = (free_port(), free_port());
+        let http = SocketAddr::from(([127, 0, 0, 1], free_port_below_ephemeral_range()));
+        let (events_port, replay_port) = (
+            free_port_below_ephemeral_range(),
+            free_port_below_ephemeral_range(),
+        );
         let log = log_dir.join(format!("vllm-{}.log", spec.name));
         let ports = (http, events_port, replay_port);
         let (child, stdin) = Self::launch(install, &spec, ports, &log)?;
