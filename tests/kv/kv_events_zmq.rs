@@ -1,7 +1,5 @@
 //! KV events over real ZMQ: kvepp's subscriber against a pyzmq (libzmq) publisher that behaves like
 //! vLLM's, with gaps filled by replay, lost batches, garbage, a restart, and both replay framings.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

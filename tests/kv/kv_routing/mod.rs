@@ -1,8 +1,6 @@
 //! End to end KV-aware routing: real Envoy, kvepp, and two simulated engines that serve HTTP on
 //! their own loopback addresses and publish vLLM KV events (msgpack over a ZMQ PUB socket) for
 //! every prompt they take. Prompts are token ids, so no tokenizer is involved.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod affinity;
 mod doors_and_replicas;

@@ -1,8 +1,6 @@
 //! Who may talk to kvepp: TLS on the ext_proc port (self-signed by default, mounted files, mutual
 //! TLS), plaintext refused when asked, loopback binds for the admin ports, and the bearer token in
 //! front of `/debug/*` and the HTTP services' write routes.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvepp_test_support::tls;
 

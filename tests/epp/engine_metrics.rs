@@ -2,8 +2,6 @@
 //! Sheddable requests when every engine is saturated by queue, KV-cache usage, or stale metrics;
 //! the block size is learned from `vllm:cache_config_info`. Through a real Envoy, with engines
 //! that serve both completions and a `/metrics` page the test controls.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

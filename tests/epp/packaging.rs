@@ -1,8 +1,6 @@
 //! What the repository ships besides the manifests' objects: the container recipe and the images
 //! it makes (built by `scripts/image.sh` and run here with podman), the Grafana dashboard, and the
 //! Envoy bootstrap `kvepp envoy-config` generates.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Command, Stdio};
 

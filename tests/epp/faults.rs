@@ -1,11 +1,9 @@
 //! Fault injection with real processes on loopback: the `kvepp` binary killed (SIGKILL) and
 //! restarted under load behind a real Envoy, fail-open and fail-close; an endpoint that disappears
 //! with requests in flight. (KV-event publisher restarts and gaps larger than the replay buffer:
-//! `tests/kv_routing/` and `tests/kv_events_zmq.rs`; the API server killed under a watch and a
+//! `tests/kv/kv_routing/` and `tests/kv/kv_events_zmq.rs`; the API server killed under a watch and a
 //! real 410 Gone: `tests/kubernetes/`.) Recovery times are printed and appended to
 //! `target/fault-recovery.txt`.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 use std::process::Stdio;

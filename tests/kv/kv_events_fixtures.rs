@@ -1,8 +1,6 @@
 //! Byte-exact vLLM KV-event payloads (generated with msgspec by
 //! tests/fixtures/kv_events/generate.py) decode to exactly what the generator says, and every
 //! malformed one is rejected whole.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 

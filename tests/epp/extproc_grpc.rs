@@ -1,6 +1,4 @@
 //! The ext_proc protocol driven directly with a tonic client: every answer kvepp can give.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 use std::time::Duration;
