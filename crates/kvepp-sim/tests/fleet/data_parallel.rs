@@ -2,8 +2,6 @@
 //! two `targetPorts` makes each (pod, port) an endpoint, each matched to its own rank's KV events
 //! (the pod's `/metadata` lists one publisher per rank), so a prompt one rank cached is routed to
 //! that rank's port.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
 

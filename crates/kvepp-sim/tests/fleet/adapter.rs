@@ -1,16 +1,12 @@
 //! LoRA adapters in the simulated fleet: an engine loads adapters into its slots, evicts the least
 //! recently used idle one, reports them in `vllm:lora_requests_info` as vLLM does, and its KV
 //! events name the adapter, so kvepp's index (hashes seeded by the adapter) equals the caches.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod sim_common;
 
 use std::sync::atomic::Ordering;
 
+use crate::common::{index_and_caches, tokens};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp_test_support::prelude::*;
-use sim_common::{index_and_caches, tokens};
 
 fn params() -> SimParams {
     SimParams {
@@ -26,7 +22,7 @@ fn params() -> SimParams {
 }
 
 async fn complete(addr: std::net::SocketAddr, model: &str, prompt: &[u32], max: u32) -> String {
-    sim_common::complete_as(addr, model, prompt, max).await.0
+    crate::common::complete_as(addr, model, prompt, max).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

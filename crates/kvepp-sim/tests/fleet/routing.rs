@@ -1,20 +1,15 @@
 //! The simulated fleet behind a real Envoy and kvepp: the engines' caches and kvepp's KV-event
 //! index agree after a run with evictions, and precise KV-aware routing finds more cached prefix
 //! than round robin on a shared-prefix workload.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-// The EPP suite's harness (in-process kvepp, real Envoy, HTTP helpers).
-mod sim_common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::common::{index_and_caches, tokens};
 use kvepp_bench::routing::{self as routing_bench, BenchSpec, Policy};
 use kvepp_sim::fleet::{Fleet, FleetSpec, SimParams};
 use kvepp_sim::workload;
 use kvepp_test_support::prelude::*;
-use sim_common::{index_and_caches, tokens};
 
 /// Small, fast engines: blocks of 16 tokens, a cache of `blocks` blocks.
 fn params(blocks: u64) -> SimParams {
@@ -56,7 +51,7 @@ async fn engine_caches_and_the_epp_index_agree_after_evictions() {
     for i in 0..48u32 {
         let mut prompt = tokens(i % 8, 16 * (6 + (i % 3) as usize));
         prompt.extend(tokens(1000 + i, 16 * ((i % 4) as usize)));
-        let (engine, _) = sim_common::complete_as(envoy.addr, "m", &prompt, 2).await;
+        let (engine, _) = crate::common::complete_as(envoy.addr, "m", &prompt, 2).await;
         *served.entry(engine).or_default() += 1;
     }
     assert!(
@@ -256,7 +251,7 @@ async fn a_router_of_its_own_is_replayed_like_a_policy() {
 
 /// One completion of model `m` through Envoy: (engine, cached tokens).
 async fn complete(envoy: std::net::SocketAddr, prompt: &[u32], max_tokens: u32) -> (String, u64) {
-    let (engine, v) = sim_common::complete_as(envoy, "m", prompt, max_tokens).await;
+    let (engine, v) = crate::common::complete_as(envoy, "m", prompt, max_tokens).await;
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
     (engine, cached.expect("cached tokens"))
 }

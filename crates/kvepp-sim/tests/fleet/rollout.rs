@@ -2,8 +2,6 @@
 //! behind a real Envoy with the shipped bootstrap (fail-close, health-checked ext_proc cluster),
 //! each restarted twice, one after the other, by SIGTERM: no request fails, and the prefix hit
 //! ratio after the rollout is that of before (each replacement recovered the index from its peer).
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 

@@ -3,8 +3,6 @@
 //! prefill worker's zone; when a zone loses its decode workers, `fail` answers the error and
 //! `fallback` crosses zones; the prefill leg is released at the first response byte and the
 //! decode leg at the end of the stream.
-// Test code: a failed expectation is a failed test.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 
