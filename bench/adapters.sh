@@ -11,6 +11,6 @@
 # bench/results/adapters/adapters.md. About 5 minutes on 2 cores. Extra flags go to bench-adapters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-bench
+cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-target/release/kvepp-sim bench-adapters --envoy "$envoy" --out bench/results/adapters "$@"
+target/release/kvepp-bench bench-adapters --envoy "$envoy" --out bench/results/adapters "$@"

@@ -8,9 +8,9 @@
 # Usage: [DURATION=s] [RATE=r] bench/disaggregation.sh [other bench-routing flags].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --quiet -p kvepp-bench
+cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
+target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
   --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy precise-kv \
   --topology off,hard,soft,hard-soft --duration "${DURATION:-20}" --rate "${RATE:-12}" --groups 24 \
   --out bench/results/disaggregation "$@"

@@ -17,7 +17,7 @@
 # look.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 seeds=${SEEDS:-"1 2 3 4 5"}
 loads=${LOADS:-"0.5 0.7 0.9 1.2"}
@@ -32,7 +32,7 @@ for structure in $structures; do
       mkdir -p "$dir"
       target/release/kvepp-sim gen-trace --structure "$structure" --seed "$seed" \
         --requests "$requests" --target-load "$load" --engines 8 --out "$dir/trace.jsonl"
-      target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
+      target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
         --workload mooncake --trace "$dir/trace.jsonl" --trace-requests "$requests" --speed 1 \
         --engines 8 --trace-engines 8 --policy "$policies" --out "$dir" "$@" > "$dir/run.log"
     done

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How even can request counts be kept on this workload, whatever the router knows?
 
-Reads `requests.csv` from a `kvepp-sim bench-routing` run (one row per request: when it was
+Reads `requests.csv` from a `kvepp-bench bench-routing` run (one row per request: when it was
 sent, how long it ran, where it went) and, per policy, places the same requests again offline,
 each keeping the duration it had in the run (as if it did not depend on where it ran):
 

@@ -12,7 +12,7 @@
 # OBJECTIVE_MS=1000 (the SLO the report counts against; keep it equal to bench/overload.yaml's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 seeds=${SEEDS:-"1 2 3"}
 loads=${LOADS:-"1.5 2.0"}
@@ -30,7 +30,7 @@ for seed in $seeds; do
     for mode in off on; do
       config=bench/kvepp.yaml
       [ "$mode" = on ] && config=bench/overload.yaml
-      target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config "$config" \
+      target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config "$config" \
         --workload mooncake --trace "$run-$mode/trace.jsonl" --trace-requests "$requests" \
         --speed 1 --engines 8 --trace-engines 8 --policy default --slo-ttft-ms "$objective" \
         --drain 180 --out "$run-$mode" > "$run-$mode/run.log"

@@ -8,13 +8,13 @@
 # PREBUILT=1 uses target/release as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 config=$(mktemp --suffix=.yaml)
 trap 'rm -f "$config"' EXIT
 for t in 0 1024; do
   printf 'log_level: warn\ndisaggregation:\n  prefill_threshold_tokens: %s\n' "$t" >"$config"
-  target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config "$config" \
+  target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config "$config" \
     --workload shared-prefix --engines 8 --prefill-engines 4 --zones a,b --policy default \
     --topology off --duration "${DURATION:-20}" --rate "${RATE:-12}" --groups 24 \
     --out "bench/results/disaggregation-threshold/t$t" "$@" >&2

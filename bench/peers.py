@@ -16,7 +16,7 @@ Phases:
   the worker agent beside it (kvepp reads the engine's KV events through it); per router the
   engines' own prefix-cache hit ratio, TTFT / completion / inter-token latency at the client and
   the engines' preemptions.
-- sim: the simulated fleet on the routing report's workloads (`kvepp-sim bench-routing
+- sim: the simulated fleet on the routing report's workloads (`kvepp-bench bench-routing
   --external`), four engines at pod addresses.
 - cpu: each EPP's CPU per request and the latency through Envoy at ~100k-token prompts (the CPU
   benchmark's bodies, wrk through one Envoy, the same plaintext ext_proc for both), a backend
@@ -319,7 +319,7 @@ async def vllm_phase(args, kube, logs):
 # --- the simulated fleet ------------------------------------------------------------------------
 
 def sim_phase(args, kube, logs):
-    """`kvepp-sim bench-routing --external` per router (a fresh router per workload, a fresh fleet
+    """`kvepp-bench bench-routing --external` per router (a fresh router per workload, a fresh fleet
     per run): the routing report's workloads at the same arrivals for both."""
     n = args.sim_engines
     pods = [(f"sim-engine-{i}", pod_ip(10 + i)) for i in range(n)]
@@ -331,7 +331,7 @@ def sim_phase(args, kube, logs):
             out = os.path.join(args.out, "sim", f"{workload}-{which}")
             try:
                 wait(f"{which} serving", lambda: epp.proc.poll() is None and port_open(epp.grpc), 60)
-                cmd = [args.sim, "bench-routing", "--envoy", args.envoy, "--external", f"{which}=127.0.0.1:{epp.grpc}",
+                cmd = [args.bench, "bench-routing", "--envoy", args.envoy, "--external", f"{which}=127.0.0.1:{epp.grpc}",
                        "--addresses", ",".join(ip for _, ip in pods), "--port", str(POD_PORT),
                        "--engines", str(n), "--trace-engines", str(n), "--workload", workload,
                        "--duration", str(args.sim_duration), "--trace-requests", str(args.trace_requests),
@@ -439,7 +439,7 @@ def report(args, vllm_rows, sim, cpu):
 
 async def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag in ("--kvepp", "--agent", "--sim", "--kube-cluster", "--reference-epp", "--envoy"):
+    for flag in ("--kvepp", "--agent", "--sim", "--bench", "--kube-cluster", "--reference-epp", "--envoy"):
         p.add_argument(flag, required=True)
     p.add_argument("--python", default=sys.executable, help="the vLLM venv's python")
     p.add_argument("--model", default=os.path.join(ROOT, ".venv/tiny-model"))

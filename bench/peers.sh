@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 bin=target/release
 if [ -z "${PREBUILT:-}" ]; then
-  cargo build --locked --release --quiet --workspace --bin kvepp --bin kvepp-agent --bin kvepp-sim
+  cargo build --locked --release --quiet --workspace --bin kvepp --bin kvepp-agent --bin kvepp-sim --bin kvepp-bench
   cargo build --locked --release --quiet -p kvepp-test-support --features kube --bin kube-cluster
 fi
 . bench/prereqs.sh
@@ -41,5 +41,5 @@ unshare=(unshare --net)
 [ "$(id -u)" = 0 ] || unshare+=(--map-root-user)
 exec "${unshare[@]}" -- sh -c 'PATH="$PATH:/usr/sbin:/sbin"; ip link set lo up && ip addr add 10.244.0.1/16 dev lo && exec "$0" "$@"' \
   "$python" bench/peers.py --python "$python" --kvepp "$root/$bin/kvepp" --agent "$root/$bin/kvepp-agent" \
-  --sim "$root/$bin/kvepp-sim" --kube-cluster "$root/$bin/kube-cluster" --reference-epp "$reference" \
+  --sim "$root/$bin/kvepp-sim" --bench "$root/$bin/kvepp-bench" --kube-cluster "$root/$bin/kube-cluster" --reference-epp "$reference" \
   --reference-version "$reference_version" --envoy "$envoy" "$@"

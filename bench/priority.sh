@@ -13,5 +13,5 @@ envoy=$(scripts/install-envoy.sh)
 .venv/bin/python -c "import yaml" 2>/dev/null ||
   .venv/bin/pip install --quiet --disable-pip-version-check pyyaml >&2
 cargo build --locked --release --quiet -p kvepp --bin kvepp
-cargo build --locked --release --quiet -p kvepp-bench
+cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 exec .venv/bin/python bench/priority.py --envoy "$envoy" "$@"

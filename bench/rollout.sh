@@ -5,11 +5,11 @@
 # each replica is restarted by SIGTERM one after the other, twice, then a second 60 s window.
 # Prints requests sent and failed, the longest stall (TTFT max) during the rollout, and the prefix
 # hit ratio before and after; the table goes to bench/results/rollout/rollout.md.
-# Extra arguments go to `kvepp-sim bench-rollout` (e.g. --rate 16 --window-seconds 30).
+# Extra arguments go to `kvepp-bench bench-rollout` (e.g. --rate 16 --window-seconds 30).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --locked --release --quiet --bin kvepp -p kvepp
-cargo build --locked --release --quiet -p kvepp-bench
+cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
-target/release/kvepp-sim bench-rollout --envoy "$envoy" --kvepp target/release/kvepp \
+target/release/kvepp-bench bench-rollout --envoy "$envoy" --kvepp target/release/kvepp \
   --out bench/results/rollout "$@"

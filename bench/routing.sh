@@ -11,12 +11,12 @@
 # minutes on 2 cores. PREBUILT=1 uses target/release as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 # The caller's own --out wins (clap takes each flag once).
 out=(--out bench/results/routing)
 for a in "$@"; do
   case "$a" in --out|--out=*) out=() ;; esac
 done
-target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
+target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config bench/kvepp.yaml \
   --engines 4 --trace-engines 8 --duration 30 --trace-requests 300 --speed 1 "${out[@]}" "$@"

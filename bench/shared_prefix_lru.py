@@ -1,6 +1,6 @@
 """How many shared-prefix requests must miss their group's prefix even under perfect routing.
 
-Replays the shared-prefix workload's arrival process (`kvepp-sim bench-routing --workload
+Replays the shared-prefix workload's arrival process (`kvepp-bench bench-routing --workload
 shared-prefix`: Poisson at 24 req/s, 48 equally likely groups of a 4,096-token system prompt, a
 512-token question, 32-128 output tokens, 16-token blocks) against the best static placement:
 each group pinned to one of 4 engines (12 each), each engine an LRU cache of 4,096 blocks that

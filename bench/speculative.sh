@@ -7,7 +7,7 @@
 # PREBUILT=1 uses target/release as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench
+[ -n "${PREBUILT:-}" ] || cargo build --locked --release --quiet -p kvepp-bench -p kvepp-sim
 envoy=$(scripts/install-envoy.sh)
 out=bench/results/speculative
 mkdir -p "$out"
@@ -17,7 +17,7 @@ printf 'log_level: warn\nrouter:\n  speculative: false\n' >"$off_config"
 for mode in on off; do
   config=bench/kvepp.yaml
   [ "$mode" = off ] && config=$off_config
-  target/release/kvepp-sim bench-routing --envoy "$envoy" --kvepp-config "$config" \
+  target/release/kvepp-bench bench-routing --envoy "$envoy" --kvepp-config "$config" \
     --workload burst --policy default --engines 4 --duration 20 --out "$out/$mode" "$@" >&2
 done
 python3 - "$out" <<'PY'

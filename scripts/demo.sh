@@ -5,7 +5,7 @@
 # approximate prefix, precise KV-aware by Dynamo's cost and by predicted TTFT) and prints TTFT,
 # latency, throughput, cache hits, load imbalance and TTFT-SLO share per policy. About a minute and
 # a half once built; every port is ephemeral on 127.0.0.1.
-# Extra flags go to `kvepp-sim bench-routing` (see --help), e.g. --duration 30.
+# Extra flags go to `kvepp-bench bench-routing` (see --help), e.g. --duration 30.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need() {
@@ -19,16 +19,16 @@ python3 -c 'import venv, ensurepip' 2>/dev/null ||
   { echo "demo: python3's venv module is missing; install it with: sudo apt-get install -y python3-venv" >&2; exit 1; }
 # Release build: the predicted-TTFT policy learns from the TTFTs it observes, and a debug build's
 # own overhead distorts them.
-echo "== building kvepp-sim in release mode (kvepp runs inside it) and installing Envoy (the first run compiles for several minutes)" >&2
+echo "== building kvepp-bench in release mode (kvepp runs inside it) and installing Envoy (the first run compiles for several minutes)" >&2
 cargo build --locked --release --quiet -p kvepp-bench
 envoy=$(scripts/install-envoy.sh 2>/dev/null)
 # kvepp's own log lines stay out of the table (RUST_LOG=warn brings them back).
-RUST_LOG=${RUST_LOG:-error} target/release/kvepp-sim bench-routing --envoy "$envoy" \
+RUST_LOG=${RUST_LOG:-error} target/release/kvepp-bench bench-routing --envoy "$envoy" \
   --kvepp-config bench/kvepp.yaml --workload shared-prefix --duration 12 --out target/demo "$@"
 cat <<'NEXT'
 
 What to try next
-  - The same comparison on another workload:   scripts/demo.sh --workload <name>  (kvepp-sim bench-routing --help lists them)
+  - The same comparison on another workload:   scripts/demo.sh --workload <name>  (kvepp-bench bench-routing --help lists them)
   - Why each request went where it did:        scripts/demo-decisions.sh
   - kvepp in front of real vLLM engines:       docs/real-engines.md
   - Every setting, flag and variable:          docs/configuration.md

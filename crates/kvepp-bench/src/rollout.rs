@@ -1,4 +1,4 @@
-//! `kvepp-sim bench-rollout`: a rolling upgrade under load. Two `kvepp serve` processes (the
+//! `kvepp-bench bench-rollout`: a rolling upgrade under load. Two `kvepp serve` processes (the
 //! binary given, replica sync between them, each recovering the index from the other on start)
 //! behind one Envoy with the shipped bootstrap (fail-close, the `kvepp` cluster health-checked), a
 //! simulated fleet publishing KV events, and a steady open-loop load of shared-prefix requests.
@@ -462,7 +462,7 @@ pub fn table(args: &RolloutArgs, r: &RolloutReport) -> String {
     out
 }
 
-/// `kvepp-sim bench-rollout`: the replicas' configuration and logs in a temporary directory (kept
+/// `kvepp-bench bench-rollout`: the replicas' configuration and logs in a temporary directory (kept
 /// only when the run fails, named in the error), the table printed and written to
 /// `<out>/rollout.md`.
 pub async fn run(args: RolloutArgs) -> Result<(), RolloutError> {

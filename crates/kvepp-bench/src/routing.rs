@@ -1,4 +1,4 @@
-//! `kvepp-sim bench-routing`: replays a workload open-loop through a real Envoy and kvepp to a
+//! `kvepp-bench bench-routing`: replays a workload open-loop through a real Envoy and kvepp to a
 //! simulated fleet ([`kvepp_sim::fleet`]), once per routing policy, and reports TTFT, end-to-end
 //! latency, output throughput, prefix-cache hit ratio and load imbalance per policy.
 //!

@@ -10,3 +10,14 @@ pub mod client;
 pub mod fleet;
 pub mod tracegen;
 pub mod workload;
+
+/// Logs to standard error at `warn` (or as `RUST_LOG` says): the setup of this crate's and the
+/// benchmarks' binaries.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -2,7 +2,8 @@
 //! backend standing in for a model server, a small HTTP/1.1 client, a real Envoy process, real
 //! vLLM engines, waiting for a condition with a deadline, and reading one Prometheus sample.
 //!
-//! Used as a dev-dependency of every package's tests (and by the `kvepp-sim` tool). Without
+//! Used as a dev-dependency of every package's tests (and by the simulator and the benchmark
+//! drivers for its HTTP client and trace reader). Without
 //! features it does not depend on `kvepp`; `epp` adds kvepp in-process (`epp::Epp`) and the
 //! shipped manifests as kvepp reads them (`shipped`), `kube` a real etcd and kube-apiserver
 //! (`kube_cluster`), `otlp` a trace collector (`otlp`), `tls` certificates and a TLS ext_proc

@@ -1,4 +1,4 @@
-//! `kvepp-sim bench-adapters`: adapter and session affinity through a real Envoy and kvepp.
+//! `kvepp-bench bench-adapters`: adapter and session affinity through a real Envoy and kvepp.
 //!
 //! Two workloads on one simulated fleet whose engines hold `--max-loras` LoRA adapters in GPU
 //! slots (loading one stalls a step by `--lora-load-ms`, evicting the least recently used idle
@@ -102,7 +102,7 @@ pub fn sticky_turns(requests: &[Request], records: &[Record]) -> (usize, usize) 
     (same, turns)
 }
 
-/// Flags of `kvepp-sim bench-adapters`.
+/// Flags of `kvepp-bench bench-adapters`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AdapterBenchArgs {
     #[arg(long, default_value = ".venv/bin/envoy")]

@@ -1,10 +1,10 @@
-//! The flags of `kvepp-sim bench-routing`.
+//! The flags of `kvepp-bench bench-routing`.
 
 use std::path::PathBuf;
 
 use super::{Policy, Topology, WorkloadKind};
 
-/// Flags of `kvepp-sim bench-routing`.
+/// Flags of `kvepp-bench bench-routing`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
     /// Envoy binary (scripts/install-envoy.sh installs Envoy 1.40 into .venv).

@@ -1,4 +1,4 @@
-//! The workloads of `kvepp-sim bench-routing` ([`WorkloadKind`]) and how each is set up for a
+//! The workloads of `kvepp-bench bench-routing` ([`WorkloadKind`]) and how each is set up for a
 //! replay: its requests, engine parameters, speed, replicas and restart ([`scenario`]), and what
 //! a restart left behind ([`orphaned_turns`]).
 
@@ -9,7 +9,7 @@ use super::{BenchArgs, BenchError};
 use kvepp_sim::fleet::SimParams;
 use kvepp_sim::workload::{self, Request};
 
-/// The workloads `kvepp-sim bench-routing` knows.
+/// The workloads `kvepp-bench bench-routing` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum WorkloadKind {
     /// Groups of requests sharing a long system prompt.

@@ -1,4 +1,4 @@
-//! A rolling upgrade under load (`kvepp-sim bench-rollout`, small): two `kvepp serve` processes
+//! A rolling upgrade under load (`kvepp-bench bench-rollout`, small): two `kvepp serve` processes
 //! behind a real Envoy with the shipped bootstrap (fail-close, health-checked ext_proc cluster),
 //! each restarted twice, one after the other, by SIGTERM: no request fails, and the prefix hit
 //! ratio after the rollout is that of before (each replacement recovered the index from its peer).
