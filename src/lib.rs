@@ -5,7 +5,8 @@
 //! 1. [`extproc`]: the Envoy ext_proc protocol (headers, body chunks, responses), a sans-IO state
 //!    machine per stream; it asks the routing service for a decision and renders it.
 //! 2. [`request`]: the routing service: the body becomes facts (model, InferenceModel, criticality,
-//!    prompt tokens or bytes) in place, without copies or re-serialisation.
+//!    prompt tokens or bytes) in place, without copies or re-serialisation; [`admission`] (flow
+//!    control and rate limits) holds or refuses the request on those facts.
 //! 3. `kvepp_core` (the `kvepp-core` crate): `Router::route` hashes the prompt, picks among the
 //!    pool's ready endpoints and books the pick; no runtime, gRPC, HTTP or Kubernetes in it.
 //! 4. back in [`extproc`]: the destination header and metadata, the body as it was (or with the
@@ -23,6 +24,7 @@
 //! `docs/configuration.md` from the configuration types and every binary's flags (nothing of it
 //! ships in a binary).
 
+pub mod admission;
 pub mod agent;
 pub mod api;
 pub mod config;

@@ -121,9 +121,9 @@ pub struct Config {
     /// (v1alpha2) names another Service is logged and not served. Unset: not checked.
     pub endpoint_picker_service: Option<String>,
     /// Queue requests that find every endpoint saturated, by priority (InferenceObjective).
-    pub flow_control: crate::request::FlowControlSettings,
+    pub flow_control: crate::admission::FlowControlSettings,
     /// Tenant rate limits: token buckets per fairness id, globally or per InferenceObjective.
-    pub rate_limits: crate::request::RateLimitSettings,
+    pub rate_limits: crate::admission::RateLimitSettings,
     /// In-flight requests at which an endpoint is saturated (Sheddable requests get 429 when every
     /// eligible endpoint is); 0 disables shedding.
     pub max_in_flight_per_endpoint: u32,

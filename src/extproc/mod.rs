@@ -26,8 +26,9 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status, Streaming};
 use wire::{ProcessingRequest, ProcessingResponse};
 
+use crate::admission::{FlowControl, FlowControlSettings, Turn};
 use crate::metrics::Metrics;
-use crate::request::{FlowControl, FlowControlSettings, Objective, Rejection, RouteRequest, Turn};
+use crate::request::{Objective, Rejection, RouteRequest};
 use kvepp_core::Admission;
 
 /// Protocol choices that come from the configuration.
@@ -59,7 +60,7 @@ pub struct Shared {
     /// The session header and the affinity counters.
     pub affinity: Arc<crate::request::Affinity>,
     /// Tenant rate limits, checked before a request is routed or queued.
-    pub limits: Arc<crate::request::RateLimiter>,
+    pub limits: Arc<crate::admission::RateLimiter>,
     /// Traces on: each decision gets a span ([`trace`]).
     pub trace: Option<Arc<TraceInfo>>,
     /// Metric labels, allocated once: requests answered before a model was known, and before a
@@ -104,7 +105,7 @@ impl Shared {
     }
 
     /// Requests are checked against `limits` before they are routed.
-    pub(crate) fn with_rate_limits(mut self, limits: Arc<crate::request::RateLimiter>) -> Self {
+    pub(crate) fn with_rate_limits(mut self, limits: Arc<crate::admission::RateLimiter>) -> Self {
         self.limits = limits;
         self
     }
@@ -123,7 +124,7 @@ impl Shared {
             ready: None,
             flow: None,
             affinity: Arc::default(),
-            limits: Arc::new(crate::request::RateLimiter::new(
+            limits: Arc::new(crate::admission::RateLimiter::new(
                 Default::default(),
                 Default::default(),
             )),

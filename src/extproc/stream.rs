@@ -111,7 +111,7 @@ struct Held {
     /// Its last decision found no endpoint within this objective (it waits behind the others).
     unfit: Option<Objective>,
     /// Counted as waiting for the pool's first ready endpoint (scale from zero), while it is.
-    endpoint_wait: Option<crate::request::flow::EndpointWait>,
+    endpoint_wait: Option<crate::admission::flow::EndpointWait>,
 }
 
 /// A routed request: its booking (released when the response ends), where it went, and whether
@@ -269,7 +269,7 @@ impl StreamState {
         let flow_settings = self.shared.flow.as_ref().map(|f| f.settings());
         let fairness = flow_settings
             .as_deref()
-            .map_or(crate::request::flow::FAIRNESS_HEADER, |s| {
+            .map_or(crate::admission::flow::FAIRNESS_HEADER, |s| {
                 s.fairness_header.as_str()
             });
         let value = |hv: &HeaderValue| header_str(hv).map(str::to_owned);
@@ -399,7 +399,7 @@ impl StreamState {
     }
 
     /// Flow control, when on.
-    pub(super) fn flow_control(&self) -> Option<Arc<crate::request::FlowControl>> {
+    pub(super) fn flow_control(&self) -> Option<Arc<crate::admission::FlowControl>> {
         self.shared.flow().cloned()
     }
 

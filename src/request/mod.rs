@@ -9,18 +9,14 @@
 //! core's (`kvepp_core::Router`), never done here.
 
 pub(crate) mod affinity;
-pub mod flow;
 mod formats;
 mod model;
 mod prompt;
-pub mod rate_limit;
 pub(crate) mod service;
 
 pub use affinity::Affinity;
-pub use flow::{FlowControl, FlowControlSettings, Grant, Ticket, Turn};
 pub use model::{resolve_model, ModelDecision, ModelError, UNLISTED_MODEL_LABEL};
 pub use prompt::{prompt_for_routing, prompt_input, PromptInput};
-pub use rate_limit::{RateLimitSettings, RateLimiter, TenantLimit};
 pub use service::{
     Objective, Prepared, Rejection, RequestHead, RequestRouter, RouteHints, RouteRequest, Routed,
     Verdict,

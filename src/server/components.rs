@@ -15,6 +15,8 @@ use tokio::sync::watch;
 use tonic_health::ServingStatus;
 
 use super::{ServerError, EXT_PROC_SERVICE};
+use crate::admission::flow::FlowMetrics;
+use crate::admission::FlowControl;
 use crate::config::{Config, PickerKind, UnknownModels};
 use crate::discovery::kubernetes::{KubeCatalog, KubeDiscovery};
 use crate::discovery::{Datastore, EndpointFacts, ManifestDir, ServiceDiscovery};
@@ -22,8 +24,7 @@ use crate::engine::metadata::MetadataStore;
 use crate::engine::metrics::ScrapeSettings;
 use crate::kv_events::apply::KvEventMetrics;
 use crate::metrics::Metrics;
-use crate::request::flow::FlowMetrics;
-use crate::request::{FlowControl, RequestRouter, RouteRequest};
+use crate::request::{RequestRouter, RouteRequest};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 use kvepp_tokenizer::ModelTokenizer;
 
@@ -438,9 +439,9 @@ impl Wiring {
         ));
         self.metrics.add(&*affinity);
         let settings = extproc_settings(&self.cfg);
-        let limit_counters = crate::request::rate_limit::RateLimitMetrics::default();
+        let limit_counters = crate::admission::rate_limit::RateLimitMetrics::default();
         self.metrics.add(&limit_counters);
-        let limits = Arc::new(crate::request::RateLimiter::new(
+        let limits = Arc::new(crate::admission::RateLimiter::new(
             self.cfg.rate_limits.clone(),
             limit_counters,
         ));

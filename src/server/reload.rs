@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::components::{self, load_tokenizer};
 use super::tls::Acceptor;
+use crate::admission::FlowControl;
 use crate::config::live::{merge, Effective};
 use crate::config::{Config, ConfigError, TlsMode, UnknownModels};
 use crate::engine::metrics::ScrapeSettings;
@@ -28,7 +29,7 @@ use crate::extproc::Shared;
 use crate::metrics::{Metrics, Register, ResultLabels};
 use crate::process::LogLevel;
 use crate::request::service::Tokenizers;
-use crate::request::{FlowControl, RequestRouter};
+use crate::request::RequestRouter;
 use kvepp_core::Router;
 
 /// File events closer together than this are one change (an editor's write, a Secret's symlink

@@ -79,7 +79,7 @@ pub(crate) async fn start(
     discovery: Arc<dyn ServiceDiscovery>,
     doors: Doors,
     access: &Access,
-    limits: &Arc<crate::request::RateLimiter>,
+    limits: &Arc<crate::admission::RateLimiter>,
     stats: Arc<SyncStats>,
     stop: &watch::Receiver<bool>,
     tasks: &mut Tasks,

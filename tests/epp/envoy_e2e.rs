@@ -548,7 +548,7 @@ async fn two_replicas_each_enforce_their_share_of_a_tenants_limit() {
             c.replica_sync.bind = Some(format!("tcp://127.0.0.1:{own}"));
             c.replica_sync.advertise = Some(format!("tcp://127.0.0.1:{own}"));
             c.replica_sync.peers = vec![format!("tcp://127.0.0.1:{peer}")];
-            c.rate_limits.default = Some(kvepp::request::TenantLimit {
+            c.rate_limits.default = Some(kvepp::admission::TenantLimit {
                 requests_per_second: Some(0.01),
                 request_burst: Some(4.0),
                 ..Default::default()

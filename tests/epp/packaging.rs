@@ -311,7 +311,7 @@ fn grafana_dashboard_queries_only_exported_metrics() {
     kv.batches.get_or_create(&ep).inc();
     let p = PriorityLabels { priority: 0 };
     // Flow control registers its own counters.
-    let flow = kvepp::request::flow::FlowMetrics::default();
+    let flow = kvepp::admission::flow::FlowMetrics::default();
     m.add(&flow);
     flow.queue_size.get_or_create(&p).set(1);
     flow.queue_wait.get_or_create(&p).observe(0.1);

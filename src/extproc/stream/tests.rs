@@ -401,11 +401,11 @@ fn with_flow_control_a_saturated_request_is_held_with_its_body_then_routed() {
         budgets: Default::default(),
     });
     let metrics = Metrics::new();
-    let on = crate::request::FlowControlSettings {
+    let on = crate::admission::FlowControlSettings {
         enabled: true,
         ..Default::default()
     };
-    let flow = crate::request::FlowControl::new(on, Default::default());
+    let flow = crate::admission::FlowControl::new(on, Default::default());
     let settings = Settings {
         destination_list: false,
         max_body_bytes: 1 << 20,

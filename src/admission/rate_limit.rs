@@ -32,8 +32,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
-use super::Rejection;
 use crate::metrics::{BoundedLabels, Register, TenantLabels};
+use crate::request::Rejection;
 
 /// Memory of one bucket-table entry besides the bytes of its tenant id and objective name: the
 /// key's two `Arc<str>` (pointers and the two allocations' counts), the two buckets, the limit

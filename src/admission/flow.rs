@@ -30,8 +30,8 @@ use kvepp_core::{FlowQueue, QueueFull, QueueId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch, Notify};
 
-use super::RouteRequest;
 use crate::metrics::{OutcomeLabels, PoolModelLabels, PriorityLabels, Register};
+use crate::request::RouteRequest;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -594,16 +594,16 @@ mod tests {
         fn prepare(
             &self,
             _: Option<&bytes::Bytes>,
-            _: &super::super::RequestHead<'_>,
-        ) -> Result<super::super::Prepared, super::super::Rejection> {
-            Err(super::super::Rejection::new(500, "test", "unused"))
+            _: &crate::request::RequestHead<'_>,
+        ) -> Result<crate::request::Prepared, crate::request::Rejection> {
+            Err(crate::request::Rejection::new(500, "test", "unused"))
         }
         fn decide(
             &self,
-            _: &super::super::Prepared,
-            _: &super::super::RouteHints<'_>,
-        ) -> Result<super::super::Verdict, super::super::Rejection> {
-            Err(super::super::Rejection::new(500, "test", "unused"))
+            _: &crate::request::Prepared,
+            _: &crate::request::RouteHints<'_>,
+        ) -> Result<crate::request::Verdict, crate::request::Rejection> {
+            Err(crate::request::Rejection::new(500, "test", "unused"))
         }
         fn has_capacity(&self) -> bool {
             true
