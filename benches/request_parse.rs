@@ -200,8 +200,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// parse_body, then the prompt's token ids: how many there are.
 fn ids_read(body: &[u8]) -> usize {
     let parsed = kvepp_request::parse_body(black_box(body)).expect("valid body");
-    match kvepp::request::prompt_input(parsed.messages, parsed.prompt) {
-        kvepp::request::PromptInput::TokenIds(ids) => ids.len(),
+    match kvepp::routing::prompt_input(parsed.messages, parsed.prompt) {
+        kvepp::routing::PromptInput::TokenIds(ids) => ids.len(),
         _ => 0,
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! 1. [`extproc`]: the Envoy ext_proc protocol (headers, body chunks, responses), a sans-IO state
 //!    machine per stream; it asks the routing service for a decision and renders it.
-//! 2. [`request`]: the routing service: the body becomes facts (model, InferenceModel, criticality,
+//! 2. [`routing`]: the routing service: the body becomes facts (model, InferenceModel, criticality,
 //!    prompt tokens or bytes) in place, without copies or re-serialisation; [`admission`] (flow
 //!    control and rate limits) holds or refuses the request on those facts.
 //! 3. `kvepp_core` (the `kvepp-core` crate): `Router::route` hashes the prompt, picks among the
@@ -39,7 +39,7 @@ pub mod process;
 #[cfg(test)]
 mod reference;
 pub mod replica;
-pub mod request;
+pub mod routing;
 pub mod server;
 pub mod services;
 pub mod telemetry;

@@ -1,6 +1,6 @@
 //! The modules form a DAG: no cycle between the top-level modules of `src/`, nor between those of
 //! each library crate (`crates/kvepp-core/src`, `crates/kvepp-request/src`,
-//! `crates/kvepp-tokenizer/src`, `crates/kvepp-extproc/src`). An edge is any `crate::<module>` path (or, in the
+//! `crates/kvepp-tokenizer/src`, `crates/kvepp-extproc-wire/src`). An edge is any `crate::<module>` path (or, in the
 //! core, a `super::<module>` path from a module's own file) outside test code; documentation
 //! comments do not count. The same holds at every level below: the files and folders of one
 //! module (`kv/ordered.rs`, `kv/roster.rs`, …) form no cycle either, with edges from `crate::…`,
@@ -224,7 +224,7 @@ fn the_server_and_the_core_have_no_module_cycle() {
         ("crates/kvepp-core/src", 5),
         ("crates/kvepp-request/src", 2),
         ("crates/kvepp-tokenizer/src", 1),
-        ("crates/kvepp-extproc/src", 1),
+        ("crates/kvepp-extproc-wire/src", 1),
     ] {
         let graph = edges(&here.join(dir));
         assert!(graph.len() >= least, "{dir}: edges found: {graph:?}");
@@ -242,7 +242,7 @@ fn no_module_cycle_at_any_level() {
         "crates/kvepp-core/src",
         "crates/kvepp-request/src",
         "crates/kvepp-tokenizer/src",
-        "crates/kvepp-extproc/src",
+        "crates/kvepp-extproc-wire/src",
         "crates/kvepp-sim/src",
         "crates/kvepp-bench/src",
         "crates/kvepp-test-support/src",

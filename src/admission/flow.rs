@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch, Notify};
 
 use crate::metrics::{OutcomeLabels, PoolModelLabels, PriorityLabels, Register};
-use crate::request::RouteRequest;
+use crate::routing::RouteRequest;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -594,16 +594,16 @@ mod tests {
         fn prepare(
             &self,
             _: Option<&bytes::Bytes>,
-            _: &crate::request::RequestHead<'_>,
-        ) -> Result<crate::request::Prepared, crate::request::Rejection> {
-            Err(crate::request::Rejection::new(500, "test", "unused"))
+            _: &crate::routing::RequestHead<'_>,
+        ) -> Result<crate::routing::Prepared, crate::routing::Rejection> {
+            Err(crate::routing::Rejection::new(500, "test", "unused"))
         }
         fn decide(
             &self,
-            _: &crate::request::Prepared,
-            _: &crate::request::RouteHints<'_>,
-        ) -> Result<crate::request::Verdict, crate::request::Rejection> {
-            Err(crate::request::Rejection::new(500, "test", "unused"))
+            _: &crate::routing::Prepared,
+            _: &crate::routing::RouteHints<'_>,
+        ) -> Result<crate::routing::Verdict, crate::routing::Rejection> {
+            Err(crate::routing::Rejection::new(500, "test", "unused"))
         }
         fn has_capacity(&self) -> bool {
             true

@@ -2,7 +2,7 @@
 //! ([`flow`]) queues requests by priority while every endpoint is saturated and hands them to the
 //! routing service in order as capacity frees; rate limits ([`rate_limit`]) refuse a tenant over
 //! its budget with 429. Both decide from the facts the routing service prepared
-//! ([`crate::request::RouteRequest`]); neither picks or books (the core's `Router` does).
+//! ([`crate::routing::RouteRequest`]); neither picks or books (the core's `Router` does).
 
 pub mod flow;
 pub mod rate_limit;

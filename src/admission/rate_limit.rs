@@ -33,7 +33,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::{BoundedLabels, Register, TenantLabels};
-use crate::request::Rejection;
+use crate::routing::Rejection;
 
 /// Memory of one bucket-table entry besides the bytes of its tenant id and objective name: the
 /// key's two `Arc<str>` (pointers and the two allocations' counts), the two buckets, the limit

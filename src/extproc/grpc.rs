@@ -8,7 +8,7 @@
 //!
 //! Requests are decoded as tonic-prost decodes them (tonic sizes its read buffer from each
 //! message's length prefix; a body is a slice of that buffer). Responses are framed by
-//! [`kvepp_extproc::framing::ResponseBody`], which sends a body chunk going back to Envoy from where it
+//! [`kvepp_extproc_wire::framing::ResponseBody`], which sends a body chunk going back to Envoy from where it
 //! lies instead of copying it into the outgoing buffer.
 
 use std::convert::Infallible;
@@ -21,7 +21,7 @@ use tonic_prost::ProstDecoder;
 
 use super::wire::ProcessingRequest;
 use super::ExtProcService;
-use kvepp_extproc::framing::ResponseBody;
+use kvepp_extproc_wire::framing::ResponseBody;
 
 /// The service's full name, as Envoy's `grpc_service` calls it.
 pub const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";

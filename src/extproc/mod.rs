@@ -1,5 +1,5 @@
 //! The Envoy ext_proc protocol: one gRPC stream per HTTP request. Protocol only: the decision
-//! comes from the routing service ([`crate::request::RouteRequest`]).
+//! comes from the routing service ([`crate::routing::RouteRequest`]).
 //!
 //! Each stream is driven by a [`stream::StreamState`], a sans-IO state machine (a message in,
 //! responses out) that owns the request's body chunks, its booking on the picked endpoint and its
@@ -15,7 +15,7 @@ mod slo;
 mod stream;
 pub(crate) mod trace;
 /// The ext_proc messages, from the protocol crate.
-pub use kvepp_extproc::wire;
+pub use kvepp_extproc_wire::wire;
 
 pub use grpc::{ExtProcServer, SERVICE};
 
@@ -28,7 +28,7 @@ use wire::{ProcessingRequest, ProcessingResponse};
 
 use crate::admission::{FlowControl, FlowControlSettings, Turn};
 use crate::metrics::Metrics;
-use crate::request::{Objective, Rejection, RouteRequest};
+use crate::routing::{Objective, Rejection, RouteRequest};
 use kvepp_core::Admission;
 
 /// Protocol choices that come from the configuration.
@@ -58,7 +58,7 @@ pub struct Shared {
     /// Flow control: requests wait for capacity instead of being shed (None: off).
     pub flow: Option<Arc<FlowControl>>,
     /// The session header and the affinity counters.
-    pub affinity: Arc<crate::request::Affinity>,
+    pub affinity: Arc<crate::routing::Affinity>,
     /// Tenant rate limits, checked before a request is routed or queued.
     pub limits: Arc<crate::admission::RateLimiter>,
     /// Traces on: each decision gets a span ([`trace`]).
@@ -111,7 +111,7 @@ impl Shared {
     }
 
     /// Sessions are read from `affinity`'s header, and its counters count the picks.
-    pub(crate) fn with_affinity(mut self, affinity: Arc<crate::request::Affinity>) -> Self {
+    pub(crate) fn with_affinity(mut self, affinity: Arc<crate::routing::Affinity>) -> Self {
         self.affinity = affinity;
         self
     }

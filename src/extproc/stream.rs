@@ -39,7 +39,7 @@ use super::slo::Objectives;
 use super::trace::{RequestTrace, Stage};
 use super::Shared;
 use crate::metrics::{Outcome, ReasonLabels, RequestLabels, RewriteLabels};
-use crate::request::{Objective, Prepared, Rejection, RequestHead, RouteHints, Verdict};
+use crate::routing::{Objective, Prepared, Rejection, RequestHead, RouteHints, Verdict};
 use kvepp_core::affinity::SessionKey;
 use kvepp_core::Admission;
 use kvepp_core::{Booking, Pick};

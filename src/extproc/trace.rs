@@ -16,7 +16,7 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::request::{Prepared, Rejection};
+use crate::routing::{Prepared, Rejection};
 use crate::telemetry::TRACE_TARGET;
 use kvepp_core::{Pick, Router};
 

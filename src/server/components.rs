@@ -24,7 +24,7 @@ use crate::engine::metadata::MetadataStore;
 use crate::engine::metrics::ScrapeSettings;
 use crate::kv_events::apply::KvEventMetrics;
 use crate::metrics::Metrics;
-use crate::request::{RequestRouter, RouteRequest};
+use crate::routing::{RequestRouter, RouteRequest};
 use kvepp_core::{KvSettings, KvState, LeastLoaded, RoundRobin, Router, Saturation};
 use kvepp_tokenizer::ModelTokenizer;
 
@@ -433,7 +433,7 @@ impl Wiring {
         flow: &Arc<FlowControl>,
         traced: bool,
     ) -> Arc<crate::extproc::Shared> {
-        let affinity = Arc::new(crate::request::Affinity::new(
+        let affinity = Arc::new(crate::routing::Affinity::new(
             Some(&self.cfg.session_affinity.header),
             Some(router.clone()),
         ));

@@ -219,7 +219,7 @@ pub async fn run_with(
     w.recover_index(&kv, &router).await;
     w.upkeep(&router);
     let request_router = w.routing(&router)?;
-    let routing: Arc<dyn crate::request::RouteRequest> = request_router.clone();
+    let routing: Arc<dyn crate::routing::RouteRequest> = request_router.clone();
     let flow = w.flow_control(&router, &routing);
     let cfg = w.cfg.clone();
     let shared = w.ext_proc_door(&router, routing, &flow, hooks.traces.is_some());

@@ -28,8 +28,8 @@ use crate::engine::metrics::ScrapeSettings;
 use crate::extproc::Shared;
 use crate::metrics::{Metrics, Register, ResultLabels};
 use crate::process::LogLevel;
-use crate::request::service::Tokenizers;
-use crate::request::RequestRouter;
+use crate::routing::service::Tokenizers;
+use crate::routing::RequestRouter;
 use kvepp_core::Router;
 
 /// File events closer together than this are one change (an editor's write, a Secret's symlink

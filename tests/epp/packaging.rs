@@ -321,7 +321,7 @@ fn grafana_dashboard_queries_only_exported_metrics() {
         })
         .inc();
     // Session and adapter affinity register their own counters.
-    let affinity = kvepp::request::Affinity::default();
+    let affinity = kvepp::routing::Affinity::default();
     m.add(&affinity);
     affinity.count(
         Some(kvepp_core::affinity::SessionOutcome::Hit),

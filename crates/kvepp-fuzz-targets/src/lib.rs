@@ -28,7 +28,7 @@ use kvepp::extproc::wire::{
     ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
 };
 use kvepp::extproc::{Settings, Shared};
-use kvepp::request::RequestRouter;
+use kvepp::routing::RequestRouter;
 use kvepp_core::catalog::{Catalog, Limits, Scope, Worker};
 use kvepp_core::{KvSettings, KvState, Router, Saturation};
 

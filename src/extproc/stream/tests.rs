@@ -12,7 +12,7 @@ use kvepp_core::{Endpoint, PrefixMode};
 use super::*;
 use crate::extproc::{Settings, Shared};
 use crate::metrics::Metrics;
-use crate::request::{Prepared, RouteHints, RouteRequest, Routed, Verdict};
+use crate::routing::{Prepared, RouteHints, RouteRequest, Routed, Verdict};
 use kvepp_core::Admission;
 
 const BUFFERED: i32 = 2;
