@@ -64,11 +64,6 @@ impl Booking {
         }
     }
 
-    /// Whether this booking holds load (false only for [`Booking::none`]).
-    pub fn is_held(&self) -> bool {
-        self.load.is_some()
-    }
-
     /// Adds the slot-tracker booking of a KV-aware pick (released with this booking).
     pub fn with_slot(mut self, slot: SlotGuard) -> Self {
         self.slot = Some(slot);
@@ -84,11 +79,6 @@ impl Booking {
     /// Whether the prefill leg of a disaggregated pick is still booked.
     pub fn prefill_pending(&self) -> bool {
         self.prefill.is_some()
-    }
-
-    /// The slot-tracker id of the booking (None: load only, or its id was refused).
-    pub fn slot_id(&self) -> Option<&str> {
-        self.slot.as_ref().and_then(SlotGuard::id)
     }
 
     /// The response has started (prefill is over, in engine terms). Idempotent.

@@ -772,14 +772,6 @@ impl Catalog {
         Ok(())
     }
 
-    /// The (model, tenant) a reservation was booked in, while it is known.
-    pub fn reservation_scope(&self, id: &str) -> Option<Scope> {
-        self.reservations
-            .lock()
-            .get(&Key::global(id))
-            .map(|h| h.scope.clone())
-    }
-
     /// Current load of every rank of `scope`'s workers.
     pub fn loads(&self, tracker: &Tracker) -> Vec<(WorkerRank, RankLoad)> {
         let mut loads: Vec<(WorkerRank, RankLoad)> = tracker
