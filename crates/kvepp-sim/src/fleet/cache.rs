@@ -174,11 +174,6 @@ impl KvPool {
         v
     }
 
-    /// Blocks a sequence of `tokens` tokens needs.
-    pub fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
-    }
-
     fn local(&self, block: &[u32], lora: Option<&str>) -> kvepp_core::hash::LocalBlockHash {
         local_block_hashes(block, self.block_size, lora)
             .first()
