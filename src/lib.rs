@@ -19,8 +19,8 @@
 //! component declares its settings), [`api`] serves the HTTP endpoints (metrics, health, debug),
 //! [`metrics`] holds the Prometheus registry, [`replica`] shares request lifecycle events between
 //! kvepp processes over ZMQ, [`agent`] is the worker-agent sidecar, [`process`] the binaries'
-//! logging and signals, [`pace`] the periodic scrape's timer, and [`server`] wires everything
-//! together. The test-only module `reference` sits above them all: it generates
+//! logging and signals, [`pace`] the periodic scrape's timer, and [`server`] (`kvepp serve`) and
+//! [`standalone`] (`kvepp select-service`, `kvepp slot-tracker`) wire everything together. The test-only module `reference` sits above them all: it generates
 //! `docs/configuration.md` from the configuration types and every binary's flags (nothing of it
 //! ships in a binary).
 
@@ -41,6 +41,6 @@ mod reference;
 pub mod replica;
 pub mod routing;
 pub mod server;
-pub mod services;
+pub mod standalone;
 pub mod telemetry;
 pub(crate) mod upkeep;

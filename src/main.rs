@@ -3,7 +3,7 @@
 use clap::{Parser, Subcommand};
 use kvepp::config::{Config, ServeArgs};
 use kvepp::process::{init_logging, shutdown_signal, LogFormat};
-use kvepp::services::{SelectArgs, SlotTrackerArgs};
+use kvepp::standalone::{SelectArgs, SlotTrackerArgs};
 
 #[derive(Debug, Parser)]
 #[command(name = "kvepp", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("KVEPP_GIT_SHA"), ")"), about = "KV-cache-aware Endpoint Picker for LLM inference behind Envoy (ext_proc)")]
@@ -99,15 +99,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
             init_logging(LogFormat::Text, &log_level(), None);
             let cfg = args.load()?;
             let (host, port) = (cfg.select_service.host, cfg.select_service.port);
-            let listener = kvepp::services::bind(host, port).await?;
-            kvepp::services::run_select_with(cfg, listener, shutdown_signal()).await?;
+            let listener = kvepp::standalone::bind(host, port).await?;
+            kvepp::standalone::run_select_with(cfg, listener, shutdown_signal()).await?;
         }
         Command::SlotTracker(args) => {
             init_logging(LogFormat::Text, &log_level(), None);
             let cfg = args.load()?;
             let (host, port) = (cfg.slot_tracker.host, cfg.slot_tracker.port);
-            let listener = kvepp::services::bind(host, port).await?;
-            kvepp::services::run_slot_tracker_with(cfg, listener, shutdown_signal()).await?;
+            let listener = kvepp::standalone::bind(host, port).await?;
+            kvepp::standalone::run_slot_tracker_with(cfg, listener, shutdown_signal()).await?;
         }
     }
     Ok(())

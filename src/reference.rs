@@ -107,11 +107,11 @@ fn subcommands() -> Vec<(&'static str, clap::Command)> {
         ),
         (
             "select-service",
-            crate::services::SelectArgs::augment_args(clap::Command::new("select-service")),
+            crate::standalone::SelectArgs::augment_args(clap::Command::new("select-service")),
         ),
         (
             "slot-tracker",
-            crate::services::SlotTrackerArgs::augment_args(clap::Command::new("slot-tracker")),
+            crate::standalone::SlotTrackerArgs::augment_args(clap::Command::new("slot-tracker")),
         ),
     ]
 }

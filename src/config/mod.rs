@@ -24,7 +24,7 @@ pub use crate::replica::ReplicaSyncConfig;
 pub mod agent;
 mod args;
 pub(crate) mod live;
-pub(crate) mod services;
+pub(crate) mod standalone;
 mod tls;
 mod validate;
 
@@ -183,9 +183,9 @@ pub struct Config {
     /// set; the `OTEL_*` variables apply).
     pub tracing: crate::telemetry::TracingConfig,
     /// `kvepp select-service`: the standalone selection service.
-    pub select_service: services::SelectServiceConfig,
+    pub select_service: standalone::SelectServiceConfig,
     /// `kvepp slot-tracker`: the standalone slot tracker.
-    pub slot_tracker: services::SlotTrackerConfig,
+    pub slot_tracker: standalone::SlotTrackerConfig,
     /// `kvepp worker-agent` / `kvepp-agent`: the sidecar's flags by name (`component: pool`,
     /// `engine_port: 8000`, `topology: [zone=a]`), as `kvepp worker-agent`'s flags below name them.
     #[schemars(with = "std::collections::BTreeMap<String, serde_json::Value>")]

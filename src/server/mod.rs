@@ -14,8 +14,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 
 mod components;
+pub(crate) mod doors;
 pub mod reload;
-pub(crate) mod shared;
 pub(crate) mod tls;
 
 pub use reload::Reloading;
@@ -70,7 +70,7 @@ pub struct Listeners {
     pub health: TcpListener,
     pub metrics: TcpListener,
     /// The Dynamo-compatible HTTP doors, when configured.
-    pub doors: shared::Doors,
+    pub doors: doors::Doors,
 }
 
 impl Listeners {
@@ -86,7 +86,7 @@ impl Listeners {
             grpc: one("ext_proc gRPC", (ip, cfg.grpc_port).into()).await?,
             health: one("gRPC health", (admin, cfg.grpc_health_port).into()).await?,
             metrics: one("metrics", (admin, cfg.metrics_port).into()).await?,
-            doors: shared::Doors {
+            doors: doors::Doors {
                 select: match cfg.select_service_port {
                     Some(p) => Some(one("selection service", (admin, p).into()).await?),
                     None => None,
@@ -250,7 +250,7 @@ pub async fn run_with(
     metrics.add(&*sync_stats);
     let doors = match &kv {
         Some(_) => {
-            crate::server::shared::start(
+            crate::server::doors::start(
                 &cfg,
                 &router,
                 &store,

@@ -10,7 +10,7 @@ mod slot_tracker;
 
 use std::net::SocketAddr;
 
-use kvepp::services::{SelectArgs, SlotTrackerArgs};
+use kvepp::standalone::{SelectArgs, SlotTrackerArgs};
 use kvepp_test_support::harness::{free_port, http, wait_for, HttpResponse};
 use kvepp_test_support::publisher::Publisher;
 use serde_json::{json, Value};
@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 struct Service {
     addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), kvepp::services::ServiceError>>,
+    task: tokio::task::JoinHandle<Result<(), kvepp::standalone::ServiceError>>,
 }
 
 impl Service {
@@ -31,7 +31,7 @@ impl Service {
 }
 
 async fn listener() -> tokio::net::TcpListener {
-    kvepp::services::bind([127, 0, 0, 1].into(), 0)
+    kvepp::standalone::bind([127, 0, 0, 1].into(), 0)
         .await
         .expect("bind")
 }
@@ -48,7 +48,7 @@ async fn slot_tracker(args: &[&str]) -> Service {
     let l = listener().await;
     let addr = l.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvepp::services::run_slot_tracker(cli.args, l, async {
+    let task = tokio::spawn(kvepp::standalone::run_slot_tracker(cli.args, l, async {
         let _ = stopped.await;
     }));
     Service {
@@ -70,7 +70,7 @@ async fn select_service(args: &[&str]) -> Service {
     let l = listener().await;
     let addr = l.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(kvepp::services::run_select(cli.args, l, async {
+    let task = tokio::spawn(kvepp::standalone::run_select(cli.args, l, async {
         let _ = stopped.await;
     }));
     Service {

@@ -41,7 +41,7 @@ fn pooled_catalog(
     )?));
     // Reservations whose requests went stale (the router's upkeep expires them in the shared
     // state) give their bookings back.
-    tasks.push(tokio::spawn(crate::services::expire_loop(
+    tasks.push(tokio::spawn(crate::standalone::expire_loop(
         catalog.clone(),
         stop.clone(),
     )));
