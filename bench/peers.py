@@ -32,6 +32,7 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import ssl
 import statistics
 import subprocess
@@ -43,9 +44,10 @@ import urllib.request
 import aiohttp
 import yaml
 
+import cpu_per_request
 import real_engines as engines_bench
 from benchlib import free_port, wait
-from extproc_overhead import bootstrap, cpu_seconds, load_through_envoy, parse_wrk
+from extproc_overhead import bootstrap, load_through_envoy, parse_wrk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POD_PORT = 8000
@@ -234,16 +236,8 @@ class PodEngine:
 async def router_ready(session, which, epp, listen, pods):
     """kvepp: ready and listing every pod; any router: a completion answered through Envoy."""
     if which == "kvepp":
-        await engines_bench.wait_http(session, f"http://127.0.0.1:{epp.metrics}/ready", 60, epp.proc)
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            async with session.get(f"http://127.0.0.1:{epp.metrics}/debug/endpoints") as r:
-                listed = {e["addr"] for e in (await r.json()).get("endpoints", [])}
-            if all(f"{ip}:{POD_PORT}" in listed for _, ip in pods):
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError("kvepp did not list every pod")
+        await engines_bench.kvepp_lists(session, epp.metrics, epp.proc,
+                                        [f"{ip}:{POD_PORT}" for _, ip in pods], len(pods))
     end = time.monotonic() + 90
     while time.monotonic() < end:
         if epp.proc.poll() is not None:
@@ -352,7 +346,6 @@ def sim_phase(args, kube, logs):
 
 
 def port_open(port):
-    import socket
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
@@ -363,7 +356,6 @@ def cpu_phase(args, kube, logs):
     """Each EPP in turn behind the same Envoy (plaintext ext_proc for both, FULL_DUPLEX_STREAMED as
     shipped), wrk sending the CPU benchmark's ~100k-token bodies; the EPP's CPU per request and
     the latency percentiles through Envoy. Interleaved repeats, medians."""
-    import cpu_per_request
     n = 2
     pods = [(f"backend-{i}", pod_ip(20 + i)) for i in range(n)]
     backends = [subprocess.Popen([args.sim, "echo-backend", "--listen", f"{ip}:{POD_PORT}", "--name", name],

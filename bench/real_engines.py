@@ -144,6 +144,20 @@ async def counters_of(session, url):
             metric_sum(page, "vllm:num_preemptions_total"))
 
 
+async def kvepp_lists(session, metrics, proc, addrs, count):
+    """Waits until kvepp (metrics port `metrics`, process `proc`) is ready and its
+    `/debug/endpoints` lists at least `count` endpoints, among them every one of `addrs`."""
+    await wait_http(session, f"http://127.0.0.1:{metrics}/ready", 60, proc)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        async with session.get(f"http://127.0.0.1:{metrics}/debug/endpoints") as r:
+            listed = {e["addr"] for e in (await r.json()).get("endpoints", [])}
+        if len(listed) >= count and all(a in listed for a in addrs):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"kvepp did not list every engine ({sorted(addrs)})")
+
+
 def start_envoy(envoy_bin, grpc, work, log):
     """Envoy on the local bootstrap (TLS to the EPP, as shipped) with its ext_proc cluster at
     127.0.0.1:`grpc`, its config in `work`, its output to `log`: (process, listener port)."""
@@ -200,16 +214,8 @@ class Router:
         self.procs.append(envoy)
 
     async def ready(self, session, engines):
-        await wait_http(session, f"http://127.0.0.1:{self.metrics}/ready", 60, self.procs[0])
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            async with session.get(f"http://127.0.0.1:{self.metrics}/debug/endpoints") as r:
-                listed = {e["addr"] for e in (await r.json()).get("endpoints", [])}
-            if len(listed) >= len(engines) and all(f"127.0.0.1:{e.port}" in listed for e in engines if e.port):
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError("kvepp did not list every engine")
+        await kvepp_lists(session, self.metrics, self.procs[0],
+                          [f"127.0.0.1:{e.port}" for e in engines if e.port], len(engines))
         # Envoy routes through kvepp: any answer but its own 5xx (an engine may not serve the path).
         await wait_http(session, f"http://127.0.0.1:{self.listen}/v1/models", 60, ok=lambda status: status < 500)
 

@@ -303,24 +303,15 @@ async fn routes_to_every_engine(
     let mut n = 0u32;
     loop {
         n += 1;
-        let body = serde_json::json!({"model": model, "prompt": [n, 7, 7, 7], "max_tokens": 1});
-        let headers = [("content-type", "application/json")];
-        let answer = kvepp_test_support::client::request(
-            listener,
-            "POST",
-            "/v1/completions",
-            &headers,
-            bytes::Bytes::from(body.to_string()),
-        )
-        .await;
-        if let Ok(resp) = answer {
-            if resp.status() == 200 {
-                first_answer.get_or_insert_with(Instant::now);
-                if let Some(engine) = resp.headers().get(kvepp_sim::fleet::ENGINE_HEADER) {
-                    seen.insert(engine.as_bytes().to_vec());
-                }
-            }
-            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+        let probe = Request {
+            tokens: vec![n, 7, 7, 7],
+            max_tokens: 1,
+            ..Request::default()
+        };
+        let answer = client::completion(listener, probe.body(model), None).await;
+        if answer.status == 200 {
+            first_answer.get_or_insert_with(Instant::now);
+            seen.extend(answer.engine);
         }
         let now = Instant::now();
         if seen.len() >= fleet.engines.len()
